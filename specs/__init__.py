@@ -1,0 +1,1 @@
+"""The declarative op and motif rules, installed as package data (symgraph.specs)."""

@@ -1,0 +1,1 @@
+"""symgraph: find a model's parameter-space symmetries from its traced graph, and align models with them."""

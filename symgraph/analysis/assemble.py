@@ -1,0 +1,483 @@
+"""Turn the walker's constraints into symmetry groups.
+
+1. Coordinates tied by the graph form classes (a union-find with parity: dual ties flip orientation; a class tied
+   to its own dual must be orthogonal).
+2. Classes that share a parameter axis form a space; pins remove classes, and separations (heads), restriction
+   levels and rotary roles refine spaces into blocks that may not mix with each other.
+3. Each block gets the intersection of its restrictions as its kind; blocks with the same parameters and shape
+   become one group with several copies (the heads of a layer).
+4. Head blocks linked to attention heads give the head permutation groups (KV groups, then query heads within).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+
+from ..groups import Group, Member, PinnedSpace
+from ..spec import Specs
+from .constraints import ORTHOGONAL, Restriction
+from .labels import IdSpace
+
+_MOTIF_ORDER = ("qk", "vo", "activation", "residual")
+_MOTIF_NAME = {"qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
+
+
+@dataclass
+class Analysis:
+    """What the analysis found: groups, pinned spaces, and ops it did not know."""
+
+    groups: list[Group]
+    pinned: list[PinnedSpace]
+    unknown_ops: dict[str, int] = field(default_factory=dict)
+    params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class Assembler:
+    def __init__(self, walker, specs: Specs):
+        self.w, self.specs = walker, specs
+        self.ids: IdSpace = walker.ids
+        self.c = walker.c
+        n = self.ids.next
+        self.n = n
+        self.is_block = self.ids.block_mask()
+        self._classes()
+        self._decode_tables()
+
+    # -- 1. classes ------------------------------------------------------------------------------------------
+    def _classes(self) -> None:
+        n = self.n
+        rows, cols = [np.arange(0)], [np.arange(0)]
+        for a, b, parity in self.c.ties:
+            rows += [a, a + n]
+            cols += [b + parity * n, b + (1 - parity) * n]
+        r, c = np.concatenate(rows), np.concatenate(cols)
+        graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(2 * n, 2 * n))
+        _, comp = connected_components(graph, directed=False)
+        pos, neg = comp[:n], comp[n:]
+        self.self_dual = pos == neg
+        canon = np.minimum(pos, neg)
+        self.parity = (pos != canon).astype(np.int8)
+        _, self.cls = np.unique(canon, return_inverse=True)
+        self.n_cls = int(self.cls.max()) + 1 if n else 0
+        # ids grouped by class (ascending within each class), so per-class look-ups cost O(class size)
+        self._by_class = np.argsort(self.cls, kind="stable")
+        self._class_start = np.searchsorted(self.cls[self._by_class], np.arange(self.n_cls + 1))
+
+    def ids_of(self, classes) -> np.ndarray:
+        """Parameter ids (not head-block ids) of the given classes."""
+        parts = [self._by_class[self._class_start[c]:self._class_start[c + 1]] for c in np.atleast_1d(classes)]
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return ids[~self.is_block[ids]]
+
+    def _decode_tables(self) -> None:
+        ranges = self.ids.ranges
+        self.range_start = np.array([r.start for r in ranges], dtype=np.int64)
+        self.range_of = ranges
+
+    def decode(self, ids: np.ndarray):
+        k = np.searchsorted(self.range_start, ids, side="right") - 1
+        return k, ids - self.range_start[k]
+
+    # -- 2. spaces and blocks -------------------------------------------------------------------------------------
+    def analyse(self) -> Analysis:
+        cls_pinned = self._pinned_classes()
+        cls_is_head = np.zeros(self.n_cls, bool)
+        cls_is_head[self.cls[self.is_block]] = True
+        space = self._spaces(cls_is_head)
+        key = space.copy()
+        key = self._refine_by_separations(key)
+        restriction = self._class_restrictions()
+        key = _refine(key, np.array([hash(r) for r in restriction], dtype=np.int64))
+        role = self._rotary_roles()
+        key = _refine(key, role["kind"])
+        excluded = cls_pinned | cls_is_head | (space < 0)
+        blocks = defaultdict(list)
+        for k in np.nonzero(~excluded)[0]:
+            blocks[int(key[k])].append(int(k))
+        groups = self._coordinate_groups(blocks, restriction, role)
+        groups += self._head_groups(cls_pinned)
+        pinned = self._pinned_report(cls_pinned)
+        return Analysis(groups, pinned, dict(self.w.unknown_ops), dict(self.w.cap.shapes))
+
+    def _pinned_classes(self) -> np.ndarray:
+        pinned = np.zeros(self.n_cls, bool)
+        self.pin_reason: dict[int, tuple[str, str]] = {}
+        for ids, reason, node in self.c.pins:
+            classes = np.unique(self.cls[ids])
+            pinned[classes] = True
+            for k in classes:
+                self.pin_reason.setdefault(int(k), (reason, node))
+        return pinned
+
+    def _spaces(self, cls_is_head: np.ndarray) -> np.ndarray:
+        """Classes sharing a parameter axis belong to one space (a connected component)."""
+        rows, cols = [], []
+        for r in self.range_of:
+            if r.block or not r.owner:
+                continue
+            k = np.unique(self.cls[r.start:r.start + r.size])
+            rows.append(k[:-1])
+            cols.append(k[1:])
+        rows.append(np.arange(self.n_cls))
+        cols.append(np.arange(self.n_cls))
+        r, c = np.concatenate(rows), np.concatenate(cols)
+        graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(self.n_cls, self.n_cls))
+        _, comp = connected_components(graph, directed=False)
+        comp = comp.astype(np.int64)
+        comp[cls_is_head] = -1
+        return comp
+
+    def _refine_by_separations(self, key: np.ndarray) -> np.ndarray:
+        for rows, _node in self.c.separates:
+            cls_rows = self.cls[rows]
+            part = _row_partition(cls_rows, self.n_cls)
+            touched_keys = np.unique(key[cls_rows.reshape(-1)])
+            affected = np.isin(key, touched_keys)
+            sub = np.where(affected, part, -2)
+            key = _refine(key, sub)
+        return key
+
+    def _class_restrictions(self) -> list[Restriction]:
+        out = [Restriction() for _ in range(self.n_cls)]
+        for ids, r, _why, _node in self.c.restricts:
+            for k in np.unique(self.cls[ids]):
+                out[k] = out[k] & r
+        for k in np.unique(self.cls[np.nonzero(self.self_dual)[0]]):
+            out[k] = out[k] & ORTHOGONAL  # used both as x and as its dual (tied embeddings)
+        return out
+
+    def _rotary_roles(self) -> dict[str, np.ndarray]:
+        kind = np.zeros(self.n_cls, np.int64)  # 0 none, 1 pair member, 2 passthrough
+        partner = np.full(self.n_cls, -1, np.int64)
+        freq = np.full(self.n_cls, -1, np.int64)
+        for com in self.c.commutes:
+            if len(com.pairs):
+                a, b = self.cls[com.pairs[:, 0]], self.cls[com.pairs[:, 1]]
+                kind[a] = kind[b] = 1
+                partner[a], partner[b] = b, a
+                freq[a] = freq[b] = com.frequency
+            kind[self.cls[com.passthrough]] = 2
+        return {"kind": np.where(kind > 0, 1, 0), "pair": kind, "partner": partner, "freq": freq}
+
+    # -- 3. coordinate groups -----------------------------------------------------------------------------------
+    def _coordinate_groups(self, blocks, restriction, role) -> list[Group]:
+        by_signature: dict[tuple, list] = defaultdict(list)
+        for classes in blocks.values():
+            described = self._describe_block(classes, restriction, role)
+            if described is None:
+                continue
+            by_signature[described["signature"]].append(described)
+        groups = []
+        for sig, items in by_signature.items():
+            groups.extend(self._emit(items))
+        return groups
+
+    def _describe_block(self, classes, restriction, role):
+        classes = np.array(classes)
+        members = self._members_of(classes)
+        if not members:
+            return None
+        anchor = min(members)
+        order = np.argsort(members[anchor]["pos"][:, 0])
+        classes = classes[order]
+        for m in members.values():
+            m["pos"] = m["pos"][order]
+        r = restriction[classes[0]]
+        pairs, passthrough = (), ()
+        if role["kind"][classes[0]]:
+            where = {int(k): j for j, k in enumerate(classes)}
+            seen, pair_list = set(), []
+            for j, k in enumerate(classes):
+                if role["pair"][k] == 1 and int(role["partner"][k]) in where and j not in seen:
+                    jj = where[int(role["partner"][k])]
+                    seen |= {j, jj}
+                    pair_list.append((min(j, jj), max(j, jj)))
+            pairs = tuple(sorted(pair_list))
+            passthrough = tuple(j for j, k in enumerate(classes) if role["pair"][k] == 2)
+        motif = self._motif(classes)
+        member_sig = tuple(sorted((p, a, act, m["pos"].shape[1]) for (p, a, act), m in members.items()))
+        signature = (motif, len(classes), r, pairs, passthrough, member_sig, self._layer_key(members))
+        return {"signature": signature, "classes": classes, "members": members, "restriction": r,
+                "pairs": pairs, "passthrough": passthrough, "motif": motif}
+
+    def _layer_key(self, members) -> str:
+        return _common_prefix([key[0] for key in members])
+
+    def _members_of(self, classes: np.ndarray) -> dict:
+        """(param, axis, action) -> positions per class, for every parameter the classes reach.
+
+        The action is the id's orientation relative to the class (dual ties flip it); one parameter axis can hold
+        both orientations (a fused QKV weight holds query rows and key rows).
+        """
+        ids = self.ids_of(classes)
+        rng, pos = self.decode(ids)
+        permute = self._permute_only_mask()
+        flip = self._class_orientation(classes)
+        found: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+        for i, k, p in zip(ids, rng, pos):
+            r = self.range_of[k]
+            c = int(self.cls[i])
+            action = "permute" if permute[i] else ("dual" if self.parity[i] ^ flip[c] else "primal")
+            found[(r.owner, r.axis, action)][c].append(int(p))
+        out = {}
+        for key, per_class in found.items():
+            counts = {len(v) for v in per_class.values()}
+            if len(per_class) != len(classes) or len(counts) != 1:
+                return {}  # a parameter covers part of the block: leave the block alone
+            pos_arr = np.array([sorted(per_class[int(c)]) for c in classes], dtype=np.int64)
+            out[key] = {"pos": pos_arr, "action": key[2]}
+        return out
+
+    def _class_orientation(self, classes: np.ndarray) -> dict[int, int]:
+        """Orient every class of a block alike: the first parameter axis met reads as primal in each class."""
+        flip = {}
+        anchor = None
+        for c in classes:
+            ids = self.ids_of(c)
+            rng, _ = self.decode(ids)
+            keys = [(self.range_of[k].owner, self.range_of[k].axis) for k in rng]
+            if anchor is None:
+                anchor = min(keys)
+            here = [i for i, key in zip(ids, keys) if key == anchor]
+            flip[int(c)] = int(self.parity[here[0]]) if here else 0
+        return flip
+
+    def _permute_only_mask(self) -> np.ndarray:
+        if not hasattr(self, "_permute_mask"):
+            mask = np.zeros(self.n, bool)
+            for ids in self.c.permute_only:
+                mask[ids] = True
+            self._permute_mask = mask
+        return self._permute_mask
+
+    def _motif(self, classes: np.ndarray) -> str:
+        if not hasattr(self, "_class_tags"):
+            self._class_tags = {}
+            for tag, arrays in self.c.tags.items():
+                mark = np.zeros(self.n_cls, bool)
+                for ids in arrays:
+                    mark[self.cls[ids]] = True
+                self._class_tags[tag] = mark
+        for tag in _MOTIF_ORDER:
+            mark = self._class_tags.get(tag)
+            if mark is not None and mark[classes].any():
+                return _MOTIF_NAME[tag]
+        return "other"
+
+    def _emit(self, items: list[dict]) -> list[Group]:
+        first = items[0]
+        motif, r = first["motif"], first["restriction"]
+        size = len(first["classes"])
+        copies = len(items)
+        keys = sorted(first["members"])
+        members = []
+        for key in keys:
+            index = np.stack([it["members"][key]["pos"] for it in items])  # (copies, size, block)
+            members.append(Member(key[0], key[1], index, key[2]))
+        layer = _common_prefix([m.param for m in members])
+        base = dict(motif=motif, size=size, copies=copies, members=tuple(members), layer=layer)
+        gid = f"{motif}:{layer or 'model'}:{_short_members(members)}"
+        if first["pairs"]:
+            return [self._rotary_group(gid, base, first, r)]
+        kind, scale, global_sign = _kind_of(r)
+        notes = []
+        full = None
+        if motif in ("qk", "vo") and kind == "general_linear":
+            kind, full = "orthogonal", "general_linear"
+            notes.append("the exact group is GL(d_head); the orthogonal subgroup is emitted, as in the paper")
+        if r.fixes_ones and kind == "orthogonal":
+            notes.append("restricted to Q with Q 1 = +-1 (LayerNorm centering)")
+        groups = [Group(id=gid, kind=kind, scale=scale, global_sign=global_sign, full_group=full,
+                        notes=tuple(notes), **base)]
+        if motif == "qk" and kind == "orthogonal" and full == "general_linear":
+            block_members = tuple(Member(m.param, m.axis, m.index.reshape(copies, 1, -1), m.action)
+                                  for m in members)
+            groups.append(Group(id=gid.replace("qk:", "qk-rescale:", 1), motif="qk", kind="scale",
+                                size=1, copies=copies, members=block_members, scale="nonzero", layer=layer,
+                                notes=("per-head scalar a on queries, 1/a on keys (paper eq. 11-12)",),
+                                links=(gid,)))
+        return groups
+
+    def _rotary_group(self, gid, base, first, r) -> Group:
+        pairs, passthrough = first["pairs"], first["passthrough"]
+        if r.monomial:
+            scale = {"nonzero": "nonzero", "positive": "positive"}.get(r.scale)
+            note = ("rotary pairs restricted by an elementwise weight: one scalar per pair"
+                    + ("" if scale else ", sign only"))
+            members = tuple(Member(m.param, m.axis, _pair_index(m.index, pairs), m.action) for m in base["members"])
+            return Group(id=gid, kind="scale", scale=scale or "sign", notes=(note,),
+                         **{**base, "members": members, "size": len(pairs)})
+        scale = None if r.orthogonal else "positive"
+        notes = ("SO(2) per frequency pair" + (" times a positive scale" if scale else "")
+                 + "; general linear on pass-through coordinates" * bool(passthrough),)
+        return Group(id=gid, kind="rotary", scale=scale, rotary_pairs=pairs, passthrough=passthrough,
+                     notes=notes, **base)
+
+    # -- 4. heads ---------------------------------------------------------------------------------------------------
+    def _head_groups(self, cls_pinned: np.ndarray) -> list[Group]:
+        """Permutations of heads, read from the links between head ids and the parameter rows each head uses.
+
+        Works on ids, not classes: the query heads of one KV group share their coordinate classes (one A_g for the
+        group) but occupy different rows, and it is rows that a head permutation moves.
+        """
+        content: dict[int, set[int]] = defaultdict(set)
+        ops = []
+        for block_ids, rows, _node in self.c.rowlinks:
+            heads = self.cls[block_ids]
+            for h, row in zip(heads, rows):
+                content[int(h)].update(int(i) for i in row[row >= 0])
+            ops.append([int(h) for h in np.unique(heads)])
+        for h in content:  # parameters tied to the heads themselves (T5 relative-bias columns)
+            content[h].update(int(i) for i in self.ids_of(h))
+        groups = []
+        for heads in _union_sets(ops):
+            heads = sorted(heads)
+            ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
+            if len(heads) < 2 or cls_pinned[heads].any() or cls_pinned[self.cls[ids]].any():
+                continue
+            groups.extend(self._head_permutations(heads, content))
+        return groups
+
+    def _head_permutations(self, heads: list[int], content) -> list[Group]:
+        kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
+                     for g in _union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
+        kv_groups = sorted((g for g in kv_groups if g), key=lambda g: g[0])
+        if len({len(g) for g in kv_groups}) != 1:
+            return []
+        rep = len(kv_groups[0])
+        groups = []
+        outer = self._positions_members([set().union(*(content[h] for h in g)) for g in kv_groups])
+        if outer and len(kv_groups) > 1:
+            layer = _common_prefix([m.param for m in outer])
+            note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
+            groups.append(Group(id=f"heads:{layer or 'model'}:{_short_members(outer)}", motif="heads",
+                                kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
+                                layer=layer, notes=(note,)))
+        if rep > 1:
+            per_group = []
+            for g in kv_groups:
+                shared = set.intersection(*(content[h] for h in g))
+                per_group.append(self._positions_members([content[h] - shared for h in g]))
+            if all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
+                inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
+                         for k, m in enumerate(per_group[0])]
+                layer = _common_prefix([m.param for m in inner])
+                groups.append(Group(id=f"heads-within:{layer or 'model'}:{_short_members(inner)}", motif="heads",
+                                    kind="permutation", size=rep, copies=len(kv_groups), members=tuple(inner),
+                                    layer=layer, notes=("permutes query heads within each KV group",)))
+        return groups
+
+    def _positions_members(self, id_sets) -> list[Member]:
+        """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``."""
+        per_key: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in id_sets])
+        for j, ids in enumerate(id_sets):
+            ids = np.fromiter(ids, dtype=np.int64)
+            ids = ids[~self.is_block[ids]]
+            rng, pos = self.decode(ids)
+            for k, p in zip(rng, pos):
+                r = self.range_of[k]
+                per_key[(r.owner, r.axis)][j].append(int(p))
+        members = []
+        for (param, axis), blocks in sorted(per_key.items()):
+            lengths = {len(b) for b in blocks}
+            if len(lengths) != 1 or 0 in lengths:
+                return []
+            index = np.array([sorted(b) for b in blocks], dtype=np.int64)[None]
+            members.append(Member(param, axis, index, "primal"))
+        return members
+
+    # -- pinned report -------------------------------------------------------------------------------------------
+    def _pinned_report(self, cls_pinned: np.ndarray) -> list[PinnedSpace]:
+        by_reason: dict[tuple, set] = defaultdict(set)
+        ids = np.nonzero(cls_pinned[self.cls] & ~self.is_block)[0]
+        rng, _ = self.decode(ids)
+        sizes: dict[tuple, int] = defaultdict(int)
+        for i, k in zip(ids, rng):
+            reason, node = self.pin_reason.get(int(self.cls[i]), ("pinned", ""))
+            r = self.range_of[k]
+            by_reason[(reason, node)].add(r.owner)
+            sizes[(reason, node)] += 1
+        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1])
+                for key, params in sorted(by_reason.items())]
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------
+def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
+    stacked = np.stack([key, sub], axis=1)
+    _, inv = np.unique(stacked, axis=0, return_inverse=True)
+    out = inv.reshape(-1).astype(np.int64)
+    out[key < 0] = -1
+    return out
+
+
+def _row_partition(cls_rows: np.ndarray, n_cls: int) -> np.ndarray:
+    """Label each class by the row it sits in (rows sharing a class merge); -1 for classes in no row."""
+    part = np.full(n_cls, -1, np.int64)
+    uniq = np.unique(cls_rows, axis=0)
+    merged = _union_sets([set(int(x) for x in row) for row in uniq])
+    for j, classes in enumerate(merged):
+        part[list(classes)] = j
+    return part
+
+
+def _union_sets(sets) -> list[set]:
+    """Merge sets that share an element (small inputs: heads, rows)."""
+    parent: dict = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for s in sets:
+        s = list(s)
+        for x in s[1:]:
+            parent[find(x)] = find(s[0])
+        if s:
+            find(s[0])
+    out: dict = defaultdict(set)
+    for x in parent:
+        out[find(x)].add(x)
+    return list(out.values())
+
+
+def _kind_of(r: Restriction) -> tuple[str, str | None, bool]:
+    if r.monomial:
+        return {
+            "one": ("permutation", None, False),
+            "global_sign": ("permutation", None, True),
+            "sign": ("signed_permutation", None, False),
+            "positive": ("permutation", "positive", False),
+            "nonzero": ("permutation", "nonzero", False),
+        }[r.scale]
+    if r.orthogonal:
+        return "orthogonal", None, False
+    return "general_linear", None, False
+
+
+def _pair_index(index: np.ndarray, pairs) -> np.ndarray:
+    copies, _, block = index.shape
+    cols = np.array(pairs, dtype=np.int64)  # (P, 2)
+    return index[:, cols, :].reshape(copies, len(pairs), 2 * block)
+
+
+def _common_prefix(names: list[str]) -> str:
+    if not names:
+        return ""
+    parts = [n.split(".")[:-1] for n in names]
+    prefix = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        prefix.append(level[0])
+    return ".".join(prefix)
+
+
+def _short_members(members) -> str:
+    names = sorted({m.param.rsplit(".", 1)[0].split(".")[-1] for m in members})
+    return "+".join(names[:4]) + ("+..." if len(names) > 4 else "")

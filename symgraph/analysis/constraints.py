@@ -1,0 +1,136 @@
+"""What the graph says about coordinates: ties, restrictions, separations, head links, pins.
+
+Rules append records here while walking the graph; :mod:`symgraph.analysis.assemble` turns them into groups.
+Every record keeps the node that produced it so reports can say why an axis was restricted or pinned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Per-coordinate scalings a monomial (permutation times diagonal) group may keep, from largest to smallest.
+# "sign" is +-1 per coordinate, "global_sign" one +-1 shared by all coordinates, "one" no scaling.
+_SCALE_MEET = {
+    frozenset({"nonzero"}): "nonzero",
+    frozenset({"nonzero", "positive"}): "positive",
+    frozenset({"nonzero", "sign"}): "sign",
+    frozenset({"nonzero", "global_sign"}): "global_sign",
+    frozenset({"positive", "sign"}): "one",
+    frozenset({"positive", "global_sign"}): "one",
+    frozenset({"sign", "global_sign"}): "global_sign",
+}
+
+
+def meet_scale(a: str, b: str) -> str:
+    if a == b:
+        return a
+    if "one" in (a, b):
+        return "one"
+    return _SCALE_MEET[frozenset({a, b})]
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A subgroup of GL(n) described by a few properties; ``&`` intersects two of them."""
+
+    orthogonal: bool = False
+    monomial: bool = False
+    fixes_ones: bool = False  # T 1 = +-1 (centering commutes with T)
+    scale: str = "nonzero"  # monomial only: the diagonal scalings kept
+
+    def __and__(self, other: "Restriction") -> "Restriction":
+        r = Restriction(self.orthogonal or other.orthogonal, self.monomial or other.monomial,
+                        self.fixes_ones or other.fixes_ones, meet_scale(self.scale, other.scale))
+        return r.normalised()
+
+    def normalised(self) -> "Restriction":
+        scale = self.scale
+        if self.monomial and self.orthogonal:
+            scale = meet_scale(scale, "sign")
+        if self.monomial and self.fixes_ones:
+            scale = meet_scale(scale, "global_sign")
+        return Restriction(self.orthogonal, self.monomial, self.fixes_ones, scale)
+
+
+GENERAL = Restriction()
+ORTHOGONAL = Restriction(orthogonal=True)
+
+
+def monomial(scale: str = "one") -> Restriction:
+    return Restriction(monomial=True, scale=scale)
+
+
+def from_group_name(group: str, scale: str | None = None) -> Restriction:
+    """The restriction for an activation spec (``group`` and ``scale`` from specs/ops.yaml)."""
+    if group == "general_linear":
+        return GENERAL
+    if group == "orthogonal":
+        return ORTHOGONAL
+    if group == "signed_permutation":
+        return monomial("sign" if scale is None else meet_scale("sign", scale))
+    return monomial(scale or "one")
+
+
+@dataclass(frozen=True)
+class Commute:
+    """RoPE-like constraint: on ``ids`` the transformation must commute with a set of linear maps.
+
+    ``pairs`` are coordinate pairs whose maps are 2x2 rotations (each pair: its own frequency), ``passthrough``
+    coordinates see the identity. Anything else was pinned while resolving.
+    """
+
+    pairs: np.ndarray  # (P, 2) ids
+    passthrough: np.ndarray  # (Q,) ids
+    frequency: np.ndarray  # (P,) an identifier of each pair's map class (equal maps may mix)
+    node: str
+
+
+@dataclass
+class Constraints:
+    ties: list[tuple[np.ndarray, np.ndarray, int]] = field(default_factory=list)  # a ~ b, parity 1 = dual
+    restricts: list[tuple[np.ndarray, Restriction, str, str]] = field(default_factory=list)  # ids, r, why, node
+    separates: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (R, K) rows that may not mix
+    rowlinks: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # block ids (R,), rows (R, K)
+    pins: list[tuple[np.ndarray, str, str]] = field(default_factory=list)  # ids, reason, node
+    commutes: list[Commute] = field(default_factory=list)
+    permute_only: list[np.ndarray] = field(default_factory=list)  # param ids entering products as weights
+    products: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # a * b, coordinate-wise
+    tags: dict[str, list[np.ndarray]] = field(default_factory=dict)  # motif tag -> ids
+
+    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False) -> None:
+        a, b = _np(a).reshape(-1), _np(b).reshape(-1)
+        keep = (a >= 0) & (b >= 0)
+        if keep.any():
+            pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)
+            self.ties.append((pairs[:, 0], pairs[:, 1], int(dual)))
+
+    def restrict(self, ids, restriction: Restriction, why: str, node: str) -> None:
+        ids = _ids(ids)
+        if ids.size:
+            self.restricts.append((ids, restriction, why, node))
+
+    def pin(self, ids, reason: str, node: str) -> None:
+        ids = _ids(ids)
+        if ids.size:
+            self.pins.append((ids, reason, node))
+
+    def separate(self, rows: torch.Tensor | np.ndarray, node: str) -> None:
+        rows = _np(rows)
+        if rows.ndim == 2 and rows.shape[0] > 1:
+            self.separates.append((rows, node))
+
+    def tag(self, name: str, ids) -> None:
+        ids = _ids(ids)
+        if ids.size:
+            self.tags.setdefault(name, []).append(ids)
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def _ids(t) -> np.ndarray:
+    a = _np(t).reshape(-1)
+    return np.unique(a[a >= 0])

@@ -1,0 +1,236 @@
+"""The one rule behind linear, addmm, matmul, bmm, einsum and attention: a sum over shared letters.
+
+For operands ``A`` and ``B`` written with einsum letters:
+
+* a channel of ``A`` that varies along a *contracted* letter is tied, dually, to the channel of ``B`` that varies
+  along the same letters (``x . W^T``: activation coordinates are contracted with weight columns). Without such a
+  partner the coordinates are contracted with data and are pinned.
+* when that channel also varies along a *batch* letter (the head axis of ``q @ k^T``), each batch index is its
+  own block: coordinates of different heads may not mix, and the output gets a block channel whose ids stand for
+  the heads, linked to the rows they came from. This is how head structure (and GQA sharing) is read.
+* a channel that varies along no contracted letter passes to the output (weight rows, value rows).
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .labels import Chan, chan_axes, unique_rows
+
+
+@dataclass
+class Operand:
+    chans: list[Chan]
+    shape: tuple[int, ...]
+    letters: str
+
+
+def expand_ellipsis(pattern: str, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
+    """Turn ``"...i,oi->...o"`` into explicit letters for the given operand ranks (numpy broadcasting)."""
+    inputs, output = pattern.replace(" ", "").split("->")
+    specs = inputs.split(",")
+    used = set(pattern) - set(".,->")
+    pool = [c for c in string.ascii_uppercase if c not in used]
+    n_ell = max((len(s) - len(spec.replace("...", "")) for spec, s in zip(specs, shapes) if "..." in spec),
+                default=0)
+    ell = "".join(pool[:n_ell])
+    explicit = []
+    for spec, shape in zip(specs, shapes):
+        if "..." in spec:
+            k = len(shape) - len(spec.replace("...", ""))
+            spec = spec.replace("...", ell[n_ell - k:] if k else "")
+        explicit.append(spec)
+    return explicit, output.replace("...", ell)
+
+
+def matmul_pattern(ra: int, rb: int) -> str:
+    """An einsum pattern equivalent to torch.matmul for operand ranks ``ra`` and ``rb``."""
+    if ra == 1 and rb == 1:
+        return "k,k->"
+    if ra == 1:
+        return "k,...km->...m"
+    if rb == 1:
+        return "...nk,k->...n"
+    return "...nk,...km->...nm"
+
+
+class Contraction:
+    """Apply the contraction rule for one node; ``walker`` supplies constraints and id allocation."""
+
+    def __init__(self, walker, node_name: str):
+        self.w = walker
+        self.node = node_name
+
+    def run(self, a: Operand, b: Operand, out_letters: str, out_shape: tuple[int, ...]) -> list[Chan]:
+        sizes = _letter_sizes([a, b], out_letters, out_shape)
+        contracted = set(a.letters) & set(b.letters) - set(out_letters)
+        batch = set(a.letters) & set(b.letters) & set(out_letters)
+        outs: list[Chan] = []
+        used_b: set[int] = set()
+        passed_a: list[tuple[Chan, frozenset]] = []
+        for ca in a.chans:
+            ca = self.w.resolve(ca, self.node)
+            va = _letters_of(ca, a.letters)
+            if ca.block and va & contracted:
+                self._link_heads_to_consumers(ca, a, b, va & contracted, used_b, sizes)
+                continue
+            if va & contracted:
+                partner = self._partner(b, va & contracted, used_b)
+                if partner is None:
+                    self.w.c.pin(ca.ids, "contracted with data that carries no symmetry", self.node)
+                    continue
+                cb = self.w.resolve(b.chans[partner], self.node)
+                block = self._contract_pair(ca, a, cb, b, batch, sizes, out_letters, out_shape)
+                if block is not None:
+                    outs.append(block)
+            else:
+                passed_a.append((ca, va))
+        passed_b = []
+        for j, cb in enumerate(b.chans):
+            if j in used_b:
+                continue
+            cb = self.w.resolve(cb, self.node)
+            vb = _letters_of(cb, b.letters)
+            if cb.block and vb & contracted:
+                self._link_heads_to_consumers(cb, b, a, vb & contracted, set(), sizes)
+                continue
+            if vb & contracted:
+                self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
+                continue
+            passed_b.append((cb, vb))
+        for chan, letters, op in [(c, v, a) for c, v in passed_a] + [(c, v, b) for c, v in passed_b]:
+            moved = self._to_output(chan, letters, op, out_letters, out_shape)
+            if moved is not None:
+                outs.append(moved)
+        return _merge_batch_channels(self.w, outs, self.node)
+
+    def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> None:
+        """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns."""
+        j = next((j for j, cb in enumerate(b.chans)
+                  if not cb.block and _letters_of(cb, b.letters) & letters == letters), None)
+        if j is None:
+            self.w.c.pin(blk.ids, "heads contracted with data", self.node)
+            return
+        k_letters = sorted(letters)
+        heads = _rows_by_fiber(blk.ids, a.letters, [], k_letters, sizes)[0]
+        cols = _rows_by_fiber(self.w.resolve(b.chans[j], self.node).ids, b.letters, [], k_letters, sizes)[0]
+        for head_row in heads:
+            for col_row in cols:
+                for block_id in torch.unique(head_row):
+                    ids = torch.unique(col_row[head_row == block_id])
+                    self.w.c.rowlinks.append((np.array([int(block_id)]), ids.numpy()[None], self.node))
+
+    def _partner(self, b: Operand, letters: set[str], used: set[int]) -> int | None:
+        for j, cb in enumerate(b.chans):
+            if j not in used and not cb.block and _letters_of(cb, b.letters) & letters == letters:
+                used.add(j)
+                return j
+        return None
+
+    def _contract_pair(self, ca, a, cb, b, batch, sizes, out_letters, out_shape) -> Chan | None:
+        va, vb = _letters_of(ca, a.letters), _letters_of(cb, b.letters)
+        k_letters = sorted((va | vb) & (set(a.letters) & set(b.letters)) - set(out_letters))
+        fiber = sorted((va | vb) & batch, key=out_letters.index)
+        rows_a = _rows_by_fiber(ca.ids, a.letters, fiber, k_letters, sizes)
+        rows_b = _rows_by_fiber(cb.ids, b.letters, fiber, k_letters, sizes)
+        for ra, rb in zip(rows_a, rows_b):
+            for x in ra:
+                for y in rb:
+                    self.w.c.tie(x, y, dual=True)
+        if not fiber:
+            return None
+        # One block per batch index (head): coordinates of different heads may not mix.
+        first_a = torch.stack([r[0] for r in rows_a])
+        first_b = torch.stack([r[0] for r in rows_b])
+        self.w.c.separate(first_a, self.node)
+        self.w.c.separate(first_b, self.node)
+        self.w.c.tag("qk", first_a)
+        self.w.c.tag("qk", first_b)
+        n_blocks = first_a.shape[0]
+        blocks = self.w.ids.allocate(n_blocks, block=True)
+        self.w.c.rowlinks.append((blocks.numpy(), first_a.numpy(), self.node))
+        self.w.c.rowlinks.append((blocks.numpy(), first_b.numpy(), self.node))
+        view = [sizes[l] if l in fiber else 1 for l in out_letters]
+        return Chan.clean(blocks.reshape(view).expand(out_shape), block=True)
+
+    def _to_output(self, chan: Chan, letters: set[str], op: Operand, out_letters, out_shape) -> Chan | None:
+        lost = letters - set(out_letters)
+        if lost:
+            self.w.c.pin(chan.ids, f"summed over axis '{''.join(sorted(lost))}' by a contraction", self.node)
+            return None
+        ids = chan.ids
+        index = tuple(slice(None) if l in out_letters else 0 for l in op.letters)
+        ids = ids[index]
+        kept = [l for l in op.letters if l in out_letters]
+        ids = ids.permute(*[kept.index(l) for l in sorted(kept, key=out_letters.index)])
+        kept = sorted(kept, key=out_letters.index)
+        view = [ids.shape[kept.index(l)] if l in kept else 1 for l in out_letters]
+        ids = ids.reshape(view) if ids.is_contiguous() else ids.contiguous().reshape(view)
+        return Chan.clean(ids.expand(out_shape), block=chan.block)
+
+
+def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, int]:
+    sizes = {}
+    for op in ops:
+        for l, n in zip(op.letters, op.shape):
+            sizes[l] = max(sizes.get(l, 1), n)
+    for l, n in zip(out_letters, out_shape):
+        sizes[l] = max(sizes.get(l, 1), n)
+    return sizes
+
+
+def _letters_of(chan: Chan, letters: str) -> set[str]:
+    return {letters[a] for a in chan_axes(chan)}
+
+
+def _rows_by_fiber(ids, letters, fiber, k_letters, sizes) -> list[list[torch.Tensor]]:
+    """For each batch index in ``fiber``, the distinct label vectors along the contracted letters."""
+    full = ids.expand([sizes[l] for l in letters]) if ids.dim() == len(letters) else ids
+    fiber_axes = [letters.index(l) for l in fiber if l in letters]
+    k_axes = [letters.index(l) for l in k_letters if l in letters]
+    if not fiber_axes:
+        return [list(unique_rows(full, k_axes))]
+    n = int(np.prod([sizes[l] for l in fiber]))
+    moved = full.permute(*fiber_axes, *[i for i in range(full.dim()) if i not in fiber_axes])
+    moved = moved.reshape(n, *moved.shape[len(fiber_axes):])
+    k_after = [1 + sorted([i for i in range(full.dim()) if i not in fiber_axes]).index(a) - 1 for a in k_axes]
+    return [list(unique_rows(moved[i], k_after)) for i in range(n)]
+
+
+def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:
+    """Link head blocks to the coordinate rows that vary along the same axes.
+
+    ``probs @ v``: the heads of ``probs`` are linked to the rows of ``v`` they select. The output keeps both
+    channels: ``v``'s coordinates, and the head ids, which a later contraction (the output projection) turns into
+    links from each head to the columns that read it.
+    """
+    coords = [c for c in chans if not c.block]
+    blocks = [c for c in chans if c.block]
+    out = list(coords)
+    for blk in blocks:
+        axes = chan_axes(blk)
+        same = next((o for o in out if o.block and chan_axes(o) == axes), None)
+        if same is not None:
+            walker.c.tie(same.ids, blk.ids)
+            continue
+        out.append(blk)  # kept: a later contraction links each head to the weight columns that read it
+        host = next((c for c in coords if axes and axes <= chan_axes(c)), None)
+        if host is None:
+            continue
+        other = [a for a in range(host.ids.dim()) if a not in axes]
+        b_ids = blk.ids
+        h_ids = host.ids
+        n_axes = sorted(axes)
+        heads = b_ids.permute(*n_axes, *other).reshape(-1, *[b_ids.shape[a] for a in other])
+        rows = h_ids.permute(*n_axes, *other).reshape(heads.shape[0], -1)
+        block_ids = heads.reshape(heads.shape[0], -1)[:, 0]
+        uniq = [torch.unique(r) for r in rows]
+        width = min(len(u) for u in uniq)
+        rows_np = np.stack([u[:width].numpy() for u in uniq])
+        walker.c.rowlinks.append((block_ids.numpy(), rows_np, node))
+        walker.c.separate(rows_np, node)  # each head reads only its own value rows
+        walker.c.tag("vo", rows_np)
+    return out

@@ -1,0 +1,173 @@
+"""Channel labels: which coordinate of which space every element of a tensor carries.
+
+A *coordinate id* names one coordinate of a space (row ``o`` of a linear weight, unit ``i`` of an FFN). Every
+parameter axis gets fresh ids; the analysis ties ids together when the graph forces two coordinates to transform
+alike. A tensor carries zero or more :class:`Chan` objects: integer label tensors of the tensor's full shape
+(usually stride-0 expanded views, so they cost no memory) whose entries are the ids. Replaying a movement op
+(view, slice, cat, ...) on a label tensor gives the labels of its output, so layout changes need no handwritten
+index loops.
+
+A channel may also be *mixed*: a sum of terms ``coef_k * x[ids_k]`` with data coefficients (RoPE writes
+``x * cos + rotate_half(x) * sin``). Mixed channels are resolved into a commutation constraint when consumed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+NO_ID = -1
+
+
+@dataclass(frozen=True)
+class IdRange:
+    """A contiguous block of ids allocated for one owner."""
+
+    start: int
+    size: int
+    owner: str  # parameter name, or "" for ids that live only on activations (head blocks)
+    axis: int = 0
+    block: bool = False  # a head index (permutable only), not a vector coordinate
+
+
+class IdSpace:
+    """Allocates coordinate ids and remembers who owns each range."""
+
+    def __init__(self):
+        self.ranges: list[IdRange] = []
+        self.next = 0
+
+    def allocate(self, size: int, owner: str = "", axis: int = 0, block: bool = False) -> torch.Tensor:
+        rng = IdRange(self.next, size, owner, axis, block)
+        self.ranges.append(rng)
+        self.next += size
+        return torch.arange(rng.start, rng.start + size, dtype=torch.int64)
+
+    def block_mask(self) -> np.ndarray:
+        mask = np.zeros(self.next, dtype=bool)
+        for r in self.ranges:
+            if r.block:
+                mask[r.start:r.start + r.size] = True
+        return mask
+
+
+@dataclass(frozen=True)
+class Term:
+    ids: torch.Tensor
+    coef: torch.Tensor | None  # None means 1
+
+
+@dataclass(frozen=True)
+class Chan:
+    """One labelled structure on a tensor. ``terms`` has one entry unless the channel is mixed."""
+
+    terms: tuple[Term, ...]
+    degree: int = 1  # 2 after squaring: only reductions may consume it as such
+    block: bool = False  # carries head-block ids (heads of an attention op), not coordinates
+    weight: bool = False  # read straight from a parameter (through movement ops only): a weight vector
+
+    @staticmethod
+    def clean(ids: torch.Tensor, *, block: bool = False) -> "Chan":
+        return Chan((Term(ids, None),), block=block)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.terms[0].ids
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.terms) > 1 or self.terms[0].coef is not None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ids.shape
+
+    def map(self, fn) -> "Chan":
+        """Apply a movement op to every label and coefficient tensor."""
+        terms = tuple(Term(fn(t.ids), None if t.coef is None else fn(t.coef)) for t in self.terms)
+        return replace(self, terms=terms)
+
+    def scaled(self, coef: torch.Tensor | float) -> "Chan":
+        terms = []
+        for t in self.terms:
+            c = coef if t.coef is None else t.coef * coef
+            if not isinstance(c, torch.Tensor):
+                c = torch.tensor(float(c), dtype=torch.float64)
+            terms.append(Term(t.ids, c.to(torch.float64)))
+        return replace(self, terms=tuple(terms))
+
+    def broadcast_to(self, shape) -> "Chan":
+        return self.map(lambda t: t.expand(shape) if t.dim() else t.reshape([1] * len(shape)).expand(shape))
+
+
+def param_channels(ids_per_axis: list[torch.Tensor], shape: tuple[int, ...]) -> list[Chan]:
+    """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only."""
+    chans = []
+    for axis, ids in enumerate(ids_per_axis):
+        view = [1] * len(shape)
+        view[axis] = shape[axis]
+        chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True))
+    return chans
+
+
+def varying_axes(t: torch.Tensor) -> frozenset[int]:
+    """Axes along which ``t`` is not constant (stride-0 and size-1 axes are skipped without reading data)."""
+    out = set()
+    for axis in range(t.dim()):
+        if t.shape[axis] <= 1 or t.stride(axis) == 0:
+            continue
+        first = t.narrow(axis, 0, 1)
+        if not bool((t == first).all()):
+            out.add(axis)
+    return frozenset(out)
+
+
+def chan_axes(chan: Chan) -> frozenset[int]:
+    axes = set()
+    for term in chan.terms:
+        axes |= varying_axes(term.ids)
+    return frozenset(axes)
+
+
+def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
+    """Distinct label vectors along ``axes`` (moved last and flattened), over every other position."""
+    rest = [a for a in range(ids.dim()) if a not in axes]
+    moved = ids.permute(*rest, *axes)
+    width = int(np.prod([ids.shape[a] for a in axes])) if axes else 1
+    rows = _strip_constant(moved, len(rest)).reshape(-1, width)
+    return torch.unique(rows, dim=0) if rows.shape[0] > 1 else rows
+
+
+def _strip_constant(t: torch.Tensor, lead: int) -> torch.Tensor:
+    """Select index 0 along leading axes that are stride-0 (constant) to avoid materialising broadcasts."""
+    index = []
+    for axis in range(lead):
+        index.append(slice(0, 1) if t.stride(axis) == 0 else slice(None))
+    return t[tuple(index)]
+
+
+def data_varies(value, axes: frozenset[int], out_shape) -> bool:
+    """Whether a data operand varies along any of ``axes`` of the broadcast output (unknown data: yes)."""
+    if value is None:
+        return True
+    if not isinstance(value, torch.Tensor):
+        return False  # a Python scalar
+    if value.dim() == 0:
+        return False
+    full = value.expand(out_shape) if tuple(value.shape) != tuple(out_shape) else value
+    return bool(varying_axes(full) & axes)
+
+
+def chans_with_terms(chans: list[Chan], fn) -> list[Chan]:
+    return [c.map(fn) for c in chans]
+
+
+@dataclass
+class Value:
+    """The analysis state of one tensor: its channels, and its data value when it depends on no parameter."""
+
+    chans: list[Chan] = field(default_factory=list)
+    data: object = None  # torch.Tensor, Python scalar, or None when unknown
+    shape: tuple[int, ...] | None = None
+    invariant: bool = False  # derived from channels but unchanged by every allowed transformation (norms)

@@ -1,0 +1,117 @@
+"""Resolve a mixed channel ``sum_k coef_k * x[ids_k]`` into a commutation constraint.
+
+RoPE is the case that matters: ``x * cos + rotate_half(x) * sin`` is, at every position t, a linear map M_t on
+the head dimension. A transformation T of x's coordinates survives exactly when T M_t = M_t T for every t. The
+maps are sparse: coordinates only meet the few others they are mixed with (pairs (i, i + r/2) for rotate_half,
+(2i, 2i+1) for interleaved layouts), so the commutant is computed per connected component. Components whose maps
+are 2x2 rotations give rotary pairs; components that see only the identity are pass-through coordinates. Any
+other structure pins its coordinates: never guess.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .constraints import Commute
+from .labels import Chan, Term
+
+_MAX_POSITIONS = 32
+
+
+def resolve(walker, chan: Chan, node: str) -> Chan:
+    if not chan.mixed:
+        return chan
+    terms = [Term(t.ids, torch.ones((), dtype=torch.float64) if t.coef is None else t.coef) for t in chan.terms]
+    shape = torch.broadcast_shapes(*[t.ids.shape for t in terms], *[t.coef.shape for t in terms])
+    ids = [t.ids.expand(shape) for t in terms]
+    coefs = [t.coef.expand(shape).to(torch.float64) for t in terms]
+    chan_axes = sorted({a for i in ids for a in range(len(shape)) if i.shape[a] > 1 and i.stride(a) != 0
+                        and not bool((i == i.narrow(a, 0, 1)).all())})
+    base = ids[0]
+    if not chan_axes:
+        return Chan.clean(base)  # scalar-per-position coefficients only: every transformation commutes
+    data_axes = [a for a in range(len(shape)) if a not in chan_axes]
+    width = int(np.prod([shape[a] for a in chan_axes]))
+
+    def flat(t):
+        return t.permute(*data_axes, *chan_axes).reshape(-1, width)
+
+    id_rows = [flat(i)[0].numpy() for i in ids]
+    coef_rows = [flat(c).numpy() for c in coefs]
+    # Broadcast copies (GQA keys repeated per query head) repeat positions: keep each coordinate once.
+    order, keep = np.unique(id_rows[0], return_index=True)
+    keep = np.sort(keep)
+    order = id_rows[0][keep]
+    id_rows = [r[keep] for r in id_rows]
+    coef_rows = [c[:, keep] for c in coef_rows]
+    if any(set(r[r >= 0].tolist()) - set(order.tolist()) for r in id_rows):
+        walker.c.pin(np.concatenate(id_rows), "mixed with coordinates of another space", node)
+        return Chan.clean(base)
+    position = {int(v): k for k, v in enumerate(order)}
+    cols = [np.array([position.get(int(v), -1) for v in r]) for r in id_rows]
+    samples = _distinct_positions(coef_rows)
+    maps = np.zeros((len(samples), len(order), len(order)))
+    for col, coef in zip(cols, coef_rows):
+        ok = col >= 0
+        rows = np.nonzero(ok)[0]
+        for s, t in enumerate(samples):
+            np.add.at(maps[s], (rows, col[ok]), coef[t, ok])
+    _commutant(walker, maps, order, node)
+    return Chan.clean(base)
+
+
+def _distinct_positions(coef_rows: list[np.ndarray]) -> list[int]:
+    stacked = np.concatenate(coef_rows, axis=1)
+    _, first = np.unique(np.round(stacked, 12), axis=0, return_index=True)
+    first = np.sort(first)
+    if len(first) > _MAX_POSITIONS:
+        first = first[np.linspace(0, len(first) - 1, _MAX_POSITIONS).astype(int)]
+    return list(first)
+
+
+def _commutant(walker, maps: np.ndarray, order: np.ndarray, node: str) -> None:
+    """Classify each connected component of the maps' support and record the constraint."""
+    support = np.any(np.abs(maps) > 0, axis=0)
+    support = support | support.T
+    comp = _components(support)
+    pairs, freq, passthrough, pinned = [], [], [], []
+    signatures: dict[tuple, int] = {}
+    for members in comp:
+        block = maps[:, members][:, :, members]
+        if len(members) == 1:
+            key = ("scalar",) + tuple(np.round(block[:, 0, 0], 9))
+            if np.allclose(block[:, 0, 0], block[0, 0, 0]):
+                passthrough.append(order[members[0]])
+            else:
+                pinned.extend(order[members])  # a per-position diagonal scale: only diagonal T commutes
+            continue
+        if len(members) == 2 and _is_rotation_family(block):
+            i, j = members
+            key = tuple(np.round(block.reshape(len(block), -1), 9).ravel())
+            freq.append(signatures.setdefault(key, len(signatures)))
+            pairs.append((order[i], order[j]))
+            continue
+        pinned.extend(order[members])
+    if pinned:
+        walker.c.pin(np.array(pinned), "mixed with data-dependent coefficients in a way no rule covers", node)
+    if pairs or passthrough:
+        walker.c.commutes.append(Commute(np.array(pairs, dtype=np.int64).reshape(-1, 2),
+                                         np.array(passthrough, dtype=np.int64), np.array(freq), node))
+
+
+def _is_rotation_family(block: np.ndarray) -> bool:
+    """Every 2x2 map is a scaled rotation [[c, -s], [s, c]], and at least one has s != 0."""
+    c1, c2 = block[:, 0, 0], block[:, 1, 1]
+    s1, s2 = block[:, 1, 0], block[:, 0, 1]
+    return bool(np.allclose(c1, c2, atol=1e-9) and np.allclose(s1, -s2, atol=1e-9) and np.any(np.abs(s1) > 1e-9))
+
+
+def _components(adj: np.ndarray) -> list[list[int]]:
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    _, labels = connected_components(csr_matrix(adj), directed=False)
+    groups: dict[int, list[int]] = {}
+    for i, lab in enumerate(labels):
+        groups.setdefault(int(lab), []).append(i)
+    return list(groups.values())

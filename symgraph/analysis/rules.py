@@ -1,0 +1,500 @@
+"""One handler per ``rule`` of specs/ops.yaml. Each takes the walker, the node and its spec, and returns the
+node's :class:`Value` (or a list of them for multi-output ops)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import fx
+
+from .constraints import ORTHOGONAL, Restriction, from_group_name, monomial
+from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
+from .labels import Chan, Term, Value, chan_axes, data_varies, unique_rows
+
+NEUTRAL = monomial("one")
+
+
+# -- movement ---------------------------------------------------------------------------------------------
+def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
+    """Replay the op on label (and coefficient) tensors; every channel of every operand moves alike."""
+    tensors = [w.value(a) for a in _tensor_args(node)]
+    n_chans = max(len(v.chans) for v in tensors if v is not None)
+    results = []
+    for j in range(n_chans):
+        results.append(_move_channel(w, node, j))
+    if results and isinstance(results[0], list):
+        return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
+                for k in range(len(results[0]))]
+    return Value(chans=[r for r in results if r is not None], shape=_shape_of(node))
+
+
+def _move_channel(w, node: fx.Node, j: int):
+    operands = [w.value(a) for a in _tensor_args(node)]
+    n_terms = max(len(v.chans[j].terms) if v is not None and j < len(v.chans) else 1 for v in operands)
+    block = any(v is not None and j < len(v.chans) and v.chans[j].block for v in operands)
+    mixed = any(v is not None and j < len(v.chans) and v.chans[j].mixed for v in operands)
+    terms_out = []
+    for k in range(n_terms):
+        ids = _replay(w, node, lambda v, shape: _term_tensor(v, j, k, shape, "ids"))
+        coef = _replay(w, node, lambda v, shape: _term_tensor(v, j, k, shape, "coef")) if mixed else None
+        terms_out.append((ids, coef))
+    if isinstance(terms_out[0][0], (list, tuple)):
+        count = len(terms_out[0][0])
+        return [Chan(tuple(Term(t[0][i], None if t[1] is None else t[1][i]) for t in terms_out), block=block)
+                for i in range(count)]
+    return Chan(tuple(Term(i, c) for i, c in terms_out), block=block)
+
+
+def _term_tensor(v: Value | None, j: int, k: int, shape, what: str) -> torch.Tensor:
+    if v is not None and j < len(v.chans) and k < len(v.chans[j].terms):
+        term = v.chans[j].terms[k]
+        if what == "ids":
+            return term.ids
+        return torch.ones(term.ids.shape, dtype=torch.float64) if term.coef is None \
+            else term.coef.expand(term.ids.shape)
+    if what == "ids":
+        return torch.full(shape, -1, dtype=torch.int64)
+    return torch.zeros(shape, dtype=torch.float64)
+
+
+def _replay(w, node: fx.Node, pick):
+    def load(a):
+        if isinstance(a, fx.Node):
+            v = w.values.get(a.name)
+            if isinstance(v, Value) and (v.chans or _is_labelled_position(node, a)):
+                return pick(v, v.shape or _node_shape(a))
+            if isinstance(v, Value):
+                if v.data is None:
+                    return pick(None, v.shape or _node_shape(a))
+                return v.data
+        return a
+
+    args = fx.node.map_aggregate(node.args, load)
+    kwargs = fx.node.map_aggregate(node.kwargs, load)
+    try:
+        return node.target(*args, **kwargs)
+    except RuntimeError:
+        if "view" in str(node.target):  # expanded label tensors are not viewable; reshape copies instead
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+        raise
+
+
+def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
+    """Tensor operands that are moved (as opposed to index tensors) of a movement op."""
+    first = node.args[0]
+    if isinstance(first, (list, tuple)):
+        return arg in first
+    return arg is first
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    first = node.args[0]
+    return [a for a in first if isinstance(a, fx.Node)] if isinstance(first, (list, tuple)) else [first]
+
+
+# -- identity, activations -------------------------------------------------------------------------------
+def rule_identity(w, node: fx.Node, spec) -> Value:
+    v = w.value(node.args[0])
+    chans = v.chans
+    if "neg" in str(node.target):
+        chans = [c.scaled(-1.0) for c in chans]
+    return Value(chans=list(chans), shape=_shape_of(node))
+
+
+def rule_ignore(w, node: fx.Node, spec) -> Value:
+    return Value(shape=_shape_of(node))
+
+
+def rule_activation(w, node: fx.Node, spec) -> Value:
+    v = w.value(node.args[0])
+    limit = from_group_name(spec.group, spec.scale)
+    chans = []
+    for c in v.chans:
+        c = w.resolve(c, node.name)
+        if not c.block:
+            w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
+            w.c.tag("activation", c.ids)
+        chans.append(replace(c, degree=1))
+    return Value(chans=chans, shape=_shape_of(node))
+
+
+def rule_pow(w, node: fx.Node, spec) -> Value:
+    v = w.value(node.args[0])
+    exponent = node.args[1]
+    chans = []
+    for c in v.chans:
+        c = w.resolve(c, node.name)
+        if exponent == 2 and not c.block:
+            chans.append(replace(c, degree=2))
+            continue
+        if not c.block:
+            odd = float(exponent).is_integer() and int(exponent) % 2 == 1
+            w.c.restrict(c.ids, monomial("sign" if odd else "one"), f"elementwise power {exponent}", node.name)
+        chans.append(c)
+    return Value(chans=chans, shape=_shape_of(node))
+
+
+# -- contractions -------------------------------------------------------------------------------------------
+def rule_contract(w, node: fx.Node, spec) -> Value:
+    if spec.pattern == "einsum":
+        pattern, operands = node.args[0], list(node.args[1])
+    else:
+        operands = list(node.args) if spec.order is None else [node.args[i] for i in spec.order
+                                                                if i < len(node.args)]
+        pattern = spec.pattern
+    values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
+    shapes = [v.shape if v is not None else () for v in values]
+    if pattern == "matmul":
+        pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
+    letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.split("->")[0].split(","))])
+    out_shape = _shape_of(node)
+    ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i]) for i in range(2)]
+    chans = Contraction(w, node.name).run(ops[0], ops[1], out_letters, out_shape)
+    out = Value(chans=chans, shape=out_shape)
+    for extra, letter_spec in zip(values[2:], letters[2:]):  # biases: added to the output
+        if extra is not None:
+            out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
+                              residual=False)
+    return out
+
+
+def rule_conv(w, node: fx.Node, spec) -> Value:
+    x, weight = w.value(node.args[0]), w.value(node.args[1])
+    bias = w.value(node.args[2]) if len(node.args) > 2 else None
+    out_shape = _shape_of(node)
+    rank = len(out_shape)
+    spatial = "".join("xyz"[i] for i in range(rank - 2))
+    letters_x = "bi" + spatial
+    kernel = "".join("pqr"[i] for i in range(rank - 2))
+    # Kernel taps are contracted with input positions (data): pin them by giving them no partner.
+    ops = [Operand(x.chans, x.shape, letters_x), Operand(weight.chans, weight.shape, "oi" + kernel)]
+    chans = Contraction(w, node.name).run(ops[0], ops[1], "bo" + spatial, out_shape)
+    out = Value(chans=chans, shape=out_shape)
+    if bias is not None:
+        out = _add_values(w, node, out, _broadcast_value(bias, "o", "bo" + spatial, out_shape), residual=False)
+    return out
+
+
+def rule_attention(w, node: fx.Node, spec) -> Value:
+    args = list(node.args) + [None] * (8 - len(node.args))
+    q, k, v = (w.value(a) for a in args[:3])
+    mask = node.kwargs.get("attn_mask", args[3])
+    gqa = node.kwargs.get("enable_gqa", args[7]) or False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if gqa and ks[-3] != qs[-3]:
+        rep = qs[-3] // ks[-3]
+        k = _repeat_heads(k, rep)
+        v = _repeat_heads(v, rep)
+        ks, vs = k.shape, v.shape
+    lead = "".join("ABCDEFG"[i] for i in range(len(qs) - 3))
+    scores_shape = (*qs[:-1], ks[-2])
+    score_chans = Contraction(w, node.name).run(Operand(q.chans, qs, lead + "hnd"), Operand(k.chans, ks, lead + "hmd"),
+                                                 lead + "hnm", scores_shape)
+    scores = Value(chans=score_chans, shape=scores_shape)
+    mask_value = w.value(mask) if isinstance(mask, fx.Node) else None
+    if mask_value is not None:
+        scores = _add_values(w, node, scores, mask_value, residual=False, out_shape=scores_shape)
+    scores = _softmax_value(w, node, scores, len(scores_shape) - 1)
+    out_shape = _shape_of(node)
+    chans = Contraction(w, node.name).run(Operand(scores.chans, scores_shape, lead + "hnm"),
+                                          Operand(v.chans, vs, lead + "hmd"), lead + "hnd", out_shape)
+    return Value(chans=chans, shape=out_shape)
+
+
+def _repeat_heads(v: Value, rep: int) -> Value:
+    chans = [c.map(lambda t: t.repeat_interleave(rep, dim=-3)) for c in v.chans]
+    shape = (*v.shape[:-3], v.shape[-3] * rep, *v.shape[-2:])
+    return Value(chans=chans, shape=shape)
+
+
+# -- arithmetic ------------------------------------------------------------------------------------------------
+def rule_add(w, node: fx.Node, spec) -> Value:
+    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
+    alpha = node.kwargs.get("alpha", 1)
+    if alpha != 1 and isinstance(b, Value):
+        b = Value(chans=[c.scaled(float(alpha)) for c in b.chans], data=b.data, shape=b.shape,
+                  invariant=b.invariant)
+    return _add_values(w, node, a, b, residual=True)
+
+
+def rule_sub(w, node: fx.Node, spec) -> Value:
+    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
+    if "rsub" in str(node.target):
+        a, b = b, a
+    if isinstance(b, Value):
+        b = Value(chans=[c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape, invariant=b.invariant)
+    return _add_values(w, node, a, b, residual=True)
+
+
+def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
+    out_shape = out_shape or _shape_of(node)
+    a, b = _as_value(a), _as_value(b)
+    chans, used = [], set()
+    for ca in a.chans:
+        ca = ca.broadcast_to(out_shape)
+        axes = chan_axes(ca)
+        j = next((j for j, cb in enumerate(b.chans)
+                  if j not in used and cb.block == ca.block and chan_axes(cb.broadcast_to(out_shape)) & axes),
+                 None)
+        if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
+            j = next((j for j, cb in enumerate(b.chans)
+                      if j not in used and chan_axes(cb.broadcast_to(out_shape)) == axes), None)
+        if j is None:
+            _add_data(w, node, ca, b, out_shape)
+            chans.append(ca)
+            continue
+        used.add(j)
+        cb = b.chans[j].broadcast_to(out_shape)
+        chans.append(_sum_channels(w, node, ca, cb, residual))
+    for j, cb in enumerate(b.chans):
+        if j not in used:
+            cb = cb.broadcast_to(out_shape)
+            _add_data(w, node, cb, a, out_shape)
+            chans.append(cb)
+    return Value(chans=chans, shape=out_shape)
+
+
+def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
+    if ca.mixed or cb.mixed:  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
+        return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
+    w.c.tie(ca.ids, cb.ids)  # a per-head parameter added to head scores moves with the heads
+    if residual and not ca.block:
+        w.c.tag("residual", ca.ids)
+    return ca
+
+
+def _as_mixed(c: Chan) -> tuple[Term, ...]:
+    return tuple(Term(t.ids, torch.ones((), dtype=torch.float64) if t.coef is None else t.coef) for t in c.terms)
+
+
+def _add_data(w, node, chan: Chan, other: Value, out_shape) -> None:
+    """A channel plus something without channels: fine only if that something is the same for every coordinate."""
+    axes = chan_axes(chan)
+    if other.invariant or (other.data is not None and not data_varies(other.data, axes, out_shape)):
+        if not chan.block and other.data is not None and _nonzero(other.data):
+            w.c.restrict(chan.ids, NEUTRAL, "a constant is added to every coordinate", node.name)
+        elif not chan.block and other.invariant:
+            w.c.restrict(chan.ids, NEUTRAL, "a per-row statistic is added to every coordinate", node.name)
+        return
+    what = "data that differs per coordinate" if other.data is not None else "a value no rule describes"
+    for t in chan.terms:
+        w.c.pin(t.ids, f"{what} is added", node.name)
+
+
+def _nonzero(data) -> bool:
+    if isinstance(data, torch.Tensor):
+        return bool((data != 0).any())
+    return data != 0
+
+
+def rule_mul(w, node: fx.Node, spec) -> Value:
+    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=False)
+
+
+def rule_div(w, node: fx.Node, spec) -> Value:
+    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=True)
+
+
+def _product(w, node, a, b, divide: bool) -> Value:
+    out_shape = _shape_of(node)
+    a, b = _as_value(a), _as_value(b)
+    if b.chans and not a.chans and not divide:
+        a, b = b, a
+    if not b.chans:
+        return _scale_by(w, node, a, b, divide, out_shape)
+    if divide:
+        for v in (a, b):
+            for c in v.chans:
+                w.c.pin(w.resolve(c, node.name).ids, "divided by another channel", node.name)
+        return Value(shape=out_shape)
+    chans = []
+    for ca, cb in zip(a.chans, b.chans):
+        ca, cb = w.resolve(ca, node.name), w.resolve(cb, node.name)
+        chans.append(_multiply_channels(w, node, ca, cb, out_shape))
+    return Value(chans=chans, shape=out_shape)
+
+
+def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
+    """A channel times data, a per-row statistic, or a scalar."""
+    data = b.data
+    if b.invariant:
+        return Value(chans=[c.broadcast_to(out_shape) for c in a.chans], shape=out_shape)
+    if data is None:
+        for c in a.chans:
+            for t in c.terms:
+                w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
+        return Value(shape=out_shape)
+    coef = data if isinstance(data, torch.Tensor) else torch.tensor(float(data))
+    coef = coef.to(torch.float64)
+    if divide:
+        coef = 1.0 / coef
+    chans = []
+    for c in a.chans:
+        c = c.broadcast_to(out_shape)
+        if c.mixed or data_varies(coef, chan_axes(c), out_shape):
+            c = c.scaled(coef.expand(out_shape) if coef.dim() else coef)
+        chans.append(c)
+    return Value(chans=chans, shape=out_shape)
+
+
+def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
+    ca, cb = ca.broadcast_to(out_shape), cb.broadcast_to(out_shape)
+    if ca.block or cb.block:
+        w.c.tie(ca.ids, cb.ids)
+        return ca
+    if torch.equal(ca.ids, cb.ids):
+        return replace(ca, degree=2)
+    w.c.tie(ca.ids, cb.ids)
+    direct = [c for c in (ca, cb) if c.weight]
+    w.c.products.append((_ids_of(ca), _ids_of(cb), node.name))
+    if direct:
+        w.c.permute_only.append(_ids_of(direct[0]))
+        w.c.restrict(ca.ids, monomial("nonzero"), "multiplied elementwise by a weight vector", node.name)
+        w.c.tag("product", ca.ids)
+        return ca if direct[0] is cb else cb
+    w.c.restrict(ca.ids, NEUTRAL, "elementwise product of two activations", node.name)
+    w.c.tag("product", ca.ids)
+    return ca
+
+
+def _ids_of(chan: Chan):
+    ids = chan.ids.reshape(-1)
+    return torch.unique(ids[ids >= 0]).numpy()
+
+
+# -- normalisation, reductions, softmax --------------------------------------------------------------------
+def rule_layer_norm(w, node: fx.Node, spec) -> Value:
+    x = w.value(node.args[0])
+    normalized = list(node.args[1])
+    weight = w.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+    bias = w.value(node.args[3]) if len(node.args) > 3 and node.args[3] is not None else None
+    out_shape = _shape_of(node)
+    rank = len(out_shape)
+    norm_axes = frozenset(range(rank - len(normalized), rank))
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        axes = chan_axes(c)
+        if axes & norm_axes and not c.block:
+            _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=True))
+        chans.append(c)
+    if not chans and weight is not None:  # normalising data: the affine part may not be transformed
+        for p in (weight, bias):
+            if p is not None:
+                for c in p.chans:
+                    w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
+        chans = [c.broadcast_to(out_shape) for c in weight.chans]
+        return Value(chans=chans, shape=out_shape)
+    out = Value(chans=[c.broadcast_to(out_shape) for c in chans], shape=out_shape)
+    if weight is not None:
+        for c, wc in zip(out.chans, weight.chans):
+            wc = wc.broadcast_to(out_shape)
+            w.c.tie(c.ids, wc.ids)
+            w.c.permute_only.append(_ids_of(wc))
+            w.c.restrict(c.ids, monomial("nonzero"), "multiplied elementwise by the norm weight", node.name)
+            w.c.tag("product", c.ids)
+    if bias is not None:
+        for c, bc in zip(out.chans, bias.chans):
+            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
+    return out
+
+
+def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restriction) -> None:
+    ids = chan.ids
+    rows = unique_rows(ids, sorted(axes))
+    w.c.separate(rows, node.name)
+    w.c.restrict(ids, restriction, "normalised over this axis", node.name)
+
+
+def rule_reduce(w, node: fx.Node, spec) -> Value:
+    x = w.value(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else None
+    rank = len(x.shape)
+    axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    out_shape = _shape_of(node)
+    passed, invariant = [], False
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        caxes = chan_axes(c)
+        if not (caxes & axes):
+            passed.append(_drop_axes(c, axes, keepdim, out_shape))
+            continue
+        if c.block:
+            invariant = True  # a sum over heads does not see their order
+            continue
+        if c.degree == 2:
+            _normalise(w, node, c, axes & caxes, ORTHOGONAL)
+        else:
+            w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
+            w.c.restrict(c.ids, NEUTRAL, "summed over this axis", node.name)
+        invariant = True
+    return Value(chans=passed, shape=out_shape, invariant=invariant and not passed)
+
+
+def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
+    def drop(t):
+        index = tuple(slice(0, 1) if a in axes else slice(None) for a in range(t.dim()))
+        t = t[index]
+        return t.reshape(out_shape) if not keepdim else t
+
+    return c.map(drop)
+
+
+def rule_softmax(w, node: fx.Node, spec) -> Value:
+    x = w.value(node.args[0])
+    return _softmax_value(w, node, x, node.args[1] % len(x.shape))
+
+
+def _softmax_value(w, node, x: Value, axis: int) -> Value:
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if axis in chan_axes(c) and not c.block:
+            w.c.restrict(c.ids, NEUTRAL, "softmax over this axis", node.name)
+        chans.append(c)
+    return Value(chans=chans, shape=x.shape)
+
+
+def rule_embedding(w, node: fx.Node, spec) -> Value:
+    table, indices = w.value(node.args[0]), node.args[1]
+    out_shape = _shape_of(node)
+    rows, cols = table.chans[0], table.chans[1]
+    w.c.pin(rows.ids, "embedding rows are selected by input ids", node.name)
+    ids = cols.ids[0]  # (D,)
+    view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
+    chan = Chan.clean(ids.reshape(view).expand(out_shape))
+    del indices
+    return Value(chans=[chan], shape=out_shape)
+
+
+# -- small helpers -------------------------------------------------------------------------------------------
+def _operand(w, arg):
+    if isinstance(arg, fx.Node):
+        return w.value(arg)
+    return arg
+
+
+def _as_value(x) -> Value:
+    if isinstance(x, Value):
+        return x
+    return Value(data=x)
+
+
+def _broadcast_value(v: Value, letters: str, out_letters: str, out_shape) -> Value:
+    view = [v.shape[letters.index(l)] if l in letters else 1 for l in out_letters]
+    order = [letters.index(l) for l in out_letters if l in letters]
+    chans = [c.map(lambda t: t.permute(*order).reshape(view).expand(out_shape)) for c in v.chans]
+    return Value(chans=chans, data=v.data, shape=tuple(out_shape), invariant=v.invariant)
+
+
+def _shape_of(node: fx.Node, k: int | None = None):
+    val = node.meta.get("val")
+    if k is not None:
+        val = val[k]
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _node_shape(a: fx.Node):
+    val = a.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None

@@ -1,0 +1,146 @@
+"""Capture: a model and example inputs become a torch.fx graph of ATen ops with named parameters.
+
+``torch.export.export(..., strict=False)`` keeps ``linear``, ``layer_norm`` and ``scaled_dot_product_attention``
+as single nodes (no decompositions are run). Parameters may live on the meta device (config-only capture): the
+analysis only needs their shapes, and the concrete values it does need (positions, masks, rotary tables) are
+computed from parameter-free parts of the graph by :func:`data_values`.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.export.graph_signature import InputKind
+
+from .errors import CaptureError
+
+
+@dataclass(frozen=True)
+class Capture:
+    """An exported model: its ATen graph and how graph placeholders map to state-dict names."""
+
+    program: torch.export.ExportedProgram
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    params: dict[str, str]  # placeholder name -> parameter name (trainable or not, as in state_dict)
+    buffers: dict[str, str]  # placeholder name -> buffer or lifted-constant name
+    user_inputs: tuple[str, ...]  # placeholder names of the example inputs, in graph order
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter name -> shape
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.program.graph
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(self.params.values())
+
+
+def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> Capture:
+    """Export ``model`` on the example inputs and index its placeholders.
+
+    Examples
+    --------
+    >>> import torch
+    >>> cap = capture(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+    >>> sorted(cap.params.values())
+    ['bias', 'weight']
+    """
+    kwargs = dict(kwargs or {})
+    model = model.eval()
+    try:
+        with torch.no_grad(), _quiet():
+            program = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
+        raise CaptureError(_describe_export_failure(model, exc),
+                           hint="pass example inputs that match forward(), disable caches (use_cache=False), "
+                                "or wrap the untraceable part in a module that torch.export supports.") from exc
+    sig = program.graph_signature
+    params, buffers, users = {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = spec.target
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            buffers[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            users.append(name)
+    shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
+    return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes)
+
+
+def data_values(cap: Capture) -> dict[str, Any]:
+    """Concrete values of every node that depends on no parameter (positions, masks, rotary tables).
+
+    Nodes that read a parameter map to ``None``; so do nodes that could not be evaluated. Parameters may be meta
+    tensors: they are never touched.
+    """
+    program = cap.program
+    flat_inputs = program._graph_module_flat_inputs(cap.args, cap.kwargs)
+    values: dict[str, Any] = {}
+    graph_module = program.graph_module
+    placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, flat_inputs):
+        values[node.name] = None if node.name in cap.params else _concrete(value)
+    for node in cap.graph.nodes:
+        if node.op == "get_attr":
+            values[node.name] = getattr(graph_module, node.target)
+        elif node.op == "call_function":
+            values[node.name] = _evaluate(node, values)
+    return values
+
+
+def _evaluate(node: fx.Node, values: dict[str, Any]) -> Any:
+    missing = False
+
+    def load(arg):
+        nonlocal missing
+        if isinstance(arg, fx.Node):
+            value = values.get(arg.name)
+            if value is None:
+                missing = True
+            return value
+        return arg
+
+    args = fx.node.map_aggregate(node.args, load)
+    kwargs = fx.node.map_aggregate(node.kwargs, load)
+    if missing:
+        return None
+    try:
+        with torch.no_grad():
+            return node.target(*args, **kwargs)
+    except Exception:  # a data node we cannot replay stays unknown; the analysis treats unknown data as varying
+        return None
+
+
+def _concrete(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return None
+    return value
+
+
+def _describe_export_failure(model: torch.nn.Module, exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "site-packages/torch" not in f.filename]
+    where = f" (last user frame: {user[-1].filename}:{user[-1].lineno} in {user[-1].name})" if user else ""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first_line[:300]}"
+            f"{where}.")
+
+
+@contextlib.contextmanager
+def _quiet():
+    import logging
+
+    logger = logging.getLogger("torch._export")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,146 @@
+"""Group elements: sample them, and apply them to a state dict (always a copy; inputs are never modified).
+
+An element is stored in the cheapest faithful form: dense per-copy matrices for continuous matrix groups
+(orthogonal, general linear, rotary), or a permutation plus a diagonal for monomial groups (a residual-stream
+permutation of a 70B model is an index array, not an 8192 x 8192 matrix).
+
+Monomial convention: ``(T x)_i = diag_i * x[perm_i]``, so ``T^{-T}`` reads ``x[perm_i] / diag_i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .groups import Group, Member
+
+MATRIX_KINDS = ("general_linear", "orthogonal", "rotary")
+
+
+@dataclass(frozen=True, eq=False)
+class Element:
+    group: Group
+    matrices: np.ndarray | None = None  # (copies, n, n)
+    perm: np.ndarray | None = None  # (copies, n) int
+    diag: np.ndarray | None = None  # (copies, n) float
+
+    def is_identity(self, atol: float = 1e-12) -> bool:
+        if self.matrices is not None:
+            return bool(np.allclose(self.matrices, np.eye(self.group.size), atol=atol))
+        ok = True
+        if self.perm is not None:
+            ok &= bool((self.perm == np.arange(self.group.size)).all())
+        if self.diag is not None:
+            ok &= bool(np.allclose(self.diag, 1.0, atol=atol))
+        return ok
+
+
+def identity(group: Group) -> Element:
+    c, n = group.copies, group.size
+    if group.kind in MATRIX_KINDS:
+        return Element(group, matrices=np.broadcast_to(np.eye(n), (c, n, n)).copy())
+    return Element(group, perm=np.tile(np.arange(n), (c, 1)), diag=np.ones((c, n)))
+
+
+# -- sampling -------------------------------------------------------------------------------------------------
+def sample(group: Group, rng: np.random.Generator, spread: float = 0.3) -> Element:
+    """A random element; ``spread`` is the log-standard-deviation of scales (0 keeps scales at 1)."""
+    c, n = group.copies, group.size
+    kind = group.kind
+    if kind == "orthogonal":
+        return Element(group, matrices=np.stack([random_orthogonal(n, rng) for _ in range(c)]))
+    if kind == "general_linear":
+        return Element(group, matrices=np.stack([random_general_linear(n, rng, spread) for _ in range(c)]))
+    if kind == "rotary":
+        return Element(group, matrices=np.stack([_rotary_matrix(group, rng, spread) for _ in range(c)]))
+    perm = np.stack([rng.permutation(n) for _ in range(c)]) if kind != "scale" else None
+    return Element(group, perm=perm, diag=_diagonal(group, rng, spread))
+
+
+def random_orthogonal(n: int, rng: np.random.Generator) -> np.ndarray:
+    q, r = np.linalg.qr(rng.standard_normal((n, n)))
+    return q * np.sign(np.diag(r))
+
+
+def random_general_linear(n: int, rng: np.random.Generator, spread: float = 0.3) -> np.ndarray:
+    """Well-conditioned: U diag(exp(N(0, spread))) V with U, V orthogonal."""
+    s = np.exp(rng.normal(0.0, spread, n))
+    return random_orthogonal(n, rng) @ np.diag(s) @ random_orthogonal(n, rng)
+
+
+def _rotary_matrix(group: Group, rng, spread) -> np.ndarray:
+    n = group.size
+    m = np.zeros((n, n))
+    for i, j in group.rotary_pairs:
+        phi = rng.uniform(-np.pi, np.pi)
+        a = np.exp(rng.normal(0.0, spread)) if group.scale == "positive" else 1.0
+        m[np.ix_([i, j], [i, j])] = a * np.array([[np.cos(phi), -np.sin(phi)], [np.sin(phi), np.cos(phi)]])
+    p = list(group.passthrough)
+    if p:
+        block = random_general_linear(len(p), rng, spread) if group.scale == "positive" \
+            else random_orthogonal(len(p), rng)
+        m[np.ix_(p, p)] = block
+    return m
+
+
+def _diagonal(group: Group, rng, spread) -> np.ndarray:
+    c, n = group.copies, group.size
+    magnitude = np.exp(rng.normal(0.0, spread, (c, n)))
+    signs = rng.choice([-1.0, 1.0], (c, n))
+    scale = group.scale
+    if group.kind == "signed_permutation" or scale == "sign":
+        return signs
+    if group.global_sign:
+        return np.broadcast_to(rng.choice([-1.0, 1.0], (c, 1)), (c, n)).copy()
+    if scale == "positive":
+        return magnitude
+    if scale == "nonzero":
+        return magnitude * signs
+    return np.ones((c, n))
+
+
+# -- application ----------------------------------------------------------------------------------------------
+def apply(state: dict[str, torch.Tensor], elements: list[Element], *, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """Return a new state dict with every element applied, computed in ``dtype`` and cast back.
+
+    Parameters that no element touches are shared with ``state`` (not copied); touched ones are new tensors.
+    """
+    touched = {m.param for e in elements for m in e.group.members}
+    work = {k: v.detach().to(dtype).clone() for k, v in state.items() if k in touched}
+    for e in elements:
+        for m in e.group.members:
+            work[m.param] = _apply_member(work[m.param], m, e)
+    out = dict(state)
+    for k, v in work.items():
+        out[k] = v.to(state[k].dtype)
+    return out
+
+
+def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
+    y = x.movedim(m.axis, 0)
+    idx = torch.as_tensor(m.index)  # (copies, n, block)
+    g = y[idx]  # (copies, n, block, rest...)
+    g = _transform(g, m, e)
+    y = y.clone()
+    y[idx] = g
+    return y.movedim(0, m.axis)
+
+
+def _transform(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
+    dtype = g.dtype
+    if e.matrices is not None:
+        if m.action == "permute":
+            raise ValueError(f"{m.param}: a weight vector cannot follow a {e.group.kind} transformation")
+        mat = torch.as_tensor(e.matrices, dtype=dtype)
+        if m.action == "dual":
+            mat = torch.linalg.inv(mat).transpose(-1, -2)
+        return torch.einsum("cij,cj...->ci...", mat, g)
+    if e.perm is not None:
+        perm = torch.as_tensor(e.perm)
+        g = torch.stack([g[c, perm[c]] for c in range(g.shape[0])])
+    if e.diag is None or m.action == "permute":
+        return g
+    d = torch.as_tensor(e.diag, dtype=dtype) ** m.exponent
+    d = d.reshape(*d.shape, *([1] * (g.dim() - 2)))
+    return g * d if m.action == "primal" else g / d

@@ -1,0 +1,145 @@
+"""What the analysis emits: symmetry groups and the parameter slices they act on.
+
+A group acts on ``copies`` independent blocks of ``size`` coordinates each (one block per attention head or KV
+group, a single block for an FFN or the residual stream). A :class:`Member` says where those coordinates live in
+one parameter: ``index[c, j, :]`` are the positions along ``axis`` that coordinate ``j`` of copy ``c`` occupies
+(``block`` positions per coordinate: 1 for ordinary groups, d_head for a head permutation that moves whole heads).
+
+Actions, for an element ``T`` of copy ``c`` (an ``size x size`` matrix):
+
+* ``primal``: the slice transforms like an activation, ``X -> T X`` along ``axis`` (linear rows, biases).
+* ``dual``: the slice is contracted with such an activation, ``X -> T^{-T} X`` (linear columns).
+* ``permute``: a weight vector multiplied elementwise into the activation (norm weights): only the permutation
+  part of a monomial element acts on it; signs and scales pass through to the activation.
+
+Scale groups act by ``s ** exponent`` (primal) or ``s ** -exponent`` (dual) per coordinate.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Kind = Literal["general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale"]
+Action = Literal["primal", "dual", "permute"]
+ScaleAttr = Literal["positive", "nonzero"]
+
+KINDS: tuple[str, ...] = ("general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale")
+MOTIFS: tuple[str, ...] = ("qk", "vo", "heads", "ffn", "residual", "scale_free", "other")
+
+
+@dataclass(frozen=True, eq=False)
+class Member:
+    """One parameter slice a group acts on."""
+
+    param: str
+    axis: int
+    index: np.ndarray  # int64, shape (copies, size, block)
+    action: Action = "primal"
+    exponent: int = 1
+
+    def __post_init__(self):
+        if self.index.ndim != 3:
+            raise ValueError(f"Member index for {self.param} must be (copies, size, block), got {self.index.shape}")
+
+    def describe(self) -> str:
+        """A one-line, human summary of where the member sits (``rows 0:64 per head of 4``)."""
+        flat = self.index.reshape(-1)
+        where = f"{flat.min()}..{flat.max()}" if flat.size > 1 else str(int(flat[0]))
+        return f"{self.param}[axis {self.axis}, {where}] {self.action}"
+
+    def to_json(self) -> dict:
+        copies, size, block = self.index.shape
+        return {
+            "param": self.param,
+            "axis": self.axis,
+            "action": self.action,
+            "exponent": self.exponent,
+            "copies": copies,
+            "size": size,
+            "block": block,
+            "index": _compress_index(self.index),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A symmetry group of the model's parameters, ready for reports, sampling and solvers."""
+
+    id: str
+    motif: str
+    kind: Kind
+    size: int
+    copies: int
+    members: tuple[Member, ...]
+    scale: ScaleAttr | None = None
+    global_sign: bool = False  # permutation times one sign shared by every coordinate (post-LN residual)
+    full_group: Kind | None = None  # the exact group when the emitted kind is a chosen subgroup (QK: GL, we use O)
+    rotary_pairs: tuple[tuple[int, int], ...] = ()  # rotary: coordinate pairs rotated together
+    passthrough: tuple[int, ...] = ()  # rotary: coordinates that RoPE leaves alone (GL among themselves)
+    layer: str = ""
+    notes: tuple[str, ...] = ()
+    links: tuple[str, ...] = field(default=())  # ids of groups acting on the same spaces (heads <-> qk/vo)
+
+    @property
+    def dof(self) -> int:
+        """Continuous degrees of freedom (0 for finite groups)."""
+        n = self.size
+        per_copy = {
+            "general_linear": n * n,
+            "orthogonal": n * (n - 1) // 2,
+            "rotary": 2 * len(self.rotary_pairs) + len(self.passthrough) ** 2,
+            "scale": n,
+        }.get(self.kind, n if self.scale else 0)
+        return per_copy * self.copies
+
+    def with_notes(self, *notes: str) -> "Group":
+        return dataclasses.replace(self, notes=self.notes + tuple(notes))
+
+    def to_json(self) -> dict:
+        out = {
+            "id": self.id,
+            "motif": self.motif,
+            "kind": self.kind,
+            "size": self.size,
+            "copies": self.copies,
+            "dof": self.dof,
+            "scale": self.scale,
+            "global_sign": self.global_sign,
+            "full_group": self.full_group,
+            "layer": self.layer,
+            "members": [m.to_json() for m in self.members],
+            "notes": list(self.notes),
+            "links": list(self.links),
+        }
+        if self.kind == "rotary":
+            out["rotary_pairs"] = [list(p) for p in self.rotary_pairs]
+            out["passthrough"] = list(self.passthrough)
+        return out
+
+
+@dataclass(frozen=True)
+class PinnedSpace:
+    """A set of coordinates no transformation may touch, and why."""
+
+    params: tuple[str, ...]
+    size: int
+    reason: str
+    node: str = ""
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"params": list(self.params)}
+
+
+def _compress_index(index: np.ndarray) -> dict:
+    """Describe an index array compactly: as an arithmetic progression when it is one, else explicitly."""
+    flat = index.reshape(-1)
+    if flat.size == 1:
+        return {"start": int(flat[0]), "step": 1, "count": 1}
+    steps = np.diff(flat)
+    if np.all(steps == steps[0]):
+        return {"start": int(flat[0]), "step": int(steps[0]), "count": int(flat.size)}
+    return {"explicit": flat.tolist()}
