@@ -1,1 +1,19 @@
-"""symgraph: find a model's parameter-space symmetries from its traced graph, and align models with them."""
+"""symgraph: find a model's parameter-space symmetries from its traced graph, and align models with them.
+
+Examples
+--------
+>>> import symgraph, torch
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+>>> [(g.motif, g.kind, g.size) for g in symgraph.analyze(mlp, inputs=(torch.randn(2, 4),)).groups]
+[('ffn', 'permutation', 8)]
+"""
+from .api import Subject, analyze, load, sample_elements, transform
+from .elements import Element, apply, sample
+from .errors import SymgraphError
+from .groups import Group, Member, PinnedSpace
+from .report import Report
+
+__all__ = [
+    "Element", "Group", "Member", "PinnedSpace", "Report", "Subject", "SymgraphError",
+    "analyze", "apply", "load", "sample", "sample_elements", "transform",
+]

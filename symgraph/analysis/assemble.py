@@ -19,8 +19,9 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, Restriction
+from .constraints import ORTHOGONAL, PRODUCT_FACTOR, Restriction
 from .labels import IdSpace
+from .scales import scale_groups
 
 _MOTIF_ORDER = ("qk", "vo", "activation", "residual")
 _MOTIF_NAME = {"qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
@@ -44,24 +45,14 @@ class Assembler:
         n = self.ids.next
         self.n = n
         self.is_block = self.ids.block_mask()
+        self.is_param = self.ids.param_mask()
         self._classes()
         self._decode_tables()
 
     # -- 1. classes ------------------------------------------------------------------------------------------
     def _classes(self) -> None:
         n = self.n
-        rows, cols = [np.arange(0)], [np.arange(0)]
-        for a, b, parity in self.c.ties:
-            rows += [a, a + n]
-            cols += [b + parity * n, b + (1 - parity) * n]
-        r, c = np.concatenate(rows), np.concatenate(cols)
-        graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(2 * n, 2 * n))
-        _, comp = connected_components(graph, directed=False)
-        pos, neg = comp[:n], comp[n:]
-        self.self_dual = pos == neg
-        canon = np.minimum(pos, neg)
-        self.parity = (pos != canon).astype(np.int8)
-        _, self.cls = np.unique(canon, return_inverse=True)
+        self.cls, self.parity, self.self_dual = parity_classes(n, self.c.ties)
         self.n_cls = int(self.cls.max()) + 1 if n else 0
         # ids grouped by class (ascending within each class), so per-class look-ups cost O(class size)
         self._by_class = np.argsort(self.cls, kind="stable")
@@ -71,7 +62,7 @@ class Assembler:
         """Parameter ids (not head-block ids) of the given classes."""
         parts = [self._by_class[self._class_start[c]:self._class_start[c + 1]] for c in np.atleast_1d(classes)]
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        return ids[~self.is_block[ids]]
+        return ids[self.is_param[ids]]
 
     def _decode_tables(self) -> None:
         ranges = self.ids.ranges
@@ -99,6 +90,7 @@ class Assembler:
         for k in np.nonzero(~excluded)[0]:
             blocks[int(key[k])].append(int(k))
         groups = self._coordinate_groups(blocks, restriction, role)
+        groups += scale_groups(self, restriction, excluded, role["kind"] > 0)
         groups += self._head_groups(cls_pinned)
         pinned = self._pinned_report(cls_pinned)
         return Analysis(groups, pinned, dict(self.w.unknown_ops), dict(self.w.cap.shapes))
@@ -143,7 +135,7 @@ class Assembler:
 
     def _class_restrictions(self) -> list[Restriction]:
         out = [Restriction() for _ in range(self.n_cls)]
-        for ids, r, _why, _node in self.c.restricts:
+        for ids, r, _why, _node, _scales in self.c.restricts:
             for k in np.unique(self.cls[ids]):
                 out[k] = out[k] & r
         for k in np.unique(self.cls[np.nonzero(self.self_dual)[0]]):
@@ -326,10 +318,11 @@ class Assembler:
         """
         content: dict[int, set[int]] = defaultdict(set)
         ops = []
+        factor_of = self._product_factor_components()
         for block_ids, rows, _node in self.c.rowlinks:
             heads = self.cls[block_ids]
             for h, row in zip(heads, rows):
-                content[int(h)].update(int(i) for i in row[row >= 0])
+                content[int(h)].update(int(i) for i in factor_of(row[row >= 0]))
             ops.append([int(h) for h in np.unique(heads)])
         for h in content:  # parameters tied to the heads themselves (T5 relative-bias columns)
             content[h].update(int(i) for i in self.ids_of(h))
@@ -341,6 +334,24 @@ class Assembler:
                 continue
             groups.extend(self._head_permutations(heads, content))
         return groups
+
+    def _product_factor_components(self):
+        """Map ids to every id they are an elementwise product of (not through broadcast weights), so a head's
+        normalised queries lead back to its rows of the query projection."""
+        edges = [(a, b) for a, b, _dual, product in self.c.ties if product == PRODUCT_FACTOR]
+        if not edges:
+            return lambda ids: ids
+        r = np.concatenate([a for a, _ in edges])
+        c = np.concatenate([b for _, b in edges])
+        graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(self.n, self.n))
+        _, comp = connected_components(graph, directed=False)
+        by_comp = np.argsort(comp, kind="stable")
+        start = np.searchsorted(comp[by_comp], np.arange(comp.max() + 2))
+
+        def expand(ids):
+            return np.concatenate([by_comp[start[k]:start[k + 1]] for k in np.unique(comp[ids])]) \
+                if len(ids) else ids
+        return expand
 
     def _head_permutations(self, heads: list[int], content) -> list[Group]:
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
@@ -376,7 +387,7 @@ class Assembler:
         per_key: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in id_sets])
         for j, ids in enumerate(id_sets):
             ids = np.fromiter(ids, dtype=np.int64)
-            ids = ids[~self.is_block[ids]]
+            ids = ids[self.is_param[ids]]
             rng, pos = self.decode(ids)
             for k, p in zip(rng, pos):
                 r = self.range_of[k]
@@ -393,7 +404,7 @@ class Assembler:
     # -- pinned report -------------------------------------------------------------------------------------------
     def _pinned_report(self, cls_pinned: np.ndarray) -> list[PinnedSpace]:
         by_reason: dict[tuple, set] = defaultdict(set)
-        ids = np.nonzero(cls_pinned[self.cls] & ~self.is_block)[0]
+        ids = np.nonzero(cls_pinned[self.cls] & self.is_param)[0]
         rng, _ = self.decode(ids)
         sizes: dict[tuple, int] = defaultdict(int)
         for i, k in zip(ids, rng):
@@ -406,6 +417,26 @@ class Assembler:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
+def parity_classes(n: int, ties, keep=lambda product: True):
+    """Union-find with orientation over ids ``0..n-1``: returns (class, parity, self_dual) per id.
+
+    Ties are ``(a, b, dual, product)``; a dual tie flips orientation. Solved as connected components of the
+    double cover (id, orientation); an id in the same component as its own flip is self-dual.
+    """
+    rows, cols = [np.arange(0)], [np.arange(0)]
+    for a, b, parity, product in ties:
+        if keep(product):
+            rows += [a, a + n]
+            cols += [b + parity * n, b + (1 - parity) * n]
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(2 * n, 2 * n))
+    _, comp = connected_components(graph, directed=False)
+    pos, neg = comp[:n], comp[n:]
+    canon = np.minimum(pos, neg)
+    _, cls = np.unique(canon, return_inverse=True)
+    return cls.reshape(-1), (pos != canon).astype(np.int8), pos == neg
+
+
 def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
     stacked = np.stack([key, sub], axis=1)
     _, inv = np.unique(stacked, axis=0, return_inverse=True)

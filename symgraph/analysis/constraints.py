@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+PRODUCT_FACTOR, PRODUCT_WEIGHT = 1, 2  # kinds of product tie (see Constraints.tie)
+
 # Per-coordinate scalings a monomial (permutation times diagonal) group may keep, from largest to smallest.
 # "sign" is +-1 per coordinate, "global_sign" one +-1 shared by all coordinates, "one" no scaling.
 _SCALE_MEET = {
@@ -89,27 +91,32 @@ class Commute:
 
 @dataclass
 class Constraints:
-    ties: list[tuple[np.ndarray, np.ndarray, int]] = field(default_factory=list)  # a ~ b, parity 1 = dual
-    restricts: list[tuple[np.ndarray, Restriction, str, str]] = field(default_factory=list)  # ids, r, why, node
+    ties: list[tuple[np.ndarray, np.ndarray, int, int]] = field(default_factory=list)  # a ~ b, dual, product
+    # ids, restriction, why, node, and whether it also limits per-coordinate scales (products only share
+    # their permutation; each factor keeps its own scale)
+    restricts: list[tuple[np.ndarray, Restriction, str, str, bool]] = field(default_factory=list)
     separates: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (R, K) rows that may not mix
     rowlinks: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # block ids (R,), rows (R, K)
     pins: list[tuple[np.ndarray, str, str]] = field(default_factory=list)  # ids, reason, node
     commutes: list[Commute] = field(default_factory=list)
     permute_only: list[np.ndarray] = field(default_factory=list)  # param ids entering products as weights
-    products: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # a * b, coordinate-wise
+    products: list[tuple[np.ndarray, np.ndarray, np.ndarray, str]] = field(default_factory=list)  # out = a * b
     tags: dict[str, list[np.ndarray]] = field(default_factory=dict)  # motif tag -> ids
 
-    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False) -> None:
+    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0) -> None:
+        """``a`` and ``b`` are the same coordinate (``dual``: contracted with each other). A product tie
+        (``product`` = PRODUCT_FACTOR, or PRODUCT_WEIGHT when ``b`` is a weight vector broadcast along other axes)
+        shares the coordinate's permutation but not its scale (the factors of an elementwise product)."""
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
         keep = (a >= 0) & (b >= 0)
         if keep.any():
             pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)
-            self.ties.append((pairs[:, 0], pairs[:, 1], int(dual)))
+            self.ties.append((pairs[:, 0], pairs[:, 1], int(dual), product))
 
-    def restrict(self, ids, restriction: Restriction, why: str, node: str) -> None:
+    def restrict(self, ids, restriction: Restriction, why: str, node: str, scales: bool = True) -> None:
         ids = _ids(ids)
         if ids.size:
-            self.restricts.append((ids, restriction, why, node))
+            self.restricts.append((ids, restriction, why, node, scales))
 
     def pin(self, ids, reason: str, node: str) -> None:
         ids = _ids(ids)

@@ -44,6 +44,14 @@ class IdSpace:
         self.next += size
         return torch.arange(rng.start, rng.start + size, dtype=torch.int64)
 
+    def param_mask(self) -> np.ndarray:
+        """Ids that index a parameter axis (not head blocks, not activation-only ids)."""
+        mask = np.zeros(self.next, dtype=bool)
+        for r in self.ranges:
+            if r.owner and not r.block:
+                mask[r.start:r.start + r.size] = True
+        return mask
+
     def block_mask(self) -> np.ndarray:
         mask = np.zeros(self.next, dtype=bool)
         for r in self.ranges:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-from .constraints import ORTHOGONAL, Restriction, from_group_name, monomial
+from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .labels import Chan, Term, Value, chan_axes, data_varies, unique_rows
 
@@ -344,17 +344,35 @@ def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
         return ca
     if torch.equal(ca.ids, cb.ids):
         return replace(ca, degree=2)
-    w.c.tie(ca.ids, cb.ids)
-    direct = [c for c in (ca, cb) if c.weight]
-    w.c.products.append((_ids_of(ca), _ids_of(cb), node.name))
-    if direct:
-        w.c.permute_only.append(_ids_of(direct[0]))
-        w.c.restrict(ca.ids, monomial("nonzero"), "multiplied elementwise by a weight vector", node.name)
-        w.c.tag("product", ca.ids)
-        return ca if direct[0] is cb else cb
-    w.c.restrict(ca.ids, NEUTRAL, "elementwise product of two activations", node.name)
-    w.c.tag("product", ca.ids)
-    return ca
+    weight = next((c for c in (ca, cb) if c.weight), None)
+    if weight is not None:
+        w.c.permute_only.append(_ids_of(weight))
+        limit, why = monomial("nonzero"), "multiplied elementwise by a weight vector"
+    else:  # both factors scale with the coordinate: only a permutation moves them alike
+        limit, why = NEUTRAL, "elementwise product of two activations"
+    return _product_output(w, node, ca, cb, limit, why)
+
+
+def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
+    """``out = a * b`` coordinate-wise: one permutation for all three, scales related by s_out = s_a + s_b."""
+    out = _fresh_like(w, ca, cb)
+    for factor in (ca, cb):
+        w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR)
+    w.c.products.append((out.ids.numpy(), ca.ids.numpy(), cb.ids.numpy(), node.name))
+    w.c.restrict(out.ids, limit, why, node.name, scales=False)
+    w.c.tag("product", out.ids)
+    return out
+
+
+def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
+    """New activation ids, one per distinct pair of factor labels (a weight shared across heads times
+    per-head values gives one output coordinate per head and position)."""
+    pairs = torch.stack([ca.ids.reshape(-1), cb.ids.reshape(-1)], 1)
+    uniq, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+    fresh = w.ids.allocate(len(uniq))
+    valid = (pairs >= 0).all(1)
+    labels = torch.where(valid, fresh[inverse], torch.full_like(inverse, -1))
+    return Chan.clean(labels.reshape(ca.ids.shape))
 
 
 def _ids_of(chan: Chan):
@@ -387,12 +405,13 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
         return Value(chans=chans, shape=out_shape)
     out = Value(chans=[c.broadcast_to(out_shape) for c in chans], shape=out_shape)
     if weight is not None:
+        products = []
         for c, wc in zip(out.chans, weight.chans):
             wc = wc.broadcast_to(out_shape)
-            w.c.tie(c.ids, wc.ids)
             w.c.permute_only.append(_ids_of(wc))
-            w.c.restrict(c.ids, monomial("nonzero"), "multiplied elementwise by the norm weight", node.name)
-            w.c.tag("product", c.ids)
+            products.append(_product_output(w, node, c, wc, monomial("nonzero"),
+                                            "multiplied elementwise by the norm weight"))
+        out = Value(chans=products, shape=out_shape)
     if bias is not None:
         for c, bc in zip(out.chans, bias.chans):
             w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
@@ -454,6 +473,26 @@ def _softmax_value(w, node, x: Value, axis: int) -> Value:
             w.c.restrict(c.ids, NEUTRAL, "softmax over this axis", node.name)
         chans.append(c)
     return Value(chans=chans, shape=x.shape)
+
+
+def rule_where(w, node: fx.Node, spec) -> Value:
+    """``where(cond, x, y)`` / ``masked_fill(x, mask, value)``: each output element is x or y, chosen by data.
+
+    The chosen values are tied like an addition; a condition that differs between coordinates would apply the
+    transformation to some coordinates and not others, so it pins them.
+    """
+    if "masked_fill" in str(node.target):
+        x, cond, y = node.args[0], node.args[1], node.args[2]
+    else:
+        cond, x, y = node.args[0], node.args[1], node.args[2]
+    out_shape = _shape_of(node)
+    cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
+    out = _add_values(w, node, _operand(w, x), _operand(w, y), residual=False, out_shape=out_shape)
+    for c in out.chans:
+        if cond_value is None or cond_value.chans or data_varies(cond_value.data, chan_axes(c), out_shape):
+            for t in c.terms:
+                w.c.pin(t.ids, "selected per coordinate by a condition", node.name)
+    return out
 
 
 def rule_embedding(w, node: fx.Node, spec) -> Value:

@@ -1,0 +1,154 @@
+"""The Python API behind every CLI command: load, analyse, sample, transform.
+
+Examples
+--------
+>>> import symgraph, torch
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+>>> report = symgraph.analyze(mlp, inputs=(torch.randn(2, 4),))
+>>> [(g.motif, g.kind, g.size, g.scale) for g in report.groups]
+[('ffn', 'permutation', 8, 'positive')]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .analysis import analyse_capture
+from .capture import Capture, capture
+from .elements import Element, apply, sample
+from .errors import InvarianceError, ModelLoadError
+from .report import Report
+
+Inputs = tuple | dict | None
+
+
+@dataclass
+class Subject:
+    """A model ready for analysis: the module, where it came from, and the example inputs it is traced with."""
+
+    model: torch.nn.Module
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    config: Any = None
+    path: Path | None = None
+    config_only: bool = False
+    _capture: Capture | None = None
+    _report: Report | None = None
+
+    @property
+    def capture(self) -> Capture:
+        if self._capture is None:
+            self._capture = capture(self.model, self.args, self.kwargs)
+        return self._capture
+
+    @property
+    def report(self) -> Report:
+        if self._report is None:
+            notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
+            self._report = Report.from_analysis(self.name, analyse_capture(self.capture), notes)
+        return self._report
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject:
+    """Turn a model, a Hugging Face folder, a config.json or a ``module:factory`` string into a :class:`Subject`.
+
+    A factory may return a module, or ``(module, args)`` / ``(module, args, kwargs)`` with its example inputs.
+    """
+    if isinstance(source, Subject):
+        return source
+    from .io import load_model
+
+    factory_inputs = None
+    if isinstance(source, str) and ":" in source and not Path(source).exists():
+        source, factory_inputs = _call_factory(source)
+    loaded = load_model(source, config_only=config_only)
+    args, kwargs = _inputs_for(loaded.model, loaded.config, inputs if inputs is not None else factory_inputs)
+    return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only)
+
+
+def analyze(source, inputs: Inputs = None, *, config_only: bool = False) -> Report:
+    """Find every symmetry group of ``source`` (see :func:`load` for what it may be)."""
+    return load(source, inputs, config_only=config_only).report
+
+
+def sample_elements(report: Report, seed: int = 0, spread: float = 0.3) -> list[Element]:
+    """One random element of every group in ``report``."""
+    rng = np.random.default_rng(seed)
+    return [sample(g, rng, spread) for g in report.groups]
+
+
+def transform(source, *, seed: int = 0, inputs: Inputs = None, verify: bool = True) -> dict[str, torch.Tensor]:
+    """A functionally equivalent, randomly reparametrised copy of the model's state dict.
+
+    The copy is checked in float64 on the example inputs before it is returned; a violation raises
+    :class:`~symgraph.errors.InvarianceError` naming the groups involved.
+    """
+    subject = load(source, inputs)
+    state = subject.state_dict()
+    elements = sample_elements(subject.report, seed)
+    new = tie_aliases(subject.model, apply(state, elements))
+    if verify:
+        from .verify import Evaluator
+
+        outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(new)
+        if not outcome.ok:
+            raise InvarianceError(
+                f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
+                f"tolerance {outcome.tolerance:.1e}); nothing was written.",
+                hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
+    return new
+
+
+def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Make names that share storage in ``model`` (tied weights) agree with whichever one was transformed."""
+    from .verify import _aliases
+
+    original = model.state_dict()
+    out = dict(state)
+    for names in _aliases(model):
+        changed = [n for n in names if not torch.equal(state[n], original[n].to(state[n].dtype))]
+        for n in names:
+            out[n] = state[changed[0] if changed else names[0]]
+    return out
+
+
+def _call_factory(spec: str):
+    from .io import resolve_factory
+
+    result = resolve_factory(spec)()
+    if isinstance(result, torch.nn.Module):
+        return result, None
+    if isinstance(result, tuple) and result and isinstance(result[0], torch.nn.Module):
+        module, *rest = result
+        args = tuple(rest[0]) if rest else ()
+        kwargs = dict(rest[1]) if len(rest) > 1 else {}
+        return module, (args, kwargs)
+    raise ModelLoadError(f"The factory {spec} returned {type(result).__name__}, not an nn.Module.",
+                         hint="return a module, or (module, args) / (module, args, kwargs).")
+
+
+def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) \
+            and isinstance(inputs[0], tuple):
+        return inputs
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if config is not None:
+        from .inputs import example_inputs, forward_kwargs
+
+        return (), {**example_inputs(config), **forward_kwargs(config)}
+    raise ModelLoadError(f"No example inputs for {type(model).__name__}: it has no Hugging Face config to build "
+                         f"them from.", hint="pass inputs=(tensor, ...) in Python, or make the factory return "
+                                             "(module, args).")

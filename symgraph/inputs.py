@@ -1,0 +1,185 @@
+"""Example inputs for Hugging Face models, built from their ``PretrainedConfig`` alone.
+
+Dispatch is on what a config *has*, never on its model name:
+
+===========================================  ==================================================================
+config has                                   inputs built
+===========================================  ==================================================================
+``encoder`` and ``decoder`` sub-configs      the encoder's inputs, plus ``decoder_input_ids`` from the decoder
+``text_config`` and ``vision_config``        ``input_ids`` (text) and ``pixel_values`` (vision), CLIP-like
+``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like
+``conv_kernel`` and ``conv_stride``          ``input_values`` (batch, samples), wav2vec2-like raw audio
+``image_size`` (and no ``vocab_size``)       ``pixel_values`` (batch, channels, height, width)
+``vocab_size``                               ``input_ids``
+``is_encoder_decoder``                       ``decoder_input_ids`` in addition
+===========================================  ==================================================================
+
+Token ids avoid the config's special tokens (pad, bos, eos, ...), so no model needs an ``attention_mask`` to
+ignore padding; one of ones is added only on request, because a mask adds nodes to the traced graph.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["example_inputs", "forward_kwargs"]
+
+_SPECIAL_TOKEN_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                        "cls_token_id", "mask_token_id", "unk_token_id")
+
+
+def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32, attention_mask: bool = False) -> dict[str, torch.Tensor]:
+    """Keyword tensor inputs for the model that ``config`` describes.
+
+    Parameters
+    ----------
+    config
+        A ``transformers.PretrainedConfig`` (or any object with the same attributes).
+    batch, seq
+        Batch size and sequence length (token sequences, audio frames after the feature encoder).
+    seed
+        Seed of the ``torch.Generator`` that draws every tensor; equal seeds give equal inputs.
+    device
+        Where the tensors live. On ``"meta"`` only shapes and dtypes are produced.
+    dtype
+        Floating dtype of float inputs (pixels, audio); token ids are always ``int64``.
+    attention_mask
+        Add an all-ones ``attention_mask`` beside ``input_ids``.
+
+    Examples
+    --------
+    >>> from transformers import AutoConfig
+    >>> cfg = AutoConfig.for_model("bert", vocab_size=100, hidden_size=32, num_attention_heads=4)
+    >>> {k: tuple(v.shape) for k, v in example_inputs(cfg).items()}
+    {'input_ids': (2, 7)}
+    """
+    maker = _Maker(batch, seq, seed, torch.device(device), dtype)
+    inputs = _encoder_inputs(_encoder_config(config), maker)
+    if attention_mask and "input_ids" in inputs:
+        inputs["attention_mask"] = maker.ones(tuple(inputs["input_ids"].shape))
+    decoder = _decoder_config(config)
+    if decoder is not None:
+        inputs["decoder_input_ids"] = maker.token_ids(decoder, start=_start_token(config, decoder))
+    return inputs
+
+
+def forward_kwargs(config: Any) -> dict[str, Any]:
+    """Non-tensor keyword arguments for ``forward``: ``return_dict=True``, and ``use_cache=False`` where the
+    config has a cache switch (decoders), so tracing does not build a key/value cache.
+
+    Examples
+    --------
+    >>> from transformers import AutoConfig
+    >>> forward_kwargs(AutoConfig.for_model("gpt2"))
+    {'return_dict': True, 'use_cache': False}
+    """
+    kwargs: dict[str, Any] = {"return_dict": True}
+    if getattr(config, "use_cache", None) is not None:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+class _Maker:
+    """Draws tensors of one batch/sequence shape from one seeded generator (on CPU, then moved)."""
+
+    def __init__(self, batch: int, seq: int, seed: int, device: torch.device, dtype: torch.dtype):
+        self.batch, self.seq, self.device, self.dtype = batch, seq, device, dtype
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def meta(self) -> bool:
+        return self.device.type == "meta"
+
+    def token_ids(self, config: Any, start: int | None = None) -> torch.Tensor:
+        shape = (self.batch, self.seq)
+        if self.meta:
+            return torch.empty(shape, dtype=torch.long, device="meta")
+        vocab = int(config.vocab_size)
+        allowed = torch.tensor(sorted(set(range(vocab)) - _special_ids(config)) or list(range(vocab)))
+        ids = allowed[torch.randint(len(allowed), shape, generator=self.generator)]
+        if start is not None and 0 <= start < vocab:
+            ids[:, 0] = start
+        return ids.to(self.device)
+
+    def floats(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(shape, dtype=self.dtype, device="meta")
+        return torch.randn(shape, generator=self.generator).to(device=self.device, dtype=self.dtype)
+
+    def ones(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.ones(shape, dtype=torch.long, device=self.device)
+
+
+def _encoder_inputs(config: Any, maker: _Maker) -> dict[str, torch.Tensor]:
+    text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if text is not None and vision is not None:
+        return {"input_ids": maker.token_ids(text), "pixel_values": _pixels(vision, maker)}
+    if getattr(config, "num_mel_bins", None) is not None:
+        return {"input_features": _mel_features(config, maker)}
+    if getattr(config, "conv_kernel", None) is not None and getattr(config, "conv_stride", None) is not None:
+        return {"input_values": maker.floats((maker.batch, _raw_audio_length(config, maker.seq)))}
+    if getattr(config, "image_size", None) is not None and getattr(config, "vocab_size", None) is None:
+        return {"pixel_values": _pixels(config, maker)}
+    if getattr(config, "vocab_size", None) is not None:
+        return {"input_ids": maker.token_ids(config)}
+    raise ValueError(f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, "
+                     f"num_mel_bins or conv_kernel, nor text/vision or encoder/decoder sub-configs.")
+
+
+def _encoder_config(config: Any) -> Any:
+    encoder = getattr(config, "encoder", None)
+    return encoder if encoder is not None and hasattr(encoder, "to_dict") else config
+
+
+def _decoder_config(config: Any) -> Any | None:
+    decoder = getattr(config, "decoder", None)
+    if decoder is not None and hasattr(decoder, "to_dict"):
+        return decoder
+    if getattr(config, "is_encoder_decoder", False):
+        return getattr(config, "text_config", None) or config
+    return None
+
+
+def _start_token(config: Any, decoder: Any) -> int | None:
+    for source in (config, decoder):
+        start = getattr(source, "decoder_start_token_id", None)
+        if isinstance(start, int):
+            return start
+    return None
+
+
+def _pixels(config: Any, maker: _Maker) -> torch.Tensor:
+    size = config.image_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return maker.floats((maker.batch, int(getattr(config, "num_channels", 3)), int(height), int(width)))
+
+
+def _mel_features(config: Any, maker: _Maker) -> torch.Tensor:
+    # Whisper's encoder checks the frame count: its stride-1 and stride-2 convs must leave max_source_positions.
+    positions = getattr(config, "max_source_positions", None)
+    frames = 2 * int(positions) if positions is not None else maker.seq
+    return maker.floats((maker.batch, int(config.num_mel_bins), frames))
+
+
+def _raw_audio_length(config: Any, frames: int) -> int:
+    """Samples that a stack of convolutions (kernel k, stride s) turns into exactly ``frames`` frames."""
+    length = frames
+    for kernel, stride in reversed(list(zip(_ints(config.conv_kernel), _ints(config.conv_stride)))):
+        length = (length - 1) * stride + kernel
+    return length
+
+
+def _special_ids(config: Any) -> set[int]:
+    ids: set[int] = set()
+    for attr in _SPECIAL_TOKEN_ATTRS:
+        value = getattr(config, attr, None)
+        if value is not None:
+            ids.update(_ints(value))
+    return ids
+
+
+def _ints(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, Iterable) else [int(value)]
