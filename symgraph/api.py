@@ -66,11 +66,8 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject
         return source
     from .io import load_model
 
-    factory_inputs = None
-    if isinstance(source, str) and ":" in source and not Path(source).exists():
-        source, factory_inputs = _call_factory(source)
     loaded = load_model(source, config_only=config_only)
-    args, kwargs = _inputs_for(loaded.model, loaded.config, inputs if inputs is not None else factory_inputs)
+    args, kwargs = _inputs_for(loaded.model, loaded.config, inputs if inputs is not None else loaded.inputs)
     return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only)
 
 
@@ -118,21 +115,6 @@ def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
         for n in names:
             out[n] = state[changed[0] if changed else names[0]]
     return out
-
-
-def _call_factory(spec: str):
-    from .io import resolve_factory
-
-    result = resolve_factory(spec)()
-    if isinstance(result, torch.nn.Module):
-        return result, None
-    if isinstance(result, tuple) and result and isinstance(result[0], torch.nn.Module):
-        module, *rest = result
-        args = tuple(rest[0]) if rest else ()
-        kwargs = dict(rest[1]) if len(rest) > 1 else {}
-        return module, (args, kwargs)
-    raise ModelLoadError(f"The factory {spec} returned {type(result).__name__}, not an nn.Module.",
-                         hint="return a module, or (module, args) / (module, args, kwargs).")
 
 
 def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:

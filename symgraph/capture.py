@@ -111,15 +111,26 @@ def _evaluate(node: fx.Node, values: dict[str, Any]) -> Any:
     kwargs = fx.node.map_aggregate(node.kwargs, load)
     if missing:
         return None
+    if _is_meta_device(kwargs.get("device")):  # config-only models build positions "on the model's device"
+        kwargs = {**kwargs, "device": torch.device("cpu")}
+    args = tuple(torch.device("cpu") if _is_meta_device(a) else a for a in args)
     try:
         with torch.no_grad():
-            return node.target(*args, **kwargs)
+            return _concrete(node.target(*args, **kwargs))
     except Exception:  # a data node we cannot replay stays unknown; the analysis treats unknown data as varying
         return None
 
 
+def _is_meta_device(value) -> bool:
+    return isinstance(value, (torch.device, str)) and str(value) == "meta"
+
+
 def _concrete(value: Any) -> Any:
+    """Meta tensors carry no values: treat them as unknown."""
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return None
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
+                                                for v in value):
         return None
     return value
 

@@ -77,7 +77,7 @@ def forward_kwargs(config: Any) -> dict[str, Any]:
     {'return_dict': True, 'use_cache': False}
     """
     kwargs: dict[str, Any] = {"return_dict": True}
-    if getattr(config, "use_cache", None) is not None:
+    if any(getattr(c, "use_cache", None) is not None for c in (config, _decoder_config(config)) if c is not None):
         kwargs["use_cache"] = False
     return kwargs
 

@@ -11,6 +11,7 @@ half-replaced output folder behind. Its failures raise :class:`~symgraph.errors.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -20,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -77,6 +79,7 @@ class LoadedModel:
     config: PretrainedConfig | None
     path: Path | None
     name: str
+    inputs: tuple[tuple, dict] | None = None  # example (args, kwargs) a factory returned with its module
 
     @property
     def is_meta(self) -> bool:
@@ -208,14 +211,19 @@ def _call_factory(factory, text: str, *, dtype: torch.dtype | None) -> LoadedMod
             f"The factory '{text}' raised {type(exc).__name__}: {exc}",
             hint="the factory must build and return the model when called with no arguments.",
         ) from exc
+    inputs = None
+    if isinstance(model, tuple) and 2 <= len(model) <= 3 and isinstance(model[0], torch.nn.Module):
+        model, args, *rest = model
+        inputs = (tuple(args) if isinstance(args, (tuple, list)) else (args,), dict(rest[0]) if rest else {})
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(
             f"The factory '{text}' returned a {type(model).__module__}.{type(model).__qualname__}, "
             "not a torch.nn.Module.",
-            hint="make the function return the model itself (an nn.Module instance), not a class, tuple or "
-            "state dict.",
+            hint="make the function return the model (an nn.Module instance), or (model, args) / "
+            "(model, args, kwargs) with example inputs.",
         )
-    return _wrap_module(model, name=text, path=None, dtype=dtype)
+    loaded = _wrap_module(model, name=text, path=None, dtype=dtype)
+    return dataclasses.replace(loaded, inputs=inputs)
 
 
 def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype) -> LoadedModel:
@@ -402,12 +410,16 @@ def _cls_name(cls) -> str:
 
 
 def _build_meta(cls, config, config_file: Path, *, name: str, folder: Path, dtype) -> LoadedModel:
-    """Build the architecture with every parameter and buffer on the meta device: shapes only, no memory."""
+    """Build the architecture with every parameter on the meta device: shapes only, no weight memory.
+
+    Buffers stay real (they are small: rotary frequency tables, position ids) because the analysis reads
+    parameter-free values such as RoPE's cos/sin tables to tell which coordinates rotate together.
+    """
     import transformers
 
     kwargs = {} if dtype is None or dtype == "auto" else {"dtype": dtype}
     try:
-        with torch.device("meta"):
+        with _parameters_on_meta():
             if cls is transformers.AutoModel or not hasattr(cls, "_from_config"):
                 model = cls.from_config(config, **kwargs)
             else:
@@ -421,6 +433,23 @@ def _build_meta(cls, config, config_file: Path, *, name: str, folder: Path, dtyp
         ) from exc
     model.eval()
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Register every new parameter on the meta device; buffers are created as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def _check_weights(folder: Path, weights: Path) -> None:
@@ -748,3 +777,20 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
         raise
     shutil.rmtree(old, ignore_errors=True)
 
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary sibling and a rename, so no half-written file is left."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise OutputError(f"Cannot write '{path}': folder '{path.parent}' does not exist.",
+                          hint="create the folder first, or choose another output path.")
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"Cannot write '{path}': {exc.strerror or exc}.",
+                          hint="check the path is writable and the disk has space.") from exc
+    return path
