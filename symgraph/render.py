@@ -32,7 +32,8 @@ __all__ = ["render", "to_html", "to_markdown"]
 MAX_MEMBERS = 16  # members listed per group before "+N more"
 MAX_PINNED_PARAMS = 4  # parameter names listed per pinned space before "+N more"
 MAX_PARAM_NODES = 200  # above this, the picture shows one node per layer prefix instead of one per parameter
-MAX_GROUP_NODES = 300  # above this, the picture shows one node per (layer prefix, motif, kind)
+MAX_GROUP_NODES = 300  # above this, the picture collapses groups by (layer prefix, motif, kind), then (motif, kind)
+MAX_SPRING_NODES = 500  # networkx's spring layout turns slow from here; bigger pictures use two columns
 
 Cell = Union[str, tuple[str, ...]]  # a tuple is a list of lines inside one cell
 
@@ -137,9 +138,8 @@ def render(report: Report, fmt: str) -> str:
     """
     renderer = _RENDERERS.get(fmt)
     if renderer is None:
-        valid = ", ".join(_RENDERERS)
-        raise SymgraphError(f"Unknown report format {fmt!r}; valid formats: {valid}.",
-                            hint=f"pass one of: {valid}.")
+        raise SymgraphError(f"Unknown report format {fmt!r}.",
+                            hint=f"use one of the valid formats: {', '.join(_RENDERERS)}.")
     return renderer(report)
 
 
@@ -285,7 +285,7 @@ def _section_md(s: _Section) -> str:
     parts = [f"{'#' * s.level} {s.title}"]
     parts += list(s.paragraphs)
     if s.items:
-        parts.append("\n".join(f"- {_md_escape(item)}" for item in s.items))
+        parts.append("\n".join(f"- {_md_text(item)}" for item in s.items))
     if s.table is not None:
         parts.append(_table_md(s.table))
     return "\n\n".join(parts)
@@ -301,8 +301,12 @@ def _table_md(t: _Table) -> str:
 
 def _cell_md(cell: Cell, code: bool) -> str:
     lines = (cell,) if isinstance(cell, str) else cell
-    return "<br>".join(_md_code(line) if code and not isinstance(line, _Plain) else _md_escape(line)
+    return "<br>".join(_md_code(line) if code and not isinstance(line, _Plain) else _md_text(line)
                        for line in lines)
+
+
+def _md_text(text: str) -> str:
+    return _md_escape(text).replace("<", "&lt;")
 
 
 def _md_code(text: str) -> str:
@@ -388,45 +392,61 @@ def _figure_html(report: Report) -> str:
 
 
 def _symmetry_graph(report: Report):
-    """A bipartite networkx graph of group nodes and parameter nodes, collapsed by layer when large."""
+    """A bipartite networkx graph of group nodes and parameter nodes, and a caption saying how it was collapsed.
+
+    Each side keeps one node per group / parameter while there are few enough of them, and otherwise collapses
+    them by layer prefix (and further, see ``_GROUP_TIERS`` and ``_PARAM_TIERS``), so the picture stays legible.
+    """
     import networkx as nx
 
-    collapse_params = len(report.parameters) > MAX_PARAM_NODES
-    collapse_groups = len(report.groups) > MAX_GROUP_NODES
+    group_tier, group_key = _tier(_GROUP_TIERS, report.groups, MAX_GROUP_NODES)
+    params = [m.param for g in report.groups for m in g.members]
+    param_tier, param_key = _tier(_PARAM_TIERS, params, MAX_PARAM_NODES)
     graph = nx.Graph()
     for g in report.groups:
-        gnode = _group_node(graph, g, collapse_groups)
-        for m in g.members:
-            pnode = _param_node(graph, m.param, collapse_params)
+        gnode = _add_node(graph, ("g", group_key(g)), g.id, kind=g.kind, motif=g.motif, weight=g.size * g.copies)
+        for param in {m.param for m in g.members}:
+            pnode = _add_node(graph, ("p", param_key(param)), param, kind="parameter")
             graph.add_edge(gnode, pnode, motif=g.motif)
-    return graph, _caption(graph, collapse_params, collapse_groups)
+    return graph, _caption(graph, group_tier, param_tier)
 
 
-def _group_node(graph, g: Group, collapse: bool) -> tuple:
-    if not collapse:
-        graph.add_node(("g", g.id), kind=g.kind, motif=g.motif, weight=g.size * g.copies,
-                       label=f"{g.id}: {g.kind} {g.size} x {g.copies}")
-        return ("g", g.id)
-    prefix = _layer_prefix(g.layer) if g.layer else "(model)"
-    node = ("g", prefix, g.motif, g.kind)
-    count = graph.nodes[node]["count"] + 1 if node in graph else 1
-    graph.add_node(node, kind=g.kind, motif=g.motif, weight=4 * count, count=count,
-                   label=f"{count} {g.motif}/{g.kind} group(s) in {prefix}")
-    return node
+_GROUP_TIERS: tuple[tuple[str, Callable[[Group], str]], ...] = (
+    ("one node per group", lambda g: g.id),
+    ("one node per layer prefix, motif and kind", lambda g: f"{g.motif}/{g.kind} in {_layer_prefix(g.layer)}"),
+    ("one node per motif and kind", lambda g: f"{g.motif}/{g.kind}"),
+)
+_PARAM_TIERS: tuple[tuple[str, Callable[[str], str]], ...] = (
+    ("one node per parameter", lambda p: p),
+    ("one node per layer prefix", lambda p: _layer_prefix(p)),
+    ("one node per top-level module", lambda p: p.split(".")[0]),
+)
 
 
-def _param_node(graph, param: str, collapse: bool) -> tuple:
-    name = _layer_prefix(param) if collapse else param
-    node = ("p", name)
-    count = graph.nodes[node]["count"] + 1 if node in graph else 1
-    label = f"{name} ({count} parameters)" if collapse else name
-    short = name if collapse else ".".join(name.split(".")[-2:])
-    graph.add_node(node, kind="parameter", count=count, label=label, short=short)
+def _tier(tiers, items, limit: int):
+    """The first (description, key) of ``tiers`` giving at most ``limit`` distinct keys, else the coarsest."""
+    for description, key in tiers:
+        if len({key(item) for item in items}) <= limit:
+            return description, key
+    return tiers[-1]
+
+
+def _add_node(graph, node: tuple, name: str, *, kind: str, motif: str = "", weight: int = 1) -> tuple:
+    """Add ``node`` standing for ``name``, or merge ``name`` into it (``count`` and ``weight`` accumulate)."""
+    if node not in graph:
+        graph.add_node(node, kind=kind, motif=motif, names=set(), weight=0)
+    data = graph.nodes[node]
+    if name not in data["names"]:
+        data["names"].add(name)
+        data["weight"] += weight
+    data["count"] = len(data["names"])
     return node
 
 
 def _layer_prefix(name: str) -> str:
     """``a.layers.3.mlp.w`` -> ``a.layers.3``; without a layer number, the first two module levels."""
+    if not name:
+        return "(model)"
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
@@ -434,15 +454,16 @@ def _layer_prefix(name: str) -> str:
     return ".".join(parts[: max(1, min(2, len(parts) - 1))])
 
 
-def _caption(graph, collapse_params: bool, collapse_groups: bool) -> str:
+def _node_label(node: tuple, data: dict) -> str:
+    noun = "parameters" if data["kind"] == "parameter" else "groups"
+    return node[1] if data["count"] == 1 else f"{node[1]} ({data['count']} {noun})"
+
+
+def _caption(graph, group_tier: str, param_tier: str) -> str:
     kinds = Counter(kind == "parameter" for _, kind in graph.nodes(data="kind"))
-    text = (f"Groups (coloured by motif, shaped by kind) joined to the parameters they act on: "
-            f"{kinds[False]} group nodes, {kinds[True]} parameter nodes, {graph.number_of_edges()} edges.")
-    if collapse_params:
-        text += f" More than {MAX_PARAM_NODES} parameters: one node per layer prefix."
-    if collapse_groups:
-        text += f" More than {MAX_GROUP_NODES} groups: one node per layer prefix, motif and kind."
-    return text + " Hover a node for its name."
+    return (f"Groups (coloured by motif, shaped by kind) joined to the parameters they act on: "
+            f"{kinds[False]} group nodes ({group_tier}), {kinds[True]} parameter nodes ({param_tier}), "
+            f"{graph.number_of_edges()} edges. Hover a node for its name.")
 
 
 _MOTIF_COLOURS = dict(zip(MOTIFS, ("#4477aa", "#ee6677", "#aa3377", "#228833", "#ccbb44", "#66ccee", "#777777")))
@@ -469,7 +490,7 @@ def _figure(graph):
     from matplotlib.figure import Figure
 
     n = max(graph.number_of_nodes(), 1)
-    pos = nx.spring_layout(graph, seed=0, iterations=50, k=1.5 / math.sqrt(n))
+    pos = _layout(graph)
     side = min(16.0, 6.0 + 0.4 * math.sqrt(n))
     fig = Figure(figsize=(side + 2.5, side * 0.75))
     ax = fig.add_subplot()
@@ -479,6 +500,17 @@ def _figure(graph):
     _draw_labels(ax, graph, pos)
     _draw_legend(ax, graph)
     return fig, titles
+
+
+def _layout(graph) -> dict:
+    """Spring layout (seeded, so the picture is reproducible); two columns when too big for it to be quick."""
+    import networkx as nx
+
+    n = graph.number_of_nodes()
+    if n < MAX_SPRING_NODES:
+        return nx.spring_layout(graph, seed=0, iterations=50, k=1.5 / math.sqrt(max(n, 1)))
+    params = [node for node, kind in graph.nodes(data="kind") if kind == "parameter"]
+    return nx.bipartite_layout(graph, params)
 
 
 def _draw_edges(ax, graph, pos) -> None:
@@ -497,7 +529,7 @@ def _draw_nodes(ax, graph, pos) -> dict[str, str]:
         x, y = pos[node]
         ax.plot([x], [y], linestyle="none", gid=gid, zorder=2 if data["kind"] == "parameter" else 3,
                 **_node_style(data))
-        titles[gid] = data["label"]
+        titles[gid] = _node_label(node, data)
     return titles
 
 
@@ -519,7 +551,8 @@ def _draw_labels(ax, graph, pos) -> None:
         return
     for node in params:
         x, y = pos[node]
-        ax.annotate(graph.nodes[node]["short"], (x, y), xytext=(3, 3), textcoords="offset points", fontsize=6,
+        short = node[1] if graph.nodes[node]["count"] > 1 else ".".join(node[1].split(".")[-3:])
+        ax.annotate(short, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=6,
                     color="#444444", zorder=4)
 
 

@@ -336,9 +336,20 @@ class Assembler:
         return groups
 
     def _product_factor_components(self):
-        """Map ids to every id they are an elementwise product of (not through broadcast weights), so a head's
-        normalised queries lead back to its rows of the query projection."""
-        edges = [(a, b) for a, b, _dual, product in self.c.ties if product == PRODUCT_FACTOR]
+        """Map ids to every id that moves with them when a head moves.
+
+        Two kinds of tie lead there: elementwise-product factors (a head's normalised queries lead back to its
+        rows of the query projection; broadcast weights such as a shared QK-norm do not), and same-orientation
+        ties between two parameters (a bias entry and its weight row). Dual ties are not followed: they join the
+        query heads of a GQA group through their shared keys, and those heads move separately.
+        """
+        edges = []
+        for a, b, dual, product in self.c.ties:
+            if product == PRODUCT_FACTOR:
+                edges.append((a, b))
+            elif not product and not dual:
+                keep = self.is_param[a] & self.is_param[b]
+                edges.append((a[keep], b[keep]))
         if not edges:
             return lambda ids: ids
         r = np.concatenate([a for a, _ in edges])

@@ -109,10 +109,10 @@ class Chan:
         return self.map(lambda t: t.expand(shape) if t.dim() else t.reshape([1] * len(shape)).expand(shape))
 
 
-def param_channels(ids_per_axis: list[torch.Tensor], shape: tuple[int, ...]) -> list[Chan]:
+def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...]) -> list[Chan]:
     """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only."""
     chans = []
-    for axis, ids in enumerate(ids_per_axis):
+    for axis, ids in ids_per_axis.items():
         view = [1] * len(shape)
         view[axis] = shape[axis]
         chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True))

@@ -17,6 +17,10 @@ NEUTRAL = monomial("one")
 # -- movement ---------------------------------------------------------------------------------------------
 def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     """Replay the op on label (and coefficient) tensors; every channel of every operand moves alike."""
+    if "cat" in str(node.target) or "concat" in str(node.target):
+        joined = _cat_along_data_axis(w, node)
+        if joined is not None:
+            return joined
     tensors = [w.value(a) for a in _tensor_args(node)]
     n_chans = max(len(v.chans) for v in tensors if v is not None)
     results = []
@@ -26,6 +30,26 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
     return Value(chans=[r for r in results if r is not None], shape=_shape_of(node))
+
+
+def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
+    """Concatenation along an axis no input channel varies along (a class token in front of patches): the
+    pieces carry the same coordinates, so tie them instead of stacking two labellings along a data axis."""
+    values = [w.value(a) for a in _tensor_args(node)]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out_shape = _shape_of(node)
+    dim %= len(out_shape)
+    if any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
+        return None
+    if any(dim in chan_axes(c) or c.mixed for v in values for c in v.chans):
+        return None
+    chans = []
+    for j, first in enumerate(values[0].chans):
+        head = first.ids.narrow(dim, 0, 1)
+        for v in values[1:]:
+            w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1))
+        chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
+    return Value(chans=chans, shape=out_shape)
 
 
 def _move_channel(w, node: fx.Node, j: int):
@@ -498,13 +522,16 @@ def rule_where(w, node: fx.Node, spec) -> Value:
 def rule_embedding(w, node: fx.Node, spec) -> Value:
     table, indices = w.value(node.args[0]), node.args[1]
     out_shape = _shape_of(node)
-    rows, cols = table.chans[0], table.chans[1]
-    w.c.pin(rows.ids, "embedding rows are selected by input ids", node.name)
-    ids = cols.ids[0]  # (D,)
-    view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
-    chan = Chan.clean(ids.reshape(view).expand(out_shape))
     del indices
-    return Value(chans=[chan], shape=out_shape)
+    chans = []
+    for c in table.chans:
+        if 0 in chan_axes(c):
+            w.c.pin(c.ids, "embedding rows are selected by input ids", node.name)
+        else:
+            ids = c.ids[0]  # (D,)
+            view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
+            chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
+    return Value(chans=chans, shape=out_shape)
 
 
 # -- small helpers -------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class Walker:
         self.c = Constraints()
         self.data = data_values(cap)
         self.values: dict[str, Any] = {}
-        self.param_ids: dict[str, list[torch.Tensor]] = {}
+        self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
         self.unknown_ops: dict[str, int] = {}
 
     # -- driver ------------------------------------------------------------------------------------------
@@ -50,10 +50,11 @@ class Walker:
             data = self.data.get(node.name)
             return Value(data=data, shape=_shape(node))
         shape = self.cap.shapes[name]
-        ids = [self.ids.allocate(n, owner=name, axis=a) for a, n in enumerate(shape)]
+        # size-1 axes (a class token's batch and position axes) have nothing to permute or mix: no ids
+        ids = {a: self.ids.allocate(n, owner=name, axis=a) for a, n in enumerate(shape) if n > 1}
         self.param_ids[name] = ids
         if not node.users:  # tied to a parameter the graph reads instead: moving it alone would be wrong
-            for axis_ids in ids:
+            for axis_ids in ids.values():
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
                            node.name)
         return Value(chans=param_channels(ids, shape), shape=shape)
