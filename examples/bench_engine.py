@@ -31,8 +31,9 @@ Two parts (``--part bert|llama70b-config|all``, default ``all``):
     BERT part. It asserts that no parameter has real storage and that the peak RSS is far below the fp16 weights.
 
 Options: ``--layers N`` overrides the layer count of both models (``--layers 1`` or ``2`` for a smoke run),
-``--out FILE`` also writes the JSON to FILE, ``--profile N`` prints the top N lines of a cProfile of the analysis
-step (sorted by cumulative time) to stderr, e.g.::
+``--out FILE`` also writes the JSON to FILE, ``--profile N`` runs the analysis step under cProfile and prints its
+top N lines (by cumulative time) to stderr, also when the analysis fails (its time then includes the profiler's
+overhead, and the JSON says ``analysis_profiled``), e.g.::
 
     python examples/bench_engine.py --part llama70b-config --layers 4 --profile 25
 
@@ -89,20 +90,27 @@ def timed(label: str, into: dict, key: str):
     log(f"{label}: {into[key]:.2f} s")
 
 
-def profile_report(subject, top: int) -> None:
-    """cProfile the analysis of ``subject`` (capture already done), print the ``top`` lines by cumtime to stderr."""
+@contextmanager
+def profiled(top: int, into: dict):
+    """With ``top`` > 0: cProfile the block and print its ``top`` lines by cumulative time to stderr, also when
+    the block fails (a profile of a run that ran out of memory still shows where the memory went)."""
+    if not top:
+        yield
+        return
     import cProfile
     import io
     import pstats
 
-    fresh = dataclasses.replace(subject, _report=None)  # same capture, analysis not yet done
+    into["analysis_profiled"] = True  # the analysis time then includes cProfile's overhead
     prof = cProfile.Profile()
     prof.enable()
-    fresh.report
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-    print(buf.getvalue(), file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+        print(buf.getvalue(), file=sys.stderr, flush=True)
 
 
 def env_info() -> dict:
@@ -158,7 +166,9 @@ def bench_bert(out: dict, layers: int | None, profile: int = 0, weight_reads: in
     with timed("bert: capture (torch.export)", out, "capture_s"):
         subject.capture
     rss_capture = peak_rss_bytes()
-    with timed("bert: analysis (subject.report)", out, "analysis_s"):
+    out["peak_rss_before_capture_mb"] = mb(rss0)
+    out["peak_rss_after_capture_mb"] = mb(rss_capture)
+    with timed("bert: analysis (subject.report)", out, "analysis_s"), profiled(profile, out):
         report = subject.report
     rss1 = peak_rss_bytes()
     out["capture_plus_analysis_s"] = round(out["capture_s"] + out["analysis_s"], 3)
@@ -166,8 +176,6 @@ def bench_bert(out: dict, layers: int | None, profile: int = 0, weight_reads: in
     out["groups"] = summary["groups"]
     out["by_motif_kind"] = summary["by_motif_kind"]
     out["summary"] = summary
-    out["peak_rss_before_capture_mb"] = mb(rss0)
-    out["peak_rss_after_capture_mb"] = mb(rss_capture)
     out["peak_rss_after_analysis_mb"] = mb(rss1)
     out["peak_rss_delta_capture_mb"] = mb(rss_capture - rss0)
     out["peak_rss_delta_analysis_mb"] = mb(rss1 - rss_capture)
@@ -183,8 +191,6 @@ def bench_bert(out: dict, layers: int | None, profile: int = 0, weight_reads: in
     out["tracemalloc_peak_analysis_mb"] = mb(tracemalloc.get_traced_memory()[1])
     tracemalloc.stop()
     out["analysis_deterministic"] = report2.summary() == summary
-    if profile:
-        profile_report(subject, profile)
     del again, report2
 
     # baseline: read the same weights from a safetensors file
@@ -257,6 +263,8 @@ def bench_llama70b_config(out: dict, layers: int | None, profile: int = 0) -> di
         with timed("llama70b-config: symgraph.load(config_only=True)", out, "load_s"):
             subject = symgraph.load(path, config_only=True)
         rss_load = peak_rss_bytes()
+        out["peak_rss_before_load_mb"] = mb(rss0)
+        out["peak_rss_after_load_mb"] = mb(rss_load)
 
     model = subject.model
     out["model_class"] = type(model).__name__
@@ -275,7 +283,8 @@ def bench_llama70b_config(out: dict, layers: int | None, profile: int = 0) -> di
     with timed("llama70b-config: capture (torch.export)", out, "capture_s"):
         subject.capture
     rss_capture = peak_rss_bytes()
-    with timed("llama70b-config: analysis (subject.report)", out, "analysis_s"):
+    out["peak_rss_after_capture_mb"] = mb(rss_capture)
+    with timed("llama70b-config: analysis (subject.report)", out, "analysis_s"), profiled(profile, out):
         report = subject.report
     rss1 = peak_rss_bytes()
     out["load_plus_capture_plus_analysis_s"] = round(out["load_s"] + out["capture_s"] + out["analysis_s"], 3)
@@ -287,17 +296,12 @@ def bench_llama70b_config(out: dict, layers: int | None, profile: int = 0) -> di
     out["by_motif_kind"] = summary["by_motif_kind"]
     out["summary"] = summary
     out["notes"] = list(report.notes)
-    out["peak_rss_before_load_mb"] = mb(rss0)
-    out["peak_rss_after_load_mb"] = mb(rss_load)
-    out["peak_rss_after_capture_mb"] = mb(rss_capture)
     out["peak_rss_mb"] = mb(rss1)
     out["peak_rss_delta_load_capture_analysis_mb"] = mb(rss1 - rss0)
     out["peak_rss_fraction_of_fp16_weights"] = round(rss1 / (n_params * 2), 5)
     # "far below": at least 20x less than the fp16 weights (checked at full size; tiny --layers runs are exempt)
     if n_params > 10e9:
         assert rss1 * 20 < n_params * 2, f"peak RSS {mb(rss1)} MB is not far below {out['fp16_weights_gb']} GB"
-    if profile:
-        profile_report(subject, profile)
     return out
 
 
@@ -319,12 +323,12 @@ def mem_total_bytes() -> int | None:
 
 def limit_address_space(gb: float | None) -> float | None:
     """Cap this process's address space so that a runaway allocation raises MemoryError here instead of waking
-    the kernel's OOM killer (which may pick another process on a shared machine). Default: 80% of RAM."""
+    the kernel's OOM killer (which may pick another process on a shared machine). Default: half the RAM."""
     if gb is None:
         total = mem_total_bytes()
         if total is None:
             return None
-        gb = 0.8 * total / 1024**3
+        gb = 0.5 * total / 1024**3
     if gb <= 0:
         return None
     limit = int(gb * 1024**3)
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print the top N lines of a cProfile of the analysis step to stderr")
     ap.add_argument("--mem-limit-gb", type=float, default=None, metavar="GB",
-                    help="address-space cap of each part's process (default: 80%% of RAM; 0: none)")
+                    help="address-space cap of each part's process (default: half the RAM; 0: none)")
     args = ap.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         ap.error("--layers must be at least 1")
