@@ -82,7 +82,7 @@ class Assembler:
         key = space.copy()
         key = self._refine_by_separations(key)
         restriction = self._class_restrictions()
-        key = _refine(key, np.array([hash(r) for r in restriction], dtype=np.int64))
+        key = _refine(key, restriction.code)
         role = self._rotary_roles()
         key = _refine(key, role["kind"])
         excluded = cls_pinned | cls_is_head | (space < 0)
@@ -124,23 +124,28 @@ class Assembler:
         return comp
 
     def _refine_by_separations(self, key: np.ndarray) -> np.ndarray:
+        """Give the classes of each separated row a key of their own; untouched classes keep theirs.
+
+        Costs O(classes touched) per separation, so it scales with the model rather than with layers x model.
+        """
+        key = key.copy()
+        fresh = int(key.max()) + 1 if len(key) else 0
         for rows, _node in self.c.separates:
-            cls_rows = self.cls[rows]
-            part = _row_partition(cls_rows, self.n_cls)
-            touched_keys = np.unique(key[cls_rows.reshape(-1)])
-            affected = np.isin(key, touched_keys)
-            sub = np.where(affected, part, -2)
-            key = _refine(key, sub)
+            classes, part = _row_partition(self.cls[rows])
+            live = key[classes] >= 0
+            classes, part = classes[live], part[live]
+            _, new = np.unique(np.stack([key[classes], part], 1), axis=0, return_inverse=True)
+            key[classes] = fresh + new.reshape(-1)
+            fresh += int(new.max()) + 1 if len(new) else 0
         return key
 
-    def _class_restrictions(self) -> list[Restriction]:
-        out = [Restriction() for _ in range(self.n_cls)]
+    def _class_restrictions(self) -> "RestrictionTable":
+        """The meet of every restriction on each class, as small integer codes (millions of classes)."""
+        table = RestrictionTable(self.n_cls)
         for ids, r, _why, _node, _scales in self.c.restricts:
-            for k in np.unique(self.cls[ids]):
-                out[k] = out[k] & r
-        for k in np.unique(self.cls[np.nonzero(self.self_dual)[0]]):
-            out[k] = out[k] & ORTHOGONAL  # used both as x and as its dual (tied embeddings)
-        return out
+            table.meet(np.unique(self.cls[ids]), r)
+        table.meet(np.unique(self.cls[self.self_dual]), ORTHOGONAL)  # used as x and as its dual (tied embeddings)
+        return table
 
     def _rotary_roles(self) -> dict[str, np.ndarray]:
         kind = np.zeros(self.n_cls, np.int64)  # 0 none, 1 pair member, 2 passthrough
@@ -169,7 +174,7 @@ class Assembler:
         return groups
 
     def _describe_block(self, classes, restriction, role):
-        classes = np.array(classes)
+        classes = np.sort(np.array(classes))
         members = self._members_of(classes)
         if not members:
             return None
@@ -207,35 +212,33 @@ class Assembler:
         """
         ids = self.ids_of(classes)
         rng, pos = self.decode(ids)
-        permute = self._permute_only_mask()
         flip = self._class_orientation(classes)
-        found: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-        for i, k, p in zip(ids, rng, pos):
-            r = self.range_of[k]
-            c = int(self.cls[i])
-            action = "permute" if permute[i] else ("dual" if self.parity[i] ^ flip[c] else "primal")
-            found[(r.owner, r.axis, action)][c].append(int(p))
+        cls = self.cls[ids]
+        action = np.where(self._permute_only_mask()[ids], 2, self.parity[ids] ^ flip[np.searchsorted(classes, cls)])
+        order = np.lexsort((pos, np.searchsorted(classes, cls), action, rng))
+        rng, pos, cls, action = rng[order], pos[order], cls[order], action[order]
+        keys = np.stack([rng, action], 1)
+        bounds = np.flatnonzero(np.any(np.diff(keys, axis=0), axis=1)) + 1
         out = {}
-        for key, per_class in found.items():
-            counts = {len(v) for v in per_class.values()}
-            if len(per_class) != len(classes) or len(counts) != 1:
+        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(keys)]):
+            k_cls, k_pos = cls[lo:hi], pos[lo:hi]
+            counts = np.bincount(np.searchsorted(classes, k_cls), minlength=len(classes))
+            if counts.min() == 0 or counts.min() != counts.max():
                 return {}  # a parameter covers part of the block: leave the block alone
-            pos_arr = np.array([sorted(per_class[int(c)]) for c in classes], dtype=np.int64)
-            out[key] = {"pos": pos_arr, "action": key[2]}
+            r = self.range_of[int(rng[lo])]
+            act = ("primal", "dual", "permute")[int(action[lo])]
+            out[(r.owner, r.axis, act)] = {"pos": k_pos.reshape(len(classes), counts[0]), "action": act}
         return out
 
-    def _class_orientation(self, classes: np.ndarray) -> dict[int, int]:
-        """Orient every class of a block alike: the first parameter axis met reads as primal in each class."""
-        flip = {}
-        anchor = None
-        for c in classes:
-            ids = self.ids_of(c)
-            rng, _ = self.decode(ids)
-            keys = [(self.range_of[k].owner, self.range_of[k].axis) for k in rng]
-            if anchor is None:
-                anchor = min(keys)
-            here = [i for i, key in zip(ids, keys) if key == anchor]
-            flip[int(c)] = int(self.parity[here[0]]) if here else 0
+    def _class_orientation(self, classes: np.ndarray) -> np.ndarray:
+        """Per class of a (sorted) block: the parity that makes the block's first parameter axis read primal."""
+        ids = self.ids_of(classes)
+        rng, _ = self.decode(ids)
+        anchor = min((self.range_of[k].owner, self.range_of[k].axis) for k in np.unique(rng))
+        at_anchor = np.array([(self.range_of[k].owner, self.range_of[k].axis) == anchor for k in rng])
+        flip = np.zeros(len(classes), np.int8)
+        where = np.searchsorted(classes, self.cls[ids[at_anchor]])
+        flip[where[::-1]] = self.parity[ids[at_anchor]][::-1]  # the lowest id of each class wins
         return flip
 
     def _permute_only_mask(self) -> np.ndarray:
@@ -428,6 +431,40 @@ class Assembler:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
+class RestrictionTable:
+    """Per-class restrictions as codes into a small table of distinct :class:`Restriction` values.
+
+    ``table[k]`` is the restriction of class ``k``; ``meet`` intersects classes with one more restriction,
+    vectorised over classes (there are few distinct restrictions and many classes).
+    """
+
+    def __init__(self, n: int = 0):
+        self.values: list[Restriction] = [Restriction()]
+        self.code = np.zeros(n, np.int64)
+        self._meets: dict[tuple[int, Restriction], int] = {}
+
+    def meet(self, classes: np.ndarray, r: Restriction) -> None:
+        if len(classes) == 0:
+            return
+        codes = self.code[classes]
+        for c in np.unique(codes):
+            new = self._meet_code(int(c), r)
+            codes[codes == c] = new
+        self.code[classes] = codes
+
+    def _meet_code(self, c: int, r: Restriction) -> int:
+        key = (c, r)
+        if key not in self._meets:
+            value = self.values[c] & r
+            if value not in self.values:
+                self.values.append(value)
+            self._meets[key] = self.values.index(value)
+        return self._meets[key]
+
+    def __getitem__(self, k) -> Restriction:
+        return self.values[int(self.code[k])]
+
+
 def parity_classes(n: int, ties, keep=lambda product: True):
     """Union-find with orientation over ids ``0..n-1``: returns (class, parity, self_dual) per id.
 
@@ -456,14 +493,15 @@ def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
     return out
 
 
-def _row_partition(cls_rows: np.ndarray, n_cls: int) -> np.ndarray:
-    """Label each class by the row it sits in (rows sharing a class merge); -1 for classes in no row."""
-    part = np.full(n_cls, -1, np.int64)
+def _row_partition(cls_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(classes, row label) for the classes in ``cls_rows``; rows that share a class are merged."""
     uniq = np.unique(cls_rows, axis=0)
-    merged = _union_sets([set(int(x) for x in row) for row in uniq])
-    for j, classes in enumerate(merged):
-        part[list(classes)] = j
-    return part
+    classes = np.unique(uniq)
+    local = np.searchsorted(classes, uniq)
+    r = np.repeat(local[:, :1], local.shape[1], axis=1).reshape(-1)
+    graph = coo_matrix((np.ones(r.size, np.int8), (r, local.reshape(-1))), shape=(len(classes),) * 2)
+    _, part = connected_components(graph, directed=False)
+    return classes, part.astype(np.int64)
 
 
 def _union_sets(sets) -> list[set]:

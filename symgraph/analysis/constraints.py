@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .labels import collapse, collapse_pair
+
 PRODUCT_FACTOR, PRODUCT_WEIGHT = 1, 2  # kinds of product tie (see Constraints.tie)
 
 # Per-coordinate scalings a monomial (permutation times diagonal) group may keep, from largest to smallest.
@@ -107,6 +109,8 @@ class Constraints:
         """``a`` and ``b`` are the same coordinate (``dual``: contracted with each other). A product tie
         (``product`` = PRODUCT_FACTOR, or PRODUCT_WEIGHT when ``b`` is a weight vector broadcast along other axes)
         shares the coordinate's permutation but not its scale (the factors of an elementwise product)."""
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            a, b = collapse_pair(a, b)
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
         keep = (a >= 0) & (b >= 0)
         if keep.any():
@@ -139,5 +143,7 @@ def _np(t) -> np.ndarray:
 
 
 def _ids(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        t = collapse(t)
     a = _np(t).reshape(-1)
     return np.unique(a[a >= 0])

@@ -119,14 +119,31 @@ def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...]
     return chans
 
 
+def collapse(t: torch.Tensor, keep: frozenset[int] = frozenset()) -> torch.Tensor:
+    """``t`` with every stride-0 axis (a broadcast) cut to size 1, except ``keep``: same labels, no copies.
+
+    Label tensors are mostly broadcasts (a weight row id repeated over batch and sequence, an embedding column
+    over 128k vocabulary rows); everything that reads them goes through here before flattening.
+    """
+    index = tuple(slice(0, 1) if t.stride(a) == 0 and a not in keep else slice(None) for a in range(t.dim()))
+    return t[index]
+
+
+def collapse_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Broadcast ``a`` and ``b`` together, then cut the axes along which both are broadcasts."""
+    a, b = torch.broadcast_tensors(a, b)
+    shared = tuple(slice(0, 1) if a.stride(x) == 0 and b.stride(x) == 0 else slice(None) for x in range(a.dim()))
+    return a[shared], b[shared]
+
+
 def varying_axes(t: torch.Tensor) -> frozenset[int]:
     """Axes along which ``t`` is not constant (stride-0 and size-1 axes are skipped without reading data)."""
+    small = collapse(t)
     out = set()
-    for axis in range(t.dim()):
-        if t.shape[axis] <= 1 or t.stride(axis) == 0:
+    for axis in range(small.dim()):
+        if small.shape[axis] <= 1:
             continue
-        first = t.narrow(axis, 0, 1)
-        if not bool((t == first).all()):
+        if not bool((small == small.narrow(axis, 0, 1)).all()):
             out.add(axis)
     return frozenset(out)
 
@@ -140,19 +157,12 @@ def chan_axes(chan: Chan) -> frozenset[int]:
 
 def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
     """Distinct label vectors along ``axes`` (moved last and flattened), over every other position."""
+    ids = collapse(ids, keep=frozenset(axes))
     rest = [a for a in range(ids.dim()) if a not in axes]
     moved = ids.permute(*rest, *axes)
     width = int(np.prod([ids.shape[a] for a in axes])) if axes else 1
-    rows = _strip_constant(moved, len(rest)).reshape(-1, width)
+    rows = moved.reshape(-1, width)
     return torch.unique(rows, dim=0) if rows.shape[0] > 1 else rows
-
-
-def _strip_constant(t: torch.Tensor, lead: int) -> torch.Tensor:
-    """Select index 0 along leading axes that are stride-0 (constant) to avoid materialising broadcasts."""
-    index = []
-    for axis in range(lead):
-        index.append(slice(0, 1) if t.stride(axis) == 0 else slice(None))
-    return t[tuple(index)]
 
 
 def data_varies(value, axes: frozenset[int], out_shape) -> bool:

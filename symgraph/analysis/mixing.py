@@ -50,14 +50,19 @@ def resolve(walker, chan: Chan, node: str) -> Chan:
     position = {int(v): k for k, v in enumerate(order)}
     cols = [np.array([position.get(int(v), -1) for v in r]) for r in id_rows]
     samples = _distinct_positions(coef_rows)
-    maps = np.zeros((len(samples), len(order), len(order)))
-    for col, coef in zip(cols, coef_rows):
-        ok = col >= 0
-        rows = np.nonzero(ok)[0]
-        for s, t in enumerate(samples):
-            np.add.at(maps[s], (rows, col[ok]), coef[t, ok])
-    _commutant(walker, maps, order, node)
+    _commutant(walker, _sparse_entries(cols, coef_rows, samples), order, node)
     return Chan.clean(base)
+
+
+def _sparse_entries(cols, coef_rows, samples) -> dict[tuple[int, int], np.ndarray]:
+    """The maps M_t as {(row, col): values over the sampled positions t}; never an n x n array."""
+    entries: dict[tuple[int, int], np.ndarray] = {}
+    for col, coef in zip(cols, coef_rows):
+        values = coef[samples]  # (S, P)
+        for p in np.nonzero(col >= 0)[0]:
+            key = (int(p), int(col[p]))
+            entries[key] = entries.get(key, 0.0) + values[:, p]
+    return {k: v for k, v in entries.items() if np.any(np.abs(v) > 0)}
 
 
 def _distinct_positions(coef_rows: list[np.ndarray]) -> list[int]:
@@ -69,27 +74,35 @@ def _distinct_positions(coef_rows: list[np.ndarray]) -> list[int]:
     return list(first)
 
 
-def _commutant(walker, maps: np.ndarray, order: np.ndarray, node: str) -> None:
+def _commutant(walker, entries: dict, order: np.ndarray, node: str) -> None:
     """Classify each connected component of the maps' support and record the constraint."""
-    support = np.any(np.abs(maps) > 0, axis=0)
-    support = support | support.T
-    comp = _components(support)
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    n = len(order)
+    rows = np.array([r for r, _ in entries] + list(range(n)))
+    cols = np.array([c for _, c in entries] + list(range(n)))
+    _, comp = connected_components(coo_matrix((np.ones(len(rows)), (rows, cols)), shape=(n, n)), directed=False)
+    members_of: dict[int, list[int]] = {}
+    for p, c in enumerate(comp):
+        members_of.setdefault(int(c), []).append(p)
+    n_samples = len(next(iter(entries.values()))) if entries else 1
+    zero = np.zeros(n_samples)
     pairs, freq, passthrough, pinned = [], [], [], []
     signatures: dict[tuple, int] = {}
-    for members in comp:
-        block = maps[:, members][:, :, members]
+    for members in members_of.values():
+        block = np.stack([np.stack([entries.get((i, j), zero) for j in members], -1) for i in members], -2)
         if len(members) == 1:
-            key = ("scalar",) + tuple(np.round(block[:, 0, 0], 9))
-            if np.allclose(block[:, 0, 0], block[0, 0, 0]):
+            diag = block[:, 0, 0]
+            if np.allclose(diag, diag[0]) and abs(diag[0]) > 0:
                 passthrough.append(order[members[0]])
             else:
                 pinned.extend(order[members])  # a per-position diagonal scale: only diagonal T commutes
             continue
         if len(members) == 2 and _is_rotation_family(block):
-            i, j = members
             key = tuple(np.round(block.reshape(len(block), -1), 9).ravel())
             freq.append(signatures.setdefault(key, len(signatures)))
-            pairs.append((order[i], order[j]))
+            pairs.append((order[members[0]], order[members[1]]))
             continue
         pinned.extend(order[members])
     if pinned:
@@ -104,14 +117,3 @@ def _is_rotation_family(block: np.ndarray) -> bool:
     c1, c2 = block[:, 0, 0], block[:, 1, 1]
     s1, s2 = block[:, 1, 0], block[:, 0, 1]
     return bool(np.allclose(c1, c2, atol=1e-9) and np.allclose(s1, -s2, atol=1e-9) and np.any(np.abs(s1) > 1e-9))
-
-
-def _components(adj: np.ndarray) -> list[list[int]]:
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import connected_components
-
-    _, labels = connected_components(csr_matrix(adj), directed=False)
-    groups: dict[int, list[int]] = {}
-    for i, lab in enumerate(labels):
-        groups.setdefault(int(lab), []).append(i)
-    return list(groups.values())

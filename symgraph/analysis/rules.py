@@ -9,7 +9,7 @@ from torch import fx
 
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
-from .labels import Chan, Term, Value, chan_axes, data_varies, unique_rows
+from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows
 
 NEUTRAL = monomial("one")
 
@@ -382,7 +382,10 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
     out = _fresh_like(w, ca, cb)
     for factor in (ca, cb):
         w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR)
-    w.c.products.append((out.ids.numpy(), ca.ids.numpy(), cb.ids.numpy(), node.name))
+    triple = torch.broadcast_tensors(out.ids, ca.ids, cb.ids)
+    shared = tuple(slice(0, 1) if all(t.stride(x) == 0 for t in triple) else slice(None)
+                   for x in range(triple[0].dim()))
+    w.c.products.append((*(t[shared].numpy() for t in triple), node.name))
     w.c.restrict(out.ids, limit, why, node.name, scales=False)
     w.c.tag("product", out.ids)
     return out
@@ -391,16 +394,18 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
 def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
     """New activation ids, one per distinct pair of factor labels (a weight shared across heads times
     per-head values gives one output coordinate per head and position)."""
-    pairs = torch.stack([ca.ids.reshape(-1), cb.ids.reshape(-1)], 1)
+    full_shape = torch.broadcast_shapes(ca.ids.shape, cb.ids.shape)
+    a, b = collapse_pair(ca.ids, cb.ids)  # labels repeat over batch and sequence: label the distinct ones
+    pairs = torch.stack([a.reshape(-1), b.reshape(-1)], 1)
     uniq, inverse = torch.unique(pairs, dim=0, return_inverse=True)
     fresh = w.ids.allocate(len(uniq))
     valid = (pairs >= 0).all(1)
     labels = torch.where(valid, fresh[inverse], torch.full_like(inverse, -1))
-    return Chan.clean(labels.reshape(ca.ids.shape))
+    return Chan.clean(labels.reshape(a.shape).expand(full_shape))
 
 
 def _ids_of(chan: Chan):
-    ids = chan.ids.reshape(-1)
+    ids = collapse(chan.ids).reshape(-1)
     return torch.unique(ids[ids >= 0]).numpy()
 
 
