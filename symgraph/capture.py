@@ -8,6 +8,7 @@ computed from parameter-free parts of the graph by :func:`data_values`.
 from __future__ import annotations
 
 import contextlib
+import io
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +58,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         with torch.no_grad(), _quiet():
             program = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
-        raise CaptureError(_describe_export_failure(model, exc),
-                           hint="pass example inputs that match forward(), disable caches (use_cache=False), "
-                                "or wrap the untraceable part in a module that torch.export supports.") from exc
+        raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
     sig = program.graph_signature
     params, buffers, users = {}, {}, []
     for spec in sig.input_specs:
@@ -144,14 +143,31 @@ def _describe_export_failure(model: torch.nn.Module, exc: Exception) -> str:
             f"{where}.")
 
 
+def _export_hint(exc: Exception) -> str:
+    if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+        return ("the model branches on tensor values (data-dependent control flow) at the line named above; make "
+                "the branch depend on shapes or config only, or express it with torch.cond.")
+    return ("pass example inputs that match forward(), disable caches (use_cache=False), or wrap the "
+            "untraceable part in a module that torch.export supports.")
+
+
+_NOISY_LOGGERS = ("torch._export", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+                  "torch._subclasses.fake_tensor", "torch._functorch")
+
+
 @contextlib.contextmanager
 def _quiet():
+    """torch logs its own warnings (with tracebacks) while an export fails; our error says what matters."""
     import logging
 
-    logger = logging.getLogger("torch._export")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sink = io.StringIO()  # a failing export also prints the partial graph
     try:
-        yield
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

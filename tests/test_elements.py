@@ -1,0 +1,85 @@
+"""Group elements: sampling respects each kind, application follows the primal/dual/permute conventions, and
+inputs are never modified."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import symgraph
+from symgraph.elements import apply, identity, sample
+from symgraph.groups import Group, Member
+
+
+def linear_pair_group(kind, **extra) -> Group:
+    """T on the 3 hidden units between two linears: rows of a.weight/a.bias primal, columns of b.weight dual."""
+    idx = np.arange(3).reshape(1, 3, 1)
+    members = (Member("a.weight", 0, idx, "primal"), Member("a.bias", 0, idx, "primal"),
+               Member("b.weight", 1, idx, "dual"))
+    return Group(id=f"test:{kind}", motif="other", kind=kind, size=3, copies=1, members=members, **extra)
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"a": torch.nn.Linear(2, 3), "b": torch.nn.Linear(3, 2, bias=False)}).double()
+
+
+def forward(state, x):
+    h = x @ state["a.weight"].T + state["a.bias"]
+    return h @ state["b.weight"].T
+
+
+@pytest.mark.parametrize("kind,extra", [("general_linear", {}), ("orthogonal", {}), ("permutation", {}),
+                                        ("signed_permutation", {}), ("permutation", {"scale": "nonzero"})])
+def test_linear_pairs_are_invariant_and_inputs_untouched(net, kind, extra):
+    state = {k: v.detach() for k, v in net.state_dict().items()}
+    frozen = {k: v.clone() for k, v in state.items()}
+    element = sample(linear_pair_group(kind, **extra), np.random.default_rng(0))
+    new = apply(state, [element])
+    x = torch.randn(5, 2, dtype=torch.float64)
+    assert torch.allclose(forward(new, x), forward(state, x), atol=1e-12)
+    assert not torch.allclose(new["a.weight"], state["a.weight"])
+    for k in state:
+        assert torch.equal(state[k], frozen[k])
+
+
+def test_identity_changes_nothing(net):
+    state = {k: v.detach() for k, v in net.state_dict().items()}
+    new = apply(state, [identity(linear_pair_group("orthogonal"))])
+    assert all(torch.equal(new[k], state[k]) for k in state)
+
+
+def test_monomial_convention_rows_and_columns():
+    group = linear_pair_group("permutation", scale="nonzero")
+    state = {"a.weight": torch.arange(6.).reshape(3, 2), "a.bias": torch.arange(3.),
+             "b.weight": torch.arange(6.).reshape(2, 3)}
+    element = symgraph.Element(group, perm=np.array([[2, 0, 1]]), diag=np.array([[2.0, -1.0, 0.5]]))
+    new = apply(state, [element])
+    assert torch.equal(new["a.bias"], torch.tensor([2 * 2.0, -1 * 0.0, 0.5 * 1.0]))
+    assert torch.equal(new["b.weight"][:, 0], state["b.weight"][:, 2] / 2.0)
+
+
+@pytest.mark.parametrize("kind,check", [
+    ("orthogonal", lambda m: np.allclose(m @ m.T, np.eye(len(m)))),
+    ("general_linear", lambda m: abs(np.linalg.det(m)) > 1e-6),
+])
+def test_sampled_matrices_belong_to_their_group(kind, check):
+    element = sample(linear_pair_group(kind), np.random.default_rng(1))
+    assert all(check(m) for m in element.matrices)
+
+
+def test_global_sign_is_one_sign_for_all_coordinates():
+    group = linear_pair_group("permutation", global_sign=True)
+    for seed in range(8):
+        d = sample(group, np.random.default_rng(seed)).diag
+        assert np.all(np.abs(d) == 1) and len(np.unique(d)) == 1
+
+
+def test_rotary_elements_rotate_pairs_and_keep_passthrough_separate():
+    group = Group(id="r", motif="qk", kind="rotary", size=4, copies=1, members=(), scale="positive",
+                  rotary_pairs=((0, 2),), passthrough=(1, 3))
+    m = sample(group, np.random.default_rng(0)).matrices[0]
+    block = m[np.ix_([0, 2], [0, 2])]
+    assert np.isclose(block[0, 0], block[1, 1]) and np.isclose(block[0, 1], -block[1, 0])
+    assert np.allclose(m[np.ix_([0, 2], [1, 3])], 0) and np.allclose(m[np.ix_([1, 3], [0, 2])], 0)
