@@ -8,12 +8,12 @@ Examples
 [('ffn', 'permutation', 8)]
 """
 from .api import Subject, analyze, load, sample_elements, transform
-from .elements import Element, apply, sample
+from .elements import Element, apply, apply_to_model, sample
 from .errors import SymgraphError
 from .groups import Group, Member, PinnedSpace
 from .report import Report
 
 __all__ = [
     "Element", "Group", "Member", "PinnedSpace", "Report", "Subject", "SymgraphError",
-    "analyze", "apply", "load", "sample", "sample_elements", "transform",
+    "analyze", "apply", "apply_to_model", "load", "sample", "sample_elements", "transform",
 ]

@@ -144,3 +144,13 @@ def _transform(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     d = torch.as_tensor(e.diag, dtype=dtype) ** m.exponent
     d = d.reshape(*d.shape, *([1] * (g.dim() - 2)))
     return g * d if m.action == "primal" else g / d
+
+
+def apply_to_model(model: torch.nn.Module, elements: list[Element]) -> torch.nn.Module:
+    """A transformed deep copy of ``model`` (the original is untouched); tied weights stay tied."""
+    import copy
+
+    new = copy.deepcopy(model)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    new.load_state_dict(apply(state, elements, dtype=torch.float64), strict=True, assign=False)
+    return new

@@ -24,7 +24,7 @@ import numpy as np
 
 Kind = Literal["general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale"]
 Action = Literal["primal", "dual", "permute"]
-ScaleAttr = Literal["positive", "nonzero"]
+ScaleAttr = Literal["positive", "nonzero", "sign"]
 
 KINDS: tuple[str, ...] = ("general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale")
 MOTIFS: tuple[str, ...] = ("qk", "vo", "heads", "ffn", "residual", "scale_free", "other")

@@ -92,6 +92,14 @@ class LoadedModel:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _quiet_transformers() -> None:
+    """transformers prints progress bars and load reports while loading; symgraph reports what matters itself."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> LoadedModel:
     """Turn a MODEL argument into a :class:`LoadedModel`.
 
@@ -102,6 +110,7 @@ def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> 
     applied with ``.to(dtype)``.
     """
     dtype = _parse_dtype(dtype)
+    _quiet_transformers()
     if isinstance(source, torch.nn.Module):
         return _wrap_module(source, name=type(source).__name__, path=None, dtype=dtype)
     if isinstance(source, os.PathLike):

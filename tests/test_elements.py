@@ -83,3 +83,15 @@ def test_rotary_elements_rotate_pairs_and_keep_passthrough_separate():
     block = m[np.ix_([0, 2], [0, 2])]
     assert np.isclose(block[0, 0], block[1, 1]) and np.isclose(block[0, 1], -block[1, 0])
     assert np.allclose(m[np.ix_([0, 2], [1, 3])], 0) and np.allclose(m[np.ix_([1, 3], [0, 2])], 0)
+
+
+def test_apply_to_model_returns_a_transformed_copy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    report = symgraph.analyze(model, inputs=(x,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copy = symgraph.apply_to_model(model, symgraph.sample_elements(report, seed=2))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not torch.equal(copy[0].weight, model[0].weight)
+    assert torch.allclose(copy(x), model(x), atol=1e-6)

@@ -142,8 +142,8 @@ class Assembler:
     def _class_restrictions(self) -> "RestrictionTable":
         """The meet of every restriction on each class, as small integer codes (millions of classes)."""
         table = RestrictionTable(self.n_cls)
-        for ids, r, _why, _node, _scales in self.c.restricts:
-            table.meet(np.unique(self.cls[ids]), r)
+        for i, (ids, r, why, node, _scales) in enumerate(self.c.restricts):
+            table.meet(np.unique(self.cls[ids]), r, reason=f"{why} ({node})")
         table.meet(np.unique(self.cls[self.self_dual]), ORTHOGONAL)  # used as x and as its dual (tied embeddings)
         return table
 
@@ -178,7 +178,7 @@ class Assembler:
         members = self._members_of(classes)
         if not members:
             return None
-        anchor = min(members)
+        anchor = min(members, key=lambda key: (key[1] != 0, key[2] == "permute", key))
         order = np.argsort(members[anchor]["pos"][:, 0])
         classes = classes[order]
         for m in members.values():
@@ -199,7 +199,7 @@ class Assembler:
         member_sig = tuple(sorted((p, a, act, m["pos"].shape[1]) for (p, a, act), m in members.items()))
         signature = (motif, len(classes), r, pairs, passthrough, member_sig, self._layer_key(members))
         return {"signature": signature, "classes": classes, "members": members, "restriction": r,
-                "pairs": pairs, "passthrough": passthrough, "motif": motif}
+                "pairs": pairs, "passthrough": passthrough, "motif": motif, "why": restriction.why(classes)}
 
     def _layer_key(self, members) -> str:
         return _common_prefix([key[0] for key in members])
@@ -234,7 +234,8 @@ class Assembler:
         """Per class of a (sorted) block: the parity that makes the block's first parameter axis read primal."""
         ids = self.ids_of(classes)
         rng, _ = self.decode(ids)
-        anchor = min((self.range_of[k].owner, self.range_of[k].axis) for k in np.unique(rng))
+        anchor = min(((self.range_of[k].axis != 0, self.range_of[k].owner), (self.range_of[k].owner,
+                      self.range_of[k].axis)) for k in np.unique(rng))[1]  # rows (producers) read as primal
         at_anchor = np.array([(self.range_of[k].owner, self.range_of[k].axis) == anchor for k in rng])
         flip = np.zeros(len(classes), np.int8)
         where = np.searchsorted(classes, self.cls[ids[at_anchor]])
@@ -279,7 +280,7 @@ class Assembler:
         if first["pairs"]:
             return [self._rotary_group(gid, base, first, r)]
         kind, scale, global_sign = _kind_of(r)
-        notes = []
+        notes = [f"limited by: {why}" for why in first["why"]]
         full = None
         if motif in ("qk", "vo") and kind == "general_linear":
             kind, full = "orthogonal", "general_linear"
@@ -441,16 +442,27 @@ class RestrictionTable:
     def __init__(self, n: int = 0):
         self.values: list[Restriction] = [Restriction()]
         self.code = np.zeros(n, np.int64)
+        self.reasons: list[str] = [""]
+        self.reason = np.zeros(n, np.int64)  # the last restriction that made each class smaller
         self._meets: dict[tuple[int, Restriction], int] = {}
 
-    def meet(self, classes: np.ndarray, r: Restriction) -> None:
+    def meet(self, classes: np.ndarray, r: Restriction, reason: str = "") -> None:
         if len(classes) == 0:
             return
-        codes = self.code[classes]
-        for c in np.unique(codes):
-            new = self._meet_code(int(c), r)
-            codes[codes == c] = new
+        before = self.code[classes]
+        codes = before.copy()
+        for c in np.unique(before):
+            codes[before == c] = self._meet_code(int(c), r)
         self.code[classes] = codes
+        changed = classes[codes != before]
+        if len(changed):
+            self.reasons.append(reason)
+            self.reason[changed] = len(self.reasons) - 1
+
+    def why(self, classes: np.ndarray) -> list[str]:
+        """The restrictions that shaped these classes' group, most common first."""
+        counts = np.bincount(self.reason[classes], minlength=len(self.reasons))
+        return [self.reasons[i] for i in np.argsort(-counts) if counts[i] and i][:3]
 
     def _meet_code(self, c: int, r: Restriction) -> int:
         key = (c, r)
