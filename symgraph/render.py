@@ -486,7 +486,6 @@ def _draw_svg(graph) -> str:
 
 def _figure(graph):
     """Lay the graph out with networkx and draw it on a fresh ``Figure``; returns it and node id -> title."""
-    import networkx as nx
     from matplotlib.figure import Figure
 
     n = max(graph.number_of_nodes(), 1)

@@ -11,7 +11,6 @@ import collections
 import numpy as np
 import pytest
 
-import symgraph
 from symgraph import zoo
 from symgraph.fuzz import fuzz
 
@@ -214,22 +213,9 @@ def signature(group) -> str:
     return f"{group.motif} {group.kind}{'/' + attr if attr else ''} {group.size}x{group.copies}"
 
 
-@pytest.fixture(scope="session")
-def subjects():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = zoo.build(family, seed=0)
-            cache[family] = symgraph.load(model, zoo.example_inputs_for(family, model))
-        return cache[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", zoo.FAMILIES)
-def test_expected_groups_and_fuzzing(family, subjects):
-    subject = subjects(family)
+def test_expected_groups_and_fuzzing(family, zoo_subject):
+    subject = zoo_subject(family)
     report = subject.report
     assert dict(collections.Counter(signature(g) for g in report.groups)) == EXPECTED[family]
     assert not report.unknown_ops
@@ -242,30 +228,30 @@ ROPE = ("gptj", "gpt-neox", "llama", "llama-tied", "mistral", "qwen2", "qwen3", 
 
 
 @pytest.mark.parametrize("family", ROPE)
-def test_rope_models_get_no_generic_rotation(family, subjects):
-    for g in subjects(family).report.groups:
+def test_rope_models_get_no_generic_rotation(family, zoo_subject):
+    for g in zoo_subject(family).report.groups:
         if g.motif == "qk":
             assert g.kind in ("rotary", "scale"), g.id
 
 
 @pytest.mark.parametrize("family,layout", [("gptj", "interleaved"), ("gpt-neox", "rotate_half"),
                                            ("llama", "rotate_half"), ("phi", "rotate_half")])
-def test_rotary_pair_layout_is_read_from_the_graph(family, layout, subjects):
-    group = next(g for g in subjects(family).report.groups if g.kind == "rotary")
+def test_rotary_pair_layout_is_read_from_the_graph(family, layout, zoo_subject):
+    group = next(g for g in zoo_subject(family).report.groups if g.kind == "rotary")
     pairs = np.array(group.rotary_pairs)
     rotated = 2 * len(pairs)
     if layout == "interleaved":
         assert (pairs[:, 1] - pairs[:, 0] == 1).all() and (pairs[:, 0] % 2 == 0).all()
     else:
         assert (pairs[:, 1] - pairs[:, 0] == rotated // 2).all()
-    config = subjects(family).config
+    config = zoo_subject(family).config
     head_dim = config.hidden_size // config.num_attention_heads
     assert rotated + len(group.passthrough) == head_dim
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_gqa_shares_one_transform_per_kv_group(family, subjects):
-    subject = subjects(family)
+def test_gqa_shares_one_transform_per_kv_group(family, zoo_subject):
+    subject = zoo_subject(family)
     kv = subject.config.num_key_value_heads
     rep = subject.config.num_attention_heads // kv
     qk = [g for g in subject.report.groups if g.motif == "qk"]
@@ -275,8 +261,8 @@ def test_gqa_shares_one_transform_per_kv_group(family, subjects):
         assert q.index.shape[2] == rep  # each KV group's transform acts on all of its query heads
 
 
-def test_t5_heads_are_shared_across_a_stack(subjects):
-    heads = [g for g in subjects("t5").report.groups if g.motif == "heads"]
+def test_t5_heads_are_shared_across_a_stack(zoo_subject):
+    heads = [g for g in zoo_subject("t5").report.groups if g.motif == "heads"]
     shared = [g for g in heads if any("relative_attention_bias" in m.param for m in g.members)]
     assert len(shared) == 2  # encoder and decoder self-attention
     for g in shared:
@@ -284,8 +270,8 @@ def test_t5_heads_are_shared_across_a_stack(subjects):
         assert len(layers) == 2
 
 
-def test_tied_embeddings_restrict_the_residual_to_orthogonal_kinds(subjects):
-    untied = next(g for g in subjects("llama").report.groups if g.motif == "residual")
-    tied = next(g for g in subjects("llama-tied").report.groups if g.motif == "residual")
+def test_tied_embeddings_restrict_the_residual_to_orthogonal_kinds(zoo_subject):
+    untied = next(g for g in zoo_subject("llama").report.groups if g.motif == "residual")
+    tied = next(g for g in zoo_subject("llama-tied").report.groups if g.motif == "residual")
     assert untied.kind == tied.kind == "signed_permutation"
     assert any(m.param == "lm_head.weight" for m in tied.members)

@@ -9,25 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 
 import symgraph
-from symgraph import zoo
 from symgraph.fuzz import fuzz
 from symgraph.groups import Group, Member
-
-
-@pytest.fixture(scope="module")
-def load():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = zoo.build(family, seed=0)
-            cache[family] = symgraph.load(model, zoo.example_inputs_for(family, model))
-        return cache[family]
-
-    return get
 
 
 def violated(subject, group: Group) -> str:
@@ -40,26 +25,26 @@ def first(subject, **where) -> Group:
     return next(g for g in subject.report.groups if all(getattr(g, k) == v for k, v in where.items()))
 
 
-def test_generic_rotation_on_a_rope_model_breaks_it(load):
-    subject = load("llama")
+def test_generic_rotation_on_a_rope_model_breaks_it(zoo_subject):
+    subject = zoo_subject("llama")
     rotary = first(subject, kind="rotary")
     assert "relative output change" in violated(subject, dataclasses.replace(rotary, kind="orthogonal"))
 
 
-def test_scaling_a_gelu_unit_breaks_it(load):
-    subject = load("bert")
+def test_scaling_a_gelu_unit_breaks_it(zoo_subject):
+    subject = zoo_subject("bert")
     ffn = first(subject, motif="ffn", kind="permutation", size=64)
     violated(subject, dataclasses.replace(ffn, scale="positive"))
 
 
-def test_sign_flips_on_gelu_units_break_it(load):
-    subject = load("bert")
+def test_sign_flips_on_gelu_units_break_it(zoo_subject):
+    subject = zoo_subject("bert")
     ffn = first(subject, motif="ffn", kind="permutation", size=64)
     violated(subject, dataclasses.replace(ffn, kind="signed_permutation"))
 
 
-def test_one_qk_rotation_across_two_heads_breaks_it(load):
-    subject = load("bert")
+def test_one_qk_rotation_across_two_heads_breaks_it(zoo_subject):
+    subject = zoo_subject("bert")
     qk = first(subject, motif="qk", kind="orthogonal")
     # heads 0 and 1 as one block of 2 * d_head coordinates: a rotation may now mix them
     members = tuple(Member(m.param, m.axis, m.index[:2].reshape(1, -1, m.index.shape[2]), m.action)
@@ -68,23 +53,23 @@ def test_one_qk_rotation_across_two_heads_breaks_it(load):
     violated(subject, merged)
 
 
-def test_per_coordinate_signs_on_a_layernorm_residual_break_it(load):
-    subject = load("gpt2")
+def test_per_coordinate_signs_on_a_layernorm_residual_break_it(zoo_subject):
+    subject = zoo_subject("gpt2")
     residual = first(subject, motif="residual")
     assert residual.global_sign
     violated(subject, dataclasses.replace(residual, kind="signed_permutation", global_sign=False))
 
 
-def test_orthogonal_residual_with_unfolded_rmsnorm_weights_breaks_it(load):
-    subject = load("llama")
+def test_orthogonal_residual_with_unfolded_rmsnorm_weights_breaks_it(zoo_subject):
+    subject = zoo_subject("llama")
     residual = first(subject, motif="residual")
     members = tuple(dataclasses.replace(m, action="primal" if m.action == "permute" else m.action)
                     for m in residual.members)  # a rotation cannot pass the elementwise norm weight
     violated(subject, dataclasses.replace(residual, kind="orthogonal", members=members))
 
 
-def test_scaling_the_swiglu_gate_breaks_it(load):
-    subject = load("llama")
+def test_scaling_the_swiglu_gate_breaks_it(zoo_subject):
+    subject = zoo_subject("llama")
     scale = first(subject, motif="ffn", kind="scale")
     members = tuple(dataclasses.replace(m, param=m.param.replace("up_proj", "gate_proj")) for m in scale.members)
     violated(subject, dataclasses.replace(scale, members=members))

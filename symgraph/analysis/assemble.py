@@ -142,7 +142,7 @@ class Assembler:
     def _class_restrictions(self) -> "RestrictionTable":
         """The meet of every restriction on each class, as small integer codes (millions of classes)."""
         table = RestrictionTable(self.n_cls)
-        for i, (ids, r, why, node, _scales) in enumerate(self.c.restricts):
+        for ids, r, why, node, _scales in self.c.restricts:
             table.meet(np.unique(self.cls[ids]), r, reason=f"{why} ({node})")
         table.meet(np.unique(self.cls[self.self_dual]), ORTHOGONAL)  # used as x and as its dual (tied embeddings)
         return table
@@ -169,7 +169,7 @@ class Assembler:
                 continue
             by_signature[described["signature"]].append(described)
         groups = []
-        for sig, items in by_signature.items():
+        for items in by_signature.values():
             groups.extend(self._emit(items))
         return groups
 

@@ -59,8 +59,8 @@ def _move_channel(w, node: fx.Node, j: int):
     mixed = any(v is not None and j < len(v.chans) and v.chans[j].mixed for v in operands)
     terms_out = []
     for k in range(n_terms):
-        ids = _replay(w, node, lambda v, shape: _term_tensor(v, j, k, shape, "ids"))
-        coef = _replay(w, node, lambda v, shape: _term_tensor(v, j, k, shape, "coef")) if mixed else None
+        ids = _replay(w, node, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "ids"))
+        coef = _replay(w, node, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "coef")) if mixed else None
         terms_out.append((ids, coef))
     if isinstance(terms_out[0][0], (list, tuple)):
         count = len(terms_out[0][0])
