@@ -210,6 +210,9 @@ def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:
     coords = [c for c in chans if not c.block]
     blocks = [c for c in chans if c.block]
     out = list(coords)
+    if blocks:  # coordinates that pass a contraction beside head blocks are values (even one shared KV head)
+        for c in coords:
+            walker.c.tag("vo", c.ids)
     for blk in blocks:
         axes = chan_axes(blk)
         same = next((o for o in out if o.block and chan_axes(o) == axes), None)
