@@ -202,3 +202,26 @@ def test_console_script_runs_as_a_process(tmp_path, factories):
     assert ok.returncode == 0 and json.loads(ok.stdout)["groups"]
     bad = run_process("report", f"{factories}:untraceable")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "could not trace" in bad.stderr
+
+
+def test_fuzz_reports_a_shrunk_counterexample_and_exits_1(monkeypatch, tmp_path):
+    """Widen one detected group (RoPE commutant -> any rotation) and the CLI must catch it."""
+    import dataclasses
+
+    from symgraph.api import Subject
+
+    real = Subject.report.fget
+
+    def widened(self):
+        report = real(self)
+        groups = tuple(dataclasses.replace(g, kind="orthogonal") if g.kind == "rotary" else g
+                       for g in report.groups)
+        return dataclasses.replace(report, groups=groups)
+
+    monkeypatch.setattr(Subject, "report", property(widened))
+    res = run("fuzz", DEMO, "--samples", "10", "--json", tmp_path / "f.json")
+    assert res.returncode == 1
+    assert "VIOLATE" in res.stdout and "counterexample:" in res.stdout
+    data = json.loads((tmp_path / "f.json").read_text())
+    bad = [g for g in data["groups"] if g["counterexample"]]
+    assert bad and all(g["kind"] == "orthogonal" and g["motif"] == "qk" for g in bad)
