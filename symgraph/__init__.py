@@ -7,7 +7,7 @@ Examples
 >>> [(g.motif, g.kind, g.size) for g in symgraph.analyze(mlp, inputs=(torch.randn(2, 4),)).groups]
 [('ffn', 'permutation', 8)]
 """
-from .api import Subject, analyze, load, sample_elements, transform
+from .api import Subject, align, analyze, load, sample_elements, transform
 from .elements import Element, apply, apply_to_model, sample
 from .errors import SymgraphError
 from .groups import Group, Member, PinnedSpace
@@ -15,5 +15,5 @@ from .report import Report
 
 __all__ = [
     "Element", "Group", "Member", "PinnedSpace", "Report", "Subject", "SymgraphError",
-    "analyze", "apply", "apply_to_model", "load", "sample", "sample_elements", "transform",
+    "align", "analyze", "apply", "apply_to_model", "load", "sample", "sample_elements", "transform",
 ]

@@ -134,3 +134,31 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
     raise ModelLoadError(f"No example inputs for {type(model).__name__}: it has no Hugging Face config to build "
                          f"them from.", hint="pass inputs=(tensor, ...) in Python, or make the factory return "
                                              "(module, args).")
+
+
+def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
+          layers: tuple[int, int] | None = None, inputs: Inputs = None, verify: bool = True):
+    """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
+
+    Returns :class:`symgraph.align.AlignResult` (the aligned state dict in the source's dtype, computed in
+    float64). With ``verify`` the aligned model is checked to compute what the source computes; otherwise an
+    :class:`~symgraph.errors.InvarianceError` names the groups involved and nothing is returned.
+    """
+    from .align import align_states, check_same_architecture, select_groups
+
+    src, anc = load(source, inputs), load(anchor, inputs)
+    check_same_architecture(src, anc)
+    groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
+    result = align_states(groups, src.state_dict(), anc.state_dict(), mode=mode, rescale=rescale)
+    result.state = tie_aliases(src.model, result.state)
+    if verify:
+        from .verify import Evaluator
+
+        outcome = Evaluator(src.model, src.args, src.kwargs).check(result.state)
+        if not outcome.ok:
+            raise InvarianceError(
+                f"The aligned model differs from the source (relative error {outcome.relative_error:.2e}, "
+                f"tolerance {outcome.tolerance:.1e}); nothing was written. Groups applied: "
+                + ", ".join(sorted({e.group.id for e in result.elements})[:6]),
+                hint="run `symgraph fuzz` on the source to find the group at fault, and report it as a bug.")
+    return result

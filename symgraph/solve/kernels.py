@@ -240,23 +240,39 @@ def _alternate(mq, mk, q, k, a, special, iters):
     r"""Block coordinate descent from ``a``: :math:`R \leftarrow` Procrustes of :math:`aM_Q + M_K/a`, then
     :math:`a \leftarrow` the quartic for that :math:`R` (same sign as :math:`a`). Never increases the objective;
     polishes a bracketed minimiser to full precision (the stationarity condition in :math:`a` at fixed
-    :math:`R` is exactly the quartic)."""
+    :math:`R` is exactly the quartic; convergence is linear and fast in practice)."""
     sign = np.sign(a)
     for _ in range(iters):
         at = torch.from_numpy(a)[:, None, None]
         r = as_tensor(procrustes(at * mq + mk / at, special=special))
         tq, tk = as_numpy((r * mq).sum((-2, -1))), as_numpy((r * mk).sum((-2, -1)))
         new = sign * minimize_scale(q, sign * tq, k, sign * tk, power=1, positive=True)
-        done = np.all(np.abs(new - a) <= 1e-15 * np.abs(a))
+        done = np.all(np.abs(new - a) <= 1e-13 * np.abs(a))
         a = new
         if done:
             break
     return a
 
 
+def _scale_bracket(mq, mk, q, k, f_best, fallback_lo, fallback_hi):
+    r"""Rigorous bracket :math:`[a_{lo}, a_{hi}]` of :math:`|a^*|`: since
+    :math:`\|aM_Q + M_K/a\|_* \le |a|\|M_Q\|_* + \|M_K\|_*/|a|`, :math:`F(a) \ge L(|a|)`,
+    :math:`L(b) = qb^2 - 2\|M_Q\|_* b + k/b^2 - 2\|M_K\|_*/b`, so :math:`|a^*|` lies where
+    :math:`L \le F_{best}`: between the extreme positive roots of
+    :math:`qb^4 - 2\|M_Q\|_* b^3 - F_{best} b^2 - 2\|M_K\|_* b + k`. Falls back per item when degenerate."""
+    nq, nk = procrustes_value(mq), procrustes_value(mk)
+    coeffs = np.stack([q, -2 * nq, -f_best, -2 * nk, k], axis=1)
+    roots = polynomial_roots(coeffs)
+    real = np.where((np.abs(roots.imag) <= 1e-6 * np.abs(roots)) & (roots.real > 0), roots.real, np.nan)
+    with np.errstate(all="ignore"):
+        lo, hi = np.nanmin(real, axis=1) / (1 + 1e-8), np.nanmax(real, axis=1) * (1 + 1e-8)
+    bad = ~((q > 0) & (k > 0) & np.isfinite(lo) & np.isfinite(hi) & (hi > lo))
+    return np.where(bad, fallback_lo, lo), np.where(bad, fallback_hi, hi)
+
+
 def joint_rotation_rescale(mq: Array, mk: Array, q_sq, k_sq, *, positive: bool = True, special: bool = False,
-                           span: float = 1e3, grid: int = 121, refine_iters: int = 48,
-                           polish_iters: int = 30) -> tuple[Array, np.ndarray]:
+                           span: float = 1e3, grid: int = 25, resolution: float = 0.03, refine_iters: int = 6,
+                           polish_iters: int = 12) -> tuple[Array, np.ndarray]:
     r"""Globally optimal joint rotation and scalar rescale of a QK pair (per head).
 
     Minimises :math:`G(R, a) = \|a R^\top Q_1 - Q_2\|^2 + \|R^\top K_1/a - K_2\|^2
@@ -265,12 +281,16 @@ def joint_rotation_rescale(mq: Array, mk: Array, q_sq, k_sq, *, positive: bool =
     :math:`\|aM_Q + M_K/a\|_*`, so the problem is the 1-D :math:`\min_a F(a)`,
     :math:`F(a) = a^2\|Q_1\|^2 + \|K_1\|^2/a^2 - 2\|aM_Q + M_K/a\|_*`:
 
-    1. scan a log-spaced grid :math:`a \in a_0 [1/\text{span}, \text{span}]`,
-       :math:`a_0 = (\|K_1\|^2/\|Q_1\|^2)^{1/4}` (batched SVDs per grid point);
-    2. golden-section refinement inside the best grid bracket (batched over heads);
-    3. polish by alternating Procrustes / quartic (monotone);
-    4. keep the best of that, the sequential solution (Procrustes on :math:`M_Q + M_K`, then the quartic) and
-       :math:`a = 1`, so the result is never worse than rotation-then-rescale.
+    1. :math:`F` at :math:`a = 1`, :math:`a_0 = (\|K_1\|^2/\|Q_1\|^2)^{1/4}` and the sequential solution
+       (Procrustes on :math:`M_Q + M_K`, then the quartic) gives :math:`F_{best}`;
+    2. a rigorous bracket of the minimiser from the lower bound
+       :math:`F(a) \ge a^2\|Q_1\|^2 - 2a\|M_Q\|_* + \|K_1\|^2/a^2 - 2\|M_K\|_*/a` (roots of a quartic);
+       degenerate items use :math:`a_0[1/\text{span}, \text{span}]`;
+    3. a log-spaced scan over the bracket, ``resolution`` apart in :math:`\log a` (at least 5, at most ``grid``
+       points; one batched SVD per point, all heads at once),
+       then ``refine_iters`` batched golden-section steps inside the best grid cell;
+    4. polish by alternating Procrustes / quartic (monotone, converges to full precision);
+    5. keep the best of the polished point and the step-1 candidates: never worse than rotation-then-rescale.
 
     Over :math:`O(n)`, :math:`F(-a) = F(a)` (absorb :math:`-I` into :math:`R`), so :math:`a > 0` always; with
     ``special=True`` and ``positive=False`` both signs are searched.
@@ -296,26 +316,30 @@ def joint_rotation_rescale(mq: Array, mk: Array, q_sq, k_sq, *, positive: bool =
     nb = MQ.shape[0]
     q = np.broadcast_to(np.asarray(q_sq, dtype=np.float64), batch).reshape(-1).copy()
     k = np.broadcast_to(np.asarray(k_sq, dtype=np.float64), batch).reshape(-1).copy()
-
     with np.errstate(divide="ignore", invalid="ignore"):
         a0 = np.where((q > 0) & (k > 0), (k / np.where(q > 0, q, 1.0)) ** 0.25, 1.0)
-    log_grid = np.linspace(-np.log(span), np.log(span), grid)
-    step = log_grid[1] - log_grid[0]
-
-    candidates = []
-    for sign in ((1.0, -1.0) if (special and not positive) else (1.0,)):
-        def F(la, sign=sign):
-            return _profile(MQ, MK, q, k, sign * a0[:, None] * np.exp(la), special)
-        scan = F(np.broadcast_to(log_grid, (nb, grid)).copy())
-        centre = log_grid[np.argmin(scan, axis=1)]
-        best = _golden_refine(lambda x: F(x[:, None])[:, 0], centre - step, centre + step, refine_iters)
-        candidates.append(_alternate(MQ, MK, q, k, sign * a0 * np.exp(best), special, polish_iters))
 
     r0 = as_tensor(procrustes(MQ + MK, special=special))
     tq, tk = as_numpy((r0 * MQ).sum((-2, -1))), as_numpy((r0 * MK).sum((-2, -1)))
-    candidates.append(minimize_scale(q, tq, k, tk, power=1, positive=positive))  # sequential
-    candidates.append(np.ones(nb))
-    cand = np.stack(candidates, axis=1)
+    a_seq = minimize_scale(q, tq, k, tk, power=1, positive=positive)
+    start = np.stack([np.ones(nb), a0, a_seq], axis=1)
+    f_start = _profile(MQ, MK, q, k, start, special)
+    lo, hi = _scale_bracket(MQ, MK, q, k, f_start.min(axis=1), a0 / span, a0 * span)
+    log_lo, log_hi = np.log(lo), np.log(hi)
+    width = float(np.max(log_hi - log_lo))
+    grid = int(np.clip(np.ceil(width / resolution) + 1, 5, grid))
+    cells = np.linspace(0.0, 1.0, grid)[None, :]
+    log_grid = log_lo[:, None] + cells * (log_hi - log_lo)[:, None]
+    cell = (log_hi - log_lo) / (grid - 1)
+
+    candidates = [start]
+    for sign in ((1.0, -1.0) if (special and not positive) else (1.0,)):
+        def F(la, sign=sign):
+            return _profile(MQ, MK, q, k, sign * np.exp(la), special)
+        centre = log_grid[np.arange(nb), np.argmin(F(log_grid), axis=1)]
+        best = _golden_refine(lambda x: F(x[:, None])[:, 0], centre - cell, centre + cell, refine_iters)
+        candidates.append(_alternate(MQ, MK, q, k, sign * np.exp(best), special, polish_iters)[:, None])
+    cand = np.concatenate(candidates, axis=1)
     a = cand[np.arange(nb), np.argmin(_profile(MQ, MK, q, k, cand, special), axis=1)]
 
     at = torch.from_numpy(a)[:, None, None]

@@ -1,0 +1,445 @@
+"""Solver kernels: planted recovery (exact) and optimality against brute force / random search / grids."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from symgraph.solve import (KERNELS, PermVariable, SignedPerm, coordinate_descent, cross_matrix, head_matching,
+                            hungarian, joint_rotation_rescale, minimize_scale, procrustes, procrustes_value,
+                            qk_objective, rescale_from_stats, rescale_objective, rescale_quartic,
+                            rotary_closed_form, rotary_objective, rotation_2x2, signed_hungarian,
+                            unit_scale_objective, unit_scales)
+
+
+def orth(n, rng, batch=()):
+    q, r = np.linalg.qr(rng.standard_normal((*batch, n, n)))
+    return q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+
+
+def sq(x):
+    return float(np.sum(np.asarray(x) ** 2))
+
+
+# -- Procrustes ---------------------------------------------------------------------------------------------
+def test_procrustes_recovers_planted_rotation_batched():
+    rng = np.random.default_rng(0)
+    heads, d = 6, 8
+    members = [rng.standard_normal((heads, d, m)) for m in (16, 16, 1)]  # Q, K, a bias column
+    Q = orth(d, rng, (heads,))
+    M = cross_matrix([(x, Q @ x) for x in members])
+    assert M.shape == (heads, d, d)
+    R = procrustes(M)
+    for x in members:
+        np.testing.assert_allclose(R.swapaxes(-1, -2) @ x, Q @ x, atol=1e-10)
+    # torch in, torch out, same answer
+    Rt = procrustes(torch.from_numpy(M))
+    assert isinstance(Rt, torch.Tensor) and Rt.dtype == torch.float64
+    np.testing.assert_allclose(Rt.numpy(), R, atol=1e-12)
+
+
+def test_procrustes_is_optimal_against_random_orthogonals():
+    rng = np.random.default_rng(1)
+    d = 5
+    X, Y = rng.standard_normal((d, 12)), rng.standard_normal((d, 12))
+    R = procrustes(cross_matrix([(X, Y)]))
+    best = sq(R.T @ X - Y)
+    others = orth(d, rng, (2000,))
+    assert np.all(np.sum((others.swapaxes(-1, -2) @ X - Y) ** 2, axis=(-2, -1)) >= best - 1e-12)
+    assert abs(np.trace(R.T @ (X @ Y.T)) - procrustes_value(X @ Y.T)) < 1e-10
+
+
+def test_procrustes_special_stays_in_so_n():
+    rng = np.random.default_rng(2)
+    d = 4
+    X = rng.standard_normal((d, 10))
+    reflect = np.diag([1.0, 1.0, 1.0, -1.0])
+    M = X @ (reflect @ X).T
+    R = procrustes(M, special=True)
+    assert np.isclose(np.linalg.det(R), 1.0)
+    assert np.isclose(np.trace(R.T @ M), procrustes_value(M, special=True))
+    rots = orth(d, rng, (3000,))
+    rots[np.linalg.det(rots) < 0, :, 0] *= -1
+    assert np.all(np.einsum("bij,ij->b", rots, M) <= np.trace(R.T @ M) + 1e-10)
+
+
+# -- Hungarian ------------------------------------------------------------------------------------------------
+def test_hungarian_recovers_planted_permutation():
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((20, 30))
+    perm = rng.permutation(20)
+    anchor = X[perm]
+    found = hungarian(cross_matrix([(X, anchor)]).T)
+    np.testing.assert_array_equal(found, perm)
+
+
+def test_signed_hungarian_recovers_planted_signed_permutation():
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((15, 25))
+    t = SignedPerm(rng.permutation(15), rng.choice([-1.0, 1.0], 15))
+    perm, signs = signed_hungarian(cross_matrix([(X, t.apply(X))]).T)
+    np.testing.assert_array_equal(perm, t.perm)
+    np.testing.assert_array_equal(signs, t.signs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_hungarian_matches_brute_force(n):
+    rng = np.random.default_rng(10 + n)
+    for _ in range(5):
+        S = rng.standard_normal((n, n))
+        best = max(S[np.arange(n), p].sum() for p in itertools.permutations(range(n)))
+        assert S[np.arange(n), hungarian(S)].sum() == pytest.approx(best, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_signed_hungarian_matches_brute_force(n):
+    rng = np.random.default_rng(20 + n)
+    all_signs = np.array(list(itertools.product([-1.0, 1.0], repeat=n)))
+    for _ in range(3):
+        S = rng.standard_normal((n, n))
+        best = max((all_signs * S[np.arange(n), p]).sum(1).max() for p in itertools.permutations(range(n)))
+        perm, signs = signed_hungarian(S)
+        assert (signs * S[np.arange(n), perm]).sum() == pytest.approx(best, abs=1e-12)
+
+
+# -- coordinate descent -----------------------------------------------------------------------------------------
+def random_mlp(rng, d=12, h1=16, h2=14, o=5):
+    return dict(W1=rng.standard_normal((h1, d)), b1=rng.standard_normal(h1), W2=rng.standard_normal((h2, h1)),
+                b2=rng.standard_normal(h2), W3=rng.standard_normal((o, h2)))
+
+
+def align_mlp(m, p1, p2):
+    return dict(W1=p1.apply(m["W1"], 0), b1=p1.apply(m["b1"], 0), W2=p2.apply(p1.apply(m["W2"], 1), 0),
+                b2=p2.apply(m["b2"], 0), W3=p2.apply(m["W3"], 1))
+
+
+def mlp_problem(src, anc, signed=False):
+    def s1(cur):
+        w2 = cur["P2"].apply(src["W2"], 0)
+        return anc["W1"] @ src["W1"].T + np.outer(anc["b1"], src["b1"]) + anc["W2"].T @ w2
+
+    def s2(cur):
+        w2 = cur["P1"].apply(src["W2"], 1)
+        return anc["W2"] @ w2.T + np.outer(anc["b2"], src["b2"]) + anc["W3"].T @ src["W3"]
+
+    def objective(cur):
+        aligned = align_mlp(src, cur["P1"], cur["P2"])
+        return sum(float(np.sum(aligned[k] * anc[k])) for k in anc)
+
+    variables = [PermVariable("P1", src["W1"].shape[0], s1, signed), PermVariable("P2", src["W2"].shape[0], s2, signed)]
+    return variables, objective
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_coordinate_descent_recovers_planted_mlp_permutations(signed):
+    rng = np.random.default_rng(30)
+    src = random_mlp(rng)
+    sign = (lambda n: rng.choice([-1.0, 1.0], n)) if signed else np.ones
+    p1, p2 = SignedPerm(rng.permutation(16), sign(16)), SignedPerm(rng.permutation(14), sign(14))
+    anc = {k: v + 1e-6 * rng.standard_normal(v.shape) for k, v in align_mlp(src, p1, p2).items()}
+    variables, objective = mlp_problem(src, anc, signed)
+    res = coordinate_descent(variables, objective=objective, seed=1)
+    assert res.converged
+    for name, truth in (("P1", p1), ("P2", p2)):
+        np.testing.assert_array_equal(res.assignments[name].perm, truth.perm)
+        np.testing.assert_array_equal(res.assignments[name].signs, truth.signs)
+    assert np.all(np.diff(res.trace) >= 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coordinate_descent_objective_is_monotone_on_independent_mlps(seed):
+    rng = np.random.default_rng(100 + seed)
+    src, anc = random_mlp(rng), random_mlp(rng)
+    variables, objective = mlp_problem(src, anc)
+    res = coordinate_descent(variables, objective=objective, seed=seed)
+    assert res.converged and len(res.trace) == res.rounds + 1
+    assert np.all(np.diff(res.trace) >= 0)
+    assert res.trace[-1] >= res.trace[0]
+    # without an objective callable the trace is the exact accumulated gain (objective is linear per variable)
+    free = coordinate_descent(variables, seed=seed)
+    assert np.all(np.diff(free.trace) >= 0)
+    start = {v.name: SignedPerm.identity(v.size) for v in variables}
+    assert free.trace[-1] == pytest.approx(objective(free.assignments) - objective(start), rel=1e-10, abs=1e-9)
+    # a fixed point: no single variable can improve any more
+    for v in variables:
+        s = v.similarity(res.assignments)
+        assert res.assignments[v.name].linear_value(s) >= s[np.arange(v.size), hungarian(s)].sum() - 1e-9
+
+
+# -- scalar rescale (eq. 11-12) ---------------------------------------------------------------------------------
+def test_rescale_quartic_recovers_planted_scale():
+    rng = np.random.default_rng(40)
+    Q1, K1 = rng.standard_normal((8, 17)), rng.standard_normal((8, 17))
+    for a in (0.03, 0.7, 1.0, 3.3, 250.0, -0.4, -5.0):
+        got = rescale_quartic(Q1, a * Q1, K1, K1 / a, positive=a > 0)
+        assert got == pytest.approx(a, rel=1e-12)
+
+
+@pytest.mark.parametrize("positive", [True, False])
+def test_rescale_quartic_matches_grid_search(positive):
+    rng = np.random.default_rng(41)
+    grid = np.geomspace(1e-3, 1e3, 200001)
+    grid = grid if positive else np.concatenate([-grid[::-1], grid])
+    for _ in range(20):
+        Q1, Q2, K1, K2 = (rng.standard_normal((4, 9)) * rng.uniform(0.1, 3) for _ in range(4))
+        a = rescale_quartic(Q1, Q2, K1, K2, positive=positive)
+        assert a != 0 and (a > 0 or not positive)
+        f = lambda x: sq(x * Q1 - Q2) + sq(K1 / x - K2)  # noqa: E731
+        stats = (sq(Q1), np.sum(Q1 * Q2), sq(K1), np.sum(K1 * K2))
+        on_grid = rescale_objective(grid, *stats).min() + sq(Q2) + sq(K2)
+        assert f(a) <= on_grid + 1e-9
+        assert f(a) == pytest.approx(rescale_objective(a, *stats) + sq(Q2) + sq(K2), rel=1e-10)
+
+
+def test_rescale_degenerate_inputs_fall_back_to_identity_or_one_sided_optimum():
+    assert rescale_from_stats(0.0, 0.0, 0.0, 0.0) == 1.0
+    assert rescale_from_stats(4.0, 6.0, 0.0, 0.0) == pytest.approx(1.5)  # K absent: a = <Q1,Q2>/|Q1|^2
+    assert rescale_from_stats(0.0, 0.0, 4.0, 2.0) == pytest.approx(2.0)  # Q absent: 1/a = <K1,K2>/|K1|^2
+
+
+# -- joint rotation + rescale -----------------------------------------------------------------------------------
+def qk_instance(rng, heads, d, m=12):
+    Q1, Q2, K1, K2 = (rng.standard_normal((heads, d, m)) for _ in range(4))
+    return Q1, Q2, K1, K2
+
+
+def qk_stats(Q1, Q2, K1, K2):
+    return (cross_matrix([(Q1, Q2)]), cross_matrix([(K1, K2)]), np.sum(Q1**2, axis=(-2, -1)),
+            np.sum(K1**2, axis=(-2, -1)))
+
+
+def sequential(mq, mk, q_sq, k_sq):
+    R = procrustes(mq + mk)
+    a = rescale_from_stats(q_sq, np.sum(R * mq, (-2, -1)), k_sq, np.sum(R * mk, (-2, -1)), positive=True)
+    return R, a
+
+
+def test_joint_rotation_rescale_recovers_planted():
+    rng = np.random.default_rng(50)
+    heads, d = 5, 6
+    Q1, _, K1, _ = qk_instance(rng, heads, d)
+    O = orth(d, rng, (heads,))
+    a_true = np.exp(rng.normal(0, 1.5, heads))
+    Q2, K2 = a_true[:, None, None] * (O @ Q1), (O @ K1) / a_true[:, None, None]
+    R, a = joint_rotation_rescale(*qk_stats(Q1, Q2, K1, K2))
+    np.testing.assert_allclose(a, a_true, rtol=1e-10)
+    Rt = R.swapaxes(-1, -2)
+    np.testing.assert_allclose(a[:, None, None] * (Rt @ Q1), Q2, atol=1e-9)
+    np.testing.assert_allclose((Rt @ K1) / a[:, None, None], K2, atol=1e-9)
+
+
+def test_joint_rotation_rescale_never_worse_than_sequential():
+    worse, better = 0, 0
+    for seed in range(50):
+        rng = np.random.default_rng(1000 + seed)
+        heads, d = 3, int(rng.integers(2, 7))
+        Q1, Q2, K1, K2 = qk_instance(rng, heads, d, m=int(rng.integers(3, 10)))
+        Q1 = Q1 * rng.uniform(0.2, 5)  # unbalanced scales
+        stats = qk_stats(Q1, Q2, K1, K2)
+        R, a = joint_rotation_rescale(*stats)
+        Rs, a_s = sequential(*stats)
+        joint, seq = qk_objective(R, a, *stats), qk_objective(Rs, a_s, *stats)
+        direct = (np.sum((a[:, None, None] * (R.swapaxes(-1, -2) @ Q1) - Q2) ** 2, axis=(-2, -1))
+                  + np.sum(((R.swapaxes(-1, -2) @ K1) / a[:, None, None] - K2) ** 2, axis=(-2, -1))
+                  - np.sum(Q2**2, axis=(-2, -1)) - np.sum(K2**2, axis=(-2, -1)))
+        np.testing.assert_allclose(joint, direct, rtol=1e-9, atol=1e-9)
+        worse += int(np.sum(joint > seq + 1e-9))
+        better += int(np.sum(joint < seq - 1e-6))
+    assert worse == 0
+    assert better > 0  # the joint solve is not just the sequential one
+
+
+def test_joint_rotation_rescale_matches_grid_over_a():
+    rng = np.random.default_rng(60)
+    heads, d = 4, 5
+    stats = qk_stats(*qk_instance(rng, heads, d))
+    mq, mk, q_sq, k_sq = stats
+    R, a = joint_rotation_rescale(*stats)
+    grid = np.geomspace(1e-2, 1e2, 4001)
+    at = grid[:, None, None, None]
+    s = np.linalg.svd(at * mq[None] + mk[None] / at, compute_uv=False).sum(-1)  # (G, heads)
+    on_grid = (grid[:, None] ** 2 * q_sq + k_sq / grid[:, None] ** 2 - 2 * s).min(0)
+    joint = qk_objective(R, a, *stats)
+    assert np.all(joint <= on_grid + 1e-9)
+    assert np.all(joint >= on_grid - 1e-3 * np.abs(on_grid))  # the grid is close to it: same problem
+
+
+def test_joint_rotation_rescale_torch_and_unbatched():
+    rng = np.random.default_rng(61)
+    mq, mk, q_sq, k_sq = qk_stats(*qk_instance(rng, 1, 4))
+    R, a = joint_rotation_rescale(mq[0], mk[0], q_sq[0], k_sq[0])
+    Rt, at = joint_rotation_rescale(torch.from_numpy(mq), torch.from_numpy(mk), q_sq, k_sq)
+    assert R.shape == (4, 4) and a.shape == () and isinstance(Rt, torch.Tensor)
+    np.testing.assert_allclose(Rt.numpy()[0], R, atol=1e-10)
+    assert at[0] == pytest.approx(float(a), rel=1e-10)
+
+
+@pytest.mark.parametrize("positive", [True, False])
+def test_joint_rotation_rescale_special_orthogonal_odd_dimension(positive):
+    rng = np.random.default_rng(62)
+    heads, d = 6, 3
+    stats = qk_stats(*qk_instance(rng, heads, d, m=5))
+    mq, mk, q_sq, k_sq = stats
+    R, a = joint_rotation_rescale(*stats, special=True, positive=positive)
+    assert np.allclose(np.linalg.det(R), 1.0) and (np.all(a > 0) or not positive)
+    grid = np.geomspace(1e-2, 1e2, 2001)
+    grid = grid if positive else np.concatenate([-grid[::-1], grid])
+    at = grid[:, None]
+    value = procrustes_value(at[..., None, None] * mq[None] + mk[None] / at[..., None, None], special=True)
+    on_grid = (at**2 * q_sq + k_sq / at**2 - 2 * value).min(0)
+    assert np.all(qk_objective(R, a, *stats) <= on_grid + 1e-9)
+
+
+# -- head permutation x rotation --------------------------------------------------------------------------------
+def test_head_matching_recovers_planted_permutation_and_rotations():
+    rng = np.random.default_rng(70)
+    H, d, m = 6, 4, 20
+    Xqk, Xvo = rng.standard_normal((H, d, m)), rng.standard_normal((H, d, m))
+    perm = rng.permutation(H)
+    Oqk, Ovo = orth(d, rng, (H,)), orth(d, rng, (H,))
+    Yqk, Yvo = Oqk @ Xqk[perm], Ovo @ Xvo[perm]
+    cqk = np.einsum("iam,jbm->ijab", Xqk, Yqk)  # (H_src, H_anchor, d, d)
+    cvo = np.einsum("iam,jbm->ijab", Xvo, Yvo)
+    found, R = head_matching(cqk)
+    np.testing.assert_array_equal(found, perm)
+    np.testing.assert_allclose(R.swapaxes(-1, -2) @ Xqk[found], Yqk, atol=1e-10)
+    found2, (Rqk, Rvo) = head_matching([cqk, cvo])
+    np.testing.assert_array_equal(found2, perm)
+    np.testing.assert_allclose(Rvo.swapaxes(-1, -2) @ Xvo[found2], Yvo, atol=1e-10)
+    # batched over layers
+    foundb, Rb = head_matching(np.stack([cqk, cqk]))
+    assert foundb.shape == (2, H) and Rb.shape == (2, H, d, d)
+
+
+def test_head_matching_is_optimal_by_brute_force():
+    rng = np.random.default_rng(71)
+    H, d = 4, 3
+    X, Y = rng.standard_normal((H, d, 6)), rng.standard_normal((H, d, 6))
+    c = np.einsum("iam,jbm->ijab", X, Y)
+    perm, R = head_matching(c)
+    ours = sum(sq(R[j].T @ X[perm[j]] - Y[j]) for j in range(H))
+    for p in itertools.permutations(range(H)):
+        p = np.array(p)
+        Rp = procrustes(c[p, np.arange(H)])
+        assert ours <= sum(sq(Rp[j].T @ X[p[j]] - Y[j]) for j in range(H)) + 1e-9
+
+
+# -- rotary ---------------------------------------------------------------------------------------------------------
+def test_rotary_angle_convention_matches_procrustes_so2():
+    rng = np.random.default_rng(80)
+    X, Y = rng.standard_normal((7, 2, 9)), rng.standard_normal((7, 2, 9))
+    M = cross_matrix([(X, Y)])
+    phi, c = rotary_closed_form(M, scaled=False)
+    np.testing.assert_array_equal(c, 1.0)
+    np.testing.assert_allclose(phi, np.arctan2(M[:, 0, 1] - M[:, 1, 0], M[:, 0, 0] + M[:, 1, 1]))
+    np.testing.assert_allclose(rotation_2x2(phi), procrustes(M, special=True).swapaxes(-1, -2), atol=1e-12)
+
+
+def test_rotary_recovers_planted_angles_and_scales():
+    rng = np.random.default_rng(81)
+    heads, P, m = 3, 8, 10
+    Xq, Xk = rng.standard_normal((heads, P, 2, m)), rng.standard_normal((heads, P, 2, m))
+    phi = rng.uniform(-np.pi, np.pi, (heads, P))
+    c = np.exp(rng.normal(0, 1.0, (heads, P)))
+    T = rotation_2x2(phi)
+    Yq, Yk = c[..., None, None] * (T @ Xq), (T @ Xk) / c[..., None, None]
+    got_phi, got_c = rotary_closed_form(cross_matrix([(Xq, Yq)]), cross_matrix([(Xk, Yk)]),
+                                        np.sum(Xq**2, (-2, -1)), np.sum(Xk**2, (-2, -1)))
+    np.testing.assert_allclose(got_c, c, rtol=1e-10)
+    np.testing.assert_allclose(np.angle(np.exp(1j * (got_phi - phi))), 0.0, atol=1e-10)
+    # balanced planted scale c^4 = |Xk|^2/|Xq|^2: the sextic has a double root there; still exact
+    Xq1 = Xq[0, 0]
+    c0 = 1.7
+    Xk1 = Xq1 * c0**2
+    T1 = rotation_2x2(0.3)
+    p1, c1 = rotary_closed_form(Xq1 @ (c0 * T1 @ Xq1).T, Xk1 @ (T1 @ Xk1 / c0).T, sq(Xq1), sq(Xk1))
+    assert float(c1) == pytest.approx(c0, rel=1e-10) and float(p1) == pytest.approx(0.3, abs=1e-10)
+
+
+def test_rotary_optimal_against_grids():
+    rng = np.random.default_rng(82)
+    P = 12
+    Xq, Yq, Xk, Yk = (rng.standard_normal((P, 2, 6)) * rng.uniform(0.3, 3, (P, 1, 1)) for _ in range(4))
+    mq, mk = cross_matrix([(Xq, Yq)]), cross_matrix([(Xk, Yk)])
+    qs, ks = np.sum(Xq**2, (-2, -1)), np.sum(Xk**2, (-2, -1))
+    phi, c = rotary_closed_form(mq, mk, qs, ks)
+    ours = rotary_objective(phi, c, mq, mk, qs, ks)
+    direct = (np.sum((c[:, None, None] * rotation_2x2(phi) @ Xq - Yq) ** 2, (-2, -1))
+              + np.sum((rotation_2x2(phi) @ Xk / c[:, None, None] - Yk) ** 2, (-2, -1))
+              - np.sum(Yq**2, (-2, -1)) - np.sum(Yk**2, (-2, -1)))
+    np.testing.assert_allclose(ours, direct, atol=1e-9)
+    grid_phi = np.linspace(-np.pi, np.pi, 721)[:, None, None]
+    grid_c = np.geomspace(1e-2, 1e2, 801)[None, :, None]
+    on_grid = rotary_objective(grid_phi, grid_c, mq, mk, qs, ks).min(axis=(0, 1))
+    assert np.all(ours <= on_grid + 1e-9)
+    # never worse than sequential (angle at c = 1, then the quartic)
+    phi0, _ = rotary_closed_form(mq + mk, scaled=False)
+    rot = np.exp(-1j * phi0)
+    zq = (mq[:, 0, 0] + mq[:, 1, 1]) + 1j * (mq[:, 0, 1] - mq[:, 1, 0])
+    zk = (mk[:, 0, 0] + mk[:, 1, 1]) + 1j * (mk[:, 0, 1] - mk[:, 1, 0])
+    c0 = rescale_from_stats(qs, np.real(zq * rot), ks, np.real(zk * rot), positive=True)
+    assert np.all(ours <= rotary_objective(phi0, c0, mq, mk, qs, ks) + 1e-9)
+    # unscaled: optimal against the angle grid
+    phi_u, _ = rotary_closed_form(mq + mk, scaled=False)
+    unscaled = rotary_objective(phi_u, 1.0, mq, mk, qs, ks)
+    assert np.all(unscaled <= rotary_objective(grid_phi[:, 0], 1.0, mq, mk, qs, ks).min(0) + 1e-12)
+
+
+# -- per-unit scales ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("positive,dual_power", [(True, 1), (False, 1), (True, 2)])
+def test_unit_scales_recover_planted(positive, dual_power):
+    rng = np.random.default_rng(90)
+    n, d, o = 24, 10, 7
+    W1, W2 = rng.standard_normal((n, d + 1)), rng.standard_normal((o, n))  # bias as the last column of W1
+    s = np.exp(rng.normal(0, 1.0, n))
+    if not positive:
+        s *= rng.choice([-1.0, 1.0], n)
+    got = unit_scales(W1, s[:, None] * W1, W2, W2 / s[None, :] ** dual_power, positive, dual_power=dual_power)
+    np.testing.assert_allclose(got, s, rtol=1e-10)
+
+
+@pytest.mark.parametrize("positive,dual_power", [(True, 1), (False, 1), (True, 2)])
+def test_unit_scales_optimal_against_grid(positive, dual_power):
+    rng = np.random.default_rng(91)
+    n = 30
+    X, Y = rng.standard_normal((n, 5)), rng.standard_normal((n, 5))
+    Z, W = rng.standard_normal((4, n)) * 3, rng.standard_normal((4, n))
+    d = unit_scales(X, Y, Z, W, positive, dual_power=dual_power)
+    assert np.all(d != 0) and (np.all(d > 0) or not positive)
+    grid = np.geomspace(1e-3, 1e3, 100001)
+    grid = grid if positive else np.concatenate([-grid[::-1], grid])
+    on_grid = unit_scale_objective(grid[:, None], X, Y, Z, W, dual_power=dual_power).min(0)
+    assert np.all(unit_scale_objective(d, X, Y, Z, W, dual_power=dual_power) <= on_grid + 1e-9)
+    direct = np.sum((d[:, None] * X - Y) ** 2, 1) + np.sum((Z / d**dual_power - W) ** 2, 0) - np.sum(Y**2, 1) \
+        - np.sum(W**2, 0)
+    np.testing.assert_allclose(unit_scale_objective(d, X, Y, Z, W, dual_power=dual_power), direct, atol=1e-9)
+
+
+def test_unit_scales_match_per_unit_numpy_roots():
+    rng = np.random.default_rng(92)
+    A, C = rng.uniform(0.1, 5, 50), rng.uniform(0.1, 5, 50)
+    B, D = rng.normal(0, 2, 50), rng.normal(0, 2, 50)
+    batched = minimize_scale(A, B, C, D, positive=False)
+    for i in range(50):
+        r = np.roots([A[i], -B[i], 0.0, D[i], -C[i]])
+        r = r.real[(np.abs(r.imag) < 1e-9) & (r.real != 0)]
+        f = A[i] * r**2 - 2 * B[i] * r + C[i] / r**2 - 2 * D[i] / r
+        assert batched[i] == pytest.approx(r[np.argmin(f)], rel=1e-9)
+
+
+def test_polynomial_roots_batch_handles_vanishing_leading_coefficient():
+    from symgraph.solve import polynomial_roots
+    roots = polynomial_roots(np.array([[1.0, -3.0, 2.0], [0.0, 2.0, -4.0], [0.0, 0.0, 0.0]]))
+    np.testing.assert_allclose(np.sort(roots[0].real), [1.0, 2.0])
+    assert roots[1, 0] == pytest.approx(2.0) and np.isnan(roots[1, 1]) and np.all(np.isnan(roots[2]))
+
+
+def test_kernel_registry_describes_each_kernel():
+    assert {"procrustes", "hungarian", "signed_hungarian", "coordinate_descent", "rescale_quartic",
+            "joint_rotation_rescale", "head_matching", "rotary_closed_form", "unit_scales"} <= set(KERNELS)
+    for name, kernel in KERNELS.items():
+        assert callable(kernel) and kernel.summary and "\n" not in kernel.summary
+        assert kernel.fn.__name__ == name
+    assert KERNELS["hungarian"](np.eye(3))[2] == 2
