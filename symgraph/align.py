@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .elements import Element, apply
+from .elements import MATRIX_KINDS, Element, apply
 from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
-from .solve import kernels
+from .solve.dispatch import SolveContext, solve, solver_for
+from .solve.workspace import Workspace
 
 MODES = ("full", "paper", "permutation")
 ONLY = ("attention", "ffn", "residual")
@@ -28,9 +29,12 @@ _ORDER = {"residual": 0, "heads": 1, "qk": 2, "vo": 3, "ffn": 4, "scale_free": 5
 
 @dataclass
 class GroupStat:
+    """One solver call: the group's distance to the anchor (absolute L2 over its parameters) before and after."""
+
     group: str
     kind: str
     solver: str
+    stage: str
     before: float
     after: float
     seconds: float
@@ -79,251 +83,183 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
 
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
-                 rounds: int = 4, progress=None) -> AlignResult:
-    """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``."""
-    start = time.perf_counter()
-    aligner = Aligner(groups, source, anchor, mode=mode, rescale=rescale)
+                 rounds: int = 8, progress=None, cost_excluded=frozenset()) -> AlignResult:
+    """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
+
+    Neither input is modified. Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16
+    weights are upcast); the result is cast back to each tensor's own dtype.
+    """
+    clock = time.perf_counter()
+    aligner = Aligner(groups, source, anchor, mode=mode, rescale=rescale, cost_excluded=cost_excluded)
+    timings = {"setup": time.perf_counter() - clock}
     before = aligner.distance()
+    clock = time.perf_counter()
     aligner.first_pass(progress)
-    solve_time = time.perf_counter() - start
-    if mode == "full":
-        aligner.refine(rounds)
-    out = {k: v.to(source[k].dtype) if k in aligner.src else v for k, v in source.items()}
+    timings["first_pass"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    if mode != "paper":  # the paper solves each group once; weight matching descends until nothing improves
+        aligner.refine(rounds, progress)
+    timings["refine"] = time.perf_counter() - clock
+    timings["solvers"] = sum(s.seconds for s in aligner.stats)
+    out = dict(source)
     out.update({k: aligner.src[k].to(source[k].dtype) for k in aligner.src})
-    timings = {"first_pass": solve_time, "total": time.perf_counter() - start}
     return AlignResult(out, aligner.elements, aligner.stats, before, aligner.distance(), timings)
 
 
 class Aligner:
-    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool):
+    """Moves a working copy of the source through the groups, one solver call at a time."""
+
+    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool,
+                 cost_excluded=frozenset()):
         self.groups = list(groups)
         self.mode, self.rescale = mode, rescale
         names = {m.param for g in self.groups for m in g.members}
-        self.src = {k: source[k].detach().to(torch.float64).clone() for k in names}
-        self.anc = {k: anchor[k].detach().to(torch.float64) for k in names}
+        self.dtype = torch.float64 if any(source[k].dtype == torch.float64 for k in names) else torch.float32
+        src = {k: source[k].detach().to(self.dtype).clone() for k in names}
+        anc = {k: anchor[k].detach().to(self.dtype) for k in names}
+        self.ws = Workspace(src, anc, frozenset(cost_excluded))
         self.elements: list[Element] = []
         self.stats: list[GroupStat] = []
-        self.rescale_of = {link: g for g in self.groups for link in g.links if g.kind == "scale"}
-        self.pending = defaultdict(int)  # (param, axis) -> groups still to solve on it (joint rescales excluded)
+        ids = {g.id for g in self.groups}
+        self.partner = {g.links[0]: g for g in self.groups if g.kind == "scale" and g.links and g.links[0] in ids}
+        self.joint = {g.id for g in self.partner.values()}
+        self.positions = {(g.id, m.param, m.axis): np.unique(m.index) for g in self.groups for m in g.members}
+        self.pending: dict[tuple[str, int], set[str]] = defaultdict(set)  # unsolved groups on each axis
         for g in self.groups:
-            if g not in self.rescale_of.values():
+            if g.id not in self.joint:
                 for m in g.members:
-                    self.pending[(m.param, m.axis)] += 1
+                    self.pending[(m.param, m.axis)].add(g.id)
+        self.by_param: dict[str, set[str]] = defaultdict(set)
+        for g in self.groups:
+            for m in g.members:
+                self.by_param[m.param].add(g.id)
+        self._ready_cache: dict[str, tuple[bool, float]] = {}
+
+    @property
+    def src(self) -> dict[str, torch.Tensor]:
+        return self.ws.src
 
     # -- driver ------------------------------------------------------------------------------------------------
     def first_pass(self, progress=None) -> None:
-        todo = [g for g in self.groups if not (g.kind == "scale" and g.links and g.links[0] in self._ids())]
+        """Solve every group once, each when the members it can trust determine it (see :meth:`_exact`)."""
+        todo = [g for g in self.groups if g.id not in self.joint]
         while todo:
-            ready = [g for g in todo if not self._waits_for_coarser(g, todo)] or todo
-            g = max(ready, key=lambda g: (self._reliable_share(g), -_ORDER.get(g.motif, 9)))
+            g = self._next_group(todo)
             todo.remove(g)
-            self._solve_and_apply(g, reliable_only=True)
+            members = self._exact(g) or list(g.members)
+            self._solve_and_apply(g, members, first_pass=True, keep_if_worse=True)
             for m in g.members:
-                self.pending[(m.param, m.axis)] -= 1
+                self.pending[(m.param, m.axis)].discard(g.id)
+                for other in self.by_param[m.param]:  # their exact members may have changed
+                    self._ready_cache.pop(other, None)
             if progress is not None:
                 progress(g)
 
-    def refine(self, rounds: int) -> None:
-        """Coordinate descent with every member, until a whole round no longer lowers the distance."""
+    def refine(self, rounds: int, progress=None) -> None:
+        """Coordinate descent with every member: each group moves only if its own distance falls, until a whole
+        round lowers the total distance by less than one part in a million."""
         for _ in range(rounds):
             before = self.distance()
             for g in self.groups:
-                if g.kind == "scale" and g.links and g.links[0] in self._ids():
-                    continue
-                self._solve_and_apply(g, reliable_only=False, keep_if_worse=False)
-            if self.distance() >= before * (1 - 1e-9):
+                if g.id not in self.joint:
+                    self._solve_and_apply(g, list(g.members), first_pass=False, keep_if_worse=False)
+                    if progress is not None:
+                        progress(g)
+            if self.distance() >= before * (1 - 1e-6):
                 break
 
     def distance(self) -> float:
-        num = sum(float((self.src[k] - self.anc[k]).pow(2).sum()) for k in self.src)
-        den = sum(float(self.anc[k].pow(2).sum()) for k in self.anc)
-        return float(np.sqrt(num / max(den, 1e-300)))
+        """Relative L2 distance to the anchor over every parameter the groups touch."""
+        den = sum(float(self.ws.anc[k].double().pow(2).sum()) for k in self.ws.anc)
+        return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(den, 1e-300)))
 
     # -- one group -----------------------------------------------------------------------------------------------
-    def _solve_and_apply(self, g: Group, *, reliable_only: bool, keep_if_worse: bool = True) -> None:
-        t0 = time.perf_counter()
-        members = self._reliable(g) if reliable_only else list(g.members)
-        before = self._group_distance(g)
-        elements = self._solve(g, members or list(g.members))
-        trial = apply(self.src, elements, dtype=torch.float64)
-        after = sum(float((trial[m.param] - self.anc[m.param]).pow(2).sum()) for m in _unique(g.members))
-        if not keep_if_worse and after > before:
-            return
-        self.src.update({k: trial[k] for k in self.src})
-        self.elements.extend(elements)
-        self.stats.append(GroupStat(g.id, g.kind, solver_name(g), float(np.sqrt(before)), float(np.sqrt(after)),
-                                    time.perf_counter() - t0))
+    def _solve_and_apply(self, g: Group, members, *, first_pass: bool, keep_if_worse: bool) -> None:
+        clock = time.perf_counter()
+        params = _unique_params(g, self.partner.get(g.id))
+        before = self.ws.distance_sq(params)
+        ctx = SolveContext(self.mode, self.rescale, self.partner.get(g.id), first_pass, tuple(self.groups))
+        elements = solve(self.ws, g, members, ctx)
+        trial = apply({k: self.ws.src[k] for k in params}, elements, dtype=self.dtype)
+        after = sum(float((trial[k] - self.ws.anc[k]).pow(2).sum()) for k in params)
+        if keep_if_worse or after < before:
+            self.ws.src.update(trial)
+            self.elements.extend(elements)
+        else:
+            after = before
+        self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
+                                    float(np.sqrt(before)), float(np.sqrt(after)), time.perf_counter() - clock))
 
-    def _solve(self, g: Group, members: list[Member]) -> list[Element]:
-        if g.kind == "orthogonal" or g.kind == "general_linear":
-            return self._solve_orthogonal(g, members)
-        if g.kind == "rotary":
-            return [self._solve_rotary(g, members)]
-        if g.kind in ("permutation", "signed_permutation"):
-            return [self._solve_monomial(g, members)]
-        return [self._solve_scale(g, members)]
-
-    def _solve_orthogonal(self, g: Group, members) -> list[Element]:
-        rescale = self.rescale_of.get(g.id) if self.rescale else None
-        primal = [m for m in members if m.action != "dual"]
-        dual = [m for m in members if m.action == "dual"]
-        mq, mk = self._cross(primal, g), self._cross(dual, g)
-        if rescale is None or not primal or not dual:
-            T = kernels.procrustes(torch.as_tensor(mq + mk)).transpose(-1, -2).numpy()
-            return [Element(g, matrices=T)]
-        q_sq, k_sq = self._sq(primal, g), self._sq(dual, g)
-        R, a = kernels.joint_rotation_rescale(mq, mk, q_sq, k_sq, positive=False)
-        T = np.swapaxes(np.asarray(R), -1, -2)
-        return [Element(g, matrices=T), Element(rescale, diag=np.asarray(a, dtype=np.float64).reshape(-1, 1))]
-
-    def _solve_rotary(self, g: Group, members) -> Element:
-        primal = [m for m in members if m.action != "dual"]
-        dual = [m for m in members if m.action == "dual"]
-        pairs = np.array(g.rotary_pairs, dtype=np.int64)
-        mq, mk = self._cross(primal, g), self._cross(dual, g)
-        T = np.zeros((g.copies, g.size, g.size))
-        if len(pairs):
-            pq, pk = _pair_blocks(mq, pairs), _pair_blocks(mk, pairs)
-            scaled = g.scale == "positive" and self.rescale and bool(primal) and bool(dual)
-            if scaled:
-                q_sq, k_sq = self._pair_sq(primal, g, pairs), self._pair_sq(dual, g, pairs)
-                phi, c = kernels.rotary_closed_form(pq, pk, q_sq, k_sq, scaled=True)
-            else:
-                phi, c = kernels.rotary_closed_form(pq + pk, scaled=False)
-            for (i, j), p_phi, p_c in zip(pairs, np.moveaxis(phi, -1, 0), np.moveaxis(c, -1, 0)):
-                cos, sin = np.cos(p_phi), np.sin(p_phi)
-                T[:, i, i], T[:, i, j], T[:, j, i], T[:, j, j] = p_c * cos, -p_c * sin, p_c * sin, p_c * cos
-        rest = list(g.passthrough)
-        if rest:
-            block = (mq + mk)[:, rest][:, :, rest]
-            T[np.ix_(range(g.copies), rest, rest)] = kernels.procrustes(torch.as_tensor(block)).transpose(-1, -2).numpy()
-        return Element(g, matrices=T)
-
-    def _solve_monomial(self, g: Group, members) -> Element:
-        if g.motif == "heads" and max(m.index.shape[2] for m in members) > 1:
-            return self._solve_heads(g, members)
-        signed = [m for m in members if m.action != "permute"]
-        sign_free = [m for m in members if m.action == "permute"]
-        scaled = g.scale in ("positive", "nonzero")
-        a = self._similarity(signed, g, normalise=scaled)
-        b = self._similarity(sign_free, g, normalise=scaled)
-        perms, diags = [], []
-        for c in range(g.copies):
-            perm, signs = _assign(a[c], b[c], g)
-            perms.append(perm)
-            diags.append(signs)
-        element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
-        if scaled:
-            moved = apply(self.src, [element], dtype=torch.float64)
-            scales = self._unit_scales(g, members, moved, positive=g.scale == "positive")
-            element = Element(g, perm=element.perm, diag=element.diag * scales)
-        return element
-
-    def _solve_heads(self, g: Group, members) -> Element:
-        crosses = []
-        for m in members:
-            xs, xa = _gather(self.src[m.param], m), _gather(self.anc[m.param], m)  # (copies, H, block, rest)
-            crosses.append(torch.einsum("kibr,kjcr->kijbc", xs, xa).numpy())  # source head i, anchor head j
-        perm, _ = kernels.head_matching(crosses)
-        return Element(g, perm=np.asarray(perm).reshape(g.copies, g.size), diag=np.ones((g.copies, g.size)))
-
-    def _solve_scale(self, g: Group, members) -> Element:
-        if g.scale == "sign":
-            sim = np.zeros((g.copies, g.size))
-            for m in members:
-                xs, xa = _gather(self.src[m.param], m), _gather(self.anc[m.param], m)
-                sim += torch.einsum("cnbr,cnbr->cn", xs, xa).numpy()
-            return Element(g, diag=np.where(sim < 0, -1.0, 1.0))
-        return Element(g, diag=self._unit_scales(g, members, self.src, positive=g.scale == "positive"))
-
-    def _unit_scales(self, g: Group, members, state, *, positive: bool) -> np.ndarray:
-        """Closed-form per-coordinate scale for exponent-1 members (others keep scale 1)."""
-        rows_s, rows_a, cols_s, cols_a = [], [], [], []
-        for m in members:
-            if m.action == "permute" or m.exponent != 1:
+    # -- which members a group can trust ---------------------------------------------------------------------
+    def _exact(self, g: Group) -> list[Member]:
+        """Members nothing but ``g`` still moves: no unsolved group on their other axes, and none overlapping
+        their positions on this axis. A head permutation's cost is invariant to the groups inside each head, so
+        only its other axes count."""
+        out = []
+        for m in g.members:
+            if not self._other_axes_done(m):
                 continue
-            xs = _gather(state[m.param], m).reshape(g.copies * g.size, -1)
-            xa = _gather(self.anc[m.param], m).reshape(g.copies * g.size, -1)
-            (rows_s if m.action == "primal" else cols_s).append(xs)
-            (rows_a if m.action == "primal" else cols_a).append(xa)
-        if not rows_s and not cols_s:
-            return np.ones((g.copies, g.size))
-        n = g.copies * g.size
-        xs = torch.cat(rows_s, 1) if rows_s else torch.zeros(n, 0, dtype=torch.float64)
-        xa = torch.cat(rows_a, 1) if rows_a else torch.zeros(n, 0, dtype=torch.float64)
-        zs = torch.cat(cols_s, 1).T if cols_s else None
-        za = torch.cat(cols_a, 1).T if cols_a else None
-        d = kernels.unit_scales(xs.numpy(), xa.numpy(), None if zs is None else zs.numpy(),
-                                None if za is None else za.numpy(), positive=positive)
-        return np.asarray(d, dtype=np.float64).reshape(g.copies, g.size)
-
-    # -- costs ---------------------------------------------------------------------------------------------------
-    def _cross(self, members, g: Group) -> np.ndarray:
-        out = np.zeros((g.copies, g.size, g.size))
-        for m in members:
-            xs, xa = _flat(self.src[m.param], m), _flat(self.anc[m.param], m)
-            out += torch.einsum("cif,cjf->cij", xs, xa).numpy()
+            if g.motif != "heads" and self._overlapping(g, m):
+                continue
+            out.append(m)
         return out
 
-    def _sq(self, members, g: Group) -> np.ndarray:
-        return sum((_flat(self.src[m.param], m).pow(2).sum((1, 2)).numpy() for m in members), np.zeros(g.copies))
+    def _overlapping(self, g: Group, m: Member) -> bool:
+        mine = self.positions[(g.id, m.param, m.axis)]
+        for other in self.pending.get((m.param, m.axis), ()):
+            if other != g.id and np.intersect1d(mine, self.positions[(other, m.param, m.axis)]).size:
+                return True
+        return False
 
-    def _pair_sq(self, members, g: Group, pairs) -> np.ndarray:
-        out = np.zeros((g.copies, len(pairs)))
-        for m in members:
-            sq = _flat(self.src[m.param], m).pow(2).sum(2).numpy()  # (copies, n)
-            out += sq[:, pairs[:, 0]] + sq[:, pairs[:, 1]]
-        return out
+    def _determined(self, g: Group, exact: list[Member]) -> bool:
+        """Do the exact members pin ``g`` down? Matrix groups need full rank per copy, scales a nonzero
+        feature per coordinate, permutations any member at all. A head permutation's invariant cost reads
+        every member of the per-head groups, so all of them must be exact on their other axes."""
+        if g.motif == "heads":
+            return len(exact) == len(g.members) and all(self._other_axes_done(m) for m in self._within(g))
+        informative = [m for m in self.ws.costed(exact) if m.action != "permute"]
+        if not informative:
+            return False
+        if g.kind in MATRIX_KINDS:
+            eig = np.linalg.eigvalsh(self.ws.gram(informative, g))
+            return bool(np.all(eig[:, 0] > 1e-10 * np.maximum(eig[:, -1], 1e-300)))
+        if g.kind == "scale":
+            norms = sum(self.ws.flat("src", m).pow(2).sum(2).numpy() for m in informative)
+            return bool(np.all(norms > 0))
+        return True
 
-    def _similarity(self, members, g: Group, *, normalise: bool) -> np.ndarray:
-        """S[c, i, j] = sum over members <anchor coordinate i, source coordinate j>."""
-        xs = [_flat(self.src[m.param], m) for m in members]
-        xa = [_flat(self.anc[m.param], m) for m in members]
-        if not xs:
-            return np.zeros((g.copies, g.size, g.size))
-        xs, xa = torch.cat(xs, 2), torch.cat(xa, 2)
-        if normalise:  # a per-unit scale is solved afterwards: match directions
-            xs = xs / xs.norm(dim=2, keepdim=True).clamp_min(1e-30)
-            xa = xa / xa.norm(dim=2, keepdim=True).clamp_min(1e-30)
-        return torch.einsum("cif,cjf->cij", xa, xs).numpy()
+    def _next_group(self, todo: list[Group]) -> Group:
+        """Coarsest group whose exact members determine it; else the one with the largest exact share."""
+        ready = [g for g in todo if self._readiness(g)[0]]
+        if ready:
+            return min(ready, key=lambda g: (_stage(g), -self._readiness(g)[1], _ORDER.get(g.motif, 9)))
+        waiting = [g for g in todo if not self._waits_for_coarser(g, todo)] or todo
+        return max(waiting, key=lambda g: (self._readiness(g)[1], -_ORDER.get(g.motif, 9)))
 
-    # -- reliability -------------------------------------------------------------------------------------------------
+    def _readiness(self, g: Group) -> tuple[bool, float]:
+        """(determined by its exact members, share of member coordinates that are exact); cached until a group
+        sharing a parameter with ``g`` is solved."""
+        if g.id not in self._ready_cache:
+            exact = self._exact(g)
+            share = sum(m.index.size for m in exact) / max(sum(m.index.size for m in g.members), 1)
+            self._ready_cache[g.id] = (self._determined(g, exact), share)
+        return self._ready_cache[g.id]
+
+    def _other_axes_done(self, m: Member) -> bool:
+        return not any(self.pending.get((m.param, a)) for a in range(self.ws.src[m.param].dim()) if a != m.axis)
+
+    def _within(self, heads: Group) -> list[Member]:
+        """Members of the groups that share an axis with a head permutation (its per-head groups)."""
+        axes = {(m.param, m.axis) for m in heads.members}
+        return [m for g in self.groups if g is not heads and any((x.param, x.axis) in axes for x in g.members)
+                for m in g.members]
+
     def _waits_for_coarser(self, g: Group, todo) -> bool:
         """A group is relative to the coarser groups on its own axes (a unit's scale to the permutation that
         placed the unit, a head's rotation to the head permutation): those go first."""
         axes = {(m.param, m.axis) for m in g.members}
         return any(_stage(h) < _stage(g) and axes & {(m.param, m.axis) for m in h.members}
                    for h in todo if h is not g)
-
-    def _reliable(self, g: Group) -> list[Member]:
-        """Members that only ``g`` still moves: every other axis aligned (or fixed), and no other unsolved group
-        on the member's own axis (a pending per-unit scale would bias the cost). Head permutations ignore the
-        second condition: their nuclear-norm cost does not see the per-head rotations still to come."""
-        out = []
-        for m in g.members:
-            ndim = self.src[m.param].dim()
-            others_done = all(self.pending.get((m.param, a), 0) == 0 for a in range(ndim) if a != m.axis)
-            alone = g.motif == "heads" or self.pending.get((m.param, m.axis), 0) <= 1
-            if others_done and alone:
-                out.append(m)
-        return out
-
-    def _reliable_share(self, g: Group) -> float:
-        reliable = self._reliable(g)
-        weight = sum(m.index.size for m in g.members)
-        return sum(m.index.size for m in reliable) / max(weight, 1)
-
-    def _group_distance(self, g: Group) -> float:
-        return sum(float((self.src[m.param] - self.anc[m.param]).pow(2).sum()) for m in _unique(g.members))
-
-    def _ids(self) -> set[str]:
-        return {g.id for g in self.groups}
-
-
-def solver_name(g: Group) -> str:
-    from .report import solver_for
-
-    return solver_for(g)
 
 
 def check_same_architecture(source, anchor) -> None:
@@ -350,39 +286,6 @@ def check_same_architecture(source, anchor) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
-def _gather(x: torch.Tensor, m: Member) -> torch.Tensor:
-    """Member slice as (copies, size, block, rest)."""
-    y = x.movedim(m.axis, 0)
-    g = y[torch.as_tensor(m.index)]
-    return g.reshape(*g.shape[:3], -1)
-
-
-def _flat(x: torch.Tensor, m: Member) -> torch.Tensor:
-    """Member slice as (copies, size, features): block and other axes flattened together."""
-    g = _gather(x, m)
-    return g.reshape(g.shape[0], g.shape[1], -1)
-
-
-def _pair_blocks(cross: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    idx = pairs[:, [0, 1]]
-    return cross[:, idx[:, :, None], idx[:, None, :]]  # (copies, P, 2, 2)
-
-
-def _assign(a: np.ndarray, b: np.ndarray, g: Group) -> tuple[np.ndarray, np.ndarray]:
-    """Best (signed) assignment for one copy: anchor i receives source perm[i] with sign signs[i]."""
-    if g.kind == "signed_permutation" or g.scale == "nonzero":
-        perm = kernels.hungarian(np.abs(a) + b)
-        signs = np.where(a[np.arange(len(perm)), perm] < 0, -1.0, 1.0)
-        return perm, signs
-    if g.global_sign:
-        plus, minus = kernels.hungarian(a + b), kernels.hungarian(-a + b)
-        rows = np.arange(len(plus))
-        if (-a + b)[rows, minus].sum() > (a + b)[rows, plus].sum():
-            return minus, -np.ones(len(minus))
-        return plus, np.ones(len(plus))
-    return kernels.hungarian(a + b), np.ones(a.shape[0])
-
-
 def _stage(g: Group) -> float:
     """Coarse before fine on a shared axis: KV groups, query heads, other permutations, rotations, scales."""
     if g.motif == "heads":
@@ -390,13 +293,8 @@ def _stage(g: Group) -> float:
     return {"permutation": 1.0, "signed_permutation": 1.0, "scale": 3.0}.get(g.kind, 2.0)
 
 
-def _unique(members):
-    seen, out = set(), []
-    for m in members:
-        if m.param not in seen:
-            seen.add(m.param)
-            out.append(m)
-    return out
+def _unique_params(*groups) -> list[str]:
+    return list(dict.fromkeys(m.param for g in groups if g is not None for m in g.members))
 
 
 def _in_layers(g: Group, layers: tuple[int, int]) -> bool:

@@ -1,4 +1,4 @@
-"""Alignment (issue 3, in progress): exact recovery of a randomly reparametrised model, modes, and refusals."""
+"""Alignment: exact recovery of a randomly reparametrised model, modes, and refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,13 +11,7 @@ from symgraph.align import align_states, select_groups
 from symgraph.elements import apply, sample
 from symgraph.errors import SymgraphError
 
-# Families whose exact recovery is established. The others (gpt2, opt, deberta-v2, gptj, gpt-neox, phi, qwen3)
-# do not yet recover exactly: see the closing note of the stop that added this file.
-RECOVERED = ["bert", "roberta", "distilbert", "vit", "llama", "llama-tied", "mistral", "t5", "bart", "clip",
-             "torch-encoder-layer", "torch-mha", "torch-relu-mlp"]
-
-
-@pytest.mark.parametrize("family", RECOVERED)
+@pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_random_group_element_is_recovered_exactly(family):
     model = zoo.build(family, seed=0, dtype=torch.float64)
     subject = symgraph.load(model, zoo.example_inputs_for(family, model))

@@ -1,0 +1,278 @@
+"""The solver dispatcher: one optimal solver per group kind, registered with the name reports show.
+
+A solver takes the :class:`~symgraph.solve.workspace.Workspace`, the group, the members it may trust and a
+:class:`SolveContext`, and returns the group elements that move the source closest to the anchor. Lookups go
+through :func:`solver_for`; a kind without a solver is a programming error that lists the registered kinds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..elements import Element
+from ..errors import SymgraphError
+from ..groups import Group, Member
+from . import kernels
+from .heads import invariant_head_similarity
+from .workspace import Workspace
+
+
+@dataclass(frozen=True)
+class SolveContext:
+    """What a solver needs to know beyond the group: the mode, the joint rescale partner, the pass."""
+
+    mode: str = "full"
+    rescale: bool = True  # scales inside rotation groups (QK rescale, rotary pair scales) are allowed
+    partner: Group | None = None  # the QK scalar rescale group solved jointly with this rotation group
+    first_pass: bool = True  # costs invariant to the groups still to come (exact recovery)
+    groups: tuple[Group, ...] = ()  # every group being aligned (head costs read the per-head groups)
+
+    @property
+    def permutations_only(self) -> bool:
+        return self.mode in ("paper", "permutation")
+
+
+@dataclass(frozen=True)
+class Solver:
+    kind: str
+    name: str
+    summary: str
+    fn: Callable[[Workspace, Group, list[Member], SolveContext], list[Element]] = field(repr=False)
+
+
+SOLVERS: dict[str, Solver] = {}
+
+
+def solver(kind: str, name: str, summary: str):
+    """Register ``fn`` as the solver for group ``kind``."""
+    def register(fn):
+        if kind in SOLVERS:
+            raise ValueError(f"a solver for {kind!r} is already registered ({SOLVERS[kind].name})")
+        SOLVERS[kind] = Solver(kind, name, summary, fn)
+        return fn
+    return register
+
+
+def solver_for(group: Group) -> Solver:
+    kind = "heads" if group.motif == "heads" else group.kind
+    if kind not in SOLVERS:
+        raise SymgraphError(f"No solver for groups of kind {kind!r} ({group.id}).",
+                            hint=f"registered kinds: {', '.join(sorted(SOLVERS))}.")
+    return SOLVERS[kind]
+
+
+def solve(ws: Workspace, g: Group, members: list[Member], ctx: SolveContext) -> list[Element]:
+    return solver_for(g).fn(ws, g, members, ctx)
+
+
+# -- continuous groups ------------------------------------------------------------------------------------------
+@solver("orthogonal", "procrustes", "orthogonal Procrustes per copy (one batched SVD); with the QK scalar "
+                                    "rescale: jointly optimal rotation + rescale (1-D search of a nuclear norm)")
+def solve_orthogonal(ws, g, members, ctx):
+    members = ws.costed(members)
+    primal = [m for m in members if m.action != "dual"]
+    dual = [m for m in members if m.action == "dual"]
+    mq, mk = ws.cross(primal, g), ws.cross(dual, g)
+    if ctx.partner is None or not primal or not dual:
+        return [Element(g, matrices=_transpose(kernels.procrustes(mq + mk)))]
+    q_sq, k_sq = ws.sq(primal, g), ws.sq(dual, g)
+    if ctx.mode == "paper":  # the paper: rotation first, then the quartic of eq. (12) for that rotation
+        R = np.asarray(kernels.procrustes(mq + mk))
+        tq, tk = (R * mq).sum((-2, -1)), (R * mk).sum((-2, -1))
+        a = kernels.rescale_from_stats(q_sq, tq, k_sq, tk, positive=False)
+    else:
+        R, a = kernels.joint_rotation_rescale(mq, mk, q_sq, k_sq, positive=False)
+    return [Element(g, matrices=_transpose(R)),
+            Element(ctx.partner, diag=np.asarray(a, dtype=np.float64).reshape(-1, 1))]
+
+
+@solver("general_linear", "least_squares", "general linear: least squares from either side (primal rows, or "
+                                           "dual columns through the inverse transpose), best of those and "
+                                           "Procrustes")
+def solve_general_linear(ws, g, members, ctx):
+    members = ws.costed(members)
+    return [_best_linear(ws, g, members, range(g.size), np.zeros((g.copies, g.size, g.size)))]
+
+
+@solver("rotary", "rotary_closed_form", "RoPE commutant: per frequency pair the optimal 2x2 rotation and positive "
+                                        "scale in closed form; Procrustes on pass-through dimensions")
+def solve_rotary(ws, g, members, ctx):
+    members = ws.costed(members)
+    primal = [m for m in members if m.action != "dual"]
+    dual = [m for m in members if m.action == "dual"]
+    pairs = np.array(g.rotary_pairs, dtype=np.int64).reshape(-1, 2)
+    mq, mk = ws.cross(primal, g), ws.cross(dual, g)
+    T = np.zeros((g.copies, g.size, g.size))
+    if len(pairs):
+        pq, pk = _pair_blocks(mq, pairs), _pair_blocks(mk, pairs)
+        if g.scale == "positive" and ctx.rescale and ctx.mode != "paper" and primal and dual:
+            phi, c = kernels.rotary_closed_form(pq, pk, _pair_sq(ws, primal, g, pairs),
+                                                _pair_sq(ws, dual, g, pairs), scaled=True)
+        else:
+            phi, c = kernels.rotary_closed_form(pq + pk, scaled=False)
+        for (i, j), p_phi, p_c in zip(pairs, np.moveaxis(phi, -1, 0), np.moveaxis(c, -1, 0)):
+            cos, sin = np.cos(p_phi), np.sin(p_phi)
+            T[:, i, i], T[:, i, j], T[:, j, i], T[:, j, j] = p_c * cos, -p_c * sin, p_c * sin, p_c * cos
+    rest = list(g.passthrough)
+    if not rest:
+        return [Element(g, matrices=T)]
+    if g.scale == "positive" and ctx.rescale and ctx.mode != "paper":  # GL on dimensions RoPE leaves alone
+        return [_best_linear(ws, g, members, rest, T)]
+    T[np.ix_(range(g.copies), rest, rest)] = _transpose(kernels.procrustes((mq + mk)[:, rest][:, :, rest]))
+    return [Element(g, matrices=T)]
+
+
+# -- monomial groups ------------------------------------------------------------------------------------------
+@solver("permutation", "hungarian", "linear assignment (Hungarian) per copy; positive/nonzero per-unit scales "
+                                    "in closed form after matching directions; coordinate descent across groups")
+def solve_permutation(ws, g, members, ctx):
+    members = ws.costed(members)
+    scaled = g.scale in ("positive", "nonzero") and not ctx.permutations_only
+    a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=scaled)
+    b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=scaled)
+    perms, diags = zip(*(_assign(a[c], b[c], g, signed=scaled and g.scale == "nonzero") for c in range(g.copies)))
+    element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
+    if not scaled:
+        return [element]
+    moved = Workspace(_apply(ws.src, element), ws.anc, ws.cost_excluded)
+    scales = _unit_scales(moved, g, members, positive=g.scale == "positive")
+    return [Element(g, perm=element.perm, diag=element.diag * scales)]
+
+
+@solver("signed_permutation", "hungarian_signed", "signed linear assignment: Hungarian on |similarity|, signs "
+                                                  "from the matched entries")
+def solve_signed_permutation(ws, g, members, ctx):
+    members = ws.costed(members)
+    a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=False)
+    b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=False)
+    perms, diags = zip(*(_assign(a[c], b[c], g, signed=True) for c in range(g.copies)))
+    return [Element(g, perm=np.stack(perms), diag=np.stack(diags))]
+
+
+@solver("heads", "head_matching", "head permutation: Hungarian on invariants of each head's QK and VO circuits "
+                                  "(first pass), on per-head Procrustes values (refinement), on inner products "
+                                  "when no rotation follows")
+def solve_heads(ws, g, members, ctx):
+    members = ws.costed(members)
+    if ctx.first_pass:
+        similarity = invariant_head_similarity(ws, g, members, ctx.groups)
+    elif ctx.permutations_only or max(m.index.shape[2] for m in members) == 1:
+        similarity = ws.similarity(members, g, normalise=False)
+    else:
+        crosses = [torch.einsum("kibr,kjcr->kijbc", ws.gather("src", m), ws.gather("anc", m)).numpy()
+                   for m in members]
+        similarity = sum(kernels.procrustes_value(c) for c in crosses).reshape(g.copies, g.size, g.size)
+        similarity = np.swapaxes(similarity, -1, -2)
+    perm = np.stack([kernels.hungarian(similarity[c]) for c in range(g.copies)])
+    return [Element(g, perm=perm, diag=np.ones((g.copies, g.size)))]
+
+
+@solver("scale", "closed_form_scale", "per-coordinate scale: sign from the inner product, or the exact minimiser "
+                                      "of each coordinate's quartic (positive or nonzero)")
+def solve_scale(ws, g, members, ctx):
+    members = ws.costed(members)
+    if g.scale == "sign":
+        sim = np.zeros((g.copies, g.size))
+        for m in members:
+            if m.action != "permute":
+                sim += torch.einsum("cnbr,cnbr->cn", ws.gather("src", m), ws.gather("anc", m)).numpy()
+        return [Element(g, diag=np.where(sim < 0, -1.0, 1.0))]
+    return [Element(g, diag=_unit_scales(ws, g, members, positive=g.scale == "positive"))]
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+def _transpose(R) -> np.ndarray:
+    """Procrustes returns R with the source moving as R^T X: the group element is R^T."""
+    return np.swapaxes(np.asarray(R), -1, -2)
+
+
+def _best_linear(ws, g: Group, members, coords, T: np.ndarray) -> Element:
+    """Fill the ``coords`` block of ``T`` with the best general linear map found: Procrustes, least squares on
+    the primal rows, or least squares on the dual rows (which move by the inverse transpose)."""
+    coords = list(coords)
+    block = np.ix_(range(g.copies), coords, coords)
+
+    def sub(m):
+        return m[block]
+
+    primal = [m for m in members if m.action != "dual"]
+    dual = [m for m in members if m.action == "dual"]
+    fills = [_transpose(kernels.procrustes(sub(ws.cross(members, g))))]
+    if primal:
+        fills.append(_least_squares(sub(ws.cross(primal, g)), sub(ws.gram(primal, g))))
+    if dual:  # Z -> S Z with S = T^{-T}: least squares gives S, so the block of T is S^{-T}
+        S = _least_squares(sub(ws.cross(dual, g)), sub(ws.gram(dual, g)))
+        fills.append(np.linalg.inv(S).swapaxes(-1, -2))
+    candidates = []
+    for fill in fills:
+        full = T.copy()
+        full[block] = fill
+        candidates.append(Element(g, matrices=full))
+    return min(candidates, key=lambda e: _element_cost(ws, members, e))
+
+
+def _least_squares(cross: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """argmin_T sum ||T X - Y||^2 = (Y X^T)(X X^T)^{-1}, with a relative ridge so rank deficits stay finite."""
+    ridge = 1e-12 * np.trace(gram, axis1=-2, axis2=-1)[:, None, None] * np.eye(gram.shape[-1])
+    return np.linalg.solve(gram + ridge, cross).swapaxes(-1, -2)  # cross is X Y^T: (G^{-1} X Y^T)^T
+
+
+def _element_cost(ws: Workspace, members, element: Element) -> float:
+    moved = _apply(ws.src, element)
+    return sum(float((moved[p] - ws.anc[p]).pow(2).sum()) for p in {m.param for m in members})
+
+
+def _apply(state, element: Element) -> dict[str, torch.Tensor]:
+    from ..elements import apply
+
+    touched = {m.param for m in element.group.members}
+    return apply({k: state[k] for k in touched}, [element], dtype=torch.float64)
+
+
+def _pair_blocks(cross: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    return cross[:, pairs[:, :, None], pairs[:, None, :]]  # (copies, P, 2, 2)
+
+
+def _pair_sq(ws, members, g, pairs) -> np.ndarray:
+    out = np.zeros((g.copies, len(pairs)))
+    for m in members:
+        sq = ws.flat("src", m).pow(2).sum(2).numpy()
+        out += sq[:, pairs[:, 0]] + sq[:, pairs[:, 1]]
+    return out
+
+
+def _assign(a: np.ndarray, b: np.ndarray, g: Group, *, signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Best (signed) assignment for one copy: anchor i receives source perm[i] with sign signs[i]."""
+    if signed or g.kind == "signed_permutation":
+        perm = kernels.hungarian(np.abs(a) + b)
+        return perm, np.where(a[np.arange(len(perm)), perm] < 0, -1.0, 1.0)
+    if g.global_sign:
+        plus, minus = kernels.hungarian(a + b), kernels.hungarian(-a + b)
+        rows = np.arange(len(plus))
+        if (-a + b)[rows, minus].sum() > (a + b)[rows, plus].sum():
+            return minus, -np.ones(len(minus))
+        return plus, np.ones(len(plus))
+    return kernels.hungarian(a + b), np.ones(a.shape[0])
+
+
+def _unit_scales(ws: Workspace, g: Group, members, *, positive: bool) -> np.ndarray:
+    """Closed-form per-coordinate scale from the exponent-1 members (the others keep scale 1)."""
+    rows, cols = [], []
+    for m in members:
+        if m.action == "permute" or m.exponent != 1:
+            continue
+        pair = tuple(ws.flat(w, m).reshape(g.copies * g.size, -1) for w in ("src", "anc"))
+        (rows if m.action == "primal" else cols).append(pair)
+    if not rows and not cols:
+        return np.ones((g.copies, g.size))
+    n = g.copies * g.size
+
+    def stack(pairs, k):
+        return torch.cat([p[k] for p in pairs], 1).numpy() if pairs else np.zeros((n, 0))
+
+    dual = (stack(cols, 0).T, stack(cols, 1).T) if cols else (None, None)
+    d = kernels.unit_scales(stack(rows, 0), stack(rows, 1), *dual, positive=positive)
+    return np.asarray(d, dtype=np.float64).reshape(g.copies, g.size)

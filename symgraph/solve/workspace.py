@@ -1,0 +1,75 @@
+"""The two state dicts a solver reads, and the member slices and cost matrices it gathers from them.
+
+Every solver sees the same :class:`Workspace`: float64 working copies of the source (which moves) and the anchor
+(which never does), restricted to the parameters some group touches. Parameters in ``cost_excluded`` (functionally
+free ones, like a plain-softmax key bias) are still transformed but never enter a cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..groups import Group, Member
+
+
+@dataclass
+class Workspace:
+    src: dict[str, torch.Tensor]
+    anc: dict[str, torch.Tensor]
+    cost_excluded: frozenset[str] = field(default_factory=frozenset)
+
+    def costed(self, members) -> list[Member]:
+        """Members that enter costs: the free ones are left out, unless nothing else is left."""
+        kept = [m for m in members if m.param not in self.cost_excluded]
+        return kept or list(members)
+
+    def gather(self, which: str, m: Member) -> torch.Tensor:
+        """Member slice of ``which`` ("src" or "anc") as (copies, size, block, rest)."""
+        return gather(getattr(self, which)[m.param], m)
+
+    def flat(self, which: str, m: Member) -> torch.Tensor:
+        """Member slice as (copies, size, features): block and other axes flattened together."""
+        g = self.gather(which, m)
+        return g.reshape(g.shape[0], g.shape[1], -1)
+
+    def cross(self, members, g: Group) -> np.ndarray:
+        """M[c] = sum over members X_src X_anchor^T (source coordinate first)."""
+        out = np.zeros((g.copies, g.size, g.size))
+        for m in members:
+            out += torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).numpy()
+        return out
+
+    def gram(self, members, g: Group, which: str = "src") -> np.ndarray:
+        """G[c] = sum over members X X^T of one model."""
+        out = np.zeros((g.copies, g.size, g.size))
+        for m in members:
+            x = self.flat(which, m)
+            out += torch.einsum("cif,cjf->cij", x, x).numpy()
+        return out
+
+    def sq(self, members, g: Group) -> np.ndarray:
+        """Squared norm of the source members, per copy."""
+        return sum((self.flat("src", m).pow(2).sum((1, 2)).numpy() for m in members), np.zeros(g.copies))
+
+    def similarity(self, members, g: Group, *, normalise: bool) -> np.ndarray:
+        """S[c, i, j] = sum over members <anchor coordinate i, source coordinate j>; with ``normalise``, of unit
+        vectors (a per-coordinate scale solved afterwards must not bias the matching)."""
+        if not members:
+            return np.zeros((g.copies, g.size, g.size))
+        xs = torch.cat([self.flat("src", m) for m in members], 2)
+        xa = torch.cat([self.flat("anc", m) for m in members], 2)
+        if normalise:
+            xs = xs / xs.norm(dim=2, keepdim=True).clamp_min(1e-30)
+            xa = xa / xa.norm(dim=2, keepdim=True).clamp_min(1e-30)
+        return torch.einsum("cif,cjf->cij", xa, xs).numpy()
+
+    def distance_sq(self, params) -> float:
+        return sum(float((self.src[k] - self.anc[k]).pow(2).sum()) for k in params)
+
+
+def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
+    """Member slice of ``x`` as (copies, size, block, rest)."""
+    y = x.movedim(m.axis, 0)[torch.as_tensor(m.index)]
+    return y.reshape(*y.shape[:3], -1)
