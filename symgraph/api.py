@@ -10,6 +10,7 @@ Examples
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,28 +138,75 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
-          layers: tuple[int, int] | None = None, inputs: Inputs = None, verify: bool = True):
+          layers: tuple[int, int] | None = None, inputs: Inputs = None, verify: bool = True,
+          progress=None) -> "AlignResult":
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
-    Returns :class:`symgraph.align.AlignResult` (the aligned state dict in the source's dtype, computed in
-    float64). With ``verify`` the aligned model is checked to compute what the source computes; otherwise an
-    :class:`~symgraph.errors.InvarianceError` names the groups involved and nothing is returned.
+    ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
+    the best solver for each, coordinate descent until nothing improves), ``paper`` (the paper's algorithm:
+    per-head QK/VO rotations with heads in fixed order, the scalar rescale, one Hungarian per FFN) or
+    ``permutation`` (permutations only, weight matching). ``only``, ``rescale`` and ``layers`` are the ablations.
+
+    Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
+    applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
+    compute what the source computes; otherwise :class:`~symgraph.errors.InvarianceError` names the group at
+    fault and nothing is returned. Neither model is modified.
+
+    Examples
+    --------
+    >>> import symgraph, torch
+    >>> from symgraph import zoo
+    >>> a, b = zoo.build("bert", seed=0), zoo.build("bert", seed=1)
+    >>> inputs = zoo.example_inputs_for("bert", a)
+    >>> result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    >>> result.distance_after < result.distance_before
+    True
     """
-    from .align import align_states, check_same_architecture, select_groups
+    from .alignment import align_states, check_same_architecture, key_bias_candidates, select_groups
+    from .verify import Evaluator, free_members
 
+    timings = {}
+    clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
-    check_same_architecture(src, anc)
+    timings["load"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
+    timings["analyse"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
-    result = align_states(groups, src.state_dict(), anc.state_dict(), mode=mode, rescale=rescale)
+    state = src.state_dict()
+    evaluator = Evaluator(src.model, src.args, src.kwargs) if (verify or mode != "paper") else None
+    free = free_members(evaluator, key_bias_candidates(groups, state)) if mode != "paper" else []
+    timings["free_parameters"] = time.perf_counter() - clock
+    result = align_states(groups, state, anc.state_dict(), mode=mode, rescale=rescale, progress=progress,
+                          cost_excluded=free)
     result.state = tie_aliases(src.model, result.state)
+    result.free = [m.param for m in free]
     if verify:
-        from .verify import Evaluator
-
-        outcome = Evaluator(src.model, src.args, src.kwargs).check(result.state)
-        if not outcome.ok:
-            raise InvarianceError(
-                f"The aligned model differs from the source (relative error {outcome.relative_error:.2e}, "
-                f"tolerance {outcome.tolerance:.1e}); nothing was written. Groups applied: "
-                + ", ".join(sorted({e.group.id for e in result.elements})[:6]),
-                hint="run `symgraph fuzz` on the source to find the group at fault, and report it as a bug.")
+        clock = time.perf_counter()
+        _verify_alignment(evaluator, state, result)
+        timings["verify"] = time.perf_counter() - clock
+    result.timings = {**timings, **result.timings}
     return result
+
+
+def _verify_alignment(evaluator, state, result) -> None:
+    """The aligned state must compute what the source computes; if not, name the first group whose own
+    elements already change the function."""
+    from .elements import apply
+
+    outcome = evaluator.check(result.state)
+    if outcome.ok:
+        result.verified_error = outcome.relative_error
+        return
+    culprits = []
+    for gid in dict.fromkeys(e.group.id for e in result.elements):
+        alone = evaluator.check(apply(state, [e for e in result.elements if e.group.id == gid]))
+        if not alone.ok:
+            culprits.append(f"{gid} (error {alone.relative_error:.1e})")
+    raise InvarianceError(
+        f"The aligned model differs from the source (relative error {outcome.relative_error:.2e}, tolerance "
+        f"{outcome.tolerance:.1e}); nothing was written. "
+        + (f"Group(s) at fault: {', '.join(culprits[:4])}." if culprits else
+           "No single group changes the function alone: their composition does."),
+        hint="run `symgraph fuzz` on the source model and report the failing group as a bug.")

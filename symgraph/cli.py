@@ -53,30 +53,70 @@ def transform(model, output, seed, overwrite):
                f"in float64)")
 
 
-@cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder.")
+@cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
+                  "that computes exactly what SOURCE computes (checked before anything is written).")
 @click.argument("source")
 @click.argument("anchor")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--mode", type=click.Choice(["full", "paper", "permutation"]), default="full", show_default=True)
+@click.option("--mode", type=click.Choice(["full", "paper", "permutation"]), default="full", show_default=True,
+              help="full: every group, best solver each; paper: the paper's algorithm; permutation: weight matching.")
 @click.option("--only", type=click.Choice(["attention", "ffn", "residual"]), help="Ablation: one family of groups.")
 @click.option("--no-rescale", is_flag=True, help="Ablation: no QK / rotary rescaling.")
 @click.option("--layers", help="Only groups of these layers, e.g. 0-5 (the paper's layer-subset study).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write per-group and total distances and timings as JSON.")
-@click.option("--overwrite", is_flag=True)
-def align(source, anchor, output, mode, only, no_rescale, layers, stats_path, overwrite):
+              help="Write per-group and total distances and the time per stage as JSON.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def align(source, anchor, output, mode, only, no_rescale, layers, stats_path, overwrite, quiet):
     from .api import align as run_align, load
     from .io import save_model
 
     _refuse_existing(output, overwrite)
     span = _parse_layers(layers)
-    result = run_align(source, anchor, mode=mode, only=only, rescale=not no_rescale, layers=span)
-    subject = load(source)
+    clock = time.perf_counter()
+    subject, anchor_subject = load(source), load(anchor)
+    loading = time.perf_counter() - clock
+    with _ProgressBar(disable=quiet) as bar:
+        result = run_align(subject, anchor_subject, mode=mode, only=only, rescale=not no_rescale, layers=span,
+                           progress=bar.update)
+    result.timings["load"] = loading
+    clock = time.perf_counter()
     save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
+    result.timings["write"] = time.perf_counter() - clock
     if stats_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), stats_path)
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"({len(result.stats)} group solves, mode {mode}; outputs checked equal to the source)")
+               f"(mode {mode}, {len(result.group_distances())} groups; outputs equal to the source's, relative "
+               f"error {result.verified_error:.1e})")
+
+
+class _ProgressBar:
+    """A tqdm bar per alignment stage, on stderr, only when stderr is a terminal."""
+
+    def __init__(self, disable: bool = False):
+        self.disable = disable or not sys.stderr.isatty()
+        self.bar, self.stage = None, None
+
+    def update(self, stage, group, done, total) -> None:
+        if self.disable:
+            return
+        from tqdm import tqdm
+
+        if stage != self.stage:
+            self.close()
+            self.bar, self.stage = tqdm(total=total, desc=stage, unit="group", leave=False), stage
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _parse_layers(text):
@@ -117,6 +157,94 @@ def demo(out_dir, samples):
     from .demo import run_demo
 
     run_demo(out_dir, samples=samples, echo=click.echo)
+
+
+@cli.command(help="Merge two or more MODELs of one architecture (aligned into one frame first); write the result "
+                   "as a Hugging Face folder.\n\nMethods: simple (weighted average), fisher (diagonal Fisher-"
+                   "weighted, needs --data), regmean (per linear layer, from input Gram matrices, needs --data). "
+                   "Statistics are taken on the aligned models.")
+@click.argument("models", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--method", type=click.Choice(["simple", "fisher", "regmean"]), default="simple", show_default=True)
+@click.option("--align", "align_mode", type=click.Choice(["full", "paper", "permutation", "none"]), default="full",
+              show_default=True, help="Groups used to bring the models into one frame before merging.")
+@click.option("--data", "data_specs", multiple=True,
+              help="Statistics data for fisher/regmean (e.g. digits, pydoc-chars, FILE.txt, FILE.npz): once for "
+                   "every model, or once per model in the models' order.")
+@click.option("--split", default="train", show_default=True, help="Split of a shipped dataset.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
+@click.option("--weights", help="One weight per model, comma-separated (e.g. 0.7,0.3); normalised to sum to 1.")
+@click.option("--head-from", type=int, help="Copy the head from MODEL number I (1 = the first) instead of merging.")
+@click.option("--head", "head_patterns", multiple=True,
+              help="fnmatch pattern naming head parameters (e.g. 'classifier.*'); needed for non-HF models.")
+@click.option("--alpha", default=0.9, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="RegMean: scale of off-diagonal Gram entries.")
+@click.option("--rounds", default=5, show_default=True, type=click.IntRange(min=0),
+              help="Most consensus rounds (three or more models).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress):
+    from .merge import merge as run_merge
+
+    _refuse_existing(output, overwrite)
+    if head_from is not None and not 1 <= head_from <= len(models):
+        raise click.BadParameter(f"{head_from} is not a model number (1 to {len(models)})", param_hint="--head-from")
+    data = None if not data_specs else data_specs[0] if len(data_specs) == 1 else list(data_specs)
+    result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
+                       head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
+                       alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
+                       progress=not no_progress)
+    result.save(output, overwrite=overwrite)
+    if json_path is not None:
+        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    distances = ", ".join(f"{d:.3g}" for d in result.distances)
+    click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
+               f"model to the merge: {distances}")
+
+
+@cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "
+                  "each mode (none, permutation, paper, full); plot it (loss, and accuracy when the data has "
+                  "labels) and optionally write the numbers as JSON.")
+@click.argument("model_a")
+@click.argument("model_b")
+@click.option("--data", required=True, help="Evaluation data (e.g. digits, pydoc-chars, FILE.txt, FILE.npz).")
+@click.option("--split", default="test", show_default=True, help="Split of a shipped dataset.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
+@click.option("--steps", default=21, show_default=True, type=click.IntRange(min=3), help="Points on the path.")
+@click.option("--align", "aligns", default="none,permutation,paper,full", show_default=True,
+              help="Comma-separated alignment modes to compare.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, output, json_path, no_progress):
+    from .barrier import barrier as run_barrier, check_plot_path
+
+    check_plot_path(output)
+    modes = [m.strip() for m in aligns.split(",") if m.strip()]
+    result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
+                         split=split, progress=not no_progress)
+    result.plot(output)
+    if json_path is not None:
+        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    for mode, curve in result.curves.items():
+        accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
+        click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")
+    click.echo(f"wrote {output}")
+
+
+def _parse_weights(text):
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers", param_hint="--weights") \
+            from None
 
 
 def _print_verdict(verdict) -> None:

@@ -93,3 +93,32 @@ class _LowestFloat(TorchDispatchMode):
                 if TOLERANCE[t.dtype] > TOLERANCE[self.lowest]:
                     self.lowest = t.dtype
         return out
+
+
+def free_members(evaluator: Evaluator, candidate_sets, seed: int = 0) -> list:
+    """The candidate member sets whose slices the model ignores: each set's slices are replaced by large random
+    values at once, and the set is free when the outputs stay within tolerance (a key bias under plain softmax).
+
+    A set that is not free as a whole is tried member by member, so one layer with RoPE or attention sinks does
+    not hide the free key biases of the others. Returns the free members, flattened.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    free = []
+    for members in candidate_sets:
+        if _ignores(evaluator, members, generator):
+            free.extend(members)
+        elif len(members) > 1:
+            free.extend(m for m in members if _ignores(evaluator, [m], generator))
+    return free
+
+
+def _ignores(evaluator: Evaluator, members, generator) -> bool:
+    state = dict(evaluator.state)
+    for m in members:
+        x = state[m.param].detach().clone()
+        idx = torch.as_tensor(m.index.reshape(-1))
+        scale = float(x.abs().max()) + 1.0
+        noise = torch.randn(idx.numel(), *x.movedim(m.axis, 0).shape[1:], generator=generator, dtype=x.dtype)
+        x.movedim(m.axis, 0)[idx] += 10.0 * scale * noise
+        state[m.param] = x
+    return evaluator.check(state).ok

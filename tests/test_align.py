@@ -7,7 +7,7 @@ import torch
 
 import symgraph
 from symgraph import zoo
-from symgraph.align import align_states, select_groups
+from symgraph.alignment import align_states, select_groups
 from symgraph.elements import apply, sample
 from symgraph.errors import SymgraphError
 

@@ -137,7 +137,7 @@ def solve_permutation(ws, g, members, ctx):
     element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
     if not scaled:
         return [element]
-    moved = Workspace(_apply(ws.src, element), ws.anc, ws.cost_excluded)
+    moved = Workspace({**ws.src, **_apply(ws.src, element)}, ws.anc, ws.cost_excluded)
     scales = _unit_scales(moved, g, members, positive=g.scale == "positive")
     return [Element(g, perm=element.perm, diag=element.diag * scales)]
 

@@ -107,9 +107,9 @@ def _side_slices(ws, which, layout, h, side) -> list[torch.Tensor]:
     """The (size, features) slices of one side of head ``h``'s circuit."""
     other, copy_of, sides, shared = layout
     c = int(copy_of[h])
-    out = [ws.gather(which, m)[c, :, s] for m, s in sides[side][h]]
+    out = [ws.gather(which, m)[c, :, s].double() for m, s in sides[side][h]]
     for m in shared[side]:
-        x = ws.gather(which, m)[c]  # (size, block, rest): every slice is shared by the heads of this copy
+        x = ws.gather(which, m)[c].double()  # (size, block, rest): every slice is shared by the heads of this copy
         out.extend(x[:, s] for s in range(x.shape[1]))
     return out
 
@@ -155,7 +155,7 @@ def _is_multi(layout, side) -> bool:
 
 
 def _direct_cosines(ws, m: Member) -> np.ndarray:
-    bs, ba = ws.gather("src", m), ws.gather("anc", m)  # (copies, heads, block, rest)
+    bs, ba = ws.gather("src", m).double(), ws.gather("anc", m).double()  # (copies, heads, block, rest)
     cross = torch.einsum("cibr,cjdr->cijbd", bs, ba)
     value = procrustes_value(cross).reshape(cross.shape[:3])
     ns, na = bs.flatten(2).norm(dim=2).numpy(), ba.flatten(2).norm(dim=2).numpy()

