@@ -19,7 +19,7 @@ import torch
 from .elements import MATRIX_KINDS, Element, apply
 from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
-from .solve.dispatch import SolveContext, solve, solver_for
+from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
 from .solve.workspace import Workspace
 
 MODES = ("full", "paper", "permutation")
@@ -161,29 +161,39 @@ class Aligner:
         total = len(todo)
         self.start = self.distance()
         while todo:
-            g = self._next_group(todo)
-            todo.remove(g)
-            members = self._exact(g) or list(g.members)
-            self._solve_and_apply(g, members, first_pass=True, keep_if_worse=True)
-            for m in g.members:
-                self.pending[(m.param, m.axis)].discard(g.id)
-                for other in self.by_param[m.param]:  # their exact members may have changed
-                    self._ready_cache.pop(other, None)
-            if progress is not None:
-                progress("first pass", g, total - len(todo), total)
+            batch = self._batch_with(self._next_group(todo), todo)
+            for g in batch:
+                todo.remove(g)
+            self._solve_and_apply(batch, [self._exact(g) or list(g.members) for g in batch],
+                                  first_pass=True, keep_if_worse=True)
+            for g in batch:
+                for m in g.members:
+                    self.pending[(m.param, m.axis)].discard(g.id)
+                    for other in self.by_param[m.param]:  # their exact members may have changed
+                        self._ready_cache.pop(other, None)
+                if progress is not None:
+                    progress("first pass", g, total - len(todo), total)
 
     def refine(self, rounds: int, progress=None) -> None:
         """Coordinate descent with every member: each group moves only if its own distance falls, until a whole
         round lowers the total distance by less than 1e-4 of itself (or 1e-7 of where the first pass started:
         rounding noise on an exactly recovered model is no progress)."""
-        solvable = [g for g in self.groups if g.id not in self.joint]
+        # Rotations last in each round, batched: they never share a parameter with each other.
+        solvable = sorted((g for g in self.groups if g.id not in self.joint), key=lambda g: g.kind == "orthogonal")
         for round_ in range(1, rounds + 1):
             before = self.distance()
-            for done, g in enumerate(solvable, 1):
-                if self.solved_at.get(g.id) != self._versions(g):  # nothing it reads moved: same answer
-                    self._solve_and_apply(g, list(g.members), first_pass=False, keep_if_worse=False)
-                if progress is not None:
-                    progress(f"refine {round_}", g, done, len(solvable))
+            todo = [g for g in solvable if self.solved_at.get(g.id) != self._versions(g)]  # others: same answer
+            done = len(solvable) - len(todo)
+            while todo:
+                batch = self._batch_with(todo[0], todo)
+                for g in batch:
+                    todo.remove(g)
+                self._solve_and_apply(batch, [list(g.members) for g in batch], first_pass=False,
+                                      keep_if_worse=False)
+                for g in batch:
+                    done += 1
+                    if progress is not None:
+                        progress(f"refine {round_}", g, done, len(solvable))
             if before - self.distance() <= max(1e-4 * before, 1e-7 * self.start):
                 break
 
@@ -193,28 +203,55 @@ class Aligner:
         return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(den, 1e-300)))
 
     # -- one group -----------------------------------------------------------------------------------------------
-    def _solve_and_apply(self, g: Group, members, *, first_pass: bool, keep_if_worse: bool) -> None:
+    def _batch_with(self, g: Group, todo: list[Group]) -> list[Group]:
+        """``g`` and the other ready orthogonal groups of its size that share no parameter with it: solved by
+        one batched kernel call."""
+        if g.kind != "orthogonal":
+            return [g]
+        batch, used = [g], set(self._params(g))
+        for h in todo:
+            if h is not g and h.kind == "orthogonal" and h.size == g.size and not used & set(self._params(h)) \
+                    and self._readiness(h)[0] == self._readiness(g)[0]:
+                batch.append(h)
+                used |= set(self._params(h))
+        return batch
+
+    def _solve_and_apply(self, groups: list[Group], members: list[list[Member]], *, first_pass: bool,
+                         keep_if_worse: bool) -> None:
+        """Solve ``groups`` (one, or a batch of independent rotations) and apply each group's elements; in
+        refinement a group's elements are kept only if its own distance falls."""
         clock = time.perf_counter()
-        params = _unique_params(g, self.partner.get(g.id))
-        before = self.ws.distance_sq(params)
-        ctx = SolveContext(self.mode, self.rescale, self.partner.get(g.id), first_pass, tuple(self.groups))
-        elements = solve(self.ws, g, members, ctx)
-        trial = apply({k: self.ws.src[k] for k in params}, elements, dtype=self.dtype)
-        after = sum(float((trial[k] - self.ws.anc[k]).pow(2).sum()) for k in params)
-        moved = not all(e.is_identity() for e in elements)
-        if moved and (keep_if_worse or after < before):
-            self.ws.src.update(trial)
-            self.elements.extend(elements)
-            for k in params:
-                self.version[k] += 1
+        ctxs = [SolveContext(self.mode, self.rescale, self.partner.get(g.id), first_pass, tuple(self.groups))
+                for g in groups]
+        if len(groups) > 1:
+            solutions = solve_orthogonal_together(self.ws, list(zip(groups, members, ctxs)))
         else:
-            after = before
-        self.solved_at[g.id] = self._versions(g)
-        self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
-                                    float(np.sqrt(before)), float(np.sqrt(after)), time.perf_counter() - clock))
+            solutions = [solve(self.ws, groups[0], members[0], ctxs[0])]
+        seconds = (time.perf_counter() - clock) / len(groups)
+        for g, elements in zip(groups, solutions):
+            clock = time.perf_counter()
+            params = self._params(g)
+            before = self.ws.distance_sq(params)
+            trial = apply({k: self.ws.src[k] for k in params}, elements, dtype=self.dtype)
+            after = sum(float((trial[k] - self.ws.anc[k]).pow(2).sum()) for k in params)
+            moved = not all(e.is_identity() for e in elements)
+            if moved and (keep_if_worse or after < before):
+                self.ws.src.update(trial)
+                self.elements.extend(elements)
+                for k in params:
+                    self.version[k] += 1
+            else:
+                after = before
+            self.solved_at[g.id] = self._versions(g)
+            self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
+                                        float(np.sqrt(before)), float(np.sqrt(after)),
+                                        seconds + time.perf_counter() - clock))
+
+    def _params(self, g: Group) -> list[str]:
+        return _unique_params(g, self.partner.get(g.id))
 
     def _versions(self, g: Group) -> tuple[int, ...]:
-        return tuple(self.version[k] for k in _unique_params(g, self.partner.get(g.id)))
+        return tuple(self.version[k] for k in self._params(g))
 
     # -- which members a group can trust ---------------------------------------------------------------------
     def _exact(self, g: Group) -> list[Member]:

@@ -11,17 +11,15 @@ from dataclasses import dataclass, field
 
 from .analysis import Analysis
 from .groups import Group, PinnedSpace
-from .spec import load_specs
 
 SCHEMA_VERSION = 1
 
 
 def solver_for(group: Group) -> str:
-    """The solver the alignment dispatcher uses for this group's kind (specs/motifs.yaml ``solvers``)."""
-    solvers = load_specs().solvers
-    if group.kind == "orthogonal" and group.full_group == "general_linear" and group.motif == "qk":
-        return "procrustes+rescale"
-    return solvers.get(group.kind, "none")
+    """The solver the alignment dispatcher uses for this group (:mod:`symgraph.solve.dispatch`)."""
+    from .solve.dispatch import solver_name
+
+    return solver_name(group)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ class MotifSpec(_Frozen):
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
-    solvers: dict[str, str]
 
     def op(self, name: str) -> OpSpec | None:
         return self.ops.get(name)
@@ -67,7 +66,7 @@ def load_specs() -> Specs:
     """Load and validate ``specs/ops.yaml`` and ``specs/motifs.yaml`` (cached)."""
     ops, motifs = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml")
     try:
-        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), solvers=motifs.get("solvers", {}))
+        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

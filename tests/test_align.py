@@ -1,5 +1,8 @@
-"""Alignment: exact recovery of a randomly reparametrised model, modes, and refusals."""
+"""Alignment: exact recovery of a randomly reparametrised model, modes and ablations, the key bias, the check
+before writing, and the command line with its refusals."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -7,29 +10,166 @@ import torch
 
 import symgraph
 from symgraph import zoo
-from symgraph.alignment import align_states, select_groups
-from symgraph.elements import apply, sample
-from symgraph.errors import SymgraphError
+from symgraph.alignment import align_states, key_bias_candidates, select_groups
+from symgraph.elements import Element, apply, sample
+from symgraph.errors import InvarianceError, MismatchError, SymgraphError
+from symgraph.solve import dispatch
+from symgraph.verify import Evaluator, free_members
+
+from test_cli import DEMO, run, tree_digest
+
+
+def reparametrised(family, seed=7, noise=0.0, dtype=torch.float64):
+    """(subject of the anchor, source state): a random element of the anchor's group, plus relative noise."""
+    model = zoo.build(family, seed=0, dtype=dtype)
+    subject = symgraph.load(model, zoo.example_inputs_for(family, model))
+    anchor = subject.state_dict()
+    source = apply(anchor, [sample(g, np.random.default_rng(seed)) for g in subject.report.groups])
+    gen = torch.Generator().manual_seed(seed)
+    source = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+              if v.is_floating_point() and v.numel() > 1 and noise else v for k, v in source.items()}
+    return subject, source
+
 
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_random_group_element_is_recovered_exactly(family):
-    model = zoo.build(family, seed=0, dtype=torch.float64)
-    subject = symgraph.load(model, zoo.example_inputs_for(family, model))
-    anchor = {k: v.detach() for k, v in subject.state_dict().items()}
-    source = apply(anchor, [sample(g, np.random.default_rng(7)) for g in subject.report.groups])
+    subject, source = reparametrised(family)
+    anchor = subject.state_dict()
     result = align_states(subject.report.groups, source, anchor, mode="full")
     assert result.distance_before > 0.5
     assert result.distance_after < 1e-6, result.distance_after
+    worst = max(float((result.state[k] - v).norm() / v.norm().clamp_min(1e-30)) for k, v in anchor.items())
+    assert worst < 1e-6
 
 
-def test_modes_select_their_groups():
+def test_full_mode_beats_paper_and_permutation_on_a_noisy_reparametrisation():
+    subject, source = reparametrised("bert", noise=0.01)
+    anchor = subject.state_dict()
+    after = {mode: align_states(select_groups(subject.report.groups, mode), source, anchor, mode=mode)
+             .distance_after for mode in ("full", "paper", "permutation")}
+    assert after["full"] < 0.05 < after["paper"] and after["full"] < after["permutation"]
+
+
+def test_paper_mode_solves_each_group_once_and_leaves_the_residual_stream_alone():
+    subject, source = reparametrised("bert")
+    groups = select_groups(subject.report.groups, "paper")
+    result = align_states(groups, source, subject.state_dict(), mode="paper")
+    solved = [s.group for s in result.stats]
+    assert len(solved) == len(set(solved)) and {s.stage for s in result.stats} == {"first_pass"}
+    assert {g.motif for g in groups} == {"qk", "vo", "ffn"}
+    embeddings = "bert.embeddings.word_embeddings.weight"
+    assert torch.equal(result.state[embeddings], source[embeddings])
+
+
+def test_modes_and_ablations_select_their_groups():
     model = zoo.build("llama", seed=0)
     groups = symgraph.load(model, zoo.example_inputs_for("llama", model)).report.groups
     perm = select_groups(groups, "permutation")
     assert perm and all(g.kind in ("permutation", "signed_permutation") for g in perm)
-    paper = select_groups(groups, "paper")
-    assert {g.motif for g in paper} <= {"qk", "vo", "ffn"} and not any(g.motif == "residual" for g in paper)
+    assert {g.motif for g in perm} >= {"heads", "ffn", "residual"}
     assert select_groups(groups, "full", only="ffn") == [g for g in groups if g.motif == "ffn"]
     assert all("layers.0." in g.layer + "." for g in select_groups(groups, "full", layers=(0, 0)))
+    assert not any(g.kind == "scale" and g.motif == "qk" for g in select_groups(groups, "full", rescale=False))
     with pytest.raises(SymgraphError, match="full, paper, permutation"):
         select_groups(groups, "best")
+
+
+def test_api_align_checks_the_function_and_reports_stages():
+    subject, source = reparametrised("gpt2", noise=0.01)
+    model = zoo.build("gpt2", seed=0, dtype=torch.float64)
+    model.load_state_dict(source)
+    result = symgraph.align(symgraph.load(model, (subject.args, subject.kwargs)), subject)
+    assert result.verified_error is not None and result.verified_error < 1e-9
+    assert result.distance_after < 0.05 < result.distance_before
+    assert {"load", "analyse", "first_pass", "refine", "verify", "solvers"} <= set(result.timings)
+    stats = result.to_json()
+    assert stats["groups"] and all(g["after"] <= g["before"] + 1e-12 for g in stats["groups"].values())
+
+
+@pytest.mark.parametrize("family, free", [("bert", True), ("opt", True), ("qwen2", False)])
+def test_key_bias_is_left_out_of_costs_only_where_it_is_free(family, free):
+    model = zoo.build(family, seed=0, dtype=torch.float64)
+    subject = symgraph.load(model, zoo.example_inputs_for(family, model))
+    candidates = key_bias_candidates(subject.report.groups, subject.state_dict())
+    found = free_members(Evaluator(model, subject.args, subject.kwargs), candidates)
+    layers = {g.layer for g in subject.report.groups if g.motif == "qk" and g.kind != "scale"}
+    assert len(found) == (len(layers) if free else 0)  # one key bias per attention layer; none under RoPE
+    if free:  # and it really is ignored: any value gives the same outputs
+        state = dict(subject.state_dict())
+        for m in found:
+            state[m.param] = state[m.param] + 5.0
+        assert Evaluator(model, subject.args, subject.kwargs).check(state).ok
+
+
+def test_a_solver_that_breaks_the_function_is_named_and_nothing_is_returned(monkeypatch):
+    subject, source = reparametrised("bert", noise=0.01)
+    model = zoo.build("bert", seed=0, dtype=torch.float64)
+    model.load_state_dict(source)
+    honest = dispatch.SOLVERS["permutation"]
+
+    def sign_flipping(ws, g, members, ctx):  # GELU units do not commute with a sign flip
+        return [Element(e.group, perm=e.perm, diag=-e.diag) for e in honest.fn(ws, g, members, ctx)]
+
+    monkeypatch.setitem(dispatch.SOLVERS, "permutation", dispatch.Solver("permutation", "broken", "", sign_flipping))
+    with pytest.raises(InvarianceError, match=r"Group\(s\) at fault: ffn:"):
+        symgraph.align(symgraph.load(model, (subject.args, subject.kwargs)), subject, only="ffn")
+
+
+def test_half_precision_source_keeps_its_dtype():
+    subject, source = reparametrised("llama", noise=0.0)
+    half = {k: v.to(torch.bfloat16) for k, v in source.items()}
+    result = align_states(subject.report.groups, half, subject.state_dict(), mode="full")
+    assert all(result.state[k].dtype == torch.bfloat16 for k in half)
+    assert result.distance_after < 1e-2 < result.distance_before
+
+
+def test_mismatched_models_are_refused():
+    a, b = zoo.build("bert", seed=0), zoo.build("bert", seed=1, num_hidden_layers=1)
+    inputs = zoo.example_inputs_for("bert", a)
+    with pytest.raises(MismatchError, match="different configurations.*num_hidden_layers"):
+        symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    c = zoo.build("bert", seed=1)
+    with torch.no_grad():
+        c.bert.encoder.layer[0].output.dense.weight[0, 0] = float("nan")
+    with pytest.raises(MismatchError, match="NaN or Inf"):
+        symgraph.align(symgraph.load(c, inputs), symgraph.load(a, inputs))
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+def test_cli_align_recovers_a_transformed_model_and_writes_stats(tmp_path):
+    moved, out, stats = tmp_path / "moved", tmp_path / "aligned", tmp_path / "stats.json"
+    assert run("transform", DEMO, "-o", moved, "--seed", "3").returncode == 0
+    digest = tree_digest(moved)
+    res = run("align", moved, DEMO, "-o", out, "--stats", stats)
+    assert res.returncode == 0, res.stderr
+    assert tree_digest(moved) == digest  # inputs are never touched
+    data = json.loads(stats.read_text())
+    assert data["distance_before"] > 0.5 and data["distance_after"] < 1e-5
+    assert {"load", "analyse", "first_pass", "refine", "verify", "write"} <= set(data["timings_s"])
+    aligned, anchor = symgraph.load(out).state_dict(), symgraph.load(DEMO).state_dict()
+    assert all(aligned[k].dtype == anchor[k].dtype for k in anchor)
+    assert max(float((aligned[k] - anchor[k]).abs().max()) for k in anchor) < 1e-4
+    assert (out / "config.json").is_file()
+
+
+def test_cli_align_modes_and_ablations_run(tmp_path):
+    moved = tmp_path / "moved"
+    run("transform", DEMO, "-o", moved, "--seed", "4")
+    for i, extra in enumerate([("--mode", "paper"), ("--mode", "permutation"), ("--only", "attention"),
+                               ("--no-rescale", "--layers", "1")]):
+        res = run("align", moved, DEMO, "-o", tmp_path / f"out{i}", *extra)
+        assert res.returncode == 0, (extra, res.stderr)
+        assert "outputs equal to the source's" in res.stdout
+
+
+def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = run("align", DEMO, DEMO, "-o", out)
+    assert res.returncode == 2 and "already exists" in res.stderr and (out / "keep.txt").read_text() == "mine"
+    res = run("align", DEMO, DEMO, "-o", tmp_path / "x", "--layers", "a-b")
+    assert res.returncode == 2 and "layer range" in res.stderr
+    res = run("align", tmp_path / "missing", DEMO, "-o", tmp_path / "y")
+    assert res.returncode == 2 and not (tmp_path / "y").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".y")]

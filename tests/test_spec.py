@@ -30,13 +30,13 @@ def test_unknown_keys_are_refused():
     with pytest.raises(Exception):
         OpSpec(rule="activation", group="permutation", colour="blue")
     with pytest.raises(Exception):
-        Specs(ops={"aten.relu.default": {"rule": "not-a-rule"}}, motifs={}, solvers={})
+        Specs(ops={"aten.relu.default": {"rule": "not-a-rule"}}, motifs={})
 
 
 def test_a_broken_spec_file_gives_a_spec_error(monkeypatch):
     monkeypatch.setattr(spec_module, "_load_yaml",
                         lambda name: {"ops": {"aten.relu.default": {"rule": "activation", "bogus": 1}}}
-                        if name == "ops.yaml" else yaml.safe_load("motifs: {}\nsolvers: {}"))
+                        if name == "ops.yaml" else yaml.safe_load("motifs: {}"))
     spec_module.load_specs.cache_clear()
     try:
         with pytest.raises(SpecError, match="aten.relu.default"):

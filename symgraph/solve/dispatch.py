@@ -64,29 +64,60 @@ def solver_for(group: Group) -> Solver:
     return SOLVERS[kind]
 
 
+def solver_name(group: Group) -> str:
+    """The name reports show: a QK scalar rescale is solved jointly with its rotation group."""
+    if group.kind == "scale" and group.motif == "qk" and group.links:
+        return f"joint with {group.links[0]}"
+    name = solver_for(group).name
+    return f"{name}+rescale" if group.kind == "orthogonal" and group.motif == "qk" else name
+
+
 def solve(ws: Workspace, g: Group, members: list[Member], ctx: SolveContext) -> list[Element]:
     return solver_for(g).fn(ws, g, members, ctx)
 
 
 # -- continuous groups ------------------------------------------------------------------------------------------
-@solver("orthogonal", "procrustes", "orthogonal Procrustes per copy (one batched SVD); with the QK scalar "
-                                    "rescale: jointly optimal rotation + rescale (1-D search of a nuclear norm)")
+@solver("orthogonal", "procrustes", "orthogonal Procrustes, one batched SVD over every head of every layer solved "
+                                    "together; with the QK scalar rescale: jointly optimal rotation + rescale "
+                                    "(1-D search of a nuclear norm)")
 def solve_orthogonal(ws, g, members, ctx):
-    members = ws.costed(members)
-    primal = [m for m in members if m.action != "dual"]
-    dual = [m for m in members if m.action == "dual"]
-    mq, mk = ws.cross(primal, g), ws.cross(dual, g)
-    if ctx.partner is None or not primal or not dual:
-        return [Element(g, matrices=_transpose(kernels.procrustes(mq + mk)))]
-    q_sq, k_sq = ws.sq(primal, g), ws.sq(dual, g)
-    if ctx.mode == "paper":  # the paper: rotation first, then the quartic of eq. (12) for that rotation
-        R = np.asarray(kernels.procrustes(mq + mk))
-        tq, tk = (R * mq).sum((-2, -1)), (R * mk).sum((-2, -1))
-        a = kernels.rescale_from_stats(q_sq, tq, k_sq, tk, positive=False)
-    else:
-        R, a = kernels.joint_rotation_rescale(mq, mk, q_sq, k_sq, positive=False)
-    return [Element(g, matrices=_transpose(R)),
-            Element(ctx.partner, diag=np.asarray(a, dtype=np.float64).reshape(-1, 1))]
+    return solve_orthogonal_together(ws, [(g, members, ctx)])[0]
+
+
+def solve_orthogonal_together(ws, items) -> list[list[Element]]:
+    """Orthogonal groups of one size (the QK or VO pairs of every layer) in one batched kernel call: their
+    copies are stacked, so the whole model costs one SVD per step, not one per head or layer."""
+    stats = []
+    for g, members, ctx in items:
+        members = ws.costed(members)
+        primal = [m for m in members if m.action != "dual"]
+        dual = [m for m in members if m.action == "dual"]
+        joint = ctx.partner is not None and bool(primal) and bool(dual)
+        stats.append((ws.cross(primal, g), ws.cross(dual, g), ws.sq(primal, g), ws.sq(dual, g), joint))
+    out: list[list[Element]] = [[] for _ in items]
+    for joint in (False, True):
+        chosen = [i for i, st in enumerate(stats) if st[4] == joint]
+        if not chosen:
+            continue
+        mq, mk, q_sq, k_sq = (np.concatenate([stats[i][j] for i in chosen]) for j in range(4))
+        mode = items[chosen[0]][2].mode
+        if not joint:
+            R, a = np.asarray(kernels.procrustes(mq + mk)), None
+        elif mode == "paper":  # the paper: rotation first, then the quartic of eq. (12) for that rotation
+            R = np.asarray(kernels.procrustes(mq + mk))
+            a = kernels.rescale_from_stats(q_sq, (R * mq).sum((-2, -1)), k_sq, (R * mk).sum((-2, -1)),
+                                           positive=False)
+        else:
+            R, a = kernels.joint_rotation_rescale(mq, mk, q_sq, k_sq, positive=False)
+        start = 0
+        for i in chosen:
+            g, _, ctx = items[i]
+            part = slice(start, start + g.copies)
+            start += g.copies
+            out[i].append(Element(g, matrices=_transpose(np.asarray(R)[part])))
+            if joint:
+                out[i].append(Element(ctx.partner, diag=np.asarray(a, dtype=np.float64)[part].reshape(-1, 1)))
+    return out
 
 
 @solver("general_linear", "least_squares", "general linear: least squares from either side (primal rows, or "
