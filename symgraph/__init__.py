@@ -8,12 +8,15 @@ Examples
 [('ffn', 'permutation', 8)]
 """
 from .api import Subject, align, analyze, load, sample_elements, transform
+from .connectivity import BarrierResult, barrier
 from .elements import Element, apply, apply_to_model, sample
 from .errors import SymgraphError
 from .groups import Group, Member, PinnedSpace
+from .merging import MergeResult, merge
 from .report import Report
 
 __all__ = [
-    "Element", "Group", "Member", "PinnedSpace", "Report", "Subject", "SymgraphError",
-    "align", "analyze", "apply", "apply_to_model", "load", "sample", "sample_elements", "transform",
+    "BarrierResult", "Element", "Group", "Member", "MergeResult", "PinnedSpace", "Report", "Subject", "SymgraphError",
+    "align", "analyze", "apply", "apply_to_model", "barrier", "load", "merge", "sample", "sample_elements",
+    "transform",
 ]

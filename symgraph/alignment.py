@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .elements import MATRIX_KINDS, Element, apply
+from .elements import MATRIX_KINDS, Element, apply_in_place, inverse
 from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
 from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
@@ -231,17 +231,17 @@ class Aligner:
         for g, elements in zip(groups, solutions):
             clock = time.perf_counter()
             params = self._params(g)
-            before = self.ws.distance_sq(params)
-            trial = apply({k: self.ws.src[k] for k in params}, elements, dtype=self.dtype)
-            after = sum(float((trial[k] - self.ws.anc[k]).pow(2).sum()) for k in params)
-            moved = not all(e.is_identity() for e in elements)
-            if moved and (keep_if_worse or after < before):
-                self.ws.src.update(trial)
-                self.elements.extend(elements)
-                for k in params:
-                    self.version[k] += 1
-            else:
-                after = before
+            before = after = self.ws.distance_sq(params)
+            if not all(e.is_identity() for e in elements):
+                apply_in_place(self.ws.src, elements)  # the working copy is ours: no trial copy of the model
+                after = self.ws.distance_sq(params)
+                if keep_if_worse or after < before:
+                    self.elements.extend(elements)
+                    for k in params:
+                        self.version[k] += 1
+                else:
+                    apply_in_place(self.ws.src, [inverse(e) for e in reversed(elements)])
+                    after = before
             self.solved_at[g.id] = self._versions(g)
             self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
                                         float(np.sqrt(before)), float(np.sqrt(after)),
@@ -330,7 +330,7 @@ class Aligner:
 def check_same_architecture(source, anchor) -> None:
     """Refuse to align models whose configurations, parameters, shapes or detected groups differ, or whose
     weights are not finite."""
-    _check_configs(source.config, anchor.config)
+    check_same_config(source.config, anchor.config)
     s, a = source.state_dict(), anchor.state_dict()
     if set(s) != set(a):
         extra, missing = sorted(set(s) - set(a))[:3], sorted(set(a) - set(s))[:3]
@@ -357,7 +357,8 @@ _COSMETIC_CONFIG_KEYS = {"_name_or_path", "transformers_version", "architectures
                          "torch_dtype", "dtype", "_commit_hash", "_attn_implementation_autoset", "finetuning_task"}
 
 
-def _check_configs(source_config, anchor_config) -> None:
+def check_same_config(source_config, anchor_config) -> None:
+    """Refuse two Hugging Face configs that differ in anything but names, labels and dtype."""
     if source_config is None or anchor_config is None:
         return
     s, a = (c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in (source_config, anchor_config))
@@ -367,6 +368,17 @@ def _check_configs(source_config, anchor_config) -> None:
         raise MismatchError(f"The two models have different configurations ({shown}"
                             f"{', ...' if len(differ) > 4 else ''}).",
                             hint="align two models of the same architecture and configuration.")
+
+
+def free_cost_members(subject, groups, mode: str) -> list[Member]:
+    """The slices to leave out of matching costs for ``subject``: its key biases that the outputs provably
+    ignore (checked numerically in float64). None in ``paper`` mode, whose algorithm costs every member."""
+    if mode == "paper":
+        return []
+    from .verify import Evaluator, free_members
+
+    evaluator = Evaluator(subject.model, subject.args, subject.kwargs)
+    return free_members(evaluator, key_bias_candidates(groups, subject.state_dict()))
 
 
 def key_bias_candidates(groups, state) -> list[list[Member]]:

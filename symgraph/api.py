@@ -162,8 +162,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     >>> result.distance_after < result.distance_before
     True
     """
-    from .alignment import align_states, check_same_architecture, key_bias_candidates, select_groups
-    from .verify import Evaluator, free_members
+    from .alignment import align_states, check_same_architecture, free_cost_members, select_groups
+    from .verify import Evaluator
 
     timings = {}
     clock = time.perf_counter()
@@ -175,8 +175,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     clock = time.perf_counter()
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
     state = src.state_dict()
-    evaluator = Evaluator(src.model, src.args, src.kwargs) if (verify or mode != "paper") else None
-    free = free_members(evaluator, key_bias_candidates(groups, state)) if mode != "paper" else []
+    free = free_cost_members(src, groups, mode)
     timings["free_parameters"] = time.perf_counter() - clock
     result = align_states(groups, state, anc.state_dict(), mode=mode, rescale=rescale, progress=progress,
                           cost_excluded=free)
@@ -184,7 +183,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.free = [m.param for m in free]
     if verify:
         clock = time.perf_counter()
-        _verify_alignment(evaluator, state, result)
+        _verify_alignment(Evaluator(src.model, src.args, src.kwargs), state, result)
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result

@@ -187,7 +187,7 @@ def demo(out_dir, samples):
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, json_path, overwrite, no_progress):
-    from .merge import merge as run_merge
+    from .merging import merge as run_merge
 
     _refuse_existing(output, overwrite)
     if head_from is not None and not 1 <= head_from <= len(models):
@@ -222,7 +222,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, output, json_path, no_progress):
-    from .barrier import barrier as run_barrier, check_plot_path
+    from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
     modes = [m.strip() for m in aligns.split(",") if m.strip()]

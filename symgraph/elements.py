@@ -117,6 +117,26 @@ def apply(state: dict[str, torch.Tensor], elements: list[Element], *, dtype=torc
     return out
 
 
+def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> None:
+    """Apply ``elements`` to tensors the caller owns (the aligner's working copy), without copying them."""
+    for e in elements:
+        for m in e.group.members:
+            y = state[m.param].movedim(m.axis, 0)  # a view: writing into it writes the tensor
+            idx = torch.as_tensor(m.index)
+            y[idx] = _transform(y[idx], m, e)
+
+
+def inverse(e: Element) -> Element:
+    """The inverse group element: ``apply(apply(s, [e]), [inverse(e)])`` is ``s`` up to rounding."""
+    if e.matrices is not None:
+        return Element(e.group, matrices=np.linalg.inv(e.matrices))
+    perm = np.argsort(e.perm, axis=1) if e.perm is not None else None
+    diag = None
+    if e.diag is not None:
+        diag = 1.0 / (np.take_along_axis(e.diag, perm, axis=1) if perm is not None else e.diag)
+    return Element(e.group, perm=perm, diag=diag)
+
+
 def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     y = x.movedim(m.axis, 0)
     idx = torch.as_tensor(m.index)  # (copies, n, block)

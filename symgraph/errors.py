@@ -45,3 +45,7 @@ class MismatchError(SymgraphError):
 
 class OutputError(SymgraphError):
     """An output location cannot be written (exists, read-only, disk full)."""
+
+
+class DataError(SymgraphError):
+    """A ``--data`` argument could not be turned into batches, or its batches do not fit the model."""

@@ -95,3 +95,18 @@ def test_apply_to_model_returns_a_transformed_copy():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not torch.equal(copy[0].weight, model[0].weight)
     assert torch.allclose(copy(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "gpt-neox"])
+def test_in_place_application_matches_apply_and_the_inverse_undoes_it(family, zoo_subject):
+    from symgraph.elements import apply_in_place, inverse
+
+    subject = zoo_subject(family)
+    state = {k: v.double() for k, v in subject.state_dict().items()}
+    elements = symgraph.sample_elements(subject.report, seed=5)
+    expected = apply(state, elements)
+    work = {k: v.clone() for k, v in state.items()}
+    apply_in_place(work, elements)
+    assert all(torch.allclose(work[k], expected[k], rtol=1e-12, atol=1e-12) for k in state)
+    apply_in_place(work, [inverse(e) for e in reversed(elements)])
+    assert all(torch.allclose(work[k], state[k], rtol=1e-9, atol=1e-12) for k in state)

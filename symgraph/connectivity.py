@@ -1,0 +1,269 @@
+"""Loss barriers along the linear path between two models, without and with each kind of alignment.
+
+For each alignment mode, ``B'`` is B aligned to A (same function as B), and the loss is measured at
+``theta(t) = (1 - t) A + t B'`` for evenly spaced ``t`` in [0, 1]. The barrier height is how far the loss rises
+above the straight line between the end points, ``max_t [L(t) - ((1 - t) L(0) + t L(1))]``; for accuracy it is
+how far accuracy falls below that line. A low barrier after alignment says the models sit in one basin once
+their symmetries are undone: the precondition for merging them by averaging.
+
+Examples
+--------
+>>> barrier_height([0.0, 0.5, 1.0], [1.0, 3.0, 2.0])
+1.5
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .api import Subject, align, load
+from .consensus import ALIGN_MODES, relative_distance, shared_float_names
+from .errors import OutputError, SymgraphError
+from .progress import progress_bar
+
+__all__ = ["BarrierCurve", "BarrierResult", "barrier", "barrier_height", "check_plot_path", "plot_barrier"]
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class BarrierCurve:
+    """Loss (and accuracy) along the path for one alignment mode, the barrier heights, and ``||B' - A|| / ||A||``."""
+
+    mode: str
+    losses: list[float]
+    accuracies: list[float] | None
+    loss_barrier: float
+    accuracy_barrier: float | None
+    distance: float
+    align_seconds: float
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BarrierResult:
+    """Barrier curves by alignment mode, on one dataset, at the interpolation points ``ts``."""
+
+    models: tuple[str, str]
+    data: str
+    task: str
+    ts: list[float]
+    curves: dict[str, BarrierCurve]
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"models": list(self.models), "data": self.data, "task": self.task, "ts": self.ts,
+                "seconds": self.seconds, "modes": {m: c.to_json() for m, c in self.curves.items()}}
+
+    def plot(self, path) -> Path:
+        """Write the figure (format from the suffix: png, pdf, svg, ...); see :func:`plot_barrier`."""
+        return plot_barrier(self, path)
+
+
+def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
+            batch_size: int = 32, limit: int | None = None, split: str = "test",
+            progress: bool = True) -> BarrierResult:
+    """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
+
+    Parameters
+    ----------
+    a, b
+        Models of one architecture (anything :func:`symgraph.load` accepts).
+    data
+        A data SPEC or :class:`symgraph.datasets.Dataset` (see :func:`symgraph.datasets.load_data`).
+    steps
+        Points on the path, end points included (at least 3).
+    aligns
+        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``.
+    batch_size, limit, split
+        How a data SPEC is loaded.
+    progress
+        Show progress bars (only ever on a terminal).
+
+    Examples
+    --------
+    >>> from symgraph import zoo
+    >>> from symgraph.datasets import load_data
+    >>> data = load_data("digits", limit=8)
+    >>> a, b = (zoo.build("vit", seed=s, image_size=8, num_channels=1, num_labels=10) for s in (0, 1))
+    >>> result = barrier(a, b, data, steps=3, aligns=("none", "full"), progress=False)
+    >>> result.curves["full"].distance < result.curves["none"].distance
+    True
+    """
+    _check_options(steps, aligns)
+    start = time.perf_counter()
+    from .alignment import check_same_architecture
+    from .datasets import load_data
+
+    first, second = load(a), load(b)
+    dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
+    check_same_architecture(second, first)  # after the data: capturing takes longer
+    ts = np.linspace(0.0, 1.0, steps).tolist()
+    path = _Path(first, dataset, ts, progress)
+    curves = {mode: _curve(mode, first, second, path) for mode in aligns}
+    return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
+                         time.perf_counter() - start)
+
+
+def barrier_height(ts: Sequence[float], values: Sequence[float]) -> float:
+    """``max_t [v(t) - ((1 - t) v(0) + t v(1))]``: how far ``values`` rise above the chord between the ends.
+
+    Examples
+    --------
+    >>> barrier_height([0.0, 0.5, 1.0], [2.0, 1.0, 2.0])  # convex: no barrier
+    0.0
+    """
+    t, v = np.asarray(ts, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    return float(np.max(v - ((1 - t) * v[0] + t * v[-1])))
+
+
+def plot_barrier(result: BarrierResult, path) -> Path:
+    """Plot loss (and accuracy, when the data has labels) along the path, one line per alignment mode, with the
+    barrier heights in the legend; write it atomically (temporary sibling, then rename).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> curve = BarrierCurve("none", [1.0, 2.0, 1.0], None, 1.0, None, 0.5, 0.0)
+    >>> result = BarrierResult(("a", "b"), "toy", "causal_lm", [0.0, 0.5, 1.0], {"none": curve})
+    >>> plot_barrier(result, Path(tempfile.mkdtemp()) / "barrier.png").name
+    'barrier.png'
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    with_accuracy = all(c.accuracies is not None for c in result.curves.values())
+    figure = Figure(figsize=(11 if with_accuracy else 6, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, 2 if with_accuracy else 1, squeeze=False)[0]
+    _draw(axes[0], result, "losses", "loss_barrier", "loss", "barrier")
+    if with_accuracy:
+        _draw(axes[1], result, "accuracies", "accuracy_barrier", "accuracy", "drop")
+    figure.suptitle(f"A: {result.models[0]}    B: {result.models[1]}    data: {result.data}", fontsize=10)
+    return _save_figure(figure, path)
+
+
+# -- the path --------------------------------------------------------------------------------------------------------
+class _Path:
+    """Evaluates ``(1 - t) A + t B'`` on the data in one working copy of A's model; ``t = 0`` is evaluated once."""
+
+    def __init__(self, anchor: Subject, data, ts: list[float], progress: bool):
+        self.model = copy.deepcopy(anchor.model).eval()
+        self.anchor = anchor.state_dict()
+        self.names = shared_float_names(self.anchor, frozenset())
+        self.data, self.ts, self.progress = data, ts, progress
+        self.start = self._evaluate(self.anchor)
+
+    def metrics(self, other: State, mode: str) -> list:
+        out = [self.start]
+        for t in progress_bar(self.ts[1:], desc=f"barrier ({mode})", enabled=self.progress):
+            out.append(self._evaluate(self._between(other, t)))
+        return out
+
+    def _between(self, other: State, t: float) -> State:
+        state = dict(self.anchor)
+        for k in self.names:
+            mixed = (1 - t) * self.anchor[k].to(torch.float64) + t * other[k].to(torch.float64)
+            state[k] = mixed.to(self.anchor[k].dtype)
+        return state
+
+    def _evaluate(self, state: State):
+        from .datasets import evaluate
+        from .statistics import data_must_fit
+
+        self.model.load_state_dict(state)
+        with data_must_fit(self.data, "model A"):
+            return evaluate(self.model, self.data)
+
+
+def _curve(mode: str, anchor: Subject, source: Subject, path: _Path) -> BarrierCurve:
+    start = time.perf_counter()
+    aligned = _aligned(mode, anchor, source)
+    seconds = time.perf_counter() - start
+    metrics = path.metrics(aligned, mode)
+    losses = [m.loss for m in metrics]
+    accuracies = [m.accuracy for m in metrics] if all(m.accuracy is not None for m in metrics) else None
+    drop = None if accuracies is None else barrier_height(path.ts, [-x for x in accuracies])
+    return BarrierCurve(mode, losses, accuracies, barrier_height(path.ts, losses), drop,
+                        relative_distance(aligned, path.anchor, path.names), seconds)
+
+
+def _aligned(mode: str, anchor: Subject, source: Subject) -> State:
+    """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
+    if mode == "none":
+        return source.state_dict()
+    return align(source, anchor, mode=mode, verify=True).state
+
+
+# -- plotting ----------------------------------------------------------------------------------------------------
+_COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c"}
+
+
+def _draw(ax, result: BarrierResult, field: str, height: str, label: str, height_name: str) -> None:
+    for mode, curve in result.curves.items():
+        ax.plot(result.ts, getattr(curve, field), marker="o", markersize=3, color=_COLOURS.get(mode),
+                label=f"{mode} ({height_name} {getattr(curve, height):.3g}, distance {curve.distance:.3g})")
+    ax.set_xlabel("t   (0: model A, 1: model B aligned to A)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def check_plot_path(path) -> Path:
+    """Refuse a plot path whose suffix is not an image format matplotlib writes, or whose folder is missing.
+
+    Examples
+    --------
+    >>> check_plot_path("barrier.svg").suffix
+    '.svg'
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise OutputError(f"Cannot write a plot to '{path}': unknown image format '{path.suffix}'.",
+                          hint=f"use one of: {', '.join('.' + f for f in sorted(formats))}.")
+    if not path.parent.is_dir():
+        raise OutputError(f"Cannot write '{path}': folder '{path.parent}' does not exist.",
+                          hint="create the folder first, or choose another output path.")
+    return path
+
+
+def _save_figure(figure, path: Path) -> Path:
+    suffix = check_plot_path(path).suffix.lstrip(".").lower()
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        figure.savefig(tmp, format=suffix, dpi=120)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OutputError(f"Cannot write '{path}': {exc.strerror or exc}.",
+                          hint="check the path is writable and the disk has space.") from exc
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after a successful rename
+    return path
+
+
+def _check_options(steps: int, aligns: Sequence[str]) -> None:
+    if steps < 3:
+        raise SymgraphError(f"steps must be at least 3 (both ends and one point between), got {steps}.")
+    choices = ", ".join(ALIGN_MODES[::-1])
+    unknown = [m for m in aligns if m not in ALIGN_MODES]
+    if unknown or not aligns:
+        raise SymgraphError(f"Unknown alignment mode(s): {', '.join(unknown) or 'none given'}.",
+                            hint=f"choose from {choices} (comma-separated on the command line).")
+    if len(set(aligns)) != len(aligns):
+        raise SymgraphError(f"Alignment modes {list(aligns)} name a mode twice.", hint="list each mode once (distinct).")

@@ -1,0 +1,219 @@
+"""Bring several models of one architecture into one parameter frame, so that averaging them is meaningful.
+
+First every model is aligned to a *reference*: the model with the largest weight, ties broken by a fingerprint
+of the weights (their float64 sum of squares), so the argument order never changes the result. For two models
+that is all (the second round would align the other model to the reference again).
+
+More models: rounds of simultaneous (Jacobi) updates follow. In each round every model but the reference is
+aligned to the weighted mean of the *other* models' current states (leave-one-out: a model that is part of its
+own target would be pulled towards staying where it is), and each keeps its new state only if it got closer to
+its target. Rounds stop when the weighted mean distance to the consensus (the weighted mean of all aligned
+models) stops falling. The reference never moves: it fixes the frame, and with weights
+``(1, 0, ...)`` the merge returns model 1 itself, parameter for parameter.
+
+Alignment never changes what a model computes: every final state is checked in float64 against its model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .alignment import align_states, free_cost_members, select_groups
+from .api import Subject, tie_aliases
+from .elements import Element, apply
+from .errors import InvarianceError
+from .groups import Group
+from .progress import progress_bar
+
+#: Alignment modes a merge or a barrier accepts: the modes of :func:`symgraph.alignment.select_groups`, or none.
+ALIGN_MODES = ("full", "paper", "permutation", "none")
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Consensus:
+    """Models moved into one frame: their states (float64), and how close they came to their weighted mean."""
+
+    states: list[State]
+    reference: int
+    distances_before: list[float]  # each model's distance to the weighted mean before alignment
+    distances: list[float]  # ... and after
+    rounds: int
+    history: list[float]  # weighted mean distance to the consensus after each round (round 0: the first pass)
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"reference": self.reference, "rounds": self.rounds, "distances_before": self.distances_before,
+                "distances": self.distances, "history": self.history, "seconds": self.seconds}
+
+
+def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
+                       exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
+                       progress: bool = True) -> Consensus:
+    """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
+
+    ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
+    which may differ in shape); they are still transformed with their model, so each model keeps its function.
+
+    Examples
+    --------
+    >>> import copy, symgraph
+    >>> from symgraph import zoo
+    >>> model = zoo.build("llama", seed=0)
+    >>> a, twin = symgraph.load(model), copy.deepcopy(model)
+    >>> _ = twin.load_state_dict(symgraph.transform(a, seed=3))  # same function, other parameters
+    >>> result = align_to_consensus([a, symgraph.load(twin)], [0.5, 0.5], progress=False)
+    >>> result.distances_before[0] > 0.1 and max(result.distances) < 1e-6
+    True
+    """
+    start = time.perf_counter()
+    states = [_float64_state(s) for s in subjects]
+    names = shared_float_names(states[0], exclude)
+    w = np.asarray(weights, dtype=np.float64)
+    reference = reference_index(states, w, names)
+    before = distances_to_mean(states, w, names)
+    if mode == "none":
+        return Consensus(states, reference, before, before, 0, [_weighted(before, w)], time.perf_counter() - start)
+
+    plan = AlignmentPlan.of(subjects[0], mode, exclude)
+    bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
+    for i in _others(len(states), reference):
+        states[i] = plan.move(states[i], states[reference])
+        bar.update()
+    bar.close()
+    states, history = _rounds(plan, states, w, names, reference, rounds, tol, progress)
+    states = [_verified(s, state) for s, state in zip(subjects, states)]
+    return Consensus(states, reference, before, distances_to_mean(states, w, names), len(history) - 1, history,
+                     time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class AlignmentPlan:
+    """How to move one model of an architecture towards a target state dict.
+
+    ``solve`` holds the groups ``mode`` aligns with the excluded parameters' members dropped, ``full`` the
+    complete groups by id (elements are applied with every member, so excluded parameters move along and the
+    function is kept), and ``free`` the slices the model ignores (plain-softmax key biases), which move but never
+    enter a cost, as in :func:`symgraph.api.align`.
+    """
+
+    solve: tuple[Group, ...]
+    full: dict[str, Group]
+    free: tuple
+    mode: str
+
+    @classmethod
+    def of(cls, subject: Subject, mode: str, exclude: frozenset[str] = frozenset()) -> AlignmentPlan:
+        chosen = select_groups(subject.report.groups, mode)
+        solve = []
+        for g in chosen:
+            members = tuple(m for m in g.members if m.param not in exclude)
+            if members:
+                solve.append(dataclasses.replace(g, members=members))
+        free = free_cost_members(subject, solve, mode)
+        return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode)
+
+    def move(self, source: State, target: State) -> State:
+        """``source`` moved within its groups as close to ``target`` as they allow (same function)."""
+        result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free)
+        elements = [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
+        return apply(source, elements)
+
+
+def reference_index(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> int:
+    """The model with the largest weight; ties go to the larger sum of squares, never to the argument order."""
+    keys = [(float(w), _sum_of_squares(s, names)) for w, s in zip(weights, states)]
+    return max(range(len(keys)), key=keys.__getitem__)
+
+
+def weighted_mean(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> State:
+    """``sum_i w_i state_i / sum_i w_i`` over ``names``, in float64."""
+    total = float(np.sum(weights))
+    return {k: sum(float(w) * s[k].to(torch.float64) for w, s in zip(weights, states)) / total for k in names}
+
+
+def relative_distance(state: State, target: State, names: Sequence[str]) -> float:
+    """``||state - target|| / ||target||`` over ``names`` (all tensors flattened into one vector)."""
+    num = sum(float((state[k].to(torch.float64) - target[k].to(torch.float64)).pow(2).sum()) for k in names)
+    den = sum(float(target[k].to(torch.float64).pow(2).sum()) for k in names)
+    return float(np.sqrt(num / max(den, 1e-300)))
+
+
+def distances_to_mean(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> list[float]:
+    """Each model's relative distance to the weighted mean of all of them."""
+    mean = weighted_mean(states, weights, names)
+    return [relative_distance(s, mean, names) for s in states]
+
+
+def shared_float_names(state: State, exclude: frozenset[str]) -> list[str]:
+    """Floating-point entries of ``state`` outside ``exclude``: what means and distances run over."""
+    return [k for k, v in state.items() if v.is_floating_point() and k not in exclude]
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _rounds(plan, states, w, names, reference, rounds, tol, progress) -> tuple[list[State], list[float]]:
+    """Jacobi rounds while the weighted mean distance to the consensus keeps falling (by more than ``tol`` of
+    itself); a round that does not lower it is discarded. Two models need none."""
+    history = [_weighted(distances_to_mean(states, w, names), w)]
+    while len(states) > 2 and len(history) <= rounds:
+        candidate = _jacobi_round(plan, states, w, names, reference, progress)
+        score = _weighted(distances_to_mean(candidate, w, names), w)
+        if score >= history[-1]:
+            break
+        states = candidate
+        history.append(score)
+        if score > history[-2] * (1 - tol):
+            break
+    return states, history
+
+
+def _jacobi_round(plan: AlignmentPlan, states, w, names, reference, progress) -> list[State]:
+    """Every model but the reference aligned to the weighted mean of the others (all from the same old states)."""
+    out = list(states)
+    bar = progress_bar(desc=f"consensus ({plan.mode})", total=len(states) - 1, enabled=progress)
+    for i in _others(len(states), reference):
+        keep = [j for j in range(len(states)) if j != i]
+        target = weighted_mean([states[j] for j in keep], w[keep], names)
+        moved = plan.move(states[i], target)
+        if relative_distance(moved, target, names) < relative_distance(states[i], target, names):
+            out[i] = moved
+        bar.update()
+    bar.close()
+    return out
+
+
+def _verified(subject: Subject, state: State) -> State:
+    """``state`` with tied names agreeing; raise unless it computes what ``subject`` computes."""
+    from .verify import Evaluator
+
+    state = tie_aliases(subject.model, state)
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    if not outcome.ok:
+        raise InvarianceError(
+            f"Aligning {subject.name} changed its outputs (relative error {outcome.relative_error:.2e}, tolerance "
+            f"{outcome.tolerance:.1e}); nothing was written.",
+            hint="run `symgraph fuzz` on the model to find the group at fault and report it as a bug; "
+                 "--align none merges without alignment meanwhile.")
+    return state
+
+
+def _float64_state(subject: Subject) -> State:
+    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in subject.state_dict().items()}
+
+
+def _sum_of_squares(state: State, names: Sequence[str]) -> float:
+    return sum(float(state[k].pow(2).sum()) for k in names)
+
+
+def _weighted(values: Sequence[float], w: np.ndarray) -> float:
+    return float(np.dot(values, w) / np.sum(w))
+
+
+def _others(n: int, reference: int) -> list[int]:
+    return [i for i in range(n) if i != reference]

@@ -1,0 +1,689 @@
+"""Evaluation and calibration data: turn a ``--data SPEC`` into batches, and score a model on them.
+
+A SPEC is one of
+
+==================================  ==============================================================================
+spec                                what it loads
+==================================  ==============================================================================
+``digits`` / ``digits:train``       scikit-learn's 8x8 digit images, 10 classes (``pixel_values``, 1 channel)
+``pydoc-chars[:split]``             character language modelling on the shipped Python help text (128-char windows)
+``pydoc-topics[:split]``            which of 4 parts of the language a line of that help text documents
+``FILE.txt``                        one example per line, tokenised with the model's tokenizer; for a
+                                    classifier a line may be ``LABEL<TAB>text`` (an id or a name of ``id2label``)
+``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
+                                    2-D: token ids)
+``package.module:func``             a function returning a :class:`Dataset` or an iterable of :class:`Batch` /
+``path/file.py:func``               ``(inputs_dict, labels)`` pairs
+==================================  ==============================================================================
+
+Shipped splits are fixed: digits image ``i`` is a test image when ``i % 5 == 0`` (360 test, 1437 train); the
+help text (symgraph/data/text/pydoc-topics.tsv, ``class<TAB>line``) is cut into blocks of 20 consecutive lines and
+block ``b`` is test when ``b % 5 == 4``. Everything is deterministic: no data is shuffled or sampled.
+
+Losses follow Hugging Face: causal LM labels are the input ids (the loss shifts them) with ``-100`` at padding.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import DataError
+
+__all__ = ["Batch", "Dataset", "Metrics", "CharTokenizer", "DATASETS", "TOPIC_CLASSES", "batch_loss",
+           "char_vocabulary", "corpus_lines", "evaluate", "load_data", "logits_of"]
+
+TASKS = ("classification", "causal_lm")
+IGNORE = -100  # the label Hugging Face's losses skip (padding)
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CORPUS_FILE = DATA_DIR / "text" / "pydoc-topics.tsv"
+TOPIC_CLASSES = ("statements", "expressions", "data model", "built-in types")
+WINDOW = 128  # characters per causal LM example of the shipped corpus
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<cls>")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data types
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Keyword inputs of one forward call and their labels.
+
+    ``labels``: ``(B,)`` class ids for classification; ``(B, T)`` token ids for causal LM (the input ids, with
+    ``-100`` where the position is padding); ``None`` for unlabelled data.
+    """
+
+    inputs: dict[str, torch.Tensor]
+    labels: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of examples in the batch."""
+        if self.labels is not None:
+            return int(self.labels.shape[0])
+        return int(next(iter(self.inputs.values())).shape[0])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Named, fixed batches for one task (``"classification"`` or ``"causal_lm"``)."""
+
+    name: str
+    task: str
+    batches: tuple[Batch, ...]
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise DataError(f"Dataset '{self.name}' has task '{self.task}'.", hint=f"use one of {', '.join(TASKS)}.")
+
+    def __len__(self) -> int:
+        return sum(b.size for b in self.batches)
+
+    @property
+    def labelled(self) -> bool:
+        """True when every batch carries labels."""
+        return all(b.labels is not None for b in self.batches)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Mean loss (per example, or per predicted token for causal LM), accuracy where labels exist, examples seen."""
+
+    loss: float
+    accuracy: float | None
+    examples: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_data(spec: Any, *, model: Any = None, batch_size: int = 32, limit: int | None = None,
+              split: str = "test") -> Dataset:
+    """Turn a data SPEC (see the module docstring) into a :class:`Dataset`.
+
+    Parameters
+    ----------
+    spec
+        A shipped dataset name (``digits``, ``pydoc-chars``, ``pydoc-topics``, optionally ``:train``/``:test``),
+        a ``.txt`` or ``.npz`` path, a factory ``package.module:func`` / ``path/file.py:func``, or a Dataset.
+    model
+        The model the data is for: a Hugging Face folder, a :class:`symgraph.Subject` or a loaded module. Text is
+        tokenised with its tokenizer, and labels and token ids are checked against its config.
+    batch_size
+        Examples per batch (batches from a factory are kept as they are).
+    limit
+        Keep only the first ``limit`` examples.
+    split
+        ``"test"`` or ``"train"`` for shipped datasets; a ``:split`` suffix on the name wins.
+
+    Examples
+    --------
+    >>> data = load_data("digits", limit=64)
+    >>> data.task, len(data), tuple(data.batches[0].inputs["pixel_values"].shape)
+    ('classification', 64, (32, 1, 8, 8))
+    """
+    if batch_size < 1 or (limit is not None and limit < 1):
+        raise DataError(f"batch_size must be >= 1 and limit >= 1 or None (got {batch_size}, {limit}).",
+                        hint="pass a positive batch size, and a positive limit or none.")
+    target = _Target.of(model)
+    if isinstance(spec, Dataset):
+        data = spec
+    else:
+        data = _dispatch(str(spec) if isinstance(spec, os.PathLike) else spec, target, batch_size, split, limit)
+    data = _limited(data, limit)
+    if not data.batches or len(data) == 0:
+        raise DataError(f"Data '{data.name}' has no examples.",
+                        hint="check the file or factory: it must give at least one example.")
+    target.check(data)
+    return data
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, task: str) -> torch.Tensor:
+    """Differentiable mean loss of ``model`` on ``batch``: cross-entropy per example (classification) or per
+    predicted token (causal LM). Unlabelled classification batches use the model's own top class as the label,
+    so unlabelled data still gives gradients (e.g. a Fisher estimate).
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    >>> batch = Batch({"input": torch.zeros(4, 1, 8, 8)}, torch.tensor([0, 1, 2, 3]))
+    >>> round(batch_loss(model, batch, "classification").item(), 2) > 0
+    True
+    """
+    logits = _forward(model, batch)
+    total, count, _ = _loss_sum(logits, batch, task)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset) -> Metrics:
+    """Loss and accuracy of ``model`` on every batch of ``data`` (eval mode, no gradients; means weighted by
+    examples, or by predicted tokens for causal LM). The model's train/eval mode is restored afterwards.
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))  # forward(input)
+    >>> batch = Batch({"input": torch.zeros(8, 1, 8, 8)}, torch.zeros(8, dtype=torch.long))
+    >>> metrics = evaluate(model, Dataset("zeros", "classification", (batch,)))
+    >>> metrics.examples, 0.0 <= metrics.accuracy <= 1.0
+    (8, True)
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        loss = correct = count = 0.0
+        for batch in data.batches:
+            total, n, right = _loss_sum(_forward(model, batch), batch, data.task)
+            loss, correct, count = loss + float(total), correct + right, count + n
+    finally:
+        model.train(was_training)
+    return Metrics(loss=loss / max(count, 1), accuracy=correct / count if data.labelled and count else None,
+                   examples=len(data))
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: a Hugging Face ``ModelOutput`` (``.logits``), a dict with ``"logits"``,
+    a tuple/list (its first element), or the tensor itself.
+
+    Examples
+    --------
+    >>> logits_of((torch.ones(2, 3), None)).shape
+    torch.Size([2, 3])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise DataError(f"Cannot find logits in the model's output (a {type(output).__name__}).",
+                        hint="make forward return a tensor of logits, a tuple starting with them, or an object "
+                             "with a .logits attribute.")
+    return logits
+
+
+def char_vocabulary() -> dict[str, int]:
+    """The character vocabulary of the shipped char models: 3 special tokens, newline, printable ASCII.
+
+    Examples
+    --------
+    >>> vocab = char_vocabulary()
+    >>> len(vocab), vocab["<pad>"], vocab["a"]
+    (99, 0, 69)
+    """
+    tokens = [*SPECIAL_TOKENS, "\n", *(chr(c) for c in range(32, 127))]
+    return {t: i for i, t in enumerate(tokens)}
+
+
+class CharTokenizer:
+    """Maps each character to its id in a ``vocab.json`` of single characters (unknown ones to ``<unk>``)."""
+
+    def __init__(self, vocab: dict[str, int]):
+        self.vocab = vocab
+        self.pad_id, self.unk_id, self.cls_id = (vocab.get(t) for t in SPECIAL_TOKENS)
+        if self.pad_id is None or self.unk_id is None:
+            raise DataError("The character vocabulary has no '<pad>' or '<unk>' token.",
+                            hint="regenerate the model folder's vocab.json with examples/train_models.py.")
+
+    def encode(self, text: str, *, cls_token: bool = False) -> list[int]:
+        ids = [self.vocab.get(ch, self.unk_id) for ch in text]
+        return [self.cls_id, *ids] if cls_token and self.cls_id is not None else ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# spec dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: int | None) -> Dataset:
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError(f"Cannot read data from {spec!r:.80}.", hint=_FORMS_HINT)
+    spec = spec.strip()
+    name, _, suffix = spec.partition(":")
+    if name in DATASETS:
+        return DATASETS[name](_split_of(name, suffix or split), target, batch_size, limit)
+    path = Path(spec).expanduser()
+    if path.suffix in (".txt", ".npz"):
+        if not path.is_file():
+            raise DataError(f"Data file '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
+        return _load_txt(path, target, batch_size, limit) if path.suffix == ".txt" else \
+            _load_npz(path, target, batch_size)
+    if ":" in spec and not path.exists():
+        return _load_factory(spec, target)
+    if path.exists():
+        raise DataError(f"'{path}' is not a data file symgraph reads (only .txt and .npz files).",
+                        hint=_FORMS_HINT)
+    raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
+
+
+_FORMS_HINT = ("pass a shipped dataset name (digits, pydoc-chars, pydoc-topics; add ':train' or ':test'), a "
+               "FILE.txt (one example per line), a FILE.npz (arrays named after forward arguments, optional "
+               "'labels'), or a factory 'package.module:func' / 'path/file.py:func'.")
+
+
+def _split_of(name: str, split: str) -> str:
+    if split not in ("train", "test"):
+        raise DataError(f"Dataset '{name}' has no split '{split}'.", hint=f"use '{name}:train' or '{name}:test'.")
+    return split
+
+
+def _limited(data: Dataset, limit: int | None) -> Dataset:
+    """The first ``limit`` examples of ``data`` (the last batch kept is cut)."""
+    if limit is None or len(data) <= limit:
+        return data
+    kept, left = [], limit
+    for batch in data.batches:
+        if left <= 0:
+            break
+        kept.append(batch if batch.size <= left else _head(batch, left))
+        left -= batch.size
+    return Dataset(data.name, data.task, tuple(kept))
+
+
+def _head(batch: Batch, n: int) -> Batch:
+    return Batch({k: v[:n] for k, v in batch.inputs.items()}, None if batch.labels is None else batch.labels[:n])
+
+
+def _batched(inputs: dict[str, torch.Tensor], labels: torch.Tensor | None, batch_size: int) -> tuple[Batch, ...]:
+    """Cut equally long tensors into consecutive batches."""
+    total = (labels if labels is not None else next(iter(inputs.values()))).shape[0]
+    return tuple(Batch({k: v[i:i + batch_size] for k, v in inputs.items()},
+                       None if labels is None else labels[i:i + batch_size]) for i in range(0, total, batch_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model the data is for: tokenizer, task, and the checks labels must pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What the loader needs from the model: its config and the folder its tokenizer lives in (either may be
+    missing)."""
+
+    config: Any = None
+    folder: Path | None = None
+
+    @classmethod
+    def of(cls, model: Any) -> _Target:
+        if model is None:
+            return cls()
+        if isinstance(model, (str, os.PathLike)):
+            return cls._from_folder(Path(model).expanduser())
+        config = getattr(model, "config", None)
+        if config is None and isinstance(getattr(model, "model", None), torch.nn.Module):
+            config = getattr(model.model, "config", None)  # a symgraph Subject or LoadedModel
+        folder = getattr(model, "path", None) or getattr(config, "_name_or_path", None) or None
+        folder = Path(folder) if folder and Path(folder).is_dir() else None
+        return cls(config, folder)
+
+    @classmethod
+    def _from_folder(cls, folder: Path) -> _Target:
+        if not (folder / "config.json").is_file():
+            raise DataError(f"Model folder '{folder}' does not exist or has no config.json.",
+                            hint="pass the Hugging Face folder of the model the data is for.")
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(str(folder), local_files_only=True), folder.resolve())
+
+    @property
+    def task(self) -> str | None:
+        """The task the model's head does, read from its architecture names."""
+        names = " ".join(getattr(self.config, "architectures", None) or ())
+        if "CausalLM" in names or "LMHead" in names:
+            return "causal_lm"
+        return "classification" if "Classification" in names else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        config = getattr(self.config, "text_config", None) or self.config
+        size = getattr(config, "vocab_size", None)
+        return int(size) if size is not None else None
+
+    @property
+    def max_tokens(self) -> int:
+        positions = getattr(self.config, "max_position_embeddings", None)
+        return min(int(positions), 512) if positions else 512
+
+    def tokenizer(self, *, required: bool) -> CharTokenizer | Any | None:
+        """The model's char vocabulary (``vocab.json`` of single characters), its Hugging Face tokenizer, or
+        None when it has neither and ``required`` is false."""
+        folder = self.folder
+        has_hf = folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        if folder is not None and not has_hf and (folder / "vocab.json").is_file():
+            vocab = _read_vocab(folder / "vocab.json")
+            if all(len(t) == 1 or t in SPECIAL_TOKENS for t in vocab):  # not a BPE vocab without its config
+                return CharTokenizer(vocab)
+        if has_hf:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if required:
+            raise DataError("Text data needs the model's tokenizer, and the model has none"
+                            + (f" (nothing in '{folder}')." if folder else " (no model folder was given)."),
+                            hint="pass model=FOLDER with the Hugging Face folder that holds the tokenizer files, "
+                                 "or give the data as token ids in a .npz file.")
+        return None
+
+    def check(self, data: Dataset) -> None:
+        """Raise :class:`DataError` when labels or inputs of ``data`` cannot be fed to the model."""
+        if self.config is None:
+            return
+        for batch in data.batches:
+            self._check_tokens(data.name, batch.inputs.get("input_ids"), "input token id")
+            self._check_pixels(data.name, batch.inputs.get("pixel_values"))
+            if batch.labels is None:
+                continue
+            _check_negative_labels(data.name, batch.labels, data.task)
+            if data.task == "causal_lm":
+                self._check_tokens(data.name, batch.labels, "label token id")
+            elif self.task == "classification":
+                self._check_classes(data.name, batch.labels)
+
+    def _check_tokens(self, name: str, ids: torch.Tensor | None, what: str) -> None:
+        vocab = self.vocab_size
+        if ids is not None and vocab is not None and ids.numel() and int(ids.max()) >= vocab:
+            raise DataError(f"Data '{name}' has {what} {int(ids.max())}, but the model's vocabulary has {vocab} "
+                            f"tokens (ids 0..{vocab - 1}).",
+                            hint="tokenise the data with this model's tokenizer (pass model=FOLDER to load_data).")
+
+    def _check_classes(self, name: str, labels: torch.Tensor) -> None:
+        classes = int(getattr(self.config, "num_labels", 0) or 0)
+        if classes and labels.numel() and int(labels.max()) >= classes:
+            raise DataError(f"Data '{name}' has class id {int(labels.max())}, but the model has {classes} classes "
+                            f"(ids 0..{classes - 1}).",
+                            hint="use data labelled for this model's classes, or a model with more labels.")
+
+    def _check_pixels(self, name: str, pixels: torch.Tensor | None) -> None:
+        size, channels = getattr(self.config, "image_size", None), getattr(self.config, "num_channels", None)
+        if pixels is None or not isinstance(size, int) or channels is None:
+            return
+        if tuple(pixels.shape[1:]) != (channels, size, size):
+            raise DataError(f"Data '{name}' has images of shape {tuple(pixels.shape[1:])}, but the model takes "
+                            f"{(channels, size, size)} (channels, height, width).",
+                            hint="use images the model was built for (its config's num_channels and image_size).")
+
+
+def _check_negative_labels(name: str, labels: torch.Tensor, task: str) -> None:
+    allowed = IGNORE if task == "causal_lm" else 0
+    bad = labels[(labels < 0) & (labels != allowed)]
+    if bad.numel():
+        raise DataError(f"Data '{name}' has negative label {int(bad[0])}.",
+                        hint="labels are class ids >= 0, or token ids with -100 marking padding (causal LM).")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shipped datasets
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _digits(split: str, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    keep = (np.arange(len(digits.target)) % 5 == 0) == (split == "test")
+    # Pixels 0..16 scaled to [-1, 1], as ViT image processors do with mean = std = 0.5.
+    pixels = torch.tensor(digits.images[keep], dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
+    labels = torch.tensor(digits.target[keep], dtype=torch.long)
+    return Dataset(f"digits:{split}", "classification", _batched({"pixel_values": pixels}, labels, batch_size))
+
+
+def corpus_lines(split: str) -> list[tuple[str, str]]:
+    """``(class, line)`` pairs of the shipped help text in ``split`` (blocks of 20 lines, every 5th is test).
+
+    Examples
+    --------
+    >>> corpus_lines("test")[0][0] in TOPIC_CLASSES
+    True
+    """
+    return [row for block in _corpus_blocks(split) for row in block]
+
+
+def _corpus_blocks(split: str) -> list[list[tuple[str, str]]]:
+    if not CORPUS_FILE.is_file():
+        raise DataError(f"The shipped corpus '{CORPUS_FILE}' is missing.",
+                        hint="reinstall symgraph, or regenerate it with `python examples/train_models.py "
+                             "--extract-corpus`.")
+    rows = [tuple(line.split("\t", 1)) for line in CORPUS_FILE.read_text(encoding="utf-8").splitlines()]
+    blocks = [rows[i:i + 20] for i in range(0, len(rows), 20)]
+    return [block for b, block in enumerate(blocks) if (b % 5 == 4) == (split == "test")]
+
+
+def _pydoc_chars(split: str, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    text = "\n".join(line for _, line in corpus_lines(split))
+    ids = _encode_stream(text, target.tokenizer(required=False) or CharTokenizer(char_vocabulary()))
+    windows = torch.tensor(ids[:len(ids) // WINDOW * WINDOW], dtype=torch.long).view(-1, WINDOW)
+    return Dataset(f"pydoc-chars:{split}", "causal_lm", _batched({"input_ids": windows}, windows.clone(), batch_size))
+
+
+def _pydoc_topics(split: str, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    rows = corpus_lines(split)[:limit]
+    tokenizer = target.tokenizer(required=False) or CharTokenizer(char_vocabulary())
+    ids = [_encode_line(text, tokenizer, classify=True, max_tokens=target.max_tokens) for _, text in rows]
+    labels = [TOPIC_CLASSES.index(label) for label, _ in rows]
+    batches = _padded_batches(ids, labels, "classification", _pad_id(tokenizer), batch_size)
+    return Dataset(f"pydoc-topics:{split}", "classification", batches)
+
+
+DATASETS = {"digits": _digits, "pydoc-chars": _pydoc_chars, "pydoc-topics": _pydoc_topics}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# text: tokenising and padding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _encode_stream(text: str, tokenizer: Any) -> list[int]:
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _encode_line(text: str, tokenizer: Any, *, classify: bool, max_tokens: int) -> list[int]:
+    """Token ids of one example; char classifiers read a leading ``<cls>`` like BERT's ``[CLS]``."""
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.encode(text, cls_token=classify)[:max_tokens]
+    return list(tokenizer(text, truncation=True, max_length=max_tokens)["input_ids"])
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_id if isinstance(tokenizer, CharTokenizer) else tokenizer.pad_token_id
+    return int(pad) if pad is not None else 0
+
+
+def _padded_batches(ids: Sequence[list[int]], labels: Sequence[int] | None, task: str, pad_id: int,
+                    batch_size: int) -> tuple[Batch, ...]:
+    """Right-padded batches with an ``attention_mask``; causal LM labels are the ids with -100 at padding."""
+    batches = []
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start:start + batch_size]
+        width = max(len(x) for x in chunk)
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in chunk], dtype=torch.long)
+        input_ids = torch.tensor([x + [pad_id] * (width - len(x)) for x in chunk], dtype=torch.long)
+        if task == "causal_lm":
+            target = input_ids.masked_fill(mask == 0, IGNORE)
+        else:
+            target = None if labels is None else torch.tensor(labels[start:start + batch_size], dtype=torch.long)
+        batches.append(Batch({"input_ids": input_ids, "attention_mask": mask}, target))
+    return tuple(batches)
+
+
+def _load_txt(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    lines = [line for line in _read_text(path).splitlines() if line.strip()][:limit]
+    if not lines:
+        raise DataError(f"Data file '{path}' has no non-empty lines.", hint="put one example per line.")
+    tokenizer = target.tokenizer(required=True)
+    task = target.task or "causal_lm"
+    labels, texts = _line_labels(lines, target) if task == "classification" else (None, lines)
+    ids = [_encode_line(t, tokenizer, classify=task == "classification", max_tokens=target.max_tokens)
+           for t in texts]
+    if any(not x for x in ids):
+        raise DataError(f"A line of '{path}' tokenises to nothing.", hint="remove lines with no text.")
+    return Dataset(path.name, task, _padded_batches(ids, labels, task, _pad_id(tokenizer), batch_size))
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"Cannot read '{path}' as UTF-8 text: {exc}.", hint="save the file as UTF-8.") from exc
+
+
+def _line_labels(lines: list[str], target: _Target) -> tuple[list[int] | None, list[str]]:
+    """Labels of ``LABEL<TAB>text`` lines (a class id or a name in the config's ``id2label``), when every line
+    has one; otherwise no labels and the lines as they are."""
+    parts = [line.split("\t", 1) for line in lines]
+    if not all(len(p) == 2 for p in parts):
+        return None, lines
+    names = {str(v): int(k) for k, v in (getattr(target.config, "id2label", None) or {}).items()}
+    labels = []
+    for label, _ in parts:
+        if label.strip().isdigit():
+            labels.append(int(label))
+        elif label.strip() in names:
+            labels.append(names[label.strip()])
+        else:
+            raise DataError(f"Label '{label}' is neither a class id nor one of the model's labels "
+                            f"({', '.join(sorted(names)) or 'none named'}).",
+                            hint="start each line with a class id or label name and a tab, or leave labels out.")
+    return labels, [text for _, text in parts]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arrays and factories
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _load_npz(path: Path, target: _Target, batch_size: int) -> Dataset:
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            tensors = {k: _tensor(arrays[k]) for k in arrays.files}
+    except (OSError, ValueError) as exc:
+        raise DataError(f"Cannot read '{path}' as a .npz of arrays: {exc}.",
+                        hint="write it with numpy.savez(path, input_ids=..., labels=...).") from exc
+    labels = tensors.pop("labels", None)
+    if not tensors:
+        raise DataError(f"'{path}' holds no input arrays (only: {', '.join(['labels'] if labels is not None else [])}"
+                        ").", hint="name the arrays after the model's forward arguments, e.g. input_ids.")
+    lengths = {k: int(v.shape[0]) if v.ndim else -1 for k, v in {**tensors, "labels": labels}.items() if v is not None}
+    if len(set(lengths.values())) != 1:
+        raise DataError(f"The arrays in '{path}' have different numbers of examples: "
+                        + ", ".join(f"{k} {n}" for k, n in lengths.items()) + ".",
+                        hint="give every array the same first dimension (one row per example).")
+    task = _task_of(labels, target, path.name)
+    if task == "causal_lm" and labels is None and "input_ids" in tensors:
+        labels = _lm_labels(tensors["input_ids"], tensors.get("attention_mask"))
+    return Dataset(path.name, task, _batched(tensors, labels, batch_size))
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    if array.dtype.kind in "iub":
+        return torch.from_numpy(array.astype(np.int64))
+    if array.dtype.kind == "f":
+        return torch.from_numpy(array.astype(np.float32))
+    raise ValueError(f"array of dtype {array.dtype} is neither numbers nor booleans")
+
+
+def _task_of(labels: torch.Tensor | None, target: _Target, name: str) -> str:
+    """Task from the labels' shape ((B,): classification, (B, T): causal LM), else from the model's head."""
+    if labels is None:
+        return target.task or "classification"
+    if labels.ndim in (1, 2):
+        return "classification" if labels.ndim == 1 else "causal_lm"
+    raise DataError(f"Labels in '{name}' have shape {tuple(labels.shape)}.",
+                    hint="use (examples,) class ids or (examples, tokens) token ids.")
+
+
+def _lm_labels(input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return input_ids.clone() if mask is None else input_ids.masked_fill(mask == 0, IGNORE)
+
+
+def _load_factory(spec: str, target: _Target) -> Dataset:
+    from .io import _FactoryImportError, _resolve_factory
+
+    module_part, _, attr = spec.rpartition(":")
+    try:
+        made = _resolve_factory(module_part, attr)()
+    except _FactoryImportError as exc:
+        raise DataError(f"Cannot load data from '{spec}': it is not a shipped dataset name or a data file, and not "
+                        f"an importable factory ({exc}).", hint=_FORMS_HINT) from exc
+    except Exception as exc:
+        raise DataError(f"The data factory '{spec}' raised {type(exc).__name__}: {exc}",
+                        hint="the function must return the data when called with no arguments.") from exc
+    if isinstance(made, Dataset):
+        return made
+    if not isinstance(made, Iterable) or isinstance(made, (str, bytes, dict)):
+        raise DataError(f"The data factory '{spec}' returned a {type(made).__name__}.",
+                        hint="return a symgraph.datasets.Dataset, or an iterable of Batch or (inputs, labels).")
+    batches = tuple(_as_batch(item, spec) for item in made)
+    task = _task_of(batches[0].labels if batches else None, target, spec)
+    if task == "causal_lm":
+        batches = tuple(b if b.labels is not None or "input_ids" not in b.inputs
+                        else Batch(b.inputs, _lm_labels(b.inputs["input_ids"], b.inputs.get("attention_mask")))
+                        for b in batches)
+    return Dataset(spec, task, batches)
+
+
+def _as_batch(item: Any, spec: str) -> Batch:
+    if isinstance(item, Batch):
+        return item
+    if isinstance(item, dict):
+        item = (item, None)
+    if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], dict) and \
+            all(isinstance(v, torch.Tensor) for v in item[0].values()) and \
+            (item[1] is None or isinstance(item[1], torch.Tensor)):
+        return Batch(dict(item[0]), item[1])
+    raise DataError(f"The data factory '{spec}' gave a {type(item).__name__} where a batch was expected.",
+                    hint="yield Batch(inputs, labels) or (inputs_dict, labels) pairs of tensors.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward and losses
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = {k: v.to(device) for k, v in batch.inputs.items()}
+    extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
+    return logits_of(model(**inputs, **extra))
+
+
+def _loss_sum(logits: torch.Tensor, batch: Batch, task: str) -> tuple[torch.Tensor, int, int]:
+    """Summed cross-entropy, the number of terms, and how many of them the top logit predicts correctly."""
+    if task == "causal_lm":
+        labels = batch.labels if batch.labels is not None else _lm_labels(
+            batch.inputs["input_ids"], batch.inputs.get("attention_mask"))
+        logits, labels = logits[:, :-1], labels[:, 1:].to(logits.device)
+    else:
+        labels = batch.labels.to(logits.device) if batch.labels is not None else logits.argmax(-1).detach()
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    total = F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE, reduction="sum")
+    counted = flat_labels != IGNORE
+    right = int((flat_logits.argmax(-1) == flat_labels)[counted].sum())
+    return total, int(counted.sum()), right
+
+
+def _read_vocab(file: Path) -> dict[str, int]:
+    try:
+        vocab = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"Cannot read the character vocabulary '{file}': {exc}.",
+                        hint="regenerate the model folder with examples/train_models.py.") from exc
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise DataError(f"'{file}' is not a {{token: id}} vocabulary.",
+                        hint="regenerate the model folder with examples/train_models.py.")
+    return vocab

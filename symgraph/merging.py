@@ -1,0 +1,506 @@
+"""Merge models of one architecture: align them into one frame, then average them, simply or weighted by data.
+
+Methods
+-------
+``simple``
+    The weighted average ``sum_i w_i theta_i`` (weights normalised to sum to 1).
+``fisher``
+    Per parameter, ``sum_i w_i F_i theta_i / sum_i w_i F_i`` with ``F_i`` the diagonal empirical Fisher of model
+    ``i`` (squared batch-loss gradients averaged over batches). A floor of ``1e-6`` times the mean Fisher is added
+    to every ``F_i``, so coordinates no data reaches fall back to the weighted average.
+``regmean``
+    Per linear layer (``nn.Linear``, and Hugging Face ``Conv1D`` whose weight is stored transposed), the weight
+    that best reproduces every model's outputs on its own inputs:
+    ``W = (sum_i w_i G_i)^-1 sum_i w_i G_i W_i`` with ``G_i`` the Gram matrix of the layer's inputs (the bias is
+    part of the regression through an input column of ones). Off-diagonal Gram entries are scaled by ``alpha``
+    (RegMean's shrinkage; ``alpha = 0`` weights each input feature by its energy alone). The system is solved by
+    Cholesky; when it is singular or badly conditioned a small ridge is added, pulling the directions no data
+    reaches towards the weighted average rather than towards zero. Every other parameter is averaged simply.
+
+Statistics are always taken on the *aligned* models (see :mod:`symgraph.consensus` for how models are aligned
+into one frame without depending on the argument order). Heads that cannot be merged (classifiers of different
+tasks) can be copied from one model with ``head_from``.
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .api import Subject, load, tie_aliases
+from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
+from .errors import DataError, MismatchError, SymgraphError
+from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
+
+__all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters"]
+
+METHODS = ("simple", "fisher", "regmean")
+_log = logging.getLogger(__name__)
+FISHER_FLOOR = 1e-6  # relative to the mean Fisher value
+_CONDITION_LIMIT = 1e-12  # smallest accepted (min/max) ratio of the Cholesky factor's diagonal, squared
+_RIDGES = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1.0)  # relative to the mean diagonal of the system
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class MergeResult:
+    """A merged state dict (in the models' dtype) and how it came about.
+
+    ``distances`` are each model's relative L2 distance to the consensus (the weighted mean of the aligned
+    models) and ``distances_before`` the same before alignment; ``simple_averaged`` lists parameters the method had no
+    statistics for (non-linear parameters for RegMean; buffers), which were averaged simply.
+    """
+
+    state: State
+    method: str
+    align: str
+    models: tuple[str, ...]
+    weights: tuple[float, ...]
+    consensus: Consensus = field(repr=False)
+    head_from: int | None = None
+    head: tuple[str, ...] = ()
+    simple_averaged: tuple[str, ...] = ()
+    data: tuple[str, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+    config: Any = field(default=None, repr=False)
+    like: Path | None = None
+
+    @property
+    def distances(self) -> list[float]:
+        return self.consensus.distances
+
+    @property
+    def distances_before(self) -> list[float]:
+        return self.consensus.distances_before
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "align": self.align, "models": list(self.models),
+                "weights": list(self.weights), "data": list(self.data), "head_from": self.head_from,
+                "head": list(self.head), "simple_averaged": len(self.simple_averaged),
+                "consensus": self.consensus.to_json(), "timings_s": self.timings}
+
+    def save(self, path, *, overwrite: bool = False) -> Path:
+        """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
+        else from the reference model, whose frame the merge lives in), atomically: see
+        :func:`symgraph.io.save_model`."""
+        from .io import save_model
+
+        return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite)
+
+
+def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
+          weights: Sequence[float] | None = None, head_from: int | None = None,
+          head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
+          limit: int | None = None, split: str = "train", progress: bool = True) -> MergeResult:
+    """Merge two or more models of one architecture.
+
+    Parameters
+    ----------
+    models
+        Anything :func:`symgraph.load` accepts (Hugging Face folders, ``module:factory`` strings, Subjects).
+    method
+        ``"simple"``, ``"fisher"`` or ``"regmean"`` (see the module docstring).
+    align
+        ``"full"``, ``"paper"``, ``"permutation"`` or ``"none"``: the groups used to bring the models into one
+        frame before merging.
+    data
+        Fisher and RegMean statistics data: a data SPEC or :class:`symgraph.datasets.Dataset`, or a sequence
+        with one per model (each model's statistics on its own data).
+    weights
+        One non-negative weight per model (normalised to sum to 1); it scales each model's statistics.
+    head_from
+        Index (0-based) of the model whose head is copied instead of merged. The head is everything outside
+        the Hugging Face ``base_model_prefix`` submodule, or the parameters matching ``head``.
+    head
+        fnmatch patterns over parameter names (``"classifier.*"``) naming the head; needed for plain modules.
+    alpha
+        RegMean's scale for off-diagonal Gram entries, in [0, 1].
+    rounds
+        Most consensus rounds after the first alignment pass (three or more models).
+    batch_size, limit, split
+        How a data SPEC is loaded (see :func:`symgraph.datasets.load_data`).
+    progress
+        Show progress bars (only ever on a terminal).
+
+    Examples
+    --------
+    >>> import copy, symgraph
+    >>> from symgraph import zoo
+    >>> model = zoo.build("bert", seed=0)
+    >>> twin = copy.deepcopy(model)
+    >>> _ = twin.load_state_dict(symgraph.transform(symgraph.load(model), seed=1))  # same function
+    >>> result = merge([model, twin], method="simple", align="full", progress=False)
+    >>> max(result.distances) < 1e-6
+    True
+    """
+    _check_options(len(models), method, align, data, alpha, rounds, head_from, head)
+    w = normalized_weights(weights, len(models))
+    clock = _Clock()
+    subjects = [load(m) for m in models]
+    exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
+    datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
+    check_compatible(subjects, exclude, groups=align != "none")  # after the data: capturing takes longer
+    clock.lap("load")
+    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress)
+    clock.lap("align")
+    names = shared_float_names(consensus.states[0], exclude)
+    merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha, progress)
+    clock.lap("statistics_and_combine")
+    source = subjects[head_from if head_from is not None else consensus.reference]
+    state = _finished_state(merged, subjects, consensus, head_from, exclude)
+    return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
+                       head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
+                       clock.laps(), source.config, source.path)
+
+
+# -- methods ---------------------------------------------------------------------------------------------------------
+def fisher_average(states: Sequence[State], fishers: Sequence[State], weights: Sequence[float],
+                   names: Sequence[str], floor: float = FISHER_FLOOR) -> State:
+    """``sum_i w_i (F_i + eps) theta_i / sum_i w_i (F_i + eps)`` per entry, ``eps = floor * mean(w-weighted F)``.
+
+    Examples
+    --------
+    >>> a, b = {"x": torch.tensor([1.0, 1.0])}, {"x": torch.tensor([3.0, 3.0])}
+    >>> fa, fb = {"x": torch.tensor([1.0, 0.0])}, {"x": torch.tensor([3.0, 0.0])}
+    >>> fisher_average([a, b], [fa, fb], [0.5, 0.5], ["x"])
+    {'x': tensor([2.5000, 2.0000], dtype=torch.float64)}
+    """
+    w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+    fisher = {k: sum(float(wi) * f[k].to(torch.float64) for wi, f in zip(w, fishers)) for k in names}
+    count = sum(fisher[k].numel() for k in names)
+    eps = floor * float(sum(f.sum() for f in fisher.values())) / max(count, 1)
+    eps = eps if eps > 0 else 1.0  # no data reached any parameter: the plain weighted average
+    out = {}
+    for k in names:
+        num = sum(float(wi) * (f[k].to(torch.float64) + eps) * s[k].to(torch.float64)
+                  for wi, f, s in zip(w, fishers, states))
+        out[k] = num / (fisher[k] + eps)
+    return out
+
+
+def regmean_solution(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor], scales: Sequence[float],
+                     alpha: float = 0.9) -> torch.Tensor:
+    """The RegMean weight ``(sum_i s_i G~_i)^-1 sum_i s_i G~_i W_i^T`` (returned as ``(out, in)``, float64).
+
+    ``weights[i]`` is ``(out, in)``, ``grams[i]`` the ``(in, in)`` Gram matrix of model ``i``'s inputs to the
+    layer, and ``G~`` keeps the diagonal of ``G`` and scales the rest by ``alpha``.
+
+    Examples
+    --------
+    >>> w1, w2 = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    >>> g1, g2 = torch.diag(torch.tensor([1.0, 0.0])), torch.diag(torch.tensor([0.0, 1.0]))
+    >>> regmean_solution([w1, w2], [g1, g2], [0.5, 0.5]).round(decimals=6)  # each trusted where it saw data
+    tensor([[1., 1.]], dtype=torch.float64)
+    """
+    sums = _RegMeanSums()
+    for w, g, s in zip(weights, grams, scales):
+        sums.add(w, g, float(s), alpha)
+    return sums.solve()
+
+
+class _RegMeanSums:
+    """Running ``A = sum s_i G~_i``, ``B = sum s_i G~_i W_i^T`` and the weighted average ``W`` (the ridge prior)."""
+
+    def __init__(self):
+        self.a = self.b = self.prior = 0
+        self.total = 0.0
+
+    def add(self, weight: torch.Tensor, gram: torch.Tensor, scale: float, alpha: float) -> None:
+        w = weight.to(torch.float64)
+        g = gram.to(torch.float64)
+        shrunk = alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g))
+        self.a = self.a + scale * shrunk
+        self.b = self.b + scale * shrunk @ w.T
+        self.prior = self.prior + scale * w
+        self.total += scale
+
+    def solve(self) -> torch.Tensor:
+        prior = self.prior / self.total
+        return _solve_towards(self.a, self.b, prior.T).T
+
+
+def _solve_towards(a: torch.Tensor, b: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """Solve ``a x = b`` for symmetric PSD ``a``; if it is singular or ill-conditioned, solve
+    ``(a + r I) x = b + r prior`` with the smallest relative ridge ``r`` that is well-conditioned."""
+    scale = float(torch.diagonal(a).mean()) if a.numel() else 0.0
+    if not scale > 0:
+        return prior.clone()
+    eye = torch.eye(a.shape[0], dtype=a.dtype)
+    for ridge in _RIDGES:
+        r = ridge * scale
+        factor, info = torch.linalg.cholesky_ex(a + r * eye)
+        diag = torch.diagonal(factor)
+        if int(info) == 0 and float((diag.min() / diag.max()) ** 2) > _CONDITION_LIMIT:
+            return torch.cholesky_solve(b + r * prior, factor)
+    return prior.clone()  # unreachable for finite input: ridge 1.0 makes any PSD matrix well-conditioned
+
+
+def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progress) -> tuple[State, tuple]:
+    """Merged float64 tensors for ``names``, and the names the method had no statistics for."""
+    merged = weighted_mean(states, w, names)
+    if method == "simple":
+        return merged, ()
+    models = [_model_with(s, state) for s, state in zip(subjects, states)]
+    labels = [f"model {i + 1}" for i in range(len(models))]
+    if method == "fisher":
+        fishers = [fisher_diagonal(m, d, progress=progress, label=lab)
+                   for m, d, lab in zip(models, datasets, labels)]
+        merged.update(fisher_average(states, fishers, w, names))
+        return merged, tuple(k for k in names if k not in fishers[0])
+    layers = _regmean_layers(subjects[0].model, exclude)
+    solved = _regmean_merge(states, layers, w, alpha,
+                            lambda i: input_grams(models[i], datasets[i], layers=layers, progress=progress,
+                                                  label=labels[i]))
+    unseen = sorted(name for name, layer in layers.items() if layer.weight not in solved)
+    if unseen:
+        _log.warning("RegMean: %d linear layer(s) never ran as modules on the data (e.g. %s) and were averaged "
+                     "simply.", len(unseen), unseen[0] or "the model itself")
+    merged.update(solved)
+    return merged, tuple(k for k in names if k not in solved)
+
+
+def _regmean_merge(states, layers: dict[str, LinearLayer], w, alpha,
+                   grams_of: Callable[[int], dict[str, torch.Tensor]]) -> State:
+    """RegMean for every layer that saw data in every model; Gram matrices are folded in one model at a time."""
+    sums = {name: _RegMeanSums() for name in layers}
+    for i, state in enumerate(states):
+        grams = grams_of(i)
+        sums = {name: acc for name, acc in sums.items() if name in grams}  # never called: simple average
+        for name, acc in sums.items():
+            acc.add(_augmented(state, layers[name]), grams[name], float(w[i]), alpha)
+    out = {}
+    for name, acc in sums.items():
+        out.update(_split_augmented(acc.solve(), layers[name]))
+    return out
+
+
+def _regmean_layers(model: torch.nn.Module, exclude: frozenset[str]) -> dict[str, LinearLayer]:
+    """Linear layers RegMean may replace: not in the copied head, and no weight shared with another name."""
+    from .verify import _aliases
+
+    tied = {n for names in _aliases(model) for n in names}
+    return {name: layer for name, layer in linear_layers(model).items()
+            if not (set(layer.params) & (exclude | tied))}
+
+
+def _augmented(state: State, layer: LinearLayer) -> torch.Tensor:
+    """The layer's ``[W | b]`` as ``(out, in [+ 1])``."""
+    weight = state[layer.weight].to(torch.float64)
+    weight = weight.T if layer.transposed else weight
+    if layer.bias is None:
+        return weight
+    return torch.cat([weight, state[layer.bias].to(torch.float64)[:, None]], 1)
+
+
+def _split_augmented(merged: torch.Tensor, layer: LinearLayer) -> State:
+    weight = merged[:, :-1] if layer.bias is not None else merged
+    out = {layer.weight: weight.T.contiguous() if layer.transposed else weight.contiguous()}
+    if layer.bias is not None:
+        out[layer.bias] = merged[:, -1].contiguous()
+    return out
+
+
+# -- validation ----------------------------------------------------------------------------------------------------
+def normalized_weights(weights: Sequence[float] | None, count: int) -> np.ndarray:
+    """Weights that sum to 1 (equal when ``weights`` is None); refuse a wrong count, negatives, a zero sum.
+
+    Examples
+    --------
+    >>> normalized_weights([1, 3], 2).tolist()
+    [0.25, 0.75]
+    """
+    if weights is None:
+        return np.full(count, 1.0 / count)
+    w = np.asarray(list(weights), dtype=np.float64)
+    if w.shape != (count,):
+        raise SymgraphError(f"Got {w.size} weights for {count} models.", hint="give one weight per model.")
+    if not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+        raise SymgraphError(f"Weights {w.tolist()} must be finite, non-negative, and sum to a positive number.",
+                            hint="e.g. --weights 0.7,0.3 (they are normalised to sum to 1).")
+    return w / w.sum()
+
+
+def head_parameters(subject: Subject, patterns: Sequence[str] | None = None) -> frozenset[str]:
+    """The head's parameter names: those matching ``patterns``, or else everything outside the Hugging Face
+    ``base_model_prefix`` submodule. Names tied to a head parameter (a tied LM head's embedding) belong to it.
+
+    Examples
+    --------
+    >>> import symgraph
+    >>> from symgraph import zoo
+    >>> sorted(head_parameters(symgraph.load(zoo.build("bert"))))
+    ['classifier.bias', 'classifier.weight']
+    """
+    names = list(subject.state_dict())
+    if patterns:
+        chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        if not chosen:
+            raise MismatchError(f"No parameter of {subject.name} matches the head pattern(s) {list(patterns)}.",
+                                hint=f"patterns are fnmatch globs over names such as {names[-1]!r}.")
+    else:
+        prefix = getattr(subject.model, "base_model_prefix", "")
+        if not prefix or not isinstance(getattr(subject.model, prefix, None), torch.nn.Module):
+            raise MismatchError(f"Cannot tell which parameters of {subject.name} form its head: it is not a Hugging "
+                                f"Face model with a base model inside.",
+                                hint="name the head with --head PATTERN (fnmatch, e.g. 'fc_out.*').")
+        chosen = {n for n in names if not n.startswith(prefix + ".")}
+        if not chosen:
+            raise MismatchError(f"{subject.name} has no head outside its base model '{prefix}'.",
+                                hint="leave out --head-from, or name the head with --head PATTERN.")
+    return frozenset(_with_aliases(subject.model, chosen))
+
+
+def check_compatible(subjects: Sequence[Subject], exclude: frozenset[str], *, groups: bool) -> None:
+    """Refuse models that differ in class, parameter names, shapes outside ``exclude``, configuration, finiteness,
+    or (with ``groups``) symmetry groups outside ``exclude``: raise :class:`~symgraph.errors.MismatchError`."""
+    from .alignment import check_same_config
+
+    first = subjects[0]
+    for position, other in enumerate(subjects[1:], start=2):
+        where = f"model 1 ({first.name}) and model {position} ({other.name})"
+        _check_same_parameters(first, other, exclude, where)
+        check_same_config(first.config, other.config)  # label names may differ: they are cosmetic
+        if groups and _group_keys(first, exclude) != _group_keys(other, exclude):
+            raise MismatchError(f"{where.capitalize()} have different symmetry groups.",
+                                hint="compare `symgraph report` of both; merge models of one architecture.")
+    for position, subject in enumerate(subjects, start=1):
+        bad = [k for k, v in subject.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise MismatchError(f"Model {position} ({subject.name}) has NaN or Inf values in {bad[0]} "
+                                f"({len(bad)} tensors).", hint="merging needs finite weights; check the checkpoint.")
+
+
+def _check_same_parameters(first: Subject, other: Subject, exclude: frozenset[str], where: str) -> None:
+    if type(first.model) is not type(other.model):
+        raise MismatchError(f"{where.capitalize()} are different model classes ({type(first.model).__name__} vs "
+                            f"{type(other.model).__name__}).", hint="merge models of one architecture.")
+    a, b = first.state_dict(), other.state_dict()
+    if set(a) != set(b):
+        only_a, only_b = sorted(set(a) - set(b))[:3], sorted(set(b) - set(a))[:3]
+        raise MismatchError(f"{where.capitalize()} have different parameters (only in the first: {only_a}; only in "
+                            f"the second: {only_b}).", hint="merge models of one architecture and configuration.")
+    differ = [k for k in a if k not in exclude and a[k].shape != b[k].shape]
+    if differ:
+        k = differ[0]
+        hint = ("the heads differ (different numbers of labels?): copy one with --head-from I"
+                if not exclude and _outside_base(first.model, differ) else
+                "both models must use the same configuration sizes.")
+        raise MismatchError(f"{where.capitalize()} differ in shape: {k} is {tuple(a[k].shape)} vs "
+                            f"{tuple(b[k].shape)} ({len(differ)} parameters differ).", hint=hint)
+
+
+def _outside_base(model: torch.nn.Module, names: Sequence[str]) -> bool:
+    prefix = getattr(model, "base_model_prefix", "")
+    return bool(prefix) and not any(n.startswith(prefix + ".") for n in names)
+
+
+def _group_keys(subject: Subject, exclude: frozenset[str]) -> list:
+    keys = []
+    for g in subject.report.groups:
+        data = g.to_json()
+        data["members"] = [m for m in data["members"] if m["param"] not in exclude]
+        keys.append(data)
+    return keys
+
+
+def _check_options(count, method, align, data, alpha, rounds, head_from, head) -> None:
+    if count < 2:
+        raise SymgraphError(f"Merging needs at least two models, got {count}.", hint="pass two or more models.")
+    if method not in METHODS:
+        raise SymgraphError(f"Unknown merge method {method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
+    if align not in ALIGN_MODES:
+        raise SymgraphError(f"Unknown alignment {align!r}.", hint=f"choose one of {', '.join(ALIGN_MODES)}.")
+    if method != "simple" and data is None:
+        raise DataError(f"The {method} merge estimates statistics on data, and none was given.",
+                        hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt), or use --method simple.")
+    if not 0.0 <= alpha <= 1.0:
+        raise SymgraphError(f"alpha must lie in [0, 1], got {alpha}.", hint="RegMean's default is 0.9.")
+    if rounds < 0:
+        raise SymgraphError(f"rounds must be >= 0, got {rounds}.")
+    if head_from is not None and not 0 <= head_from < count:
+        raise SymgraphError(f"head_from={head_from} names no model (there are {count}).",
+                            hint=f"on the command line --head-from counts from 1 to {count}.")
+    if head and head_from is None:
+        raise SymgraphError("A head pattern was given without saying which model the head comes from.",
+                            hint="add --head-from I (the model whose head is copied).")
+
+
+# -- data and states ------------------------------------------------------------------------------------------------
+def _datasets_for(data, subjects, batch_size, limit, split) -> list:
+    """One dataset per model: a single SPEC or Dataset serves every model; a sequence gives each its own."""
+    from .datasets import load_data
+
+    specs = list(data) if isinstance(data, (list, tuple)) else [data] * len(subjects)
+    if len(specs) != len(subjects):
+        raise DataError(f"Got {len(specs)} data specs for {len(subjects)} models.",
+                        hint="give one --data for all models, or one per model in the models' order.")
+    return [load_data(spec, model=s, batch_size=batch_size, limit=limit, split=split)
+            for spec, s in zip(specs, subjects)]
+
+
+def _model_with(subject: Subject, state: State) -> torch.nn.Module:
+    """A private copy of the subject's model holding ``state``, in at least float32 (statistics need the range)."""
+    model = copy.deepcopy(subject.model)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    model.to(dtype).load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
+    return model
+
+
+def _finished_state(merged: State, subjects, consensus: Consensus, head_from, exclude) -> State:
+    """Merged body, head copied from ``head_from``'s aligned state, non-float entries from the reference; every
+    tensor in the widest dtype the models store it in."""
+    reference = consensus.states[consensus.reference]
+    head_state = consensus.states[head_from] if head_from is not None else reference
+    originals = [s.state_dict() for s in subjects]
+    out = {}
+    for k, v in reference.items():
+        if k in exclude:
+            out[k] = head_state[k].to(originals[head_from][k].dtype)
+        elif k in merged:
+            out[k] = merged[k].to(_widest(o[k].dtype for o in originals))
+        else:
+            out[k] = v
+    owner = subjects[head_from if head_from is not None else consensus.reference]
+    return tie_aliases(owner.model, out)
+
+
+def _widest(dtypes) -> torch.dtype:
+    result = None
+    for d in dtypes:
+        result = d if result is None else torch.promote_types(result, d)
+    return result
+
+
+def _with_aliases(model: torch.nn.Module, names: set[str]) -> set[str]:
+    from .verify import _aliases
+
+    out = set(names)
+    for group in _aliases(model):
+        if out & set(group):
+            out |= set(group)
+    return out
+
+
+class _Clock:
+    """Wall-clock laps, in seconds, for a result's ``timings``."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = now - self.last
+        self.last = now
+
+    def laps(self) -> dict[str, float]:
+        return {**self.times, "total": time.perf_counter() - self.start}

@@ -1,0 +1,321 @@
+"""symgraph.datasets: every spec form loads, bad input raises DataError with a useful message, losses are right."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from symgraph.datasets import (CORPUS_FILE, DATASETS, TOPIC_CLASSES, Batch, Dataset, batch_loss,
+                               char_vocabulary, corpus_lines, evaluate, load_data, logits_of)
+from symgraph.errors import DataError, SymgraphError
+
+MODELS = Path(__file__).resolve().parent.parent / "symgraph" / "data" / "models"
+
+
+class Linear(torch.nn.Module):
+    """A classifier over flattened pixels or summed token embeddings, small enough to check losses by hand."""
+
+    def __init__(self, classes: int = 10, vocab: int = 0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, 8) if vocab else None
+        self.head = torch.nn.Linear(8 if vocab else 64, classes)
+
+    def forward(self, pixel_values=None, input_ids=None, attention_mask=None):
+        if self.embed is not None:
+            return self.head(self.embed(input_ids))  # per-token logits: a causal LM of sorts
+        return (self.head(pixel_values.flatten(1)),)
+
+
+# ---- shipped names ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, task, test_size, train_size", [
+    ("digits", "classification", 360, 1437),
+    ("pydoc-chars", "causal_lm", None, None),
+    ("pydoc-topics", "classification", None, None),
+])
+def test_shipped_names_load_both_splits(name, task, test_size, train_size):
+    test, train = load_data(name), load_data(f"{name}:train")
+    assert test.task == train.task == task
+    assert test.name == f"{name}:test" and train.name == f"{name}:train"
+    assert load_data(name, split="train").name == train.name
+    assert 0.1 < len(test) / (len(test) + len(train)) < 0.3  # a fifth is held out
+    if test_size is not None:
+        assert (len(test), len(train)) == (test_size, train_size)
+
+
+def test_digits_splits_are_disjoint_and_scaled():
+    test = load_data("digits", batch_size=1000).batches[0].inputs["pixel_values"]
+    train = load_data("digits:train", batch_size=2000).batches[0].inputs["pixel_values"]
+    assert test.shape == (360, 1, 8, 8) and float(test.min()) == -1.0 and float(test.max()) == 1.0
+    flat_train = {tuple(x.flatten().tolist()) for x in train}
+    assert sum(tuple(x.flatten().tolist()) in flat_train for x in test) < 10  # a few duplicate images exist
+
+
+def test_corpus_is_shipped_small_and_labelled():
+    assert CORPUS_FILE.stat().st_size <= 300_000
+    test, train = corpus_lines("test"), corpus_lines("train")
+    assert {label for label, _ in test} == set(TOPIC_CLASSES)
+    assert not {line for _, line in test} & {line for _, line in train}  # no line in both splits
+    assert all(set(line) <= set(char_vocabulary()) for _, line in train + test)
+
+
+def test_topic_lines_are_labelled_in_order():
+    lines = corpus_lines("test")
+    data = load_data("pydoc-topics", batch_size=1000)
+    assert len(data) == len(lines)
+    assert data.batches[0].labels.tolist() == [TOPIC_CLASSES.index(label) for label, _ in lines]
+    first = data.batches[0].inputs["input_ids"][0]
+    assert first[0] == char_vocabulary()["<cls>"] and int(first.ne(0).sum()) == len(lines[0][1]) + 1
+
+
+def test_char_windows_are_labelled_with_their_inputs():
+    data = load_data("pydoc-chars", batch_size=8, limit=20)
+    assert len(data) == 20 and [b.size for b in data.batches] == [8, 8, 4]
+    batch = data.batches[0]
+    assert batch.inputs["input_ids"].shape == (8, 128) and torch.equal(batch.labels, batch.inputs["input_ids"])
+
+
+def test_loading_is_deterministic():
+    a, b = load_data("pydoc-topics", limit=50), load_data("pydoc-topics", limit=50)
+    assert all(torch.equal(x.inputs["input_ids"], y.inputs["input_ids"]) and torch.equal(x.labels, y.labels)
+               for x, y in zip(a.batches, b.batches))
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("cifar10", ["Unknown dataset 'cifar10'", "digits", "pydoc-chars", "pydoc-topics"]),
+    ("digits:validation", ["no split 'validation'", "digits:train"]),
+    ("missing.txt", ["does not exist"]),
+    ("missing.npz", ["does not exist"]),
+    ("no_such_module_xyz:make", ["not an importable factory", "no_such_module_xyz"]),
+])
+def test_bad_specs_raise_data_error_with_hints(spec, expected):
+    with pytest.raises(DataError) as info:
+        load_data(spec)
+    assert isinstance(info.value, SymgraphError) and info.value.hint
+    for text in expected:
+        assert text in str(info.value)
+
+
+def test_unsupported_file_type_is_named(tmp_path):
+    file = tmp_path / "data.csv"
+    file.write_text("1,2\n")
+    with pytest.raises(DataError, match="only .txt and .npz"):
+        load_data(str(file))
+
+
+# ---- text files ------------------------------------------------------------------------------------------------
+
+
+def test_txt_is_tokenised_with_the_shipped_char_vocabulary(tmp_path):
+    file = tmp_path / "lines.txt"
+    file.write_text("def f(x):\n\nreturn x + 1\n")
+    data = load_data(file, model=MODELS / "llama-chars-a")
+    vocab = json.loads((MODELS / "llama-chars-a" / "vocab.json").read_text())
+    assert data.task == "causal_lm" and len(data) == 2  # the blank line is skipped
+    batch = data.batches[0]
+    assert batch.inputs["input_ids"][0].tolist() == [vocab[c] for c in "def f(x):"]
+    assert batch.inputs["attention_mask"].sum(1).tolist() == [9, 12]
+    assert batch.labels[0, 9:].tolist() == [-100] * 3  # padding is not predicted
+
+
+def test_labelled_txt_for_a_char_classifier(tmp_path):
+    file = tmp_path / "lines.txt"
+    file.write_text("expressions\tx + y\n0\tif x:\n")
+    data = load_data(str(file), model=MODELS / "bert-topics-a")
+    assert data.task == "classification" and data.batches[0].labels.tolist() == [1, 0]
+    assert data.batches[0].inputs["input_ids"][:, 0].tolist() == [char_vocabulary()["<cls>"]] * 2
+
+
+def test_txt_with_a_hugging_face_tokenizer(tmp_path):
+    from transformers import BertConfig, BertTokenizer
+
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    folder = tmp_path / "model"
+    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(str(folder))
+    BertConfig(vocab_size=7, hidden_size=8, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1,
+               architectures=["BertForSequenceClassification"]).save_pretrained(str(folder))
+    file = tmp_path / "lines.txt"
+    file.write_text("hello world\nworld\n")
+    data = load_data(file, model=folder)
+    assert data.task == "classification" and data.batches[0].labels is None
+    assert data.batches[0].inputs["input_ids"].tolist() == [[2, 5, 6, 3], [2, 6, 3, 0]]
+
+
+def test_txt_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(DataError, match="no non-empty lines"):
+        load_data(empty, model=MODELS / "llama-chars-a")
+    text = tmp_path / "lines.txt"
+    text.write_text("hello\n")
+    with pytest.raises(DataError, match="needs the model's tokenizer"):
+        load_data(text)
+    with pytest.raises(DataError, match="has no config.json"):
+        load_data(text, model=tmp_path / "nowhere")
+    text.write_text("sports\thello\n")
+    with pytest.raises(DataError, match="'sports' is neither a class id nor one of the model's labels"):
+        load_data(text, model=MODELS / "bert-topics-a")
+    text.write_text("7\thello\n")
+    with pytest.raises(DataError, match="class id 7, but the model has 4 classes"):
+        load_data(text, model=MODELS / "bert-topics-a")
+
+
+# ---- arrays ----------------------------------------------------------------------------------------------------
+
+
+def test_npz_classification_and_causal_lm(tmp_path):
+    np.savez(tmp_path / "cls.npz", pixel_values=np.zeros((5, 1, 8, 8), np.float32), labels=np.arange(5))
+    cls = load_data(tmp_path / "cls.npz", batch_size=2)
+    assert cls.task == "classification" and [b.size for b in cls.batches] == [2, 2, 1]
+    assert cls.batches[0].inputs["pixel_values"].dtype == torch.float32
+    ids = np.arange(12).reshape(3, 4) % 5
+    np.savez(tmp_path / "lm.npz", input_ids=ids, labels=ids)
+    lm = load_data(str(tmp_path / "lm.npz"))
+    assert lm.task == "causal_lm" and lm.batches[0].labels.dtype == torch.int64 and len(lm) == 3
+
+
+def test_npz_without_labels_takes_the_models_task(tmp_path):
+    mask = np.ones((2, 4), np.int64)
+    mask[1, 2:] = 0
+    np.savez(tmp_path / "lm.npz", input_ids=np.full((2, 4), 5), attention_mask=mask)
+    data = load_data(tmp_path / "lm.npz", model=MODELS / "llama-chars-a")
+    assert data.task == "causal_lm" and data.batches[0].labels[1].tolist() == [5, 5, -100, -100]
+
+
+def test_npz_errors(tmp_path):
+    np.savez(tmp_path / "ragged.npz", input_ids=np.zeros((3, 4), np.int64), labels=np.zeros(2, np.int64))
+    with pytest.raises(DataError, match="different numbers of examples: input_ids 3, labels 2"):
+        load_data(tmp_path / "ragged.npz")
+    np.savez(tmp_path / "big.npz", input_ids=np.full((2, 4), 500), labels=np.full((2, 4), 500))
+    with pytest.raises(DataError, match="input token id 500, but the model's vocabulary has 99 tokens"):
+        load_data(tmp_path / "big.npz", model=MODELS / "llama-chars-a")
+    np.savez(tmp_path / "classes.npz", pixel_values=np.zeros((2, 1, 8, 8), np.float32), labels=np.array([3, 12]))
+    with pytest.raises(DataError, match="class id 12, but the model has 10 classes"):
+        load_data(tmp_path / "classes.npz", model=MODELS / "vit-digits-a")
+    np.savez(tmp_path / "negative.npz", pixel_values=np.zeros((2, 1, 8, 8), np.float32), labels=np.array([-1, 0]))
+    with pytest.raises(DataError, match="negative label -1"):
+        load_data(tmp_path / "negative.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="Cannot read"):
+        load_data(tmp_path / "junk.npz")
+
+
+def test_images_of_the_wrong_shape_are_refused(tmp_path):
+    np.savez(tmp_path / "rgb.npz", pixel_values=np.zeros((2, 3, 8, 8), np.float32), labels=np.array([0, 1]))
+    with pytest.raises(DataError, match=r"images of shape \(3, 8, 8\), but the model takes \(1, 8, 8\)"):
+        load_data(tmp_path / "rgb.npz", model=MODELS / "vit-digits-a")
+
+
+# ---- factories -------------------------------------------------------------------------------------------------
+
+
+FACTORY = '''
+import torch
+from symgraph.datasets import Batch, Dataset
+
+def pairs():
+    for i in range(3):
+        yield {"pixel_values": torch.zeros(2, 1, 8, 8)}, torch.tensor([i, i])
+
+def tokens():
+    return [{"input_ids": torch.ones(2, 5, dtype=torch.long)}]
+
+def dataset():
+    return Dataset("mine", "classification", (Batch({"x": torch.zeros(4, 2)}, torch.zeros(4, dtype=torch.long)),))
+
+def broken():
+    raise RuntimeError("no data today")
+
+def wrong():
+    return 42
+'''
+
+
+def test_factories(tmp_path):
+    file = tmp_path / "make_data.py"
+    file.write_text(FACTORY)
+    pairs = load_data(f"{file}:pairs", model=MODELS / "vit-digits-a")
+    assert pairs.task == "classification" and len(pairs) == 6 and pairs.batches[2].labels.tolist() == [2, 2]
+    tokens = load_data(f"{file}:tokens", model=MODELS / "llama-chars-a")
+    assert tokens.task == "causal_lm" and tokens.batches[0].labels.tolist() == [[1] * 5] * 2
+    mine = load_data(f"{file}:dataset", limit=3)
+    assert mine.name == "mine" and len(mine) == 3
+    with pytest.raises(DataError, match="raised RuntimeError: no data today"):
+        load_data(f"{file}:broken")
+    with pytest.raises(DataError, match="returned a int"):
+        load_data(f"{file}:wrong")
+    with pytest.raises(DataError, match="has no attribute 'absent'"):
+        load_data(f"{file}:absent")
+
+
+def test_bad_arguments():
+    with pytest.raises(DataError, match="batch_size must be >= 1"):
+        load_data("digits", batch_size=0)
+    with pytest.raises(DataError, match="task 'regression'"):
+        Dataset("x", "regression", ())
+
+
+# ---- losses and metrics ----------------------------------------------------------------------------------------
+
+
+def test_evaluate_weights_batches_by_examples():
+    model = Linear()
+    small, big = load_data("digits", batch_size=7), load_data("digits", batch_size=1000)
+    a, b = evaluate(model, small), evaluate(model, big)
+    assert a.examples == b.examples == 360
+    assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.accuracy == pytest.approx(b.accuracy)
+    logits = model(big.batches[0].inputs["pixel_values"])[0]
+    assert b.loss == pytest.approx(F.cross_entropy(logits, big.batches[0].labels).item(), rel=1e-5)
+    assert b.accuracy == pytest.approx((logits.argmax(1) == big.batches[0].labels).float().mean().item())
+
+
+def test_causal_lm_loss_shifts_and_skips_padding():
+    model = Linear(classes=6, vocab=6)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 1, 0, 0]])
+    labels = torch.tensor([[1, 2, 3, 4], [5, 1, -100, -100]])
+    data = Dataset("toy", "causal_lm", (Batch({"input_ids": ids}, labels),))
+    logits = model(input_ids=ids)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 6), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert evaluate(model, data).loss == pytest.approx(expected.item(), rel=1e-5)
+    assert batch_loss(model, data.batches[0], "causal_lm").item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_batch_loss_is_differentiable_and_evaluate_restores_mode():
+    model = Linear().train()
+    batch = load_data("digits", limit=16).batches[0]
+    batch_loss(model, batch, "classification").backward()
+    assert model.head.weight.grad is not None and model.head.weight.grad.abs().sum() > 0
+    evaluate(model, load_data("digits", limit=4))
+    assert model.training
+
+
+def test_unlabelled_classification_uses_the_models_own_predictions():
+    model = Linear()
+    pixels = load_data("digits", limit=8).batches[0].inputs["pixel_values"]
+    data = Dataset("unlabelled", "classification", (Batch({"pixel_values": pixels}),))
+    metrics = evaluate(model, data)
+    logits = model(pixels)[0]
+    assert metrics.accuracy is None
+    assert metrics.loss == pytest.approx(F.cross_entropy(logits, logits.argmax(1)).item(), rel=1e-5)
+
+
+def test_logits_of_every_output_form():
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    t = torch.ones(2, 3)
+    for output in (t, (t, None), [t], {"logits": t}, SequenceClassifierOutput(logits=t)):
+        assert logits_of(output) is t
+    with pytest.raises(DataError, match="Cannot find logits"):
+        logits_of({"hidden": t})
+
+
+def test_vocabulary_is_fixed():
+    vocab = char_vocabulary()
+    assert len(vocab) == 99 and sorted(vocab.values()) == list(range(99)) and vocab["\n"] == 3
+    assert set(DATASETS) == {"digits", "pydoc-chars", "pydoc-topics"}
