@@ -164,7 +164,8 @@ class Aligner:
             batch = self._batch_with(self._next_group(todo), todo)
             for g in batch:
                 todo.remove(g)
-            self._solve_and_apply(batch, [self._exact(g) or list(g.members) for g in batch],
+            exact = [list(g.members) if self.mode == "paper" else self._exact(g) or list(g.members) for g in batch]
+            self._solve_and_apply(batch, exact,
                                   first_pass=True, keep_if_worse=True)
             for g in batch:
                 for m in g.members:
@@ -211,7 +212,7 @@ class Aligner:
         batch, used = [g], set(self._params(g))
         for h in todo:
             if h is not g and h.kind == "orthogonal" and h.size == g.size and not used & set(self._params(h)) \
-                    and self._readiness(h)[0] == self._readiness(g)[0]:
+                    and (self.mode == "paper" or self._readiness(h)[0] == self._readiness(g)[0]):
                 batch.append(h)
                 used |= set(self._params(h))
         return batch
@@ -284,8 +285,8 @@ class Aligner:
         if not informative:
             return False
         if g.kind in MATRIX_KINDS:
-            eig = np.linalg.eigvalsh(self.ws.gram(informative, g))
-            return bool(np.all(eig[:, 0] > 1e-10 * np.maximum(eig[:, -1], 1e-300)))
+            eig = torch.linalg.eigvalsh(torch.from_numpy(self.ws.gram(informative, g)))
+            return bool((eig[:, 0] > 1e-10 * eig[:, -1].clamp_min(1e-300)).all())
         if g.kind == "scale":
             norms = sum(self.ws.flat("src", m).pow(2).sum(2).numpy() for m in informative)
             return bool(np.all(norms > 0))
@@ -294,7 +295,10 @@ class Aligner:
         return True
 
     def _next_group(self, todo: list[Group]) -> Group:
-        """Coarsest group whose exact members determine it; else the one with the largest exact share."""
+        """Coarsest group whose exact members determine it; else the one with the largest exact share. The
+        paper's groups never share a parameter, so there any order is exact."""
+        if self.mode == "paper":
+            return todo[0]
         ready = [g for g in todo if self._readiness(g)[0]]
         if ready:
             return min(ready, key=lambda g: (_stage(g), -self._readiness(g)[1], _ORDER.get(g.motif, 9)))

@@ -12,6 +12,7 @@ half-replaced output folder behind. Its failures raise :class:`~symgraph.errors.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import importlib
 import importlib.util
@@ -239,7 +240,19 @@ def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype)
     if dtype is not None and dtype != "auto":
         model = model.to(dtype)
     model.eval()
-    return LoadedModel(model=model, config=getattr(model, "config", None), path=path, name=name)
+    return LoadedModel(model=model, config=model_config(model), path=path, name=name)
+
+
+def model_config(model: torch.nn.Module):
+    """The model's Hugging Face config, naming the model's class in ``architectures`` (a model built with
+    ``from_config`` leaves it empty, and a folder saved without it would load back as the bare base model).
+    The model's own config object is not modified; None for modules without a config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict") or getattr(config, "architectures", None):
+        return config
+    named = copy.deepcopy(config)
+    named.architectures = [type(model).__name__]
+    return named
 
 
 def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:

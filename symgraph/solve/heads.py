@@ -141,9 +141,15 @@ def _circuit_cosines(ws, layout, g: Group) -> np.ndarray:
         cd = torch.einsum("ikf,jlf->ijkl", d[a], d[b])
         return (cp * cd).sum((-2, -1))
 
+    def self_sim(a: str) -> torch.Tensor:  # the diagonal of sim(a, a), without the off-diagonal pairs
+        cp = torch.einsum("ikf,ilf->ikl", p[a], p[a])
+        if d["multi"]:
+            return torch.einsum("ikl,ilm,imn,ikn->i", d[a], cp, d[a], cp)
+        return (cp * torch.einsum("ikf,ilf->ikl", d[a], d[a])).sum((-2, -1))
+
     cross = sim("src", "anc")
-    norm_s = torch.diagonal(sim("src", "src")).clamp_min(1e-300).sqrt()
-    norm_a = torch.diagonal(sim("anc", "anc")).clamp_min(1e-300).sqrt()
+    norm_s = self_sim("src").clamp_min(1e-300).sqrt()
+    norm_a = self_sim("anc").clamp_min(1e-300).sqrt()
     cosine = (cross / norm_s[:, None] / norm_a[None, :]).numpy()
     return _per_copy(cosine, g)
 
