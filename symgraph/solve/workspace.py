@@ -64,15 +64,19 @@ class Workspace:
 
     def similarity(self, members, g: Group, *, normalise: bool) -> np.ndarray:
         """S[c, i, j] = sum over members <anchor coordinate i, source coordinate j>; with ``normalise``, of unit
-        vectors (a per-coordinate scale solved afterwards must not bias the matching)."""
-        if not members:
-            return np.zeros((g.copies, g.size, g.size))
-        xs = torch.cat([self.flat("src", m) for m in members], 2)
-        xa = torch.cat([self.flat("anc", m) for m in members], 2)
+        vectors (a per-coordinate scale solved afterwards must not bias the matching). Accumulated member by
+        member: the residual stream's members are the whole model, never concatenated."""
+        out = np.zeros((g.copies, g.size, g.size))
+        norm_s, norm_a = np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))
+        for m in members:
+            xs, xa = self.flat("src", m), self.flat("anc", m)
+            out += torch.einsum("cif,cjf->cij", xa, xs).double().numpy()
+            if normalise:
+                norm_s += xs.double().pow(2).sum(2).numpy()
+                norm_a += xa.double().pow(2).sum(2).numpy()
         if normalise:
-            xs = xs / xs.norm(dim=2, keepdim=True).clamp_min(1e-30)
-            xa = xa / xa.norm(dim=2, keepdim=True).clamp_min(1e-30)
-        return torch.einsum("cif,cjf->cij", xa, xs).numpy()
+            out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
+        return out
 
     def distance_sq(self, params) -> float:
         return sum(float((self.src[k] - self.anc[k]).pow(2).sum()) for k in params)
