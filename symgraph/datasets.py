@@ -7,7 +7,8 @@ spec                                what it loads
 ==================================  ==============================================================================
 ``digits`` / ``digits:train``       scikit-learn's 8x8 digit images, 10 classes (``pixel_values``, 1 channel)
 ``pydoc-chars[:split]``             character language modelling on the shipped Python help text (128-char windows)
-``pydoc-topics[:split]``            which of 4 parts of the language a line of that help text documents
+``pydoc-topics[:split]``            which of 4 topics a line of that help text documents (statements,
+                                    expressions, special methods, strings)
 ``FILE.txt``                        one example per line, tokenised with the model's tokenizer; for a
                                     classifier a line may be ``LABEL<TAB>text`` (an id or a name of ``id2label``)
 ``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
@@ -44,7 +45,7 @@ TASKS = ("classification", "causal_lm")
 IGNORE = -100  # the label Hugging Face's losses skip (padding)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_FILE = DATA_DIR / "text" / "pydoc-topics.tsv"
-TOPIC_CLASSES = ("statements", "expressions", "data model", "built-in types")
+TOPIC_CLASSES = ("statements", "expressions", "special methods", "strings")
 WINDOW = 128  # characters per causal LM example of the shipped corpus
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<cls>")
 
@@ -316,6 +317,7 @@ class _Target:
 
     config: Any = None
     folder: Path | None = None
+    classes: tuple[str, ...] = ()  # class names of the model: its own, then its config's ``architectures``
 
     @classmethod
     def of(cls, model: Any) -> _Target:
@@ -328,7 +330,8 @@ class _Target:
             config = getattr(model.model, "config", None)  # a symgraph Subject or LoadedModel
         folder = getattr(model, "path", None) or getattr(config, "_name_or_path", None) or None
         folder = Path(folder) if folder and Path(folder).is_dir() else None
-        return cls(config, folder)
+        module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+        return cls(config, folder, (type(module).__name__, *_architectures(config)))
 
     @classmethod
     def _from_folder(cls, folder: Path) -> _Target:
@@ -337,12 +340,13 @@ class _Target:
                             hint="pass the Hugging Face folder of the model the data is for.")
         from transformers import AutoConfig
 
-        return cls(AutoConfig.from_pretrained(str(folder), local_files_only=True), folder.resolve())
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return cls(config, folder.resolve(), _architectures(config))
 
     @property
     def task(self) -> str | None:
         """The task the model's head does, read from its architecture names."""
-        names = " ".join(getattr(self.config, "architectures", None) or ())
+        names = " ".join(self.classes)
         if "CausalLM" in names or "LMHead" in names:
             return "causal_lm"
         return "classification" if "Classification" in names else None
@@ -380,14 +384,15 @@ class _Target:
 
     def check(self, data: Dataset) -> None:
         """Raise :class:`DataError` when labels or inputs of ``data`` cannot be fed to the model."""
-        if self.config is None:
-            return
         for batch in data.batches:
+            if batch.labels is not None:
+                _check_negative_labels(data.name, batch.labels, data.task)
+            if self.config is None:
+                continue
             self._check_tokens(data.name, batch.inputs.get("input_ids"), "input token id")
             self._check_pixels(data.name, batch.inputs.get("pixel_values"))
             if batch.labels is None:
                 continue
-            _check_negative_labels(data.name, batch.labels, data.task)
             if data.task == "causal_lm":
                 self._check_tokens(data.name, batch.labels, "label token id")
             elif self.task == "classification":
@@ -415,6 +420,10 @@ class _Target:
             raise DataError(f"Data '{name}' has images of shape {tuple(pixels.shape[1:])}, but the model takes "
                             f"{(channels, size, size)} (channels, height, width).",
                             hint="use images the model was built for (its config's num_channels and image_size).")
+
+
+def _architectures(config: Any) -> tuple[str, ...]:
+    return tuple(getattr(config, "architectures", None) or ())
 
 
 def _check_negative_labels(name: str, labels: torch.Tensor, task: str) -> None:

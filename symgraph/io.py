@@ -782,6 +782,8 @@ def _fsync_dir(folder: Path) -> None:
 
 def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders; give the result ordinary permissions
+    for file in tmp.iterdir():
+        os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
     if not out.exists():
         os.rename(tmp, out)  # atomic; fails if someone created a non-empty out meanwhile
         return

