@@ -117,7 +117,18 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     timings["solvers"] = sum(s.seconds for s in aligner.stats)
     out = dict(source)
     out.update({k: aligner.src[k].to(source[k].dtype) for k in aligner.src})
-    return AlignResult(out, aligner.elements, aligner.stats, before, aligner.distance(), timings)
+    return AlignResult(out, aligner.elements, aligner.stats, relative_distance(source, anchor),
+                       relative_distance(out, anchor), timings)
+
+
+def relative_distance(state: dict, anchor: dict, names=None) -> float:
+    """``||state - anchor|| / ||anchor||`` over ``names`` (default: every floating-point tensor the two share
+    with one shape), all tensors flattened into one vector, in float64: the same yardstick in every mode."""
+    if names is None:
+        names = [k for k, a in anchor.items() if a.is_floating_point() and k in state and state[k].shape == a.shape]
+    num = sum(float((state[k].detach().double() - anchor[k].detach().double()).pow(2).sum()) for k in names)
+    den = sum(float(anchor[k].detach().double().pow(2).sum()) for k in names)
+    return float(np.sqrt(num / max(den, 1e-300)))
 
 
 class Aligner:
@@ -199,7 +210,7 @@ class Aligner:
                 break
 
     def distance(self) -> float:
-        """Relative L2 distance to the anchor over every parameter the groups touch."""
+        """Relative L2 distance to the anchor over the parameters the groups touch (the descent's yardstick)."""
         den = sum(float(self.ws.anc[k].double().pow(2).sum()) for k in self.ws.anc)
         return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(den, 1e-300)))
 

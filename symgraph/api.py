@@ -162,7 +162,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     >>> result.distance_after < result.distance_before
     True
     """
-    from .alignment import align_states, check_same_architecture, free_cost_members, select_groups
+    from .alignment import (align_states, check_same_architecture, free_cost_members, relative_distance,
+                            select_groups)
     from .verify import Evaluator
 
     timings = {}
@@ -177,9 +178,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     state = src.state_dict()
     free = free_cost_members(src, groups, mode)
     timings["free_parameters"] = time.perf_counter() - clock
-    result = align_states(groups, state, anc.state_dict(), mode=mode, rescale=rescale, progress=progress,
+    anchor_state = anc.state_dict()
+    result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, progress=progress,
                           cost_excluded=free)
     result.state = tie_aliases(src.model, result.state)
+    result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
     if verify:
         clock = time.perf_counter()

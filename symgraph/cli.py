@@ -149,14 +149,15 @@ def fuzz(model, samples, seed, json_path):
         sys.exit(1)
 
 
-@cli.command(help="Run the main job on the embedded demo model pair: report, transform, fuzz.")
+@cli.command(help="Run the main job on the shipped model pairs (two trainings of one model each): symmetry report, "
+                  "alignment in every mode, merges, loss barriers; print a summary and write everything to OUT.")
 @click.option("--out", "out_dir", default=Path("out/demo"), show_default=True,
-              type=click.Path(file_okay=False, path_type=Path))
-@click.option("--samples", default=10, show_default=True, type=int)
-def demo(out_dir, samples):
+              type=click.Path(path_type=Path), help="Folder for every file (created if missing).")
+@click.option("--quick", is_flag=True, help="The LLaMA pair only, on a few examples (a smoke run, seconds).")
+def demo(out_dir, quick):
     from .demo import run_demo
 
-    run_demo(out_dir, samples=samples, echo=click.echo)
+    run_demo(out_dir, quick=quick, echo=click.echo)
 
 
 @cli.command(help="Merge two or more MODELs of one architecture (aligned into one frame first); write the result "

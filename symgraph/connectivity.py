@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from .api import Subject, align, load
-from .consensus import ALIGN_MODES, relative_distance, shared_float_names
+from .alignment import relative_distance
+from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
 from .progress import progress_bar
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .alignment import align_states, free_cost_members, select_groups
+from .alignment import align_states, free_cost_members, relative_distance, select_groups
 from .api import Subject, tie_aliases
 from .elements import Element, apply
 from .errors import InvarianceError
@@ -136,13 +136,6 @@ def weighted_mean(states: Sequence[State], weights: np.ndarray, names: Sequence[
     """``sum_i w_i state_i / sum_i w_i`` over ``names``, in float64."""
     total = float(np.sum(weights))
     return {k: sum(float(w) * s[k].to(torch.float64) for w, s in zip(weights, states)) / total for k in names}
-
-
-def relative_distance(state: State, target: State, names: Sequence[str]) -> float:
-    """``||state - target|| / ||target||`` over ``names`` (all tensors flattened into one vector)."""
-    num = sum(float((state[k].to(torch.float64) - target[k].to(torch.float64)).pow(2).sum()) for k in names)
-    den = sum(float(target[k].to(torch.float64).pow(2).sum()) for k in names)
-    return float(np.sqrt(num / max(den, 1e-300)))
 
 
 def distances_to_mean(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> list[float]:

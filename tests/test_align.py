@@ -36,7 +36,7 @@ def test_random_group_element_is_recovered_exactly(family):
     subject, source = reparametrised(family)
     anchor = subject.state_dict()
     result = align_states(subject.report.groups, source, anchor, mode="full")
-    assert result.distance_before > 0.5
+    assert result.distance_before > 0.2  # whole-model distance: ungrouped tensors (T5's embedding) dilute it
     assert result.distance_after < 1e-6, result.distance_after
     worst = max(float((result.state[k] - v).norm() / v.norm().clamp_min(1e-30)) for k, v in anchor.items())
     assert worst < 1e-6

@@ -1,4 +1,4 @@
-"""The command line end to end: report, transform, fuzz, demo, and every kind of bad input."""
+"""The command line end to end: report, transform, fuzz, and every kind of bad input (demo: test_demo.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -185,15 +185,6 @@ def test_bad_options_exit_non_zero(tmp_path):
     assert run("fuzz", DEMO, "--samples", "0").returncode == 2
     res = run("report", DEMO, "-o", tmp_path / "no" / "such" / "dir" / "r.md")
     assert res.returncode == 2 and "does not exist" in res.stderr
-
-
-def test_demo_runs_end_to_end(tmp_path):
-    res = run("demo", "--out", tmp_path / "demo", "--samples", "2")
-    assert res.returncode == 0, res.stderr
-    for name in demo_models():
-        assert (tmp_path / "demo" / f"{name}.report.html").exists()
-        assert (tmp_path / "demo" / f"{name}-transformed" / "model.safetensors").exists()
-    assert "every group invariant" in res.stdout
 
 
 def test_console_script_runs_as_a_process(tmp_path, factories):

@@ -1,0 +1,406 @@
+"""The experiments of Zhang et al. (ICML 2025) on symgraph's shipped model pairs, written up as a Markdown report.
+
+    python examples/paper_experiments.py                                  # -> examples/RESULTS.md (+ results/)
+    python examples/paper_experiments.py --quick --out /tmp/q/RESULTS.md  # smoke run: tiny data, 3 path points
+
+For each shipped pair (two independent trainings of one model, ``-a`` seed 0 and ``-b`` seed 1; see
+symgraph/data/models/README.md) B is aligned to A with the public API and measured on the pair's fixed test split:
+
+- parameter distance ``||B' - A|| / ||A||`` per alignment mode (paper Fig. 4);
+- loss and accuracy barriers along the linear path from A to B' per mode, one PNG per pair (Fig. 5);
+- merged test loss/accuracy for {none, permutation, paper, full} x {simple, fisher, regmean} (Tables 1-2), with
+  Fisher and RegMean statistics from the first examples of the train split;
+- alignment restricted to attention, FFN or residual groups (Fig. 3);
+- alignment of one layer only, and of the last k layers only (Fig. 6).
+
+Everything is deterministic (fixed splits, no sampling, one CPU thread); only the timings change between runs.
+Next to the report go ``results/<pair>.png`` and ``results/results.json`` (every number in the report).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import symgraph
+from symgraph.alignment import relative_distance
+from symgraph.consensus import shared_float_names
+from symgraph.datasets import Dataset, evaluate, load_data
+from symgraph.demo import SHIPPED_PAIRS, shipped_pair
+
+MODES = ("none", "permutation", "paper", "full")
+METHODS = ("simple", "fisher", "regmean")
+ABLATIONS = {"attention only": {"only": "attention"}, "FFN only": {"only": "ffn"},
+             "residual only": {"only": "residual"}, "everything (full)": {}}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much data and how many path points a run uses."""
+
+    steps: int  # points on the linear path, end points included
+    test_limit: int | None  # test examples evaluated (None: the whole test split)
+    stats_limit: int  # train examples for Fisher / RegMean statistics
+    batch_size: int = 64
+
+
+FULL = Settings(steps=21, test_limit=None, stats_limit=256)
+QUICK = Settings(steps=3, test_limit=32, stats_limit=32)
+_START = time.perf_counter()
+
+
+@dataclass
+class Pair:
+    """One shipped pair, loaded: A is the anchor, B is aligned to it."""
+
+    name: str
+    data: str
+    a: symgraph.Subject
+    b: symgraph.Subject
+    test: Dataset
+    train: Dataset
+
+    @property
+    def layers(self) -> int:
+        return int(self.a.config.num_hidden_layers)
+
+
+def log(message: str) -> None:
+    """Progress on stderr, stamped with seconds since the script started."""
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# -- loading and measuring -------------------------------------------------------------------------------------------
+def load_pair(name: str, settings: Settings, root: Path | None) -> Pair:
+    folder_a, folder_b = shipped_pair(name, root)
+    a, b = symgraph.load(folder_a), symgraph.load(folder_b)
+    data = SHIPPED_PAIRS[name]
+    test = load_data(data, model=a, split="test", limit=settings.test_limit, batch_size=settings.batch_size)
+    train = load_data(data, model=a, split="train", limit=settings.stats_limit, batch_size=settings.batch_size)
+    return Pair(name, data, a, b, test, train)
+
+
+def metrics_of(pair: Pair, state: dict) -> dict:
+    """Test loss and accuracy of A's architecture carrying ``state``."""
+    model = copy.deepcopy(pair.a.model)
+    model.load_state_dict(state)
+    m = evaluate(model, pair.test)
+    return {"loss": m.loss, "accuracy": m.accuracy}
+
+
+def distance_to_anchor(pair: Pair, state: dict) -> float:
+    """Relative L2 distance of ``state`` to A over every floating-point entry (what the barrier reports too)."""
+    anchor = pair.a.state_dict()
+    return relative_distance(state, anchor, shared_float_names(anchor, frozenset()))
+
+
+def with_state(subject: symgraph.Subject, state: dict, name: str) -> symgraph.Subject:
+    """A copy of ``subject`` carrying ``state`` (an aligned, functionally equal parametrisation)."""
+    model = copy.deepcopy(subject.model)
+    model.load_state_dict(state)
+    return symgraph.Subject(model, name, subject.args, subject.kwargs, subject.config, subject.path)
+
+
+def aligned_and_merged(pair: Pair, **options) -> dict:
+    """Align B to A with ``options`` (the API's ablations), then merge simply: distance and merged metrics.
+
+    ``merge`` has no ablation options, so the aligned B goes in as it is (``align="none"``)."""
+    state = symgraph.align(pair.b, pair.a, **options).state
+    merged = symgraph.merge([pair.a, with_state(pair.b, state, f"{pair.b.name} aligned")], method="simple",
+                            align="none", progress=False)
+    return {"distance": distance_to_anchor(pair, state), **metrics_of(pair, merged.state)}
+
+
+# -- the experiments -------------------------------------------------------------------------------------------------
+def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
+    """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
+    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES, progress=False)
+    result.plot(figure)
+    return {"ts": result.ts, "modes": {mode: curve.to_json() for mode, curve in result.curves.items()}}
+
+
+def merge_experiment(pair: Pair) -> dict:
+    """Tables 1-2: every alignment mode x every merge method, scored on the test split. ``reference`` is the
+    model the merge aligned the other one to (``merge`` picks it from the weights, not from the argument order)."""
+    table = {}
+    for mode in MODES:
+        for method in METHODS:
+            clock = time.perf_counter()
+            data = None if method == "simple" else pair.train
+            merged = symgraph.merge([pair.a, pair.b], method=method, align=mode, data=data, progress=False)
+            table.setdefault(mode, {})[method] = {**metrics_of(pair, merged.state),
+                                                  "reference": "AB"[merged.consensus.reference],
+                                                  "seconds": time.perf_counter() - clock}
+    return table
+
+
+def ablation_experiment(pair: Pair) -> dict:
+    """Fig. 3: alignment restricted to one family of groups (full mode otherwise)."""
+    return {label: aligned_and_merged(pair, mode="full", **options) for label, options in ABLATIONS.items()}
+
+
+def layer_experiment(pair: Pair) -> dict:
+    """Fig. 6: only layer i aligned, for every i; only the last k layers aligned, for every k."""
+    last = pair.layers - 1
+    single = {f"layer {i}": aligned_and_merged(pair, mode="full", layers=(i, i)) for i in range(pair.layers)}
+    tail = {f"last {k}": aligned_and_merged(pair, mode="full", layers=(last - k + 1, last))
+            for k in range(1, pair.layers + 1)}
+    return {"single": single, "tail": tail}
+
+
+def run_pair(name: str, settings: Settings, root: Path | None, figures: Path) -> dict:
+    clock = time.perf_counter()
+    pair = load_pair(name, settings, root)
+    log(f"{name}: {len(pair.a.report.groups)} groups, {len(pair.test)} test / {len(pair.train)} train examples")
+    out = {"data": pair.data, "models": [pair.a.name, pair.b.name], "groups": len(pair.a.report.groups),
+           "layers": pair.layers, "test_examples": len(pair.test), "stats_examples": len(pair.train),
+           "endpoints": {"A": metrics_of(pair, pair.a.state_dict()), "B": metrics_of(pair, pair.b.state_dict())}}
+    out["barrier"] = barrier_experiment(pair, settings, figures / f"{name}.png")
+    log(f"{name}: barriers done")
+    out["merges"] = merge_experiment(pair)
+    log(f"{name}: merges done")
+    out["ablation"] = ablation_experiment(pair)
+    out["layer_study"] = layer_experiment(pair)
+    out["seconds"] = time.perf_counter() - clock
+    log(f"{name}: ablations and layer study done ({out['seconds']:.0f} s for the pair)")
+    return out
+
+
+# -- the report ------------------------------------------------------------------------------------------------------
+TIE = 1e-4  # barrier heights closer than this count as equal
+
+
+def fmt(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def metric_cell(entry: dict) -> str:
+    return f"{fmt(entry['loss'])} / {fmt(entry['accuracy'], 3)}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def curve(r: dict, mode: str, field: str) -> float | None:
+    return r["barrier"]["modes"][mode][field]
+
+
+def section_distance(results: dict) -> str:
+    rows = [[name, *(fmt(curve(r, m, "distance")) for m in MODES)] for name, r in results.items()]
+    lines = [table(["pair", *MODES], rows), ""]
+    for name, r in results.items():
+        d = {m: curve(r, m, "distance") for m in MODES}
+        best = min(MODES, key=d.get)
+        lines.append(f"- **{name}**: {fmt(d['none'])} unaligned; permutation {fmt(d['permutation'])}, paper "
+                     f"{fmt(d['paper'])}, full {fmt(d['full'])}; the closest is `{best}`, "
+                     f"{100 * (1 - d[best] / d['none']):.1f}% below none.")
+    return "\n".join(lines)
+
+
+def section_barrier(results: dict) -> str:
+    loss = [[name, *(fmt(curve(r, m, "loss_barrier")) for m in MODES)] for name, r in results.items()]
+    drop = [[name, *(fmt(curve(r, m, "accuracy_barrier"), 3) for m in MODES)] for name, r in results.items()]
+    mean = [[name, *(fmt(path_mean(r, m)) for m in MODES)] for name, r in results.items()]
+    lines = ["Loss barrier:", "", table(["pair", *MODES], loss), "", "Accuracy drop:", "",
+             table(["pair", *MODES], drop), "", "Mean test loss along the path (end points included):", "",
+             table(["pair", *MODES], mean), "", full_versus_permutation(results), ""]
+    lines += [f"![{name}: loss and accuracy along the linear path](results/{name}.png)\n" for name in results]
+    return "\n".join(lines)
+
+
+def full_versus_permutation(results: dict) -> str:
+    """The issue's bar: full alignment must give a lower loss barrier than permutation on every pair. Equal
+    barriers (both flat paths) are told apart by the mean loss along the path."""
+    verdicts = []
+    for name, r in results.items():
+        full, perm = curve(r, "full", "loss_barrier"), curve(r, "permutation", "loss_barrier")
+        if abs(full - perm) > TIE:
+            verdicts.append((full < perm, f"{name}: {'yes' if full < perm else 'no'}, {fmt(full)} vs {fmt(perm)}"))
+            continue
+        full_mean, perm_mean = path_mean(r, "full"), path_mean(r, "permutation")
+        verdicts.append((False, f"{name}: tie at {fmt(full)}; mean loss along the path {fmt(full_mean)} vs "
+                                f"{fmt(perm_mean)}, {'lower' if full_mean < perm_mean else 'not lower'} for full"))
+    every = all(ok for ok, _ in verdicts)
+    return (f"**Does `full` give a lower loss barrier than `permutation` on every pair?** {'Yes' if every else 'No'}"
+            " (" + "; ".join(text for _, text in verdicts) + ").")
+
+
+def path_mean(r: dict, mode: str) -> float:
+    losses = curve(r, mode, "losses")
+    return sum(losses) / len(losses)
+
+
+def section_merge(results: dict) -> str:
+    parts = []
+    for name, r in results.items():
+        ends = r["endpoints"]
+        rows = [[mode, *(metric_cell(r["merges"][mode][m]) for m in METHODS)] for mode in MODES]
+        references = sorted({e["reference"] for row in r["merges"].values() for e in row.values()})
+        parts += [f"**{name}** (test loss / accuracy on `{r['data']}`). Endpoints: A {metric_cell(ends['A'])}, "
+                  f"B {metric_cell(ends['B'])}. Reference model of the merges (the one the other is aligned to): "
+                  f"{' and '.join(references)}.", "", table(["alignment", *METHODS], rows), ""]
+    return "\n".join(parts)
+
+
+def section_ablation(results: dict) -> str:
+    parts = []
+    for name, r in results.items():
+        rows = [["none", fmt(curve(r, "none", "distance")), metric_cell(r["merges"]["none"]["simple"])]]
+        rows += [[label, fmt(e["distance"]), metric_cell(e)] for label, e in r["ablation"].items()]
+        parts += [f"**{name}**", "", table(["aligned groups", "distance", "simple merge loss / acc."], rows), ""]
+    return "\n".join(parts)
+
+
+def section_layers(results: dict) -> str:
+    parts = []
+    for name, r in results.items():
+        study = {**r["layer_study"]["single"], **r["layer_study"]["tail"]}
+        rows = [[label, fmt(e["distance"]), metric_cell(e)] for label, e in study.items()]
+        parts += [f"**{name}** ({r['layers']} layers)", "",
+                  table(["aligned layers", "distance", "simple merge loss / acc."], rows), ""]
+    return "\n".join(parts)
+
+
+def observations(results: dict) -> str:
+    """Findings read off the numbers of this run (so they stay true when the script is re-run)."""
+    lines = [f"- {full_versus_permutation(results).replace('**', '')}"]
+    for name, r in results.items():
+        none = curve(r, "none", "loss_barrier")
+        worse = [f"{m} {fmt(curve(r, m, 'loss_barrier'))}" for m in MODES[1:]
+                 if curve(r, m, "loss_barrier") > none + TIE]
+        if worse:
+            lines.append(f"- {name}: alignment *raises* the loss barrier above no alignment ({fmt(none)}): "
+                         f"{', '.join(worse)}.")
+        if curve(r, "paper", "distance") > curve(r, "none", "distance"):
+            lines.append(f"- {name}: paper alignment ends farther from A than no alignment.")
+        lines += [merge_finding(name, r), direction_finding(name, r), ablation_finding(name, r),
+                  layer_finding(name, r)]
+    return "\n".join(lines)
+
+
+def merge_finding(name: str, r: dict) -> str:
+    cells = {(mode, method): e for mode, row in r["merges"].items() for method, e in row.items()}
+    (mode, method), best = min(cells.items(), key=lambda kv: kv[1]["loss"])
+    best_end = min(e["loss"] for e in r["endpoints"].values())
+    verdict = ("beats both endpoints" if best["loss"] < best_end
+               else f"stays above the better endpoint ({fmt(best_end)})")
+    return (f"- {name}: the best merge is `{mode}` + `{method}` (loss {fmt(best['loss'])}), which {verdict}; the "
+            f"unaligned simple average scores {fmt(r['merges']['none']['simple']['loss'])}.")
+
+
+def direction_finding(name: str, r: dict) -> str:
+    """``merge`` aligns the non-reference model to the reference; the ablations align B to A. Alignment is not
+    symmetric, so the same mode can merge to different models."""
+    merged, ablation = r["merges"]["full"]["simple"], r["ablation"]["everything (full)"]
+    return (f"- {name}: simple merge after full alignment scores {fmt(merged['loss'])} through `merge` (reference "
+            f"{merged['reference']}) and {fmt(ablation['loss'])} with B aligned to A: the direction of alignment "
+            f"{'matters' if abs(merged['loss'] - ablation['loss']) > 1e-3 else 'does not matter here'}.")
+
+
+def ablation_finding(name: str, r: dict) -> str:
+    families = {k: e for k, e in r["ablation"].items() if k != "everything (full)"}
+    best = min(families, key=lambda k: families[k]["loss"])
+    none, full = r["merges"]["none"]["simple"]["loss"], r["ablation"]["everything (full)"]["loss"]
+    return (f"- {name}: of the single families, `{best}` gives the lowest simple-merge loss "
+            f"({fmt(families[best]['loss'])}; none {fmt(none)}, everything {fmt(full)}).")
+
+
+def layer_finding(name: str, r: dict) -> str:
+    single = r["layer_study"]["single"]
+    best = min(single, key=lambda k: single[k]["loss"])
+    none = r["merges"]["none"]["simple"]["loss"]
+    worse = [k for k, e in {**single, **r["layer_study"]["tail"]}.items() if e["loss"] > none]
+    return (f"- {name}: the best single layer to align is `{best}` (simple merge {fmt(single[best]['loss'])}, "
+            f"unaligned {fmt(none)}); " + (f"worse than no alignment: {', '.join(worse)}." if worse
+                                           else "every layer subset improves on no alignment."))
+
+
+def render(results: dict, settings: Settings, command: str, seconds: float) -> str:
+    per_pair = ", ".join(f"{n} {r['seconds']:.0f} s" for n, r in results.items())
+    test = "all of it" if settings.test_limit is None else f"its first {settings.test_limit} examples"
+    paragraphs = [
+        f"Generated by `{command}` in {seconds:.0f} s ({per_pair}) on {platform.machine()}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} CPU thread. Every "
+        "number and figure below comes from that one run; `results/results.json` holds them all (only timings "
+        "change between runs).",
+        "**Set-up.** Each pair is one model trained twice, differing only in the seed (`-a`, seed 0, is the anchor "
+        "A; `-b`, seed 1, is B; see symgraph/data/models/README.md). B is aligned to A with `symgraph.align` in "
+        "each mode: `none`; `permutation` (weight matching: heads, FFN units, residual stream); `paper` (Zhang et "
+        "al.: per-head QK/VO rotations with heads in fixed order, the QK rescale, one Hungarian per FFN); `full` "
+        "(every detected group, the best solver for each, coordinate descent). Evaluation uses each dataset's "
+        f"fixed test split ({test}); Fisher and RegMean statistics use the first {settings.stats_limit} examples "
+        f"of the train split. Barriers use {settings.steps} evenly spaced points on the path (both ends "
+        "included), so a barrier peaking between two points is under-estimated. Distances are "
+        "`||B'-A||/||A||` over every floating-point parameter and buffer. Data, seeds and evaluation are "
+        "deterministic: nothing is sampled. Losses are cross-entropy per example (classification) or nats per "
+        "predicted character (`pydoc-chars`).",
+    ]
+    header = "# symgraph: the paper's experiments on the shipped model pairs\n\n" + "\n\n".join(
+        textwrap.fill(p, width=115, break_on_hyphens=False) for p in paragraphs) + "\n"
+    return "\n".join([
+        header,
+        "## Parameter distance after alignment (paper Fig. 4)\n", section_distance(results), "",
+        "## Loss barrier along the linear path (Fig. 5)\n",
+        "The barrier is the largest rise of the loss above the straight line between the two ends; the accuracy "
+        "drop is the largest fall of accuracy below it.\n", section_barrier(results),
+        "## Merging (Tables 1-2)\n",
+        "`symgraph.merge([A, B], method=..., align=...)`: the aligned models averaged simply, weighted by their "
+        "diagonal Fisher, or combined per linear layer by RegMean (alpha 0.9).\n", section_merge(results),
+        "## Which groups matter (Fig. 3)\n",
+        "B aligned to A (`mode=\"full\"`) with `only=\"attention\"` (QK, VO, head permutations), `only=\"ffn\"` or "
+        "`only=\"residual\"` (residual stream and norm scales), then merged simply (`merge` has no ablation "
+        "options, so the aligned B goes in with `align=\"none\"`).\n", section_ablation(results),
+        "## Aligning some layers only (Fig. 6)\n",
+        "`layer i` aligns the groups of layer i only (`layers=(i, i)`); `last k` aligns layers L-k to L-1. Groups "
+        "outside the numbered layers (residual stream, embeddings) stay unaligned in this study.\n",
+        section_layers(results),
+        "## Observations\n", observations(results), "",
+    ])
+
+
+# -- entry point -----------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="report path (default: examples/RESULTS.md, or "
+                                                 "out/paper-quick/RESULTS.md with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny data, 3 path points")
+    parser.add_argument("--pairs", default=",".join(SHIPPED_PAIRS), help="comma-separated shipped pairs")
+    parser.add_argument("--models", type=Path, help="folder holding the pairs (default: the shipped models)")
+    args = parser.parse_args(argv)
+    args.out = args.out or Path("out/paper-quick/RESULTS.md" if args.quick else "examples/RESULTS.md")
+    args.pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    unknown = [p for p in args.pairs if p not in SHIPPED_PAIRS]
+    if unknown:
+        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {', '.join(SHIPPED_PAIRS)}")
+    return args
+
+
+def main(argv=None) -> None:
+    torch.set_num_threads(1)  # deterministic, and fair to whatever else shares the machine
+    torch.manual_seed(0)
+    args = parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    figures = args.out.parent / "results"
+    figures.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results = {name: run_pair(name, settings, args.models, figures) for name in args.pairs}
+    seconds = time.perf_counter() - start
+    command = "python examples/paper_experiments.py" + (" --quick" if args.quick else "")
+    (figures / "results.json").write_text(json.dumps({"settings": asdict(settings), "seconds": seconds,
+                                                      "pairs": results}, indent=1))
+    args.out.write_text(render(results, settings, command, seconds))
+    log(f"wrote {args.out}, {figures}/*.png and {figures}/results.json in {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""``symgraph demo``: the main job on the shipped pairs runs end to end (``--quick``), writes what it promises,
+prints its summary, and refuses an output folder it cannot write."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from symgraph.cli import main
+from symgraph.demo import QUICK_PLAN, SHIPPED_PAIRS, shipped_pair
+
+
+def run(*args) -> tuple[int, str, str]:
+    """The console entry point in-process: exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code or 0
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    code, stdout, stderr = run("demo", "--out", out, "--quick")
+    assert code == 0, stderr
+    return out, stdout
+
+
+def test_every_shipped_pair_exists():
+    for name in SHIPPED_PAIRS:
+        assert all((folder / "config.json").is_file() for folder in shipped_pair(name))
+
+
+def test_quick_demo_writes_every_promised_file(quick_demo):
+    out, _ = quick_demo
+    pair = out / QUICK_PLAN.pairs[0]
+    expected = [*(f"report.{fmt}" for fmt in ("json", "md", "html")),
+                *(f"align-{mode}.json" for mode in ("permutation", "paper", "full")),
+                "aligned-full/model.safetensors", "aligned-full/config.json", "merged-simple/model.safetensors",
+                "barrier.png"]
+    assert [name for name in expected if not (pair / name).is_file()] == []
+    assert json.loads((pair / "report.json").read_text())["groups"]
+    assert json.loads((pair / "align-full.json").read_text())["verified_relative_error"] < 1e-4
+
+
+def test_quick_demo_summary_is_printed_and_saved(quick_demo):
+    out, stdout = quick_demo
+    for line in ("groups (", "distance |B'-A|/|A|", "loss barrier", "computes what B computes", "test loss / acc.",
+                 "endpoint A", "merged simple", "aligned B (full)", "barrier plot", f"everything is in {out}"):
+        assert line in stdout, line
+    summary = json.loads((out / "summary.json").read_text())[QUICK_PLAN.pairs[0]]
+    assert set(summary["barrier"]) == {"none", "permutation", "paper", "full"}
+    assert summary["barrier"]["full"]["distance"] < summary["barrier"]["none"]["distance"]
+
+
+def test_demo_refuses_a_file_as_out(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("not a folder")
+    code, _, stderr = run("demo", "--out", target, "--quick")
+    assert code == 2 and "is a file, not a folder" in stderr and "Traceback" not in stderr
+
+
+def test_demo_refuses_an_out_it_cannot_create(tmp_path):
+    (tmp_path / "file").write_text("")
+    code, _, stderr = run("demo", "--out", tmp_path / "file" / "demo", "--quick")
+    assert code == 2 and "Cannot write the demo" in stderr and "Traceback" not in stderr
