@@ -179,13 +179,15 @@ def main(argv=None) -> None:
                 log(f"{pair}/{kind}: building")
                 layer_args = ["--layers", str(args.layers)] if args.layers else []
                 entry = {"pair": _child("--build", pair, kind, tmp, *layer_args), "modes": {}}
+                results["pairs"][f"{pair}/{kind}"] = entry
                 for mode in args.modes.split(","):
                     log(f"{pair}/{kind}: {mode}")
                     entry["modes"][mode] = _child("--run", pair, tmp, mode)
+                    if args.out:  # partial figures survive an interrupted run
+                        args.out.write_text(json.dumps(results, indent=1))
                 modes = entry["modes"]
                 if "full" in modes and "paper" in modes:
                     entry["full_over_paper_time"] = modes["full"]["total_s"] / modes["paper"]["total_s"]
-                results["pairs"][f"{pair}/{kind}"] = entry
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
