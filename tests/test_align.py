@@ -16,7 +16,8 @@ from symgraph.errors import InvarianceError, MismatchError, SymgraphError
 from symgraph.solve import dispatch
 from symgraph.verify import Evaluator, free_members
 
-from test_cli import DEMO, run, tree_digest
+from cli_runner import run, tree_digest
+from test_cli import DEMO
 
 
 def reparametrised(family, seed=7, noise=0.0, dtype=torch.float64):

@@ -1,9 +1,7 @@
 """Loss barriers: the height formula, a reparametrised model's barrier before and after alignment, plots, CLI."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 
 import numpy as np
@@ -13,9 +11,10 @@ import torch
 import symgraph
 from symgraph import zoo
 from symgraph.connectivity import BarrierCurve, BarrierResult, barrier, barrier_height, plot_barrier
-from symgraph.cli import main
 from symgraph.datasets import Batch, Dataset, batch_loss
 from symgraph.errors import DataError, MismatchError, OutputError, SymgraphError
+
+from cli_runner import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -121,17 +120,6 @@ def test_models_of_different_architectures_are_refused(llama):
 
 
 # -- command line ------------------------------------------------------------------------------------------------------
-def run(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code or 0
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, llama, llama_twin):
     root = tmp_path_factory.mktemp("models")

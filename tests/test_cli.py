@@ -1,56 +1,25 @@
 """The command line end to end: report, transform, fuzz, and every kind of bad input (demo: test_demo.py)."""
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 import symgraph
-from symgraph.cli import main
 from symgraph.demo import demo_models
 from symgraph.verify import Evaluator
 
+from cli_runner import run, tree_digest
+
 DEMO = demo_models()["llama-a"]
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run(*args) -> Result:
-    """Run the console entry point in-process (``main`` turns errors into messages and exit codes)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code or 0
-    return Result(code, out.getvalue(), err.getvalue())
 
 
 def run_process(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
                           timeout=300)
-
-
-def tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 def test_report_json_schema(tmp_path):

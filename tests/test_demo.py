@@ -2,27 +2,13 @@
 prints its summary, and refuses an output folder it cannot write."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 
 import pytest
 
-from symgraph.cli import main
 from symgraph.demo import QUICK_PLAN, SHIPPED_PAIRS, shipped_pair
 
-
-def run(*args) -> tuple[int, str, str]:
-    """The console entry point in-process: exit code, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code or 0
-    return code, out.getvalue(), err.getvalue()
+from cli_runner import run
 
 
 @pytest.fixture(scope="module")

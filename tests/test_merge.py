@@ -4,9 +4,7 @@ Alignment-dependent tests use LLaMA, whose random reparametrisations the aligner
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 
 import numpy as np
@@ -16,13 +14,14 @@ from transformers.pytorch_utils import Conv1D
 
 import symgraph
 from symgraph import zoo
-from symgraph.cli import main
 from symgraph.datasets import Batch, Dataset
 from symgraph.elements import apply
 from symgraph.errors import DataError, MismatchError, SymgraphError
 from symgraph.merging import fisher_average, head_parameters, merge, regmean_solution
 from symgraph.statistics import input_grams, linear_layers
 from symgraph.verify import Evaluator
+
+from cli_runner import run
 
 
 # -- fixtures and helpers --------------------------------------------------------------------------------------------
@@ -279,17 +278,6 @@ def test_models_of_different_architectures_are_refused(llama):
 
 
 # -- command line ------------------------------------------------------------------------------------------------------
-def run(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code or 0
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, llama, llama_twin):
     root = tmp_path_factory.mktemp("models")
