@@ -17,7 +17,8 @@ check that the key bias is ignored), ``first_pass`` and ``refine`` (the alignmen
 spent inside solver calls), ``verify`` (outputs of aligned vs source on probe inputs, float64). The 1B pair
 skips ``verify`` and the key-bias check (they need a float64 copy of the model, 8 GB) and analyses a meta-device
 copy built from the config. Baseline: ``read_weights``, the time to read both models' safetensors files.
-``outside_solvers_share`` is the share of the total spent outside solver calls.
+``outside_solvers_share`` is the share of the total spent outside solver calls. Torch uses every core unless
+``BENCH_THREADS`` says otherwise (1 keeps figures steadier on a machine that is doing other work).
 
 Examples::
 
@@ -115,7 +116,7 @@ def run_mode(pair: str, folder: Path, mode: str) -> dict:
     import symgraph
     from symgraph.alignment import align_states, select_groups
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
     clock = time.perf_counter()
     for side in ("source", "anchor"):  # touch every value: safetensors maps the file lazily
         sum(float(t.sum()) for t in load_file(str(folder / side / "model.safetensors")).values())
