@@ -246,9 +246,12 @@ def section_merge(results: dict) -> str:
         ends = r["endpoints"]
         rows = [[mode, *(metric_cell(r["merges"][mode][m]) for m in METHODS)] for mode in MODES]
         references = sorted({e["reference"] for row in r["merges"].values() for e in row.values()})
+        seconds = [[mode, *(f"{r['merges'][mode][m]['seconds']:.1f}" for m in METHODS)] for mode in MODES]
         parts += [f"**{name}** (test loss / accuracy on `{r['data']}`). Endpoints: A {metric_cell(ends['A'])}, "
                   f"B {metric_cell(ends['B'])}. Reference model of the merges (the one the other is aligned to): "
-                  f"{' and '.join(references)}.", "", table(["alignment", *METHODS], rows), ""]
+                  f"{' and '.join(references)}.", "", table(["alignment", *METHODS], rows), "",
+                  "Seconds per merge (alignment, statistics on the train examples, and the merge itself):", "",
+                  table(["alignment", *METHODS], seconds), ""]
     return "\n".join(parts)
 
 
