@@ -1,10 +1,13 @@
 """Alignment: move SOURCE inside its symmetry groups until it is as close to ANCHOR as the groups allow.
 
-Groups are solved one at a time, each by the optimal solver for its kind (specs/motifs.yaml ``solvers``), in
-*reliability order*: a group is solved when some of its members have every other axis already aligned (or fixed:
-no group moves it, like the vocabulary axis of an embedding). Its cost then uses only those members, so a source
-that is an exact reparametrisation of the anchor is recovered exactly, whatever the architecture. Afterwards,
-``full`` mode runs coordinate-descent rounds with every member until the distance stops falling.
+Each group is solved by the solver registered for its kind (:mod:`symgraph.solve.dispatch`). The order is what
+makes a source that is an exact reparametrisation of the anchor come back exactly, whatever the architecture:
+a group is solved from its *exact members* (slices no unsolved group still moves: nothing pending on their other
+axes, nothing overlapping them on this one), and the first pass always takes the coarsest group those members
+determine (the residual stream from the embeddings, then norm scales, heads, rotations, FFN units). Head
+permutations are matched on per-head invariants (:mod:`symgraph.solve.heads`). ``full`` and ``permutation``
+modes then descend: every group whose parameters moved is solved again with all its members, a move is kept
+only if the group's distance falls, until a round gains less than 1e-4. ``paper`` mode solves each group once.
 """
 from __future__ import annotations
 
