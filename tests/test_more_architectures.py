@@ -86,3 +86,16 @@ def test_fused_projections_are_split_by_the_graph(subjects):
     assert rotary and all(any("qkv_proj" in m.param for m in g.members) for g in rotary)
     ffn = [g for g in groups if g.motif == "ffn" and g.kind == "permutation"]
     assert ffn and all(any("gate_up_proj" in m.param for m in g.members) for g in ffn)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_alignment_undoes_a_random_group_element_exactly(family, subjects):
+    from symgraph.alignment import align_states
+
+    subject = subjects[family]
+    anchor = {k: v.detach().double() for k, v in subject.state_dict().items()}
+    source = apply(anchor, [sample(g, np.random.default_rng(7)) for g in subject.report.groups])
+    result = align_states(subject.report.groups, source, anchor, mode="full")
+    assert result.distance_before > 0.5
+    assert max(float((result.state[k] - v).norm() / v.norm().clamp_min(1e-30))
+               for k, v in anchor.items() if v.is_floating_point()) < 1e-6
