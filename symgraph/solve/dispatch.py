@@ -16,7 +16,7 @@ from ..elements import Element
 from ..errors import SymgraphError
 from ..groups import Group, Member
 from . import kernels
-from .heads import invariant_head_similarity
+from .heads import invariant_head_similarity, rotation_head_similarity
 from .workspace import Workspace
 
 
@@ -193,10 +193,7 @@ def solve_heads(ws, g, members, ctx):
     elif ctx.permutations_only or max(m.index.shape[2] for m in members) == 1:
         similarity = ws.similarity(members, g, normalise=False)
     else:
-        crosses = [torch.einsum("kibr,kjcr->kijbc", ws.gather("src", m), ws.gather("anc", m)).numpy()
-                   for m in members]
-        similarity = sum(kernels.procrustes_value(c) for c in crosses).reshape(g.copies, g.size, g.size)
-        similarity = np.swapaxes(similarity, -1, -2)
+        similarity = rotation_head_similarity(ws, g, members, ctx.groups)
     perm = np.stack([kernels.hungarian(similarity[c]) for c in range(g.copies)])
     return [Element(g, perm=perm, diag=np.ones((g.copies, g.size)))]
 

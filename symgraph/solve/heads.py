@@ -52,6 +52,36 @@ def invariant_head_similarity(ws, g: Group, members: list[Member], groups) -> np
     return total
 
 
+def rotation_head_similarity(ws, g: Group, members: list[Member], groups) -> np.ndarray:
+    """S[c, anchor head, source head]: the best similarity of two heads when the per-head rotations follow,
+    sum over per-head groups ``L`` of ``||sum over L's members X_src,i X_anc,j^T||_*`` (members of one group
+    share its rotation: one nuclear norm per group, not per member), plus members no such group covers."""
+    coord = _coordinate_maps(g)
+    total = np.zeros((g.copies, g.size, g.size))
+    covered: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for other in groups:
+        if other is g or other.kind not in ("orthogonal", "rotary"):
+            continue
+        layout = _circuit_layout(other, coord, g)
+        if layout is None:
+            continue
+        n_heads = g.copies * g.size
+        stacks = {w: torch.stack([torch.cat([x for side in ("primal", "dual")
+                                             for x in _side_slices(ws, w, layout, h, side)], 1)
+                                  for h in range(n_heads)]) for w in ("src", "anc")}
+        cross = torch.einsum("ikf,jlf->ijkl", stacks["src"], stacks["anc"])  # [source head, anchor head]
+        total += _per_copy(procrustes_value(cross), g)
+        for m in other.members:
+            if (m.param, m.axis) in coord:
+                covered[(m.param, m.axis)].update(m.index.reshape(-1).tolist())
+    for m in members:
+        if set(m.index.reshape(-1).tolist()) - covered[(m.param, m.axis)]:
+            bs, ba = ws.gather("src", m).double(), ws.gather("anc", m).double()
+            value = procrustes_value(torch.einsum("cibr,cjdr->cijbd", bs, ba)).reshape(g.copies, g.size, g.size)
+            total += np.swapaxes(value, -1, -2)
+    return total
+
+
 def _coordinate_maps(g: Group) -> dict[tuple[str, int], np.ndarray]:
     """(param, axis) -> position -> flat head coordinate (copy * size + head), -1 outside the group."""
     maps = {}
