@@ -37,7 +37,6 @@ __all__ = [
     "hungarian", "signed_hungarian",
     "rescale_quartic", "rescale_from_stats", "rescale_objective",
     "joint_rotation_rescale", "qk_objective",
-    "head_matching",
     "rotary_closed_form", "rotation_2x2", "rotary_objective",
     "unit_scales", "unit_scale_objective",
 ]
@@ -355,43 +354,6 @@ def joint_rotation_rescale(mq: Array, mk: Array, q_sq, k_sq, *, positive: bool =
 
 
 # -- head permutation x per-head rotation ------------------------------------------------------------------------
-def head_matching(cross_per_pair: Array | Sequence[Array], *, special: bool = False):
-    r"""Joint head permutation and per-head rotation(s), exactly.
-
-    With :math:`C_{ij}` the cross matrix of source head :math:`i` and anchor head :math:`j`,
-    :math:`\min_{\pi, R_j} \sum_j \|R_j^\top X_{\pi(j)} - Y_j\|^2 = \text{const}
-    - 2\max_\pi \sum_j \|C_{\pi(j) j}\|_*`: a linear assignment on nuclear norms, then Procrustes inside each
-    matched pair. Several rotation groups sharing one head permutation (QK and VO of one layer) are passed as a
-    sequence; their nuclear norms add.
-
-    Parameters
-    ----------
-    cross_per_pair : (..., H, H, d, d) array, or a sequence of such arrays (each its own d)
-        ``cross[..., i, j] = sum X_src_head_i X_anchor_head_j^T`` (source head first, then anchor head).
-
-    Returns
-    -------
-    perm : (..., H) int64
-        Anchor position ``j`` receives source head ``perm[j]`` (aligned heads ``X[perm]``).
-    R : (..., H, d, d), or a tuple of them for a sequence input
-        ``R[j]`` rotates source head ``perm[j]`` onto anchor head ``j``: :math:`X \to R_j^\top X_{perm_j}`.
-    """
-    single = isinstance(cross_per_pair, (np.ndarray, torch.Tensor))
-    crosses = [cross_per_pair] if single else list(cross_per_pair)
-    tensors = [as_tensor(c) for c in crosses]
-    lead, H = tensors[0].shape[:-4], tensors[0].shape[-3]
-    value = sum(procrustes_value(t, special=special) for t in tensors).reshape(-1, H, H)  # [src, anchor]
-    perm = np.stack([hungarian(v.T) for v in value])  # [anchor] -> src
-    idx = torch.from_numpy(perm)
-    rotations = []
-    for c, t in zip(crosses, tensors):
-        flat = t.reshape(-1, H, H, *t.shape[-2:])
-        matched = flat[torch.arange(flat.shape[0])[:, None], idx, torch.arange(H)[None, :]]
-        rotations.append(like(as_tensor(procrustes(matched, special=special)).reshape(*lead, H, *t.shape[-2:]), c))
-    perm = perm.reshape(*lead, H)
-    return perm, (rotations[0] if single else tuple(rotations))
-
-
 # -- rotary: per-pair scaled rotation -------------------------------------------------------------------------
 def rotation_2x2(phi, c=1.0) -> np.ndarray:
     r""":math:`c R(\phi) = c\begin{pmatrix}\cos\phi & -\sin\phi\\ \sin\phi & \cos\phi\end{pmatrix}`,
