@@ -60,3 +60,15 @@ def test_an_op_missing_from_the_specs_pins_its_axes():
     assert report.groups == ()
     assert any("no spec describes" in p.reason for p in report.pinned)
     assert report.unknown_ops
+
+
+def test_every_subpackage_is_installed_by_pyproject():
+    """A subpackage missing from [tool.setuptools] packages works in an editable install and vanishes from a
+    real one; keep the list complete."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "symgraph").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
