@@ -145,6 +145,7 @@ class Aligner:
         src = {k: source[k].detach().to(self.dtype).clone() for k in names}
         anc = {k: anchor[k].detach().to(self.dtype) for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
+        self.anchor_sq = sum(float(a.double().pow(2).sum()) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
         self.stats: list[GroupStat] = []
         ids = {g.id for g in self.groups}
@@ -214,8 +215,7 @@ class Aligner:
 
     def distance(self) -> float:
         """Relative L2 distance to the anchor over the parameters the groups touch (the descent's yardstick)."""
-        den = sum(float(self.ws.anc[k].double().pow(2).sum()) for k in self.ws.anc)
-        return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(den, 1e-300)))
+        return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(self.anchor_sq, 1e-300)))
 
     # -- one group -----------------------------------------------------------------------------------------------
     def _batch_with(self, g: Group, todo: list[Group]) -> list[Group]:
@@ -388,14 +388,15 @@ def check_same_config(source_config, anchor_config) -> None:
                             hint="align two models of the same architecture and configuration.")
 
 
-def free_cost_members(subject, groups, mode: str) -> list[Member]:
+def free_cost_members(subject, groups, mode: str, evaluator=None) -> list[Member]:
     """The slices to leave out of matching costs for ``subject``: its key biases that the outputs provably
-    ignore (checked numerically in float64). None in ``paper`` mode, whose algorithm costs every member."""
+    ignore (checked numerically in float64 with ``evaluator``, built from ``subject`` when not given). None in
+    ``paper`` mode, whose algorithm costs every member."""
     if mode == "paper":
         return []
     from .verify import Evaluator, free_members
 
-    evaluator = Evaluator(subject.model, subject.args, subject.kwargs)
+    evaluator = evaluator or Evaluator(subject.model, subject.args, subject.kwargs)
     return free_members(evaluator, key_bias_candidates(groups, subject.state_dict()))
 
 

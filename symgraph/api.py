@@ -176,7 +176,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     clock = time.perf_counter()
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
     state = src.state_dict()
-    free = free_cost_members(src, groups, mode)
+    evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
+    free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
     result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, progress=progress,
@@ -186,7 +187,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.free = [m.param for m in free]
     if verify:
         clock = time.perf_counter()
-        _verify_alignment(Evaluator(src.model, src.args, src.kwargs), state, result)
+        _verify_alignment(evaluator, state, result)
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result

@@ -257,7 +257,7 @@ def _apply(state, element: Element) -> dict[str, torch.Tensor]:
     from ..elements import apply
 
     touched = {m.param for m in element.group.members}
-    return apply({k: state[k] for k in touched}, [element], dtype=torch.float64)
+    return apply({k: state[k] for k in touched}, [element], dtype=state[next(iter(touched))].dtype)
 
 
 def _pair_blocks(cross: np.ndarray, pairs: np.ndarray) -> np.ndarray:

@@ -32,54 +32,46 @@ _WITHIN_KINDS = ("orthogonal", "general_linear", "rotary")
 
 def invariant_head_similarity(ws, g: Group, members: list[Member], groups) -> np.ndarray:
     """S[c, anchor head, source head]: summed cosines of per-head circuits (and of uncovered members)."""
-    coord = _coordinate_maps(g)
-    total = np.zeros((g.copies, g.size, g.size))
-    covered: dict[tuple[str, int], set[int]] = defaultdict(set)
-    for other in groups:
-        if other is g or other.kind not in _WITHIN_KINDS:
-            continue
-        layout = _circuit_layout(other, coord, g)
-        if layout is None:
-            continue
-        total += _circuit_cosines(ws, layout, g)
-        for m in other.members:
-            if (m.param, m.axis) in coord:
-                covered[(m.param, m.axis)].update(m.index.reshape(-1).tolist())
-    for m in members:
-        rest = set(m.index.reshape(-1).tolist()) - covered[(m.param, m.axis)]
-        if rest:
-            total += _direct_cosines(ws, m)
-    return total
+    return _head_similarity(ws, g, members, groups, _WITHIN_KINDS, _circuit_cosines, normalise=True)
 
 
 def rotation_head_similarity(ws, g: Group, members: list[Member], groups) -> np.ndarray:
     """S[c, anchor head, source head]: the best similarity of two heads when the per-head rotations follow,
     sum over per-head groups ``L`` of ``||sum over L's members X_src,i X_anc,j^T||_*`` (members of one group
     share its rotation: one nuclear norm per group, not per member), plus members no such group covers."""
+    return _head_similarity(ws, g, members, groups, ("orthogonal", "rotary"), _rotation_values, normalise=False)
+
+
+def _head_similarity(ws, g: Group, members, groups, kinds, per_group, *, normalise: bool) -> np.ndarray:
+    """``per_group`` summed over the per-head groups of ``kinds`` that sit inside single heads, plus the
+    Procrustes value of each head member no such group covers."""
     coord = _coordinate_maps(g)
     total = np.zeros((g.copies, g.size, g.size))
     covered: dict[tuple[str, int], set[int]] = defaultdict(set)
     for other in groups:
-        if other is g or other.kind not in ("orthogonal", "rotary"):
+        if other is g or other.kind not in kinds:
             continue
         layout = _circuit_layout(other, coord, g)
         if layout is None:
             continue
-        n_heads = g.copies * g.size
-        stacks = {w: torch.stack([torch.cat([x for side in ("primal", "dual")
-                                             for x in _side_slices(ws, w, layout, h, side)], 1)
-                                  for h in range(n_heads)]) for w in ("src", "anc")}
-        cross = torch.einsum("ikf,jlf->ijkl", stacks["src"], stacks["anc"])  # [source head, anchor head]
-        total += _per_copy(procrustes_value(cross), g)
+        total += per_group(ws, layout, g)
         for m in other.members:
             if (m.param, m.axis) in coord:
                 covered[(m.param, m.axis)].update(m.index.reshape(-1).tolist())
     for m in members:
         if set(m.index.reshape(-1).tolist()) - covered[(m.param, m.axis)]:
-            bs, ba = ws.gather("src", m).double(), ws.gather("anc", m).double()
-            value = procrustes_value(torch.einsum("cibr,cjdr->cijbd", bs, ba)).reshape(g.copies, g.size, g.size)
-            total += np.swapaxes(value, -1, -2)
+            total += _member_values(ws, m, normalise=normalise)
     return total
+
+
+def _rotation_values(ws, layout, g: Group) -> np.ndarray:
+    n_heads = g.copies * g.size
+    def head_block(which: str, h: int) -> torch.Tensor:  # both sides of head h, features side by side
+        return torch.cat([x for side in ("primal", "dual") for x in _side_slices(ws, which, layout, h, side)], 1)
+
+    stacks = {w: torch.stack([head_block(w, h) for h in range(n_heads)]) for w in ("src", "anc")}
+    cross = torch.einsum("ikf,jlf->ijkl", stacks["src"], stacks["anc"])  # [source head, anchor head]
+    return _per_copy(procrustes_value(cross), g)
 
 
 def _coordinate_maps(g: Group) -> dict[tuple[str, int], np.ndarray]:
@@ -190,12 +182,15 @@ def _is_multi(layout, side) -> bool:
     return any(len(v) != len({id(m) for m, _ in v}) for v in sides[side].values())
 
 
-def _direct_cosines(ws, m: Member) -> np.ndarray:
+def _member_values(ws, m: Member, *, normalise: bool) -> np.ndarray:
+    """S[c, anchor head, source head] = ||X_src,i X_anc,j^T||_* of one member's head blocks (invariant to any
+    orthogonal map inside a head); with ``normalise``, divided by both blocks' norms (a cosine)."""
     bs, ba = ws.gather("src", m).double(), ws.gather("anc", m).double()  # (copies, heads, block, rest)
-    cross = torch.einsum("cibr,cjdr->cijbd", bs, ba)
-    value = procrustes_value(cross).reshape(cross.shape[:3])
-    ns, na = bs.flatten(2).norm(dim=2).numpy(), ba.flatten(2).norm(dim=2).numpy()
-    value = value / np.maximum(ns[:, :, None] * na[:, None, :], 1e-300)
+    copies, heads = bs.shape[:2]
+    value = procrustes_value(torch.einsum("cibr,cjdr->cijbd", bs, ba)).reshape(copies, heads, heads)
+    if normalise:
+        ns, na = bs.flatten(2).norm(dim=2).numpy(), ba.flatten(2).norm(dim=2).numpy()
+        value = value / np.maximum(ns[:, :, None] * na[:, None, :], 1e-300)
     return np.swapaxes(value, -1, -2)
 
 

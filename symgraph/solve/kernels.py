@@ -353,7 +353,6 @@ def joint_rotation_rescale(mq: Array, mk: Array, q_sq, k_sq, *, positive: bool =
     return like(R, mq), a.reshape(batch)
 
 
-# -- head permutation x per-head rotation ------------------------------------------------------------------------
 # -- rotary: per-pair scaled rotation -------------------------------------------------------------------------
 def rotation_2x2(phi, c=1.0) -> np.ndarray:
     r""":math:`c R(\phi) = c\begin{pmatrix}\cos\phi & -\sin\phi\\ \sin\phi & \cos\phi\end{pmatrix}`,
