@@ -91,20 +91,18 @@ def align(source, anchor, output, mode, only, no_rescale, layers, stats_path, ov
 
 
 class _ProgressBar:
-    """A tqdm bar per alignment stage, on stderr, only when stderr is a terminal."""
+    """A bar per alignment stage (:func:`symgraph.progress.progress_bar`: on stderr, only on a terminal)."""
 
     def __init__(self, disable: bool = False):
-        self.disable = disable or not sys.stderr.isatty()
+        self.enabled = not disable
         self.bar, self.stage = None, None
 
     def update(self, stage, group, done, total) -> None:
-        if self.disable:
-            return
-        from tqdm import tqdm
+        from .progress import progress_bar
 
         if stage != self.stage:
             self.close()
-            self.bar, self.stage = tqdm(total=total, desc=stage, unit="group", leave=False), stage
+            self.bar, self.stage = progress_bar(desc=stage, total=total, enabled=self.enabled), stage
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:

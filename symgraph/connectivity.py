@@ -14,9 +14,7 @@ Examples
 from __future__ import annotations
 
 import copy
-import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,17 +243,10 @@ def check_plot_path(path) -> Path:
 
 
 def _save_figure(figure, path: Path) -> Path:
+    from .io import write_atomic
+
     suffix = check_plot_path(path).suffix.lstrip(".").lower()
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        figure.savefig(tmp, format=suffix, dpi=120)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise OutputError(f"Cannot write '{path}': {exc.strerror or exc}.",
-                          hint="check the path is writable and the disk has space.") from exc
-    finally:
-        tmp.unlink(missing_ok=True)  # gone already after a successful rename
-    return path
+    return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
 def _check_options(steps: int, aligns: Sequence[str]) -> None:

@@ -805,16 +805,23 @@ def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
 
 def write_text_atomic(path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary sibling and a rename, so no half-written file is left."""
+    return write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_atomic(path, write) -> Path:
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it into place: readers see the old file
+    or the whole new one, never half of it. OS errors become :class:`OutputError`."""
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise OutputError(f"Cannot write '{path}': folder '{path.parent}' does not exist.",
                           hint="create the folder first, or choose another output path.")
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"Cannot write '{path}': {exc.strerror or exc}.",
                           hint="check the path is writable and the disk has space.") from exc
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after a successful rename
     return path
