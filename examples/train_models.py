@@ -198,7 +198,10 @@ SAMPLERS = {"vit": _digit_batches, "llama": _char_windows, "bert": _topic_batche
 FAMILIES = {
     "vit": Family("vit", "digits", steps=3000, lr=2e-3, batch=64),
     "llama": Family("llama", "pydoc-chars", steps=1200, lr=3e-3, batch=32),
-    "bert": Family("bert", "pydoc-topics", steps=1200, lr=2e-3, batch=32, weight_decay=0.1),
+    # 400 steps, 3.6 epochs over the 3,205 training lines. At 1200 steps the pair overfit (train loss 0.77, test
+    # 1.19 / 1.125; these give 1.13 / 1.12): the test loss then fell on moving towards the other model, so every
+    # aligned path stayed under the chord and no alignment could show a lower barrier than another.
+    "bert": Family("bert", "pydoc-topics", steps=400, lr=2e-3, batch=32, weight_decay=0.1),
 }
 FOLDERS = {"vit": "vit-digits", "llama": "llama-chars", "bert": "bert-topics"}
 TASKS = {"vit": "classification", "llama": "causal_lm", "bert": "classification"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solv
 from .solve.workspace import Workspace
 
 MODES = ("full", "paper", "permutation")
+PERMUTATION_KINDS = ("permutation", "signed_permutation")
 ONLY = ("attention", "ffn", "residual")
 _ORDER = {"residual": 0, "heads": 1, "qk": 2, "vo": 3, "ffn": 4, "scale_free": 5, "other": 6}
 
@@ -53,6 +54,9 @@ class AlignResult:
     timings: dict[str, float] = field(default_factory=dict)
     free: list[str] = field(default_factory=list)  # parameters left out of costs as functionally free
     verified_error: float | None = None  # relative output difference to the source, when checked
+    refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
+    starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
+    start: str = "recovery"  # the start kept
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -65,7 +69,9 @@ class AlignResult:
 
     def to_json(self) -> dict:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
-                "verified_relative_error": self.verified_error, "timings_s": self.timings,
+                "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
+                "starts": self.starts, "start": self.start,
+                "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}
 
@@ -82,7 +88,7 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
     for g in groups:
         if mode == "paper" and not (g.motif in ("qk", "vo") or (g.motif == "ffn" and g.kind != "scale")):
             continue
-        if mode == "permutation" and g.kind not in ("permutation", "signed_permutation"):
+        if mode == "permutation" and g.kind not in PERMUTATION_KINDS:
             continue
         if not rescale and g.kind == "scale" and g.motif == "qk":
             continue
@@ -99,29 +105,78 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
 
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
-                 rounds: int = 8, progress=None, cost_excluded=()) -> AlignResult:
+                 rounds: int = 8, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
+                 cost_excluded=()) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
-    ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
-    slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
+    After the first pass, at most ``rounds`` rounds of coordinate descent run; they stop early once a round
+    lowers the distance by less than ``tolerance`` of itself. In full mode, unless the source was recovered
+    exactly, a second descent starts from weight matching of the permutations (``matching_start``, see
+    :func:`_matching_start`) and the closer of the two results is kept. ``progress(stage, group, done, total)``
+    is called after every solve. ``cost_excluded`` lists members whose slices the model ignores (they move with
+    their groups but never enter a cost). Neither input is modified.
     Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast); the
     result is cast back to each tensor's own dtype. Distances are whole-model (:func:`relative_distance`).
     """
-    clock = time.perf_counter()
-    aligner = Aligner(groups, source, anchor, mode=mode, rescale=rescale, cost_excluded=cost_excluded)
-    timings = {"setup": time.perf_counter() - clock}
-    clock = time.perf_counter()
-    aligner.first_pass(progress)
-    timings["first_pass"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    if mode != "paper":  # the paper solves each group once; weight matching descends until nothing improves
-        aligner.refine(rounds, progress)
-    timings["refine"] = time.perf_counter() - clock
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise SymgraphError(f"Refinement rounds must be a whole number >= 0, not {rounds!r}.",
+                            hint="pass 0 to stop after the first pass, or more rounds to descend longer.")
+    if not tolerance >= 0:  # also refuses NaN
+        raise SymgraphError(f"The refinement tolerance must be >= 0, not {tolerance!r}.",
+                            hint="pass 0 to descend until a round changes nothing (or the rounds run out).")
+    options = dict(rescale=rescale, cost_excluded=cost_excluded)
+    timings: dict[str, float] = {}
+    aligner = first = _descend(Aligner(groups, source, anchor, mode=mode, **options), rounds, tolerance, progress,
+                               timings)
+    starts = {"recovery": aligner.distance()}
+    matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
+    if matching_start and mode == "full" and matching and len(matching) < len(groups) and not aligner.recovered():
+        clock = time.perf_counter()
+        other = _matching_start(groups, matching, source, anchor, rounds, tolerance, progress, options)
+        starts["matching"] = other.distance()
+        timings["matching_start"] = time.perf_counter() - clock
+        if starts["matching"] < starts["recovery"] * (1 - 1e-6):  # a tie (one optimum, reached twice) keeps the first
+            aligner = other
     timings["solvers"] = sum(s.seconds for s in aligner.stats)
     out = dict(source)
     out.update({k: aligner.src[k].to(source[k].dtype) for k in aligner.src})
     return AlignResult(out, aligner.elements, aligner.stats, relative_distance(source, anchor),
-                       relative_distance(out, anchor), timings)
+                       relative_distance(out, anchor), timings, refine_rounds=aligner.rounds_run,
+                       starts=starts, start="matching" if aligner is not first else "recovery")
+
+
+def _descend(aligner: "Aligner", rounds: int, tolerance: float, progress, timings: dict,
+             solved: frozenset[str] = frozenset()) -> "Aligner":
+    """The first pass, then (except in paper mode) coordinate descent; stage times go into ``timings``."""
+    clock = time.perf_counter()
+    aligner.first_pass(progress, solved)
+    timings["first_pass"] = timings.get("first_pass", 0.0) + time.perf_counter() - clock
+    clock = time.perf_counter()
+    if aligner.mode != "paper":  # the paper solves each group once; weight matching descends until nothing improves
+        aligner.refine(rounds, tolerance, progress)
+    timings["refine"] = timings.get("refine", 0.0) + time.perf_counter() - clock
+    return aligner
+
+
+def _matching_start(groups, matching, source, anchor, rounds, tolerance, progress, options) -> "Aligner":
+    """Full mode's second start: weight matching of the permutations first (with every member, as
+    ``permutation`` mode does), then the continuous groups, then descent over everything.
+
+    The first pass solves each group from the members no unsolved group still moves: exact for a
+    reparametrised copy, but between independently trained models that evidence can be thin (post-LN BERT's
+    residual permutation sees only embeddings and norms), and descent from there can stall in a worse optimum
+    than weight matching reaches. Both starts are descended; the lower distance wins."""
+    start = _descend(Aligner(matching, source, anchor, mode="permutation", **options), rounds, tolerance, progress,
+                     {})
+    moved = {**source, **start.src}
+    elements, stats = start.elements, start.stats
+    del start  # one working copy less while the second one is made
+    other = Aligner(groups, moved, anchor, mode="full", **options)
+    del moved
+    _descend(other, rounds, tolerance, progress, {}, solved=frozenset(g.id for g in matching))
+    other.elements = elements + other.elements
+    other.stats = [replace(s, stage=f"matching {s.stage}") for s in stats + other.stats]
+    return other
 
 
 def relative_distance(state: dict, anchor: dict, names=None) -> float:
@@ -164,15 +219,21 @@ class Aligner:
         self._ready_cache: dict[str, tuple[bool, float]] = {}
         self.version: dict[str, int] = defaultdict(int)  # bumped whenever a parameter moves
         self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
+        self.rounds_run = 0
 
     @property
     def src(self) -> dict[str, torch.Tensor]:
         return self.ws.src
 
     # -- driver ------------------------------------------------------------------------------------------------
-    def first_pass(self, progress=None) -> None:
-        """Solve every group once, each when the members it can trust determine it (see :meth:`_exact`)."""
-        todo = [g for g in self.groups if g.id not in self.joint]
+    def first_pass(self, progress=None, solved: frozenset[str] = frozenset()) -> None:
+        """Solve every group once, each when the members it can trust determine it (see :meth:`_exact`);
+        groups in ``solved`` count as solved already."""
+        for g in self.groups:
+            if g.id in solved:
+                for m in g.members:
+                    self.pending[(m.param, m.axis)].discard(g.id)
+        todo = [g for g in self.groups if g.id not in self.joint and g.id not in solved]
         total = len(todo)
         self.start = self.distance()
         while todo:
@@ -190,13 +251,14 @@ class Aligner:
                 if progress is not None:
                     progress("first pass", g, total - len(todo), total)
 
-    def refine(self, rounds: int, progress=None) -> None:
+    def refine(self, rounds: int, tolerance: float = 1e-4, progress=None) -> None:
         """Coordinate descent with every member: each group moves only if its own distance falls, until a whole
-        round lowers the total distance by less than 1e-4 of itself (or 1e-7 of where the first pass started:
-        rounding noise on an exactly recovered model is no progress)."""
+        round lowers the total distance by less than ``tolerance`` of itself (or 1e-7 of where the first pass
+        started: rounding noise on an exactly recovered model is no progress)."""
         # Rotations last in each round, batched: they never share a parameter with each other.
         solvable = sorted((g for g in self.groups if g.id not in self.joint), key=lambda g: g.kind == "orthogonal")
         for round_ in range(1, rounds + 1):
+            self.rounds_run = round_
             before = self.distance()
             todo = [g for g in solvable if self.solved_at.get(g.id) != self._versions(g)]  # others: same answer
             done = len(solvable) - len(todo)
@@ -210,12 +272,16 @@ class Aligner:
                     done += 1
                     if progress is not None:
                         progress(f"refine {round_}", g, done, len(solvable))
-            if before - self.distance() <= max(1e-4 * before, 1e-7 * self.start):
+            if before - self.distance() <= max(tolerance * before, 1e-7 * self.start):
                 break
 
     def distance(self) -> float:
         """Relative L2 distance to the anchor over the parameters the groups touch (the descent's yardstick)."""
         return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(self.anchor_sq, 1e-300)))
+
+    def recovered(self) -> bool:
+        """The source is now the anchor up to rounding: a reparametrised copy, exactly undone."""
+        return self.distance() <= 1e-6 * max(self.start, 1e-300)
 
     # -- one group -----------------------------------------------------------------------------------------------
     def _batch_with(self, g: Group, todo: list[Group]) -> list[Group]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,7 @@ class BarrierResult:
 
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
-            progress: bool = True) -> BarrierResult:
+            align_options: Mapping[str, Any] | None = None, progress: bool = True) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -87,6 +87,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``.
     batch_size, limit, split
         How a data SPEC is loaded.
+    align_options
+        Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
+        ``tolerance``, ``matching_start`` (the ablations and the descent's length).
     progress
         Show progress bars (only ever on a terminal).
 
@@ -100,7 +103,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     >>> result.curves["full"].distance < result.curves["none"].distance
     True
     """
-    _check_options(steps, aligns)
+    _check_options(steps, aligns, align_options or {})
     start = time.perf_counter()
     from .alignment import check_same_architecture
     from .datasets import load_data
@@ -110,7 +113,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     check_same_architecture(second, first)  # after the data: capturing takes longer
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
-    curves = {mode: _curve(mode, first, second, path) for mode in aligns}
+    curves = {mode: _curve(mode, first, second, path, align_options or {}) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
                          time.perf_counter() - start)
 
@@ -187,9 +190,9 @@ class _Path:
             return evaluate(self.model, self.data)
 
 
-def _curve(mode: str, anchor: Subject, source: Subject, path: _Path) -> BarrierCurve:
+def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Mapping[str, Any]) -> BarrierCurve:
     start = time.perf_counter()
-    aligned = _aligned(mode, anchor, source)
+    aligned = _aligned(mode, anchor, source, options)
     seconds = time.perf_counter() - start
     metrics = path.metrics(aligned, mode)
     losses = [m.loss for m in metrics]
@@ -199,11 +202,11 @@ def _curve(mode: str, anchor: Subject, source: Subject, path: _Path) -> BarrierC
                         relative_distance(aligned, path.anchor, path.names), seconds)
 
 
-def _aligned(mode: str, anchor: Subject, source: Subject) -> State:
+def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any]) -> State:
     """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
     if mode == "none":
         return source.state_dict()
-    return align(source, anchor, mode=mode, verify=True).state
+    return align(source, anchor, mode=mode, verify=True, **options).state
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
@@ -249,7 +252,14 @@ def _save_figure(figure, path: Path) -> Path:
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
-def _check_options(steps: int, aligns: Sequence[str]) -> None:
+ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start")
+
+
+def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:
+    unknown_options = sorted(set(align_options) - set(ALIGN_OPTIONS))
+    if unknown_options:
+        raise SymgraphError(f"Unknown alignment option(s) {', '.join(unknown_options)}.",
+                            hint=f"barrier passes only {', '.join(ALIGN_OPTIONS)} on to symgraph.align.")
     if steps < 3:
         raise SymgraphError(f"steps must be at least 3 (both ends and one point between), got {steps}.")
     choices = ", ".join(ALIGN_MODES[::-1])

@@ -41,6 +41,7 @@ def test_random_group_element_is_recovered_exactly(family):
     assert result.distance_after < 1e-6, result.distance_after
     worst = max(float((result.state[k] - v).norm() / v.norm().clamp_min(1e-30)) for k, v in anchor.items())
     assert worst < 1e-6
+    assert list(result.starts) == ["recovery"]  # exactly recovered: no second descent is needed
 
 
 def test_full_mode_beats_paper_and_permutation_on_a_noisy_reparametrisation():
@@ -85,6 +86,40 @@ def test_api_align_checks_the_function_and_reports_stages():
     assert {"load", "analyse", "first_pass", "refine", "verify", "solvers"} <= set(result.timings)
     stats = result.to_json()
     assert stats["groups"] and all(g["after"] <= g["before"] + 1e-12 for g in stats["groups"].values())
+
+
+@pytest.mark.parametrize("family", ["bert", "vit"])
+def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family):
+    a, b = (zoo.build(family, seed=s, dtype=torch.float64) for s in (0, 1))
+    subject = symgraph.load(a, zoo.example_inputs_for(family, a))
+    anchor, source, groups = subject.state_dict(), b.state_dict(), subject.report.groups
+    both = align_states(groups, source, anchor)
+    first_pass_start = align_states(groups, source, anchor, matching_start=False)
+    permutation = align_states(select_groups(groups, "permutation"), source, anchor, mode="permutation")
+    assert set(both.starts) == {"recovery", "matching"} and list(first_pass_start.starts) == ["recovery"]
+    assert both.start == min(both.starts, key=both.starts.get)
+    assert both.starts["recovery"] == pytest.approx(first_pass_start.starts["recovery"], rel=1e-12)
+    assert both.distance_after <= first_pass_start.distance_after < permutation.distance_after
+    # these independent twins land closer from the weight-matching start; its elements are all recorded
+    assert both.start == "matching" and any(s.stage.startswith("matching") for s in both.stats)
+    replayed = apply(source, both.elements)
+    assert all(torch.allclose(replayed[k], both.state[k], rtol=0, atol=1e-12) for k in anchor)
+
+
+def test_refinement_rounds_and_tolerance_bound_the_descent():
+    subject, source = reparametrised("llama", noise=0.05)
+    anchor = subject.state_dict()
+    groups = select_groups(subject.report.groups, "full")
+    first_pass_only = align_states(groups, source, anchor, rounds=0)
+    default = align_states(groups, source, anchor)
+    exhaustive = align_states(groups, source, anchor, rounds=50, tolerance=0.0)
+    assert first_pass_only.refine_rounds == 0 and {s.stage for s in first_pass_only.stats} == {"first_pass"}
+    assert 1 <= default.refine_rounds <= exhaustive.refine_rounds <= 50
+    assert exhaustive.distance_after <= default.distance_after <= first_pass_only.distance_after
+    assert exhaustive.to_json()["refine_rounds"] == exhaustive.refine_rounds
+    for bad in (dict(rounds=-1), dict(rounds=2.5), dict(tolerance=-1.0), dict(tolerance=float("nan"))):
+        with pytest.raises(SymgraphError, match="round|tolerance"):
+            align_states(groups, source, anchor, **bad)
 
 
 @pytest.mark.parametrize("family, free", [("bert", True), ("opt", True), ("qwen2", False)])
@@ -157,10 +192,12 @@ def test_cli_align_modes_and_ablations_run(tmp_path):
     moved = tmp_path / "moved"
     run("transform", DEMO, "-o", moved, "--seed", "4")
     for i, extra in enumerate([("--mode", "paper"), ("--mode", "permutation"), ("--only", "attention"),
-                               ("--no-rescale", "--layers", "1")]):
-        res = run("align", moved, DEMO, "-o", tmp_path / f"out{i}", *extra)
+                               ("--no-rescale", "--layers", "1"), ("--refine-rounds", "0")]):
+        res = run("align", moved, DEMO, "-o", tmp_path / f"out{i}", *extra, "--stats", tmp_path / f"s{i}.json")
         assert res.returncode == 0, (extra, res.stderr)
         assert "outputs equal to the source's" in res.stdout
+    assert json.loads((tmp_path / "s4.json").read_text())["refine_rounds"] == 0
+    assert json.loads((tmp_path / "s1.json").read_text())["refine_rounds"] >= 1
 
 
 def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):

@@ -104,6 +104,7 @@ def test_plot_refuses_unknown_formats_and_missing_folders(tmp_path):
     (dict(aligns=("none", "rotation")), SymgraphError, "none, permutation, paper, full"),
     (dict(aligns=("full", "full")), SymgraphError, "distinct"),
     (dict(data=Dataset("empty", "causal_lm", ())), DataError, "no examples"),
+    (dict(align_options={"rounds": 3}), SymgraphError, "Unknown alignment option\(s\) rounds"),
     (dict(data=Dataset("pixels", "classification",
                        (Batch({"pixel_values": torch.zeros(2, 3, 8, 8)}, torch.zeros(2).long()),))),
      DataError, "does not fit"),
@@ -112,6 +113,17 @@ def test_bad_input_is_refused(llama, llama_twin, kwargs, error, match):
     kwargs = {"data": tokens(), "aligns": ("none",), **kwargs}
     with pytest.raises(error, match=match):
         barrier(llama, llama_twin, progress=False, **kwargs)
+
+
+def test_align_options_reach_every_alignment(llama, llama_twin, monkeypatch):
+    seen = []
+    real = symgraph.connectivity.align
+    monkeypatch.setattr(symgraph.connectivity, "align", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    options = {"rescale": False, "refine_rounds": 0}
+    barrier(llama, llama_twin, tokens(), steps=3, aligns=("none", "permutation", "full"), align_options=options,
+            progress=False)
+    assert [kw["mode"] for kw in seen] == ["permutation", "full"]
+    assert all(kw["rescale"] is False and kw["refine_rounds"] == 0 for kw in seen)
 
 
 def test_models_of_different_architectures_are_refused(llama):
