@@ -67,13 +67,14 @@ def transform(model, output, seed, overwrite):
               help="At most this many coordinate-descent rounds after the first pass (0: first pass only).")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Stop descending once a round lowers the distance by less than this fraction.")
-@click.option("--no-matching-start", is_flag=True,
-              help="Full mode: descend from the first pass only, not also from weight matching of the permutations.")
+@click.option("--matching-start", is_flag=True,
+              help="Full mode: descend also from weight matching of the permutations, keep the closer result "
+                   "(about twice the time; can help between independently trained models).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write per-group and total distances and the time per stage as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def align(source, anchor, output, mode, only, no_rescale, layers, refine_rounds, tolerance, no_matching_start,
+def align(source, anchor, output, mode, only, no_rescale, layers, refine_rounds, tolerance, matching_start,
           stats_path, overwrite, quiet):
     from .api import align as run_align, load
     from .io import save_model
@@ -86,7 +87,7 @@ def align(source, anchor, output, mode, only, no_rescale, layers, refine_rounds,
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, rescale=not no_rescale, layers=span,
                            refine_rounds=refine_rounds, tolerance=tolerance,
-                           matching_start=not no_matching_start, progress=bar.update)
+                           matching_start=matching_start, progress=bar.update)
     result.timings["load"] = loading
     clock = time.perf_counter()
     save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)

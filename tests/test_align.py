@@ -36,7 +36,7 @@ def reparametrised(family, seed=7, noise=0.0, dtype=torch.float64):
 def test_random_group_element_is_recovered_exactly(family):
     subject, source = reparametrised(family)
     anchor = subject.state_dict()
-    result = align_states(subject.report.groups, source, anchor, mode="full")
+    result = align_states(subject.report.groups, source, anchor, mode="full", matching_start=True)
     assert result.distance_before > 0.2  # whole-model distance: ungrouped tensors (T5's embedding) dilute it
     assert result.distance_after < 1e-6, result.distance_after
     worst = max(float((result.state[k] - v).norm() / v.norm().clamp_min(1e-30)) for k, v in anchor.items())
@@ -93,8 +93,8 @@ def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family):
     a, b = (zoo.build(family, seed=s, dtype=torch.float64) for s in (0, 1))
     subject = symgraph.load(a, zoo.example_inputs_for(family, a))
     anchor, source, groups = subject.state_dict(), b.state_dict(), subject.report.groups
-    both = align_states(groups, source, anchor)
-    first_pass_start = align_states(groups, source, anchor, matching_start=False)
+    both = align_states(groups, source, anchor, matching_start=True)
+    first_pass_start = align_states(groups, source, anchor)
     permutation = align_states(select_groups(groups, "permutation"), source, anchor, mode="permutation")
     assert set(both.starts) == {"recovery", "matching"} and list(first_pass_start.starts) == ["recovery"]
     assert both.start == min(both.starts, key=both.starts.get)
@@ -192,12 +192,13 @@ def test_cli_align_modes_and_ablations_run(tmp_path):
     moved = tmp_path / "moved"
     run("transform", DEMO, "-o", moved, "--seed", "4")
     for i, extra in enumerate([("--mode", "paper"), ("--mode", "permutation"), ("--only", "attention"),
-                               ("--no-rescale", "--layers", "1"), ("--refine-rounds", "0")]):
+                               ("--no-rescale", "--layers", "1"), ("--refine-rounds", "0"), ("--matching-start",)]):
         res = run("align", moved, DEMO, "-o", tmp_path / f"out{i}", *extra, "--stats", tmp_path / f"s{i}.json")
         assert res.returncode == 0, (extra, res.stderr)
         assert "outputs equal to the source's" in res.stdout
     assert json.loads((tmp_path / "s4.json").read_text())["refine_rounds"] == 0
     assert json.loads((tmp_path / "s1.json").read_text())["refine_rounds"] >= 1
+    assert json.loads((tmp_path / "s5.json").read_text())["starts"].keys() == {"recovery"}  # recovered: one start
 
 
 def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):
