@@ -7,7 +7,8 @@ axes, nothing overlapping them on this one), and the first pass always takes the
 determine (the residual stream from the embeddings, then norm scales, heads, rotations, FFN units). Head
 permutations are matched on per-head invariants (:mod:`symgraph.solve.heads`). ``full`` and ``permutation``
 modes then descend: every group whose parameters moved is solved again with all its members, a move is kept
-only if the group's distance falls, until a round gains less than 1e-4. ``paper`` mode solves each group once.
+only if the group's distance falls, until a round gains less than ``tolerance`` (1e-4 by default). ``paper``
+mode solves each group once.
 """
 from __future__ import annotations
 
@@ -112,8 +113,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     After the first pass, at most ``rounds`` rounds of coordinate descent run; they stop early once a round
     lowers the distance by less than ``tolerance`` of itself. With ``matching_start`` (full mode), unless the
     source was recovered exactly, a second descent starts from weight matching of the permutations (see
-    :func:`_matching_start`) and the closer of the two results is kept; it about doubles the time. ``progress(stage, group, done, total)``
-    is called after every solve. ``cost_excluded`` lists members whose slices the model ignores (they move with
+    :func:`_matching_start`) and the closer of the two results is kept; it about doubles the time.
+    ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose slices the model ignores (they move with
     their groups but never enter a cost). Neither input is modified.
     Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast); the
     result is cast back to each tensor's own dtype. Distances are whole-model (:func:`relative_distance`).
@@ -253,7 +254,7 @@ class Aligner:
                 if progress is not None:
                     progress("first pass", g, total - len(todo), total)
 
-    def refine(self, rounds: int, tolerance: float = 1e-4, progress=None) -> None:
+    def refine(self, rounds: int, tolerance: float, progress=None) -> None:
         """Coordinate descent with every member: each group moves only if its own distance falls, until a whole
         round lowers the total distance by less than ``tolerance`` of itself (or 1e-7 of where the first pass
         started: rounding noise on an exactly recovered model is no progress)."""

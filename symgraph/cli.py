@@ -53,6 +53,29 @@ def transform(model, output, seed, overwrite):
                f"in float64)")
 
 
+def _descent_options(command):
+    """The options of every alignment's descent, shared by ``align`` and ``barrier`` (see :func:`_descent`)."""
+    options = [
+        click.option("--no-rescale", is_flag=True, help="Ablation: no QK / rotary rescaling."),
+        click.option("--refine-rounds", type=click.IntRange(min=0), default=8, show_default=True,
+                     help="At most this many coordinate-descent rounds after the first pass (0: first pass only)."),
+        click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
+                     help="Stop descending once a round lowers the distance by less than this fraction."),
+        click.option("--matching-start", is_flag=True,
+                     help="Full mode: descend also from weight matching of the permutations, keep the closer "
+                          "result (about twice the time; can help between independently trained models)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
+    """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
+    return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
+                matching_start=matching_start)
+
+
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
                   "that computes exactly what SOURCE computes (checked before anything is written).")
 @click.argument("source")
@@ -61,20 +84,13 @@ def transform(model, output, seed, overwrite):
 @click.option("--mode", type=click.Choice(["full", "paper", "permutation"]), default="full", show_default=True,
               help="full: every group, best solver each; paper: the paper's algorithm; permutation: weight matching.")
 @click.option("--only", type=click.Choice(["attention", "ffn", "residual"]), help="Ablation: one family of groups.")
-@click.option("--no-rescale", is_flag=True, help="Ablation: no QK / rotary rescaling.")
 @click.option("--layers", help="Only groups of these layers, e.g. 0-5 (the paper's layer-subset study).")
-@click.option("--refine-rounds", type=click.IntRange(min=0), default=8, show_default=True,
-              help="At most this many coordinate-descent rounds after the first pass (0: first pass only).")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
-              help="Stop descending once a round lowers the distance by less than this fraction.")
-@click.option("--matching-start", is_flag=True,
-              help="Full mode: descend also from weight matching of the permutations, keep the closer result "
-                   "(about twice the time; can help between independently trained models).")
+@_descent_options
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write per-group and total distances and the time per stage as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def align(source, anchor, output, mode, only, no_rescale, layers, refine_rounds, tolerance, matching_start,
+def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           stats_path, overwrite, quiet):
     from .api import align as run_align, load
     from .io import save_model
@@ -85,9 +101,8 @@ def align(source, anchor, output, mode, only, no_rescale, layers, refine_rounds,
     subject, anchor_subject = load(source), load(anchor)
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
-        result = run_align(subject, anchor_subject, mode=mode, only=only, rescale=not no_rescale, layers=span,
-                           refine_rounds=refine_rounds, tolerance=tolerance,
-                           matching_start=matching_start, progress=bar.update)
+        result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
+                           **_descent(no_rescale, refine_rounds, tolerance, matching_start))
     result.timings["load"] = loading
     clock = time.perf_counter()
     save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
@@ -225,17 +240,20 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--steps", default=21, show_default=True, type=click.IntRange(min=3), help="Points on the path.")
 @click.option("--align", "aligns", default="none,permutation,paper,full", show_default=True,
               help="Comma-separated alignment modes to compare.")
+@_descent_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, output, json_path, no_progress):
+def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
+            matching_start, output, json_path, no_progress):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
-                         split=split, progress=not no_progress)
+                         split=split, progress=not no_progress,
+                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start))
     result.plot(output)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)

@@ -268,4 +268,5 @@ def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str
         raise SymgraphError(f"Unknown alignment mode(s): {', '.join(unknown) or 'none given'}.",
                             hint=f"choose from {choices} (comma-separated on the command line).")
     if len(set(aligns)) != len(aligns):
-        raise SymgraphError(f"Alignment modes {list(aligns)} name a mode twice.", hint="list each mode once (distinct).")
+        raise SymgraphError(f"Alignment modes {list(aligns)} name a mode twice.",
+                            hint="list each mode once (distinct).")
