@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import fx
 
@@ -16,7 +17,7 @@ from ..capture import Capture, data_values
 from ..spec import OpSpec, Specs, load_specs
 from . import rules
 from .constraints import Constraints
-from .labels import Chan, IdSpace, Value, param_channels
+from .labels import Chan, IdSpace, Value, collapse, param_channels
 from .mixing import resolve as resolve_mixed
 
 
@@ -29,7 +30,9 @@ class Walker:
         self.data = data_values(cap)
         self.values: dict[str, Any] = {}
         self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
+        self.param_nodes: dict[str, fx.Node] = {}
         self.unknown_ops: dict[str, int] = {}
+        self._read: list[np.ndarray] = []  # ids that some non-movement op (or the output) consumed
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -42,6 +45,7 @@ class Walker:
                 self.values[node.name] = self._call(node)
             elif node.op == "output":
                 self._output(node)
+        self._pin_unread()
         return self
 
     def _placeholder(self, node: fx.Node) -> Value:
@@ -53,6 +57,7 @@ class Walker:
         # size-1 axes (a class token's batch and position axes) have nothing to permute or mix: no ids
         ids = {a: self.ids.allocate(n, owner=name, axis=a) for a, n in enumerate(shape) if n > 1}
         self.param_ids[name] = ids
+        self.param_nodes[name] = node
         if not node.users:  # tied to a parameter the graph reads instead: moving it alone would be wrong
             for axis_ids in ids.values():
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
@@ -67,6 +72,8 @@ class Walker:
         if not any(v.chans for v in inputs):
             return self._data_node(node, inputs)
         spec = self.specs.op(str(node.target))
+        if spec is None or spec.rule != "movement":
+            self._mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
         handler = getattr(rules, f"rule_{spec.rule}")
@@ -92,10 +99,39 @@ class Walker:
         return _like_output(node, lambda: Value(shape=_shape(node)))
 
     def _output(self, node: fx.Node) -> None:
+        self._mark_read(_flat_values(node, self.values))
         for v in _flat_values(node, self.values):
             for c in v.chans:
                 c = self.resolve(c, node.name)
                 self.c.pin(c.ids, "observable model output", node.name)
+
+    def _mark_read(self, inputs: list[Value]) -> None:
+        for v in inputs:
+            for c in v.chans:
+                for t in c.terms:
+                    ids = collapse(t.ids).reshape(-1)
+                    self._read.append(torch.unique(ids[ids >= 0]).numpy())
+
+    def _pin_unread(self) -> None:
+        """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away).
+
+        They are not free: the probe input reads a slice whose bounds may follow its shape (a position table
+        sliced by sequence length), so a longer or larger input reads coordinates this one never saw.
+        """
+        read = np.zeros(self.ids.next, dtype=bool)
+        if self._read:
+            read[np.concatenate(self._read)] = True
+        pinned = np.zeros(self.ids.next, dtype=bool)
+        for ids, _reason, _node in self.c.pins:
+            pinned[ids] = True
+        for name, axes in self.param_ids.items():
+            for axis_ids in axes.values():
+                ids = axis_ids.numpy()
+                unread = ids[~read[ids] & ~pinned[ids]]
+                if unread.size:
+                    users = list(self.param_nodes[name].users)
+                    self.c.pin(unread, "cut away by a slice at the traced input shape; another input shape may "
+                                       "read it", users[0].name if users else self.param_nodes[name].name)
 
     # -- helpers shared by rules -------------------------------------------------------------------------
     def value(self, arg) -> Value | None:
