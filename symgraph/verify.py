@@ -1,7 +1,8 @@
 """Numerical invariance: does a transformed state dict compute what the original computes?
 
 Models are evaluated in float64 with ``torch.func.functional_call`` on a float64 copy, so nothing the caller holds
-is modified. The relative error ``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that
+is modified. Every check runs the example inputs and a variant of another shape (larger batch, longer sequences,
+a padding mask: :func:`symgraph.probes.probe_inputs`), because the graph was traced at one shape only. The relative error ``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that
 reflects the dtype actually computed (HF RMSNorm and eager softmax upcast to fp32 internally).
 """
 from __future__ import annotations
@@ -27,34 +28,42 @@ class Outcome:
 
 
 class Evaluator:
-    """Runs one model in float64 with substitute parameters; caches the reference output."""
+    """Runs one model in float64 with substitute parameters on inputs of several shapes; caches the reference
+    outputs. ``shapes=False`` checks the given inputs only."""
 
-    def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None):
+    def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True):
+        from .probes import probe_inputs
+
         self.model = copy.deepcopy(model).to(torch.float64).eval()
-        self.args = tuple(_to64(a) for a in args)
-        self.kwargs = {k: _to64(v) for k, v in (kwargs or {}).items()}
+        args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
+        self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
         with _LowestFloat() as seen:
-            self.reference = self.outputs(self.state)
+            self.references = self.outputs(self.state)
         self.tolerance = TOLERANCE[seen.lowest]
 
-    def outputs(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    def outputs(self, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The model's flattened float outputs on each probe input."""
         state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
         for names in self.aliases:  # tied weights: whichever name was transformed speaks for all
             changed = [n for n in names if state[n] is not self.state[n]]
             for n in names:
                 state[n] = state[changed[0] if changed else names[0]]
+        return [self._run(state, args, kwargs) for args, kwargs in self.probes]
+
+    def _run(self, state, args, kwargs) -> torch.Tensor:
         with torch.no_grad():
-            out = torch.func.functional_call(self.model, state, self.args, self.kwargs, tie_weights=False)
+            out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
         return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
                           if isinstance(t, torch.Tensor) and t.is_floating_point()])
 
     def check(self, state: dict[str, torch.Tensor]) -> Outcome:
-        """Compare outputs; parameters stored in a lower precision (a float32 copy) widen the tolerance."""
-        out = self.outputs(state)
-        err = float((out - self.reference).norm() / self.reference.norm().clamp_min(1e-30))
+        """Compare outputs at every probe shape (the worst relative error counts); parameters stored in a lower
+        precision (a float32 copy) widen the tolerance."""
+        err = max(float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                  for out, ref in zip(self.outputs(state), self.references))
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         return Outcome(err, max([self.tolerance, *stored]))
 

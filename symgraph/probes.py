@@ -1,0 +1,131 @@
+"""Inputs of more than one shape for the float64 checks, derived from the example inputs alone.
+
+The graph is traced at one input shape, so a mistake that only shows at another shape (a position table sliced
+by sequence length, a batch-dependent reshape, padding) is invisible there. :func:`probe_inputs` returns the
+example inputs plus one variant that differs in every way the model accepts:
+
+* **batch**: one more row on axis 0 of every tensor that shares the first tensor's batch size;
+* **length**: every other axis size grown to ``2 n + 3``, one size at a time (all axes of that size together,
+  so ``input_ids`` and ``attention_mask`` grow as one); sizes the model rejects (feature widths, fixed image
+  sizes, mel bins) stay as they are;
+* **padding**: an ``attention_mask`` whose first row masks its last third, where the model takes one beside
+  ``input_ids``.
+
+Grown tensors keep the original as a prefix; new integer entries are drawn from the values the original holds
+(token ids stay clear of special tokens, a mask of ones stays ones), new float entries from its mean and spread.
+Which changes a model accepts is found by running it once per change: a change it rejects is left out.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["probe_inputs"]
+
+log = logging.getLogger(__name__)
+
+Inputs = tuple[tuple, dict]
+Change = Callable[[Inputs, torch.Generator], Inputs]
+
+
+def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0) -> list[Inputs]:
+    """``[(args, kwargs)]``: the example inputs first, then (if the model accepts any change) one variant.
+
+    Examples
+    --------
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    >>> probes = probe_inputs(mlp, (torch.randn(2, 4),), {})
+    >>> [tuple(a[0].shape) for a, _ in probes]
+    [(2, 4), (3, 4)]
+    """
+    original = (tuple(args), dict(kwargs))
+    accepted = [c for c in _changes(model, original) if _runs(model, _apply([c], original, seed))]
+    if not accepted:
+        return [original]
+    variant = _apply(accepted, original, seed)
+    if not _runs(model, variant):  # each change runs alone but not all together: keep the first
+        variant = _apply(accepted[:1], original, seed)
+    return [original, variant]
+
+
+def _changes(model, inputs: Inputs) -> list[Change]:
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        return []
+    changes = [_grow_batch(tensors[0].shape[0])]
+    changes += [_grow_size(n) for n in sorted({n for t in tensors for n in t.shape[1:] if n > 1})]
+    if "input_ids" in inputs[1] and "attention_mask" in _parameters(model):
+        changes.append(_pad)
+    return changes
+
+
+def _apply(changes: list[Change], inputs: Inputs, seed: int) -> Inputs:
+    generator = torch.Generator().manual_seed(seed)
+    for change in changes:
+        inputs = change(inputs, generator)
+    return inputs
+
+
+def _grow_batch(batch: int) -> Change:
+    def change(inputs, generator):
+        return tree_map(lambda t: _grow(t, 0, batch + 1, generator)
+                        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, inputs)
+    return change
+
+
+def _grow_size(size: int) -> Change:
+    def grown(t, generator):
+        if isinstance(t, torch.Tensor):
+            for axis in range(1, t.dim()):
+                if t.shape[axis] == size:
+                    t = _grow(t, axis, 2 * size + 3, generator)
+        return t
+
+    return lambda inputs, generator: tree_map(lambda t: grown(t, generator), inputs)
+
+
+def _pad(inputs: Inputs, generator) -> Inputs:
+    """An ``attention_mask`` (the given one, or ones) whose first row masks its last third."""
+    del generator
+    args, kwargs = inputs
+    ids = kwargs["input_ids"]
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None or mask.shape != ids.shape else mask.clone()
+    length = ids.shape[-1]
+    mask[0, length - max(1, length // 3):] = 0
+    return args, {**kwargs, "attention_mask": mask}
+
+
+def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> torch.Tensor:
+    extra_shape = list(t.shape)
+    extra_shape[axis] = size - t.shape[axis]
+    if t.is_floating_point():
+        spread = float(t.double().std()) if t.numel() > 1 else 1.0
+        extra = float(t.double().mean()) + spread * torch.randn(extra_shape, generator=generator,
+                                                                 dtype=torch.float64)
+    else:
+        values = torch.unique(t)
+        extra = values[torch.randint(len(values), extra_shape, generator=generator)]
+    return torch.cat([t, extra.to(device=t.device, dtype=t.dtype)], dim=axis)
+
+
+def _runs(model, inputs: Inputs) -> bool:
+    args, kwargs = inputs
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- any failure means "not a shape this model takes"
+        log.debug("probe shape rejected by %s: %s", type(model).__name__, exc)
+        return False
+    return True
+
+
+def _parameters(model) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
