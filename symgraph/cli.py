@@ -166,7 +166,7 @@ def fuzz(model, samples, seed, json_path):
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     status = "all groups invariant" if result.ok else f"{len(result.failures)} group(s) VIOLATE invariance"
     click.echo(f"{result.model}: {status} (tolerance {result.tolerance:.0e}; all groups together: "
-               f"{result.joint_error:.2e})")
+               f"{result.joint_error:.2e}; input shapes: {' | '.join(result.shapes)})")
     if not result.ok:
         sys.exit(1)
 

@@ -1,4 +1,5 @@
-"""Invariance fuzzing: hypothesis-generated elements of every group, outputs compared in float64.
+"""Invariance fuzzing: hypothesis-generated elements of every group, outputs compared in float64 at every probe
+input shape (:mod:`symgraph.probes`).
 
 For each group, ``hypothesis.find`` searches for an element whose transformed model differs from the original
 beyond the dtype's tolerance, and shrinks it towards the identity when it finds one. Finally all groups are
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
 from .elements import Element, apply, sample
+from .probes import shape_summary
 from .testing import group_elements
 from .verify import Evaluator
 
@@ -38,6 +40,7 @@ class FuzzResult:
     tolerance: float
     verdicts: list[GroupVerdict] = field(default_factory=list)
     joint_error: float = 0.0
+    shapes: list[str] = field(default_factory=list)  # the input shapes every check ran at
 
     @property
     def ok(self) -> bool:
@@ -49,7 +52,7 @@ class FuzzResult:
 
     def to_json(self) -> dict:
         return {"model": self.model, "ok": self.ok, "tolerance": self.tolerance, "joint_error": self.joint_error,
-                "groups": [v.__dict__ for v in self.verdicts]}
+                "shapes": self.shapes, "groups": [v.__dict__ for v in self.verdicts]}
 
 
 def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, progress=None) -> FuzzResult:
@@ -64,7 +67,7 @@ def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, 
     groups = list(subject.report.groups if groups is None else groups)
     evaluator = Evaluator(subject.model, subject.args, subject.kwargs)
     state = evaluator.state
-    result = FuzzResult(subject.name, evaluator.tolerance)
+    result = FuzzResult(subject.name, evaluator.tolerance, shapes=[shape_summary(p) for p in evaluator.probes])
     for i, group in enumerate(groups):
         verdict = check_group(evaluator, state, group, samples=samples, seed=seed + i)
         result.verdicts.append(verdict)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["probe_inputs"]
+__all__ = ["probe_inputs", "shape_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,19 @@ def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 
     if not _runs(model, variant):  # each change runs alone but not all together: keep the first
         variant = _apply(accepted[:1], original, seed)
     return [original, variant]
+
+
+def shape_summary(inputs: Inputs) -> str:
+    """The tensor shapes of one probe, for reports: ``input_ids 3x17, attention_mask 3x17``.
+
+    Examples
+    --------
+    >>> shape_summary(((torch.zeros(2, 4),), {"mask": torch.ones(2, 4)}))
+    'arg0 2x4, mask 2x4'
+    """
+    args, kwargs = inputs
+    named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return ", ".join(f"{name} {'x'.join(map(str, t.shape))}" for name, t in named if isinstance(t, torch.Tensor))
 
 
 def _changes(model, inputs: Inputs) -> list[Change]:

@@ -1,0 +1,140 @@
+"""Shape soundness: coordinates a slice cuts away at the traced shape are not free, and every float64 check runs
+at more than one input shape (the Whisper trap: a position table sliced by the input's length)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+from symgraph.elements import apply, sample
+from symgraph.fuzz import fuzz
+from symgraph.groups import Group, Member
+from symgraph.probes import probe_inputs
+from symgraph.verify import Evaluator
+
+from cli_runner import run
+
+
+class SlicedPositions(nn.Module):
+    """A learned position table of 16 rows, sliced by the input's length (as Whisper's decoder does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(16, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(x + self.positions[: x.shape[1]]))
+
+
+def sliced_positions():
+    torch.manual_seed(0)
+    return SlicedPositions().eval(), (torch.randn(2, 5, 8),)
+
+
+def rows_group(param: str, rows: range) -> Group:
+    """The group the engine used to emit on rows the probe never read: any invertible map of them."""
+    index = np.arange(rows.start, rows.stop).reshape(1, -1, 1)
+    return Group("trap", "other", "general_linear", len(rows), 1, (Member(param, 0, index),))
+
+
+def axis_groups(report, param: str, axis: int) -> list[Group]:
+    return [g for g in report.groups if any(m.param == param and m.axis == axis for m in g.members)]
+
+
+def tiny_whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from symgraph.zoo import _perturb
+
+    config = WhisperConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                           max_source_positions=16, max_target_positions=64, pad_token_id=1, bos_token_id=0,
+                           eos_token_id=2, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config).eval()
+    _perturb(model, torch.Generator().manual_seed(1))
+    return model
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    return symgraph.load(tiny_whisper())
+
+
+def test_rows_a_slice_cuts_away_are_pinned_not_free():
+    model, inputs = sliced_positions()
+    report = symgraph.analyze(model, inputs=inputs)
+    assert axis_groups(report, "positions", 0) == []
+    cut = [p for p in report.pinned if "cut away by a slice" in p.reason]
+    assert [(p.params, p.size, p.node) for p in cut] == [(("positions",), 11, "slice_1")]
+
+
+def test_a_group_on_unread_rows_passes_at_the_traced_shape_and_fails_at_another():
+    model, inputs = sliced_positions()
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    moved = apply(state, [sample(rows_group("positions", range(5, 16)), np.random.default_rng(0))])
+    assert Evaluator(model, inputs, shapes=False).check(moved).ok  # the trap: invisible at one shape
+    outcome = Evaluator(model, inputs).check(moved)
+    assert not outcome.ok and outcome.relative_error > 1e-3
+
+
+def test_fuzz_catches_a_group_that_only_breaks_longer_inputs():
+    model, inputs = sliced_positions()
+    result = fuzz(symgraph.load(model, inputs), groups=[rows_group("positions", range(5, 16))], samples=3)
+    assert not result.ok and result.failures[0].group_id == "trap"
+    assert result.shapes == ["arg0 2x5x8", "arg0 3x13x8"]
+
+
+def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
+    table = "model.decoder.embed_positions.weight"
+    assert axis_groups(whisper.report, table, 0) == []
+    assert any(table in p.params and "cut away by a slice" in p.reason for p in whisper.report.pinned)
+    evaluator = Evaluator(whisper.model, whisper.args, whisper.kwargs)
+    assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (3, 17)]
+    moved = apply(whisper.state_dict(), [sample(rows_group(table, range(7, 64)), np.random.default_rng(0))])
+    assert not evaluator.check(moved).ok
+
+
+def test_whisper_groups_are_invariant_at_every_probe_shape(whisper):
+    result = fuzz(whisper, samples=3)
+    assert result.ok, [v.counterexample for v in result.failures]
+    assert len(result.shapes) == 2 and {v.motif for v in result.verdicts} >= {"qk", "vo", "ffn", "heads"}
+
+
+def test_probe_inputs_grow_batch_and_length_and_pad_token_models(zoo_subject):
+    bert = zoo_subject("bert")
+    probes = probe_inputs(bert.model, bert.args, bert.kwargs)
+    assert len(probes) == 2 and probes[0][1] is not bert.kwargs
+    variant = probes[1][1]
+    assert tuple(variant["input_ids"].shape) == (3, 17)
+    assert torch.equal(variant["input_ids"][:2, :7], bert.kwargs["input_ids"])  # the original is a prefix
+    assert variant["attention_mask"][0, -5:].eq(0).all() and variant["attention_mask"][1:].eq(1).all()
+    assert "attention_mask" not in bert.kwargs  # inputs are never modified
+
+
+def test_probe_inputs_keep_sizes_a_vision_model_rejects(zoo_subject):
+    vit = zoo_subject("vit")
+    (_, original), (_, variant) = probe_inputs(vit.model, vit.args, vit.kwargs)
+    assert tuple(original["pixel_values"].shape) == (2, 3, 16, 16)
+    assert tuple(variant["pixel_values"].shape) == (3, 3, 16, 16)  # fixed image size and channels
+
+
+def test_fuzz_cli_reports_the_probe_shapes(tmp_path):
+    factory = tmp_path / "sliced.py"
+    factory.write_text("import torch\nfrom torch import nn\n"
+                       + "\n".join(_source(SlicedPositions, sliced_positions)))
+    res = run("fuzz", f"{factory}:sliced_positions", "--samples", "2", "--json", tmp_path / "f.json")
+    assert res.returncode == 0, res.stderr
+    assert "input shapes: arg0 2x5x8 | arg0 3x13x8" in res.stdout
+    assert json.loads((tmp_path / "f.json").read_text())["shapes"] == ["arg0 2x5x8", "arg0 3x13x8"]
+
+
+def _source(*objects) -> list[str]:
+    import inspect
+
+    return [inspect.getsource(o) for o in objects]
