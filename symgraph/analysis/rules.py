@@ -183,20 +183,96 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
 
 
 def rule_conv(w, node: fx.Node, spec) -> Value:
-    x, weight = w.value(node.args[0]), w.value(node.args[1])
-    bias = w.value(node.args[2]) if len(node.args) > 2 else None
+    """Convolution: input channels are contracted with the kernel's axis 1, output channels come from its axis 0.
+
+    With ``groups`` > 1, output channel ``o`` reads only input group ``o // (C_out / groups)``: channels of
+    different groups may not mix (see :func:`_grouped_conv`). Transposed convolutions have no rule yet and pin.
+    """
+    args = _schema_args(node)
+    x, weight, bias = w.value(args["input"]), w.value(args["weight"]), w.value(args.get("bias"))
     out_shape = _shape_of(node)
-    rank = len(out_shape)
-    spatial = "".join("xyz"[i] for i in range(rank - 2))
-    letters_x = "bi" + spatial
-    kernel = "".join("pqr"[i] for i in range(rank - 2))
-    # Kernel taps are contracted with input positions (data): pin them by giving them no partner.
-    ops = [Operand(x.chans, x.shape, letters_x), Operand(weight.chans, weight.shape, "oi" + kernel)]
-    chans = Contraction(w, node.name).run(ops[0], ops[1], "bo" + spatial, out_shape)
-    out = Value(chans=chans, shape=out_shape)
-    if bias is not None:
-        out = _add_values(w, node, out, _broadcast_value(bias, "o", "bo" + spatial, out_shape), residual=False)
+    if args.get("transposed"):
+        return _pin_operands(w, node, [x, weight, bias], "transposed convolution (no rule describes it)")
+    if args.get("groups", 1) == 1:
+        rank = len(out_shape)
+        spatial = "".join("xyz"[i] for i in range(rank - 2))
+        kernel = "".join("pqr"[i] for i in range(rank - 2))
+        # Kernel taps are contracted with input positions (data): pin them by giving them no partner.
+        ops = [Operand(x.chans, x.shape, "bi" + spatial), Operand(weight.chans, weight.shape, "oi" + kernel)]
+        out = Value(chans=Contraction(w, node.name).run(ops[0], ops[1], "bo" + spatial, out_shape), shape=out_shape)
+    else:
+        out = _grouped_conv(w, node, x, weight, args["groups"], out_shape)
+    if bias is not None:  # added to the output channels (pinned with them when they are)
+        out = _add_values(w, node, out, _broadcast_value(bias, "o", "bo" + "xyz"[:len(out_shape) - 2], out_shape),
+                          residual=False)
     return out
+
+
+def _grouped_conv(w, node, x: Value, weight: Value, groups: int, out_shape) -> Value:
+    """A grouped convolution, as the subgroup of its exact group that the labels can express.
+
+    Depthwise (one input and one output channel per group): the output channel is the input channel times its
+    own kernel, so both share one permutation and the input's per-channel scale passes through (the kernel
+    rows move like a norm weight). Otherwise every group's input channels are tied to the kernel's axis 1, so
+    one transformation acts on all groups alike, and each group's output channels form a block of their own.
+    Kernel axes left without a partner (taps, input channels of data) are pinned.
+    """
+    c_out, per_group = weight.shape[0], weight.shape[1]
+    rows, columns = _channel_ids(weight, 0), _channel_ids(weight, 1)
+    for c in weight.chans:
+        if not chan_axes(c) <= {0, 1}:
+            w.c.pin(c.ids, "kernel taps are contracted with input positions", node.name)
+    inputs = [ids for ids in (_input_channel_ids(w, node, c) for c in x.chans) if ids is not None]
+    view = [1, -1] + [1] * (len(out_shape) - 2)
+    if per_group == 1 and c_out == groups == x.shape[1]:
+        if not inputs:
+            w.c.pin(rows, "depthwise kernel applied to input data", node.name)
+            return Value(shape=out_shape)
+        kernel = replace(Chan.clean(rows.reshape(view).expand(out_shape)), weight=True)
+        w.c.permute_only.append(_ids_of(kernel))
+        chans = [_product_output(w, node, Chan.clean(ids.reshape(view).expand(out_shape)), kernel,
+                                 monomial("nonzero"), "depthwise convolution: channel times its own kernel")
+                 for ids in inputs]
+        return Value(chans=chans, shape=out_shape)
+    for ids in inputs:
+        if columns is None:
+            w.c.pin(ids, "grouped convolution with one input channel per group (no rule pairs it)", node.name)
+            continue
+        for group in ids.reshape(groups, per_group):
+            w.c.tie(group, columns, dual=True)
+    if columns is not None and not inputs:
+        w.c.pin(columns, "contracted with data that carries no symmetry", node.name)
+    if rows is None:
+        return Value(shape=out_shape)
+    w.c.separate(rows.reshape(groups, c_out // groups), node.name)
+    return Value(chans=[Chan.clean(rows.reshape(view).expand(out_shape))], shape=out_shape)
+
+
+def _channel_ids(weight: Value, axis: int) -> torch.Tensor | None:
+    """The kernel's ids along ``axis`` (None when the axis has size 1 and so carries none)."""
+    for c in weight.chans:
+        if chan_axes(c) == {axis}:
+            return collapse(c.ids).reshape(-1)
+    return None
+
+
+def _input_channel_ids(w, node, chan: Chan) -> torch.Tensor | None:
+    """The ids along the channel axis of a convolution input; a channel that varies along any other axis (or
+    a head block, or a mix) has no per-channel meaning here and is pinned."""
+    chan = w.resolve(chan, node.name)
+    if chan_axes(chan) != {1} or chan.block or chan.mixed:
+        for t in chan.terms:
+            w.c.pin(t.ids, "convolution input channel that varies along other axes", node.name)
+        return None
+    return collapse(chan.ids).reshape(-1)
+
+
+def _pin_operands(w, node, values, why: str) -> Value:
+    for v in values:
+        for c in (v.chans if v is not None else []):
+            for t in c.terms:
+                w.c.pin(t.ids, why, node.name)
+    return Value(shape=_shape_of(node))
 
 
 def rule_attention(w, node: fx.Node, spec) -> Value:
@@ -557,6 +633,19 @@ def _broadcast_value(v: Value, letters: str, out_letters: str, out_shape) -> Val
     order = [letters.index(l) for l in out_letters if l in letters]
     chans = [c.map(lambda t: t.permute(*order).reshape(view).expand(out_shape)) for c in v.chans]
     return Value(chans=chans, data=v.data, shape=tuple(out_shape), invariant=v.invariant)
+
+
+def _schema_args(node: fx.Node) -> dict:
+    """The op's arguments by their schema names, defaults filled in (positions differ between overloads)."""
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
 
 
 def _shape_of(node: fx.Node, k: int | None = None):
