@@ -183,28 +183,31 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
 
 
 def rule_conv(w, node: fx.Node, spec) -> Value:
-    """Convolution: input channels are contracted with the kernel's axis 1, output channels come from its axis 0.
+    """Convolution: input channels are contracted with the kernel's axis 1, output channels come from its axis 0
+    (the other way round when transposed).
 
     With ``groups`` > 1, output channel ``o`` reads only input group ``o // (C_out / groups)``: channels of
-    different groups may not mix (see :func:`_grouped_conv`). Transposed convolutions have no rule yet and pin.
+    different groups may not mix (see :func:`_grouped_conv`). Grouped transposed convolutions pin.
     """
     args = _schema_args(node)
     x, weight, bias = w.value(args["input"]), w.value(args["weight"]), w.value(args.get("bias"))
     out_shape = _shape_of(node)
-    if args.get("transposed"):
-        return _pin_operands(w, node, [x, weight, bias], "transposed convolution (no rule describes it)")
+    transposed = spec.transposed or bool(args.get("transposed"))
+    # input and output positions get letters of their own (their sizes differ); kernel taps are contracted
+    # with input positions (data), so they find no partner and pin
+    rank = len(out_shape) - 2
+    spatial, out_spatial = "xyz"[:rank], "XYZ"[:rank]
     if args.get("groups", 1) == 1:
-        rank = len(out_shape)
-        spatial = "".join("xyz"[i] for i in range(rank - 2))
-        kernel = "".join("pqr"[i] for i in range(rank - 2))
-        # Kernel taps are contracted with input positions (data): pin them by giving them no partner.
-        ops = [Operand(x.chans, x.shape, "bi" + spatial), Operand(weight.chans, weight.shape, "oi" + kernel)]
-        out = Value(chans=Contraction(w, node.name).run(ops[0], ops[1], "bo" + spatial, out_shape), shape=out_shape)
+        kernel = ("io" if transposed else "oi") + "pqr"[:rank]
+        ops = [Operand(x.chans, x.shape, "bi" + spatial), Operand(weight.chans, weight.shape, kernel)]
+        chans = Contraction(w, node.name).run(ops[0], ops[1], "bo" + out_spatial, out_shape)
+        out = Value(chans=chans, shape=out_shape)
+    elif transposed:
+        return _pin_operands(w, node, [x, weight, bias], "grouped transposed convolution (no rule describes it)")
     else:
         out = _grouped_conv(w, node, x, weight, args["groups"], out_shape)
     if bias is not None:  # added to the output channels (pinned with them when they are)
-        out = _add_values(w, node, out, _broadcast_value(bias, "o", "bo" + "xyz"[:len(out_shape) - 2], out_shape),
-                          residual=False)
+        out = _add_values(w, node, out, _broadcast_value(bias, "o", "bo" + out_spatial, out_shape), residual=False)
     return out
 
 
@@ -252,7 +255,7 @@ def _channel_ids(weight: Value, axis: int) -> torch.Tensor | None:
     """The kernel's ids along ``axis`` (None when the axis has size 1 and so carries none)."""
     for c in weight.chans:
         if chan_axes(c) == {axis}:
-            return collapse(c.ids).reshape(-1)
+            return _along(c.ids, axis)
     return None
 
 
@@ -264,7 +267,12 @@ def _input_channel_ids(w, node, chan: Chan) -> torch.Tensor | None:
         for t in chan.terms:
             w.c.pin(t.ids, "convolution input channel that varies along other axes", node.name)
         return None
-    return collapse(chan.ids).reshape(-1)
+    return _along(chan.ids, 1)
+
+
+def _along(ids: torch.Tensor, axis: int) -> torch.Tensor:
+    """The labels along ``axis`` (at index 0 of every other axis)."""
+    return ids[tuple(slice(None) if a == axis else 0 for a in range(ids.dim()))]
 
 
 def _pin_operands(w, node, values, why: str) -> Value:
