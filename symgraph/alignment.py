@@ -89,6 +89,8 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
     for g in groups:
         if mode == "paper" and not (g.motif in ("qk", "vo") or (g.motif == "ffn" and g.kind != "scale")):
             continue
+        if mode == "permutation" and g.motif == "residual" and g.kind == "orthogonal":
+            g = monomial_subgroup(g)
         if mode == "permutation" and g.kind not in PERMUTATION_KINDS:
             continue
         if not rescale and g.kind == "scale" and g.motif == "qk":
@@ -103,6 +105,14 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
             continue
         chosen.append(g)
     return chosen
+
+
+def monomial_subgroup(g: Group) -> Group:
+    """The permutations inside an orthogonal residual group (a folded model): signed permutations, or for
+    Q 1 = +-1 (LayerNorm) permutations times one global sign. Same id, so reports and elements still match."""
+    if g.fixes_ones:
+        return replace(g, kind="permutation", global_sign=True, fixes_ones=False)
+    return replace(g, kind="signed_permutation")
 
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,

@@ -139,7 +139,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, inputs: Inputs = None, verify: bool = True, progress=None):
+          matching_start: bool = False, fold: bool = False, inputs: Inputs = None, verify: bool = True,
+          progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -149,6 +150,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     After the first pass, coordinate descent runs at most ``refine_rounds`` rounds and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
+    With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
+    orthogonal group, and the result is the folded source moved within it (same architecture and function).
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -172,6 +175,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
+    if fold:
+        from .fold import folded_subject
+
+        src, anc = folded_subject(src), folded_subject(anc)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here

@@ -72,7 +72,8 @@ class BarrierResult:
 
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
-            align_options: Mapping[str, Any] | None = None, progress: bool = True) -> BarrierResult:
+            align_options: Mapping[str, Any] | None = None, fold: bool = False,
+            progress: bool = True) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -90,6 +91,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
         ``tolerance``, ``matching_start`` (the ablations and the descent's length).
+    fold
+        Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
+        functions at its ends), and every mode aligns within the folded model's groups.
     progress
         Show progress bars (only ever on a terminal).
 
@@ -110,6 +114,10 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
+    if fold:
+        from .fold import folded_subject
+
+        first, second = folded_subject(first), folded_subject(second)
     check_same_architecture(second, first)  # after the data: capturing takes longer
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
