@@ -77,9 +77,10 @@ def fold(model, output, json_path, overwrite):
                f"outputs equal to the model's (relative error {result.verified_error:.1e})")
 
 
-_FOLD_OPTION = click.option("--fold/--no-fold", default=False, show_default=True,
-                            help="Fold the norms of both models first (see `symgraph fold`): the residual stream "
-                                 "then aligns by an orthogonal map instead of a permutation.")
+_FOLD_OPTION = click.option("--fold/--no-fold", default=None,
+                            help="Fold the norms of the models first (see `symgraph fold`): the residual stream "
+                                 "then aligns by an orthogonal map instead of a permutation. Default: where "
+                                 "measured barriers fell (RMSNorm models), not for LayerNorm models.")
 
 
 def _descent_options(command):
@@ -140,7 +141,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     if stats_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), stats_path)
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if fold else ''}, {len(result.group_distances())} groups; outputs equal to "
+               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; outputs equal to "
                f"the source's, relative error {result.verified_error:.1e})")
 
 

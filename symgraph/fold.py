@@ -95,6 +95,21 @@ def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
     return result
 
 
+def pays_off(subject) -> bool:
+    """The default of ``--fold``: fold where measured loss barriers fell (``examples/bench_fold.py`` on the shipped
+    pairs). RMSNorm models are folded (llama-chars, full mode: 2.063 -> 1.930). LayerNorm models are not: folding
+    and centring the ViT raised its full-mode barrier (vit-digits: 3.414 -> 3.903) although the aligned distance
+    fell, because a merge then averages products W diag(g) instead of W and g apart. Models whose norms cannot be
+    folded, and config-only models, are not folded either."""
+    if subject.config_only:
+        return False
+    try:
+        norms = find_norms(subject.capture)
+    except FoldError:
+        return False
+    return bool(norms) and not any(n.centres for n in norms)
+
+
 def folded_subject(subject, inputs=None):
     """A :class:`~symgraph.api.Subject` of the folded model: a copy of ``subject``'s module holding the folded
     weights, with the same example inputs, config and source folder."""
@@ -106,6 +121,23 @@ def folded_subject(subject, inputs=None):
     model.load_state_dict(result.state, strict=True)
     return Subject(model, f"{subject.name} (folded)", subject.args, dict(subject.kwargs), subject.config,
                    subject.path, subject.config_only)
+
+
+def residual_note(cap, groups, config_only: bool) -> str | None:
+    """Why the residual stream has only permutations, for the report (None when it is orthogonal or absent)."""
+    if not any(g.motif == "residual" and g.kind in ("permutation", "signed_permutation") for g in groups):
+        return None
+    if config_only:
+        return ("residual stream: permutations only, since without weights no norm weight can be known to be 1; "
+                "fold the model (`symgraph fold`) and analyse it with its weights for the orthogonal group")
+    try:
+        norms = find_norms(cap)
+    except FoldError as exc:
+        return f"residual stream: permutations only; its norms cannot be folded: {exc.message}"
+    if not norms:
+        return None
+    return ("residual stream: permutations only, because its norm weights are not 1; `symgraph fold` (or --fold) "
+            "folds them into the linears that read them, and the folded model's stream is orthogonal")
 
 
 # -- finding norms -----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ recovery on folded models, refusals that name the norm, and the command line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -27,9 +28,15 @@ SHIPPED = symgraph.__path__[0] + "/data/models"
 NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual writers centred, Q 1 = +-1)
 
 
-def _subject(family, dtype=torch.float32, batch=2, seq=7):
+def _subject(family, dtype=torch.float32):
     model = zoo.build(family, seed=0, dtype=dtype)
-    return symgraph.load(model, zoo.example_inputs_for(family, model, batch=batch, seq=seq))
+    return symgraph.load(model, zoo.example_inputs_for(family, model))
+
+
+@functools.cache
+def _folded64(family):
+    """The folded float64 model of ``family`` (built, folded and analysed once; tests only read it)."""
+    return folded_subject(_subject(family, torch.float64))
 
 
 @pytest.mark.parametrize("family", list(NORM_FAMILIES))
@@ -56,7 +63,7 @@ def test_fold_keeps_the_function_at_two_shapes_and_leaves_unit_norms(family):
 
 @pytest.mark.parametrize("family", list(NORM_FAMILIES))
 def test_folded_residual_group_is_orthogonal_and_fuzzes_clean_at_two_shapes(family):
-    subject = folded_subject(_subject(family, torch.float64))
+    subject = _folded64(family)
     residual = [g for g in subject.report.groups if g.motif == "residual"]
     assert len(residual) == 1
     g = residual[0]
@@ -72,7 +79,7 @@ def test_folded_residual_group_is_orthogonal_and_fuzzes_clean_at_two_shapes(fami
 
 def test_the_layernorm_constraint_is_needed():
     """The full O(D) on a LayerNorm stream changes the function: the fuzz catches it, so Q 1 = +-1 is not decor."""
-    subject = folded_subject(_subject("vit", torch.float64))
+    subject = _folded64("vit")
     g = next(g for g in subject.report.groups if g.motif == "residual")
     outcome = fuzz(subject, groups=[dataclasses.replace(g, fixes_ones=False)], samples=6)
     assert not outcome.ok
@@ -81,7 +88,7 @@ def test_the_layernorm_constraint_is_needed():
 def test_the_orthogonal_group_needs_the_folded_weights():
     """The folded model's O(D) applied to the unfolded model (norm weights not 1) changes its function."""
     subject = _subject("llama", torch.float64)
-    g = next(g for g in folded_subject(subject).report.groups if g.motif == "residual")
+    g = next(g for g in _folded64("llama").report.groups if g.motif == "residual")
     element = sample(g, np.random.default_rng(0))
     assert not Evaluator(subject.model, subject.args, subject.kwargs).check(apply(subject.state_dict(),
                                                                                   [element])).ok
@@ -91,11 +98,14 @@ def test_unfolded_and_config_only_models_keep_permutations(tmp_path):
     subject = _subject("llama")
     kinds = {g.kind for g in subject.report.groups if g.motif == "residual"}
     assert kinds == {"signed_permutation"}
+    assert any("norm weights are not 1" in n and "symgraph fold" in n for n in subject.report.notes)
     save_model(fold(subject).state, tmp_path / "folded", config=subject.config)
     with_weights = symgraph.load(tmp_path / "folded")
     assert {g.kind for g in with_weights.report.groups if g.motif == "residual"} == {"orthogonal"}
     meta = symgraph.load(tmp_path / "folded", config_only=True)  # no values: a weight of 1 cannot be known
     assert {g.kind for g in meta.report.groups if g.motif == "residual"} == {"signed_permutation"}
+    assert any("without weights" in n for n in meta.report.notes)
+    assert not any("residual stream" in n for n in with_weights.report.notes)
 
 
 def test_constrained_procrustes_recovers_and_is_optimal():
@@ -119,7 +129,7 @@ def test_constrained_procrustes_recovers_and_is_optimal():
 
 @pytest.mark.parametrize("family", list(NORM_FAMILIES))
 def test_a_reparametrised_folded_model_is_recovered_exactly(family):
-    subject = folded_subject(_subject(family, torch.float64))
+    subject = _folded64(family)
     anchor = subject.state_dict()
     source = apply(anchor, [sample(g, np.random.default_rng(3)) for g in subject.report.groups])
     result = align_states(subject.report.groups, source, anchor, mode="full")
@@ -128,7 +138,7 @@ def test_a_reparametrised_folded_model_is_recovered_exactly(family):
 
 
 def test_permutation_mode_aligns_a_folded_residual_by_its_permutations():
-    subject = folded_subject(_subject("vit", torch.float64))
+    subject = _folded64("vit")
     g = next(g for g in select_groups(subject.report.groups, "permutation") if g.motif == "residual")
     assert g.kind == "permutation" and g.global_sign
     outcome = fuzz(subject, groups=[g], samples=6)
@@ -146,6 +156,8 @@ def test_unfoldable_norms_are_refused_by_name(family, overrides, needle):
     with pytest.raises(FoldError, match=needle):
         fold(subject)
     assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())
+    if family == "bert":  # the report says why the residual stream keeps permutations
+        assert any("cannot be folded" in n and "post-LN" in n for n in subject.report.notes)
 
 
 def test_cli_fold_writes_a_loadable_equivalent_model_and_refuses_post_ln(tmp_path):
