@@ -11,12 +11,13 @@ from .api import Subject, align, analyze, load, sample_elements, transform
 from .connectivity import BarrierResult, barrier
 from .elements import Element, apply, apply_to_model, sample
 from .errors import SymgraphError
+from .fold import FoldResult, fold
 from .groups import Group, Member, PinnedSpace
 from .merging import MergeResult, merge
 from .report import Report
 
 __all__ = [
-    "BarrierResult", "Element", "Group", "Member", "MergeResult", "PinnedSpace", "Report", "Subject", "SymgraphError",
-    "align", "analyze", "apply", "apply_to_model", "barrier", "load", "merge", "sample", "sample_elements",
+    "BarrierResult", "Element", "FoldResult", "Group", "Member", "MergeResult", "PinnedSpace", "Report", "Subject", "SymgraphError",
+    "align", "analyze", "apply", "apply_to_model", "barrier", "fold", "load", "merge", "sample", "sample_elements",
     "transform",
 ]

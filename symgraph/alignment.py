@@ -58,6 +58,7 @@ class AlignResult:
     refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept
+    folded: bool = False  # both models were folded first (symgraph.fold)
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -71,7 +72,7 @@ class AlignResult:
     def to_json(self) -> dict:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
-                "starts": self.starts, "start": self.start,
+                "starts": self.starts, "start": self.start, "folded": self.folded,
                 "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}
@@ -89,6 +90,8 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
     for g in groups:
         if mode == "paper" and not (g.motif in ("qk", "vo") or (g.motif == "ffn" and g.kind != "scale")):
             continue
+        if mode == "permutation" and g.motif == "residual" and g.kind == "orthogonal":
+            g = monomial_subgroup(g)
         if mode == "permutation" and g.kind not in PERMUTATION_KINDS:
             continue
         if not rescale and g.kind == "scale" and g.motif == "qk":
@@ -103,6 +106,14 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
             continue
         chosen.append(g)
     return chosen
+
+
+def monomial_subgroup(g: Group) -> Group:
+    """The permutations inside an orthogonal residual group (a folded model): signed permutations, or for
+    Q 1 = +-1 (LayerNorm) permutations times one global sign. Same id, so reports and elements still match."""
+    if g.fixes_ones:
+        return replace(g, kind="permutation", global_sign=True, fixes_ones=False)
+    return replace(g, kind="signed_permutation")
 
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,

@@ -50,8 +50,12 @@ class Subject:
     @property
     def report(self) -> Report:
         if self._report is None:
+            from .fold import residual_note
+
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
-            self._report = Report.from_analysis(self.name, analyse_capture(self.capture), notes)
+            analysis = analyse_capture(self.capture)
+            why = residual_note(self.capture, analysis.groups, self.config_only)
+            self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()))
         return self._report
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -139,7 +143,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, inputs: Inputs = None, verify: bool = True, progress=None):
+          matching_start: bool = False, fold: bool | None = None, inputs: Inputs = None, verify: bool = True,
+          progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -149,6 +154,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     After the first pass, coordinate descent runs at most ``refine_rounds`` rounds and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
+    With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
+    orthogonal group, and the result is the folded source moved within it (same architecture and function).
+    ``None`` (the default) folds where measurements say it pays off (:func:`symgraph.fold.pays_off`: RMSNorm
+    models); ``result.folded`` says what was done.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -172,6 +181,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
+    src, anc, folded = folded_pair(src, anc, fold)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
@@ -189,12 +199,24 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
+    result.folded = folded
     if verify:
         clock = time.perf_counter()
         _verify_alignment(evaluator, state, result)
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result
+
+
+def folded_pair(first: Subject, second: Subject, fold: bool | None) -> tuple[Subject, Subject, bool]:
+    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged."""
+    from .fold import folded_subject, pays_off
+
+    if fold is None:
+        fold = pays_off(first)
+    if not fold:
+        return first, second, False
+    return folded_subject(first), folded_subject(second), True
 
 
 def _verify_alignment(evaluator, state, result) -> None:

@@ -53,6 +53,36 @@ def transform(model, output, seed, overwrite):
                f"in float64)")
 
 
+@cli.command(help="Fold every norm's weight (and a LayerNorm's bias) into the linear layers that read it; for "
+                  "pre-LayerNorm models also centre everything written into the residual stream. Writes the same "
+                  "architecture (norm weights 1, biases 0), checked in float64 to compute what MODEL computes; the "
+                  "residual stream then has an orthogonal symmetry group.")
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write what was folded and centred.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
+def fold(model, output, json_path, overwrite):
+    from .api import load
+    from .fold import fold as run_fold
+    from .io import save_model
+
+    _refuse_existing(output, overwrite)
+    subject = load(model)
+    result = run_fold(subject)
+    save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
+    if json_path is not None:
+        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    click.echo(f"wrote {output}: {len(result.norms)} norms folded, {len(result.centred)} residual writers centred; "
+               f"outputs equal to the model's (relative error {result.verified_error:.1e})")
+
+
+_FOLD_OPTION = click.option("--fold/--no-fold", default=None,
+                            help="Fold the norms of the models first (see `symgraph fold`): the residual stream "
+                                 "then aligns by an orthogonal map instead of a permutation. Default: where "
+                                 "measured barriers fell (RMSNorm models), not for LayerNorm models.")
+
+
 def _descent_options(command):
     """The options of every alignment's descent, shared by ``align`` and ``barrier`` (see :func:`_descent`)."""
     options = [
@@ -90,8 +120,9 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
               help="Write per-group and total distances and the time per stage as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@_FOLD_OPTION
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          stats_path, overwrite, quiet):
+          stats_path, overwrite, quiet, fold):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -102,7 +133,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           **_descent(no_rescale, refine_rounds, tolerance, matching_start))
+                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start))
     result.timings["load"] = loading
     clock = time.perf_counter()
     save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
@@ -110,8 +141,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     if stats_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), stats_path)
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}, {len(result.group_distances())} groups; outputs equal to the source's, relative "
-               f"error {result.verified_error:.1e})")
+               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; outputs equal to "
+               f"the source's, relative error {result.verified_error:.1e})")
 
 
 class _ProgressBar:
@@ -208,8 +239,9 @@ def demo(out_dir, quick):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_FOLD_OPTION
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress):
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold):
     from .merging import merge as run_merge
 
     _refuse_existing(output, overwrite)
@@ -219,7 +251,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       progress=not no_progress)
+                       fold=fold, progress=not no_progress)
     result.save(output, overwrite=overwrite)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
@@ -245,14 +277,15 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_FOLD_OPTION
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, output, json_path, no_progress):
+            matching_start, output, json_path, no_progress, fold):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
-                         split=split, progress=not no_progress,
+                         split=split, progress=not no_progress, fold=fold,
                          align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start))
     result.plot(output)
     if json_path is not None:

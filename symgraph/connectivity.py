@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .api import Subject, align, load
+from .api import Subject, align, folded_pair, load
 from .alignment import relative_distance
 from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
@@ -72,7 +72,8 @@ class BarrierResult:
 
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
-            align_options: Mapping[str, Any] | None = None, progress: bool = True) -> BarrierResult:
+            align_options: Mapping[str, Any] | None = None, fold: bool | None = None,
+            progress: bool = True) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -90,6 +91,10 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
         ``tolerance``, ``matching_start`` (the ablations and the descent's length).
+    fold
+        Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
+        functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
+        off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
     progress
         Show progress bars (only ever on a terminal).
 
@@ -110,6 +115,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
+    first, second, _ = folded_pair(first, second, fold)
     check_same_architecture(second, first)  # after the data: capturing takes longer
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)

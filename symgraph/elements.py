@@ -48,6 +48,8 @@ def sample(group: Group, rng: np.random.Generator, spread: float = 0.3) -> Eleme
     """A random element; ``spread`` is the log-standard-deviation of scales (0 keeps scales at 1)."""
     c, n = group.copies, group.size
     kind = group.kind
+    if kind == "orthogonal" and group.fixes_ones:
+        return Element(group, matrices=np.stack([random_orthogonal_fixing_ones(n, rng) for _ in range(c)]))
     if kind == "orthogonal":
         return Element(group, matrices=np.stack([random_orthogonal(n, rng) for _ in range(c)]))
     if kind == "general_linear":
@@ -61,6 +63,17 @@ def sample(group: Group, rng: np.random.Generator, spread: float = 0.3) -> Eleme
 def random_orthogonal(n: int, rng: np.random.Generator) -> np.ndarray:
     q, r = np.linalg.qr(rng.standard_normal((n, n)))
     return q * np.sign(np.diag(r))
+
+
+def random_orthogonal_fixing_ones(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Uniform on {Q in O(n) : Q 1 = +-1}: a random sign on the ones direction, a random O(n-1) on its complement."""
+    from .solve.kernels import ones_basis
+
+    inner = np.zeros((n, n))
+    inner[0, 0] = rng.choice([-1.0, 1.0])
+    inner[1:, 1:] = random_orthogonal(n - 1, rng)
+    h = ones_basis(n)
+    return h @ inner @ h
 
 
 def random_general_linear(n: int, rng: np.random.Generator, spread: float = 0.3) -> np.ndarray:

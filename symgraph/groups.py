@@ -76,6 +76,7 @@ class Group:
     members: tuple[Member, ...]
     scale: ScaleAttr | None = None
     global_sign: bool = False  # permutation times one sign shared by every coordinate (post-LN residual)
+    fixes_ones: bool = False  # orthogonal only: Q 1 = +-1 (a stream LayerNorm centres: O(n-1) on the complement of 1)
     full_group: Kind | None = None  # the exact group when the emitted kind is a chosen subgroup (QK: GL, we use O)
     rotary_pairs: tuple[tuple[int, int], ...] = ()  # rotary: coordinate pairs rotated together
     passthrough: tuple[int, ...] = ()  # rotary: coordinates that RoPE leaves alone (GL among themselves)
@@ -89,7 +90,7 @@ class Group:
         n = self.size
         per_copy = {
             "general_linear": n * n,
-            "orthogonal": n * (n - 1) // 2,
+            "orthogonal": (n - 1) * (n - 2) // 2 if self.fixes_ones else n * (n - 1) // 2,
             "rotary": 2 * len(self.rotary_pairs) + len(self.passthrough) ** 2,
             "scale": n,
         }.get(self.kind, n if self.scale else 0)
@@ -114,6 +115,8 @@ class Group:
             "notes": list(self.notes),
             "links": list(self.links),
         }
+        if self.fixes_ones:
+            out["fixes_ones"] = True
         if self.kind == "rotary":
             out["rotary_pairs"] = [list(p) for p in self.rotary_pairs]
             out["passthrough"] = list(self.passthrough)

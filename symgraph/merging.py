@@ -100,7 +100,8 @@ class MergeResult:
 def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
-          limit: int | None = None, split: str = "train", progress: bool = True) -> MergeResult:
+          limit: int | None = None, split: str = "train", fold: bool | None = None,
+          progress: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -128,6 +129,10 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         Most consensus rounds after the first alignment pass (three or more models).
     batch_size, limit, split
         How a data SPEC is loaded (see :func:`symgraph.datasets.load_data`).
+    fold
+        Fold every model first (:func:`symgraph.fold`): alignment then uses the orthogonal residual group, and
+        the merge averages folded weights (norm weights folded into the linears that read them). ``None``: where
+        it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
     progress
         Show progress bars (only ever on a terminal).
 
@@ -146,6 +151,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m) for m in models]
+    if fold is None:
+        from .fold import pays_off
+
+        fold = pays_off(subjects[0])
+    if fold:
+        from .fold import folded_subject
+
+        subjects = [folded_subject(s) for s in subjects]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
     check_compatible(subjects, exclude, groups=align != "none")  # after the data: capturing takes longer

@@ -77,10 +77,26 @@ def _orthogonal(group: Group):
     def draw(draw_):
         seed, magnitude, reflect = draw_(_SEEDS), draw_(_MAGNITUDE), draw_(st.booleans())
         rng = np.random.default_rng(seed)
-        mats = [_rotation(group.size, magnitude, rng, reflect) for _ in range(group.copies)]
+        if group.fixes_ones:  # a rotation of the complement of 1, and a sign on 1 (reflect)
+            mats = [_fixing_ones(_rotation(group.size - 1, magnitude, rng, False), reflect)
+                    for _ in range(group.copies)]
+        else:
+            mats = [_rotation(group.size, magnitude, rng, reflect) for _ in range(group.copies)]
         return Element(group, matrices=np.stack(mats))
 
     return draw()
+
+
+def _fixing_ones(inner: np.ndarray, flip: bool) -> np.ndarray:
+    """H diag(+-1, inner) H: the element of {Q in O(n) : Q 1 = +-1} acting as ``inner`` on the complement of 1."""
+    from .solve.kernels import ones_basis
+
+    n = len(inner) + 1
+    block = np.zeros((n, n))
+    block[0, 0] = -1.0 if flip else 1.0
+    block[1:, 1:] = inner
+    h = ones_basis(n)
+    return h @ block @ h
 
 
 def _general_linear(group: Group):

@@ -288,7 +288,7 @@ class Assembler:
         if r.fixes_ones and kind == "orthogonal":
             notes.append("restricted to Q with Q 1 = +-1 (LayerNorm centering)")
         groups = [Group(id=gid, kind=kind, scale=scale, global_sign=global_sign, full_group=full,
-                        notes=tuple(notes), **base)]
+                        fixes_ones=r.fixes_ones and kind == "orthogonal", notes=tuple(notes), **base)]
         if motif == "qk" and kind == "orthogonal" and full == "general_linear":
             block_members = tuple(Member(m.param, m.axis, m.index.reshape(copies, 1, -1), m.action)
                                   for m in members)

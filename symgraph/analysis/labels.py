@@ -74,6 +74,7 @@ class Chan:
     degree: int = 1  # 2 after squaring: only reductions may consume it as such
     block: bool = False  # carries head-block ids (heads of an attention op), not coordinates
     weight: bool = False  # read straight from a parameter (through movement ops only): a weight vector
+    unit: bool = False  # a weight vector whose value is known to be 1 everywhere (a folded norm): x * w = x
 
     @staticmethod
     def clean(ids: torch.Tensor, *, block: bool = False) -> "Chan":
@@ -109,13 +110,14 @@ class Chan:
         return self.map(lambda t: t.expand(shape) if t.dim() else t.reshape([1] * len(shape)).expand(shape))
 
 
-def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...]) -> list[Chan]:
-    """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only."""
+def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...], unit: bool = False) -> list[Chan]:
+    """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only. ``unit``: its value is known to
+    be 1 everywhere."""
     chans = []
     for axis, ids in ids_per_axis.items():
         view = [1] * len(shape)
         view[axis] = shape[axis]
-        chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True))
+        chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True, unit=unit))
     return chans
 
 

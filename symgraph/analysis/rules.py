@@ -453,12 +453,25 @@ def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
     if torch.equal(ca.ids, cb.ids):
         return replace(ca, degree=2)
     weight = next((c for c in (ca, cb) if c.weight), None)
+    if weight is not None and _holds_unit(w, node, [weight]):
+        return cb if weight is ca else ca
     if weight is not None:
         w.c.permute_only.append(_ids_of(weight))
         limit, why = monomial("nonzero"), "multiplied elementwise by a weight vector"
     else:  # both factors scale with the coordinate: only a permutation moves them alike
         limit, why = NEUTRAL, "elementwise product of two activations"
     return _product_output(w, node, ca, cb, limit, why)
+
+
+def _holds_unit(w, node, weight_chans) -> bool:
+    """A weight vector known to be 1 everywhere multiplies by nothing: the product is its other factor, and the
+    weight is pinned (it stays 1 under every transformation; with any other value the group would be smaller)."""
+    if not weight_chans or not all(c.unit for c in weight_chans):
+        return False
+    for c in weight_chans:
+        w.c.pin(c.ids, "weight vector identically 1 (a folded norm): it stays 1, and the stream it multiplies keeps "
+                       "its full group", node.name)
+    return True
 
 
 def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
@@ -516,19 +529,23 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
         chans = [c.broadcast_to(out_shape) for c in weight.chans]
         return Value(chans=chans, shape=out_shape)
-    out = Value(chans=[c.broadcast_to(out_shape) for c in chans], shape=out_shape)
+    # the affine weight and bias pair with the channels along the normalised axes; others (positions) pass
+    normed = [c.broadcast_to(out_shape) for c in chans if chan_axes(c) & norm_axes and not c.block]
+    passing = [c.broadcast_to(out_shape) for c in chans if not (chan_axes(c) & norm_axes and not c.block)]
+    if weight is not None and _holds_unit(w, node, weight.chans):
+        weight = None
     if weight is not None:
         products = []
-        for c, wc in zip(out.chans, weight.chans):
+        for c, wc in zip(normed, weight.chans):
             wc = wc.broadcast_to(out_shape)
             w.c.permute_only.append(_ids_of(wc))
             products.append(_product_output(w, node, c, wc, monomial("nonzero"),
                                             "multiplied elementwise by the norm weight"))
-        out = Value(chans=products, shape=out_shape)
+        normed = products
     if bias is not None:
-        for c, bc in zip(out.chans, bias.chans):
+        for c, bc in zip(normed, bias.chans):
             w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
-    return out
+    return Value(chans=normed + passing, shape=out_shape)
 
 
 def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restriction) -> None:

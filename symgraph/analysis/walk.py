@@ -62,7 +62,14 @@ class Walker:
             for axis_ids in ids.values():
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
                            node.name)
-        return Value(chans=param_channels(ids, shape), shape=shape)
+        return Value(chans=param_channels(ids, shape, unit=self._is_unit_vector(name)), shape=shape)
+
+    def _is_unit_vector(self, name: str) -> bool:
+        """A vector parameter whose stored value is 1 everywhere (a folded norm weight). Meta parameters
+        (config-only capture) have no value: never unit, so their groups stay those of an arbitrary weight."""
+        value = self.cap.program.state_dict.get(name)
+        return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.device.type != "meta"
+                and bool((value == 1).all()))
 
     def _call(self, node: fx.Node):
         if node.target is operator.getitem:

@@ -79,7 +79,8 @@ def solve(ws: Workspace, g: Group, members: list[Member], ctx: SolveContext) -> 
 # -- continuous groups ------------------------------------------------------------------------------------------
 @solver("orthogonal", "procrustes", "orthogonal Procrustes, one batched SVD over every head of every layer solved "
                                     "together; with the QK scalar rescale: jointly optimal rotation + rescale "
-                                    "(1-D search of a nuclear norm)")
+                                    "(1-D search of a nuclear norm); a LayerNorm residual (Q 1 = +-1): Procrustes "
+                                    "on the complement of the ones vector")
 def solve_orthogonal(ws, g, members, ctx):
     return solve_orthogonal_together(ws, [(g, members, ctx)])[0]
 
@@ -102,7 +103,7 @@ def solve_orthogonal_together(ws, items) -> list[list[Element]]:
         mq, mk, q_sq, k_sq = (np.concatenate([stats[i][j] for i in chosen]) for j in range(4))
         mode = items[chosen[0]][2].mode
         if not joint:
-            R, a = np.asarray(kernels.procrustes(mq + mk)), None
+            R, a = _procrustes_per_group([items[i][0] for i in chosen], mq + mk), None
         elif mode == "paper":  # the paper: rotation first, then the quartic of eq. (12) for that rotation
             R = np.asarray(kernels.procrustes(mq + mk))
             a = kernels.rescale_from_stats(q_sq, (R * mq).sum((-2, -1)), k_sq, (R * mk).sum((-2, -1)),
@@ -118,6 +119,17 @@ def solve_orthogonal_together(ws, items) -> list[list[Element]]:
             if joint:
                 out[i].append(Element(ctx.partner, diag=np.asarray(a, dtype=np.float64)[part].reshape(-1, 1)))
     return out
+
+
+def _procrustes_per_group(groups, cross: np.ndarray) -> np.ndarray:
+    """Procrustes on stacked copies; the copies of a group with ``fixes_ones`` (LayerNorm residual) keep Q 1 = +-1."""
+    R = np.array(kernels.procrustes(cross))
+    start = 0
+    for g in groups:
+        if g.fixes_ones:
+            R[start:start + g.copies] = kernels.procrustes_fixing_ones(cross[start:start + g.copies])
+        start += g.copies
+    return R
 
 
 @solver("general_linear", "least_squares", "general linear: least squares from either side (primal rows, or "

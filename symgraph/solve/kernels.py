@@ -100,6 +100,33 @@ def procrustes(cross: Array, *, special: bool = False) -> Array:
     return like(u @ vh, cross)
 
 
+def ones_basis(n: int) -> np.ndarray:
+    r"""A symmetric orthogonal :math:`H` (a Householder reflection) whose first column is :math:`1/\sqrt{n}`: its
+    other columns are an orthonormal basis of the complement of the ones vector."""
+    v = -np.full(n, 1.0 / np.sqrt(n))
+    v[0] += 1.0
+    if not np.any(v):
+        return np.eye(n)
+    return np.eye(n) - 2.0 * np.outer(v, v) / (v @ v)
+
+
+def procrustes_fixing_ones(cross: Array) -> np.ndarray:
+    r"""Procrustes over :math:`\{R \in O(n) : R 1 = \pm 1\}` (the residual group of a LayerNorm model).
+
+    In the basis :math:`H` of :func:`ones_basis`, :math:`R = H \operatorname{diag}(s, R') H`:
+    :math:`\operatorname{tr}(R^\top M) = s\,(H^\top M H)_{00} + \operatorname{tr}(R'^\top (H^\top M H)_{1:,1:})`, so
+    :math:`s` is the sign of the first term and :math:`R'` is ordinary Procrustes on the complement. Same
+    convention as :func:`procrustes` (the source moves as :math:`R^\top X`); batched over leading axes.
+    """
+    m = as_numpy(cross)
+    h = ones_basis(m.shape[-1])
+    inner = h @ m @ h
+    rotated = np.zeros_like(inner)
+    rotated[..., 0, 0] = np.where(inner[..., 0, 0] < 0, -1.0, 1.0)
+    rotated[..., 1:, 1:] = as_numpy(procrustes(np.ascontiguousarray(inner[..., 1:, 1:])))
+    return h @ rotated @ h
+
+
 def procrustes_value(cross: Array, *, special: bool = False) -> np.ndarray:
     r""":math:`\max_R \operatorname{tr}(R^\top M)`: the nuclear norm :math:`\|M\|_* = \sum_i \sigma_i` over
     :math:`O(n)`; over :math:`SO(n)` the smallest singular value counts negatively when :math:`\det M < 0`.

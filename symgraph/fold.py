@@ -1,0 +1,462 @@
+"""Norm folding: a function-preserving rewrite after which the residual stream has a larger symmetry group.
+
+A norm's elementwise weight ``g`` (and a LayerNorm's bias ``beta``) moves into the linear layers that read the
+norm: ``W (g * n + beta) + b = (W diag g) n + (W beta + b)``. What is left is the same architecture with norm weights
+1 and biases 0, so the residual stream no longer meets a per-coordinate weight: the analysis then finds O(D) for
+RMSNorm models and {Q in O(D) : Q 1 = +-1} for LayerNorm models (:mod:`symgraph.analysis.rules`).
+
+For LayerNorm models every parameter that writes into the residual stream (embeddings, position embeddings, class
+token, patch embedding, attention output and FFN down projections with their biases) is also centred over the
+stream's coordinates: every reader of the stream is a LayerNorm, which subtracts the mean anyway, so each norm now
+sees mean-free inputs and computes what an RMSNorm would.
+
+What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an
+RMSNorm: a parameter vector multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Anything that would make the
+rewrite change the function is refused with the norm, the graph node and the reason.
+
+Examples
+--------
+>>> import symgraph
+>>> from symgraph import zoo
+>>> model = zoo.build("llama", seed=0)
+>>> folded = symgraph.fold(symgraph.load(model, zoo.example_inputs_for("llama", model)))
+>>> len(folded.norms) > 0 and folded.verified_error < 1e-4
+True
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import fx
+
+from .errors import InvarianceError, SymgraphError
+from .spec import load_specs
+
+
+class FoldError(SymgraphError):
+    """A norm cannot be folded into its readers without changing the model's function."""
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """One norm of the graph and the linear layers that absorb its weight."""
+
+    node: str  # the graph node that applies the weight (layer_norm, or the RMSNorm's multiplication)
+    weight: str | None  # parameter names; None when the norm has no such parameter
+    bias: str | None
+    centres: bool  # subtracts the mean (LayerNorm)
+    readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each linear layer reading the norm
+    source: str = ""  # the model's source line, for messages
+
+    def describe(self) -> str:
+        return f"norm {self.weight or self.node} (graph node {self.node}{self.source})"
+
+
+@dataclass
+class FoldResult:
+    """The folded state dict, what was folded and centred, and the float64 check of the rewrite."""
+
+    state: dict[str, torch.Tensor]
+    norms: list[NormSite]
+    centred: list[str] = field(default_factory=list)
+    verified_error: float | None = None
+
+    def to_json(self) -> dict:
+        return {"norms": [{"node": n.node, "weight": n.weight, "bias": n.bias, "layer_norm": n.centres,
+                           "readers": [w for w, _ in n.readers]} for n in self.norms],
+                "centred": self.centred, "verified_relative_error": self.verified_error}
+
+
+def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
+    """Fold every norm of ``source`` (anything :func:`symgraph.load` accepts) into the linears that read it.
+
+    Returns :class:`FoldResult` with a new state dict (``source`` is not modified): norm weights 1, biases 0, the
+    same architecture, and for LayerNorm models every residual writer centred. With ``verify`` the folded model is
+    first checked in float64 to compute what ``source`` computes. Raises :class:`FoldError` naming the norm and
+    the reason when a norm cannot be folded.
+    """
+    from .api import load
+
+    subject = load(source, inputs)
+    if subject.config_only:
+        raise FoldError(f"{subject.name} was built without weights (config only): there is nothing to fold.",
+                        hint="fold a model with its weights.")
+    cap = subject.capture
+    norms = find_norms(cap)
+    state = subject.state_dict()
+    folded = {**state, **_folded_params(state, norms)}
+    centred = residual_writers(cap, norms) if norms and all(n.centres for n in norms) else []
+    folded.update(_centred(folded, centred))
+    result = FoldResult(folded, norms, sorted({name for name, _ in centred}))
+    if verify:
+        _verify(subject, result)
+    return result
+
+
+def pays_off(subject) -> bool:
+    """The default of ``--fold``: fold where measured loss barriers fell (``examples/bench_fold.py`` on the shipped
+    pairs). RMSNorm models are folded (llama-chars, full mode: 2.063 -> 1.930). LayerNorm models are not: folding
+    and centring the ViT raised its full-mode barrier (vit-digits: 3.414 -> 3.903) although the aligned distance
+    fell, because a merge then averages products W diag(g) instead of W and g apart. Models whose norms cannot be
+    folded, and config-only models, are not folded either."""
+    if subject.config_only:
+        return False
+    try:
+        norms = find_norms(subject.capture)
+    except FoldError:
+        return False
+    return bool(norms) and not any(n.centres for n in norms)
+
+
+def folded_subject(subject, inputs=None):
+    """A :class:`~symgraph.api.Subject` of the folded model: a copy of ``subject``'s module holding the folded
+    weights, with the same example inputs, config and source folder."""
+    from .api import Subject, load
+
+    subject = load(subject, inputs)
+    result = fold(subject)
+    model = copy.deepcopy(subject.model)
+    model.load_state_dict(result.state, strict=True)
+    return Subject(model, f"{subject.name} (folded)", subject.args, dict(subject.kwargs), subject.config,
+                   subject.path, subject.config_only)
+
+
+def residual_note(cap, groups, config_only: bool) -> str | None:
+    """Why the residual stream has only permutations, for the report (None when it is orthogonal or absent)."""
+    if not any(g.motif == "residual" and g.kind in ("permutation", "signed_permutation") for g in groups):
+        return None
+    if config_only:
+        return ("residual stream: permutations only, since without weights no norm weight can be known to be 1; "
+                "fold the model (`symgraph fold`) and analyse it with its weights for the orthogonal group")
+    try:
+        norms = find_norms(cap)
+    except FoldError as exc:
+        return f"residual stream: permutations only; its norms cannot be folded: {exc.message}"
+    if not norms:
+        return None
+    return ("residual stream: permutations only, because its norm weights are not 1; `symgraph fold` (or --fold) "
+            "folds them into the linears that read them, and the folded model's stream is orthogonal")
+
+
+# -- finding norms -----------------------------------------------------------------------------------------------
+def find_norms(cap) -> list[NormSite]:
+    """Every norm of the captured graph that carries parameters, with the linears reading it."""
+    names = cap.params
+    sites = []
+    for node in cap.graph.nodes:
+        if node.op != "call_function":
+            continue
+        found = _layer_norm(node, names) if _is_layer_norm(node) else _rms_norm(node, names)
+        if found is None:
+            continue
+        weight, bias, centres = found
+        site = NormSite(node.name, weight, bias, centres, (), _module_of(node))
+        if not _reads_residual_stream(node):
+            continue  # an in-block norm (per-head QK-norm): not on the stream, and no linear after it to absorb it
+        if weight is None and bias is None:
+            if centres:
+                sites.append(site)  # nothing to fold, but it makes the stream centrable
+            continue
+        _check_used_once(cap, node, site)
+        sites.append(replace(site, readers=_linear_readers(cap, node, site)))
+    return sites
+
+
+def _reads_residual_stream(norm: fx.Node) -> bool:
+    """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts and dropout."""
+    source = _through_identity_back(norm.args[0] if _is_layer_norm(norm) else _rms_input(norm))
+    return isinstance(source, fx.Node) and (str(source.target) in ("aten.add.Tensor", "aten.embedding.default")
+                                            or source.op == "placeholder")
+
+
+def _rms_input(mul: fx.Node):
+    """``x`` of ``g * (x * rsqrt(...))``."""
+    normalised = next(_through_identity_back(a) for a in mul.args if isinstance(a, fx.Node) and a.op != "placeholder")
+    return next(a for a in normalised.args if isinstance(a, fx.Node) and str(a.target) != "aten.rsqrt.default")
+
+
+def _is_layer_norm(node: fx.Node) -> bool:
+    return str(node.target) in ("aten.layer_norm.default", "aten.native_layer_norm.default")
+
+
+def _layer_norm(node, names):
+    args = list(node.args) + [None] * (4 - len(node.args))
+    if len(args[1]) != 1:
+        return None  # normalised over several axes: not a residual-stream norm; left as it is
+    return _param(args[2], names), _param(args[3], names), True
+
+
+def _rms_norm(node, names):
+    """``g * normalised`` (either order), ``normalised`` being ``x * rsqrt(...)`` or ``x / sqrt(...)`` up to
+    dtype casts: the RMSNorm of Hugging Face LLaMA-family models and T5."""
+    if str(node.target) != "aten.mul.Tensor" or len(node.args) != 2:
+        return None
+    for weight, other in (node.args, node.args[::-1]):
+        name = _param(weight, names)
+        if name is not None and weight.meta["val"].dim() == 1 and _is_rms_normalised(other):
+            return name, None, False
+    return None
+
+
+def _is_rms_normalised(node) -> bool:
+    node = _through_identity_back(node)
+    if not isinstance(node, fx.Node):
+        return False
+    target = str(node.target)
+    if target == "aten.mul.Tensor":
+        return any(isinstance(a, fx.Node) and str(a.target) == "aten.rsqrt.default" for a in node.args)
+    if target == "aten.div.Tensor":
+        return isinstance(node.args[1], fx.Node) and str(node.args[1].target) == "aten.sqrt.default"
+    return False
+
+
+def _param(arg, names) -> str | None:
+    return names.get(arg.name) if isinstance(arg, fx.Node) and arg.op == "placeholder" else None
+
+
+def _check_used_once(cap, node, site: NormSite) -> None:
+    for name in (site.weight, site.bias):
+        placeholder = _placeholder_of(cap, name)
+        if placeholder is not None and len(placeholder.users) > 1:
+            raise FoldError(f"Cannot fold {site.describe()}: its parameter {name} is also read by "
+                            f"{_other_users(placeholder, node)}; one fold cannot serve both.",
+                            hint="untie the parameter, or align without --fold.")
+
+
+def _linear_readers(cap, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
+    tied = _tied_names(cap)
+    readers = []
+    for user in _readers(node):
+        if str(user.target) != "aten.linear.default" or _param(user.args[1], cap.params) is None:
+            what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
+            post_ln = str(user.target) == "aten.add.Tensor"
+            raise FoldError(f"Cannot fold {site.describe()}: its output is read by {what}; only linear layers can "
+                            f"absorb a norm's weight" + (" (a post-LN model: the norm's output is the residual stream "
+                                                         "itself)." if post_ln else "."),
+                            hint="align without --fold: post-LN models keep their norms and residual permutations."
+                            if post_ln else "align without --fold.")
+        weight = _param(user.args[1], cap.params)
+        bias = _param(user.args[2], cap.params) if len(user.args) > 2 else None
+        shared = [n for n in tied.get(weight, ()) if n != weight] or \
+            [u.name for u in _placeholder_of(cap, weight).users if u is not user]
+        if shared:
+            raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
+                            f"(tied weights), which would need a different fold.",
+                            hint="untie the weights (e.g. tie_word_embeddings=false), or align without --fold.")
+        if site.bias is not None and bias is None:
+            raise FoldError(f"Cannot fold {site.describe()}: its bias {site.bias} would have to move into the bias "
+                            f"of {weight}, which has none.", hint="align without --fold.")
+        readers.append((weight, bias))
+    return tuple(readers)
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that consume ``node``'s value with its last axis intact (through casts, dropout, row slices)."""
+    out = []
+    for user in node.users:
+        if _passes_last_axis(user, node):
+            out.extend(_readers(user))
+        else:
+            out.append(user)
+    return out
+
+
+# -- centring the residual stream --------------------------------------------------------------------------------
+def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
+    """(parameter, axis) of everything written into the residual stream that the LayerNorms read, to be centred
+    along that axis. Refuses when anything but a LayerNorm reads the stream (centring would change its input)."""
+    nodes = {n.name: n for n in cap.graph.nodes}
+    todo = [nodes[n.node].args[0] for n in norms]
+    stream, targets = set(), []
+    while todo:
+        node = todo.pop()
+        if node.name in stream:
+            continue
+        stream.add(node.name)
+        _check_stream_readers(node)
+        if str(node.target) == "aten.add.Tensor":
+            for arg in node.args[:2]:
+                if not isinstance(arg, fx.Node):
+                    raise FoldError(f"Cannot centre the residual stream: a constant {arg!r} is added to it at graph "
+                                    f"node {node.name}{_source_line(node)}.", hint="align without --fold.")
+                todo.append(arg)
+        elif node.op == "call_function" and _same_value(node):
+            todo.append(node.args[0])
+        else:
+            targets.extend(_writer_params(cap, node, node.meta["val"].dim() - 1))
+    return list(dict.fromkeys(targets))
+
+
+def _check_stream_readers(node: fx.Node) -> None:
+    for user in node.users:
+        if _is_layer_norm(user) and user.args[0] is node:
+            continue
+        if str(user.target) == "aten.add.Tensor" or _passes_last_axis(user, node):
+            continue
+        what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
+        raise FoldError(f"Cannot centre the residual stream: its value at graph node {node.name}"
+                        f"{_source_line(node)} is read by {what} without a LayerNorm in between; centring would "
+                        f"change what that reader sees.", hint="align without --fold.")
+
+
+def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int]]:
+    """The parameters (and their axis) whose values make up ``node``'s coordinates along ``axis``."""
+    target = str(node.target)
+    rank = node.meta["val"].dim()
+    if node.op == "placeholder":
+        name = _param(node, cap.params)
+        if name is None:
+            raise FoldError(f"Cannot centre the residual stream: the input or buffer {node.name} is written into it "
+                            f"directly, and only parameters can be centred.", hint="align without --fold.")
+        return [(name, axis)]
+    if target == "aten.linear.default" and axis == rank - 1:
+        return [(p, 0) for p in (_param(a, cap.params) for a in node.args[1:3]) if p is not None]
+    if target in ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default") and axis == 1:
+        return [(p, 0) for p in (_param(a, cap.params) for a in node.args[1:3]) if p is not None]
+    if target == "aten.embedding.default" and axis == rank - 1:
+        return [(_param(node.args[0], cap.params), 1)] if _param(node.args[0], cap.params) else []
+    inner = _movement_source(node, axis)
+    if inner is None:
+        raise FoldError(f"Cannot centre the residual stream: it is written by {target} (graph node {node.name}"
+                        f"{_source_line(node)}), which has no parameter to centre.",
+                        hint="align without --fold.")
+    out = []
+    for arg, arg_axis in inner:
+        if len(arg.users) > 1:
+            raise FoldError(f"Cannot centre the residual stream: graph node {arg.name} writes into it and is also "
+                            f"read elsewhere.", hint="align without --fold.")
+        out.extend(_writer_params(cap, arg, arg_axis))
+    return out
+
+
+def _movement_source(node: fx.Node, axis: int):
+    """Where ``node``'s ``axis`` comes from in its inputs, for the movement ops that write embeddings into a
+    stream (cat of a class token, flatten and transpose of a patch grid, expand, casts); None otherwise."""
+    target, args = str(node.target), node.args
+    rank = node.meta["val"].dim()
+    if target in ("aten.cat.default", "aten.concat.default"):
+        dim = (args[1] if len(args) > 1 else 0) % rank
+        return None if dim == axis else [(a, axis) for a in args[0]]
+    if not isinstance(args[0], fx.Node):
+        return None
+    in_rank = args[0].meta["val"].dim()
+    if target == "aten.transpose.int":
+        d0, d1 = args[1] % rank, args[2] % rank
+        return [(args[0], {d0: d1, d1: d0}.get(axis, axis))]
+    if target == "aten.flatten.using_ints":
+        start, end = (args[1] if len(args) > 1 else 0) % in_rank, (args[2] if len(args) > 2 else -1) % in_rank
+        if axis == start and end > start:
+            return None  # the coordinates are mixed with other axes
+        return [(args[0], axis if axis < start else axis + end - start)]
+    if target == "aten.expand.default":
+        shift = axis - (rank - in_rank)
+        same = shift >= 0 and args[0].meta["val"].shape[shift] == node.meta["val"].shape[axis]
+        return [(args[0], shift)] if same else None
+    if _passes_last_axis(node, args[0]) and axis == rank - 1:
+        return [(args[0], in_rank - 1)]
+    return None
+
+
+# -- graph helpers ---------------------------------------------------------------------------------------------------
+_SAME_VALUE_RULES = ("identity",)
+_ROW_SELECTIONS = ("aten.select.int", "aten.slice.Tensor", "aten.narrow.default")
+_KEEPS_LAST = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.clone.default",
+               "aten.contiguous.default", "aten.alias.default", "aten.detach.default")
+
+
+def _passes_last_axis(user: fx.Node, node) -> bool:
+    """Does ``user`` hand ``node``'s value on unchanged along its last axis (a cast, dropout, a slice of rows, a
+    reshape of the leading axes)?"""
+    if user.op != "call_function" or not user.args or user.args[0] is not node or not isinstance(node, fx.Node):
+        return False
+    target = str(user.target)
+    spec = load_specs().op(target)
+    if spec is not None and spec.rule in _SAME_VALUE_RULES and "neg" not in target:
+        return True
+    out, src = user.meta.get("val"), node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor) or out.shape[-1:] != src.shape[-1:]:
+        return False
+    if target in _ROW_SELECTIONS:
+        return (user.args[1] if len(user.args) > 1 else 0) % src.dim() != src.dim() - 1
+    return target in _KEEPS_LAST
+
+
+def _same_value(node: fx.Node) -> bool:
+    """A cast, dropout or reshape: the same values along the last axis, every row kept."""
+    return bool(node.args) and _passes_last_axis(node, node.args[0]) and str(node.target) not in _ROW_SELECTIONS
+
+
+def _through_identity_back(node):
+    while isinstance(node, fx.Node) and node.op == "call_function" and _same_value(node):
+        node = node.args[0]
+    return node
+
+
+def _placeholder_of(cap, name: str | None):
+    if name is None:
+        return None
+    return next((n for n in cap.graph.nodes if n.op == "placeholder" and cap.params.get(n.name) == name), None)
+
+
+def _other_users(placeholder: fx.Node, node: fx.Node) -> str:
+    return ", ".join(f"{u.target} (graph node {u.name})" for u in placeholder.users if u is not node)
+
+
+def _tied_names(cap) -> dict[str, list[str]]:
+    from .verify import _aliases
+
+    return {n: names for names in _aliases(cap.model) for n in names}
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()), ("",))[0] if stack else ""
+    return f", module {path}" if path else ""
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    return f"; {line}" if line else ""
+
+
+# -- the rewrite -----------------------------------------------------------------------------------------------------
+def _folded_params(state, norms: list[NormSite]) -> dict[str, torch.Tensor]:
+    """New tensors for every norm and reader parameter, computed in float64 and cast back."""
+    out = {}
+    for site in norms:
+        g = state[site.weight].double() if site.weight else None
+        beta = state[site.bias].double() if site.bias else None
+        for weight, bias in site.readers:
+            w = state[weight].double()
+            if bias is not None and beta is not None:
+                out[bias] = (state[bias].double() + w @ beta).to(state[bias].dtype)
+            if g is not None:
+                out[weight] = (w * g).to(state[weight].dtype)
+        if site.weight:
+            out[site.weight] = torch.ones_like(state[site.weight])
+        if site.bias:
+            out[site.bias] = torch.zeros_like(state[site.bias])
+    return out
+
+
+def _centred(state, targets: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, axis in targets:
+        x = state[name].double()
+        out[name] = (x - x.mean(dim=axis, keepdim=True)).to(state[name].dtype)
+    return out
+
+
+def _verify(subject, result: FoldResult) -> None:
+    from .verify import Evaluator
+
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(result.state)
+    if not outcome.ok:
+        raise InvarianceError(
+            f"The folded model differs from {subject.name} (relative error {outcome.relative_error:.2e}, tolerance "
+            f"{outcome.tolerance:.1e}); nothing was written.",
+            hint="report this as a bug with the model's config; align without --fold meanwhile.")
+    result.verified_error = outcome.relative_error

@@ -1,0 +1,196 @@
+"""Norm folding and the residual groups it opens: the rewrite keeps the function (at more than one input shape),
+the folded graph gives O(D) (RMSNorm) or {Q : Q 1 = +-1} (LayerNorm) on the residual stream, soundly (fuzzed in
+float64 at two input shapes; the unconstrained O(D) is caught on LayerNorm), the constrained Procrustes, exact
+recovery on folded models, refusals that name the norm, and the command line."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import symgraph
+from symgraph import zoo
+from symgraph.alignment import align_states, select_groups
+from symgraph.elements import apply, sample
+from symgraph.fold import FoldError, fold, folded_subject
+from symgraph.fuzz import fuzz
+from symgraph.io import save_model
+from symgraph.solve import kernels
+from symgraph.verify import Evaluator
+
+from cli_runner import run, tree_digest
+
+SHIPPED = symgraph.__path__[0] + "/data/models"
+NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual writers centred, Q 1 = +-1)
+
+
+def _subject(family, dtype=torch.float32):
+    model = zoo.build(family, seed=0, dtype=dtype)
+    return symgraph.load(model, zoo.example_inputs_for(family, model))
+
+
+@functools.cache
+def _folded64(family):
+    """The folded float64 model of ``family`` (built, folded and analysed once; tests only read it)."""
+    return folded_subject(_subject(family, torch.float64))
+
+
+@pytest.mark.parametrize("family", list(NORM_FAMILIES))
+def test_fold_keeps_the_function_at_two_shapes_and_leaves_unit_norms(family):
+    subject = _subject(family)
+    before = {k: v.clone() for k, v in subject.state_dict().items()}
+    result = fold(subject)
+    assert result.verified_error < 1e-4
+    assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())  # the input is untouched
+    assert result.norms and all(torch.equal(result.state[n.weight], torch.ones_like(before[n.weight]))
+                                for n in result.norms)
+    assert all(not result.state[n.bias].any() for n in result.norms if n.bias)
+    assert any(not torch.equal(result.state[w], before[w]) for n in result.norms for w, _ in n.readers)
+    other = zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=5)
+    assert Evaluator(subject.model, *other).check(result.state).ok  # not only on the inputs it was checked on
+    if NORM_FAMILIES[family]:  # every residual writer is mean-free along the stream
+        assert len(result.centred) >= 5
+        embedding = result.state["vit.embeddings.position_embeddings"].double()
+        assert float(embedding.mean(-1).abs().max()) < 1e-6 < float(before[
+            "vit.embeddings.position_embeddings"].double().mean(-1).abs().max())
+    else:
+        assert result.centred == []
+
+
+@pytest.mark.parametrize("family", list(NORM_FAMILIES))
+def test_folded_residual_group_is_orthogonal_and_fuzzes_clean_at_two_shapes(family):
+    subject = _folded64(family)
+    residual = [g for g in subject.report.groups if g.motif == "residual"]
+    assert len(residual) == 1
+    g = residual[0]
+    assert g.kind == "orthogonal" and g.size == subject.model.config.hidden_size and g.copies == 1
+    assert g.fixes_ones == NORM_FAMILIES[family]
+    assert not any(m.action == "permute" for m in g.members)  # norm weights are held at 1, not moved
+    assert not any(x.motif == "scale_free" for x in subject.report.groups)  # no norm weight left to trade scale
+    other = symgraph.load(subject.model, zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=2))
+    for s in (subject, other):
+        outcome = fuzz(s, groups=[g], samples=6)
+        assert outcome.ok, outcome.failures
+
+
+def test_the_layernorm_constraint_is_needed():
+    """The full O(D) on a LayerNorm stream changes the function: the fuzz catches it, so Q 1 = +-1 is not decor."""
+    subject = _folded64("vit")
+    g = next(g for g in subject.report.groups if g.motif == "residual")
+    outcome = fuzz(subject, groups=[dataclasses.replace(g, fixes_ones=False)], samples=6)
+    assert not outcome.ok
+
+
+def test_the_orthogonal_group_needs_the_folded_weights():
+    """The folded model's O(D) applied to the unfolded model (norm weights not 1) changes its function."""
+    subject = _subject("llama", torch.float64)
+    g = next(g for g in _folded64("llama").report.groups if g.motif == "residual")
+    element = sample(g, np.random.default_rng(0))
+    assert not Evaluator(subject.model, subject.args, subject.kwargs).check(apply(subject.state_dict(),
+                                                                                  [element])).ok
+
+
+def test_unfolded_and_config_only_models_keep_permutations(tmp_path):
+    subject = _subject("llama")
+    kinds = {g.kind for g in subject.report.groups if g.motif == "residual"}
+    assert kinds == {"signed_permutation"}
+    assert any("norm weights are not 1" in n and "symgraph fold" in n for n in subject.report.notes)
+    save_model(fold(subject).state, tmp_path / "folded", config=subject.config)
+    with_weights = symgraph.load(tmp_path / "folded")
+    assert {g.kind for g in with_weights.report.groups if g.motif == "residual"} == {"orthogonal"}
+    meta = symgraph.load(tmp_path / "folded", config_only=True)  # no values: a weight of 1 cannot be known
+    assert {g.kind for g in meta.report.groups if g.motif == "residual"} == {"signed_permutation"}
+    assert any("without weights" in n for n in meta.report.notes)
+    assert not any("residual stream" in n for n in with_weights.report.notes)
+
+
+def test_constrained_procrustes_recovers_and_is_optimal():
+    rng = np.random.default_rng(0)
+    n = 6
+    from symgraph.elements import random_orthogonal_fixing_ones
+
+    q = random_orthogonal_fixing_ones(n, rng)
+    assert np.allclose(q @ q.T, np.eye(n)) and np.allclose(np.abs(q @ np.ones(n)), np.ones(n))
+    x = rng.standard_normal((n, 40))
+    cross = x @ (q.T @ x).T  # anchor = Q^T x: Procrustes returns R with R^T x = anchor, so R = Q
+    r = kernels.procrustes_fixing_ones(cross[None])[0]
+    assert np.allclose(r, q, atol=1e-10)
+    noisy = cross + rng.standard_normal((n, n))
+    best = kernels.procrustes_fixing_ones(noisy[None])[0]
+    assert np.allclose(np.abs(best @ np.ones(n)), np.ones(n))
+    others = [random_orthogonal_fixing_ones(n, rng) for _ in range(200)]
+    assert all(np.trace(best.T @ noisy) >= np.trace(o.T @ noisy) - 1e-9 for o in others)
+    assert np.trace(kernels.procrustes(noisy[None])[0].T @ noisy) >= np.trace(best.T @ noisy) - 1e-9
+
+
+@pytest.mark.parametrize("family", list(NORM_FAMILIES))
+def test_a_reparametrised_folded_model_is_recovered_exactly(family):
+    subject = _folded64(family)
+    anchor = subject.state_dict()
+    source = apply(anchor, [sample(g, np.random.default_rng(3)) for g in subject.report.groups])
+    result = align_states(subject.report.groups, source, anchor, mode="full")
+    assert result.distance_before > 0.2
+    assert result.distance_after < 1e-6, result.distance_after
+
+
+def test_permutation_mode_aligns_a_folded_residual_by_its_permutations():
+    subject = _folded64("vit")
+    g = next(g for g in select_groups(subject.report.groups, "permutation") if g.motif == "residual")
+    assert g.kind == "permutation" and g.global_sign
+    outcome = fuzz(subject, groups=[g], samples=6)
+    assert outcome.ok
+
+
+@pytest.mark.parametrize("family,overrides,needle", [
+    ("bert", {}, "bert.embeddings.LayerNorm"),  # post-LN: the norm's output is the residual stream
+    ("llama-tied", {}, "tied"),  # lm_head is the embedding table: one fold cannot serve both
+    ("gpt-neox", {}, "has none"),  # a LayerNorm bias cannot move into a bias-free lm_head
+])
+def test_unfoldable_norms_are_refused_by_name(family, overrides, needle):
+    subject = _subject(family)
+    before = {k: v.clone() for k, v in subject.state_dict().items()}
+    with pytest.raises(FoldError, match=needle):
+        fold(subject)
+    assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())
+    if family == "bert":  # the report says why the residual stream keeps permutations
+        assert any("cannot be folded" in n and "post-LN" in n for n in subject.report.notes)
+
+
+def test_cli_fold_writes_a_loadable_equivalent_model_and_refuses_post_ln(tmp_path):
+    import transformers
+
+    source = f"{SHIPPED}/llama-chars-a"
+    digest = tree_digest(source)
+    res = run("fold", source, "-o", tmp_path / "folded", "--json", tmp_path / "fold.json")
+    assert res.returncode == 0, res.stderr
+    assert tree_digest(source) == digest
+    summary = json.loads((tmp_path / "fold.json").read_text())
+    assert len(summary["norms"]) == 7 and summary["centred"] == []  # 3 layers x 2 + the final norm; RMSNorm
+    original = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folded").eval()
+    assert type(folded) is type(original)
+    assert torch.equal(folded.model.norm.weight, torch.ones_like(folded.model.norm.weight))
+    ids = torch.randint(3, 99, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(folded(ids).logits, original(ids).logits, atol=1e-4, rtol=1e-4)
+
+    refused = run("fold", f"{SHIPPED}/bert-topics-a", "-o", tmp_path / "bert")
+    assert refused.returncode == 2 and "bert.embeddings.LayerNorm" in refused.stderr
+    assert "post-LN" in refused.stderr and not (tmp_path / "bert").exists()
+
+
+def test_cli_align_fold_recovers_a_transformed_folded_model(tmp_path):
+    source = f"{SHIPPED}/vit-digits-a"
+    assert run("fold", source, "-o", tmp_path / "folded").returncode == 0
+    assert run("transform", tmp_path / "folded", "-o", tmp_path / "moved", "--seed", "2").returncode == 0
+    res = run("align", tmp_path / "moved", source, "-o", tmp_path / "aligned", "--fold", "--quiet",
+              "--stats", tmp_path / "stats.json")
+    assert res.returncode == 0, res.stderr
+    assert "folded" in res.stdout
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["distance_before"] > 0.3 and stats["distance_after"] < 1e-5
+    assert any(v["kind"] == "orthogonal" and k.startswith("residual") for k, v in stats["groups"].items())
