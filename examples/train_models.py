@@ -11,6 +11,7 @@ which sets both the initialisation and the order of the training data:
     python examples/train_models.py                      # all six, into symgraph/data/models
     python examples/train_models.py --only vit --out /tmp/models
     python examples/train_models.py --extract-corpus     # rewrite the shipped text from this Python's pydoc_data
+    python examples/train_models.py --tokenizers-only    # rewrite the char models' tokenizer files only
 
 The text corpus is extracted once from ``pydoc_data.topics`` (the help text that ships with CPython) and shipped
 as symgraph/data/text/pydoc-topics.tsv, so training and evaluation do not depend on the Python version. Each run
@@ -161,8 +162,8 @@ def _zero_wrapped(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
 def _char_windows(family: Family, gen: torch.Generator):
     """Windows of WINDOW characters starting anywhere in the training text."""
     text = "\n".join(line for _, line in datasets.corpus_lines("train"))
-    vocab = char_vocabulary()
-    ids = torch.tensor([vocab.get(ch, vocab["<unk>"]) for ch in text], dtype=torch.long)
+    tokenizer = datasets.char_tokenizer(classifier=False, max_length=WINDOW)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     for _ in range(family.steps):
         starts = torch.randint(len(ids) - WINDOW, (family.batch,), generator=gen)
         windows = torch.stack([ids[s:s + WINDOW] for s in starts.tolist()])
@@ -236,14 +237,32 @@ def _lr_factor(step: int, family: Family) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - family.warmup) / max(1, family.steps - family.warmup)))
 
 
-def save(model: torch.nn.Module, folder: Path, *, char_vocab: bool) -> None:
-    """Write the model (and the char vocabulary beside it) as a Hugging Face folder, atomically."""
+def save(model: torch.nn.Module, folder: Path, *, char_tokenizer: bool) -> None:
+    """Write the model (and its character tokenizer's files beside it) as a Hugging Face folder, atomically."""
     model.config.architectures = [type(model).__name__]  # what from_pretrained and symgraph load it as
     with tempfile.TemporaryDirectory() as like:
-        if char_vocab:
-            (Path(like) / "vocab.json").write_text(json.dumps(char_vocabulary(), indent=0) + "\n")
-        save_model(model.state_dict(), folder, config=model.config, like=like if char_vocab else None,
+        if char_tokenizer:
+            tokenizer_for(model.config).save_pretrained(like)
+        save_model(model.state_dict(), folder, config=model.config, like=like if char_tokenizer else None,
                    overwrite=True)
+
+
+def tokenizer_for(config):
+    """The character tokenizer of a char model: a classifier's starts each text with ``<cls>``."""
+    classifier = any("Classification" in a for a in config.architectures or ())
+    return datasets.char_tokenizer(classifier=classifier, max_length=config.max_position_embeddings)
+
+
+def write_tokenizers(out: Path) -> None:
+    """(Re)write the tokenizer files of the char models already in ``out``, leaving their weights alone."""
+    from transformers import AutoConfig
+
+    for name, prefix in FOLDERS.items():
+        for suffix in SEEDS:
+            folder = out / f"{prefix}-{suffix}"
+            if name != "vit" and (folder / "config.json").is_file():
+                tokenizer_for(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+                print(f"wrote the tokenizer of {folder}")
 
 
 def run(name: str, out: Path, records: dict) -> None:
@@ -256,7 +275,7 @@ def run(name: str, out: Path, records: dict) -> None:
         model = train(family, seed)
         wall = time.perf_counter() - start
         metrics = datasets.evaluate(model, test)
-        save(model, out / folder, char_vocab=name != "vit")
+        save(model, out / folder, char_tokenizer=name != "vit")
         records[folder] = {"family": name, "class": type(model).__name__, "seed": seed, "data": family.data,
                            "test_examples": metrics.examples, "test_loss": round(metrics.loss, 4),
                            "test_accuracy": round(metrics.accuracy, 4), "train_seconds": round(wall, 1),
@@ -325,8 +344,9 @@ held out when `i % 5 == 0`; the ViT trains on random batches shifted by up to on
 text) by `--extract-corpus`: ASCII lines of four topic groups (statements, expressions, special methods, strings),
 at most 1100 lines each, no line twice. It is cut into blocks of 20 lines; every fifth block is test.
 `pydoc-chars` is that text as 128-character windows (the LLaMA trains on windows starting anywhere in the training
-text); `pydoc-topics` classifies single lines. The char models read `vocab.json` (3 special tokens, newline,
-printable ASCII; `<cls>` starts a classified line).
+text); `pydoc-topics` classifies single lines. The char models carry a Hugging Face tokenizer (`tokenizer.json`,
+`tokenizer_config.json`; `AutoTokenizer.from_pretrained(folder)`) with one token per character (3 special
+tokens, newline, printable ASCII; `<cls>` starts a classified line).
 Wall times are of one run on a 2-core machine shared with other jobs, so they vary by a factor of about two.
 """
 
@@ -337,7 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=MODELS, help=f"output folder (default {MODELS})")
     parser.add_argument("--extract-corpus", action="store_true",
                         help="rewrite symgraph/data/text/pydoc-topics.tsv from this Python's pydoc_data, then exit")
+    parser.add_argument("--tokenizers-only", action="store_true",
+                        help="rewrite the char models' tokenizer files (weights untouched), then exit")
     args = parser.parse_args(argv)
+    if args.tokenizers_only:
+        write_tokenizers(args.out)
+        return
     if args.extract_corpus:
         write_text_atomic(datasets.CORPUS_FILE, extract_corpus())
         print(f"wrote {datasets.CORPUS_FILE}")

@@ -29,7 +29,8 @@ from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
 from .progress import progress_bar
 
-__all__ = ["BarrierCurve", "BarrierResult", "barrier", "barrier_height", "check_plot_path", "plot_barrier"]
+__all__ = ["BarrierCurve", "BarrierResult", "barrier", "barrier_figure", "barrier_height", "check_plot_path",
+           "plot_barrier"]
 
 State = dict[str, torch.Tensor]
 
@@ -148,19 +149,31 @@ def plot_barrier(result: BarrierResult, path) -> Path:
     >>> plot_barrier(result, Path(tempfile.mkdtemp()) / "barrier.png").name
     'barrier.png'
     """
+    return _save_figure(barrier_figure(result), Path(path))
+
+
+def barrier_figure(result: BarrierResult):
+    """The figure :func:`plot_barrier` writes: a matplotlib ``Figure`` (Agg canvas, no pyplot state).
+
+    Examples
+    --------
+    >>> curve = BarrierCurve("none", [1.0, 2.0, 1.0], None, 1.0, None, 0.5, 0.0)
+    >>> figure = barrier_figure(BarrierResult(("a", "b"), "toy", "causal_lm", [0.0, 0.5, 1.0], {"none": curve}))
+    >>> figure.axes[0].get_ylabel()
+    'cross-entropy loss (nats per predicted token)'
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    path = Path(path)
     with_accuracy = all(c.accuracies is not None for c in result.curves.values())
-    figure = Figure(figsize=(11 if with_accuracy else 6, 4.2), layout="constrained")
+    figure = Figure(figsize=(11 if with_accuracy else 6, 5.2), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, 2 if with_accuracy else 1, squeeze=False)[0]
-    _draw(axes[0], result, "losses", "loss_barrier", "loss", "barrier")
+    _draw(axes[0], result, "losses", "loss_barrier", "barrier")
     if with_accuracy:
-        _draw(axes[1], result, "accuracies", "accuracy_barrier", "accuracy", "drop")
+        _draw(axes[1], result, "accuracies", "accuracy_barrier", "drop")
     figure.suptitle(f"A: {result.models[0]}    B: {result.models[1]}    data: {result.data}", fontsize=10)
-    return _save_figure(figure, path)
+    return figure
 
 
 # -- the path --------------------------------------------------------------------------------------------------------
@@ -219,14 +232,33 @@ def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, 
 _COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c"}
 
 
-def _draw(ax, result: BarrierResult, field: str, height: str, label: str, height_name: str) -> None:
+# what the loss averages over (datasets.evaluate): next-token predictions for causal LM, examples otherwise
+_LOSS_UNITS = {"causal_lm": "nats per predicted token", "classification": "nats per example"}
+
+
+def _x_label(result: BarrierResult) -> str:
+    """Name the end point B honestly: the ``none`` curve ends at B as trained, the others at B aligned to A."""
+    aligned = [m for m in result.curves if m != "none"]
+    ends = (["B as trained (none)"] if "none" in result.curves else []) + \
+        ([f"B aligned to A ({', '.join(aligned)})"] if aligned else [])
+    return f"t   (0: model A;  1: {' or '.join(ends)})"
+
+
+def _y_label(result: BarrierResult, field: str) -> str:
+    if field == "accuracies":
+        return "accuracy (fraction correct)"
+    return f"cross-entropy loss ({_LOSS_UNITS.get(result.task, 'nats')})"
+
+
+def _draw(ax, result: BarrierResult, field: str, height: str, height_name: str) -> None:
     for mode, curve in result.curves.items():
         ax.plot(result.ts, getattr(curve, field), marker="o", markersize=3, color=_COLOURS.get(mode),
                 label=f"{mode} ({height_name} {getattr(curve, height):.3g}, distance {curve.distance:.3g})")
-    ax.set_xlabel("t   (0: model A, 1: model B aligned to A)")
-    ax.set_ylabel(label)
+    ax.set_xlabel(_x_label(result), fontsize=8)
+    ax.set_ylabel(_y_label(result, field))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # below the axes, never over the curves: the curves fill the whole box on some pairs
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
 
 
 def check_plot_path(path) -> Path:

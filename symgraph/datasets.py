@@ -25,7 +25,6 @@ Losses follow Hugging Face: causal LM labels are the input ids (the loss shifts 
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from .errors import DataError
 
-__all__ = ["Batch", "Dataset", "Metrics", "CharTokenizer", "DATASETS", "TOPIC_CLASSES", "batch_loss",
+__all__ = ["Batch", "Dataset", "Metrics", "DATASETS", "TOPIC_CLASSES", "batch_loss", "char_tokenizer",
            "char_vocabulary", "corpus_lines", "evaluate", "load_data", "logits_of"]
 
 TASKS = ("classification", "causal_lm")
@@ -48,6 +47,9 @@ CORPUS_FILE = DATA_DIR / "text" / "pydoc-topics.tsv"
 TOPIC_CLASSES = ("statements", "expressions", "special methods", "strings")
 WINDOW = 128  # characters per causal LM example of the shipped corpus
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<cls>")
+# whose tokenizer reads the shipped text when load_data is given no model
+SHIPPED_TOKENIZERS = {"causal_lm": DATA_DIR / "models" / "llama-chars-a",
+                      "classification": DATA_DIR / "models" / "bert-topics-a"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,19 +231,33 @@ def char_vocabulary() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
-class CharTokenizer:
-    """Maps each character to its id in a ``vocab.json`` of single characters (unknown ones to ``<unk>``)."""
+def char_tokenizer(*, classifier: bool, max_length: int):
+    """A Hugging Face fast tokenizer for :func:`char_vocabulary`: one token per character (unknown ones to
+    ``<unk>``); a classifier's tokenizer starts every text with ``<cls>``, like BERT's ``[CLS]``. The shipped char
+    models carry its files (``tokenizer.json``, ``tokenizer_config.json``), written by ``save_pretrained``.
 
-    def __init__(self, vocab: dict[str, int]):
-        self.vocab = vocab
-        self.pad_id, self.unk_id, self.cls_id = (vocab.get(t) for t in SPECIAL_TOKENS)
-        if self.pad_id is None or self.unk_id is None:
-            raise DataError("The character vocabulary has no '<pad>' or '<unk>' token.",
-                            hint="regenerate the model folder's vocab.json with examples/train_models.py.")
+    Examples
+    --------
+    >>> tokenizer = char_tokenizer(classifier=True, max_length=160)
+    >>> tokenizer("ab")["input_ids"], tokenizer.decode([69, 70])
+    ([2, 69, 70], 'ab')
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
 
-    def encode(self, text: str, *, cls_token: bool = False) -> list[int]:
-        ids = [self.vocab.get(ch, self.unk_id) for ch in text]
-        return [self.cls_id, *ids] if cls_token and self.cls_id is not None else ids
+    vocab = char_vocabulary()
+    # BPE without merges is a character tokenizer that needs no pre-tokenizer (newlines and spaces are tokens)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()  # decode without spaces between characters
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    specials = {"pad_token": "<pad>", "unk_token": "<unk>"}
+    if classifier:
+        backend.post_processor = processors.TemplateProcessing(single="<cls> $A",
+                                                               special_tokens=[("<cls>", vocab["<cls>"])])
+        specials["cls_token"] = "<cls>"
+    # split_special_tokens: the text "<pad>" is five characters, as the models were trained
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
+                                   split_special_tokens=True, **specials)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,19 +378,11 @@ class _Target:
         positions = getattr(self.config, "max_position_embeddings", None)
         return min(int(positions), 512) if positions else 512
 
-    def tokenizer(self, *, required: bool) -> CharTokenizer | Any | None:
-        """The model's char vocabulary (``vocab.json`` of single characters), its Hugging Face tokenizer, or
-        None when it has neither and ``required`` is false."""
+    def tokenizer(self, *, required: bool) -> Any | None:
+        """The model folder's Hugging Face tokenizer, or None when it has none and ``required`` is false."""
         folder = self.folder
-        has_hf = folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        if folder is not None and not has_hf and (folder / "vocab.json").is_file():
-            vocab = _read_vocab(folder / "vocab.json")
-            if all(len(t) == 1 or t in SPECIAL_TOKENS for t in vocab):  # not a BPE vocab without its config
-                return CharTokenizer(vocab)
-        if has_hf:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return _auto_tokenizer(folder)
         if required:
             raise DataError("Text data needs the model's tokenizer, and the model has none"
                             + (f" (nothing in '{folder}')." if folder else " (no model folder was given)."),
@@ -473,15 +481,15 @@ def _corpus_blocks(split: str) -> list[list[tuple[str, str]]]:
 
 def _pydoc_chars(split: str, target: _Target, batch_size: int, limit: int | None) -> Dataset:
     text = "\n".join(line for _, line in corpus_lines(split))
-    ids = _encode_stream(text, target.tokenizer(required=False) or CharTokenizer(char_vocabulary()))
+    ids = _encode_stream(text, target.tokenizer(required=False) or _auto_tokenizer(SHIPPED_TOKENIZERS["causal_lm"]))
     windows = torch.tensor(ids[:len(ids) // WINDOW * WINDOW], dtype=torch.long).view(-1, WINDOW)
     return Dataset(f"pydoc-chars:{split}", "causal_lm", _batched({"input_ids": windows}, windows.clone(), batch_size))
 
 
 def _pydoc_topics(split: str, target: _Target, batch_size: int, limit: int | None) -> Dataset:
     rows = corpus_lines(split)[:limit]
-    tokenizer = target.tokenizer(required=False) or CharTokenizer(char_vocabulary())
-    ids = [_encode_line(text, tokenizer, classify=True, max_tokens=target.max_tokens) for _, text in rows]
+    tokenizer = target.tokenizer(required=False) or _auto_tokenizer(SHIPPED_TOKENIZERS["classification"])
+    ids = [_encode_line(text, tokenizer, max_tokens=target.max_tokens) for _, text in rows]
     labels = [TOPIC_CLASSES.index(label) for label, _ in rows]
     batches = _padded_batches(ids, labels, "classification", _pad_id(tokenizer), batch_size)
     return Dataset(f"pydoc-topics:{split}", "classification", batches)
@@ -495,22 +503,23 @@ DATASETS = {"digits": _digits, "pydoc-chars": _pydoc_chars, "pydoc-topics": _pyd
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _auto_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
 def _encode_stream(text: str, tokenizer: Any) -> list[int]:
-    if isinstance(tokenizer, CharTokenizer):
-        return tokenizer.encode(text)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # a stream: no length limit
 
 
-def _encode_line(text: str, tokenizer: Any, *, classify: bool, max_tokens: int) -> list[int]:
-    """Token ids of one example; char classifiers read a leading ``<cls>`` like BERT's ``[CLS]``."""
-    if isinstance(tokenizer, CharTokenizer):
-        return tokenizer.encode(text, cls_token=classify)[:max_tokens]
+def _encode_line(text: str, tokenizer: Any, *, max_tokens: int) -> list[int]:
+    """Token ids of one example, with the tokenizer's special tokens (a classifier's ``<cls>`` or ``[CLS]``)."""
     return list(tokenizer(text, truncation=True, max_length=max_tokens)["input_ids"])
 
 
 def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_id if isinstance(tokenizer, CharTokenizer) else tokenizer.pad_token_id
-    return int(pad) if pad is not None else 0
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
 
 
 def _padded_batches(ids: Sequence[list[int]], labels: Sequence[int] | None, task: str, pad_id: int,
@@ -537,8 +546,7 @@ def _load_txt(path: Path, target: _Target, batch_size: int, limit: int | None) -
     tokenizer = target.tokenizer(required=True)
     task = target.task or "causal_lm"
     labels, texts = _line_labels(lines, target) if task == "classification" else (None, lines)
-    ids = [_encode_line(t, tokenizer, classify=task == "classification", max_tokens=target.max_tokens)
-           for t in texts]
+    ids = [_encode_line(t, tokenizer, max_tokens=target.max_tokens) for t in texts]
     if any(not x for x in ids):
         raise DataError(f"A line of '{path}' tokenises to nothing.", hint="remove lines with no text.")
     return Dataset(path.name, task, _padded_batches(ids, labels, task, _pad_id(tokenizer), batch_size))
@@ -685,14 +693,3 @@ def _loss_sum(logits: torch.Tensor, batch: Batch, task: str) -> tuple[torch.Tens
     right = int((flat_logits.argmax(-1) == flat_labels)[counted].sum())
     return total, int(counted.sum()), right
 
-
-def _read_vocab(file: Path) -> dict[str, int]:
-    try:
-        vocab = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DataError(f"Cannot read the character vocabulary '{file}': {exc}.",
-                        hint="regenerate the model folder with examples/train_models.py.") from exc
-    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
-        raise DataError(f"'{file}' is not a {{token: id}} vocabulary.",
-                        hint="regenerate the model folder with examples/train_models.py.")
-    return vocab

@@ -1,8 +1,8 @@
 """Human renderings of a :class:`~symgraph.report.Report`: Markdown, and one self-contained HTML page.
 
 Both renderings are built from the same list of sections (title, paragraphs, bullet items, one table), so they
-always carry the same content; the HTML page adds a picture of the symmetry graph (groups and the parameters
-they act on), drawn with networkx and matplotlib's SVG backend and inlined, with no external resources.
+always carry the same content; the HTML page adds a picture of the model's layer structure with every group
+drawn over the axes it acts on (:mod:`symgraph.picture`), as inline SVG, with no external resources.
 
 Examples
 --------
@@ -16,10 +16,7 @@ Examples
 from __future__ import annotations
 
 import html
-import io
-import math
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -31,9 +28,6 @@ __all__ = ["render", "to_html", "to_markdown"]
 
 MAX_MEMBERS = 16  # members listed per group before "+N more"
 MAX_PINNED_PARAMS = 4  # parameter names listed per pinned space before "+N more"
-MAX_PARAM_NODES = 200  # above this, the picture shows one node per layer prefix instead of one per parameter
-MAX_GROUP_NODES = 300  # above this, the picture collapses groups by (layer prefix, motif, kind), then (motif, kind)
-MAX_SPRING_NODES = 500  # networkx's spring layout turns slow from here; bigger pictures use two columns
 
 Cell = Union[str, tuple[str, ...]]  # a tuple is a list of lines inside one cell
 
@@ -69,7 +63,8 @@ def to_markdown(report: Report) -> str:
     Returns
     -------
     str
-        A title, a summary table, one table of groups per layer, the pinned spaces and the report's notes.
+        A title, a summary table, how to read the report (actions, kinds, motifs), one table of groups per
+        layer, the pinned spaces and the report's notes.
 
     Examples
     --------
@@ -93,8 +88,9 @@ def to_html(report: Report) -> str:
     Returns
     -------
     str
-        The Markdown content as HTML tables, plus a picture of the symmetry graph: groups joined to the
-        parameters they act on, coloured by motif, shaped by kind.
+        The Markdown content as HTML tables, plus a picture of the model's layer structure: one row per
+        parameter, repeated blocks drawn once and counted, each group a span over the axes it acts on, coloured
+        by motif, filled by action.
 
     Examples
     --------
@@ -155,7 +151,7 @@ def _title(report: Report) -> str:
 
 
 def _sections(report: Report) -> list[_Section]:
-    sections = [_summary_section(report)]
+    sections = [_summary_section(report), _reading_section()]
     sections += [_layer_section(layer, groups) for layer, groups in _groups_by_layer(report.groups)]
     sections.append(_pinned_section(report.pinned))
     if report.notes:
@@ -175,6 +171,45 @@ def _summary_section(report: Report) -> _Section:
         ("unknown ops", _unknown_ops(s["unknown_ops"])),
     ]
     return _Section("Summary", table=_Table(("quantity", "value"), tuple(rows)))
+
+
+ACTION_TEXT = {
+    "primal": "the slice transforms like the activation it makes, X -> T X along its axis (a linear layer's "
+              "output rows and its bias).",
+    "dual": "the slice is contracted with that activation, X -> T^-T X (a linear layer's input columns), so "
+            "the product is unchanged.",
+    "permute": "a vector multiplied elementwise into the activation (a norm's weight): only the permutation part "
+               "of T moves it; signs and scales pass through to the activation.",
+}
+KIND_TEXT = {
+    "general_linear": "GL(n): any invertible n x n matrix per copy.",
+    "orthogonal": "O(n): rotations and reflections (T^T T = I) per copy.",
+    "rotary": "what RoPE allows: per frequency pair a 2-D rotation times a positive scale; GL on the dimensions "
+              "RoPE leaves alone.",
+    "permutation": "reorders the n coordinates (hidden units, heads); '+ positive scale' adds one positive factor "
+                   "per coordinate.",
+    "signed_permutation": "a permutation with a sign flip per coordinate ('global sign': one sign for all).",
+    "scale": "one factor per coordinate (positive, nonzero or a sign, as noted).",
+}
+MOTIF_TEXT = {
+    "qk": "query and key of each head: q . k is unchanged.",
+    "vo": "value and output projection of each head.",
+    "heads": "which head is which: whole heads swap places.",
+    "ffn": "the hidden units of a feed-forward layer.",
+    "residual": "the residual stream that every block reads and writes.",
+    "scale_free": "a scale that a normalisation divides out again.",
+    "other": "a space no named motif covers.",
+}
+
+
+def _reading_section() -> _Section:
+    items = (tuple(f"{name} (action): {text}" for name, text in ACTION_TEXT.items())
+             + tuple(f"{name} (kind): {text}" for name, text in KIND_TEXT.items())
+             + tuple(f"{name} (motif): {text}" for name, text in MOTIF_TEXT.items()))
+    text = ("A group acts on 'copies' independent blocks of 'size' coordinates (one block per attention head or "
+            "KV group); each member is a parameter axis it moves, with an action. Any element T of the group, "
+            "applied to every member, leaves the model's function unchanged.",)
+    return _Section("How to read this report", paragraphs=text, items=items)
 
 
 def _unknown_ops(ops: dict[str, int]) -> str:
@@ -336,15 +371,31 @@ _PAGE = """<!DOCTYPE html>
 </html>
 """
 
-_CSS = """body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 90em;
+_CSS = """body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 88em;
   padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; max-width: 100%; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top;
+  overflow-wrap: break-word; }
 th { background: #f3f3f3; } tr:nth-child(even) td { background: #fafafa; }
 code { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; font-size: 0.95em; }
-figure { margin: 1em 0; } figure svg { max-width: 100%; height: auto; }
-figcaption { color: #555; font-size: 0.9em; }"""
+figure { margin: 1em 0; } figcaption { color: #555; font-size: 0.9em; margin-top: 0.4em; }
+.scroll { overflow-x: auto; } svg.layers { max-width: 100%; height: auto; }
+svg.layers text { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; }
+svg.layers .colhead { font-size: 13px; font-weight: 600; fill: #444; }
+svg.layers .sechead { fill: #eef1f5; } svg.layers .sectitle { font-size: 14px; font-weight: 600; fill: #223; }
+svg.layers .pname { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; fill: #222; }
+svg.layers .pshape { font-size: 11px; fill: #777; } svg.layers .alen { font-size: 11px; fill: #888; }
+svg.layers .axis { fill: #f6f6f6; stroke: #ddd; } svg.layers .rowline { stroke: #eee; }
+svg.layers .piece { stroke-width: 1; } svg.layers .span:hover .piece { stroke-width: 2.5; }
+svg.layers .slabel { font-size: 11px; font-weight: 600; fill: #111; paint-order: stroke; stroke: #fff;
+  stroke-width: 3px; stroke-linejoin: round; pointer-events: none; }
+.legend { display: flex; flex-wrap: wrap; gap: 0.5em 3em; font-size: 0.9em; margin: 0.5em 0 1em; line-height: 1.7; }
+.chip, .swatch { display: inline-block; width: 2.2em; height: 0.9em; margin-right: 0.5em; vertical-align: -0.1em;
+  border: 1px solid #555; }
+.swatch.primal { background: #555; }
+.swatch.dual { background: repeating-linear-gradient(45deg, #555 0 3px, #fff 3px 6px); }
+.swatch.permute { background: #fff; border-style: dashed; }"""
 
 
 def _section_html(s: _Section) -> str:
@@ -366,8 +417,13 @@ def _table_html(t: _Table) -> str:
 
 def _cell_html(cell: Cell, code: bool) -> str:
     lines = (cell,) if isinstance(cell, str) else cell
-    return "<td>" + "<br>".join(f"<code>{_esc(line)}</code>" if code and not isinstance(line, _Plain) else _esc(line)
-                                for line in lines) + "</td>"
+    return "<td>" + "<br>".join(f"<code>{_breakable(line)}</code>" if code and not isinstance(line, _Plain)
+                                else _esc(line) for line in lines) + "</td>"
+
+
+def _breakable(text: str) -> str:
+    """Escaped code with a line-break opportunity after each separator, so long ids wrap inside their column."""
+    return re.sub(r"([.:+_/,])", r"\1<wbr>", _esc(text))
 
 
 def _inline_code(text: str) -> str:
@@ -380,206 +436,26 @@ def _esc(text: str) -> str:
 
 
 def _figure_html(report: Report) -> str:
+    from .picture import to_svg
+
     if not report.groups:
-        return "<p>No symmetry groups, so no graph to draw.</p>"
-    graph, caption = _symmetry_graph(report)
-    return (f"<section>\n<h2>Symmetry graph</h2>\n<figure>\n{_draw_svg(graph)}\n"
-            f"<figcaption>{_esc(caption)}</figcaption>\n</figure>\n</section>")
+        return "<p>No symmetry groups, so no picture to draw.</p>"
+    return (f"<section>\n<h2>The model and its symmetry groups</h2>\n<figure>\n{_legend_html(report)}\n"
+            f"<div class=\"scroll\">{to_svg(report)}</div>\n<figcaption>{_esc(_CAPTION)}</figcaption>\n"
+            f"</figure>\n</section>")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the symmetry graph: groups joined to the parameters they act on
+_CAPTION = ("One row per parameter, in model order; repeated blocks are drawn once and counted (x N). Each lane "
+            "is one axis of the parameter, as long as the axis; a coloured span marks the coordinates a group "
+            "moves, cut where its copies (heads) meet. Hover a span for the group's id.")
 
 
-def _symmetry_graph(report: Report):
-    """A bipartite networkx graph of group nodes and parameter nodes, and a caption saying how it was collapsed.
+def _legend_html(report: Report) -> str:
+    from .picture import ACTION_STYLES, MOTIF_COLOURS
 
-    Each side keeps one node per group / parameter while there are few enough of them, and otherwise collapses
-    them by layer prefix (and further, see ``_GROUP_TIERS`` and ``_PARAM_TIERS``), so the picture stays legible.
-    """
-    import networkx as nx
-
-    group_tier, group_key = _tier(_GROUP_TIERS, report.groups, MAX_GROUP_NODES)
-    params = [m.param for g in report.groups for m in g.members]
-    param_tier, param_key = _tier(_PARAM_TIERS, params, MAX_PARAM_NODES)
-    graph = nx.Graph()
-    for g in report.groups:
-        gnode = _add_node(graph, ("g", group_key(g)), g.id, kind=g.kind, motif=g.motif, weight=g.size * g.copies)
-        for param in {m.param for m in g.members}:
-            pnode = _add_node(graph, ("p", param_key(param)), param, kind="parameter")
-            graph.add_edge(gnode, pnode, motif=g.motif)
-    return graph, _caption(graph, group_tier, param_tier)
-
-
-_GROUP_TIERS: tuple[tuple[str, Callable[[Group], str]], ...] = (
-    ("one node per group", lambda g: g.id),
-    ("one node per layer prefix, motif and kind", lambda g: f"{g.motif}/{g.kind} in {_layer_prefix(g.layer)}"),
-    ("one node per motif and kind", lambda g: f"{g.motif}/{g.kind}"),
-)
-_PARAM_TIERS: tuple[tuple[str, Callable[[str], str]], ...] = (
-    ("one node per parameter", lambda p: p),
-    ("one node per layer prefix", lambda p: _layer_prefix(p)),
-    ("one node per top-level module", lambda p: p.split(".")[0]),
-)
-
-
-def _tier(tiers, items, limit: int):
-    """The first (description, key) of ``tiers`` giving at most ``limit`` distinct keys, else the coarsest."""
-    for description, key in tiers:
-        if len({key(item) for item in items}) <= limit:
-            return description, key
-    return tiers[-1]
-
-
-def _add_node(graph, node: tuple, name: str, *, kind: str, motif: str = "", weight: int = 1) -> tuple:
-    """Add ``node`` standing for ``name``, or merge ``name`` into it (``count`` and ``weight`` accumulate)."""
-    if node not in graph:
-        graph.add_node(node, kind=kind, motif=motif, names=set(), weight=0)
-    data = graph.nodes[node]
-    if name not in data["names"]:
-        data["names"].add(name)
-        data["weight"] += weight
-    data["count"] = len(data["names"])
-    return node
-
-
-def _layer_prefix(name: str) -> str:
-    """``a.layers.3.mlp.w`` -> ``a.layers.3``; without a layer number, the first two module levels."""
-    if not name:
-        return "(model)"
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[: max(1, min(2, len(parts) - 1))])
-
-
-def _node_label(node: tuple, data: dict) -> str:
-    noun = "parameters" if data["kind"] == "parameter" else "groups"
-    return node[1] if data["count"] == 1 else f"{node[1]} ({data['count']} {noun})"
-
-
-def _caption(graph, group_tier: str, param_tier: str) -> str:
-    kinds = Counter(kind == "parameter" for _, kind in graph.nodes(data="kind"))
-    return (f"Groups (coloured by motif, shaped by kind) joined to the parameters they act on: "
-            f"{kinds[False]} group nodes ({group_tier}), {kinds[True]} parameter nodes ({param_tier}), "
-            f"{graph.number_of_edges()} edges. Hover a node for its name.")
-
-
-_MOTIF_COLOURS = dict(zip(MOTIFS, ("#4477aa", "#ee6677", "#aa3377", "#228833", "#ccbb44", "#66ccee", "#777777")))
-_KIND_MARKERS = {"general_linear": "s", "orthogonal": "o", "rotary": "h", "permutation": "^",
-                 "signed_permutation": "v", "scale": "D", "parameter": "."}
-
-
-def _draw_svg(graph) -> str:
-    """Draw the graph with matplotlib's SVG backend (no pyplot, no global state) and return inline SVG."""
-    import matplotlib
-    from matplotlib.backends.backend_svg import FigureCanvasSVG
-
-    fig, titles = _figure(graph)
-    buf = io.StringIO()
-    with matplotlib.rc_context({"svg.hashsalt": "symgraph", "svg.fonttype": "none"}):
-        FigureCanvasSVG(fig).print_figure(buf, format="svg", bbox_inches="tight",
-                                          metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
-    return _add_titles(_strip_xml_header(buf.getvalue()), titles)
-
-
-def _figure(graph):
-    """Lay the graph out with networkx and draw it on a fresh ``Figure``; returns it and node id -> title."""
-    from matplotlib.figure import Figure
-
-    n = max(graph.number_of_nodes(), 1)
-    pos = _layout(graph)
-    side = min(16.0, 6.0 + 0.4 * math.sqrt(n))
-    fig = Figure(figsize=(side + 2.5, side * 0.75))
-    ax = fig.add_subplot()
-    ax.set_axis_off()
-    titles = _draw_nodes(ax, graph, pos)
-    _draw_edges(ax, graph, pos)
-    _draw_labels(ax, graph, pos)
-    _draw_legend(ax, graph)
-    return fig, titles
-
-
-def _layout(graph) -> dict:
-    """Spring layout (seeded, so the picture is reproducible); two columns when too big for it to be quick."""
-    import networkx as nx
-
-    n = graph.number_of_nodes()
-    if n < MAX_SPRING_NODES:
-        return nx.spring_layout(graph, seed=0, iterations=50, k=1.5 / math.sqrt(max(n, 1)))
-    params = [node for node, kind in graph.nodes(data="kind") if kind == "parameter"]
-    return nx.bipartite_layout(graph, params)
-
-
-def _draw_edges(ax, graph, pos) -> None:
-    from matplotlib.collections import LineCollection
-
-    segments = [(pos[a], pos[b]) for a, b in graph.edges()]
-    colours = [_MOTIF_COLOURS.get(motif, "#999999") for _, _, motif in graph.edges(data="motif")]
-    ax.add_collection(LineCollection(segments, colors=colours, linewidths=0.5, alpha=0.35, zorder=1))
-
-
-def _draw_nodes(ax, graph, pos) -> dict[str, str]:
-    """One marker per node, each with an SVG id so it can carry a hover title; returns id -> title."""
-    titles = {}
-    for i, (node, data) in enumerate(graph.nodes(data=True)):
-        gid = f"sgnode{i}"
-        x, y = pos[node]
-        ax.plot([x], [y], linestyle="none", gid=gid, zorder=2 if data["kind"] == "parameter" else 3,
-                **_node_style(data))
-        titles[gid] = _node_label(node, data)
-    return titles
-
-
-def _node_style(data: dict) -> dict:
-    if data["kind"] == "parameter":
-        size = 3.0 + 1.5 * math.log2(data["count"])
-        return {"marker": "o", "markersize": size, "color": "#bbbbbb", "markeredgecolor": "#888888",
-                "markeredgewidth": 0.3}
-    size = 4.0 + 1.2 * math.log2(max(data["weight"], 1))
-    return {"marker": _KIND_MARKERS.get(data["kind"], "o"), "markersize": min(size, 18.0),
-            "color": _MOTIF_COLOURS.get(data["motif"], "#999999"), "markeredgecolor": "#333333",
-            "markeredgewidth": 0.4}
-
-
-def _draw_labels(ax, graph, pos) -> None:
-    """Name parameter nodes when there are few enough of them to stay legible."""
-    params = [n for n, kind in graph.nodes(data="kind") if kind == "parameter"]
-    if len(params) > 60:
-        return
-    for node in params:
-        x, y = pos[node]
-        short = node[1] if graph.nodes[node]["count"] > 1 else ".".join(node[1].split(".")[-3:])
-        ax.annotate(short, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=6,
-                    color="#444444", zorder=4)
-
-
-def _draw_legend(ax, graph) -> None:
-    from matplotlib.lines import Line2D
-
-    motifs = sorted({m for _, m in graph.nodes(data="motif") if m}, key=_motif_order)
-    kinds = [k for k in _KIND_MARKERS if k in {kind for _, kind in graph.nodes(data="kind")}]
-    handles = [Line2D([], [], linestyle="none", marker="o", color=_MOTIF_COLOURS.get(m, "#999999"), label=m)
-               for m in motifs]
-    handles += [Line2D([], [], linestyle="none", marker=_KIND_MARKERS[k], color="#bbbbbb" if k == "parameter"
-                       else "#555555", label=k) for k in kinds]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-
-
-def _motif_order(motif: str) -> int:
-    return MOTIFS.index(motif) if motif in MOTIFS else len(MOTIFS)
-
-
-def _strip_xml_header(svg: str) -> str:
-    """Drop the XML declaration and DOCTYPE, which are invalid inside an HTML page."""
-    return svg[svg.index("<svg"):].strip()
-
-
-def _add_titles(svg: str, titles: dict[str, str]) -> str:
-    """Give every node's ``<g id=...>`` a ``<title>`` child, which browsers show on hover."""
-    def add(match: re.Match) -> str:
-        title = titles.get(match.group(1))
-        return match.group(0) if title is None else f"{match.group(0)}<title>{_esc(title)}</title>"
-
-    return re.sub(r'<g id="(sgnode\d+)">', add, svg)
+    motifs = sorted({g.motif for g in report.groups}, key=lambda m: MOTIFS.index(m) if m in MOTIFS else 99)
+    chips = "".join(f'<span class="chip" style="background:{MOTIF_COLOURS.get(m, "#999999")}"></span>'
+                    f"<b>{_esc(m)}</b> {_esc(MOTIF_TEXT.get(m, ''))}<br>" for m in motifs)
+    actions = "".join(f'<span class="swatch {a}"></span><b>{a}</b>: {_esc(text)}<br>'
+                      for a, text in ACTION_STYLES.items())
+    return f'<div class="legend"><div>{chips}</div><div>{actions}</div></div>'

@@ -10,7 +10,8 @@ import torch
 
 import symgraph
 from symgraph import zoo
-from symgraph.connectivity import BarrierCurve, BarrierResult, barrier, barrier_height, plot_barrier
+from symgraph.connectivity import (BarrierCurve, BarrierResult, barrier, barrier_figure, barrier_height,
+                                   plot_barrier)
 from symgraph.datasets import Batch, Dataset, batch_loss
 from symgraph.errors import DataError, MismatchError, OutputError, SymgraphError
 
@@ -97,6 +98,35 @@ def test_plot_refuses_unknown_formats_and_missing_folders(tmp_path):
         plot_barrier(result, tmp_path / "missing" / "plot.png")
     assert list(tmp_path.iterdir()) == []
     assert plot_barrier(result, tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
+
+
+def _full_box_result(task: str) -> BarrierResult:
+    """Curves that span the whole plot box (as the shipped pairs' do), with and without accuracy."""
+    ts = [0.0, 0.25, 0.5, 0.75, 1.0]
+    curves = {mode: BarrierCurve(mode, [1.0 + k, 4.0, 1.0, 4.0, 1.0 + k], [0.9, 0.1, 0.9, 0.1, 0.9],
+                                 3.0, 0.8, 0.5, 0.0)
+              for k, mode in enumerate(("none", "permutation", "paper", "full"))}
+    return BarrierResult(("a", "b"), "toy", task, ts, curves)
+
+
+@pytest.mark.parametrize("task, unit", [("causal_lm", "nats per predicted token"),
+                                        ("classification", "nats per example")])
+def test_plot_legend_stays_off_the_curves_and_labels_say_what_is_plotted(task, unit):
+    figure = barrier_figure(_full_box_result(task))
+    figure.canvas.draw()
+    loss_axes, accuracy_axes = figure.axes
+    for ax in figure.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert not legend.overlaps(ax.get_window_extent()), "legend drawn over the plot box"
+        assert "B as trained (none)" in ax.get_xlabel() and "B aligned to A (permutation, paper, full)" in ax.get_xlabel()
+    assert loss_axes.get_ylabel() == f"cross-entropy loss ({unit})"
+    assert accuracy_axes.get_ylabel() == "accuracy (fraction correct)"
+
+
+def test_plot_x_label_without_the_unaligned_curve_only_names_aligned_b():
+    result = _full_box_result("causal_lm")
+    result.curves.pop("none")
+    assert "as trained" not in barrier_figure(result).axes[0].get_xlabel()
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -112,11 +112,11 @@ def test_unsupported_file_type_is_named(tmp_path):
 # ---- text files ------------------------------------------------------------------------------------------------
 
 
-def test_txt_is_tokenised_with_the_shipped_char_vocabulary(tmp_path):
+def test_txt_is_tokenised_with_the_shipped_char_tokenizer(tmp_path):
     file = tmp_path / "lines.txt"
     file.write_text("def f(x):\n\nreturn x + 1\n")
     data = load_data(file, model=MODELS / "llama-chars-a")
-    vocab = json.loads((MODELS / "llama-chars-a" / "vocab.json").read_text())
+    vocab = char_vocabulary()
     assert data.task == "causal_lm" and len(data) == 2  # the blank line is skipped
     batch = data.batches[0]
     assert batch.inputs["input_ids"][0, :9].tolist() == [vocab[c] for c in "def f(x):"]

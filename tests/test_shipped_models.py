@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import symgraph
+from symgraph import datasets
 from symgraph.datasets import char_vocabulary, evaluate, load_data
 from symgraph.io import load_model
 
@@ -71,8 +72,9 @@ def test_a_pair_differs_only_in_its_weights(family):
     for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         if pa.numel() > 1 and pa.std() > 0:  # constant initialisations (norm weights at 1) may coincide
             assert not torch.allclose(pa, pb), name
-    if (MODELS / f"{family}-a" / "vocab.json").is_file():
-        assert (MODELS / f"{family}-a" / "vocab.json").read_text() == (MODELS / f"{family}-b" / "vocab.json").read_text()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (MODELS / f"{family}-a" / file).is_file():
+            assert (MODELS / f"{family}-a" / file).read_text() == (MODELS / f"{family}-b" / file).read_text()
 
 
 def test_shipped_weights_are_a_few_megabytes():
@@ -82,9 +84,36 @@ def test_shipped_weights_are_a_few_megabytes():
                if t.is_floating_point())
 
 
-def test_char_models_ship_the_fixed_vocabulary():
-    for name in ("llama-chars-a", "bert-topics-b"):
-        assert json.loads((MODELS / name / "vocab.json").read_text()) == char_vocabulary()
+CHAR_MODELS = [name for name in NAMES if not name.startswith("vit")]
+
+
+@pytest.mark.parametrize("name", CHAR_MODELS)
+def test_char_models_ship_a_hugging_face_tokenizer_with_the_training_ids(name):
+    """AutoTokenizer reads the folder, and every line of the corpus gets the ids the weights were trained on:
+    one id of the fixed vocabulary per character, after ``<cls>`` for the classifier."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / name, local_files_only=True)
+    vocab = char_vocabulary()
+    assert tokenizer.get_vocab() == vocab and tokenizer.pad_token_id == vocab["<pad>"]
+    prefix = [vocab["<cls>"]] if name.startswith("bert") else []
+    lines = [line for split in ("train", "test") for _, line in datasets.corpus_lines(split)]
+    encoded = tokenizer(lines + ["<cls> and <pad> are text here", "tab\there, é"])["input_ids"]
+    assert encoded == [prefix + [vocab.get(c, vocab["<unk>"]) for c in line]
+                       for line in lines + ["<cls> and <pad> are text here", "tab\there, é"]]
+    assert tokenizer.decode(encoded[0], skip_special_tokens=True) == lines[0]
+    assert not (MODELS / name / "vocab.json").exists()  # no second, hand-read vocabulary
+
+
+@pytest.mark.parametrize("name", CHAR_MODELS)
+def test_shipped_tokenizer_files_are_what_train_models_writes(name, tmp_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(MODELS / name)
+    datasets.char_tokenizer(classifier=name.startswith("bert"),
+                            max_length=config.max_position_embeddings).save_pretrained(tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        assert json.loads((tmp_path / file).read_text()) == json.loads((MODELS / name / file).read_text())
 
 
 @pytest.mark.parametrize("family, kinds", [
