@@ -16,7 +16,7 @@ from .errors import SpecError
 
 Rule = Literal[
     "movement", "identity", "activation", "contract", "conv", "attention", "add", "sub", "mul", "div", "pow",
-    "layer_norm", "reduce", "softmax", "embedding", "where", "ignore",
+    "layer_norm", "batch_norm", "pool", "reduce", "softmax", "embedding", "where", "ignore",
 ]
 GroupLimit = Literal["general_linear", "orthogonal", "signed_permutation", "permutation"]
 
@@ -27,8 +27,8 @@ class _Frozen(BaseModel):
 
 class OpSpec(_Frozen):
     rule: Rule
-    group: GroupLimit | None = None  # activation: largest group commuting with the function
-    scale: Literal["positive", "nonzero"] | None = None  # activation: per-coordinate scale it passes
+    group: GroupLimit | None = None  # activation, pool: largest group commuting with the function
+    scale: Literal["positive", "nonzero"] | None = None  # activation, pool: per-coordinate scale it passes
     pattern: str | None = None  # contract: einsum-like pattern, or "matmul" / "einsum"
     order: tuple[int, ...] | None = None  # contract: which positional args are the operands, in pattern order
     kind: Literal["sum", "select"] | None = None  # reduce

@@ -142,6 +142,22 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     return Value(chans=chans, shape=_shape_of(node))
 
 
+def rule_pool(w, node: fx.Node, spec) -> Value:
+    """Pooling over the positions of each channel (axis 1) separately: like an activation on the channel axis
+    (``group``, ``scale``), while the output has positions of its own. Channels that vary along positions pin."""
+    x = w.value(node.args[0])
+    out_shape = _shape_of(node)
+    limit = from_group_name(spec.group, spec.scale)
+    view = [1, -1] + [1] * (len(out_shape) - 2)
+    chans = []
+    for c in x.chans:
+        ids = _input_channel_ids(w, node, c)
+        if ids is not None:
+            w.c.restrict(ids, limit, f"pooled by {node.target.__name__.split('.')[0]}", node.name)
+            chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
+    return Value(chans=chans, shape=out_shape)
+
+
 def rule_pow(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     exponent = node.args[1]
@@ -546,6 +562,48 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
         for c, bc in zip(normed, bias.chans):
             w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
     return Value(chans=normed + passing, shape=out_shape)
+
+
+def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    """Eval-mode batch norm ``(x - mean) / sqrt(var + eps) * weight + bias`` over channel axis 1.
+
+    A channel permutation moves weight, bias and both running statistics with the channel. The input may flip
+    sign per channel (the running mean flips with it, the output follows) but not scale (``eps`` breaks it);
+    the output scale is traded with weight and bias like a norm weight's. Statistics are buffers: they get
+    coordinate ids here. Training mode (batch statistics) and inputs that vary along other axes pin.
+    """
+    args = _schema_args(node)
+    x, weight, bias = w.value(args["input"]), w.value(args.get("weight")), w.value(args.get("bias"))
+    out_shape = tuple(node.meta["val"][0].shape if isinstance(node.meta["val"], (list, tuple))
+                      else node.meta["val"].shape)
+    stats = [w.cap.buffers.get(getattr(args.get(k), "name", None)) for k in ("running_mean", "running_var")]
+    inputs = [ids for ids in (_input_channel_ids(w, node, c) for c in x.chans) if ids is not None]
+    if args.get("training") or None in stats or len(inputs) != 1:
+        _pin_operands(w, node, [x, weight, bias], "batch norm in training mode, or without running statistics, "
+                                                  "or on a channel it cannot follow")
+        return _with_saved_stats(node, Value(shape=out_shape))
+    ids = inputs[0]
+    mean = w.ids.allocate(len(ids), owner=stats[0])
+    var = w.ids.allocate(len(ids), owner=stats[1])
+    w.c.tie(mean, ids)
+    w.c.tie(var, ids, product=PRODUCT_WEIGHT)
+    w.c.permute_only.append(var.numpy())
+    w.c.restrict(ids, monomial("sign"), "batch norm subtracts a running mean and divides by sqrt(var + eps)",
+                 node.name)
+    view = [1, -1] + [1] * (len(out_shape) - 2)
+    out = Chan.clean(ids.reshape(view).expand(out_shape))
+    if weight is not None:
+        kernel = replace(Chan.clean(_channel_ids(weight, 0).reshape(view).expand(out_shape)), weight=True)
+        w.c.permute_only.append(_ids_of(kernel))
+        out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the batch norm weight")
+    if bias is not None:
+        w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape))
+    return _with_saved_stats(node, Value(chans=[out], shape=out_shape))
+
+
+def _with_saved_stats(node: fx.Node, out: Value) -> Value | list[Value]:
+    """The native batch norm ops also return saved statistics (plain data here)."""
+    return [out, Value(), Value()] if isinstance(node.meta.get("val"), (list, tuple)) else out
 
 
 def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restriction) -> None:
