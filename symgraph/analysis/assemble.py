@@ -280,6 +280,8 @@ class Assembler:
         if first["pairs"]:
             return [self._rotary_group(gid, base, first, r)]
         kind, scale, global_sign = _kind_of(r)
+        if kind == "permutation" and size == 1 and scale is None and not global_sign:
+            return []  # the permutations of one coordinate: only the identity
         notes = [f"limited by: {why}" for why in first["why"]]
         full = None
         if motif in ("qk", "vo") and kind == "general_linear":

@@ -172,7 +172,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
     letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.split("->")[0].split(","))])
     out_shape = _shape_of(node)
-    ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i]) for i in range(2)]
+    ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
+                   values[i].data if values[i] else operands[i]) for i in range(2)]
     chans = Contraction(w, node.name).run(ops[0], ops[1], out_letters, out_shape)
     out = Value(chans=chans, shape=out_shape)
     for extra, letter_spec in zip(values[2:], letters[2:]):  # biases: added to the output
