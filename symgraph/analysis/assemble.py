@@ -278,7 +278,8 @@ class Assembler:
         base = dict(motif=motif, size=size, copies=copies, members=tuple(members), layer=layer)
         gid = f"{motif}:{layer or 'model'}:{_short_members(members)}"
         if first["pairs"]:
-            return [self._rotary_group(gid, base, first, r)]
+            group = self._rotary_group(gid, base, first, r)
+            return [group] if group is not None else []
         kind, scale, global_sign = _kind_of(r)
         if kind == "permutation" and size == 1 and scale is None and not global_sign:
             return []  # the permutations of one coordinate: only the identity
@@ -300,9 +301,11 @@ class Assembler:
                                 links=(gid,)))
         return groups
 
-    def _rotary_group(self, gid, base, first, r) -> Group:
+    def _rotary_group(self, gid, base, first, r) -> Group | None:
         pairs, passthrough = first["pairs"], first["passthrough"]
         if r.monomial:
+            if r.scale in ("one", "global_sign"):
+                return None  # one sign shared by every coordinate (LayerNorm centering) is not a per-pair sign
             scale = {"nonzero": "nonzero", "positive": "positive"}.get(r.scale)
             note = ("rotary pairs restricted by an elementwise weight: one scalar per pair"
                     + ("" if scale else ", sign only"))

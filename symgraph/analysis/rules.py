@@ -187,6 +187,11 @@ def rule_conv(w, node: fx.Node, spec) -> Value:
     x, weight = w.value(node.args[0]), w.value(node.args[1])
     bias = w.value(node.args[2]) if len(node.args) > 2 else None
     out_shape = _shape_of(node)
+    if schema_arg(node, "groups", 1) != 1:  # channels are tied group-wise, which the contraction below ignores
+        for v in (x, weight, bias):
+            for c in v.chans if v is not None else ():
+                w.c.pin(c.ids, "grouped convolution (groups > 1): no rule ties its channel groups", node.name)
+        return Value(shape=out_shape)
     rank = len(out_shape)
     spatial = "".join("xyz"[i] for i in range(rank - 2))
     letters_x = "bi" + spatial
@@ -332,11 +337,43 @@ def _product(w, node, a, b, divide: bool) -> Value:
             for c in v.chans:
                 w.c.pin(w.resolve(c, node.name).ids, "divided by another channel", node.name)
         return Value(shape=out_shape)
-    chans = []
-    for ca, cb in zip(a.chans, b.chans):
-        ca, cb = w.resolve(ca, node.name), w.resolve(cb, node.name)
-        chans.append(_multiply_channels(w, node, ca, cb, out_shape))
+    a_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in a.chans]
+    b_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in b.chans]
+    pairs, alone = _pair_by_axes(a_chans, b_chans)
+    chans = [_multiply_channels(w, node, ca, cb, out_shape) for ca, cb in pairs]
+    for c, from_a in alone:
+        other = b if from_a else a
+        if chan_axes(c) & _varying_axes(other, out_shape):
+            w.c.pin(c.ids, "multiplied by a value that varies along its axes and carries no matching channel",
+                    node.name)
+        else:
+            chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
+
+
+def _pair_by_axes(a_chans: list[Chan], b_chans: list[Chan]):
+    """Channels of two factors that vary along a common axis multiply each other; the rest are alone."""
+    pairs, used = [], set()
+    for ca in a_chans:
+        axes = chan_axes(ca)
+        j = next((j for j, cb in enumerate(b_chans) if j not in used and chan_axes(cb) == axes), None)
+        if j is None:
+            j = next((j for j, cb in enumerate(b_chans) if j not in used and chan_axes(cb) & axes), None)
+        if j is not None:
+            used.add(j)
+            pairs.append((ca, b_chans[j]))
+    paired_a = {id(ca) for ca, _ in pairs}
+    alone = [(c, True) for c in a_chans if id(c) not in paired_a]
+    alone += [(c, False) for j, c in enumerate(b_chans) if j not in used]
+    return pairs, alone
+
+
+def _varying_axes(v: Value, out_shape) -> frozenset[int]:
+    """Axes of the broadcast output along which ``v``'s values may vary (all but its size-1 axes)."""
+    if v.shape is None:
+        return frozenset(range(len(out_shape)))
+    shift = len(out_shape) - len(v.shape)
+    return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1)
 
 
 def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
@@ -344,11 +381,16 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     data = b.data
     if b.invariant:
         return Value(chans=[c.broadcast_to(out_shape) for c in a.chans], shape=out_shape)
-    if data is None:
+    if data is None:  # unknown values: fine only for channels along which they cannot vary (size-1 axes)
+        kept = []
         for c in a.chans:
-            for t in c.terms:
-                w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
-        return Value(shape=out_shape)
+            c = c.broadcast_to(out_shape)
+            if chan_axes(c) & _varying_axes(b, out_shape):
+                for t in c.terms:
+                    w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
+            else:
+                kept.append(c)
+        return Value(chans=kept, shape=out_shape)
     coef = data if isinstance(data, torch.Tensor) else torch.tensor(float(data))
     coef = coef.to(torch.float64)
     if divide:
@@ -541,6 +583,16 @@ def rule_embedding(w, node: fx.Node, spec) -> Value:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
+def schema_arg(node: fx.Node, name: str, default=None):
+    """The argument ``name`` of an ATen call, positional or keyword, read through the op's schema."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
+    return default
+
+
 def _operand(w, arg):
     if isinstance(arg, fx.Node):
         return w.value(arg)
