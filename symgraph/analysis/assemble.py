@@ -19,7 +19,7 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, PRODUCT_FACTOR, Restriction
+from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
 
@@ -347,15 +347,21 @@ class Assembler:
     def _product_factor_components(self):
         """Map ids to every id that moves with them when a head moves.
 
-        Two kinds of tie lead there: elementwise-product factors (a head's normalised queries lead back to its
-        rows of the query projection; broadcast weights such as a shared QK-norm do not), and same-orientation
-        ties between two parameters (a bias entry and its weight row). Dual ties are not followed: they join the
-        query heads of a GQA group through their shared keys, and those heads move separately.
+        Three kinds of tie lead there: elementwise-product factors (a head's normalised queries lead back to its
+        rows of the query projection), weight entries that scale a single coordinate (a q_norm over all heads'
+        queries at once: each head owns its slice, which must move with it; a weight shared by every head, as in
+        a per-head QK-norm, scales many coordinates and stays), and same-orientation ties between two parameters
+        (a bias entry and its weight row). Dual ties are not followed: they join the query heads of a GQA group
+        through their shared keys, and those heads move separately.
         """
         edges = []
         for a, b, dual, product in self.c.ties:
             if product == PRODUCT_FACTOR:
                 edges.append((a, b))
+            elif product == PRODUCT_WEIGHT:
+                weights, count = np.unique(b, return_counts=True)
+                own = np.isin(b, weights[count == 1])
+                edges.append((a[own], b[own]))
             elif not product and not dual:
                 keep = self.is_param[a] & self.is_param[b]
                 edges.append((a[keep], b[keep]))

@@ -145,7 +145,7 @@ class Contraction:
         for ra, rb in zip(rows_a, rows_b):
             for x in ra:
                 for y in rb:
-                    self.w.c.tie(x, y, dual=True)
+                    self.w.c.tie(x, y, dual=True, node=self.node)
         if not fiber:
             return None
         # One block per batch index (head): coordinates of different heads may not mix.
@@ -254,7 +254,7 @@ def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:
         axes = chan_axes(blk)
         same = next((o for o in out if o.block and chan_axes(o) == axes), None)
         if same is not None:
-            walker.c.tie(same.ids, blk.ids)
+            walker.c.tie(same.ids, blk.ids, node=node)
             continue
         out.append(blk)  # kept: a later contraction links each head to the weight columns that read it
         host = next((c for c in coords if axes and axes <= chan_axes(c)), None)
