@@ -19,7 +19,7 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, PRODUCT_FACTOR, Restriction
+from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
 
@@ -278,8 +278,11 @@ class Assembler:
         base = dict(motif=motif, size=size, copies=copies, members=tuple(members), layer=layer)
         gid = f"{motif}:{layer or 'model'}:{_short_members(members)}"
         if first["pairs"]:
-            return [self._rotary_group(gid, base, first, r)]
+            group = self._rotary_group(gid, base, first, r)
+            return [group] if group is not None else []
         kind, scale, global_sign = _kind_of(r)
+        if kind == "permutation" and size == 1 and scale is None and not global_sign:
+            return []  # the permutations of one coordinate: only the identity
         notes = [f"limited by: {why}" for why in first["why"]]
         full = None
         if motif in ("qk", "vo") and kind == "general_linear":
@@ -298,9 +301,11 @@ class Assembler:
                                 links=(gid,)))
         return groups
 
-    def _rotary_group(self, gid, base, first, r) -> Group:
+    def _rotary_group(self, gid, base, first, r) -> Group | None:
         pairs, passthrough = first["pairs"], first["passthrough"]
         if r.monomial:
+            if r.scale in ("one", "global_sign"):
+                return None  # one sign shared by every coordinate (LayerNorm centering) is not a per-pair sign
             scale = {"nonzero": "nonzero", "positive": "positive"}.get(r.scale)
             note = ("rotary pairs restricted by an elementwise weight: one scalar per pair"
                     + ("" if scale else ", sign only"))
@@ -322,7 +327,7 @@ class Assembler:
         """
         content: dict[int, set[int]] = defaultdict(set)
         ops = []
-        factor_of = self._product_factor_components()
+        factor_of, shared = self._product_factor_components()
         for block_ids, rows, _node in self.c.rowlinks:
             heads = self.cls[block_ids]
             for h, row in zip(heads, rows):
@@ -330,32 +335,40 @@ class Assembler:
             ops.append([int(h) for h in np.unique(heads)])
         for h in content:  # parameters tied to the heads themselves (T5 relative-bias columns)
             content[h].update(int(i) for i in self.ids_of(h))
+        sharing = self._attach_shared_factors(content, shared, factor_of)
         groups = []
         for heads in _union_sets(ops):
             heads = sorted(heads)
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
             if len(heads) < 2 or cls_pinned[heads].any() or cls_pinned[self.cls[ids]].any():
                 continue
+            if any(s & set(heads) and not s >= set(heads) for s in sharing):
+                continue  # a factor shared by some of these heads only would have to stay and move at once
             groups.extend(self._head_permutations(heads, content))
         return groups
 
     def _product_factor_components(self):
         """Map ids to every id that moves with them when a head moves.
 
-        Two kinds of tie lead there: elementwise-product factors (a head's normalised queries lead back to its
-        rows of the query projection; broadcast weights such as a shared QK-norm do not), and same-orientation
-        ties between two parameters (a bias entry and its weight row). Dual ties are not followed: they join the
-        query heads of a GQA group through their shared keys, and those heads move separately.
+        Three kinds of tie lead there: elementwise-product factors (a head's normalised queries lead back to its
+        rows of the query projection), weight entries that scale a single coordinate (a q_norm over all heads'
+        queries at once: each head owns its slice, which must move with it; a weight shared by every head, as in
+        a per-head QK-norm, scales many coordinates and stays), and same-orientation ties between two parameters
+        (a bias entry and its weight row). Dual ties are not followed: they join the query heads of a GQA group
+        through their shared keys, and those heads move separately.
         """
-        edges = []
+        edges, shared = [], []
         for a, b, dual, product in self.c.ties:
-            if product == PRODUCT_FACTOR:
-                edges.append((a, b))
-            elif not product and not dual:
+            if product:  # (output, factor) pairs: a factor entry that scales several outputs is resolved later
+                factors, count = np.unique(b, return_counts=True)
+                own = np.isin(b, factors[count == 1])
+                edges.append((a[own], b[own]))
+                shared.append((a[~own], b[~own]))
+            elif not dual:
                 keep = self.is_param[a] & self.is_param[b]
                 edges.append((a[keep], b[keep]))
         if not edges:
-            return lambda ids: ids
+            return (lambda ids: ids), shared
         r = np.concatenate([a for a, _ in edges])
         c = np.concatenate([b for _, b in edges])
         graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(self.n, self.n))
@@ -366,7 +379,30 @@ class Assembler:
         def expand(ids):
             return np.concatenate([by_comp[start[k]:start[k + 1]] for k in np.unique(comp[ids])]) \
                 if len(ids) else ids
-        return expand
+        return expand, shared
+
+    def _attach_shared_factors(self, content, shared, factor_of) -> list[set[int]]:
+        """A factor entry that scales several coordinates moves with the one head they all belong to (a per-head
+        gate); one that scales coordinates of several heads (a QK-norm weight shared by every head, a RoPE table
+        read from a parameter) stays where it is, which is sound only if a permutation moves all of those heads.
+        Returns the sets of heads that share a factor."""
+        if not content or not any(len(b) for _, b in shared):
+            return []
+        pairs = np.array([(i, h) for h, ids in content.items() for i in ids], dtype=np.int64)
+        order = np.argsort(pairs[:, 0], kind="stable")
+        id_sorted, head_sorted = pairs[order, 0], pairs[order, 1]
+        sharing: list[set[int]] = []
+        for outs, factors in shared:
+            lo, hi = np.searchsorted(id_sorted, outs), np.searchsorted(id_sorted, outs, side="right")
+            heads_of: dict[int, set[int]] = defaultdict(set)
+            for f, a, b in zip(factors.tolist(), lo.tolist(), hi.tolist()):
+                heads_of[f].update(head_sorted[a:b].tolist())
+            for f, heads in heads_of.items():
+                if len(heads) == 1:
+                    content[next(iter(heads))].update(int(i) for i in factor_of(np.array([f])))
+                elif heads:
+                    sharing.append(heads)
+        return sharing
 
     def _head_permutations(self, heads: list[int], content) -> list[Group]:
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))

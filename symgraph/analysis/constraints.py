@@ -105,13 +105,18 @@ class Constraints:
     products: list[tuple[np.ndarray, np.ndarray, np.ndarray, str]] = field(default_factory=list)  # out = a * b
     tags: dict[str, list[np.ndarray]] = field(default_factory=dict)  # motif tag -> ids
 
-    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0) -> None:
+    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0, node: str = "") -> None:
         """``a`` and ``b`` are the same coordinate (``dual``: contracted with each other). A product tie
         (``product`` = PRODUCT_FACTOR, or PRODUCT_WEIGHT when ``b`` is a weight vector broadcast along other axes)
-        shares the coordinate's permutation but not its scale (the factors of an elementwise product)."""
+        shares the coordinate's permutation but not its scale (the factors of an elementwise product).
+
+        A coordinate that meets an unlabelled position (data: a zero-padded or concatenated input piece) would be
+        transformed while its partner is not: it is pinned."""
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             a, b = collapse_pair(a, b)
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
+        self.pin(np.concatenate([a[(a >= 0) & (b < 0)], b[(b >= 0) & (a < 0)]]),
+                 "meets values that carry no label (data) at the same position", node)
         keep = (a >= 0) & (b >= 0)
         if keep.any():
             pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)

@@ -8,7 +8,11 @@ For operands ``A`` and ``B`` written with einsum letters:
 * when that channel also varies along a *batch* letter (the head axis of ``q @ k^T``), each batch index is its
   own block: coordinates of different heads may not mix, and the output gets a block channel whose ids stand for
   the heads, linked to the rows they came from. This is how head structure (and GQA sharing) is read.
-* a channel that varies along no contracted letter passes to the output (weight rows, value rows).
+* a channel that varies along no contracted letter passes to the output (weight rows, value rows). If it also
+  varies along a batch letter along which the other operand's values vary (``probs @ v``: each head has its own
+  attention pattern), every batch index meets a different linear map, so its coordinates may not mix with those
+  of other indices. This holds whether or not the other operand still carries head labels: an unknown op on the
+  query/key path loses the labels, not the per-head structure.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .labels import Chan, chan_axes, unique_rows
+from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
 
 
 @dataclass
@@ -26,6 +30,7 @@ class Operand:
     chans: list[Chan]
     shape: tuple[int, ...]
     letters: str
+    data: object = None  # the operand's value when it depends on no parameter (None: unknown, may vary anywhere)
 
 
 def expand_ellipsis(pattern: str, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
@@ -101,7 +106,8 @@ class Contraction:
                 self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
                 continue
             passed_b.append((cb, vb))
-        for chan, letters, op in [(c, v, a) for c, v in passed_a] + [(c, v, b) for c, v in passed_b]:
+        for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
+            self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
                 outs.append(moved)
@@ -139,7 +145,7 @@ class Contraction:
         for ra, rb in zip(rows_a, rows_b):
             for x in ra:
                 for y in rb:
-                    self.w.c.tie(x, y, dual=True)
+                    self.w.c.tie(x, y, dual=True, node=self.node)
         if not fiber:
             return None
         # One block per batch index (head): coordinates of different heads may not mix.
@@ -156,6 +162,16 @@ class Contraction:
         view = [sizes[l] if l in fiber else 1 for l in out_letters]
         return Chan.clean(blocks.reshape(view).expand(out_shape), block=True)
 
+    def _separate_batch_indices(self, chan: Chan, op: Operand, letters: set[str]) -> None:
+        """Coordinates at different indices of ``letters`` meet different data there: keep them apart."""
+        if chan.block or not letters:
+            return
+        axes = [op.letters.index(l) for l in sorted(letters, key=op.letters.index)]
+        rows = _ids_per_index(chan.ids, axes)
+        self.w.c.separate(rows, self.node)
+        if rows.shape[1] > 1:  # a vector per head (values), not one scalar per index
+            self.w.c.tag("vo", rows)
+
     def _to_output(self, chan: Chan, letters: set[str], op: Operand, out_letters, out_shape) -> Chan | None:
         lost = letters - set(out_letters)
         if lost:
@@ -170,6 +186,27 @@ class Contraction:
         view = [ids.shape[kept.index(l)] if l in kept else 1 for l in out_letters]
         ids = ids.reshape(view) if ids.is_contiguous() else ids.contiguous().reshape(view)
         return Chan.clean(ids.expand(out_shape), block=chan.block)
+
+
+def _constant_letters(op: Operand) -> set[str]:
+    """Letters along which ``op``'s values are known not to vary (size 1, or known data constant there)."""
+    out = {l for l, n in zip(op.letters, op.shape) if n == 1}
+    if isinstance(op.data, torch.Tensor) and not op.chans and op.data.dim() == len(op.letters):
+        out |= {l for a, l in enumerate(op.letters) if not data_varies(op.data, frozenset({a}), op.data.shape)}
+    elif op.data is not None and not isinstance(op.data, torch.Tensor) and not op.chans:
+        out |= set(op.letters)  # a Python scalar
+    return out
+
+
+def _ids_per_index(ids: torch.Tensor, axes: list[int]) -> np.ndarray:
+    """(R, K): for each index along ``axes``, the distinct ids there; short rows repeat their first id."""
+    ids = collapse(ids, keep=frozenset(axes))
+    rest = [a for a in range(ids.dim()) if a not in axes]
+    moved = ids.permute(*axes, *rest).reshape(int(np.prod([ids.shape[a] for a in axes])), -1)
+    rows = [torch.unique(r[r >= 0]).numpy() for r in moved]
+    rows = [r for r in rows if len(r)]
+    width = max((len(r) for r in rows), default=0)
+    return np.array([np.pad(r, (0, width - len(r)), mode="edge") for r in rows], dtype=np.int64).reshape(-1, width)
 
 
 def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, int]:
@@ -217,7 +254,7 @@ def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:
         axes = chan_axes(blk)
         same = next((o for o in out if o.block and chan_axes(o) == axes), None)
         if same is not None:
-            walker.c.tie(same.ids, blk.ids)
+            walker.c.tie(same.ids, blk.ids, node=node)
             continue
         out.append(blk)  # kept: a later contraction links each head to the weight columns that read it
         host = next((c for c in coords if axes and axes <= chan_axes(c)), None)

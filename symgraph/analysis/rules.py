@@ -47,7 +47,8 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     for j, first in enumerate(values[0].chans):
         head = first.ids.narrow(dim, 0, 1)
         for v in values[1:]:
-            w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1))
+            w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1),
+                  node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
 
@@ -188,7 +189,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
     letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.split("->")[0].split(","))])
     out_shape = _shape_of(node)
-    ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i]) for i in range(2)]
+    ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
+                   values[i].data if values[i] else operands[i]) for i in range(2)]
     chans = Contraction(w, node.name).run(ops[0], ops[1], out_letters, out_shape)
     out = Value(chans=chans, shape=out_shape)
     for extra, letter_spec in zip(values[2:], letters[2:]):  # biases: added to the output
@@ -381,7 +383,7 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
     if ca.mixed or cb.mixed:  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
         return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
-    w.c.tie(ca.ids, cb.ids)  # a per-head parameter added to head scores moves with the heads
+    w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
         w.c.tag("residual", ca.ids)
     return ca
@@ -431,11 +433,43 @@ def _product(w, node, a, b, divide: bool) -> Value:
             for c in v.chans:
                 w.c.pin(w.resolve(c, node.name).ids, "divided by another channel", node.name)
         return Value(shape=out_shape)
-    chans = []
-    for ca, cb in zip(a.chans, b.chans):
-        ca, cb = w.resolve(ca, node.name), w.resolve(cb, node.name)
-        chans.append(_multiply_channels(w, node, ca, cb, out_shape))
+    a_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in a.chans]
+    b_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in b.chans]
+    pairs, alone = _pair_by_axes(a_chans, b_chans)
+    chans = [_multiply_channels(w, node, ca, cb, out_shape) for ca, cb in pairs]
+    for c, from_a in alone:
+        other = b if from_a else a
+        if chan_axes(c) & _varying_axes(other, out_shape):
+            w.c.pin(c.ids, "multiplied by a value that varies along its axes and carries no matching channel",
+                    node.name)
+        else:
+            chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
+
+
+def _pair_by_axes(a_chans: list[Chan], b_chans: list[Chan]):
+    """Channels of two factors that vary along a common axis multiply each other; the rest are alone."""
+    pairs, used = [], set()
+    for ca in a_chans:
+        axes = chan_axes(ca)
+        j = next((j for j, cb in enumerate(b_chans) if j not in used and chan_axes(cb) == axes), None)
+        if j is None:
+            j = next((j for j, cb in enumerate(b_chans) if j not in used and chan_axes(cb) & axes), None)
+        if j is not None:
+            used.add(j)
+            pairs.append((ca, b_chans[j]))
+    paired_a = {id(ca) for ca, _ in pairs}
+    alone = [(c, True) for c in a_chans if id(c) not in paired_a]
+    alone += [(c, False) for j, c in enumerate(b_chans) if j not in used]
+    return pairs, alone
+
+
+def _varying_axes(v: Value, out_shape) -> frozenset[int]:
+    """Axes of the broadcast output along which ``v``'s values may vary (all but its size-1 axes)."""
+    if v.shape is None:
+        return frozenset(range(len(out_shape)))
+    shift = len(out_shape) - len(v.shape)
+    return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1)
 
 
 def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
@@ -443,11 +477,16 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     data = b.data
     if b.invariant:
         return Value(chans=[c.broadcast_to(out_shape) for c in a.chans], shape=out_shape)
-    if data is None:
+    if data is None:  # unknown values: fine only for channels along which they cannot vary (size-1 axes)
+        kept = []
         for c in a.chans:
-            for t in c.terms:
-                w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
-        return Value(shape=out_shape)
+            c = c.broadcast_to(out_shape)
+            if chan_axes(c) & _varying_axes(b, out_shape):
+                for t in c.terms:
+                    w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
+            else:
+                kept.append(c)
+        return Value(chans=kept, shape=out_shape)
     coef = data if isinstance(data, torch.Tensor) else torch.tensor(float(data))
     coef = coef.to(torch.float64)
     if divide:
@@ -464,7 +503,7 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
 def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
     ca, cb = ca.broadcast_to(out_shape), cb.broadcast_to(out_shape)
     if ca.block or cb.block:
-        w.c.tie(ca.ids, cb.ids)
+        w.c.tie(ca.ids, cb.ids, node=node.name)
         return ca
     if torch.equal(ca.ids, cb.ids):
         return replace(ca, degree=2)
@@ -494,7 +533,8 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
     """``out = a * b`` coordinate-wise: one permutation for all three, scales related by s_out = s_a + s_b."""
     out = _fresh_like(w, ca, cb)
     for factor in (ca, cb):
-        w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR)
+        w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR,
+                node=node.name)
     triple = torch.broadcast_tensors(out.ids, ca.ids, cb.ids)
     shared = tuple(slice(0, 1) if all(t.stride(x) == 0 for t in triple) else slice(None)
                    for x in range(triple[0].dim()))
@@ -560,7 +600,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
         normed = products
     if bias is not None:
         for c, bc in zip(normed, bias.chans):
-            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
+            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids, node=node.name)
     return Value(chans=normed + passing, shape=out_shape)
 
 
@@ -699,6 +739,11 @@ def rule_embedding(w, node: fx.Node, spec) -> Value:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
+def schema_arg(node: fx.Node, name: str, default=None):
+    """The argument ``name`` of an ATen call, positional or keyword, read through the op's schema."""
+    return _schema_args(node).get(name, default)
+
+
 def _operand(w, arg):
     if isinstance(arg, fx.Node):
         return w.value(arg)
