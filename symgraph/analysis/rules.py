@@ -160,7 +160,7 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
 
 def rule_pow(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
-    exponent = node.args[1]
+    exponent = spec.exponent if spec.exponent is not None else _schema_args(node)["exponent"]
     chans = []
     for c in v.chans:
         c = w.resolve(c, node.name)
@@ -172,6 +172,13 @@ def rule_pow(w, node: fx.Node, spec) -> Value:
             w.c.restrict(c.ids, monomial("sign" if odd else "one"), f"elementwise power {exponent}", node.name)
         chans.append(c)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def squared(w, node: fx.Node, chan: Chan) -> Chan:
+    """A degree-2 channel (``x * x``) used as a value rather than summed into a norm: a coordinate of its own
+    that moves with ``x``'s permutation, its scale the square of ``x``'s (ReLU^2: c in, 1/c^2 out)."""
+    x = replace(chan, degree=1)
+    return _product_output(w, node, x, x, NEUTRAL, "a square scales with the square of its input")
 
 
 # -- contractions -------------------------------------------------------------------------------------------
