@@ -125,3 +125,38 @@ def test_relu_squared_with_one_over_c_out_breaks_it():
     scaled = dict(state, **{"up.weight": state["up.weight"] * 2.0, "up.bias": state["up.bias"] * 2.0,
                             "down.weight": state["down.weight"] / 2.0})
     assert not Evaluator(subject.model, subject.args).check(scaled).ok
+
+
+CNN_FACTORY = '''
+import torch
+from torch import nn
+
+
+def cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3, groups=8, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    for bn in (model[1], model[5]):
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+    return model.eval(), (torch.randn(2, 3, 10, 10),)
+'''
+
+
+def test_cli_reports_and_fuzzes_a_cnn_with_batch_norm_and_depthwise_conv(tmp_path):
+    import json
+
+    from cli_runner import run
+
+    factory = tmp_path / "cnn.py"
+    factory.write_text(CNN_FACTORY)
+    res = run("report", f"{factory}:cnn", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    members = {m["param"] for g in report["groups"] for m in g["members"]}
+    assert {"1.running_mean", "1.running_var", "4.weight", "5.running_mean"} <= members
+    assert not report["summary"]["unknown_ops"]
+    res = run("fuzz", f"{factory}:cnn", "--samples", "4")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all groups invariant" in res.stdout and "arg0 2x3x10x10 | arg0 3x3x23x23" in res.stdout
