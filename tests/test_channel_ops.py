@@ -160,3 +160,23 @@ def test_cli_reports_and_fuzzes_a_cnn_with_batch_norm_and_depthwise_conv(tmp_pat
     res = run("fuzz", f"{factory}:cnn", "--samples", "4")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all groups invariant" in res.stdout and "arg0 2x3x10x10 | arg0 3x3x23x23" in res.stdout
+
+
+class SharedNorm(nn.Module):
+    """One batch norm applied after two convolutions: its statistics tie both channel sets together."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 6, 1), nn.Conv2d(6, 6, 1), nn.Conv2d(6, 2, 1)
+        self.norm = nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.a(x)))
+        return self.c(torch.relu(self.norm(self.b(h))))
+
+
+def test_a_batch_norm_read_twice_moves_its_statistics_once():
+    subject = load(SharedNorm(), (torch.randn(2, 3, 5, 5),))
+    members = [(m.param, m.action) for g in subject.report.groups for m in g.members]
+    assert members.count(("norm.running_mean", "primal")) == 1 and members.count(("norm.running_var", "permute")) == 1
+    assert_fuzzed_at_two_shapes(subject)

@@ -32,6 +32,7 @@ class Walker:
         self.values: dict[str, Any] = {}
         self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
         self.param_nodes: dict[str, fx.Node] = {}
+        self._buffer_ids: dict[str, torch.Tensor] = {}
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
 
@@ -146,6 +147,13 @@ class Walker:
                                        "read it", users[0].name if users else self.param_nodes[name].name)
 
     # -- helpers shared by rules -------------------------------------------------------------------------
+    def buffer_ids(self, name: str, size: int) -> torch.Tensor:
+        """Ids of a buffer that moves with the coordinates it describes (running statistics), one set per
+        buffer however often the graph reads it."""
+        if name not in self._buffer_ids:
+            self._buffer_ids[name] = self.ids.allocate(size, owner=name)
+        return self._buffer_ids[name]
+
     def value(self, arg) -> Value | None:
         if isinstance(arg, fx.Node):
             v = self.values.get(arg.name)
