@@ -32,6 +32,7 @@ class OpSpec(_Frozen):
     pattern: str | None = None  # contract: einsum-like pattern, or "matmul" / "einsum"
     order: tuple[int, ...] | None = None  # contract: which positional args are the operands, in pattern order
     kind: Literal["sum", "select"] | None = None  # reduce
+    exponent: float | None = None  # pow: a fixed exponent (square), else read from the call
     transposed: bool = False  # conv: the kernel is laid out (in, out, taps...), as in conv_transpose
 
 

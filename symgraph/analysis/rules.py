@@ -161,7 +161,7 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
 
 def rule_pow(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
-    exponent = node.args[1]
+    exponent = spec.exponent if spec.exponent is not None else _schema_args(node)["exponent"]
     chans = []
     for c in v.chans:
         c = w.resolve(c, node.name)
@@ -173,6 +173,13 @@ def rule_pow(w, node: fx.Node, spec) -> Value:
             w.c.restrict(c.ids, monomial("sign" if odd else "one"), f"elementwise power {exponent}", node.name)
         chans.append(c)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def squared(w, node: fx.Node, chan: Chan) -> Chan:
+    """A degree-2 channel (``x * x``) used as a value rather than summed into a norm: a coordinate of its own
+    that moves with ``x``'s permutation, its scale the square of ``x``'s (ReLU^2: c in, 1/c^2 out)."""
+    x = replace(chan, degree=1)
+    return _product_output(w, node, x, x, NEUTRAL, "a square scales with the square of its input")
 
 
 # -- contractions -------------------------------------------------------------------------------------------
@@ -278,14 +285,15 @@ def _channel_ids(weight: Value, axis: int) -> torch.Tensor | None:
 
 
 def _input_channel_ids(w, node, chan: Chan) -> torch.Tensor | None:
-    """The ids along the channel axis of a convolution input; a channel that varies along any other axis (or
-    a head block, or a mix) has no per-channel meaning here and is pinned."""
+    """The ids along channel axis 1 of a convolution, norm or pooling input. A channel that varies along any
+    other axis (or a head block, a mix, channels partly made of data) has no per-channel meaning here: pinned."""
     chan = w.resolve(chan, node.name)
-    if chan_axes(chan) != {1} or chan.block or chan.mixed:
+    ids = _along(chan.ids, 1)
+    if chan_axes(chan) != {1} or chan.block or chan.mixed or bool((ids < 0).any()):
         for t in chan.terms:
-            w.c.pin(t.ids, "convolution input channel that varies along other axes", node.name)
+            w.c.pin(t.ids, "channel axis input that varies along other axes or is partly data", node.name)
         return None
-    return _along(chan.ids, 1)
+    return ids
 
 
 def _along(ids: torch.Tensor, axis: int) -> torch.Tensor:
@@ -623,8 +631,7 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
                                                   "or on a channel it cannot follow")
         return _with_saved_stats(node, Value(shape=out_shape))
     ids = inputs[0]
-    mean = w.ids.allocate(len(ids), owner=stats[0])
-    var = w.ids.allocate(len(ids), owner=stats[1])
+    mean, var = (w.buffer_ids(name, len(ids)) for name in stats)
     w.c.tie(mean, ids)
     w.c.tie(var, ids, product=PRODUCT_WEIGHT)
     w.c.permute_only.append(var.numpy())

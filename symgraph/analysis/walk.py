@@ -7,6 +7,7 @@ channel are plain data and need no rule; an op with channels but no spec pins th
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -31,8 +32,9 @@ class Walker:
         self.values: dict[str, Any] = {}
         self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
         self.param_nodes: dict[str, fx.Node] = {}
+        self._buffer_ids: dict[str, torch.Tensor] = {}
         self.unknown_ops: dict[str, int] = {}
-        self._read: list[np.ndarray] = []  # ids that some non-movement op (or the output) consumed
+        self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -83,6 +85,8 @@ class Walker:
             self._mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
+        if spec.rule not in _DEGREE_AWARE:
+            self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
         return handler(self, node, spec)
 
@@ -112,12 +116,23 @@ class Walker:
                 c = self.resolve(c, node.name)
                 self.c.pin(c.ids, "observable model output", node.name)
 
+    def _materialise_squares(self, node: fx.Node) -> None:
+        """Give squared channels (kept as ``x``'s ids so a reduction can recognise a norm) ids of their own
+        before any other rule reads them, once per value."""
+        for arg in node.all_input_nodes:
+            v = self.values.get(arg.name)
+            if isinstance(v, Value) and any(c.degree == 2 for c in v.chans):
+                chans = [rules.squared(self, arg, c) if c.degree == 2 else c for c in v.chans]
+                self.values[arg.name] = replace(v, chans=chans)
+
     def _mark_read(self, inputs: list[Value]) -> None:
+        if len(self._read) < self.ids.next:
+            self._read = np.concatenate([self._read, np.zeros(self.ids.next - len(self._read), dtype=bool)])
         for v in inputs:
             for c in v.chans:
                 for t in c.terms:
-                    ids = collapse(t.ids).reshape(-1)
-                    self._read.append(torch.unique(ids[ids >= 0]).numpy())
+                    ids = collapse(t.ids).reshape(-1).numpy()
+                    self._read[ids[ids >= 0]] = True
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away).
@@ -125,9 +140,7 @@ class Walker:
         They are not free: the probe input reads a slice whose bounds may follow its shape (a position table
         sliced by sequence length), so a longer or larger input reads coordinates this one never saw.
         """
-        read = np.zeros(self.ids.next, dtype=bool)
-        if self._read:
-            read[np.concatenate(self._read)] = True
+        read = np.concatenate([self._read, np.zeros(self.ids.next - len(self._read), dtype=bool)])
         pinned = np.zeros(self.ids.next, dtype=bool)
         for ids, _reason, _node in self.c.pins:
             pinned[ids] = True
@@ -141,6 +154,13 @@ class Walker:
                                        "read it", users[0].name if users else self.param_nodes[name].name)
 
     # -- helpers shared by rules -------------------------------------------------------------------------
+    def buffer_ids(self, name: str, size: int) -> torch.Tensor:
+        """Ids of a buffer that moves with the coordinates it describes (running statistics), one set per
+        buffer however often the graph reads it."""
+        if name not in self._buffer_ids:
+            self._buffer_ids[name] = self.ids.allocate(size, owner=name)
+        return self._buffer_ids[name]
+
     def value(self, arg) -> Value | None:
         if isinstance(arg, fx.Node):
             v = self.values.get(arg.name)
@@ -152,6 +172,10 @@ class Walker:
 
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
+
+
+# rules that read a squared channel as such (a sum of squares is a norm) or pass it on unchanged
+_DEGREE_AWARE = frozenset({"reduce", "identity"})
 
 
 def _shape(node: fx.Node):
