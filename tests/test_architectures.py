@@ -24,6 +24,8 @@ from symgraph.fuzz import fuzz
 # - qwen3: the per-head QK-norm weight is shared by all heads and RoPE pairs coordinates, leaving +-1 per pair.
 # - t5, bart, clip: no residual group, because the encoder's last hidden state is a model output and the
 #   embeddings are shared with the decoder; t5's heads are shared across each stack (relative-bias table).
+#   The pinned residual still leaves each pre-norm weight its scale_free trade with the linears that read it
+#   (t5: 4 encoder + 6 decoder norms; clip: 2 per layer in both towers, and post_layernorm with the projection).
 EXPECTED = {
     "bert": {
         "ffn permutation 64x1": 2,
@@ -163,6 +165,7 @@ EXPECTED = {
         "heads permutation 4x1": 4,
         "qk orthogonal 8x4": 6,
         "qk scale/nonzero 1x4": 6,
+        "scale_free scale/nonzero 32x1": 10,
         "vo orthogonal 8x4": 6,
     },
     "bart": {
@@ -186,6 +189,7 @@ EXPECTED = {
         "heads permutation 4x1": 4,
         "qk orthogonal 8x4": 4,
         "qk scale/nonzero 1x4": 4,
+        "scale_free scale/nonzero 32x1": 9,
         "vo orthogonal 8x4": 4,
     },
     "torch-encoder-layer": {

@@ -90,7 +90,7 @@ class Assembler:
         for k in np.nonzero(~excluded)[0]:
             blocks[int(key[k])].append(int(k))
         groups = self._coordinate_groups(blocks, restriction, role)
-        groups += scale_groups(self, restriction, excluded, role["kind"] > 0)
+        groups += scale_groups(self, restriction, cls_is_head | (space < 0), role["kind"] > 0)
         groups += self._head_groups(cls_pinned)
         pinned = self._pinned_report(cls_pinned)
         return Analysis(groups, pinned, dict(self.w.unknown_ops), dict(self.w.cap.shapes))

@@ -29,7 +29,7 @@ def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> 
     range_of_id = np.searchsorted(asm.range_start, np.arange(asm.n), side="right") - 1
     ties = _range_edges(asm.c.ties, range_of_id)
     products = _range_products(asm.c.products, range_of_id)
-    zero, positive = _range_limits(asm, range_of_id, excluded)
+    zero, positive = _range_limits(asm, range_of_id)
     from .assemble import _union_sets
 
     linked = [{a, b} for a, b, _ in ties] + [set(p) for p in products]
@@ -76,7 +76,7 @@ def _product_row(p) -> dict[int, int]:
     return dict(row)
 
 
-def _range_limits(asm, range_of_id, excluded):
+def _range_limits(asm, range_of_id):
     n_ranges = len(asm.range_of)
     zero = np.zeros(n_ranges, bool)
     positive = np.zeros(n_ranges, bool)
@@ -90,7 +90,11 @@ def _range_limits(asm, range_of_id, excluded):
             continue
         else:
             zero[ranges] = True
-    zero[np.unique(range_of_id[excluded[asm.cls]])] = True  # pinned coordinates keep scale 1
+    # Pinned coordinates keep scale 1. Only the pinned ids themselves: a pin reaches the rest of their
+    # permutation class through product ties, which share the permutation but not the scale (a base model's
+    # output pins the residual stream, yet each norm weight still trades scale with the linears reading it).
+    for ids, _reason, _node in asm.c.pins:
+        zero[np.unique(range_of_id[ids])] = True
     from .assemble import parity_classes
 
     _, _, self_dual = parity_classes(asm.n, asm.c.ties, keep=lambda product: not product)
@@ -152,7 +156,7 @@ def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) ->
     ids = np.nonzero(np.isin(range_of_id, active))[0]
     coords = np.unique(asm.cls[ids])
     if len(coords) == 0 or excluded[coords].any():
-        return None
+        return None  # head blocks
     if rotary[coords].any():
         return None  # RoPE mixes each pair: a per-coordinate scale would have to be equal within pairs
     r0 = restriction[coords[0]]
