@@ -224,8 +224,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
+    frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
-               f"model to the merge: {distances}")
+               f"model to the merge: {distances}{frame}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "
