@@ -176,10 +176,11 @@ def fuzz(model, samples, seed, json_path):
 @click.option("--out", "out_dir", default=Path("out/demo"), show_default=True,
               type=click.Path(path_type=Path), help="Folder for every file (created if missing).")
 @click.option("--quick", is_flag=True, help="The LLaMA pair only, on a few examples (a smoke run, seconds).")
-def demo(out_dir, quick):
+@click.option("--overwrite", is_flag=True, help="Replace the demo's files in an OUT that holds files already.")
+def demo(out_dir, quick, overwrite):
     from .demo import run_demo
 
-    run_demo(out_dir, quick=quick, echo=click.echo)
+    run_demo(out_dir, quick=quick, overwrite=overwrite, echo=click.echo)
 
 
 @cli.command(help="Merge two or more MODELs of one architecture (aligned into one frame first); write the result "
