@@ -28,6 +28,7 @@ $(TEST_STAMP): $(STAMP)
 install: $(STAMP)
 
 demo: $(STAMP)
+	@echo "== symgraph demo: loading torch and transformers, then the shipped pairs (out/demo)"
 	$(BIN)/symgraph demo
 
 test: $(TEST_STAMP)
