@@ -207,10 +207,11 @@ def fuzz(model, samples, seed, json_path):
 @click.option("--out", "out_dir", default=Path("out/demo"), show_default=True,
               type=click.Path(path_type=Path), help="Folder for every file (created if missing).")
 @click.option("--quick", is_flag=True, help="The LLaMA pair only, on a few examples (a smoke run, seconds).")
-def demo(out_dir, quick):
+@click.option("--overwrite", is_flag=True, help="Replace the demo's files in an OUT that holds files already.")
+def demo(out_dir, quick, overwrite):
     from .demo import run_demo
 
-    run_demo(out_dir, quick=quick, echo=click.echo)
+    run_demo(out_dir, quick=quick, overwrite=overwrite, echo=click.echo)
 
 
 @cli.command(help="Merge two or more MODELs of one architecture (aligned into one frame first); write the result "
@@ -256,8 +257,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
+    frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
-               f"model to the merge: {distances}")
+               f"model to the merge: {distances}{frame}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "

@@ -75,12 +75,15 @@ def shipped_pair(name: str, root: Path | None = None) -> tuple[Path, Path]:
     return base / f"{name}-a", base / f"{name}-b"
 
 
-def run_demo(out_dir, *, quick: bool = False, echo: Callable[[str], None] = print) -> dict:
+def run_demo(out_dir, *, quick: bool = False, overwrite: bool = False,
+             echo: Callable[[str], None] = print) -> dict:
     """Run the main job on the shipped pairs (``quick``: the LLaMA pair only, tiny data); write everything
-    under ``out_dir`` and return the summary (also written as ``out_dir/summary.json``).
+    under ``out_dir`` and return the summary (also written as ``out_dir/summary.json``). Each step is announced
+    through ``echo`` as it starts.
 
-    Raises :class:`~symgraph.errors.OutputError` before any work when ``out_dir`` cannot be written. Runs on
-    one torch thread (restored afterwards).
+    Raises :class:`~symgraph.errors.OutputError` before any work when ``out_dir`` cannot be written, or holds
+    files already and ``overwrite`` is false (with it, the demo's own files there are replaced). Runs on one
+    torch thread (restored afterwards).
 
     Examples
     --------
@@ -91,8 +94,10 @@ def run_demo(out_dir, *, quick: bool = False, echo: Callable[[str], None] = prin
     """
     from .io import write_text_atomic
 
-    out_dir = _writable_folder(out_dir)
+    out_dir = _writable_folder(out_dir, overwrite)
     plan = QUICK_PLAN if quick else FULL_PLAN
+    echo(f"symgraph demo: {len(plan.pairs)} shipped pair(s) ({', '.join(plan.pairs)}) into {out_dir}/"
+         + ("" if quick else f" (about {len(plan.pairs)} x 1-3 minutes on one CPU thread)"))
     with _one_thread():
         summary = {name: _run_pair(name, out_dir / name, plan, echo) for name in plan.pairs}
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=1))
@@ -112,12 +117,15 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _writable_folder(path) -> Path:
+def _writable_folder(path, overwrite: bool) -> Path:
     """Create ``path`` if needed and prove it writable with a probe file, before any work is done."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputError(f"Cannot write the demo into '{path}': it is a file, not a folder.",
                           hint="pass --out a folder path (it is created if missing).")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise OutputError(f"The demo's output folder '{path}' already holds files (an earlier run?).",
+                          hint="pass --overwrite to replace the demo's files there, or choose another --out.")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -135,13 +143,18 @@ def _run_pair(name: str, folder: Path, plan: DemoPlan, echo) -> dict:
 
     folder.mkdir(exist_ok=True)
     path_a, path_b = shipped_pair(name)
+    echo(f"{name}: capturing both models and reading the data ({SHIPPED_PAIRS[name]})")
     a, b = load(path_a), load(path_b)
     data = SHIPPED_PAIRS[name]
     test = load_data(data, model=a, split="test", limit=plan.test_limit)
     train = load_data(data, model=a, split="train", limit=plan.stats_limit)
+    echo(f"{name}: symmetry report ({len(a.report.groups)} groups)")
     files = {"reports": _write_reports(a, folder)}
+    echo(f"{name}: aligning B onto A in every mode")
     alignments, files["alignment stats"], files["aligned B (full)"] = _align_all(a, b, folder)
+    echo(f"{name}: merging after full alignment ({', '.join(plan.methods)})")
     merges, files["merged"] = _merge_all(a, b, train, test, plan.methods, folder)
+    echo(f"{name}: loss barrier, {plan.steps} points per mode ({', '.join(BARRIER_MODES)})")
     curves, files["barrier plot"] = _barrier(a, b, test, plan.steps, folder)
     summary = {"data": data, "test_examples": len(test), "groups": _group_counts(a),
                "endpoints": {"A": _metrics(a, a.state_dict(), test), "B": _metrics(a, b.state_dict(), test)},
@@ -236,8 +249,25 @@ def _echo_pair(name: str, s: dict, echo) -> None:
          f"<= {worst:.0e})")
     echo("  test loss / acc.     " + "   ".join(f"{k} {_pair_of(v)}" for k, v in cells.items())
          + "   (merges after full alignment)")
+    if _merges_lose(s):
+        echo("  why the merges lose  " + _WHY_MERGES_LOSE.format(none=s["barrier"]["none"]["loss_barrier"],
+                                                                 full=s["barrier"]["full"]["loss_barrier"]))
     for what, where in s["files"].items():
         echo(f"  {what:<20} {where}")
+
+
+_WHY_MERGES_LOSE = "\n                       ".join((
+    "A and B were trained from scratch, from different random initialisations (seeds 0 and 1):",
+    "they found different solutions, not one solution in two parameter orders. Alignment undoes",
+    "the symmetries (loss barrier {none:.3g} unaligned, {full:.3g} after full alignment), not what the",
+    "two learned differently, so their average lies between two basins. Merging is meant for models",
+    "that share a training history (fine-tunes of one pretrained model). More: examples/RESULTS.md."))
+
+
+def _merges_lose(s: dict) -> bool:
+    """Every merge scores a worse test loss than the worse endpoint."""
+    worst_endpoint = max(m["loss"] for m in s["endpoints"].values())
+    return all(m["loss"] > worst_endpoint for m in s["merged_after_full_alignment"].values())
 
 
 def _by_mode(curves: dict, field: str) -> str:

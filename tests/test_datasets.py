@@ -1,7 +1,6 @@
 """symgraph.datasets: every spec form loads, bad input raises DataError with a useful message, losses are right."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

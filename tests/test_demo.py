@@ -46,6 +46,33 @@ def test_quick_demo_summary_is_printed_and_saved(quick_demo):
     assert summary["barrier"]["full"]["distance"] < summary["barrier"]["none"]["distance"]
 
 
+def test_quick_demo_announces_each_step_before_its_summary(quick_demo):
+    _, stdout = quick_demo
+    lines = stdout.splitlines()
+    assert lines[0].startswith("symgraph demo: 1 shipped pair(s) (llama-chars)")
+    steps = [i for i, line in enumerate(lines) if line.startswith("llama-chars: ")]
+    assert len(steps) == 5 and steps == list(range(1, 6))  # printed as each step starts, before any result
+    assert "aligning B onto A" in lines[3] and "loss barrier" in lines[5]
+
+
+def test_quick_demo_says_why_from_scratch_twins_merge_badly(quick_demo):
+    out, stdout = quick_demo
+    summary = json.loads((out / "summary.json").read_text())["llama-chars"]
+    worst = max(m["loss"] for m in summary["endpoints"].values())
+    assert summary["merged_after_full_alignment"]["simple"]["loss"] > worst  # the twins merge badly
+    assert "why the merges lose" in stdout and "different random initialisations" in stdout
+
+
+def test_demo_refuses_an_out_that_holds_files_unless_overwrite(quick_demo):
+    out, _ = quick_demo
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    code, stdout, stderr = run("demo", "--out", out, "--quick")
+    assert code == 2 and "already holds files" in stderr and "--overwrite" in stderr and stdout == ""
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
+    code, stdout, _ = run("demo", "--out", out, "--quick", "--overwrite")
+    assert code == 0 and f"everything is in {out}" in stdout
+
+
 def test_demo_refuses_a_file_as_out(tmp_path):
     target = tmp_path / "taken"
     target.write_text("not a folder")
