@@ -495,5 +495,11 @@ def _unique_params(*groups) -> list[str]:
 
 
 def _in_layers(g: Group, layers: tuple[int, int]) -> bool:
+    number = layer_number(g)
+    return number is not None and layers[0] <= number <= layers[1]
+
+
+def layer_number(g: Group) -> int | None:
+    """The layer a group belongs to (the first number in its layer path), None for groups outside the layers."""
     digits = [int(x) for x in re.findall(r"\.(\d+)(?:\.|$)", g.layer + ".")]
-    return bool(digits) and layers[0] <= digits[0] <= layers[1]
+    return digits[0] if digits else None

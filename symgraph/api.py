@@ -177,6 +177,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
+    _check_layers(layers, src.report.groups)
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
     state = src.state_dict()
     evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
@@ -195,6 +196,23 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result
+
+
+def _check_layers(layers: tuple[int, int] | None, groups) -> None:
+    """A layer range must be ordered and lie within the model's layers (else it would silently select nothing)."""
+    from .alignment import layer_number
+    from .errors import SymgraphError
+
+    if layers is None:
+        return
+    numbers = sorted({n for n in map(layer_number, groups) if n is not None})
+    lo, hi = layers
+    span = f"{numbers[0]}-{numbers[-1]}" if numbers else "none"
+    if lo > hi or not numbers or lo < numbers[0] or hi > numbers[-1]:
+        raise SymgraphError(
+            f"Layer range {lo}-{hi} is {'reversed' if lo > hi else 'outside the model'}: the model's groups lie "
+            f"in layers {span}.",
+            hint=f"give FIRST-LAST with FIRST <= LAST inside {span}, e.g. --layers {span}.")
 
 
 def _verify_alignment(evaluator, state, result) -> None:

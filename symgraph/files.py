@@ -203,9 +203,13 @@ class StagedText:
                 self.discard()
                 raise
 
-    def commit(self) -> Path:
+    def commit(self, text: str | None = None) -> Path:
+        """Rename the staged file into place, first rewriting it with ``text`` when given (its folder is known
+        to be writable by now)."""
         with self._as_output_error():
             try:
+                if text is not None:
+                    self._tmp.write_text(text)
                 os.replace(self._tmp, self.path)
             except BaseException:
                 self.discard()

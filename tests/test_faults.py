@@ -6,6 +6,9 @@ missing or unexpected key, whatever values its tensors hold.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import safetensors.torch
 import torch
@@ -140,3 +143,220 @@ def test_transform_of_a_legacy_named_checkpoint_keeps_every_tensor(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again(pixels).last_hidden_state, model(pixels).last_hidden_state,
                                    rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# outputs: never an input, never half written, nothing left behind
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    """A tiny BERT checkpoint written by transformers (copy it before changing anything in it)."""
+    return _saved("bert", tmp_path_factory.mktemp("bert") / "model")
+
+
+def _leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("where", ["is", "inside", "contains", "link"])
+@pytest.mark.parametrize("command", ["transform", "align", "merge"])
+def test_an_output_that_overlaps_an_input_is_refused(tmp_path, bert_folder, command, where):
+    import shutil
+
+    model = tmp_path / "work" / "model"
+    shutil.copytree(bert_folder, model)
+    (tmp_path / "link").symlink_to(model)
+    output = {"is": model, "inside": model / "sub", "contains": model.parent, "link": tmp_path / "link"}[where]
+    before = tree_digest(tmp_path / "work")
+    args = [command, model, "-o", output, "--overwrite"] if command == "transform" else \
+        [command, model, model, "-o", output, "--overwrite"]
+    code, out, err = run(*args)
+    assert code == 2 and "input" in err and "Traceback" not in err, err
+    assert tree_digest(tmp_path / "work") == before and sorted(p.name for p in model.iterdir()) == \
+        ["config.json", "model.safetensors"]
+
+
+def test_a_report_may_not_replace_an_input_file(tmp_path, bert_folder):
+    code, _, err = run("report", bert_folder, "-o", bert_folder / "config.json")
+    assert code == 2 and "input" in err
+    assert (bert_folder / "config.json").read_text().startswith("{")
+
+
+def test_overwrite_recovers_a_replacement_that_died_between_its_renames(tmp_path, bert_folder):
+    """Without renameat2, --overwrite moves the old folder aside first; if the process dies right then, the next
+    run to the same output puts the old folder back (and without --overwrite refuses, the old folder intact)."""
+    out = tmp_path / "out"
+    assert run("transform", bert_folder, "-o", out).returncode == 0
+    before = tree_digest(out)
+    dead = _dead_pid()
+    out.rename(tmp_path / f".out.old-{dead}-0badc0de")
+    (tmp_path / f".out.tmp-{dead}-0badc0de").mkdir()  # the new copy it was writing
+    code, _, err = run("transform", bert_folder, "-o", out)
+    assert code == 2 and "already exists" in err
+    assert tree_digest(out) == before and _leftovers(tmp_path) == []
+    assert run("transform", bert_folder, "-o", out, "--overwrite", "--seed", "1").returncode == 0
+    assert tree_digest(out) != before and _leftovers(tmp_path) == []
+
+
+def test_leftovers_of_a_live_process_are_kept(tmp_path):
+    from symgraph.files import clean_leftovers
+
+    out = tmp_path / "out"
+    live, dead = tmp_path / f".out.tmp-{os.getppid()}-1234abcd", tmp_path / f".out.tmp-{_dead_pid()}-1234abcd"
+    for folder in (live, dead):
+        folder.mkdir()
+    (tmp_path / ".other.tmp-1-1234abcd").mkdir()  # another output's: not ours to judge
+    clean_leftovers(out)
+    assert _leftovers(tmp_path) == [".other.tmp-1-1234abcd", live.name]
+
+
+def test_overwrite_swaps_in_one_step(tmp_path, monkeypatch):
+    """Where renameat2 exists the old and new folders are exchanged atomically: os.rename is never called on an
+    existing output, so no moment exists at which OUT is missing."""
+    from symgraph import files
+
+    out = tmp_path / "out"
+    save_model({"w": torch.zeros(2)}, out)
+    renames = []
+    real = files.os.rename
+    monkeypatch.setattr(files.os, "rename", lambda a, b: (renames.append((a, b)), real(a, b)))
+    save_model({"w": torch.ones(2)}, out, overwrite=True)
+    assert renames == [] and _leftovers(tmp_path) == []
+    assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["w"], torch.ones(2))
+
+
+def test_sigterm_during_a_write_removes_the_temporary_folder(tmp_path, bert_folder, monkeypatch):
+    import signal
+
+    def killed(*args, **kwargs):
+        # never kill the test runner itself: the CLI must have installed its handler by now
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    code, _, _ = run("transform", bert_folder, "-o", tmp_path / "out")
+    assert code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dead_pid() -> int:
+    """A process id that is not running (a child that has exited and been reaped)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def test_an_unwritable_report_target_is_bad_output(tmp_path, bert_folder, monkeypatch):
+    from symgraph import files
+
+    (tmp_path / "a_file").write_text("x")
+    code, _, err = run("report", bert_folder, "-o", tmp_path / "a_file" / "r.md")
+    assert code == 2 and "it is a file" in err, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(files.os, "replace", read_only)
+    code, _, err = run("report", bert_folder, "-o", tmp_path / "r.md")
+    assert code == 2 and "Read-only file system" in err and "internal error" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("command", ["align", "merge"])
+def test_a_side_file_that_cannot_be_written_stops_before_the_model(tmp_path, bert_folder, command):
+    option = "--stats" if command == "align" else "--json"
+    code, _, err = run(command, bert_folder, bert_folder, "-o", tmp_path / "out", option,
+                       tmp_path / "missing" / "s.json")
+    assert code == 2 and "does not exist" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_side_file_and_model_are_both_written(tmp_path, bert_folder):
+    code, _, err = run("align", bert_folder, bert_folder, "-o", tmp_path / "out", "--stats", tmp_path / "s.json",
+                       "--quiet")
+    assert code == 0, err
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["timings_s"]["write"] > 0  # staged before the model, completed after it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.json"]
+
+
+@pytest.mark.parametrize("layers, words", [("99-100", ["outside the model", "0-1"]), ("2-0", ["reversed"]),
+                                           ("1-5", ["outside the model"])])
+def test_layer_ranges_outside_the_model_are_refused(tmp_path, bert_folder, layers, words):
+    code, _, err = run("align", bert_folder, bert_folder, "-o", tmp_path / "out", "--layers", layers)
+    assert code == 2 and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_layer_range_is_checked_by_the_api_too():
+    import symgraph
+    from symgraph.errors import SymgraphError
+
+    a = zoo.build("bert")
+    with pytest.raises(SymgraphError, match="outside the model"):
+        symgraph.align(symgraph.load(a, zoo.example_inputs_for("bert", a)), symgraph.load(a, zoo.example_inputs_for(
+            "bert", a)), layers=(2, 3))
+
+
+@pytest.mark.parametrize("command", ["transform", "fuzz"])
+def test_nan_weights_are_named_as_bad_input(tmp_path, command):
+    folder = _saved("bert", tmp_path / "model",
+                    bert__encoder__layer__1__output__dense__weight=lambda t: t.index_fill(0, torch.tensor([0]),
+                                                                                       float("inf")))
+    args = ["transform", folder, "-o", tmp_path / "t"] if command == "transform" else ["fuzz", folder]
+    code, out, err = run(*args)
+    assert code == 2 and "bert.encoder.layer.1.output.dense.weight" in err and "NaN or Inf" in err, err
+    assert "bug" not in err and "VIOLATE" not in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# messages
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_a_config_transformers_rejects_keeps_its_reason(tmp_path, bert_folder):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    config = json.loads((bert_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5}))
+    code, _, err = run("report", folder / "config.json", "--config-only")
+    assert code == 2 and "not a multiple" in err and "(5)" in err, err
+
+
+def test_weights_file_that_is_a_folder(tmp_path, bert_folder):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text((bert_folder / "config.json").read_text())
+    (folder / "model.safetensors").mkdir()
+    code, _, err = run("report", folder)
+    assert code == 2 and "is a folder, not a weights file" in err and "only reads" not in err, err
+
+
+def test_weightless_folder_does_not_offer_transform_an_option_it_lacks(tmp_path, bert_folder):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text((bert_folder / "config.json").read_text())
+    code, _, err = run("transform", folder, "-o", tmp_path / "out")
+    assert code == 2 and "No weights" in err and "report --config-only" in err and "pass --config-only" not in err
+
+
+@pytest.mark.parametrize("output", ["", "."])
+def test_an_output_naming_no_folder_is_refused(tmp_path, bert_folder, output):
+    code, _, err = run("transform", bert_folder, "-o", output)
+    assert code == 2 and "names no folder" in err and "already exists" not in err, err
+
+
+def test_a_factory_calling_sys_exit_is_an_error(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\n\ndef build():\n    sys.exit(7)\n")
+    code, _, err = run("report", f"{tmp_path / 'exits.py'}:build")
+    assert code == 2 and "sys.exit(7)" in err, err
+
+
+def test_an_output_symlink_is_called_a_link(tmp_path, bert_folder):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    code, _, err = run("transform", bert_folder, "-o", tmp_path / "link", "--overwrite")
+    assert code == 2 and "symbolic link" in err and "not a folder" not in err, err
+    assert (tmp_path / "link").is_symlink()
