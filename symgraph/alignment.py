@@ -55,6 +55,7 @@ class AlignResult:
     timings: dict[str, float] = field(default_factory=dict)
     free: list[str] = field(default_factory=list)  # parameters left out of costs as functionally free
     verified_error: float | None = None  # relative output difference to the source, when checked
+    verified_tolerance: float | None = None  # the tolerance it was checked against (wider for fp16/bf16 weights)
     refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept

@@ -92,17 +92,25 @@ def transform(source, *, seed: int = 0, inputs: Inputs = None, verify: bool = Tr
     subject = load(source, inputs)
     state = subject.state_dict()
     elements = sample_elements(subject.report, seed)
-    new = tie_aliases(subject.model, apply(state, elements))
+    new = tie_aliases(subject.model, apply(state, elements))  # float64 arithmetic, one rounding to each dtype
     if verify:
-        from .verify import Evaluator
-
-        outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(new)
-        if not outcome.ok:
-            raise InvarianceError(
-                f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
-                f"tolerance {outcome.tolerance:.1e}); nothing was written.",
-                hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
+        check_transformed(subject, new)
     return new
+
+
+def check_transformed(subject: Subject, state: dict[str, torch.Tensor]):
+    """Run ``subject``'s model with ``state`` and with its own weights, both in float64, on its example inputs;
+    return the :class:`~symgraph.verify.Outcome` (relative error, and a tolerance that allows the rounding of
+    weights stored in float32/fp16/bf16), or raise :class:`~symgraph.errors.InvarianceError` when it is exceeded."""
+    from .verify import Evaluator
+
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    if not outcome.ok:
+        raise InvarianceError(
+            f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
+            f"tolerance {outcome.tolerance:.1e}); nothing was written.",
+            hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
+    return outcome
 
 
 def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -222,7 +230,7 @@ def _verify_alignment(evaluator, state, result) -> None:
 
     outcome = evaluator.check(result.state)
     if outcome.ok:
-        result.verified_error = outcome.relative_error
+        result.verified_error, result.verified_tolerance = outcome.relative_error, outcome.tolerance
         return
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):

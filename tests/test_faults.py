@@ -360,3 +360,24 @@ def test_an_output_symlink_is_called_a_link(tmp_path, bert_folder):
     code, _, err = run("transform", bert_folder, "-o", tmp_path / "link", "--overwrite")
     assert code == 2 and "symbolic link" in err and "not a folder" not in err, err
     assert (tmp_path / "link").is_symlink()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_transform_rounds_once_and_says_so(tmp_path, dtype):
+    import symgraph
+    from symgraph.elements import apply
+
+    model = zoo.build("llama", dtype=dtype)
+    folder = save_model(state_dict_of(model), tmp_path / "m", config=model_config(model))
+    code, out, err = run("transform", folder, "-o", tmp_path / "t", "--seed", "3")
+    name = str(dtype).removeprefix("torch.")
+    assert code == 0 and f"tolerance" in out and f"{name} weights rounded once" in out, err
+    error = float(out.split("relative error ")[1].split(" ")[0])
+    assert 0 < error < 3e-2  # rounding shows, as the message says, within the dtype's tolerance
+
+    subject = symgraph.load(folder)
+    exact = apply({k: v.double() for k, v in subject.state_dict().items()},
+                  symgraph.sample_elements(subject.report, 3))
+    written = safetensors.torch.load_file(tmp_path / "t" / "model.safetensors")
+    for key, value in written.items():  # each weight is the float64 result rounded once to the dtype
+        assert value.dtype == dtype and torch.equal(value, exact[key].to(dtype)), key
