@@ -185,16 +185,23 @@ def write_atomic(path, write) -> Path:
 class StagedText:
     """A file written now under a temporary name and renamed into place by :meth:`commit`: side files (``--stats``,
     ``--json``) are staged before the model folder is written, so a side file that cannot be written stops the
-    run before anything is in place, and committing after the model is only a rename."""
+    run before anything is in place, and committing after the model is only a rename.
+
+    A symbolic link is written through (the file it points to is replaced, the link stays); a pipe or character
+    device (``/dev/stdout``, a shell's ``>(...)``) is written directly at :meth:`commit`, never replaced."""
 
     def __init__(self, path, write):
         self.path = Path(path)
+        self._write, self._tmp = write, None
+        if _is_stream(self.path):  # as given: /dev/stdout resolves to a name that cannot be opened again
+            return
+        if self.path.is_symlink():
+            self.path = Path(os.path.realpath(self.path))
         if not self.path.parent.is_dir():
             raise OutputError(f"Cannot write '{self.path}': folder '{self.path.parent}' does not exist"
                               f"{' (it is a file)' if self.path.parent.exists() else ''}.",
                               hint="create the folder first, or choose another output path.")
         prepare_output(self.path, overwrite=True, folder=False)
-        self._tmp = None
         with self._as_output_error():
             self._tmp = temp_sibling(self.path, folder=False)
             try:
@@ -205,8 +212,11 @@ class StagedText:
 
     def commit(self, text: str | None = None) -> Path:
         """Rename the staged file into place, first rewriting it with ``text`` when given (its folder is known
-        to be writable by now)."""
+        to be writable by now); a stream gets its content now."""
         with self._as_output_error():
+            if self._tmp is None:  # a pipe or device
+                self.path.write_text(text) if text is not None else self._write(self.path)
+                return self.path
             try:
                 if text is not None:
                     self._tmp.write_text(text)
@@ -217,6 +227,8 @@ class StagedText:
         return self.path
 
     def discard(self) -> None:
+        if self._tmp is None:
+            return
         try:
             self._tmp.unlink(missing_ok=True)
         except OSError:
@@ -224,6 +236,14 @@ class StagedText:
 
     def _as_output_error(self):
         return os_errors_as_output_error(self.path)
+
+
+def _is_stream(path: Path) -> bool:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
 
 
 @contextlib.contextmanager

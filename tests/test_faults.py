@@ -381,3 +381,51 @@ def test_half_precision_transform_rounds_once_and_says_so(tmp_path, dtype):
     written = safetensors.torch.load_file(tmp_path / "t" / "model.safetensors")
     for key, value in written.items():  # each weight is the float64 result rounded once to the dtype
         assert value.dtype == dtype and torch.equal(value, exact[key].to(dtype)), key
+
+
+def test_transform_of_a_checkpoint_with_gamma_beta_names_reloads_whole(tmp_path):
+    """Old checkpoints name LayerNorm parameters gamma/beta; transformers renames them on load. The output is
+    written with the model's names and loads back with nothing missing or unexpected."""
+    folder = tmp_path / "old"
+    model = zoo.build("bert")
+    model.save_pretrained(folder)
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in stored.items()}
+    assert renamed.keys() != stored.keys()
+    safetensors.torch.save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run("transform", folder, "-o", tmp_path / "t")
+    assert code == 0, err
+    again, info = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "t",
+                                                                             output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"]), info
+    args, kwargs = zoo.example_inputs_for("bert", model)
+    with torch.no_grad():
+        torch.testing.assert_close(again(*args, **kwargs).logits, model(*args, **kwargs).logits,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_report_into_a_pipe_is_streamed_and_the_pipe_kept(tmp_path, bert_folder):
+    """A named pipe (or /dev/stdout) is written into, not replaced by a file (which, run as root, would replace
+    a device node)."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    code, _, err = run("report", bert_folder, "-o", fifo, "--format", "json")
+    reader.join(timeout=60)
+    assert code == 0, err
+    assert json.loads(received[0])["model"] and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_report_through_a_link_replaces_the_linked_file(tmp_path, bert_folder):
+    (tmp_path / "target.md").write_text("old")
+    (tmp_path / "link.md").symlink_to(tmp_path / "target.md")
+    code, _, err = run("report", bert_folder, "-o", tmp_path / "link.md")
+    assert code == 0, err
+    assert (tmp_path / "link.md").is_symlink() and (tmp_path / "target.md").read_text().startswith("#")
