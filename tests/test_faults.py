@@ -429,3 +429,28 @@ def test_report_through_a_link_replaces_the_linked_file(tmp_path, bert_folder):
     code, _, err = run("report", bert_folder, "-o", tmp_path / "link.md")
     assert code == 0, err
     assert (tmp_path / "link.md").is_symlink() and (tmp_path / "target.md").read_text().startswith("#")
+
+
+def test_integer_tensor_under_a_legacy_name_is_refused(tmp_path):
+    """The stored name (attention.attention.key) is mapped through transformers' own load-time renaming to the
+    float parameter it fills (attention.k_proj)."""
+    _dinov2(tmp_path / "dino")
+    file = tmp_path / "dino" / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    key = "encoder.layer.0.attention.attention.key.weight"
+    stored[key] = (stored[key] * 100).to(torch.int32)
+    safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path / "dino")
+    assert f"{key} (I32" in str(info.value)
+
+
+def test_save_model_refuses_to_write_into_the_folder_it_copies_from(bert_folder):
+    from symgraph.errors import OutputError
+
+    before = tree_digest(bert_folder)
+    state = state_dict_of(load_model(bert_folder).model)
+    for out in (bert_folder, bert_folder / "aligned"):
+        with pytest.raises(OutputError, match="input"):
+            save_model(state, out, like=bert_folder, overwrite=True)
+    assert tree_digest(bert_folder) == before
