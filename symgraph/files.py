@@ -21,7 +21,7 @@ from pathlib import Path
 from .errors import OutputError
 
 __all__ = ["refuse_overlap", "prepare_output", "temp_sibling", "install_folder", "write_atomic",
-           "write_text_atomic", "StagedText", "clean_leftovers"]
+           "write_text_atomic", "StagedText", "clean_leftovers", "os_errors_as_output_error"]
 
 _TMP, _OLD = "tmp", "old"
 
@@ -202,7 +202,7 @@ class StagedText:
                               f"{' (it is a file)' if self.path.parent.exists() else ''}.",
                               hint="create the folder first, or choose another output path.")
         prepare_output(self.path, overwrite=True, folder=False)
-        with self._as_output_error():
+        with os_errors_as_output_error(self.path):
             self._tmp = temp_sibling(self.path, folder=False)
             try:
                 write(self._tmp)
@@ -213,7 +213,7 @@ class StagedText:
     def commit(self, text: str | None = None) -> Path:
         """Rename the staged file into place, first rewriting it with ``text`` when given (its folder is known
         to be writable by now); a stream gets its content now."""
-        with self._as_output_error():
+        with os_errors_as_output_error(self.path):
             if self._tmp is None:  # a pipe or device
                 self.path.write_text(text) if text is not None else self._write(self.path)
                 return self.path
@@ -233,9 +233,6 @@ class StagedText:
             self._tmp.unlink(missing_ok=True)
         except OSError:
             pass  # the next run to this path removes it
-
-    def _as_output_error(self):
-        return os_errors_as_output_error(self.path)
 
 
 def _is_stream(path: Path) -> bool:

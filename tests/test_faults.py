@@ -454,3 +454,20 @@ def test_save_model_refuses_to_write_into_the_folder_it_copies_from(bert_folder)
         with pytest.raises(OutputError, match="input"):
             save_model(state, out, like=bert_folder, overwrite=True)
     assert tree_digest(bert_folder) == before
+
+
+def test_fused_moe_experts_are_written_per_expert_like_save_pretrained(tmp_path):
+    """transformers 5 fuses Mixtral's per-expert weights on load and splits them again on save; so do we."""
+    config = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    out = save_model(state_dict_of(model), tmp_path / "ours", config=model_config(model))
+    model.save_pretrained(tmp_path / "theirs")
+    ours = safetensors.torch.load_file(out / "model.safetensors")
+    theirs = safetensors.torch.load_file(tmp_path / "theirs" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) > len(model.state_dict())  # split per expert
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    again, info = type(model).from_pretrained(out, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"]), info
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
