@@ -28,8 +28,11 @@ _TMP, _OLD = "tmp", "old"
 
 def refuse_overlap(output, inputs, *, folder: bool = True) -> None:
     """Raise :class:`OutputError` when writing ``output`` would change an input: a model folder that is, contains or
-    lies inside an input's folder, or a file (``folder=False``) that is an input file or replaces a file inside an
-    input folder. Inputs that are not existing paths (modules, factory strings) are skipped."""
+    lies inside an input's folder, or a file (``folder=False``) that is an input file or one of the files a model
+    folder is read from (config, weights, tokenizer). Inputs that are not existing paths (modules, factory
+    strings) are skipped."""
+    from .io import MODEL_FILES
+
     out = _absolute(output)
     for source in inputs:
         if not isinstance(source, (str, os.PathLike)) or not Path(source).expanduser().exists():
@@ -39,7 +42,8 @@ def refuse_overlap(output, inputs, *, folder: bool = True) -> None:
         if folder:
             clash = out in (src, home) or home in out.parents or out in home.parents
         else:
-            clash = out == src or (out.exists() and home in out.parents)
+            clash = out == src or (out.parent == home and (out.name in MODEL_FILES or out.suffix in (".safetensors",
+                                                                                                    ".bin")))
         if clash:
             relation = "is" if out in (src, home) else "lies inside" if home in out.parents else "contains"
             raise OutputError(

@@ -74,6 +74,10 @@ TOKENIZER_FILES = (
 )
 
 
+#: Every file a model folder is read from by name (weight shards aside).
+MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES))
+
+
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
     """A model ready for capture: the module (eval mode), its HF config if any, where it came from, a display name."""

@@ -471,3 +471,12 @@ def test_fused_moe_experts_are_written_per_expert_like_save_pretrained(tmp_path)
     again, info = type(model).from_pretrained(out, output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"]), info
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_report_may_sit_beside_the_model_files(tmp_path):
+    folder = _saved("bert", tmp_path / "model")
+    for _ in range(2):  # the second run replaces the first report: allowed, it is no model file
+        code, _, err = run("report", folder, "-o", folder / "report.md")
+        assert code == 0, err
+    code, _, err = run("report", folder, "-o", folder / "tokenizer.json")
+    assert code == 2 and "input" in err
