@@ -55,6 +55,7 @@ class AlignResult:
     timings: dict[str, float] = field(default_factory=dict)
     free: list[str] = field(default_factory=list)  # parameters left out of costs as functionally free
     verified_error: float | None = None  # relative output difference to the source, when checked
+    verified_tolerance: float | None = None  # the tolerance it was checked against (wider for fp16/bf16 weights)
     refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept
@@ -506,5 +507,11 @@ def _unique_params(*groups) -> list[str]:
 
 
 def _in_layers(g: Group, layers: tuple[int, int]) -> bool:
+    number = layer_number(g)
+    return number is not None and layers[0] <= number <= layers[1]
+
+
+def layer_number(g: Group) -> int | None:
+    """The layer a group belongs to (the first number in its layer path), None for groups outside the layers."""
     digits = [int(x) for x in re.findall(r"\.(\d+)(?:\.|$)", g.layer + ".")]
-    return bool(digits) and layers[0] <= digits[0] <= layers[1]
+    return digits[0] if digits else None

@@ -96,17 +96,25 @@ def transform(source, *, seed: int = 0, inputs: Inputs = None, verify: bool = Tr
     subject = load(source, inputs)
     state = subject.state_dict()
     elements = sample_elements(subject.report, seed)
-    new = tie_aliases(subject.model, apply(state, elements))
+    new = tie_aliases(subject.model, apply(state, elements))  # float64 arithmetic, one rounding to each dtype
     if verify:
-        from .verify import Evaluator
-
-        outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(new)
-        if not outcome.ok:
-            raise InvarianceError(
-                f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
-                f"tolerance {outcome.tolerance:.1e}); nothing was written.",
-                hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
+        check_transformed(subject, new)
     return new
+
+
+def check_transformed(subject: Subject, state: dict[str, torch.Tensor]):
+    """Run ``subject``'s model with ``state`` and with its own weights, both in float64, on its example inputs;
+    return the :class:`~symgraph.verify.Outcome` (relative error, and a tolerance that allows the rounding of
+    weights stored in float32/fp16/bf16), or raise :class:`~symgraph.errors.InvarianceError` when it is exceeded."""
+    from .verify import Evaluator
+
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    if not outcome.ok:
+        raise InvarianceError(
+            f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
+            f"tolerance {outcome.tolerance:.1e}); nothing was written.",
+            hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
+    return outcome
 
 
 def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -187,6 +195,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
+    _check_layers(layers, src.report.groups)
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
     state = src.state_dict()
     evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
@@ -219,6 +228,23 @@ def folded_pair(first: Subject, second: Subject, fold: bool | None) -> tuple[Sub
     return folded_subject(first), folded_subject(second), True
 
 
+def _check_layers(layers: tuple[int, int] | None, groups) -> None:
+    """A layer range must be ordered and lie within the model's layers (else it would silently select nothing)."""
+    from .alignment import layer_number
+    from .errors import SymgraphError
+
+    if layers is None:
+        return
+    numbers = sorted({n for n in map(layer_number, groups) if n is not None})
+    lo, hi = layers
+    span = f"{numbers[0]}-{numbers[-1]}" if numbers else "none"
+    if lo > hi or not numbers or lo < numbers[0] or hi > numbers[-1]:
+        raise SymgraphError(
+            f"Layer range {lo}-{hi} is {'reversed' if lo > hi else 'outside the model'}: the model's groups lie "
+            f"in layers {span}.",
+            hint=f"give FIRST-LAST with FIRST <= LAST inside {span}, e.g. --layers {span}.")
+
+
 def _verify_alignment(evaluator, state, result) -> None:
     """The aligned state must compute what the source computes; if not, name the first group whose own
     elements already change the function."""
@@ -226,7 +252,7 @@ def _verify_alignment(evaluator, state, result) -> None:
 
     outcome = evaluator.check(result.state)
     if outcome.ok:
-        result.verified_error = outcome.relative_error
+        result.verified_error, result.verified_tolerance = outcome.relative_error, outcome.tolerance
         return
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):

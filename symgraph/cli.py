@@ -1,8 +1,10 @@
 """The ``symgraph`` command line. Commands only parse, validate and call the library (:mod:`symgraph.api`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ def report(model, config_only, fmt, output):
     from .api import load
     from .render import render
 
+    _check_file_output(output, [model])
     text = render(load(model, config_only=config_only).report, fmt)
     _emit_text(text, output)
 
@@ -42,15 +45,16 @@ def report(model, config_only, fmt, output):
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 def transform(model, output, seed, overwrite):
-    from .api import load, transform as transform_state
+    from .api import check_transformed, load, transform as transform_state
     from .io import save_model
 
+    _check_model_output(output, overwrite, [model])
     subject = load(model)
-    _refuse_existing(output, overwrite)
-    state = transform_state(subject, seed=seed)
+    state = transform_state(subject, seed=seed, verify=False)
+    outcome = check_transformed(subject, state)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
-    click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; outputs checked equal "
-               f"in float64)")
+    click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; "
+               f"{_equality(outcome.relative_error, outcome.tolerance, state)})")
 
 
 @cli.command(help="Fold every norm's weight (and a LayerNorm's bias) into the linear layers that read it; for "
@@ -67,12 +71,12 @@ def fold(model, output, json_path, overwrite):
     from .fold import fold as run_fold
     from .io import save_model
 
-    _refuse_existing(output, overwrite)
+    _check_model_output(output, overwrite, [model])
+    _check_file_output(json_path, [model])
     subject = load(model)
     result = run_fold(subject)
-    save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
-    if json_path is not None:
-        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
+        save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output}: {len(result.norms)} norms folded, {len(result.centred)} residual writers centred; "
                f"outputs equal to the model's (relative error {result.verified_error:.1e})")
 
@@ -126,7 +130,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     from .api import align as run_align, load
     from .io import save_model
 
-    _refuse_existing(output, overwrite)
+    _check_model_output(output, overwrite, [source, anchor])
+    _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
     clock = time.perf_counter()
     subject, anchor_subject = load(source), load(anchor)
@@ -136,13 +141,20 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start))
     result.timings["load"] = loading
     clock = time.perf_counter()
-    save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
-    result.timings["write"] = time.perf_counter() - clock
-    if stats_path is not None:
-        _emit_text(json.dumps(result.to_json(), indent=1), stats_path)
+    with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
+        save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
+        result.timings["write"] = time.perf_counter() - clock
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; outputs equal to "
-               f"the source's, relative error {result.verified_error:.1e})")
+               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; "
+               f"{_equality(result.verified_error, result.verified_tolerance, result.state)})")
+
+
+def _equality(error: float, tolerance: float, state) -> str:
+    """What the check before writing compared, and how closely: weights stored in fp16/bf16 (or float32) are
+    rounded once from float64 arithmetic, so outputs match the source's to that precision, not bit for bit."""
+    dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}))
+    return (f"outputs checked on the example inputs, both models run in float64: relative error {error:.1e} to the "
+            f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once")
 
 
 class _ProgressBar:
@@ -177,9 +189,12 @@ def _parse_layers(text):
         return None
     try:
         lo, _, hi = text.partition("-")
-        return int(lo), int(hi or lo)
+        span = int(lo), int(hi or lo)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a layer range like 0-5 or 3", param_hint="--layers") from None
+    if span[0] > span[1]:
+        raise click.BadParameter(f"{text!r} is reversed: give FIRST-LAST with FIRST <= LAST", param_hint="--layers")
+    return span
 
 
 @cli.command(help="Fuzz every symmetry group of MODEL for invariance (float64); exit 1 on any violation.")
@@ -192,6 +207,7 @@ def fuzz(model, samples, seed, json_path):
 
     if samples < 1:
         raise click.BadParameter("must be at least 1", param_hint="--samples")
+    _check_file_output(json_path, [model])
     result = run_fuzz(model, samples=samples, seed=seed, progress=_print_verdict)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
@@ -245,7 +261,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
           head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold):
     from .merging import merge as run_merge
 
-    _refuse_existing(output, overwrite)
+    _check_model_output(output, overwrite, models)
+    _check_file_output(json_path, models)
     if head_from is not None and not 1 <= head_from <= len(models):
         raise click.BadParameter(f"{head_from} is not a model number (1 to {len(models)})", param_hint="--head-from")
     data = None if not data_specs else data_specs[0] if len(data_specs) == 1 else list(data_specs)
@@ -253,9 +270,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
                        fold=fold, progress=not no_progress)
-    result.save(output, overwrite=overwrite)
-    if json_path is not None:
-        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
+        result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
     frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
@@ -285,13 +301,14 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
+    _check_file_output(output, [model_a, model_b])
+    _check_file_output(json_path, [model_a, model_b])
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
                          align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start))
-    result.plot(output)
-    if json_path is not None:
-        _emit_text(json.dumps(result.to_json(), indent=1), json_path)
+    with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
+        result.plot(output)
     for mode, curve in result.curves.items():
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
         click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")
@@ -326,9 +343,70 @@ def _emit_text(text: str, output: Path | None) -> None:
     click.echo(f"wrote {output}", err=True)
 
 
-def _refuse_existing(output: Path, overwrite: bool) -> None:
-    if output.exists() and not overwrite:
-        raise OutputError(f"{output} already exists.", hint="pass --overwrite, or choose another output folder.")
+def _check_model_output(output: Path, overwrite: bool, inputs) -> None:
+    """Before any work: the output folder is named, is no input, and exists only with --overwrite (leftovers of
+    interrupted runs to it are cleaned up on the way)."""
+    from .files import prepare_output, refuse_overlap
+
+    if not str(output).strip() or not output.name:
+        raise OutputError(f"The output path {str(output)!r} names no folder.", hint="give a name, e.g. -o out/model.")
+    refuse_overlap(output, inputs)
+    prepare_output(output.absolute(), overwrite=overwrite, folder=True)
+
+
+def _check_file_output(output: Path | None, inputs) -> None:
+    """A report, plot or JSON output must not overwrite an input's file."""
+    from .files import refuse_overlap
+
+    if output is None:
+        return
+    if not output.absolute().parent.is_dir():  # say so before the work, not after it
+        raise OutputError(f"Cannot write '{output}': folder '{output.parent}' does not exist"
+                          f"{' (it is a file)' if output.parent.exists() else ''}.",
+                          hint="create the folder first, or choose another output path.")
+    refuse_overlap(output, inputs, folder=False)
+
+
+@contextlib.contextmanager
+def _side_file(path: Path | None, text):
+    """Stage the side file ``path`` (``--stats``, ``--json``) with ``text()`` before the main output is written and
+    put it in place after, with ``text()`` as it reads then (timings of the write included): a side file that
+    cannot be written stops the run before anything is in place."""
+    if path is None:
+        yield
+        return
+    from .files import StagedText
+
+    staged = StagedText(path, lambda tmp: tmp.write_text(text()))
+    try:
+        yield
+    except BaseException:
+        staged.discard()
+        raise
+    staged.commit(text())
+    click.echo(f"wrote {path}", err=True)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """Turn SIGTERM and SIGHUP into an exit that unwinds the stack, so that the temporary files of an interrupted
+    write are removed on the way out (SIGINT already raises KeyboardInterrupt). Main thread only."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    wanted = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {sig: signal.signal(sig, unwind) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv=None) -> None:
@@ -336,7 +414,8 @@ def main(argv=None) -> None:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
     try:
-        cli.main(args=argv, standalone_mode=False)
+        with _signals_unwind():
+            cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -5,9 +5,10 @@ weightless folder (``config_only=True``: the model is built on the meta device, 
 string ``package.module:function`` / ``path/to/file.py:function``. Every way it can fail raises
 :class:`~symgraph.errors.ModelLoadError` with a message that names the offending path or string.
 
-``save_model`` writes ``config.json`` + ``model.safetensors`` (+ tokenizer files copied from ``like``) into a
-temporary sibling directory and renames it into place, so a crash or a full disk never leaves a half-written or
-half-replaced output folder behind. Its failures raise :class:`~symgraph.errors.OutputError`.
+Writing lives beside it and is re-exported here: ``save_model`` (:mod:`symgraph.checkpoint`: a state dict as a
+Hugging Face folder laid out as ``save_pretrained`` would) and ``write_atomic`` / ``write_text_atomic``
+(:mod:`symgraph.files`: outputs that are whole or absent). Their failures raise
+:class:`~symgraph.errors.OutputError`.
 """
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import uuid
 import dataclasses
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
-from safetensors import SafetensorError
 
-from .errors import ModelLoadError, OutputError
+from .checkpoint import save_model
+from .errors import ModelLoadError
+from .files import write_atomic, write_text_atomic
 
 if TYPE_CHECKING:  # importing transformers is slow; the loaders import it lazily
     from transformers import PretrainedConfig
@@ -40,6 +40,8 @@ __all__ = [
     "load_model",
     "save_model",
     "state_dict_of",
+    "write_atomic",
+    "write_text_atomic",
     "WEIGHT_FILES",
     "TOKENIZER_FILES",
 ]
@@ -70,6 +72,10 @@ TOKENIZER_FILES = (
     "processor_config.json",
     "generation_config.json",
 )
+
+
+#: Every file a model folder is read from by name (weight shards aside).
+MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES))
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,8 +178,8 @@ def _resolve_factory(module_part: str, attr: str):
             raise _FactoryImportError(f"'{module_part}' is not a valid module name")
         try:
             module = importlib.import_module(module_part)
-        except Exception as exc:  # ImportError, or anything the module raises while importing
-            err = _FactoryImportError(f"importing module '{module_part}' failed: {type(exc).__name__}: {exc}")
+        except (Exception, SystemExit) as exc:  # ImportError, or anything the module raises (or exits) on import
+            err = _FactoryImportError(f"importing module '{module_part}' failed: {_describe(exc)}")
             err.__cause__ = exc
             raise err from exc
         where = f"module '{module_part}'"
@@ -200,9 +206,9 @@ def _import_file(file: Path):
         spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(mod_name, None)
-        if not isinstance(exc, Exception):
+        if not isinstance(exc, (Exception, SystemExit)):
             raise
-        err = _FactoryImportError(f"executing file '{file}' failed: {type(exc).__name__}: {exc}")
+        err = _FactoryImportError(f"executing file '{file}' failed: {_describe(exc)}")
         err.__cause__ = exc
         raise err from exc
     finally:
@@ -216,9 +222,9 @@ def _import_file(file: Path):
 def _call_factory(factory, text: str, *, dtype: torch.dtype | None) -> LoadedModel:
     try:
         model = factory()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a factory calling sys.exit() must not end symgraph quietly
         raise ModelLoadError(
-            f"The factory '{text}' raised {type(exc).__name__}: {exc}",
+            f"The factory '{text}' raised {_describe(exc)}",
             hint="the factory must build and return the model when called with no arguments.",
         ) from exc
     inputs = None
@@ -239,6 +245,7 @@ def _call_factory(factory, text: str, *, dtype: torch.dtype | None) -> LoadedMod
 def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype) -> LoadedModel:
     if dtype is not None and dtype != "auto":
         model = model.to(dtype)
+    _check_finite(model, f"the parameters of {name}")
     model.eval()
     return LoadedModel(model=model, config=model_config(model), path=path, name=name)
 
@@ -294,6 +301,13 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
     if config_only:
         return _build_meta(cls, config, config_file, name=name, folder=folder, dtype=dtype)
 
+    not_files = [f for f in WEIGHT_FILES if (folder / f).exists() and not (folder / f).is_file()]
+    if not_files:
+        raise ModelLoadError(
+            f"'{folder / not_files[0]}' is a {'folder' if (folder / not_files[0]).is_dir() else 'special file'}, "
+            "not a weights file.",
+            hint=f"{not_files[0]} must be the weights file itself: replace it with the file (or re-save the model).",
+        )
     weights = [folder / f for f in WEIGHT_FILES if (folder / f).is_file()]
     if not weights:
         stray = sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
@@ -304,16 +318,16 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         )
         raise ModelLoadError(
             f"No weights found next to '{config_file}' (looked for {', '.join(WEIGHT_FILES)}).{detail}",
-            hint="pass --config-only (config_only=True) to analyse the architecture without weights (built on "
-            "the meta device, no memory used), or point at a folder that contains the weights.",
+            hint="point at a folder that contains the weights; only `symgraph report` (and load with "
+            "config_only=True) works without them: `report --config-only` analyses the architecture alone.",
         )
     _check_weights(folder, weights[0])
 
-    kwargs: dict[str, Any] = {"config": config, "local_files_only": True}
+    kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "output_loading_info": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:
-        model = cls.from_pretrained(str(folder), **kwargs)
+        model, loading_info = cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
         mismatches = _shape_mismatches(cls, config, folder, weights[0])
         if mismatches:  # transformers only logs these; spell them out
@@ -324,17 +338,96 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
                 + "."
             )
         else:
-            reason = f"{type(exc).__name__}: {_first_line(exc)}"
+            reason = _describe(exc)
         raise ModelLoadError(
             f"transformers could not load the model in '{folder}' as {_cls_name(cls)} (weights: "
             f"{weights[0].name}): {reason}",
             hint="check that the weights match config.json (same model_type and sizes) and are complete; "
             "re-download or re-save the checkpoint if a file is damaged.",
         ) from exc
-    if isinstance(model, tuple):  # output_loading_info-style returns, just in case
-        model = model[0]
+    _check_loading_info(loading_info, model, folder, weights[0])
+    _check_stored_dtypes(model, folder, weights[0])
+    _check_finite(model, f"the weights in '{folder}'")
     model.eval()
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
+
+
+def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: Path) -> None:
+    """transformers fills missing tensors with random values and only logs it: a checkpoint that does not match
+    the model key for key is bad input, never a model to analyse or transform."""
+    problems = []
+    for key, what in (("missing_keys", "missing from the file (transformers would fill them with random values)"),
+                      ("unexpected_keys", "in the file but not in the model"),
+                      ("mismatched_keys", "of another shape than the model's")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            problems.append(f"{len(names)} tensor(s) {what}: {_some(names)}")
+    if info.get("error_msgs"):
+        problems.append("transformers reported: " + "; ".join(map(str, info["error_msgs"]))[:400])
+    if problems:
+        raise ModelLoadError(
+            f"The weights in '{folder}' ({weights.name}) do not match {type(model).__name__} built from its "
+            f"config.json: " + "; ".join(problems) + ".",
+            hint="the checkpoint is incomplete or belongs to another architecture or head: check that "
+            "config.json's \"architectures\" and sizes describe these weights, or re-save the checkpoint from the "
+            "model it came from.",
+        )
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
+    """transformers casts an integer tensor into a float parameter without a word; refuse it (safetensors only:
+    the dtype is in the header, so nothing is read)."""
+    floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    bad = []
+    for file in _safetensors_files(folder, weights):
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                dtype = handle.get_slice(key).get_dtype()
+                if not dtype.startswith(("F", "BF")) and _model_key(model, key, floating) in floating:
+                    bad.append(f"{key} ({dtype} in {file.name})")
+    if bad:
+        raise ModelLoadError(
+            f"The weights in '{folder}' store integer or boolean values for floating-point parameters: "
+            f"{_some(bad)}.",
+            hint="the checkpoint was written wrongly (or quantised in a format transformers cannot read back): "
+            "re-save it from the floating-point model.",
+        )
+
+
+def _model_key(model, stored_key: str, model_keys: set[str]) -> str:
+    """The model parameter a stored key loads into: transformers' own load-time renaming (legacy names,
+    base-model prefix) when it attached one to the model, else the key itself."""
+    if stored_key in model_keys:
+        return stored_key
+    try:
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        conversions = getattr(model, "_weight_conversions", None) or []
+        renamed, _ = rename_source_key(
+            stored_key, [c for c in conversions if not isinstance(c, WeightConverter)],
+            [c for c in conversions if isinstance(c, WeightConverter)],
+            getattr(model, "base_model_prefix", None), dict.fromkeys(model_keys, True))
+        return renamed
+    except Exception:  # transformers' internals moved: fall back to the stored name
+        return stored_key
+
+
+def _check_finite(model: torch.nn.Module, where: str) -> None:
+    """NaN or Inf weights are bad input: say which tensor, before any analysis could be blamed for them."""
+    bad = [k for k, v in model.state_dict().items()
+           if v.is_floating_point() and v.device.type != "meta" and not torch.isfinite(v).all()]
+    if bad:
+        raise ModelLoadError(
+            f"NaN or Inf values in {where}: {_some(bad)}.",
+            hint="symgraph needs finite weights; the checkpoint is damaged or training diverged: use an earlier "
+            "or re-saved checkpoint.",
+        )
 
 
 def _read_json(file: Path, *, what: str) -> dict:
@@ -418,13 +511,27 @@ def _build_config(config_dict: dict, config_file: Path):
         config = config_cls.from_dict(dict(config_dict))
     except Exception as exc:
         raise ModelLoadError(
-            f"transformers could not build a {config_cls.__name__} from '{config_file}': "
-            f"{type(exc).__name__}: {_first_line(exc)}",
+            f"transformers could not build a {config_cls.__name__} from '{config_file}': {_describe(exc)}",
             hint="check the values in config.json against the model's documentation.",
         ) from exc
     if arch_cls is not None and not isinstance(config, arch_cls.config_class):
         arch_cls = None  # architectures disagrees with model_type: let AutoModel pick from the config
     return config, (arch_cls or transformers.AutoModel)
+
+
+def _model_class(config) -> tuple[Any, Any]:
+    """(model class, config object) for a ``PretrainedConfig`` or a config dict, as loading would pick them."""
+    import transformers
+
+    if isinstance(config, Mapping):
+        config, cls = _build_config(dict(config), Path("config.json"))
+        return cls, config
+    if not isinstance(config, transformers.PretrainedConfig):
+        return None, config
+    cls = _architecture_class(config.to_dict())
+    if cls is not None and not isinstance(config, cls.config_class):
+        cls = None
+    return cls or transformers.AutoModel, config
 
 
 def _cls_name(cls) -> str:
@@ -448,8 +555,7 @@ def _build_meta(cls, config, config_file: Path, *, name: str, folder: Path, dtyp
                 model = cls._from_config(config, **kwargs)
     except Exception as exc:
         raise ModelLoadError(
-            f"Could not build {_cls_name(cls)} from '{config_file}' on the meta device: "
-            f"{type(exc).__name__}: {_first_line(exc)}",
+            f"Could not build {_cls_name(cls)} from '{config_file}' on the meta device: {_describe(exc)}",
             hint="check the sizes in config.json; if the model's constructor needs real tensors, load it with "
             "weights instead of --config-only.",
         ) from exc
@@ -518,17 +624,19 @@ def _check_safetensors(file: Path) -> None:
         ) from exc
 
 
+def _safetensors_files(folder: Path, weights: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (its shards when ``weights`` is an index); none for .bin files."""
+    if weights.name == "model.safetensors.index.json":
+        return sorted({folder / s for s in _read_json(weights, what="weights index")["weight_map"].values()})
+    return [weights] if weights.suffix == ".safetensors" else []
+
+
 def _shape_mismatches(cls, config, folder: Path, weights: Path) -> list[tuple[str, tuple, tuple]]:
     """Best-effort diagnosis after a failed load: (key, shape in file, shape the config implies), safetensors only."""
     try:
         from safetensors import safe_open
 
-        if weights.name.endswith(".index.json"):
-            files = sorted({folder / s for s in json.loads(weights.read_text())["weight_map"].values()})
-        elif weights.suffix == ".safetensors":
-            files = [weights]
-        else:
-            return []
+        files = _safetensors_files(folder, weights)
         stored: dict[str, tuple] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
@@ -547,6 +655,18 @@ def _shape_mismatches(cls, config, folder: Path, weights: Path) -> list[tuple[st
         return out
     except Exception:
         return []
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one readable clause; ``sys.exit(n)`` is named as such, not as a bare number."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {_full_text(exc)}"
+
+
+def _full_text(exc: BaseException) -> str:
+    """The whole message on one line: transformers often puts the reason on the second line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _first_line(exc: BaseException) -> str:
@@ -582,246 +702,3 @@ def _tensors(module: torch.nn.Module):
 def state_dict_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict (parameters and persistent buffers), detached from autograd, sharing memory."""
     return {k: v.detach() for k, v in model.state_dict(keep_vars=False).items()}
-
-
-def save_model(
-    state_dict: Mapping[str, torch.Tensor],
-    out_dir: str | os.PathLike,
-    *,
-    config: Any = None,
-    like: str | os.PathLike | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write ``state_dict`` as a Hugging Face folder at ``out_dir``, atomically; return the folder.
-
-    Writes ``config.json`` (from ``config``: a ``PretrainedConfig`` or a dict; else copied from ``like``),
-    ``model.safetensors`` and, from ``like``, tokenizer/processor/generation files. Everything goes into a
-    temporary sibling folder first and is renamed into place at the end; with ``overwrite=True`` an existing
-    folder is replaced only once the new one is complete. On failure nothing is left behind and an existing
-    ``out_dir`` is untouched. Input tensors are never modified (tensors sharing memory are cloned before writing).
-
-    When ``like`` is given and its weights file does not store a key (tied weights are usually stored once),
-    that key is left out if its tensor is an exact copy of a stored one.
-    """
-    out = Path(out_dir).expanduser()
-    out = out.parent.resolve() / out.name if out.name else out.resolve()
-    like_dir = _like_dir(like) if like is not None else None
-
-    if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise OutputError(
-                f"Output folder '{out}' already exists.",
-                hint="pass --overwrite (overwrite=True) to replace it, or choose another output path.",
-            )
-        if not out.is_dir() or out.is_symlink():
-            raise OutputError(
-                f"Output path '{out}' exists and is not a folder; refusing to replace it.",
-                hint="choose another output path, or remove that file yourself.",
-            )
-
-    tensors = _prepare_tensors(state_dict, like_dir)
-
-    parent = out.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    except OSError as exc:
-        raise OutputError(
-            f"Cannot create the output folder '{out}': {exc.strerror or exc}.",
-            hint="check that the parent folder is writable, or choose another output path.",
-        ) from exc
-
-    done = False
-    try:
-        _write_folder(tmp, tensors, config=config, like_dir=like_dir)
-        _move_into_place(tmp, out, overwrite=overwrite)
-        done = True
-    except OutputError:
-        raise
-    except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
-        # OSError: disk full, permissions; safetensors reports some I/O problems as SafetensorError.
-        reason = getattr(exc, "strerror", None) or _first_line(exc)
-        raise OutputError(
-            f"Writing the model to '{out}' failed: {reason}. Nothing was written"
-            + (" and the existing folder was left as it was." if out.exists() else "."),
-            hint="free disk space or fix permissions on the output location, then run again.",
-        ) from exc
-    finally:
-        if not done:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _like_dir(like) -> Path:
-    path = Path(like).expanduser()
-    if path.is_file() and path.suffix == ".json":
-        path = path.parent
-    if not path.is_dir():
-        raise OutputError(
-            f"The reference folder given as like='{path}' does not exist or is not a folder.",
-            hint="pass the Hugging Face folder the model was loaded from (its config and tokenizer are copied).",
-        )
-    return path
-
-
-def _stored_keys(like_dir: Path) -> set[str] | None:
-    """Keys stored in ``like``'s safetensors weights, or None when unknown."""
-    try:
-        index = like_dir / "model.safetensors.index.json"
-        if index.is_file():
-            return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-        single = like_dir / "model.safetensors"
-        if single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as handle:
-                return set(handle.keys())
-    except Exception:
-        return None
-    return None
-
-
-def _prepare_tensors(state_dict: Mapping[str, torch.Tensor], like_dir: Path | None) -> dict[str, torch.Tensor]:
-    """Validate, drop tied duplicates ``like`` did not store, and make each tensor own its contiguous memory."""
-    if not isinstance(state_dict, Mapping):
-        raise OutputError(
-            f"save_model needs a mapping of names to tensors, got a {type(state_dict).__name__}.",
-            hint="pass model.state_dict() or symgraph.io.state_dict_of(model).",
-        )
-    items: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise OutputError(
-                f"State dict entry {key!r} is a {type(value).__name__}; only str -> torch.Tensor entries can be "
-                "saved to safetensors.",
-                hint="drop non-tensor entries before saving.",
-            )
-        if value.device.type == "meta":
-            raise OutputError(
-                f"Tensor '{key}' is on the meta device and has no values to save (a --config-only model?).",
-                hint="load the model with its weights to save it.",
-            )
-        items[key] = value.detach()
-
-    stored = _stored_keys(like_dir) if like_dir is not None else None
-    if stored is not None and stored & items.keys():
-        kept = {k: v for k, v in items.items() if k in stored}
-        for key, value in items.items():
-            if key in kept:
-                continue
-            if any(_same_tensor(value, other) for other in kept.values()):
-                continue  # a tied copy that the reference checkpoint stores once
-            kept[key] = value
-        items = kept
-
-    out: dict[str, torch.Tensor] = {}
-    seen_storage: set[tuple] = set()
-    for key, value in items.items():
-        value = value.cpu()
-        storage_key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
-        shared = value.numel() > 0 and storage_key in seen_storage
-        whole = value.is_contiguous() and value.storage_offset() == 0 and (
-            value.numel() * value.element_size() == value.untyped_storage().nbytes()
-        )
-        if shared or not whole:
-            value = value.contiguous().clone()
-        else:
-            seen_storage.add(storage_key)
-        out[key] = value
-    return out
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-        return True
-    return bool(torch.equal(a, b))
-
-
-def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_dir: Path | None) -> None:
-    from safetensors.torch import save_file
-
-    if config is not None:
-        if isinstance(config, Mapping):
-            (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
-        elif hasattr(config, "save_pretrained"):
-            config.save_pretrained(str(tmp))
-        else:
-            raise OutputError(
-                f"config must be a transformers PretrainedConfig or a dict, got a {type(config).__name__}.",
-                hint="pass model.config, or leave config out and give like= to copy config.json.",
-            )
-    elif like_dir is not None and (like_dir / "config.json").is_file():
-        shutil.copy2(like_dir / "config.json", tmp / "config.json")
-
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-    if like_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = like_dir / name
-            if src.is_file() and not (tmp / name).exists():
-                shutil.copy2(src, tmp / name)
-    _fsync_dir(tmp)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Flush the new files to disk so the rename cannot expose empty files after a crash (best effort)."""
-    for file in folder.iterdir():
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _move_into_place(tmp: Path, out: Path, *, overwrite: bool) -> None:
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders; give the result ordinary permissions
-    for file in tmp.iterdir():
-        os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
-    if not out.exists():
-        os.rename(tmp, out)  # atomic; fails if someone created a non-empty out meanwhile
-        return
-    if not overwrite:  # appeared while we were writing
-        raise OutputError(
-            f"Output folder '{out}' appeared while the model was being written.",
-            hint="pass --overwrite (overwrite=True) to replace it, or choose another output path.",
-        )
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)  # put the original back before reporting
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-
-def write_text_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary sibling and a rename, so no half-written file is left."""
-    return write_atomic(path, lambda tmp: tmp.write_text(text))
-
-
-def write_atomic(path, write) -> Path:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it into place: readers see the old file
-    or the whole new one, never half of it. OS errors become :class:`OutputError`."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise OutputError(f"Cannot write '{path}': folder '{path.parent}' does not exist.",
-                          hint="create the folder first, or choose another output path.")
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise OutputError(f"Cannot write '{path}': {exc.strerror or exc}.",
-                          hint="check the path is writable and the disk has space.") from exc
-    finally:
-        tmp.unlink(missing_ok=True)  # gone already after a successful rename
-    return path

@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
+from symgraph import checkpoint, files
 from symgraph import io as sio
 from symgraph.errors import ModelLoadError, OutputError, SymgraphError
 
@@ -122,9 +123,16 @@ def test_save_with_config_object_and_no_like(bert_dir, tmp_path):
     assert_same_state(sio.state_dict_of(loaded.model), sio.state_dict_of(again.model))
 
 
-def test_save_with_config_dict(tmp_path):
-    out = sio.save_model({"w": torch.ones(2)}, tmp_path / "d", config={"model_type": "bert", "x": 1})
+def test_save_with_config_dict(tmp_path, bert_dir):
+    loaded = sio.load_model(bert_dir)
+    state = sio.state_dict_of(loaded.model)
+    out = sio.save_model(state, tmp_path / "d", config={**loaded.config.to_dict(), "x": 1})
     assert json.loads((out / "config.json").read_text())["x"] == 1
+    assert sio.load_model(out).model.state_dict().keys() == state.keys()
+    # a config that describes another model than the tensors: refused, nothing written
+    with pytest.raises(OutputError, match="does not match BertModel") as info:
+        sio.save_model({"w": torch.ones(2)}, tmp_path / "e", config={"model_type": "bert"})
+    assert "not in the model 1: w" in str(info.value) and not (tmp_path / "e").exists()
 
 
 def test_load_sharded_folder(bert_dir, tmp_path):
@@ -183,9 +191,9 @@ def test_tied_weights_saved_once_like_the_reference(tmp_path):
     like_out = sio.save_model(sd, tmp_path / "like", like=ref)
     assert "lm_head.weight" not in safetensors.torch.load_file(like_out / "model.safetensors")
 
-    # without `like`, every key is written (shared storage is cloned so safetensors accepts it)
+    # the tie is read from the model the config describes, with or without `like`
     plain_out = sio.save_model(sd, tmp_path / "plain", config=loaded.config)
-    assert "lm_head.weight" in safetensors.torch.load_file(plain_out / "model.safetensors")
+    assert "lm_head.weight" not in safetensors.torch.load_file(plain_out / "model.safetensors")
 
     for out in (like_out, plain_out):
         again = sio.load_model(out).model
@@ -450,7 +458,7 @@ def test_save_refuses_existing_without_overwrite(tmp_path):
 
     file_out = tmp_path / "a_file"
     file_out.write_text("x")
-    with pytest.raises(OutputError, match="not a folder"):
+    with pytest.raises(OutputError, match="exists and is a file"):
         sio.save_model({"w": torch.zeros(2)}, file_out, overwrite=True)
     assert file_out.read_text() == "x"
 
@@ -473,7 +481,7 @@ def test_save_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, bert_dir):
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     out = tmp_path / "out"
     with pytest.raises(OutputError) as info:
-        sio.save_model({"w": torch.zeros(2)}, out, like=bert_dir)
+        sio.save_model(sio.state_dict_of(sio.load_model(bert_dir).model), out, like=bert_dir)
     assert str(out) in str(info.value) and "No space left on device" in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
     assert not out.exists()
@@ -482,7 +490,7 @@ def test_save_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, bert_dir):
 
 def test_save_failure_keeps_existing_folder_untouched(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    sio.save_model({"w": torch.zeros(2)}, out, config={"model_type": "bert"})
+    sio.save_model({"w": torch.zeros(2)}, out)
     before = listing(out)
 
     def permission_denied(*args, **kwargs):
@@ -496,6 +504,7 @@ def test_save_failure_keeps_existing_folder_untouched(tmp_path, monkeypatch):
 
 
 def test_save_failure_during_swap_restores_old_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)  # a system without renameat2: two renames
     out = tmp_path / "out"
     sio.save_model({"w": torch.zeros(2)}, out)
     before = listing(out)
@@ -508,7 +517,7 @@ def test_save_failure_during_swap_restores_old_folder(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         return real_rename(src, dst)
 
-    monkeypatch.setattr(sio.os, "rename", flaky_rename)
+    monkeypatch.setattr(files.os, "rename", flaky_rename)
     with pytest.raises(OutputError, match="Input/output error"):
         sio.save_model({"w": torch.ones(2)}, out, overwrite=True)
     assert listing(out) == before
@@ -519,7 +528,7 @@ def test_save_unwritable_parent(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(sio.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(checkpoint, "temp_sibling", refuse)
     out = tmp_path / "ro" / "out"
     with pytest.raises(OutputError) as info:
         sio.save_model({"w": torch.zeros(2)}, out)

@@ -1,0 +1,265 @@
+"""The tensors of a written checkpoint, laid out as transformers' own ``save_pretrained`` lays them out.
+
+``save_pretrained`` drops the keys the model ties to another one (``lm_head.weight`` when the embeddings are
+tied) and renames keys back to the checkpoint format of the model type (DINOv2 writes
+``attention.attention.key``, which loads as ``attention.k_proj``; MoE experts fused on load are split again). We
+do the same from the model's own information, read off an empty (meta-device) model built from the config: its
+declared ties and transformers' conversion mapping. Tensors are never dropped because their values happen to
+equal another's (all-zero biases, norms all ones are ordinary after folding or for a fresh model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError
+
+from .errors import OutputError
+from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
+
+__all__ = ["save_model", "hf_layout", "owned_tensors"]
+
+
+def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """``state`` (keyed as the model's ``state_dict``) as transformers would store it for ``config``'s model.
+
+    ``config`` is a ``PretrainedConfig`` or a config dict naming its class in ``architectures`` (or a
+    ``model_type``). Without a config that transformers can build a model from, ``state`` is returned as is.
+    Raises :class:`OutputError` when the keys are not the model's, or when tensors the model ties differ.
+    """
+    model = _meta_model(config)
+    if model is None:
+        return dict(state)
+    _check_keys(state, model)
+    out = dict(state)
+    for tied, source in _declared_ties(model).items():
+        if tied in out and source in out:
+            _check_tie(out, tied, source, model)
+            del out[tied]
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        out.pop(key, None)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, out)
+
+
+def _meta_model(config: Any):
+    """An empty model (parameters on the meta device) of ``config``'s class, or None without a usable config."""
+    from .io import _build_meta, _model_class
+
+    if config is None:
+        return None
+    try:
+        cls, config = _model_class(config)
+    except Exception:  # a dict or object that is no transformers config: nothing to lay out
+        return None
+    if cls is None:
+        return None
+    return _build_meta(cls, config, None, name="", folder=None, dtype=None).model
+
+
+def _check_keys(state: Mapping[str, torch.Tensor], model) -> None:
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        from .io import _some
+
+        parts = ([f"missing {len(missing)}: {_some(missing)}"] if missing else []) + (
+            [f"not in the model {len(unexpected)}: {_some(unexpected)}"] if unexpected else [])
+        raise OutputError(
+            f"The state dict to save does not match {type(model).__name__} of its config ({'; '.join(parts)}); "
+            "the written folder would not load back.",
+            hint="save the full state dict of the model the config describes (model.state_dict()), or pass the "
+            "config of the model these tensors belong to.")
+
+
+def _declared_ties(model) -> dict[str, str]:
+    """Tied key -> the key transformers keeps, as the model declares them (config-aware)."""
+    try:
+        return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+    except Exception:  # older transformers: no declared ties we can read, so nothing is dropped
+        return {}
+
+
+def _check_tie(state: Mapping[str, torch.Tensor], tied: str, source: str, model) -> None:
+    a, b = state[tied], state[source]
+    if a.shape != b.shape or not torch.equal(a.to(b.dtype), b):
+        raise OutputError(
+            f"{type(model).__name__} ties '{tied}' to '{source}' (tie_word_embeddings or a shared module), but the "
+            "two tensors to save differ: a checkpoint stores a tied tensor once, so one of them would be lost.",
+            hint="this is a symgraph bug if symgraph produced the tensors (a transformation must move tied tensors "
+            "together); otherwise untie them in the config (e.g. tie_word_embeddings=false) before saving.")
+
+
+def owned_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor on the CPU owning its whole contiguous memory (safetensors refuses views and shared storage);
+    tensors that already do are written without a copy, and the caller's tensors are never modified."""
+    out: dict[str, torch.Tensor] = {}
+    seen_storage: set[tuple] = set()
+    for key, value in state.items():
+        value = value.detach().cpu()
+        storage_key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+        shared = value.numel() > 0 and storage_key in seen_storage
+        whole = value.is_contiguous() and value.storage_offset() == 0 and (
+            value.numel() * value.element_size() == value.untyped_storage().nbytes())
+        if shared or not whole:
+            value = value.contiguous().clone()
+        else:
+            seen_storage.add(storage_key)
+        out[key] = value
+    return out
+
+
+def save_model(
+    state_dict: Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    config: Any = None,
+    like: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``state_dict`` as a Hugging Face folder at ``out_dir``, atomically; return the folder.
+
+    Writes ``config.json`` (from ``config``: a ``PretrainedConfig`` or a dict; else copied from ``like``),
+    ``model.safetensors`` laid out as ``save_pretrained`` would (:func:`hf_layout`: tied copies left out, key names
+    of the checkpoint format) and, from ``like``, tokenizer/processor/generation files. Everything goes into a
+    temporary sibling folder first and is moved into place at the end; with ``overwrite=True`` an existing folder is
+    swapped for the new one only once it is complete (:mod:`symgraph.files`). On failure nothing is left behind and
+    an existing ``out_dir`` is untouched. ``out_dir`` may not be, contain or lie inside ``like`` (an input). Input
+    tensors are never modified.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> from symgraph import zoo
+    >>> model = zoo.build("llama-tied")
+    >>> out = save_model(model.state_dict(), tempfile.mkdtemp() + "/copy", config=model.config)
+    >>> sorted(p.name for p in out.iterdir())
+    ['config.json', 'model.safetensors']
+    """
+    out = Path(out_dir).expanduser()
+    if not out.name:
+        raise OutputError(f"The output path '{out_dir}' names no folder.", hint="give a name, e.g. -o out/model.")
+    out = out.parent.resolve() / out.name
+    like_dir = _like_dir(like) if like is not None else None
+    if like_dir is not None:
+        refuse_overlap(out, [like_dir])
+    prepare_output(out, overwrite=overwrite, folder=True)
+    tensors = owned_tensors(hf_layout(_checked(state_dict), config if config is not None else _config_of(like_dir)))
+
+    with os_errors_as_output_error(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(out, folder=True)
+    done = False
+    try:
+        _write_folder(tmp, tensors, config=config, like_dir=like_dir)
+        install_folder(tmp, out, overwrite=overwrite)
+        done = True
+    except OutputError:
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
+        # OSError: disk full, permissions; safetensors reports some I/O problems as SafetensorError.
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        raise OutputError(
+            f"Writing the model to '{out}' failed: {reason}. Nothing was written"
+            + (" and the existing folder was left as it was." if out.exists() else "."),
+            hint="free disk space or fix permissions on the output location, then run again.",
+        ) from exc
+    finally:
+        if not done:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _like_dir(like) -> Path:
+    path = Path(like).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        path = path.parent
+    if not path.is_dir():
+        raise OutputError(
+            f"The reference folder given as like='{path}' does not exist or is not a folder.",
+            hint="pass the Hugging Face folder the model was loaded from (its config and tokenizer are copied).",
+        )
+    return path
+
+
+def _config_of(like_dir: Path | None):
+    """The config dict stored in ``like``, which lays out the tensors when no config is given."""
+    file = like_dir / "config.json" if like_dir is not None else None
+    if file is None or not file.is_file():
+        return None
+    from .io import _read_json
+
+    return _read_json(file, what="config file")
+
+
+def _checked(state_dict) -> dict[str, torch.Tensor]:
+    if not isinstance(state_dict, Mapping):
+        raise OutputError(
+            f"save_model needs a mapping of names to tensors, got a {type(state_dict).__name__}.",
+            hint="pass model.state_dict() or symgraph.io.state_dict_of(model).",
+        )
+    items: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise OutputError(
+                f"State dict entry {key!r} is a {type(value).__name__}; only str -> torch.Tensor entries can be "
+                "saved to safetensors.",
+                hint="drop non-tensor entries before saving.",
+            )
+        if value.device.type == "meta":
+            raise OutputError(
+                f"Tensor '{key}' is on the meta device and has no values to save (a --config-only model?).",
+                hint="load the model with its weights to save it.",
+            )
+        items[key] = value.detach()
+    return items
+
+
+def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_dir: Path | None) -> None:
+    from safetensors.torch import save_file
+
+    from .io import TOKENIZER_FILES
+
+    if config is not None:
+        if isinstance(config, Mapping):
+            (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        elif hasattr(config, "save_pretrained"):
+            config.save_pretrained(str(tmp))
+        else:
+            raise OutputError(
+                f"config must be a transformers PretrainedConfig or a dict, got a {type(config).__name__}.",
+                hint="pass model.config, or leave config out and give like= to copy config.json.",
+            )
+    elif like_dir is not None and (like_dir / "config.json").is_file():
+        shutil.copy2(like_dir / "config.json", tmp / "config.json")
+
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    if like_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = like_dir / name
+            if src.is_file() and not (tmp / name).exists():
+                shutil.copy2(src, tmp / name)
+    for file in tmp.iterdir():
+        os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
+    _fsync_files(tmp)
+
+
+def _fsync_files(folder: Path) -> None:
+    """Flush the new files to disk so the rename cannot expose empty files after a crash (best effort)."""
+    for file in folder.iterdir():
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
