@@ -13,6 +13,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .moe import REFERENCE, use_experts_implementation
+
 FLOAT64_TOL = 1e-9
 
 
@@ -30,7 +32,8 @@ class Evaluator:
     """Runs one model in float64 with substitute parameters; caches the reference output."""
 
     def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None):
-        self.model = copy.deepcopy(model).to(torch.float64).eval()
+        # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
+        self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         self.args = tuple(_to64(a) for a in args)
         self.kwargs = {k: _to64(v) for k, v in (kwargs or {}).items()}
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}

@@ -23,8 +23,8 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
 
-_MOTIF_ORDER = ("qk", "vo", "activation", "residual")
-_MOTIF_NAME = {"qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
+_MOTIF_ORDER = ("experts", "qk", "vo", "activation", "residual")
+_MOTIF_NAME = {"experts": "experts", "qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
 
 
 @dataclass
