@@ -19,7 +19,7 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, PRODUCT_FACTOR, Restriction
+from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
 
@@ -351,6 +351,10 @@ class Assembler:
         for a, b, dual, product in self.c.ties:
             if product == PRODUCT_FACTOR:
                 edges.append((a, b))
+            elif product == PRODUCT_WEIGHT:
+                weights, count = np.unique(b, return_counts=True)
+                own = np.isin(b, weights[count == 1])
+                edges.append((a[own], b[own]))
             elif not product and not dual:
                 keep = self.is_param[a] & self.is_param[b]
                 edges.append((a[keep], b[keep]))
