@@ -145,6 +145,10 @@ def _describe_export_failure(model: torch.nn.Module, exc: Exception) -> str:
 
 
 def _export_hint(exc: Exception) -> str:
+    if "Couldn't swap" in str(exc):
+        return ("the model's forward replaces one of its own submodules (`self.layer = self.layer.to(...)` at the "
+                "line named above), which torch.export cannot trace; override that forward without the "
+                "reassignment (the cast is a no-op once the model is loaded in that dtype).")
     if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
         return ("the model branches on tensor values (data-dependent control flow) at the line named above; make "
                 "the branch depend on shapes or config only, or express it with torch.cond.")

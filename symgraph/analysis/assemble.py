@@ -211,6 +211,8 @@ class Assembler:
         both orientations (a fused QKV weight holds query rows and key rows).
         """
         ids = self.ids_of(classes)
+        if len(ids) == 0:  # activation-only coordinates (Funnel's pooled stream): no parameter to transform
+            return {}
         rng, pos = self.decode(ids)
         flip = self._class_orientation(classes)
         cls = self.cls[ids]
