@@ -148,3 +148,23 @@ def test_cli_reports_fuzzes_aligns_and_merges_a_moe_pair(moe_folder, tmp_path):
     merged_state = symgraph.load(merged).state_dict()
     assert Evaluator(subject.model, subject.args, subject.kwargs).check(merged_state).relative_error < 1e-5
     assert tree_digest(moe_folder) == digest  # inputs are never modified
+
+
+class _PickedByRouterScore(torch.nn.Module):
+    """Rows of a table picked by an index computed from routing values: the values do not move with any group,
+    but the analysis does not know them, so the rows they pick cannot be labelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.table = torch.nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        chosen = (torch.topk(self.router(x), 2, dim=-1).values.sum(-1) > 0).long()
+        return self.table[chosen] * x
+
+
+def test_rows_picked_by_unknown_indices_are_pinned():
+    report = symgraph.analyze(_PickedByRouterScore(), inputs=(torch.randn(5, 8),))
+    assert not any(m.param == "table" and m.axis == 0 for g in report.groups for m in g.members)
+    assert any("table" in p.params and "indices" in p.reason for p in report.pinned)

@@ -63,7 +63,7 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     """An index operand whose values the analysis does not know: the labels it picks cannot be replayed."""
     moved = set(_tensor_args(node))
     others = [a for a in node.all_input_nodes if a not in moved]
-    return any(isinstance(v, Value) and not v.chans and v.data is None and not v.invariant
+    return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
                for v in (w.values.get(a.name) for a in others))
 
 
@@ -151,8 +151,10 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
 # -- identity, activations -------------------------------------------------------------------------------
 def rule_identity(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
-    if v.points_to is not None and not v.chans:  # indices cast or copied: still the same indices
-        return Value(points_to=v.points_to, shape=_shape_of(node))
+    if v.points_to is not None and not v.chans:  # indices cast or copied still point there; negated do not
+        if "neg" not in str(node.target):
+            return Value(points_to=v.points_to, shape=_shape_of(node))
+        return _pin_moved(w, node, "indices negated")
     chans = v.chans
     if "neg" in str(node.target):
         chans = [c.scaled(-1.0) for c in chans]
