@@ -10,6 +10,7 @@ Examples
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 from .analysis import analyse_capture
 from .capture import Capture, capture
 from .elements import Element, apply, sample
-from .errors import InvarianceError, ModelLoadError
+from .errors import CaptureError, InvarianceError, ModelLoadError
+from .inputs import with_attention_mask
 from .report import Report
 
 Inputs = tuple | dict | None
@@ -38,13 +40,21 @@ class Subject:
     config: Any = None
     path: Path | None = None
     config_only: bool = False
+    inputs_from_config: bool = False  # the example inputs were built by symgraph (inputs.example_inputs)
     _capture: Capture | None = None
     _report: Report | None = None
 
     @property
     def capture(self) -> Capture:
         if self._capture is None:
-            self._capture = capture(self.model, self.args, self.kwargs)
+            try:
+                self._capture = capture(self.model, self.args, self.kwargs)
+            except CaptureError:
+                masked = with_attention_mask(self.kwargs) if self.inputs_from_config else None
+                if masked is None:
+                    raise
+                self._capture = capture(self.model, self.args, masked)  # LongT5, Switch: code that needs a mask
+                self.kwargs = masked
         return self._capture
 
     @property
@@ -72,8 +82,10 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject
     from .io import load_model
 
     loaded = load_model(source, config_only=config_only)
-    args, kwargs = _inputs_for(loaded.model, loaded.config, inputs if inputs is not None else loaded.inputs)
-    return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only)
+    given = inputs if inputs is not None else loaded.inputs
+    args, kwargs = _inputs_for(loaded.model, loaded.config, given)
+    return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only,
+                   inputs_from_config=given is None)
 
 
 def analyze(source, inputs: Inputs = None, *, config_only: bool = False) -> Report:
@@ -143,7 +155,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
     if config is not None:
         from .inputs import example_inputs, forward_kwargs
 
-        return (), {**example_inputs(config), **forward_kwargs(config)}
+        params = inspect.signature(model.forward).parameters
+        return (), {**example_inputs(config, forward_params=params), **forward_kwargs(config)}
     raise ModelLoadError(f"No example inputs for {type(model).__name__}: it has no Hugging Face config to build "
                          f"them from.", hint="pass inputs=(tensor, ...) in Python, or make the factory return "
                                              "(module, args).")

@@ -18,6 +18,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from .errors import CaptureError
+from .moe import DENSE, experts_implementation
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     """
     kwargs = dict(kwargs or {})
     model = model.eval()
-    try:
-        with torch.no_grad(), _quiet():
+    try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
+        with torch.no_grad(), _quiet(), experts_implementation(model, DENSE):
             program = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
@@ -144,6 +145,10 @@ def _describe_export_failure(model: torch.nn.Module, exc: Exception) -> str:
 
 
 def _export_hint(exc: Exception) -> str:
+    if "Couldn't swap" in str(exc):
+        return ("the model's forward replaces one of its own submodules (`self.layer = self.layer.to(...)` at the "
+                "line named above), which torch.export cannot trace; override that forward without the "
+                "reassignment (the cast is a no-op once the model is loaded in that dtype).")
     if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
         return ("the model branches on tensor values (data-dependent control flow) at the line named above; make "
                 "the branch depend on shapes or config only, or express it with torch.cond.")

@@ -9,7 +9,9 @@ config has                                   inputs built
 ``text_config`` and ``vision_config``        ``input_ids`` (text) and ``pixel_values`` (vision), CLIP-like
 ``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like
 ``conv_kernel`` and ``conv_stride``          ``input_values`` (batch, samples), wav2vec2-like raw audio
-``image_size`` (and no ``vocab_size``)       ``pixel_values`` (batch, channels, height, width)
+``image_size`` or ``num_channels``           ``pixel_values`` (batch, channels, height, width) when the config has
+                                             no ``vocab_size`` or ``forward`` takes pixels and no token ids
+                                             (BEiT); 32 x 32 when there is no ``image_size`` (ResNet)
 ``vocab_size``                               ``input_ids``
 ``is_encoder_decoder``                       ``decoder_input_ids`` in addition
 ===========================================  ==================================================================
@@ -19,19 +21,24 @@ ignore padding; one of ones is added only on request, because a mask adds nodes 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["example_inputs", "forward_kwargs"]
+from .errors import ModelLoadError
 
-_SPECIAL_TOKEN_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+__all__ = ["example_inputs", "forward_kwargs", "with_attention_mask"]
+
+_DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
+_IMAGE_TOKEN_ATTRS = ("image_token_index", "image_token_id")
+_SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                         "cls_token_id", "mask_token_id", "unk_token_id")
 
 
 def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.float32, attention_mask: bool = False) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32, attention_mask: bool = False,
+                   forward_params: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """Keyword tensor inputs for the model that ``config`` describes.
 
     Parameters
@@ -48,6 +55,9 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
         Floating dtype of float inputs (pixels, audio); token ids are always ``int64``.
     attention_mask
         Add an all-ones ``attention_mask`` beside ``input_ids``.
+    forward_params
+        Names of the model's ``forward`` parameters, when known: they settle what a config with both a vocabulary
+        and an image size takes (BEiT's ``vocab_size`` is for masked-image pretraining; it takes pixels).
 
     Examples
     --------
@@ -57,7 +67,7 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
     {'input_ids': (2, 7)}
     """
     maker = _Maker(batch, seq, seed, torch.device(device), dtype)
-    inputs = _encoder_inputs(_encoder_config(config), maker)
+    inputs = _encoder_inputs(_encoder_config(config), maker, forward_params)
     if attention_mask and "input_ids" in inputs:
         inputs["attention_mask"] = maker.ones(tuple(inputs["input_ids"].shape))
     decoder = _decoder_config(config)
@@ -77,9 +87,31 @@ def forward_kwargs(config: Any) -> dict[str, Any]:
     {'return_dict': True, 'use_cache': False}
     """
     kwargs: dict[str, Any] = {"return_dict": True}
-    if any(getattr(c, "use_cache", None) is not None for c in (config, _decoder_config(config)) if c is not None):
+    if any(getattr(c, "use_cache", None) is not None for c in _configs(config)):
         kwargs["use_cache"] = False
     return kwargs
+
+
+def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``kwargs`` plus an all-ones ``attention_mask`` beside its ``input_ids``; ``None`` when there are no token
+    ids or a mask is already there. For models whose code cannot run without a mask (LongT5, SwitchTransformers).
+
+    Examples
+    --------
+    >>> ids = torch.ones(2, 3, dtype=torch.long)
+    >>> tuple(with_attention_mask({"input_ids": ids})["attention_mask"].shape)
+    (2, 3)
+    """
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or kwargs.get("attention_mask") is not None:
+        return None
+    return {**kwargs, "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=ids.device)}
+
+
+def _configs(config: Any) -> list[Any]:
+    """The config and every sub-config (a decoder, Llava's ``text_config``): any of them may hold ``use_cache``."""
+    subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {}]
+    return [c for c in (config, _decoder_config(config), *subs) if c is not None and not isinstance(c, dict)]
 
 
 class _Maker:
@@ -93,15 +125,21 @@ class _Maker:
     def meta(self) -> bool:
         return self.device.type == "meta"
 
-    def token_ids(self, config: Any, start: int | None = None) -> torch.Tensor:
-        shape = (self.batch, self.seq)
+    def token_ids(self, config: Any, start: int | None = None, avoid: Any = None, prefix: int = 0,
+                  prefix_id: int | None = None) -> torch.Tensor:
+        """Random ids of ``config``'s vocabulary, none of its (or ``avoid``'s) special tokens; ``prefix``
+        leading positions hold ``prefix_id`` instead (the image tokens a vision-language model replaces)."""
+        shape = (self.batch, self.seq + prefix)
         if self.meta:
             return torch.empty(shape, dtype=torch.long, device="meta")
         vocab = int(config.vocab_size)
-        allowed = torch.tensor(sorted(set(range(vocab)) - _special_ids(config)) or list(range(vocab)))
+        special = _special_ids(config) | (_special_ids(avoid) if avoid is not None else set())
+        allowed = torch.tensor(sorted(set(range(vocab)) - special) or list(range(vocab)))
         ids = allowed[torch.randint(len(allowed), shape, generator=self.generator)]
         if start is not None and 0 <= start < vocab:
             ids[:, 0] = start
+        if prefix:
+            ids[:, :prefix] = prefix_id
         return ids.to(self.device)
 
     def floats(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -113,20 +151,33 @@ class _Maker:
         return torch.ones(shape, dtype=torch.long, device=self.device)
 
 
-def _encoder_inputs(config: Any, maker: _Maker) -> dict[str, torch.Tensor]:
+def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] | None) -> dict[str, torch.Tensor]:
     text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
     if text is not None and vision is not None:
-        return {"input_ids": maker.token_ids(text), "pixel_values": _pixels(vision, maker)}
+        image_token, count = _image_tokens(config)
+        return {"input_ids": maker.token_ids(text, avoid=config, prefix=count, prefix_id=image_token),
+                "pixel_values": _pixels(vision, maker)}
     if getattr(config, "num_mel_bins", None) is not None:
         return {"input_features": _mel_features(config, maker)}
     if getattr(config, "conv_kernel", None) is not None and getattr(config, "conv_stride", None) is not None:
         return {"input_values": maker.floats((maker.batch, _raw_audio_length(config, maker.seq)))}
-    if getattr(config, "image_size", None) is not None and getattr(config, "vocab_size", None) is None:
+    if _takes_pixels(config, forward_params):
         return {"pixel_values": _pixels(config, maker)}
     if getattr(config, "vocab_size", None) is not None:
         return {"input_ids": maker.token_ids(config)}
-    raise ValueError(f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, "
-                     f"num_mel_bins or conv_kernel, nor text/vision or encoder/decoder sub-configs.")
+    raise ModelLoadError(
+        f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, num_channels, "
+        f"num_mel_bins or conv_kernel, nor text/vision or encoder/decoder sub-configs.",
+        hint="pass example inputs (inputs=... in Python), or load a 'module:factory' that returns (model, args).")
+
+
+def _takes_pixels(config: Any, forward_params: Collection[str] | None) -> bool:
+    is_image = getattr(config, "image_size", None) is not None or getattr(config, "num_channels", None) is not None
+    if not is_image:
+        return False
+    if forward_params is not None and "pixel_values" in forward_params:
+        return "input_ids" not in forward_params
+    return getattr(config, "vocab_size", None) is None
 
 
 def _encoder_config(config: Any) -> Any:
@@ -152,7 +203,7 @@ def _start_token(config: Any, decoder: Any) -> int | None:
 
 
 def _pixels(config: Any, maker: _Maker) -> torch.Tensor:
-    size = config.image_size
+    size = getattr(config, "image_size", None) or _DEFAULT_IMAGE_SIZE
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
     return maker.floats((maker.batch, int(getattr(config, "num_channels", 3)), int(height), int(width)))
 
@@ -170,6 +221,14 @@ def _raw_audio_length(config: Any, frames: int) -> int:
     for kernel, stride in reversed(list(zip(_ints(config.conv_kernel), _ints(config.conv_stride)))):
         length = (length - 1) * stride + kernel
     return length
+
+
+def _image_tokens(config: Any) -> tuple[int | None, int]:
+    """The placeholder token a vision-language model (Llava) replaces by image features, and how many of them
+    one image needs (``image_seq_length``); (None, 0) for models that take no placeholders (CLIP)."""
+    token = next((getattr(config, a) for a in _IMAGE_TOKEN_ATTRS if isinstance(getattr(config, a, None), int)), None)
+    count = getattr(config, "image_seq_length", None)
+    return (token, int(count)) if token is not None and isinstance(count, int) else (None, 0)
 
 
 def _special_ids(config: Any) -> set[int]:

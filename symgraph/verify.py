@@ -15,6 +15,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .moe import REFERENCE, use_experts_implementation
+
 FLOAT64_TOL = 1e-9
 
 
@@ -35,7 +37,8 @@ class Evaluator:
     def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True):
         from .probes import probe_inputs
 
-        self.model = copy.deepcopy(model).to(torch.float64).eval()
+        # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
+        self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
         self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}

@@ -16,6 +16,10 @@ Choices that matter for symmetry analysis:
 * ``deberta-v2`` has relative attention with c2p and p2c terms and unshared position projections
   (``share_att_key=False``, so ``pos_key_proj`` / ``pos_query_proj`` exist).
 * ``t5`` is T5 v1.0: ReLU FFN, relative attention bias in layer 0 of each stack, tied and rescaled LM head.
+* ``mixtral``, ``qwen2-moe``, ``olmoe``, ``deepseek-v2`` and ``gpt-oss`` are mixtures of 4 experts with 2 per
+  token (see :mod:`symgraph.moe`); ``qwen2-moe`` and ``deepseek-v2`` add a shared expert, ``deepseek-v2`` has
+  one dense first layer and multi-head latent attention, ``olmoe`` full-width q/k norms, ``gpt-oss`` expert biases,
+  a router bias, a clamped SwiGLU and attention sinks.
 * ``clip`` uses ``eos_token_id=2``, so the text tower pools at the argmax token id (an ``argmax`` in the graph).
 * ``torch-*`` families are plain ``torch.nn`` modules that take one float tensor of shape (batch, seq, 32).
 
@@ -37,6 +41,7 @@ from torch import nn
 
 from .errors import ModelLoadError
 from .inputs import example_inputs, forward_kwargs
+from .moe import DENSE, use_experts_implementation
 
 __all__ = ["FAMILIES", "HF_FAMILIES", "TORCH_FAMILIES", "build", "example_inputs_for", "tiny_config"]
 
@@ -57,6 +62,7 @@ _BASE = dict(vocab_size=100, num_hidden_layers=2, num_attention_heads=4, max_pos
 _ENCODER = dict(_BASE, hidden_size=32, intermediate_size=64, num_labels=3)
 _ROPE = dict(_BASE, hidden_size=64, intermediate_size=128)  # head dim 16: room for partial rotary
 _GQA = dict(_ROPE, num_key_value_heads=2, tie_word_embeddings=False)
+_MOE = dict(_GQA, intermediate_size=32, num_experts_per_tok=2)  # 4 experts of 32 units, 2 per token
 
 _HF: dict[str, _HFFamily] = {
     "bert": _HFFamily("bert", "AutoModelForSequenceClassification", _ENCODER),
@@ -90,6 +96,18 @@ _HF: dict[str, _HFFamily] = {
     "opt": _HFFamily("opt", "AutoModelForCausalLM", dict(
         vocab_size=100, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64)),
+    "mixtral": _HFFamily("mixtral", "AutoModelForCausalLM", dict(_MOE, num_local_experts=4)),
+    "qwen2-moe": _HFFamily("qwen2_moe", "AutoModelForCausalLM", dict(
+        _MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True)),
+    "olmoe": _HFFamily("olmoe", "AutoModelForCausalLM", dict(_MOE, num_experts=4, eos_token_id=2)),
+    "deepseek-v2": _HFFamily("deepseek_v2", "AutoModelForCausalLM", dict(
+        _MOE, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+        topk_method="greedy")),
+    "gpt-oss": _HFFamily("gpt_oss", "AutoModelForCausalLM", dict(
+        _MOE, num_local_experts=4, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=2.0, original_max_position_embeddings=32,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False))),
     "clip": _HFFamily("clip", "AutoModel", dict(
         projection_dim=16,
         text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -161,7 +179,9 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
         torch.manual_seed(seed)
         model = _TORCH[family]() if family in _TORCH else _build_hf(family, **overrides)
         _perturb(model, torch.Generator().manual_seed(seed + 1))
-    return model.to(dtype).eval()
+    # experts in dense form: exportable by plain torch.export and runnable in float64 (transformers' default
+    # grouped_mm has no float64 kernel); symgraph itself picks the routine it needs whatever the model uses
+    return use_experts_implementation(model, DENSE).to(dtype).eval()
 
 
 def example_inputs_for(family: str, model: nn.Module, batch: int = 2, seq: int = 7,

@@ -19,12 +19,12 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
+from .constraints import ORTHOGONAL, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
 
-_MOTIF_ORDER = ("qk", "vo", "activation", "residual")
-_MOTIF_NAME = {"qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
+_MOTIF_ORDER = ("experts", "qk", "vo", "activation", "residual")
+_MOTIF_NAME = {"experts": "experts", "qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
 
 
 @dataclass
@@ -211,6 +211,8 @@ class Assembler:
         both orientations (a fused QKV weight holds query rows and key rows).
         """
         ids = self.ids_of(classes)
+        if len(ids) == 0:  # activation-only coordinates (Funnel's pooled stream): no parameter to transform
+            return {}
         rng, pos = self.decode(ids)
         flip = self._class_orientation(classes)
         cls = self.cls[ids]

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .constraints import monomial
 from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
+
+NEUTRAL = monomial("one")
 
 
 @dataclass
@@ -106,12 +109,30 @@ class Contraction:
                 self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
                 continue
             passed_b.append((cb, vb))
+        passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
             self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
                 outs.append(moved)
         return _merge_batch_channels(self.w, outs, self.node)
+
+    def _tie_batch_factors(self, a: Operand, b: Operand, passed_a, passed_b, batch: set[str]) -> list:
+        """Channels of both operands that vary along the same batch letters only (expert ``e``'s activations
+        times expert ``e``'s weights) are one coordinate: tie them, permutation only (their scales would
+        multiply), and keep one copy for the output."""
+        kept = list(passed_b)
+        for ca, va in passed_a:
+            if ca.block or not va or not va <= batch:
+                continue
+            j = next((j for j, (cb, vb) in enumerate(kept) if not cb.block and vb == va), None)
+            if j is None:
+                continue
+            cb = kept.pop(j)[0]
+            self.w.c.tie(_along(ca.ids, a.letters, va), _along(cb.ids, b.letters, va))
+            for c in (ca, cb):
+                self.w.c.restrict(c.ids, NEUTRAL, "multiplied elementwise along a batch axis", self.node)
+        return kept
 
     def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> None:
         """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns."""
@@ -207,6 +228,14 @@ def _ids_per_index(ids: torch.Tensor, axes: list[int]) -> np.ndarray:
     rows = [r for r in rows if len(r)]
     width = max((len(r) for r in rows), default=0)
     return np.array([np.pad(r, (0, width - len(r)), mode="edge") for r in rows], dtype=np.int64).reshape(-1, width)
+
+
+def _along(ids: torch.Tensor, letters: str, along: set[str]) -> torch.Tensor:
+    """The labels along ``along`` (in letter order), read at index 0 of every other axis."""
+    order = sorted(along)
+    picked = ids[tuple(slice(None) if l in along else 0 for l in letters)]
+    kept = [l for l in letters if l in along]
+    return picked.permute(*[kept.index(l) for l in order])
 
 
 def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, int]:

@@ -191,3 +191,4 @@ class Value:
     data: object = None  # torch.Tensor, Python scalar, or None when unknown
     shape: tuple[int, ...] | None = None
     invariant: bool = False  # derived from channels but unchanged by every allowed transformation (norms)
+    points_to: torch.Tensor | None = None  # integer data indexing a labelled axis (top-k indices): that axis' ids

@@ -17,6 +17,13 @@ NEUTRAL = monomial("one")
 # -- movement ---------------------------------------------------------------------------------------------
 def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     """Replay the op on label (and coefficient) tensors; every channel of every operand moves alike."""
+    moved = [w.value(a) for a in _tensor_args(node)]
+    if len(moved) == 1 and moved[0] is not None and moved[0].points_to is not None and not moved[0].chans:
+        return _like(node, lambda k: Value(points_to=moved[0].points_to, shape=_shape_of(node, k)))
+    if any(v is not None and v.points_to is not None for v in moved):
+        return _pin_moved(w, node, "indices moved together with other tensors")
+    if _indexed_by_unknown(w, node):
+        return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
     if "cat" in str(node.target) or "concat" in str(node.target):
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
@@ -51,6 +58,31 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _indexed_by_unknown(w, node: fx.Node) -> bool:
+    """An index operand whose values the analysis does not know: the labels it picks cannot be replayed."""
+    moved = set(_tensor_args(node))
+    others = [a for a in node.all_input_nodes if a not in moved]
+    return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
+               for v in (w.values.get(a.name) for a in others))
+
+
+def _pin_moved(w, node: fx.Node, reason: str):
+    for a in node.all_input_nodes:
+        v = w.value(a)
+        if v is not None:
+            for c in v.chans:
+                for t in c.terms:
+                    w.c.pin(t.ids, reason, node.name)
+            if v.points_to is not None:
+                w.c.pin(v.points_to, reason, node.name)
+    return _like(node, lambda k: Value(shape=_shape_of(node, k)))
+
+
+def _like(node: fx.Node, make):
+    val = node.meta.get("val")
+    return [make(k) for k in range(len(val))] if isinstance(val, (list, tuple)) else make(None)
 
 
 def _move_channel(w, node: fx.Node, j: int):
@@ -120,6 +152,10 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
 # -- identity, activations -------------------------------------------------------------------------------
 def rule_identity(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
+    if v.points_to is not None and not v.chans:  # indices cast or copied still point there; negated do not
+        if "neg" not in str(node.target):
+            return Value(points_to=v.points_to, shape=_shape_of(node))
+        return _pin_moved(w, node, "indices negated")
     chans = v.chans
     if "neg" in str(node.target):
         chans = [c.scaled(-1.0) for c in chans]
@@ -743,6 +779,59 @@ def rule_embedding(w, node: fx.Node, spec) -> Value:
             view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
             chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
     return Value(chans=chans, shape=out_shape)
+
+
+# -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
+def rule_topk(w, node: fx.Node, spec) -> list[Value]:
+    """``values, indices = topk(x, k, dim)``: the choice commutes with permutations of ``dim`` only.
+
+    The values are the same numbers whichever way ``dim`` is permuted (invariant); the indices point into
+    ``dim``'s coordinates, so a consumer that follows them (one_hot, gather) can move with those coordinates.
+    Channels along any other axis are pinned.
+    """
+    x = w.value(node.args[0])
+    rank = len(x.shape)
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % rank
+    pointed = None
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if pointed is None and not c.block and chan_axes(c) == {dim}:
+            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
+            pointed = c.ids[tuple(slice(None) if a == dim else 0 for a in range(rank))]
+        else:
+            for t in c.terms:
+                w.c.pin(t.ids, "top-k over another axis of this channel", node.name)
+    if pointed is None:
+        return [Value(shape=_shape_of(node, 0)), Value(shape=_shape_of(node, 1))]
+    return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
+
+
+def rule_one_hot(w, node: fx.Node, spec) -> Value:
+    """One-hot of indices into a labelled axis: the new last axis carries that axis' coordinates (a routing
+    matrix whose column ``e`` is expert ``e``)."""
+    index = w.value(node.args[0])
+    classes = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+    out_shape = _shape_of(node)
+    if index.points_to is None or classes != len(index.points_to):
+        return _pin_moved(w, node, "one-hot width differs from the axis its indices point into")
+    w.c.tag("experts", index.points_to)
+    view = [1] * (len(out_shape) - 1) + [len(index.points_to)]
+    return Value(chans=[Chan.clean(index.points_to.reshape(view).expand(out_shape))], shape=out_shape)
+
+
+def rule_gather(w, node: fx.Node, spec) -> Value:
+    """``gather(x, dim, index)``: with indices that point into ``x``'s own labelled ``dim`` (routing weights read
+    at the chosen experts), the result follows the coordinates and is invariant; otherwise a movement."""
+    x, index = w.value(node.args[0]), w.value(node.args[2])
+    if index is None or index.points_to is None:
+        return rule_movement(w, node, spec)
+    dim = node.args[1] % len(x.shape)
+    rank = len(x.shape)
+    along = [c for c in x.chans if chan_axes(c) == {dim} and not c.mixed and not c.block]
+    if len(x.chans) == 1 and along and torch.equal(
+            along[0].ids[tuple(slice(None) if a == dim else 0 for a in range(rank))], index.points_to):
+        return Value(invariant=True, shape=_shape_of(node))
+    return _pin_moved(w, node, "gathered by indices into a different axis")
 
 
 # -- small helpers -------------------------------------------------------------------------------------------

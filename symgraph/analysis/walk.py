@@ -78,13 +78,19 @@ class Walker:
             container, index = node.args
             return self.values[container.name][index]
         inputs = _flat_values(node, self.values)
-        if not any(v.chans for v in inputs):
+        pointers = [v.points_to for v in inputs if v.points_to is not None]
+        if not any(v.chans for v in inputs) and not pointers:
             return self._data_node(node, inputs)
         spec = self.specs.op(str(node.target))
         if spec is None or spec.rule != "movement":
             self._mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
+        if pointers and spec.rule not in _FOLLOWS_INDICES:  # the op loses track of which coordinate was chosen
+            for ids in pointers:
+                self.c.pin(ids, f"indices into this axis reach {node.target}, which does not follow them", node.name)
+            if not any(v.chans for v in inputs):
+                return self._data_node(node, inputs)
         if spec.rule not in _DEGREE_AWARE:
             self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
@@ -104,6 +110,8 @@ class Walker:
         target = str(node.target)
         self.unknown_ops[target] = self.unknown_ops.get(target, 0) + 1
         for v in inputs:
+            if v.points_to is not None:
+                self.c.pin(v.points_to, f"indices into this axis reach {target}, which no spec describes", node.name)
             for c in v.chans:
                 for t in c.terms:
                     self.c.pin(t.ids, f"consumed by {target}, which no spec describes", node.name)
@@ -112,6 +120,8 @@ class Walker:
     def _output(self, node: fx.Node) -> None:
         self._mark_read(_flat_values(node, self.values))
         for v in _flat_values(node, self.values):
+            if v.points_to is not None:
+                self.c.pin(v.points_to, "indices into this axis are a model output", node.name)
             for c in v.chans:
                 c = self.resolve(c, node.name)
                 self.c.pin(c.ids, "observable model output", node.name)
@@ -176,6 +186,9 @@ class Walker:
 
 # rules that read a squared channel as such (a sum of squares is a norm) or pass it on unchanged
 _DEGREE_AWARE = frozenset({"reduce", "identity"})
+
+# Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
+_FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "ignore"})
 
 
 def _shape(node: fx.Node):
