@@ -206,8 +206,8 @@ EXPECTED = {
         "scale_free scale/nonzero 64x1": 5,
         "vo orthogonal 16x2": 2,
     },
-    # qwen2-moe: sigmoid(shared_expert_gate(x)) scales the shared expert by a value no rule describes, which
-    # pins the residual stream.
+    # qwen2-moe: sigmoid(shared_expert_gate(x)) is one scalar per token: it scales the shared expert's output
+    # without varying along the residual stream, which keeps its signed permutation.
     "qwen2-moe": {
         "experts permutation 4x1": 2,
         "ffn permutation 32x1": 2,
@@ -216,6 +216,8 @@ EXPECTED = {
         "heads permutation 2x1": 2,
         "heads permutation 2x2": 2,
         "qk rotary/positive 16x2": 2,
+        "residual signed_permutation 64x1": 1,
+        "scale_free scale/nonzero 64x1": 5,
         "vo orthogonal 16x2": 2,
     },
     # olmoe: full-width q/k RMSNorm before the head split leaves one sign per coordinate pair of QK.

@@ -109,9 +109,10 @@ class Contraction:
                 self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
                 continue
             passed_b.append((cb, vb))
-        passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch)
+        passed_b, tied = self._tie_batch_factors(a, b, passed_a, passed_b, batch)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
-            self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
+            if not any(chan is t for t in tied):  # a tied factor moves with the data beside it
+                self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
                 outs.append(moved)
@@ -120,8 +121,9 @@ class Contraction:
     def _tie_batch_factors(self, a: Operand, b: Operand, passed_a, passed_b, batch: set[str]) -> list:
         """Channels of both operands that vary along the same batch letters only (expert ``e``'s activations
         times expert ``e``'s weights) are one coordinate: tie them, permutation only (their scales would
-        multiply), and keep one copy for the output."""
-        kept = list(passed_b)
+        multiply), and keep one copy for the output. Returns the remaining channels of ``b`` and the tied ones
+        of ``a``."""
+        kept, tied = list(passed_b), []
         for ca, va in passed_a:
             if ca.block or not va or not va <= batch:
                 continue
@@ -132,7 +134,8 @@ class Contraction:
             self.w.c.tie(_along(ca.ids, a.letters, va), _along(cb.ids, b.letters, va))
             for c in (ca, cb):
                 self.w.c.restrict(c.ids, NEUTRAL, "multiplied elementwise along a batch axis", self.node)
-        return kept
+            tied.append(ca)
+        return kept, tied
 
     def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> None:
         """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns."""
