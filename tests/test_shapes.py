@@ -1,5 +1,6 @@
-"""Shape soundness: coordinates a slice cuts away at the traced shape are not free, and every float64 check runs
-at more than one input shape (the Whisper trap: a position table sliced by the input's length)."""
+"""Shape soundness: coordinates a slice cuts away at the traced shape are not free, coordinates that meet data
+(concatenated beside activations) are not free, and every float64 check runs at more than one input shape (the
+Whisper trap: a position table sliced by the input's length)."""
 from __future__ import annotations
 
 import json
@@ -138,3 +139,24 @@ def _source(*objects) -> list[str]:
     import inspect
 
     return [inspect.getsource(o) for o in objects]
+
+
+class ConcatenatedWithData(nn.Module):
+    """``b`` reads hidden units and, beside them, the raw input: its columns for the input meet data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.b(torch.cat([torch.relu(self.a(x)), x], dim=-1))
+
+
+def test_columns_that_read_concatenated_data_are_pinned():
+    torch.manual_seed(0)
+    subject = symgraph.load(ConcatenatedWithData().eval(), (torch.randn(2, 5, 4),))
+    assert [(g.kind, g.size) for g in subject.report.groups] == [("permutation", 6)]  # the hidden units only
+    reads_data = [p for p in subject.report.pinned if p.reason.startswith("meets data")]
+    assert [(p.params, p.size, p.node) for p in reads_data] == [(("b.weight",), 4, "linear_1")]
+    result = fuzz(subject, samples=5)
+    assert result.ok, [v.counterexample for v in result.failures]

@@ -105,14 +105,18 @@ class Constraints:
     products: list[tuple[np.ndarray, np.ndarray, np.ndarray, str]] = field(default_factory=list)  # out = a * b
     tags: dict[str, list[np.ndarray]] = field(default_factory=dict)  # motif tag -> ids
 
-    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0) -> None:
+    def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0, node: str = "") -> None:
         """``a`` and ``b`` are the same coordinate (``dual``: contracted with each other). A product tie
         (``product`` = PRODUCT_FACTOR, or PRODUCT_WEIGHT when ``b`` is a weight vector broadcast along other axes)
-        shares the coordinate's permutation but not its scale (the factors of an elementwise product)."""
+        shares the coordinate's permutation but not its scale (the factors of an elementwise product). A
+        coordinate paired with a position that has none (data) is pinned."""
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             a, b = collapse_pair(a, b)
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
         keep = (a >= 0) & (b >= 0)
+        alone = np.concatenate([a[(a >= 0) & (b < 0)], b[(b >= 0) & (a < 0)]])
+        if alone.size:  # met by a position that carries no coordinate (data, e.g. concatenated beside it)
+            self.pin(alone, "meets data where a coordinate was expected (concatenated with data?)", node)
         if keep.any():
             pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)
             self.ties.append((pairs[:, 0], pairs[:, 1], int(dual), product))

@@ -139,7 +139,7 @@ class Contraction:
         for ra, rb in zip(rows_a, rows_b):
             for x in ra:
                 for y in rb:
-                    self.w.c.tie(x, y, dual=True)
+                    self.w.c.tie(x, y, dual=True, node=self.node)
         if not fiber:
             return None
         # One block per batch index (head): coordinates of different heads may not mix.

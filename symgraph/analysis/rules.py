@@ -47,7 +47,7 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     for j, first in enumerate(values[0].chans):
         head = first.ids.narrow(dim, 0, 1)
         for v in values[1:]:
-            w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1))
+            w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1), node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
 
@@ -265,7 +265,7 @@ def _grouped_conv(w, node, x: Value, weight: Value, groups: int, out_shape) -> V
             w.c.pin(ids, "grouped convolution with one input channel per group (no rule pairs it)", node.name)
             continue
         for group in ids.reshape(groups, per_group):
-            w.c.tie(group, columns, dual=True)
+            w.c.tie(group, columns, dual=True, node=node.name)
     if columns is not None and not inputs:
         w.c.pin(columns, "contracted with data that carries no symmetry", node.name)
     if rows is None:
@@ -389,7 +389,7 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
     if ca.mixed or cb.mixed:  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
         return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
-    w.c.tie(ca.ids, cb.ids)  # a per-head parameter added to head scores moves with the heads
+    w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
         w.c.tag("residual", ca.ids)
     return ca
@@ -472,7 +472,7 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
 def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
     ca, cb = ca.broadcast_to(out_shape), cb.broadcast_to(out_shape)
     if ca.block or cb.block:
-        w.c.tie(ca.ids, cb.ids)
+        w.c.tie(ca.ids, cb.ids, node=node.name)
         return ca
     if torch.equal(ca.ids, cb.ids):
         return replace(ca, degree=2)
@@ -489,7 +489,7 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
     """``out = a * b`` coordinate-wise: one permutation for all three, scales related by s_out = s_a + s_b."""
     out = _fresh_like(w, ca, cb)
     for factor in (ca, cb):
-        w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR)
+        w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR, node=node.name)
     triple = torch.broadcast_tensors(out.ids, ca.ids, cb.ids)
     shared = tuple(slice(0, 1) if all(t.stride(x) == 0 for t in triple) else slice(None)
                    for x in range(triple[0].dim()))
@@ -551,7 +551,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
         out = Value(chans=products, shape=out_shape)
     if bias is not None:
         for c, bc in zip(out.chans, bias.chans):
-            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids)
+            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids, node=node.name)
     return out
 
 
@@ -587,7 +587,7 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         w.c.permute_only.append(_ids_of(kernel))
         out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the batch norm weight")
     if bias is not None:
-        w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape))
+        w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape), node=node.name)
     return _with_saved_stats(node, Value(chans=[out], shape=out_shape))
 
 
