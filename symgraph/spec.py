@@ -16,7 +16,7 @@ from .errors import SpecError
 
 Rule = Literal[
     "movement", "identity", "activation", "contract", "conv", "attention", "add", "sub", "mul", "div", "pow",
-    "layer_norm", "batch_norm", "pool", "reduce", "softmax", "embedding", "where", "ignore",
+    "layer_norm", "batch_norm", "pool", "pad", "reduce", "softmax", "embedding", "where", "ignore",
 ]
 GroupLimit = Literal["general_linear", "orthogonal", "signed_permutation", "permutation"]
 

@@ -158,6 +158,29 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     return Value(chans=chans, shape=out_shape)
 
 
+def rule_pad(w, node: fx.Node, spec) -> Value:
+    """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
+    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
+    Channels that vary along a padded axis (new positions with no coordinate) pin."""
+    args = _schema_args(node)
+    x, out_shape = w.value(args["self"]), _shape_of(node)
+    amounts = list(args.get("pad", args.get("padding")))
+    padded = {len(out_shape) - 1 - i // 2 for i, n in enumerate(amounts) if n}
+    value = args.get("value") or 0
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if chan_axes(c) & padded or c.block:
+            for t in c.terms:
+                w.c.pin(t.ids, "padded along an axis it varies along", node.name)
+            continue
+        if value and args.get("mode", "constant") == "constant":
+            w.c.restrict(c.ids, NEUTRAL, f"padded with the constant {value} in every coordinate", node.name)
+        first = tuple(slice(0, 1) if a in padded else slice(None) for a in range(len(out_shape)))
+        chans.append(c.map(lambda t: t[first].expand(out_shape)))
+    return Value(chans=chans, shape=out_shape)
+
+
 def rule_pow(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     exponent = spec.exponent if spec.exponent is not None else _schema_args(node)["exponent"]
