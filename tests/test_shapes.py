@@ -160,3 +160,16 @@ def test_columns_that_read_concatenated_data_are_pinned():
     assert [(p.params, p.size, p.node) for p in reads_data] == [(("b.weight",), 4, "linear_1")]
     result = fuzz(subject, samples=5)
     assert result.ok, [v.counterexample for v in result.failures]
+
+
+def test_cli_report_and_transform_of_a_whisper_folder(tmp_path):
+    folder = tmp_path / "whisper"
+    tiny_whisper().save_pretrained(folder)
+    res = run("report", folder, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    table = "model.decoder.embed_positions.weight"
+    assert not [g for g in report["groups"] for m in g["members"] if m["param"] == table and m["axis"] == 0]
+    assert any(table in p["params"] and "cut away by a slice" in p["reason"] for p in report["pinned"])
+    res = run("transform", folder, "-o", tmp_path / "out", "--seed", "1")
+    assert res.returncode == 0, res.stderr  # checked at (2, 7) and (3, 17) decoder tokens before writing
