@@ -173,3 +173,20 @@ def test_cli_report_and_transform_of_a_whisper_folder(tmp_path):
     assert any(table in p["params"] and "cut away by a slice" in p["reason"] for p in report["pinned"])
     res = run("transform", folder, "-o", tmp_path / "out", "--seed", "1")
     assert res.returncode == 0, res.stderr  # checked at (2, 7) and (3, 17) decoder tokens before writing
+
+
+class NanBeyondSeven(nn.Module):
+    """Gives NaN for sequences longer than 7: such a probe could never compare equal, so it is not used."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out if x.shape[1] <= 7 else out * float("nan")
+
+
+def test_probe_inputs_skip_shapes_with_non_finite_outputs():
+    probes = probe_inputs(NanBeyondSeven(), (torch.randn(2, 7, 4),), {})
+    assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (3, 7, 4)]
