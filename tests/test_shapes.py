@@ -190,3 +190,18 @@ class NanBeyondSeven(nn.Module):
 def test_probe_inputs_skip_shapes_with_non_finite_outputs():
     probes = probe_inputs(NanBeyondSeven(), (torch.randn(2, 7, 4),), {})
     assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (3, 7, 4)]
+
+
+def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
+    """Smoke test of examples/bench_verify.py (figures are not asserted: timings belong in its output)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_verify.py"
+    spec = importlib.util.spec_from_file_location("bench_verify", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--families", "torch-relu-mlp", "--samples", "2", "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out)["torch-relu-mlp"]
+    assert len(result["one_shape"]["probes"]) == 1 and len(result["two_shapes"]["probes"]) == 2
+    assert result["two_shapes"]["all_invariant"] and result["ratio"]["check_ms"] > 0
