@@ -88,8 +88,9 @@ def test_resnet_blocks_keep_their_channel_groups_and_align_back():
     assert result.distance_before > 0.1 and result.distance_after < 1e-6
 
 
-@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1)])
-def test_pooling_keeps_channel_ids(pool):
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1),
+                                  nn.Upsample(scale_factor=2, mode="bilinear"), nn.Upsample(scale_factor=2)])
+def test_pooling_and_upsampling_keep_channel_ids(pool):
     model = nn.Sequential(nn.Conv2d(3, 6, 1), nn.ReLU(), pool, nn.Conv2d(6, 2, 1))
     subject = load(model, (torch.randn(2, 3, 6, 6),))
     assert census(subject) == {"ffn permutation/positive 6x1": 1}

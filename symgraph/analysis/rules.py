@@ -143,8 +143,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
 
 
 def rule_pool(w, node: fx.Node, spec) -> Value:
-    """Pooling over the positions of each channel (axis 1) separately: like an activation on the channel axis
-    (``group``, ``scale``), while the output has positions of its own. Channels that vary along positions pin."""
+    """A map of each channel (axis 1) over its positions (pooling, upsampling): like an activation on the channel
+    axis (``group``, ``scale``), while the output has positions of its own. Channels that vary along positions
+    pin."""
     x = w.value(node.args[0])
     out_shape = _shape_of(node)
     limit = from_group_name(spec.group, spec.scale)
@@ -153,7 +154,7 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     for c in x.chans:
         ids = _input_channel_ids(w, node, c)
         if ids is not None:
-            w.c.restrict(ids, limit, f"pooled by {node.target.__name__.split('.')[0]}", node.name)
+            w.c.restrict(ids, limit, f"mapped over positions by {node.target.__name__.split('.')[0]}", node.name)
             chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
     return Value(chans=chans, shape=out_shape)
 
