@@ -13,7 +13,8 @@ example inputs plus one variant that differs in every way the model accepts:
 
 Grown tensors keep the original as a prefix; new integer entries are drawn from the values the original holds
 (token ids stay clear of special tokens, a mask of ones stays ones), new float entries from its mean and spread.
-Which changes a model accepts is found by running it once per change: a change it rejects is left out.
+Which changes a model accepts is found by running it once per change: a change it rejects (an error, or
+outputs that are not finite) is left out.
 """
 from __future__ import annotations
 
@@ -127,14 +128,16 @@ def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> 
 
 
 def _runs(model, inputs: Inputs) -> bool:
+    """Whether the model takes ``inputs`` and gives finite outputs (NaN would fail every comparison)."""
     args, kwargs = inputs
     try:
         with torch.no_grad():
-            model(*args, **kwargs)
+            out = model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 -- any failure means "not a shape this model takes"
         log.debug("probe shape rejected by %s: %s", type(model).__name__, exc)
         return False
-    return True
+    leaves = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
+    return all(bool(t.isfinite().all()) for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _parameters(model) -> set[str]:

@@ -16,8 +16,8 @@ from .errors import SpecError
 
 Rule = Literal[
     "movement", "identity", "activation", "contract", "conv", "attention", "add", "sub", "mul", "div", "pow",
-    "layer_norm", "batch_norm", "pool", "reduce", "softmax", "embedding", "where", "ignore", "topk", "one_hot",
-    "gather",
+    "layer_norm", "batch_norm", "pool", "pad", "reduce", "softmax", "embedding", "where", "ignore", "topk",
+    "one_hot", "gather",
 ]
 GroupLimit = Literal["general_linear", "orthogonal", "signed_permutation", "permutation"]
 

@@ -88,8 +88,9 @@ def test_resnet_blocks_keep_their_channel_groups_and_align_back():
     assert result.distance_before > 0.1 and result.distance_after < 1e-6
 
 
-@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1)])
-def test_pooling_keeps_channel_ids(pool):
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(2), nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1),
+                                  nn.Upsample(scale_factor=2, mode="bilinear"), nn.Upsample(scale_factor=2)])
+def test_pooling_and_upsampling_keep_channel_ids(pool):
     model = nn.Sequential(nn.Conv2d(3, 6, 1), nn.ReLU(), pool, nn.Conv2d(6, 2, 1))
     subject = load(model, (torch.randn(2, 3, 6, 6),))
     assert census(subject) == {"ffn permutation/positive 6x1": 1}
@@ -180,3 +181,38 @@ def test_a_batch_norm_read_twice_moves_its_statistics_once():
     members = [(m.param, m.action) for g in subject.report.groups for m in g.members]
     assert members.count(("norm.running_mean", "primal")) == 1 and members.count(("norm.running_var", "permute")) == 1
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Padded(nn.Module):
+    """conv -> ReLU -> pad -> conv; ``pad`` as for ``F.pad`` (a third pair pads the channel axis)."""
+
+    def __init__(self, pad: tuple[int, ...], value: float = 0.0, mode: str = "constant"):
+        super().__init__()
+        new_channels = sum(pad[4:6])
+        self.a, self.b = nn.Conv2d(3, 6, 1), nn.Conv2d(6 + new_channels, 2, 3)
+        self.pad, self.value, self.mode = pad, value, mode
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        value = self.value if self.mode == "constant" else None
+        return self.b(nn.functional.pad(h, self.pad, mode=self.mode, value=value))
+
+
+@pytest.mark.parametrize("padded, expected", [
+    (Padded((1, 1, 1, 1)), {"ffn permutation/positive 6x1": 1}),  # zeros: any channel map keeps them
+    (Padded((1, 1, 1, 1), mode="reflect"), {"ffn permutation/positive 6x1": 1}),  # copies within a channel
+    (Padded((1, 1, 1, 1), value=1.0), {"ffn permutation 6x1": 1}),  # the same 1 in every channel: no scale
+    (Padded((0, 0, 0, 0, 1, 1)), {}),  # new channels: pinned
+])
+def test_padding_keeps_channels_it_does_not_pad(padded, expected):
+    subject = load(padded, (torch.randn(2, 3, 5, 5),))
+    assert census(subject) == expected
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_scaling_channels_padded_with_ones_breaks_it():
+    subject = load(Padded((1, 1, 1, 1), value=1.0), (torch.randn(2, 3, 5, 5),))
+    state = subject.state_dict()
+    scaled = dict(state, **{"a.weight": state["a.weight"] * 2.0, "a.bias": state["a.bias"] * 2.0,
+                            "b.weight": state["b.weight"] / 2.0})
+    assert not Evaluator(subject.model, subject.args).check(scaled).ok

@@ -1,5 +1,6 @@
-"""Shape soundness: coordinates a slice cuts away at the traced shape are not free, and every float64 check runs
-at more than one input shape (the Whisper trap: a position table sliced by the input's length)."""
+"""Shape soundness: coordinates a slice cuts away at the traced shape are not free, coordinates that meet data
+(concatenated beside activations) are not free, and every float64 check runs at more than one input shape (the
+Whisper trap: a position table sliced by the input's length)."""
 from __future__ import annotations
 
 import json
@@ -138,3 +139,69 @@ def _source(*objects) -> list[str]:
     import inspect
 
     return [inspect.getsource(o) for o in objects]
+
+
+class ConcatenatedWithData(nn.Module):
+    """``b`` reads hidden units and, beside them, the raw input: its columns for the input meet data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.b(torch.cat([torch.relu(self.a(x)), x], dim=-1))
+
+
+def test_columns_that_read_concatenated_data_are_pinned():
+    torch.manual_seed(0)
+    subject = symgraph.load(ConcatenatedWithData().eval(), (torch.randn(2, 5, 4),))
+    assert [(g.kind, g.size) for g in subject.report.groups] == [("permutation", 6)]  # the hidden units only
+    reads_data = [p for p in subject.report.pinned if p.reason.startswith("meets data")]
+    assert [(p.params, p.size, p.node) for p in reads_data] == [(("b.weight",), 4, "linear_1")]
+    result = fuzz(subject, samples=5)
+    assert result.ok, [v.counterexample for v in result.failures]
+
+
+def test_cli_report_and_transform_of_a_whisper_folder(tmp_path):
+    folder = tmp_path / "whisper"
+    tiny_whisper().save_pretrained(folder)
+    res = run("report", folder, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    table = "model.decoder.embed_positions.weight"
+    assert not [g for g in report["groups"] for m in g["members"] if m["param"] == table and m["axis"] == 0]
+    assert any(table in p["params"] and "cut away by a slice" in p["reason"] for p in report["pinned"])
+    res = run("transform", folder, "-o", tmp_path / "out", "--seed", "1")
+    assert res.returncode == 0, res.stderr  # checked at (2, 7) and (3, 17) decoder tokens before writing
+
+
+class NanBeyondSeven(nn.Module):
+    """Gives NaN for sequences longer than 7: such a probe could never compare equal, so it is not used."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out if x.shape[1] <= 7 else out * float("nan")
+
+
+def test_probe_inputs_skip_shapes_with_non_finite_outputs():
+    probes = probe_inputs(NanBeyondSeven(), (torch.randn(2, 7, 4),), {})
+    assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (3, 7, 4)]
+
+
+def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
+    """Smoke test of examples/bench_verify.py (figures are not asserted: timings belong in its output)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_verify.py"
+    spec = importlib.util.spec_from_file_location("bench_verify", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--families", "torch-relu-mlp", "--samples", "2", "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out)["torch-relu-mlp"]
+    assert len(result["one_shape"]["probes"]) == 1 and len(result["two_shapes"]["probes"]) == 2
+    assert result["two_shapes"]["all_invariant"] and result["ratio"]["check_ms"] > 0

@@ -180,8 +180,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
 
 
 def rule_pool(w, node: fx.Node, spec) -> Value:
-    """Pooling over the positions of each channel (axis 1) separately: like an activation on the channel axis
-    (``group``, ``scale``), while the output has positions of its own. Channels that vary along positions pin."""
+    """A map of each channel (axis 1) over its positions (pooling, upsampling): like an activation on the channel
+    axis (``group``, ``scale``), while the output has positions of its own. Channels that vary along positions
+    pin."""
     x = w.value(node.args[0])
     out_shape = _shape_of(node)
     limit = from_group_name(spec.group, spec.scale)
@@ -190,8 +191,31 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     for c in x.chans:
         ids = _input_channel_ids(w, node, c)
         if ids is not None:
-            w.c.restrict(ids, limit, f"pooled by {node.target.__name__.split('.')[0]}", node.name)
+            w.c.restrict(ids, limit, f"mapped over positions by {node.target.__name__.split('.')[0]}", node.name)
             chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
+    return Value(chans=chans, shape=out_shape)
+
+
+def rule_pad(w, node: fx.Node, spec) -> Value:
+    """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
+    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
+    Channels that vary along a padded axis (new positions with no coordinate) pin."""
+    args = _schema_args(node)
+    x, out_shape = w.value(args["self"]), _shape_of(node)
+    amounts = list(args.get("pad", args.get("padding")))
+    padded = {len(out_shape) - 1 - i // 2 for i, n in enumerate(amounts) if n}
+    value = args.get("value") or 0
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if chan_axes(c) & padded or c.block:
+            for t in c.terms:
+                w.c.pin(t.ids, "padded along an axis it varies along", node.name)
+            continue
+        if value and args.get("mode", "constant") == "constant":
+            w.c.restrict(c.ids, NEUTRAL, f"padded with the constant {value} in every coordinate", node.name)
+        first = tuple(slice(0, 1) if a in padded else slice(None) for a in range(len(out_shape)))
+        chans.append(c.map(lambda t: t[first].expand(out_shape)))
     return Value(chans=chans, shape=out_shape)
 
 
@@ -303,7 +327,7 @@ def _grouped_conv(w, node, x: Value, weight: Value, groups: int, out_shape) -> V
             w.c.pin(ids, "grouped convolution with one input channel per group (no rule pairs it)", node.name)
             continue
         for group in ids.reshape(groups, per_group):
-            w.c.tie(group, columns, dual=True)
+            w.c.tie(group, columns, dual=True, node=node.name)
     if columns is not None and not inputs:
         w.c.pin(columns, "contracted with data that carries no symmetry", node.name)
     if rows is None:
@@ -680,7 +704,7 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         w.c.permute_only.append(_ids_of(kernel))
         out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the batch norm weight")
     if bias is not None:
-        w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape))
+        w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape), node=node.name)
     return _with_saved_stats(node, Value(chans=[out], shape=out_shape))
 
 
