@@ -225,3 +225,37 @@ def test_base_model_keeps_each_norm_weight_scale_trade(family):
     for g in trades:  # one norm (weight, and bias where it has one) against the linears after it
         assert len({m.param.rsplit(".", 1)[0] for m in g.members if "norm" in m.param or "ln_" in m.param}) == 1
     assert not violations(model, report.groups, lambda n: ((), token_inputs(model, n)))
+
+
+# -- errors and pins that say where they come from ----------------------------------------------------------------
+def load_factory(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("leak_factories", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pinned_spaces_name_the_model_source_line(factory):
+    model, args = load_factory(factory).clamped()
+    pinned = symgraph.analyze(model, inputs=args).pinned
+    query = next(p for p in pinned if p.params == ("q.weight",))  # its input columns read the data x
+    assert query.node == "linear" and query.source.startswith("leak_factories.py:") and "self.q(x)" in query.source
+
+
+def test_a_failing_rule_raises_analysis_error_with_node_rule_and_source(factory, monkeypatch):
+    from symgraph.analysis import rules
+    from symgraph.errors import AnalysisError
+
+    def broken(w, node, spec):
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(rules, "rule_contract", broken)
+    model, args = load_factory(factory).clamped()
+    with pytest.raises(AnalysisError) as info:
+        symgraph.analyze(model, inputs=args)
+    message = str(info.value)
+    assert "'contract' rule" in message and "aten.linear.default" in message and "graph node linear " in message
+    assert "self.q(x)" in message
+    assert "leak_factories.py:" in message and "IndexError" in message and "What to try" in message

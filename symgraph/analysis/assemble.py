@@ -22,6 +22,7 @@ from ..spec import Specs
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from .labels import IdSpace
 from .scales import scale_groups
+from .walk import source_line
 
 _MOTIF_ORDER = ("qk", "vo", "activation", "residual")
 _MOTIF_NAME = {"qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
@@ -463,7 +464,9 @@ class Assembler:
             r = self.range_of[k]
             by_reason[(reason, node)].add(r.owner)
             sizes[(reason, node)] += 1
-        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1])
+        nodes = {n.name: n for n in self.w.cap.graph.nodes}
+        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1],
+                            source_line(nodes[key[1]]) if key[1] in nodes else "")
                 for key, params in sorted(by_reason.items())]
 
 
