@@ -16,6 +16,8 @@ import numpy as np
 from scipy.linalg import null_space
 
 from ..groups import Group, Member
+from .naming import common_prefix, short_members
+from .partition import parity_classes, union_sets
 
 
 def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> list[Group]:
@@ -38,11 +40,9 @@ def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> 
     zero[range_of_id[zero_id]] = True
     positive = np.zeros_like(zero)
     positive[range_of_id[positive_id]] = True
-    from .assemble import _union_sets
-
     linked = [{a, b} for a, b, _ in ties] + [set(p) for p in products]
     groups = []
-    for component in _union_sets(linked):
+    for component in union_sets(linked):
         if not any(set(p) <= component for p in products):
             continue  # no product here: the permutation group's own scale (if any) says it all
         family = sorted(component)
@@ -102,8 +102,6 @@ def _id_limits(asm) -> tuple[np.ndarray, np.ndarray]:
     # output pins the residual stream, yet each norm weight still trades scale with the linears reading it).
     for ids, _reason, _node in asm.c.pins:
         zero[ids] = True
-    from .assemble import parity_classes
-
     _, _, self_dual = parity_classes(asm.n, asm.c.ties, keep=lambda product: not product)
     zero[self_dual] = True  # a scale tied to its own inverse: s = -s
     return zero, positive
@@ -157,8 +155,6 @@ def _rref(m: np.ndarray) -> np.ndarray:
 
 
 def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) -> Group | None:
-    from .assemble import _common_prefix, _short_members
-
     active = [r for r, e in v.items() if abs(e) > 1e-9]
     ids = np.nonzero(np.isin(range_of_id, active))[0]
     coords = np.unique(asm.cls[ids])
@@ -189,8 +185,8 @@ def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) ->
         members.append(Member(param, axis, index, action, exponent))
     tags = getattr(asm, "_class_tags", {})
     motif = "ffn" if "activation" in tags and tags["activation"][coords].any() else "scale_free"
-    layer = _common_prefix([m.param for m in members])
+    layer = common_prefix([m.param for m in members])
     sign = "positive" if positive[active].any() else "nonzero"
-    return Group(id=f"{motif}-scale:{layer or 'model'}:{_short_members(members)}", motif=motif, kind="scale",
+    return Group(id=f"{motif}-scale:{layer or 'model'}:{short_members(members)}", motif=motif, kind="scale",
                  size=len(coords), copies=1, members=tuple(members), scale=sign, layer=layer,
                  notes=("per-coordinate scale traded across an elementwise product",))
