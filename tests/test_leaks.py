@@ -171,7 +171,38 @@ class ClampedAttention(torch.nn.Module):
 def clamped():
     torch.manual_seed(0)
     return ClampedAttention(), (torch.randn(2, 5, 16),)
+
+
+class SubLayerNormAttention(ClampedAttention):
+    """A LayerNorm over each head's output (one weight and bias for all heads) before the output projection."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__(d, heads)
+        self.norm = torch.nn.LayerNorm(d // heads)
+
+    def forward(self, x):
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(self.norm(out).transpose(1, 2).flatten(2))
+
+
+def sub_layer_norm():
+    torch.manual_seed(0)
+    model = SubLayerNormAttention()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, (torch.randn(2, 5, 16),)
 '''
+
+
+def load_factory(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("leak_factories", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -194,16 +225,20 @@ def test_cli_reports_values_per_head_after_an_unknown_score_op(factory, tmp_path
     assert json.loads((tmp_path / "f.json").read_text())["ok"]
 
 
-def test_clamped_attention_values_are_checked_at_other_lengths(factory):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("leak_factories", factory)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model, args = module.clamped()
+@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm"])
+def test_torch_modules_groups_hold_at_other_lengths(factory, name):
+    model, args = getattr(load_factory(factory), name)()
     report = symgraph.analyze(model, inputs=args)
     assert report.groups
     assert not violations(model, report.groups, lambda n: ((torch.randn(2, n, 16),), {}))
+
+
+def test_head_blocks_pass_a_norm_of_each_head_output(factory):
+    """The norm's weight meets the value coordinates; the head blocks beside them must still reach the output
+    projection, whose columns move with the heads."""
+    model, args = load_factory(factory).sub_layer_norm()
+    heads = [g for g in symgraph.analyze(model, inputs=args).groups if g.motif == "heads"]
+    assert len(heads) == 1 and {m.param for m in heads[0].members} >= {"q.weight", "k.weight", "v.weight", "o.weight"}
 
 
 # -- found nothing where theory says there is something ------------------------------------------------------------
@@ -228,15 +263,6 @@ def test_base_model_keeps_each_norm_weight_scale_trade(family):
 
 
 # -- errors and pins that say where they come from ----------------------------------------------------------------
-def load_factory(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("leak_factories", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_pinned_spaces_name_the_model_source_line(factory):
     model, args = load_factory(factory).clamped()
     pinned = symgraph.analyze(model, inputs=args).pinned

@@ -477,18 +477,34 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
         chans = [c.broadcast_to(out_shape) for c in weight.chans]
         return Value(chans=chans, shape=out_shape)
-    out = Value(chans=[c.broadcast_to(out_shape) for c in chans], shape=out_shape)
+    chans = [c.broadcast_to(out_shape) for c in chans]
     if weight is not None:
-        products = []
-        for c, wc in zip(out.chans, weight.chans):
-            wc = wc.broadcast_to(out_shape)
-            w.c.permute_only.append(_ids_of(wc))
-            products.append(_product_output(w, node, c, wc, monomial("nonzero"),
-                                            "multiplied elementwise by the norm weight"))
-        out = Value(chans=products, shape=out_shape)
+        chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)
     if bias is not None:
-        for c, bc in zip(out.chans, bias.chans):
-            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids, node=node.name)
+        chans = _affine_part(w, node, chans, bias, norm_axes, out_shape, scale=False)
+    return Value(chans=chans, shape=out_shape)
+
+
+def _affine_part(w, node, chans: list[Chan], param: Value, norm_axes, out_shape, *, scale: bool) -> list[Chan]:
+    """Multiply by the norm weight (``scale``) or add its bias, channel by channel along shared axes. A weight
+    or bias channel that meets no channel of the input, or an input channel along the normalised axes that meets
+    none of the parameter's, would be left out of every constraint: it is pinned. Head blocks pass."""
+    coords = [c for c in chans if not c.block]
+    pairs, alone = _pair_by_axes(coords, [pc.broadcast_to(out_shape) for pc in param.chans])
+    out = [c for c in chans if c.block]
+    for c, pc in pairs:
+        if scale:
+            w.c.permute_only.append(_ids_of(pc))
+            out.append(_product_output(w, node, c, pc, monomial("nonzero"),
+                                       "multiplied elementwise by the norm weight"))
+        else:
+            w.c.tie(c.ids, pc.ids, node=node.name)
+            out.append(c)
+    for c, from_input in alone:
+        if from_input and not chan_axes(c) & norm_axes:
+            out.append(c)  # the parameter is the same for every coordinate of this channel
+        else:
+            w.c.pin(c.ids, f"norm {'weight' if scale else 'bias'} and input channels do not line up", node.name)
     return out
 
 
