@@ -23,8 +23,15 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
             return joined
     tensors = [w.value(a) for a in _tensor_args(node)]
     n_chans = max(len(v.chans) for v in tensors if v is not None)
+    guessed = _axes_chosen_by_unknown_indices(w, node)
     results = []
     for j in range(n_chans):
+        moved = [v.chans[j] for v in tensors if v is not None and j < len(v.chans)]
+        if any(chan_axes(c) & guessed for c in moved):  # replay would invent positions (MoE routing by top-k)
+            for c in moved:
+                for t in c.terms:
+                    w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
+            continue
         results.append(_move_channel(w, node, j))
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
@@ -102,6 +109,31 @@ def _replay(w, node: fx.Node, pick):
         if "view" in str(node.target):  # expanded label tensors are not viewable; reshape copies instead
             return torch.ops.aten.reshape.default(*args, **kwargs)
         raise
+
+
+def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
+    """Input axes whose positions an integer index tensor with unknown values selects (``dim`` of gather and
+    index_select, the indexed leading axes of ``index.Tensor``); empty when every index is known data."""
+    unknown = []
+
+    def visit(a):
+        if isinstance(a, fx.Node) and a not in _tensor_args(node):
+            val, v = a.meta.get("val"), w.value(a)
+            if isinstance(val, torch.Tensor) and not val.is_floating_point() and (v is None or v.data is None):
+                unknown.append(a)
+        return a
+
+    fx.node.map_aggregate((node.args[1:], node.kwargs), visit)
+    if not unknown:
+        return frozenset()
+    rank = len(_node_shape(_tensor_args(node)[0]) or ())
+    dim = schema_arg(node, "dim")
+    if isinstance(dim, int):
+        return frozenset({dim % rank})
+    indices = schema_arg(node, "indices")
+    if isinstance(indices, (list, tuple)):
+        return frozenset(i for i, t in enumerate(indices) if t is not None)
+    return frozenset(range(rank))  # an op that reads index values some other way: every axis
 
 
 def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
