@@ -358,17 +358,23 @@ class Aligner:
         for m in g.members:
             if not self._other_axes_done(m):
                 continue
-            if g.motif != "heads" and self._overlapping(g, m):
-                continue
-            out.append(m)
+            if g.motif != "heads":
+                m = self._unshared_part(g, m)
+            if m is not None:
+                out.append(m)
         return out
 
-    def _overlapping(self, g: Group, m: Member) -> bool:
-        mine = self.positions[(g.id, m.param, m.axis)]
-        for other in self.pending.get((m.param, m.axis), ()):
-            if other != g.id and np.intersect1d(mine, self.positions[(other, m.param, m.axis)]).size:
-                return True
-        return False
+    def _unshared_part(self, g: Group, m: Member) -> Member | None:
+        """``m`` without the block columns another pending group also moves (a fused gate_up row pair whose up
+        half a scale group moves too: the gate half still decides the permutation); None if nothing is left."""
+        taken = [self.positions[(other, m.param, m.axis)] for other in self.pending.get((m.param, m.axis), ())
+                 if other != g.id]
+        if not taken:
+            return m
+        free = ~np.isin(m.index, np.concatenate(taken)).any(axis=(0, 1))  # block columns no other group moves
+        if free.all():
+            return m
+        return replace(m, index=m.index[:, :, free]) if free.any() else None
 
     def _determined(self, g: Group, exact: list[Member]) -> bool:
         """Do the exact members pin ``g`` down? Matrix groups need full rank per copy, scales a nonzero

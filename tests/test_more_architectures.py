@@ -86,6 +86,11 @@ def test_fused_projections_are_split_by_the_graph(subjects):
     assert rotary and all(any("qkv_proj" in m.param for m in g.members) for g in rotary)
     ffn = [g for g in groups if g.motif == "ffn" and g.kind == "permutation"]
     assert ffn and all(any("gate_up_proj" in m.param for m in g.members) for g in ffn)
+    scales = [g for g in groups if g.motif == "ffn" and g.kind == "scale"]
+    assert len(scales) == 2  # SwiGLU's up/down scale survives the fusion: the up half of the rows only
+    for g in scales:
+        rows = next(m for m in g.members if m.param.endswith("gate_up_proj.weight"))
+        assert rows.action == "primal" and sorted(rows.index.ravel().tolist()) == list(range(64, 128))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,7 +21,10 @@ from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction
 from .labels import IdSpace
+from .naming import common_prefix, short_members
+from .partition import parity_classes, union_sets
 from .scales import scale_groups
+from .walk import source_line
 
 _MOTIF_ORDER = ("experts", "qk", "vo", "activation", "residual")
 _MOTIF_NAME = {"experts": "experts", "qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
@@ -202,7 +205,7 @@ class Assembler:
                 "pairs": pairs, "passthrough": passthrough, "motif": motif, "why": restriction.why(classes)}
 
     def _layer_key(self, members) -> str:
-        return _common_prefix([key[0] for key in members])
+        return common_prefix([key[0] for key in members])
 
     def _members_of(self, classes: np.ndarray) -> dict:
         """(param, axis, action) -> positions per class, for every parameter the classes reach.
@@ -276,9 +279,9 @@ class Assembler:
         for key in keys:
             index = np.stack([it["members"][key]["pos"] for it in items])  # (copies, size, block)
             members.append(Member(key[0], key[1], index, key[2]))
-        layer = _common_prefix([m.param for m in members])
+        layer = common_prefix([m.param for m in members])
         base = dict(motif=motif, size=size, copies=copies, members=tuple(members), layer=layer)
-        gid = f"{motif}:{layer or 'model'}:{_short_members(members)}"
+        gid = f"{motif}:{layer or 'model'}:{short_members(members)}"
         if first["pairs"]:
             group = self._rotary_group(gid, base, first, r)
             return [group] if group is not None else []
@@ -339,7 +342,7 @@ class Assembler:
             content[h].update(int(i) for i in self.ids_of(h))
         sharing = self._attach_shared_factors(content, shared, factor_of)
         groups = []
-        for heads in _union_sets(ops):
+        for heads in union_sets(ops):
             heads = sorted(heads)
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
             if len(heads) < 2 or cls_pinned[heads].any() or cls_pinned[self.cls[ids]].any():
@@ -408,7 +411,7 @@ class Assembler:
 
     def _head_permutations(self, heads: list[int], content) -> list[Group]:
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
-                     for g in _union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
+                     for g in union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
         kv_groups = sorted((g for g in kv_groups if g), key=lambda g: g[0])
         if len({len(g) for g in kv_groups}) != 1:
             return []
@@ -416,9 +419,9 @@ class Assembler:
         groups = []
         outer = self._positions_members([set().union(*(content[h] for h in g)) for g in kv_groups])
         if outer and len(kv_groups) > 1:
-            layer = _common_prefix([m.param for m in outer])
+            layer = common_prefix([m.param for m in outer])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
-            groups.append(Group(id=f"heads:{layer or 'model'}:{_short_members(outer)}", motif="heads",
+            groups.append(Group(id=f"heads:{layer or 'model'}:{short_members(outer)}", motif="heads",
                                 kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
                                 layer=layer, notes=(note,)))
         if rep > 1:
@@ -429,8 +432,8 @@ class Assembler:
             if all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
                 inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
                          for k, m in enumerate(per_group[0])]
-                layer = _common_prefix([m.param for m in inner])
-                groups.append(Group(id=f"heads-within:{layer or 'model'}:{_short_members(inner)}", motif="heads",
+                layer = common_prefix([m.param for m in inner])
+                groups.append(Group(id=f"heads-within:{layer or 'model'}:{short_members(inner)}", motif="heads",
                                     kind="permutation", size=rep, copies=len(kv_groups), members=tuple(inner),
                                     layer=layer, notes=("permutes query heads within each KV group",)))
         return groups
@@ -465,7 +468,9 @@ class Assembler:
             r = self.range_of[k]
             by_reason[(reason, node)].add(r.owner)
             sizes[(reason, node)] += 1
-        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1])
+        nodes = {n.name: n for n in self.w.cap.graph.nodes}
+        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1],
+                            source_line(nodes[key[1]]) if key[1] in nodes else "")
                 for key, params in sorted(by_reason.items())]
 
 
@@ -515,26 +520,6 @@ class RestrictionTable:
         return self.values[int(self.code[k])]
 
 
-def parity_classes(n: int, ties, keep=lambda product: True):
-    """Union-find with orientation over ids ``0..n-1``: returns (class, parity, self_dual) per id.
-
-    Ties are ``(a, b, dual, product)``; a dual tie flips orientation. Solved as connected components of the
-    double cover (id, orientation); an id in the same component as its own flip is self-dual.
-    """
-    rows, cols = [np.arange(0)], [np.arange(0)]
-    for a, b, parity, product in ties:
-        if keep(product):
-            rows += [a, a + n]
-            cols += [b + parity * n, b + (1 - parity) * n]
-    r, c = np.concatenate(rows), np.concatenate(cols)
-    graph = coo_matrix((np.ones(len(r), dtype=np.int8), (r, c)), shape=(2 * n, 2 * n))
-    _, comp = connected_components(graph, directed=False)
-    pos, neg = comp[:n], comp[n:]
-    canon = np.minimum(pos, neg)
-    _, cls = np.unique(canon, return_inverse=True)
-    return cls.reshape(-1), (pos != canon).astype(np.int8), pos == neg
-
-
 def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
     stacked = np.stack([key, sub], axis=1)
     _, inv = np.unique(stacked, axis=0, return_inverse=True)
@@ -552,28 +537,6 @@ def _row_partition(cls_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     graph = coo_matrix((np.ones(r.size, np.int8), (r, local.reshape(-1))), shape=(len(classes),) * 2)
     _, part = connected_components(graph, directed=False)
     return classes, part.astype(np.int64)
-
-
-def _union_sets(sets) -> list[set]:
-    """Merge sets that share an element (small inputs: heads, rows)."""
-    parent: dict = {}
-
-    def find(x):
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for s in sets:
-        s = list(s)
-        for x in s[1:]:
-            parent[find(x)] = find(s[0])
-        if s:
-            find(s[0])
-    out: dict = defaultdict(set)
-    for x in parent:
-        out[find(x)].add(x)
-    return list(out.values())
 
 
 def _kind_of(r: Restriction) -> tuple[str, str | None, bool]:
@@ -594,20 +557,3 @@ def _pair_index(index: np.ndarray, pairs) -> np.ndarray:
     copies, _, block = index.shape
     cols = np.array(pairs, dtype=np.int64)  # (P, 2)
     return index[:, cols, :].reshape(copies, len(pairs), 2 * block)
-
-
-def _common_prefix(names: list[str]) -> str:
-    if not names:
-        return ""
-    parts = [n.split(".")[:-1] for n in names]
-    prefix = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        prefix.append(level[0])
-    return ".".join(prefix)
-
-
-def _short_members(members) -> str:
-    names = sorted({m.param.rsplit(".", 1)[0].split(".")[-1] for m in members})
-    return "+".join(names[:4]) + ("+..." if len(names) > 4 else "")

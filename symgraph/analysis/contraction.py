@@ -227,7 +227,11 @@ def _ids_per_index(ids: torch.Tensor, axes: list[int]) -> np.ndarray:
     ids = collapse(ids, keep=frozenset(axes))
     rest = [a for a in range(ids.dim()) if a not in axes]
     moved = ids.permute(*axes, *rest).reshape(int(np.prod([ids.shape[a] for a in axes])), -1)
-    rows = [torch.unique(r[r >= 0]).numpy() for r in moved]
+    return _padded_rows([torch.unique(r[r >= 0]).numpy() for r in moved])
+
+
+def _padded_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """Rows of different lengths as one (R, K) array, short rows repeating their first id (same set)."""
     rows = [r for r in rows if len(r)]
     width = max((len(r) for r in rows), default=0)
     return np.array([np.pad(r, (0, width - len(r)), mode="edge") for r in rows], dtype=np.int64).reshape(-1, width)
@@ -298,11 +302,11 @@ def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:
         n_axes = sorted(axes)
         heads = b_ids.permute(*n_axes, *other).reshape(-1, *[b_ids.shape[a] for a in other])
         rows = h_ids.permute(*n_axes, *other).reshape(heads.shape[0], -1)
-        block_ids = heads.reshape(heads.shape[0], -1)[:, 0]
-        uniq = [torch.unique(r) for r in rows]
-        width = min(len(u) for u in uniq)
-        rows_np = np.stack([u[:width].numpy() for u in uniq])
-        walker.c.rowlinks.append((block_ids.numpy(), rows_np, node))
+        block_ids = heads.reshape(heads.shape[0], -1)[:, 0].numpy()
+        read = [torch.unique(r[r >= 0]).numpy() for r in rows]  # every id a head reads
+        block_ids = block_ids[[len(r) > 0 for r in read]]
+        rows_np = _padded_rows(read)
+        walker.c.rowlinks.append((block_ids, rows_np, node))
         walker.c.separate(rows_np, node)  # each head reads only its own value rows
         walker.c.tag("vo", rows_np)
     return out

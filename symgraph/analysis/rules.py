@@ -30,8 +30,15 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
             return joined
     tensors = [w.value(a) for a in _tensor_args(node)]
     n_chans = max(len(v.chans) for v in tensors if v is not None)
+    guessed = _axes_chosen_by_unknown_indices(w, node)
     results = []
     for j in range(n_chans):
+        moved = [v.chans[j] for v in tensors if v is not None and j < len(v.chans)]
+        if any(chan_axes(c) & guessed for c in moved):  # replay would invent positions (MoE routing by top-k)
+            for c in moved:
+                for t in c.terms:
+                    w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
+            continue
         results.append(_move_channel(w, node, j))
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
@@ -134,6 +141,31 @@ def _replay(w, node: fx.Node, pick):
         if "view" in str(node.target):  # expanded label tensors are not viewable; reshape copies instead
             return torch.ops.aten.reshape.default(*args, **kwargs)
         raise
+
+
+def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
+    """Input axes whose positions an integer index tensor with unknown values selects (``dim`` of gather and
+    index_select, the indexed leading axes of ``index.Tensor``); empty when every index is known data."""
+    unknown = []
+
+    def visit(a):
+        if isinstance(a, fx.Node) and a not in _tensor_args(node):
+            val, v = a.meta.get("val"), w.value(a)
+            if isinstance(val, torch.Tensor) and not val.is_floating_point() and (v is None or v.data is None):
+                unknown.append(a)
+        return a
+
+    fx.node.map_aggregate((node.args[1:], node.kwargs), visit)
+    if not unknown:
+        return frozenset()
+    rank = len(_node_shape(_tensor_args(node)[0]) or ())
+    dim = schema_arg(node, "dim")
+    if isinstance(dim, int):
+        return frozenset({dim % rank})
+    indices = schema_arg(node, "indices")
+    if isinstance(indices, (list, tuple)):
+        return frozenset(i for i, t in enumerate(indices) if t is not None)
+    return frozenset(range(rank))  # an op that reads index values some other way: every axis
 
 
 def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
@@ -653,23 +685,14 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
         chans = [c.broadcast_to(out_shape) for c in weight.chans]
         return Value(chans=chans, shape=out_shape)
-    # the affine weight and bias pair with the channels along the normalised axes; others (positions) pass
-    normed = [c.broadcast_to(out_shape) for c in chans if chan_axes(c) & norm_axes and not c.block]
-    passing = [c.broadcast_to(out_shape) for c in chans if not (chan_axes(c) & norm_axes and not c.block)]
+    chans = [c.broadcast_to(out_shape) for c in chans]
     if weight is not None and _holds_unit(w, node, weight.chans):
         weight = None
     if weight is not None:
-        products = []
-        for c, wc in zip(normed, weight.chans):
-            wc = wc.broadcast_to(out_shape)
-            w.c.permute_only.append(_ids_of(wc))
-            products.append(_product_output(w, node, c, wc, monomial("nonzero"),
-                                            "multiplied elementwise by the norm weight"))
-        normed = products
+        chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)
     if bias is not None:
-        for c, bc in zip(normed, bias.chans):
-            w.c.tie(c.ids, bc.broadcast_to(out_shape).ids, node=node.name)
-    return Value(chans=normed + passing, shape=out_shape)
+        chans = _affine_part(w, node, chans, bias, norm_axes, out_shape, scale=False)
+    return Value(chans=chans, shape=out_shape)
 
 
 def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
@@ -711,6 +734,29 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
 def _with_saved_stats(node: fx.Node, out: Value) -> Value | list[Value]:
     """The native batch norm ops also return saved statistics (plain data here)."""
     return [out, Value(), Value()] if isinstance(node.meta.get("val"), (list, tuple)) else out
+
+
+def _affine_part(w, node, chans: list[Chan], param: Value, norm_axes, out_shape, *, scale: bool) -> list[Chan]:
+    """Multiply by the norm weight (``scale``) or add its bias, channel by channel along shared axes. A weight
+    or bias channel that meets no channel of the input, or an input channel along the normalised axes that meets
+    none of the parameter's, would be left out of every constraint: it is pinned. Head blocks pass."""
+    coords = [c for c in chans if not c.block]
+    pairs, alone = _pair_by_axes(coords, [pc.broadcast_to(out_shape) for pc in param.chans])
+    out = [c for c in chans if c.block]
+    for c, pc in pairs:
+        if scale:
+            w.c.permute_only.append(_ids_of(pc))
+            out.append(_product_output(w, node, c, pc, monomial("nonzero"),
+                                       "multiplied elementwise by the norm weight"))
+        else:
+            w.c.tie(c.ids, pc.ids, node=node.name)
+            out.append(c)
+    for c, from_input in alone:
+        if from_input and not chan_axes(c) & norm_axes:
+            out.append(c)  # the parameter is the same for every coordinate of this channel
+        else:
+            w.c.pin(c.ids, f"norm {'weight' if scale else 'bias'} and input channels do not line up", node.name)
+    return out
 
 
 def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restriction) -> None:

@@ -16,25 +16,33 @@ import numpy as np
 from scipy.linalg import null_space
 
 from ..groups import Group, Member
+from .naming import common_prefix, short_members
+from .partition import parity_classes, union_sets
 
 
 def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> list[Group]:
-    """Scale groups, solved with one exponent per id range (a parameter axis, or one op's activation ids).
+    """Scale groups, solved with one exponent per id range (a parameter axis, or one op's activation ids), split
+    where some of a range's coordinates must keep scale 1 and others need not (a fused gate_up projection: the
+    gate rows feed an activation, the up rows only the product).
 
-    Every coordinate of a range obeys the same equations, so one variable per range suffices, and a 70B model
-    has thousands of ranges rather than millions of coordinates.
+    Every coordinate of such a part obeys the same equations, so one variable per part suffices, and a 70B
+    model has thousands of parts rather than millions of coordinates.
     """
     if not asm.c.products:
         return []
     range_of_id = np.searchsorted(asm.range_start, np.arange(asm.n), side="right") - 1
+    zero_id, positive_id = _id_limits(asm)
+    _, range_of_id = np.unique(range_of_id * 2 + zero_id, return_inverse=True)  # one variable per part
+    range_of_id = range_of_id.reshape(-1)
     ties = _range_edges(asm.c.ties, range_of_id)
     products = _range_products(asm.c.products, range_of_id)
-    zero, positive = _range_limits(asm, range_of_id)
-    from .assemble import _union_sets
-
+    zero = np.zeros(int(range_of_id.max()) + 1, bool)
+    zero[range_of_id[zero_id]] = True
+    positive = np.zeros_like(zero)
+    positive[range_of_id[positive_id]] = True
     linked = [{a, b} for a, b, _ in ties] + [set(p) for p in products]
     groups = []
-    for component in _union_sets(linked):
+    for component in union_sets(linked):
         if not any(set(p) <= component for p in products):
             continue  # no product here: the permutation group's own scale (if any) says it all
         family = sorted(component)
@@ -76,29 +84,26 @@ def _product_row(p) -> dict[int, int]:
     return dict(row)
 
 
-def _range_limits(asm, range_of_id):
-    n_ranges = len(asm.range_of)
-    zero = np.zeros(n_ranges, bool)
-    positive = np.zeros(n_ranges, bool)
+def _id_limits(asm) -> tuple[np.ndarray, np.ndarray]:
+    """Per id: whether its scale must stay 1, and whether it may only be positive."""
+    zero = np.zeros(asm.n, bool)
+    positive = np.zeros(asm.n, bool)
     for ids, r, _why, _node, scales in asm.c.restricts:
         if not scales:
             continue
-        ranges = np.unique(range_of_id[ids])
         if r.monomial and r.scale == "positive":
-            positive[ranges] = True
+            positive[ids] = True
         elif r.monomial and r.scale == "nonzero" or not (r.monomial or r.orthogonal or r.fixes_ones):
             continue
         else:
-            zero[ranges] = True
+            zero[ids] = True
     # Pinned coordinates keep scale 1. Only the pinned ids themselves: a pin reaches the rest of their
     # permutation class through product ties, which share the permutation but not the scale (a base model's
     # output pins the residual stream, yet each norm weight still trades scale with the linears reading it).
     for ids, _reason, _node in asm.c.pins:
-        zero[np.unique(range_of_id[ids])] = True
-    from .assemble import parity_classes
-
+        zero[ids] = True
     _, _, self_dual = parity_classes(asm.n, asm.c.ties, keep=lambda product: not product)
-    zero[np.unique(range_of_id[self_dual])] = True  # a scale tied to its own inverse: s = -s
+    zero[self_dual] = True  # a scale tied to its own inverse: s = -s
     return zero, positive
 
 
@@ -150,8 +155,6 @@ def _rref(m: np.ndarray) -> np.ndarray:
 
 
 def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) -> Group | None:
-    from .assemble import _common_prefix, _short_members
-
     active = [r for r, e in v.items() if abs(e) > 1e-9]
     ids = np.nonzero(np.isin(range_of_id, active))[0]
     coords = np.unique(asm.cls[ids])
@@ -169,7 +172,7 @@ def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) ->
     where = {int(k): j for j, k in enumerate(coords)}
     found: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in coords])
     for i, k, p in zip(ids, rng, pos):
-        e = v[int(k)]
+        e = v[int(range_of_id[i])]
         key = (asm.range_of[k].owner, asm.range_of[k].axis, "primal" if e > 0 else "dual", abs(float(e)))
         found[key][where[int(asm.cls[i])]].append(int(p))
     members = []
@@ -182,8 +185,8 @@ def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) ->
         members.append(Member(param, axis, index, action, exponent))
     tags = getattr(asm, "_class_tags", {})
     motif = "ffn" if "activation" in tags and tags["activation"][coords].any() else "scale_free"
-    layer = _common_prefix([m.param for m in members])
+    layer = common_prefix([m.param for m in members])
     sign = "positive" if positive[active].any() else "nonzero"
-    return Group(id=f"{motif}-scale:{layer or 'model'}:{_short_members(members)}", motif=motif, kind="scale",
+    return Group(id=f"{motif}-scale:{layer or 'model'}:{short_members(members)}", motif=motif, kind="scale",
                  size=len(coords), copies=1, members=tuple(members), scale=sign, layer=layer,
                  notes=("per-coordinate scale traded across an elementwise product",))

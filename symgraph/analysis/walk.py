@@ -7,6 +7,8 @@ channel are plain data and need no rule; an op with channels but no spec pins th
 from __future__ import annotations
 
 import operator
+import os
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from torch import fx
 
 from ..capture import Capture, data_values
+from ..errors import AnalysisError, SymgraphError
 from ..spec import OpSpec, Specs, load_specs
 from . import rules
 from .constraints import Constraints
@@ -94,7 +97,16 @@ class Walker:
         if spec.rule not in _DEGREE_AWARE:
             self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
-        return handler(self, node, spec)
+        try:
+            return handler(self, node, spec)
+        except SymgraphError:
+            raise
+        except Exception as exc:  # a rule met a case it was not written for: say where, never guess
+            raise AnalysisError(
+                f"The '{spec.rule}' rule (specs/ops.yaml, {node.target}) failed on graph node {node.name}"
+                f" ({source_line(node) or 'no source line recorded'}): {type(exc).__name__}: {exc}",
+                hint=f"report this with the model; meanwhile, deleting the {node.target} line from specs/ops.yaml "
+                     "makes the op pin every axis it touches (sound, fewer groups).") from exc
 
     def _data_node(self, node: fx.Node, inputs: list[Value]):
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
@@ -189,6 +201,23 @@ _DEGREE_AWARE = frozenset({"reduce", "identity"})
 
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
 _FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "ignore"})
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def source_line(node: fx.Node) -> str:
+    """The line of model code that produced ``node``: the innermost frame of its stack trace outside torch
+    itself (``self.q(x)`` rather than ``F.linear`` inside ``nn.Linear``), or ''."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    frames = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not frames:
+        return ""
+    path, line, function, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} in {function}: {code.strip()}"
 
 
 def _shape(node: fx.Node):
