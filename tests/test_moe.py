@@ -61,6 +61,8 @@ def test_expert_permutation_moves_router_rows_and_every_expert_tensor(family, ro
         assert {m.param for m in g.members} == expert_tensors | {f"{g.layer}.{r}" for r in router}
         assert all(m.axis == 0 for m in g.members)
         assert g.kind == "permutation" and g.size == subject.config.num_local_experts and g.scale is None
+    inside = [g for g in subject.report.groups if g.motif == "ffn" and ".experts." in g.members[0].param]
+    assert inside and all(any("each expert's units" in n for n in g.notes) for g in inside)
 
 
 def test_moving_the_experts_without_their_router_rows_changes_the_function(zoo_subject):
