@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import symgraph
 from symgraph import zoo
@@ -170,3 +171,21 @@ def test_rows_picked_by_unknown_indices_are_pinned():
     report = symgraph.analyze(_PickedByRouterScore(), inputs=(torch.randn(5, 8),))
     assert not any(m.param == "table" and m.axis == 0 for g in report.groups for m in g.members)
     assert any("table" in p.params and "indices" in p.reason for p in report.pinned)
+
+
+def test_routing_weights_cast_like_the_activations_stay_invariant():
+    """GraniteMoE's router returns ``softmax(top_k_logits).type_as(hidden_states)``: the cast must not turn the
+    weights into an unknown value (that pinned the router and hid the expert permutation)."""
+    config = AutoConfig.for_model("granitemoe", vocab_size=100, hidden_size=32, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                  num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    subject = symgraph.load(model)
+    (experts,) = [g for g in subject.report.groups if g.motif == "experts"]
+    assert any(m.param.endswith("router.weight") for m in experts.members)
+    assert fuzz(subject, samples=2, seed=1).ok

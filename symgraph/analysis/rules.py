@@ -158,7 +158,9 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
     chans = v.chans
     if "neg" in str(node.target):
         chans = [c.scaled(-1.0) for c in chans]
-    return Value(chans=list(chans), shape=_shape_of(node))
+    # type_as(values, activation): the channels come from the reference tensor, the values (and whether they are
+    # invariant, as routing weights are) from the first argument
+    return Value(chans=list(chans), shape=_shape_of(node), invariant=v.invariant and not chans)
 
 
 def rule_ignore(w, node: fx.Node, spec) -> Value:
