@@ -189,3 +189,13 @@ def test_routing_weights_cast_like_the_activations_stay_invariant():
     (experts,) = [g for g in subject.report.groups if g.motif == "experts"]
     assert any(m.param.endswith("router.weight") for m in experts.members)
     assert fuzz(subject, samples=2, seed=1).ok
+
+
+def test_two_independent_moe_models_merge_closer_once_aligned(zoo_subject):
+    from symgraph.merging import merge
+
+    other = zoo.build("mixtral", seed=1)
+    pair = [zoo_subject("mixtral"), symgraph.load(other, zoo.example_inputs_for("mixtral", other))]
+    aligned = merge(pair, method="simple", progress=False)
+    assert max(aligned.distances) < min(aligned.distances_before)
+    assert set(aligned.state) == set(pair[0].state_dict())
