@@ -94,10 +94,10 @@ class _Routed(torch.nn.Module):
     def forward(self, x):
         weights, index = torch.topk(self.router(x), 2, dim=-1)
         if self.wide:
-            routing = torch.nn.functional.one_hot(index, 5)[..., :4].to(x.dtype) * weights.unsqueeze(-1)
-            return torch.einsum("tke,eod,td->to", routing, self.experts, x)
+            routing = torch.nn.functional.one_hot(index, 5)[..., :4].to(x.dtype)
+            return torch.einsum("tkeo,tk->to", torch.einsum("tke,eod->tkeo", routing, self.experts), weights)
         picked = self.experts[index]  # (tokens, k, out, in)
-        return torch.einsum("tkod,td,tk->to", picked, x, weights)
+        return torch.einsum("tko,tk->to", torch.einsum("tkod,td->tko", picked, x), weights)
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -199,3 +199,30 @@ def test_two_independent_moe_models_merge_closer_once_aligned(zoo_subject):
     aligned = merge(pair, method="simple", progress=False)
     assert max(aligned.distances) < min(aligned.distances_before)
     assert set(aligned.state) == set(pair[0].state_dict())
+
+
+class _Unsorted(torch.nn.Module):
+    """``topk(sorted=False)`` returns its k results in an order that depends on the router rows' order: summing
+    over them is blind to it, taking the first one is not."""
+
+    def __init__(self, first_only: bool):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8))
+        self.first_only = first_only
+
+    def forward(self, x):
+        weights, index = torch.topk(self.router(x), 2, dim=-1, sorted=False)
+        if self.first_only:
+            weights, index = weights[:, :1], index[:, :1]
+        routing = (torch.nn.functional.one_hot(index, 4).to(x.dtype) * weights.unsqueeze(-1)).sum(-2)
+        return torch.einsum("teo,te->to", torch.einsum("eod,td->teo", self.experts, x), routing)
+
+
+@pytest.mark.parametrize("first_only", [False, True])
+def test_unsorted_top_k_is_followed_only_by_order_blind_consumers(first_only):
+    model, x = _Unsorted(first_only), torch.randn(6, 8)
+    subject = symgraph.load(model, (x,))
+    moves_router = any(m.param == "router.weight" for g in subject.report.groups for m in g.members)
+    assert moves_router is not first_only
+    assert fuzz(subject, samples=3, seed=2).ok
