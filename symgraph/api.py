@@ -53,7 +53,7 @@ class Subject:
                 masked = with_attention_mask(self.kwargs) if self.inputs_from_config else None
                 if masked is None:
                     raise
-                self._capture = capture(self.model, self.args, masked)  # LongT5, Switch: code that needs a mask
+                self._capture = capture(self.model, self.args, masked)  # LongT5: code that cannot run without a mask
                 self.kwargs = masked
         return self._capture
 

@@ -16,8 +16,11 @@ config has                                   inputs built
 ``is_encoder_decoder``                       ``decoder_input_ids`` in addition
 ===========================================  ==================================================================
 
-Token ids avoid the config's special tokens (pad, bos, eos, ...), so no model needs an ``attention_mask`` to
-ignore padding; one of ones is added only on request, because a mask adds nodes to the traced graph.
+Token ids avoid the config's special tokens (pad, bos, eos, image placeholders, ...), so no model needs an
+``attention_mask`` to ignore padding; one of ones is added only on request, because a mask adds nodes to the
+traced graph (``symgraph.load`` asks for one when a model's code cannot trace without it, see
+:func:`with_attention_mask`). A vision-language config with ``image_seq_length`` gets that many image
+placeholder tokens in front of each sequence.
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ __all__ = ["example_inputs", "forward_kwargs", "with_attention_mask"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _IMAGE_TOKEN_ATTRS = ("image_token_index", "image_token_id")
-_SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-                        "cls_token_id", "mask_token_id", "unk_token_id")
+_SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + (
+    "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
+    "mask_token_id", "unk_token_id")
 
 
 def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, device: str | torch.device = "cpu",
@@ -94,7 +98,7 @@ def forward_kwargs(config: Any) -> dict[str, Any]:
 
 def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """``kwargs`` plus an all-ones ``attention_mask`` beside its ``input_ids``; ``None`` when there are no token
-    ids or a mask is already there. For models whose code cannot run without a mask (LongT5, SwitchTransformers).
+    ids or a mask is already there. For models whose code cannot run without a mask (LongT5's local attention).
 
     Examples
     --------

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules"]
+__all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
+           "note_shared_expert_units", "use_experts_implementation"]
 
 DENSE = "symgraph_dense"  # registered in transformers' experts interface on first use
 REFERENCE = "eager"  # transformers' reference loop: runs in any dtype, not traceable
@@ -93,6 +94,20 @@ def use_experts_implementation(model: torch.nn.Module, name: str) -> torch.nn.Mo
     for m in experts_modules(model):
         m.config._experts_implementation_internal = name
     return model
+
+
+def note_shared_expert_units(groups: list) -> list:
+    """Say, on each FFN group that acts inside a layer's experts, that it is a subgroup of the exact one.
+
+    A member acts on one parameter axis, so the unit axis of ``gate_up_proj`` (experts x 2I x D) gets one
+    permutation for every expert; each expert may in fact permute its own units independently.
+    """
+    expert_params = {m.param for g in groups if g.motif == "experts" for m in g.members if m.axis == 0}
+    note = ("one unit permutation shared by every expert of the layer; each expert's units may also permute on "
+            "their own (a subgroup of the exact group)")
+    return [g.with_notes(note) if g.motif == "ffn" and g.members and all(m.param in expert_params and m.axis > 0
+                                                                          for m in g.members) else g
+            for g in groups]
 
 
 def _register() -> None:

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import symgraph
 from symgraph import zoo
@@ -61,6 +62,8 @@ def test_expert_permutation_moves_router_rows_and_every_expert_tensor(family, ro
         assert {m.param for m in g.members} == expert_tensors | {f"{g.layer}.{r}" for r in router}
         assert all(m.axis == 0 for m in g.members)
         assert g.kind == "permutation" and g.size == subject.config.num_local_experts and g.scale is None
+    inside = [g for g in subject.report.groups if g.motif == "ffn" and ".experts." in g.members[0].param]
+    assert inside and all(any("each expert's units" in n for n in g.notes) for g in inside)
 
 
 def test_moving_the_experts_without_their_router_rows_changes_the_function(zoo_subject):
@@ -91,10 +94,10 @@ class _Routed(torch.nn.Module):
     def forward(self, x):
         weights, index = torch.topk(self.router(x), 2, dim=-1)
         if self.wide:
-            routing = torch.nn.functional.one_hot(index, 5)[..., :4].to(x.dtype) * weights.unsqueeze(-1)
-            return torch.einsum("tke,eod,td->to", routing, self.experts, x)
+            routing = torch.nn.functional.one_hot(index, 5)[..., :4].to(x.dtype)
+            return torch.einsum("tkeo,tk->to", torch.einsum("tke,eod->tkeo", routing, self.experts), weights)
         picked = self.experts[index]  # (tokens, k, out, in)
-        return torch.einsum("tkod,td,tk->to", picked, x, weights)
+        return torch.einsum("tko,tk->to", torch.einsum("tkod,td->tko", picked, x), weights)
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -168,3 +171,58 @@ def test_rows_picked_by_unknown_indices_are_pinned():
     report = symgraph.analyze(_PickedByRouterScore(), inputs=(torch.randn(5, 8),))
     assert not any(m.param == "table" and m.axis == 0 for g in report.groups for m in g.members)
     assert any("table" in p.params and "indices" in p.reason for p in report.pinned)
+
+
+def test_routing_weights_cast_like_the_activations_stay_invariant():
+    """GraniteMoE's router returns ``softmax(top_k_logits).type_as(hidden_states)``: the cast must not turn the
+    weights into an unknown value (that pinned the router and hid the expert permutation)."""
+    config = AutoConfig.for_model("granitemoe", vocab_size=100, hidden_size=32, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                  num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    subject = symgraph.load(model)
+    (experts,) = [g for g in subject.report.groups if g.motif == "experts"]
+    assert any(m.param.endswith("router.weight") for m in experts.members)
+    assert fuzz(subject, samples=2, seed=1).ok
+
+
+def test_two_independent_moe_models_merge_closer_once_aligned(zoo_subject):
+    from symgraph.merging import merge
+
+    other = zoo.build("mixtral", seed=1)
+    pair = [zoo_subject("mixtral"), symgraph.load(other, zoo.example_inputs_for("mixtral", other))]
+    aligned = merge(pair, method="simple", progress=False)
+    assert max(aligned.distances) < min(aligned.distances_before)
+    assert set(aligned.state) == set(pair[0].state_dict())
+
+
+class _Unsorted(torch.nn.Module):
+    """``topk(sorted=False)`` returns its k results in an order that depends on the router rows' order: summing
+    over them is blind to it, taking the first one is not."""
+
+    def __init__(self, first_only: bool):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8))
+        self.first_only = first_only
+
+    def forward(self, x):
+        weights, index = torch.topk(self.router(x), 2, dim=-1, sorted=False)
+        if self.first_only:
+            weights, index = weights[:, :1], index[:, :1]
+        routing = (torch.nn.functional.one_hot(index, 4).to(x.dtype) * weights.unsqueeze(-1)).sum(-2)
+        return torch.einsum("teo,te->to", torch.einsum("eod,td->teo", self.experts, x), routing)
+
+
+@pytest.mark.parametrize("first_only", [False, True])
+def test_unsorted_top_k_is_followed_only_by_order_blind_consumers(first_only):
+    model, x = _Unsorted(first_only), torch.randn(6, 8)
+    subject = symgraph.load(model, (x,))
+    moves_router = any(m.param == "router.weight" for g in subject.report.groups for m in g.members)
+    assert moves_router is not first_only
+    assert fuzz(subject, samples=3, seed=2).ok

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..capture import Capture
+from ..moe import note_shared_expert_units
 from ..spec import Specs, load_specs
 from .assemble import Analysis, Assembler
 from .walk import Walker
@@ -11,7 +12,9 @@ def analyse_capture(cap: Capture, specs: Specs | None = None) -> Analysis:
     """Walk ``cap``'s graph and assemble every symmetry group it admits."""
     specs = specs or load_specs()
     walker = Walker(cap, specs).run()
-    return Assembler(walker, specs).analyse()
+    analysis = Assembler(walker, specs).analyse()
+    analysis.groups = note_shared_expert_units(analysis.groups)
+    return analysis
 
 
 __all__ = ["Analysis", "analyse_capture"]

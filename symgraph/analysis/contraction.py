@@ -109,33 +109,32 @@ class Contraction:
                 self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
                 continue
             passed_b.append((cb, vb))
-        passed_b, tied = self._tie_batch_factors(a, b, passed_a, passed_b, batch)
+        passed_a, passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch, outs, out_letters, out_shape)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
-            if not any(chan is t for t in tied):  # a tied factor moves with the data beside it
-                self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
+            self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
                 outs.append(moved)
         return _merge_batch_channels(self.w, outs, self.node)
 
-    def _tie_batch_factors(self, a: Operand, b: Operand, passed_a, passed_b, batch: set[str]) -> list:
+    def _tie_batch_factors(self, a: Operand, b: Operand, passed_a, passed_b, batch: set[str], outs: list,
+                           out_letters: str, out_shape) -> tuple[list, list]:
         """Channels of both operands that vary along the same batch letters only (expert ``e``'s activations
         times expert ``e``'s weights) are one coordinate: tie them, permutation only (their scales would
-        multiply), and keep one copy for the output. Returns the remaining channels of ``b`` and the tied ones
-        of ``a``."""
-        kept, tied = list(passed_b), []
+        multiply), and put one copy in ``outs``. Returns the passing channels left to place."""
+        kept_a, kept_b = [], list(passed_b)
         for ca, va in passed_a:
-            if ca.block or not va or not va <= batch:
-                continue
-            j = next((j for j, (cb, vb) in enumerate(kept) if not cb.block and vb == va), None)
+            j = None if ca.block or not va or not va <= batch else \
+                next((j for j, (cb, vb) in enumerate(kept_b) if not cb.block and vb == va), None)
             if j is None:
+                kept_a.append((ca, va))
                 continue
-            cb = kept.pop(j)[0]
+            cb = kept_b.pop(j)[0]
             self.w.c.tie(_along(ca.ids, a.letters, va), _along(cb.ids, b.letters, va))
             for c in (ca, cb):
                 self.w.c.restrict(c.ids, NEUTRAL, "multiplied elementwise along a batch axis", self.node)
-            tied.append(ca)
-        return kept, tied
+            outs.append(self._to_output(ca, va, a, out_letters, out_shape))
+        return kept_a, kept_b
 
     def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> None:
         """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns."""

@@ -2,6 +2,7 @@
 node's :class:`Value` (or a list of them for multi-output ops)."""
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 
 import torch
@@ -191,7 +192,9 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
     chans = v.chans
     if "neg" in str(node.target):
         chans = [c.scaled(-1.0) for c in chans]
-    return Value(chans=list(chans), shape=_shape_of(node))
+    # type_as(values, activation): the channels come from the reference tensor, the values (and whether they are
+    # invariant, as routing weights are) from the first argument
+    return Value(chans=list(chans), shape=_shape_of(node), invariant=v.invariant and not chans)
 
 
 def rule_ignore(w, node: fx.Node, spec) -> Value:
@@ -278,6 +281,8 @@ def squared(w, node: fx.Node, chan: Chan) -> Chan:
 def rule_contract(w, node: fx.Node, spec) -> Value:
     if spec.pattern == "einsum":
         pattern, operands = node.args[0], list(node.args[1])
+        if len(operands) != 2:  # operands after the second are not biases here: no rule says what they do
+            return _pin_moved(w, node, f"einsum of {len(operands)} operands, which no rule describes")
     else:
         operands = list(node.args) if spec.order is None else [node.args[i] for i in spec.order
                                                                 if i < len(node.args)]
@@ -862,10 +867,13 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     x = w.value(node.args[0])
     rank = len(x.shape)
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % rank
+    ordered = node.args[4] if len(node.args) > 4 else node.kwargs.get("sorted", True)
+    # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
+    followable = ordered or _order_blind(node, dim - rank)
     pointed = None
     for c in x.chans:
         c = w.resolve(c, node.name)
-        if pointed is None and not c.block and chan_axes(c) == {dim}:
+        if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
             pointed = c.ids[tuple(slice(None) if a == dim else 0 for a in range(rank))]
         else:
@@ -874,6 +882,60 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     if pointed is None:
         return [Value(shape=_shape_of(node, 0)), Value(shape=_shape_of(node, 1))]
     return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
+
+
+# Ops that treat every position of the top-k axis alike (its order passes through unchanged).
+_ELEMENTWISE = frozenset({"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
+                          "aten.add.Tensor", "aten.sub.Tensor", "aten.to.dtype", "aten._to_copy.default",
+                          "aten.type_as.default", "aten.clone.default", "aten.sigmoid.default",
+                          "aten.exp.default", "aten.softmax.int", "aten._softmax.default"})
+_SUMS = frozenset({"aten.sum.dim_IntList", "aten.mean.dim"})
+
+
+def _order_blind(topk: fx.Node, k_axis: int) -> bool:
+    """Whether every use of ``topk``'s outputs is blind to the order along the top-k axis (``k_axis``, counted
+    from the end): elementwise maths among them or with values constant along that axis, one-hot, gathering by
+    the indices, up to a sum over that axis."""
+    reached = _descendants(topk)
+    todo = [(user, k_axis) for user in topk.users]
+    while todo:
+        node, k = todo.pop()
+        target = str(node.target)
+        if target == "aten._assert_tensor_metadata.default":
+            continue
+        if node.target is operator.getitem or (target in _ELEMENTWISE and _alike_along(node, k, reached)):
+            todo += [(user, k) for user in node.users]
+        elif target == "aten.one_hot.default" or (
+                target == "aten.unsqueeze.default" and node.args[1] in (-1, len(node.meta["val"].shape) - 1)):
+            todo += [(user, k - 1) for user in node.users]  # a new last axis
+        elif target == "aten.gather.default" and node.args[2] in reached and node.args[0] not in reached:
+            todo += [(user, k) for user in node.users]
+        elif target in _SUMS:
+            rank = len(node.args[0].meta["val"].shape)
+            if k % rank not in {d % rank for d in node.args[1]}:
+                return False
+        else:
+            return False
+    return True
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
+
+
+def _alike_along(node: fx.Node, k: int, reached: set[fx.Node]) -> bool:
+    """Every other tensor operand also comes from the top-k, or does not vary along axis ``k`` (size 1 there)."""
+    for arg in node.all_input_nodes:
+        shape = arg.meta["val"].shape if isinstance(arg.meta.get("val"), torch.Tensor) else ()
+        if arg not in reached and len(shape) >= -k and shape[k] != 1:
+            return False
+    return True
 
 
 def rule_one_hot(w, node: fx.Node, spec) -> Value:
