@@ -226,17 +226,20 @@ def test_overwrite_swaps_in_one_step(tmp_path, monkeypatch):
     assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["w"], torch.ones(2))
 
 
-def test_sigterm_during_a_write_removes_the_temporary_folder(tmp_path, bert_folder, monkeypatch):
+@pytest.mark.parametrize("name, exit_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_a_write_removes_the_temporary_folder(tmp_path, bert_folder, monkeypatch, name, exit_code):
     import signal
 
+    sig = getattr(signal, name)
+
     def killed(*args, **kwargs):
-        # never kill the test runner itself: the CLI must have installed its handler by now
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # never kill the test runner itself: a handler that raises must be installed by now
+        assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
     code, _, _ = run("transform", bert_folder, "-o", tmp_path / "out")
-    assert code == 128 + signal.SIGTERM
+    assert code == exit_code
     assert list(tmp_path.iterdir()) == []
 
 
