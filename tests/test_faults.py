@@ -483,3 +483,14 @@ def test_a_report_may_sit_beside_the_model_files(tmp_path):
         assert code == 0, err
     code, _, err = run("report", folder, "-o", folder / "tokenizer.json")
     assert code == 2 and "input" in err
+
+
+def test_integer_tensor_in_a_pytorch_bin_checkpoint_is_refused(tmp_path):
+    folder = _saved("bert", tmp_path / "model")
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    stored["classifier.weight"] = (stored["classifier.weight"] * 100).to(torch.int64)
+    torch.save(stored, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError) as info:
+        load_model(folder)
+    assert "classifier.weight (int64 in pytorch_model.bin)" in str(info.value)
