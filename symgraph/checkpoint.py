@@ -55,11 +55,9 @@ def _meta_model(config: Any):
         return None
     try:
         cls, config = _model_class(config)
-    except Exception:  # a dict or object that is no transformers config: nothing to lay out
+        return None if cls is None else _build_meta(cls, config, None, name="", folder=None, dtype=None).model
+    except Exception:  # no transformers config, or a model that cannot be built empty: nothing to lay out by
         return None
-    if cls is None:
-        return None
-    return _build_meta(cls, config, None, name="", folder=None, dtype=None).model
 
 
 def _check_keys(state: Mapping[str, torch.Tensor], model) -> None:

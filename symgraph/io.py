@@ -533,15 +533,18 @@ def _build_config(config_dict: dict, config_file: Path):
 
 
 def _model_class(config) -> tuple[Any, Any]:
-    """(model class, config object) for a ``PretrainedConfig`` or a config dict, as loading would pick them."""
+    """(model class, config object) for a ``PretrainedConfig`` or a config dict, as loading would pick them; the
+    class is None when the config names one transformers does not have (custom code: its layout is unknown)."""
     import transformers
 
-    if isinstance(config, Mapping):
-        config, cls = _build_config(dict(config), Path("config.json"))
-        return cls, config
-    if not isinstance(config, transformers.PretrainedConfig):
+    as_dict = dict(config) if isinstance(config, Mapping) else config.to_dict() \
+        if isinstance(config, transformers.PretrainedConfig) else None
+    if as_dict is None or (as_dict.get("architectures") and _architecture_class(as_dict) is None):
         return None, config
-    cls = _architecture_class(config.to_dict())
+    if isinstance(config, Mapping):
+        config, cls = _build_config(as_dict, Path("config.json"))
+        return cls, config
+    cls = _architecture_class(as_dict)
     if cls is not None and not isinstance(config, cls.config_class):
         cls = None
     return cls or transformers.AutoModel, config

@@ -494,3 +494,14 @@ def test_integer_tensor_in_a_pytorch_bin_checkpoint_is_refused(tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load_model(folder)
     assert "classifier.weight (int64 in pytorch_model.bin)" in str(info.value)
+
+
+def test_a_custom_class_is_saved_with_its_own_keys(tmp_path):
+    """A config naming a class transformers does not have (custom code) has no known layout: every tensor is
+    written under its own name."""
+    model = zoo.build("llama-tied")
+    config = model_config(model)
+    config.architectures = ["MyOwnLlama"]
+    state = state_dict_of(model)
+    out = save_model(state, tmp_path / "out", config=config)
+    assert safetensors.torch.load_file(out / "model.safetensors").keys() == state.keys()
