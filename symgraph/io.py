@@ -356,10 +356,14 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
     """transformers fills missing tensors with random values and only logs it: a checkpoint that does not match
     the model key for key is bad input, never a model to analyse or transform."""
     problems = []
-    for key, what in (("missing_keys", "missing from the file (transformers would fill them with random values)"),
+    # an integer buffer (BatchNorm's num_batches_tracked) starts from a fixed value and is no weight: not missing
+    counters = {k for k, v in model.state_dict().items() if not v.is_floating_point()}
+    for key, what in (("missing_keys", "missing from the file (transformers would initialise them afresh, weights "
+                                       "at random)"),
                       ("unexpected_keys", "in the file but not in the model"),
                       ("mismatched_keys", "of another shape than the model's")):
         names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        names = [n for n in names if key != "missing_keys" or n not in counters]
         if names:
             problems.append(f"{len(names)} tensor(s) {what}: {_some(names)}")
     if info.get("error_msgs"):

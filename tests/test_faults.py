@@ -505,3 +505,23 @@ def test_a_custom_class_is_saved_with_its_own_keys(tmp_path):
     state = state_dict_of(model)
     out = save_model(state, tmp_path / "out", config=config)
     assert safetensors.torch.load_file(out / "model.safetensors").keys() == state.keys()
+
+
+def test_missing_batchnorm_counters_are_no_missing_weights(tmp_path):
+    """Checkpoints converted from other libraries often lack num_batches_tracked: an integer counter that starts
+    at 0, not a weight filled at random. A missing running mean is a missing weight."""
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    transformers.ResNetForImageClassification(config).eval().save_pretrained(tmp_path / "m")
+    file = tmp_path / "m" / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    counters = [k for k in stored if k.endswith("num_batches_tracked")]
+    assert counters
+    safetensors.torch.save_file({k: v for k, v in stored.items() if k not in counters}, file,
+                                metadata={"format": "pt"})
+    load_model(tmp_path / "m")
+    mean = next(k for k in stored if k.endswith("running_mean"))
+    safetensors.torch.save_file({k: v for k, v in stored.items() if k not in counters and k != mean}, file,
+                                metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path / "m")
+    assert f"initialise them afresh, weights at random): {mean}." in str(info.value)
