@@ -55,11 +55,9 @@ def _meta_model(config: Any):
         return None
     try:
         cls, config = _model_class(config)
-    except Exception:  # a dict or object that is no transformers config: nothing to lay out
+        return None if cls is None else _build_meta(cls, config, None, name="", folder=None, dtype=None).model
+    except Exception:  # no transformers config, or a model that cannot be built empty: nothing to lay out by
         return None
-    if cls is None:
-        return None
-    return _build_meta(cls, config, None, name="", folder=None, dtype=None).model
 
 
 def _check_keys(state: Mapping[str, torch.Tensor], model) -> None:
@@ -70,11 +68,15 @@ def _check_keys(state: Mapping[str, torch.Tensor], model) -> None:
 
         parts = ([f"missing {len(missing)}: {_some(missing)}"] if missing else []) + (
             [f"not in the model {len(unexpected)}: {_some(unexpected)}"] if unexpected else [])
+        unnamed = not getattr(model.config, "architectures", None)
         raise OutputError(
             f"The state dict to save does not match {type(model).__name__} of its config ({'; '.join(parts)}); "
-            "the written folder would not load back.",
-            hint="save the full state dict of the model the config describes (model.state_dict()), or pass the "
-            "config of the model these tensors belong to.")
+            "the written folder would not load back."
+            + (f" The config names no class in \"architectures\", so it describes the bare {type(model).__name__}."
+               if unnamed else ""),
+            hint=("pass symgraph.io.model_config(model), which names the model's class, instead of model.config."
+                  if unnamed else "save the full state dict of the model the config describes (model.state_dict()),"
+                  " or pass the config of the model these tensors belong to."))
 
 
 def _declared_ties(model) -> dict[str, str]:
@@ -136,8 +138,9 @@ def save_model(
     --------
     >>> import tempfile, torch
     >>> from symgraph import zoo
+    >>> from symgraph.io import model_config  # model.config, naming the model's class in "architectures"
     >>> model = zoo.build("llama-tied")
-    >>> out = save_model(model.state_dict(), tempfile.mkdtemp() + "/copy", config=model.config)
+    >>> out = save_model(model.state_dict(), tempfile.mkdtemp() + "/copy", config=model_config(model))
     >>> sorted(p.name for p in out.iterdir())
     ['config.json', 'model.safetensors']
     """

@@ -79,8 +79,7 @@ def prepare_output(out: Path, *, overwrite: bool, folder: bool) -> None:
 
 def _kind(path: Path) -> str:
     mode = path.lstat().st_mode
-    return ("folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "symbolic link"
-            if stat.S_ISLNK(mode) else "device, pipe or socket")
+    return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "device, pipe or socket"
 
 
 def temp_sibling(out: Path, *, folder: bool) -> Path:

@@ -356,10 +356,14 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
     """transformers fills missing tensors with random values and only logs it: a checkpoint that does not match
     the model key for key is bad input, never a model to analyse or transform."""
     problems = []
-    for key, what in (("missing_keys", "missing from the file (transformers would fill them with random values)"),
+    # an integer buffer (BatchNorm's num_batches_tracked) starts from a fixed value and is no weight: not missing
+    counters = {k for k, v in model.state_dict().items() if not v.is_floating_point()}
+    for key, what in (("missing_keys", "missing from the file (transformers would initialise them afresh, weights "
+                                       "at random)"),
                       ("unexpected_keys", "in the file but not in the model"),
                       ("mismatched_keys", "of another shape than the model's")):
         names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        names = [n for n in names if key != "missing_keys" or n not in counters]
         if names:
             problems.append(f"{len(names)} tensor(s) {what}: {_some(names)}")
     if info.get("error_msgs"):
@@ -379,18 +383,10 @@ def _some(names: list[str], limit: int = 4) -> str:
 
 
 def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
-    """transformers casts an integer tensor into a float parameter without a word; refuse it (safetensors only:
-    the dtype is in the header, so nothing is read)."""
+    """transformers casts an integer tensor into a float parameter without a word; refuse it."""
     floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
-    bad = []
-    for file in _safetensors_files(folder, weights):
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                dtype = handle.get_slice(key).get_dtype()
-                if not dtype.startswith(("F", "BF")) and _model_key(model, key, floating) in floating:
-                    bad.append(f"{key} ({dtype} in {file.name})")
+    bad = [f"{key} ({dtype} in {file.name})" for key, dtype, is_float, file in _stored_dtypes(folder, weights)
+           if not is_float and _model_key(model, key, floating) in floating]
     if bad:
         raise ModelLoadError(
             f"The weights in '{folder}' store integer or boolean values for floating-point parameters: "
@@ -398,6 +394,27 @@ def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
             hint="the checkpoint was written wrongly (or quantised in a format transformers cannot read back): "
             "re-save it from the floating-point model.",
         )
+
+
+def _stored_dtypes(folder: Path, weights: Path):
+    """(key, dtype name, is floating, file) of every stored tensor, without reading values: safetensors headers, or
+    memory-mapped .bin files (the dtype of an unreadable old-format .bin is left to transformers)."""
+    from safetensors import safe_open
+
+    for file in _weight_files(folder, weights):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    dtype = handle.get_slice(key).get_dtype()
+                    yield key, dtype, dtype.startswith(("F", "BF")), file
+            continue
+        try:
+            stored = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            continue
+        for key, value in stored.items():
+            if isinstance(value, torch.Tensor):
+                yield key, str(value.dtype).removeprefix("torch."), value.is_floating_point(), file
 
 
 def _model_key(model, stored_key: str, model_keys: set[str]) -> str:
@@ -520,15 +537,18 @@ def _build_config(config_dict: dict, config_file: Path):
 
 
 def _model_class(config) -> tuple[Any, Any]:
-    """(model class, config object) for a ``PretrainedConfig`` or a config dict, as loading would pick them."""
+    """(model class, config object) for a ``PretrainedConfig`` or a config dict, as loading would pick them; the
+    class is None when the config names one transformers does not have (custom code: its layout is unknown)."""
     import transformers
 
-    if isinstance(config, Mapping):
-        config, cls = _build_config(dict(config), Path("config.json"))
-        return cls, config
-    if not isinstance(config, transformers.PretrainedConfig):
+    as_dict = dict(config) if isinstance(config, Mapping) else config.to_dict() \
+        if isinstance(config, transformers.PretrainedConfig) else None
+    if as_dict is None or (as_dict.get("architectures") and _architecture_class(as_dict) is None):
         return None, config
-    cls = _architecture_class(config.to_dict())
+    if isinstance(config, Mapping):
+        config, cls = _build_config(as_dict, Path("config.json"))
+        return cls, config
+    cls = _architecture_class(as_dict)
     if cls is not None and not isinstance(config, cls.config_class):
         cls = None
     return cls or transformers.AutoModel, config
@@ -624,11 +644,16 @@ def _check_safetensors(file: Path) -> None:
         ) from exc
 
 
+def _weight_files(folder: Path, weights: Path) -> list[Path]:
+    """The weight files of a checkpoint: ``weights`` itself, or the shards its index lists."""
+    if weights.name.endswith(".index.json"):
+        return sorted({folder / s for s in _read_json(weights, what="weights index")["weight_map"].values()})
+    return [weights]
+
+
 def _safetensors_files(folder: Path, weights: Path) -> list[Path]:
     """The safetensors files of a checkpoint (its shards when ``weights`` is an index); none for .bin files."""
-    if weights.name == "model.safetensors.index.json":
-        return sorted({folder / s for s in _read_json(weights, what="weights index")["weight_map"].values()})
-    return [weights] if weights.suffix == ".safetensors" else []
+    return [f for f in _weight_files(folder, weights) if f.suffix == ".safetensors"]
 
 
 def _shape_mismatches(cls, config, folder: Path, weights: Path) -> list[tuple[str, tuple, tuple]]:

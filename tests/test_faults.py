@@ -226,17 +226,20 @@ def test_overwrite_swaps_in_one_step(tmp_path, monkeypatch):
     assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["w"], torch.ones(2))
 
 
-def test_sigterm_during_a_write_removes_the_temporary_folder(tmp_path, bert_folder, monkeypatch):
+@pytest.mark.parametrize("name, exit_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_a_write_removes_the_temporary_folder(tmp_path, bert_folder, monkeypatch, name, exit_code):
     import signal
 
+    sig = getattr(signal, name)
+
     def killed(*args, **kwargs):
-        # never kill the test runner itself: the CLI must have installed its handler by now
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # never kill the test runner itself: a handler that raises must be installed by now
+        assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
     code, _, _ = run("transform", bert_folder, "-o", tmp_path / "out")
-    assert code == 128 + signal.SIGTERM
+    assert code == exit_code
     assert list(tmp_path.iterdir()) == []
 
 
@@ -480,3 +483,45 @@ def test_a_report_may_sit_beside_the_model_files(tmp_path):
         assert code == 0, err
     code, _, err = run("report", folder, "-o", folder / "tokenizer.json")
     assert code == 2 and "input" in err
+
+
+def test_integer_tensor_in_a_pytorch_bin_checkpoint_is_refused(tmp_path):
+    folder = _saved("bert", tmp_path / "model")
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    stored["classifier.weight"] = (stored["classifier.weight"] * 100).to(torch.int64)
+    torch.save(stored, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError) as info:
+        load_model(folder)
+    assert "classifier.weight (int64 in pytorch_model.bin)" in str(info.value)
+
+
+def test_a_custom_class_is_saved_with_its_own_keys(tmp_path):
+    """A config naming a class transformers does not have (custom code) has no known layout: every tensor is
+    written under its own name."""
+    model = zoo.build("llama-tied")
+    config = model_config(model)
+    config.architectures = ["MyOwnLlama"]
+    state = state_dict_of(model)
+    out = save_model(state, tmp_path / "out", config=config)
+    assert safetensors.torch.load_file(out / "model.safetensors").keys() == state.keys()
+
+
+def test_missing_batchnorm_counters_are_no_missing_weights(tmp_path):
+    """Checkpoints converted from other libraries often lack num_batches_tracked: an integer counter that starts
+    at 0, not a weight filled at random. A missing running mean is a missing weight."""
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    transformers.ResNetForImageClassification(config).eval().save_pretrained(tmp_path / "m")
+    file = tmp_path / "m" / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    counters = [k for k in stored if k.endswith("num_batches_tracked")]
+    assert counters
+    safetensors.torch.save_file({k: v for k, v in stored.items() if k not in counters}, file,
+                                metadata={"format": "pt"})
+    load_model(tmp_path / "m")
+    mean = next(k for k in stored if k.endswith("running_mean"))
+    safetensors.torch.save_file({k: v for k, v in stored.items() if k not in counters and k != mean}, file,
+                                metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path / "m")
+    assert f"initialise them afresh, weights at random): {mean}." in str(info.value)
