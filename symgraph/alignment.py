@@ -425,9 +425,9 @@ class Aligner:
                    for h in todo if h is not g)
 
 
-def check_same_architecture(source, anchor) -> None:
-    """Refuse to align models whose configurations, parameters, shapes or detected groups differ, or whose
-    weights are not finite."""
+def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
+    """Refuse to align models whose configurations, parameters, shapes or (with ``groups``) detected groups differ,
+    or whose weights are not finite."""
     check_same_config(source.config, anchor.config)
     s, a = source.state_dict(), anchor.state_dict()
     if set(s) != set(a):
@@ -445,7 +445,7 @@ def check_same_architecture(source, anchor) -> None:
         if bad:
             raise MismatchError(f"The {name} has NaN or Inf values in {bad[0]} ({len(bad)} tensors).",
                                 hint="alignment needs finite weights; check the checkpoint.")
-    if [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
+    if groups and [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
         raise MismatchError("The two models have different symmetry groups.",
                             hint="compare `symgraph report` of both; they must be the same architecture.")
 

@@ -181,10 +181,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
-    src, anc, folded = folded_pair(src, anc, fold)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
+    # reads both reports: capture and analysis (and folding, if asked) happen here
+    src, anc, folded = folded_pair(src, anc, fold, check_same_architecture)
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
@@ -208,15 +208,20 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     return result
 
 
-def folded_pair(first: Subject, second: Subject, fold: bool | None) -> tuple[Subject, Subject, bool]:
-    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged."""
+def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:
+    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged.
+
+    ``check(first, second, groups=...)`` refuses models that do not match: before folding without comparing
+    groups (a folded model and an unfolded one have different groups until both are folded), after it with them.
+    """
     from .fold import folded_subject, pays_off
 
-    if fold is None:
-        fold = pays_off(first)
-    if not fold:
-        return first, second, False
-    return folded_subject(first), folded_subject(second), True
+    fold = pays_off(first) if fold is None else fold
+    check(first, second, groups=not fold)
+    if fold:
+        first, second = folded_subject(first), folded_subject(second)
+        check(first, second, groups=True)
+    return first, second, fold
 
 
 def _verify_alignment(evaluator, state, result) -> None:

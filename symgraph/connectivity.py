@@ -115,8 +115,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
-    first, second, _ = folded_pair(first, second, fold)
-    check_same_architecture(second, first)  # after the data: capturing takes longer
+    second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
     curves = {mode: _curve(mode, first, second, path, align_options or {}) for mode in aligns}

@@ -194,3 +194,13 @@ def test_cli_align_fold_recovers_a_transformed_folded_model(tmp_path):
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["distance_before"] > 0.3 and stats["distance_after"] < 1e-5
     assert any(v["kind"] == "orthogonal" and k.startswith("residual") for k, v in stats["groups"].items())
+
+
+def test_merge_folds_rmsnorm_models_by_default_and_keeps_the_first_models_function():
+    a, b = (symgraph.load(zoo.build("llama", seed=s)) for s in (0, 1))
+    result = symgraph.merge([a, b], weights=[1, 0], progress=False)  # default: fold (RMSNorm pays off)
+    assert all(name.endswith("(folded)") for name in result.models)
+    assert torch.equal(result.state["model.norm.weight"], torch.ones_like(result.state["model.norm.weight"]))
+    assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
+    vit = [symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1)]
+    assert not any("(folded)" in n for n in symgraph.merge(vit, progress=False).models)  # LayerNorm: not folded
