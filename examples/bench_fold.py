@@ -1,7 +1,7 @@
 """Does norm folding pay off? Loss barriers on the shipped pairs with and without ``--fold``; prints one JSON object.
 
 For each shipped pair (model A, model B, its test data) ``symgraph.barrier`` runs once on the models as trained and
-once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation`` and ``full``. A pair
+once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation``, ``paper`` and ``full``. A pair
 whose norms cannot be folded (post-LN BERT) records the refusal instead. The numbers decide the default of
 ``--fold`` (see ``symgraph/fold.py``, :func:`symgraph.fold.pays_off`), so rerun this after changing the aligner.
 
@@ -24,7 +24,7 @@ from symgraph.fold import FoldError
 
 MODELS = Path(symgraph.__file__).parent / "data" / "models"
 PAIRS = {"llama-chars": "pydoc-chars", "vit-digits": "digits", "bert-topics": "pydoc-topics"}
-MODES = ("none", "permutation", "full")
+MODES = ("none", "permutation", "paper", "full")
 
 
 def measure(pair: str, data: str, fold: bool, steps: int, limit: int | None) -> dict:

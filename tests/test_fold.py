@@ -26,6 +26,8 @@ from cli_runner import run, tree_digest
 
 SHIPPED = symgraph.__path__[0] + "/data/models"
 NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual writers centred, Q 1 = +-1)
+# every zoo family whose norms fold (the others are refused: post-LN, tied embeddings, Conv1D, bias-free heads)
+FOLDABLE = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "phi": True, "vit": True}
 
 
 def _subject(family, dtype=torch.float32):
@@ -61,14 +63,15 @@ def test_fold_keeps_the_function_at_two_shapes_and_leaves_unit_norms(family):
         assert result.centred == []
 
 
-@pytest.mark.parametrize("family", list(NORM_FAMILIES))
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FOLDABLE))
 def test_folded_residual_group_is_orthogonal_and_fuzzes_clean_at_two_shapes(family):
     subject = _folded64(family)
     residual = [g for g in subject.report.groups if g.motif == "residual"]
     assert len(residual) == 1
     g = residual[0]
     assert g.kind == "orthogonal" and g.size == subject.model.config.hidden_size and g.copies == 1
-    assert g.fixes_ones == NORM_FAMILIES[family]
+    assert g.fixes_ones == FOLDABLE[family]
     assert not any(m.action == "permute" for m in g.members)  # norm weights are held at 1, not moved
     assert not any(x.motif == "scale_free" for x in subject.report.groups)  # no norm weight left to trade scale
     other = symgraph.load(subject.model, zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=2))
@@ -127,7 +130,7 @@ def test_constrained_procrustes_recovers_and_is_optimal():
     assert np.trace(kernels.procrustes(noisy[None])[0].T @ noisy) >= np.trace(best.T @ noisy) - 1e-9
 
 
-@pytest.mark.parametrize("family", list(NORM_FAMILIES))
+@pytest.mark.parametrize("family", list(FOLDABLE))
 def test_a_reparametrised_folded_model_is_recovered_exactly(family):
     subject = _folded64(family)
     anchor = subject.state_dict()
