@@ -79,13 +79,15 @@ class AlignResult:
 
 
 def select_groups(groups, mode: str = "full", only: str | None = None, rescale: bool = True,
-                  layers: tuple[int, int] | None = None) -> list[Group]:
+                  layers: tuple[int, int] | None = None, general_linear: bool = False) -> list[Group]:
     """The groups a mode aligns (``paper``: per-head QK/VO with heads in fixed order, the QK rescale and a
     one-shot FFN permutation; ``permutation``: permutations only; ``full``: everything)."""
     if mode not in MODES:
         raise SymgraphError(f"Unknown mode {mode!r}.", hint=f"choose one of {', '.join(MODES)}.")
     if only is not None and only not in ONLY:
         raise SymgraphError(f"Unknown --only {only!r}.", hint=f"choose one of {', '.join(ONLY)}.")
+    if general_linear and mode == "full":
+        groups = general_linear_heads(groups)
     chosen = []
     for g in groups:
         if mode == "paper" and not (g.motif in ("qk", "vo") or (g.motif == "ffn" and g.kind != "scale")):
@@ -106,6 +108,20 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
             continue
         chosen.append(g)
     return chosen
+
+
+def general_linear_heads(groups) -> list[Group]:
+    """QK and VO groups whose exact group is GL(d_head) (the report's ``full_group``) widened to it; the QK scalar
+    rescale lies inside GL, so its separate group is dropped."""
+    widened = {g.id for g in groups if g.motif in ("qk", "vo") and g.kind == "orthogonal"
+               and g.full_group == "general_linear"}
+    out = []
+    for g in groups:
+        if g.id in widened:
+            out.append(replace(g, kind="general_linear", full_group=None))
+        elif not (g.kind == "scale" and g.motif == "qk" and g.links and g.links[0] in widened):
+            out.append(g)
+    return out
 
 
 def monomial_subgroup(g: Group) -> Group:

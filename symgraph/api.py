@@ -143,7 +143,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, fold: bool | None = None, inputs: Inputs = None, verify: bool = True,
+          matching_start: bool = False, fold: bool | None = None, general_linear: bool = False,
+          inputs: Inputs = None, verify: bool = True,
           progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
@@ -157,7 +158,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     ``None`` (the default) folds where measurements say it pays off (:func:`symgraph.fold.pays_off`: RMSNorm
-    models); ``result.folded`` says what was done.
+    models); ``result.folded`` says what was done. With ``general_linear`` (full mode) QK and VO groups whose
+    exact group is GL(d_head) are aligned in it (least squares from either side or Procrustes, whichever is
+    closest, maps worse conditioned than 100 refused) instead of in its orthogonal subgroup.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -187,7 +190,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     src, anc, folded = folded_pair(src, anc, fold, check_same_architecture)
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
+    groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers,
+                           general_linear=general_linear)
     state = src.state_dict()
     evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
     free = free_cost_members(src, groups, mode, evaluator)

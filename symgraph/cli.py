@@ -94,16 +94,19 @@ def _descent_options(command):
         click.option("--matching-start", is_flag=True,
                      help="Full mode: descend also from weight matching of the permutations, keep the closer "
                           "result (about twice the time; can help between independently trained models)."),
+        click.option("--general-linear", is_flag=True,
+                     help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
+                          "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start)
+                matching_start=matching_start, general_linear=general_linear)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -122,7 +125,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_FOLD_OPTION
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -133,7 +136,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start))
+                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                 general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
     save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
@@ -279,14 +283,15 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, output, json_path, no_progress, fold):
+            matching_start, general_linear, output, json_path, no_progress, fold):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
-                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start))
+                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                general_linear))
     result.plot(output)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
