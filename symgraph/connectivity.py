@@ -90,7 +90,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start`` (the ablations and the descent's length).
+        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads).
     fold
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
