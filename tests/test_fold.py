@@ -207,3 +207,28 @@ def test_merge_folds_rmsnorm_models_by_default_and_keeps_the_first_models_functi
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
     vit = [symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1)]
     assert not any("(folded)" in n for n in symgraph.merge(vit, progress=False).models)  # LayerNorm: not folded
+
+
+class _AffineFreeNorm(torch.nn.Module):
+    """A residual stream read only through a LayerNorm without weights: its group is {Q : Q 1 = +-1}, unfolded."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.fc, self.out = torch.nn.Linear(6, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.norm = torch.nn.LayerNorm(8, elementwise_affine=False)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.fc(self.norm(h))
+        return self.out(self.norm(h))
+
+
+def test_a_layernorm_without_weights_gives_the_constrained_group_and_it_is_sound():
+    """Before Group.fixes_ones the constraint was only a note, and the sampled full O(D) broke such models."""
+    torch.manual_seed(0)
+    model = _AffineFreeNorm().double()
+    subject = symgraph.load(model, (torch.randn(4, 6, dtype=torch.float64),))
+    g = next(g for g in subject.report.groups if g.motif == "residual")
+    assert g.kind == "orthogonal" and g.fixes_ones and g.dof == 7 * 6 // 2
+    for x in (torch.randn(4, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)):
+        assert fuzz(symgraph.load(model, (x,)), groups=[g], samples=8).ok
