@@ -152,6 +152,7 @@ def test_permutation_mode_aligns_a_folded_residual_by_its_permutations():
     ("bert", {}, "bert.embeddings.LayerNorm"),  # post-LN: the norm's output is the residual stream
     ("llama-tied", {}, "tied"),  # lm_head is the embedding table: one fold cannot serve both
     ("gpt-neox", {}, "has none"),  # a LayerNorm bias cannot move into a bias-free lm_head
+    ("torch-relu-mlp", {}, "nothing to fold"),  # no norm at all
 ])
 def test_unfoldable_norms_are_refused_by_name(family, overrides, needle):
     subject = _subject(family)
