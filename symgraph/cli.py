@@ -260,8 +260,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
-    click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
-               f"model to the merge: {distances}")
+    folded = ", norms folded first" if any(n.endswith("(folded)") for n in result.models) else ""
+    click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
+               f"each model to the merge: {distances}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "
@@ -293,6 +294,8 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                 general_linear))
     result.plot(output)
+    if any(n.endswith("(folded)") for n in result.models):
+        click.echo("  both models were folded first (symgraph fold); --no-fold compares them as trained")
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     for mode, curve in result.curves.items():
