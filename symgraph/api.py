@@ -143,7 +143,7 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, fold: bool | None = None, general_linear: bool = False,
+          matching_start: bool = False, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True,
           progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
@@ -157,8 +157,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
-    ``None`` (the default) folds where measurements say it pays off (:func:`symgraph.fold.pays_off`: RMSNorm
-    models); ``result.folded`` says what was done. With ``general_linear`` (full mode) QK and VO groups whose
+    Off by default: the result is then in the folded frame and must be compared with (or merged into) the
+    folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
+    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was done. With ``general_linear`` (full mode) QK and VO groups whose
     exact group is GL(d_head) are aligned in it (least squares from either side or Procrustes, whichever is
     closest, maps worse conditioned than 100 refused) instead of in its orthogonal subgroup.
 

@@ -77,10 +77,11 @@ def fold(model, output, json_path, overwrite):
                f"outputs equal to the model's (relative error {result.verified_error:.1e})")
 
 
+_FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the residual stream then aligns by an "
+              "orthogonal map instead of a permutation.")
 _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
-                            help="Fold the norms of the models first (see `symgraph fold`): the residual stream "
-                                 "then aligns by an orthogonal map instead of a permutation. Default: where "
-                                 "measured barriers fell (RMSNorm models), not for LayerNorm models.")
+                            help=f"{_FOLD_HELP} Default: where measured barriers fell (RMSNorm models), not for "
+                                 f"LayerNorm models.")
 
 
 def _descent_options(command):
@@ -123,7 +124,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
               help="Write per-group and total distances and the time per stage as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@_FOLD_OPTION
+@click.option("--fold/--no-fold", default=False, show_default=True,
+              help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, stats_path, overwrite, quiet, fold):
     from .api import align as run_align, load

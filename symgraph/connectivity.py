@@ -211,7 +211,7 @@ def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, 
     """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
     if mode == "none":
         return source.state_dict()
-    return align(source, anchor, mode=mode, verify=True, **options).state
+    return align(source, anchor, mode=mode, verify=True, fold=False, **options).state  # folded (or not) already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
