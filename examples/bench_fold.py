@@ -1,7 +1,8 @@
 """Does norm folding pay off? Loss barriers on the shipped pairs with and without ``--fold``; prints one JSON object.
 
 For each shipped pair (model A, model B, its test data) ``symgraph.barrier`` runs once on the models as trained and
-once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation`` and ``full``. A pair
+once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation``, ``paper`` and ``full``, and ``full`` with QK/VO aligned in GL(d_head)
+(``general_linear``). A pair
 whose norms cannot be folded (post-LN BERT) records the refusal instead. The numbers decide the default of
 ``--fold`` (see ``symgraph/fold.py``, :func:`symgraph.fold.pays_off`), so rerun this after changing the aligner.
 
@@ -24,19 +25,23 @@ from symgraph.fold import FoldError
 
 MODELS = Path(symgraph.__file__).parent / "data" / "models"
 PAIRS = {"llama-chars": "pydoc-chars", "vit-digits": "digits", "bert-topics": "pydoc-topics"}
-MODES = ("none", "permutation", "full")
+MODES = ("none", "permutation", "paper", "full")
 
 
 def measure(pair: str, data: str, fold: bool, steps: int, limit: int | None) -> dict:
     clock = time.perf_counter()
+    a, b = MODELS / f"{pair}-a", MODELS / f"{pair}-b"
     try:
-        result = symgraph.barrier(MODELS / f"{pair}-a", MODELS / f"{pair}-b", data, steps=steps, aligns=MODES,
-                                  limit=limit, fold=fold, progress=False)
+        result = symgraph.barrier(a, b, data, steps=steps, aligns=MODES, limit=limit, fold=fold, progress=False)
     except FoldError as exc:
         return {"refused": exc.message}
+    curves = dict(result.curves)
+    wide = symgraph.barrier(a, b, data, steps=steps, aligns=("full",), limit=limit, fold=fold, progress=False,
+                            align_options={"general_linear": True})
+    curves["full+general_linear"] = wide.curves["full"]
     return {"seconds": round(time.perf_counter() - clock, 1),
             **{mode: {"loss_barrier": round(c.loss_barrier, 4), "distance": round(c.distance, 4),
-                      "align_seconds": round(c.seconds, 1)} for mode, c in result.curves.items()}}
+                      "align_seconds": round(c.align_seconds, 1)} for mode, c in curves.items()}}
 
 
 def main(argv=None) -> None:

@@ -80,13 +80,15 @@ class AlignResult:
 
 
 def select_groups(groups, mode: str = "full", only: str | None = None, rescale: bool = True,
-                  layers: tuple[int, int] | None = None) -> list[Group]:
+                  layers: tuple[int, int] | None = None, general_linear: bool = False) -> list[Group]:
     """The groups a mode aligns (``paper``: per-head QK/VO with heads in fixed order, the QK rescale and a
     one-shot FFN permutation; ``permutation``: permutations only; ``full``: everything)."""
     if mode not in MODES:
         raise SymgraphError(f"Unknown mode {mode!r}.", hint=f"choose one of {', '.join(MODES)}.")
     if only is not None and only not in ONLY:
         raise SymgraphError(f"Unknown --only {only!r}.", hint=f"choose one of {', '.join(ONLY)}.")
+    if general_linear and mode == "full":
+        groups = general_linear_heads(groups)
     chosen = []
     for g in groups:
         if mode == "paper" and not (g.motif in ("qk", "vo") or (g.motif == "ffn" and g.kind != "scale")):
@@ -107,6 +109,20 @@ def select_groups(groups, mode: str = "full", only: str | None = None, rescale: 
             continue
         chosen.append(g)
     return chosen
+
+
+def general_linear_heads(groups) -> list[Group]:
+    """QK and VO groups whose exact group is GL(d_head) (the report's ``full_group``) widened to it; the QK scalar
+    rescale lies inside GL, so its separate group is dropped."""
+    widened = {g.id for g in groups if g.motif in ("qk", "vo") and g.kind == "orthogonal"
+               and g.full_group == "general_linear"}
+    out = []
+    for g in groups:
+        if g.id in widened:
+            out.append(replace(g, kind="general_linear", full_group=None))
+        elif not (g.kind == "scale" and g.motif == "qk" and g.links and g.links[0] in widened):
+            out.append(g)
+    return out
 
 
 def monomial_subgroup(g: Group) -> Group:
@@ -432,9 +448,9 @@ class Aligner:
                    for h in todo if h is not g)
 
 
-def check_same_architecture(source, anchor) -> None:
-    """Refuse to align models whose configurations, parameters, shapes or detected groups differ, or whose
-    weights are not finite."""
+def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
+    """Refuse to align models whose configurations, parameters, shapes or (with ``groups``) detected groups differ,
+    or whose weights are not finite."""
     check_same_config(source.config, anchor.config)
     s, a = source.state_dict(), anchor.state_dict()
     if set(s) != set(a):
@@ -452,7 +468,7 @@ def check_same_architecture(source, anchor) -> None:
         if bad:
             raise MismatchError(f"The {name} has NaN or Inf values in {bad[0]} ({len(bad)} tensors).",
                                 hint="alignment needs finite weights; check the checkpoint.")
-    if [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
+    if groups and [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
         raise MismatchError("The two models have different symmetry groups.",
                             hint="compare `symgraph report` of both; they must be the same architecture.")
 

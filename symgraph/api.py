@@ -164,7 +164,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, fold: bool | None = None, inputs: Inputs = None, verify: bool = True,
+          matching_start: bool = False, fold: bool | None = False, general_linear: bool = False,
+          inputs: Inputs = None, verify: bool = True,
           progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
@@ -177,8 +178,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
-    ``None`` (the default) folds where measurements say it pays off (:func:`symgraph.fold.pays_off`: RMSNorm
-    models); ``result.folded`` says what was done.
+    Off by default: the result is then in the folded frame and must be compared with (or merged into) the
+    folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
+    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was done. With ``general_linear`` (full mode) QK and VO groups whose
+    exact group is GL(d_head) are aligned in it (least squares from either side or Procrustes, whichever is
+    closest, maps worse conditioned than 100 refused) instead of in its orthogonal subgroup.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -202,14 +206,15 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
-    src, anc, folded = folded_pair(src, anc, fold)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    check_same_architecture(src, anc)  # reads both reports: capture and analysis happen here
+    # reads both reports: capture and analysis (and folding, if asked) happen here
+    src, anc, folded = folded_pair(src, anc, fold, check_same_architecture)
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
     _check_layers(layers, src.report.groups)
-    groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers)
+    groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers,
+                           general_linear=general_linear)
     state = src.state_dict()
     evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
     free = free_cost_members(src, groups, mode, evaluator)
@@ -230,15 +235,20 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     return result
 
 
-def folded_pair(first: Subject, second: Subject, fold: bool | None) -> tuple[Subject, Subject, bool]:
-    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged."""
+def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:
+    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged.
+
+    ``check(first, second, groups=...)`` refuses models that do not match: before folding without comparing
+    groups (a folded model and an unfolded one have different groups until both are folded), after it with them.
+    """
     from .fold import folded_subject, pays_off
 
-    if fold is None:
-        fold = pays_off(first)
-    if not fold:
-        return first, second, False
-    return folded_subject(first), folded_subject(second), True
+    fold = pays_off(first) if fold is None else fold
+    check(first, second, groups=not fold)
+    if fold:
+        first, second = folded_subject(first), folded_subject(second)
+        check(first, second, groups=True)
+    return first, second, fold
 
 
 def _check_layers(layers: tuple[int, int] | None, groups) -> None:

@@ -81,10 +81,11 @@ def fold(model, output, json_path, overwrite):
                f"outputs equal to the model's (relative error {result.verified_error:.1e})")
 
 
+_FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the residual stream then aligns by an "
+              "orthogonal map instead of a permutation.")
 _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
-                            help="Fold the norms of the models first (see `symgraph fold`): the residual stream "
-                                 "then aligns by an orthogonal map instead of a permutation. Default: where "
-                                 "measured barriers fell (RMSNorm models), not for LayerNorm models.")
+                            help=f"{_FOLD_HELP} Default: where measured barriers fell (RMSNorm models), not for "
+                                 f"LayerNorm models.")
 
 
 def _descent_options(command):
@@ -98,16 +99,19 @@ def _descent_options(command):
         click.option("--matching-start", is_flag=True,
                      help="Full mode: descend also from weight matching of the permutations, keep the closer "
                           "result (about twice the time; can help between independently trained models)."),
+        click.option("--general-linear", is_flag=True,
+                     help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
+                          "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start)
+                matching_start=matching_start, general_linear=general_linear)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -124,9 +128,10 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start) -> dict:
               help="Write per-group and total distances and the time per stage as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@_FOLD_OPTION
+@click.option("--fold/--no-fold", default=False, show_default=True,
+              help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -138,7 +143,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start))
+                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                 general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -273,9 +279,10 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
+    folded = ", norms folded first" if any(n.endswith("(folded)") for n in result.models) else ""
     frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
-    click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}); distance of each "
-               f"model to the merge: {distances}{frame}")
+    click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
+               f"each model to the merge: {distances}{frame}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "
@@ -297,7 +304,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, output, json_path, no_progress, fold):
+            matching_start, general_linear, output, json_path, no_progress, fold):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
@@ -306,9 +313,12 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
-                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start))
+                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                general_linear))
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.plot(output)
+    if any(n.endswith("(folded)") for n in result.models):
+        click.echo("  both models were folded first (symgraph fold); --no-fold compares them as trained")
     for mode, curve in result.curves.items():
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
         click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")

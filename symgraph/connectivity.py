@@ -91,7 +91,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start`` (the ablations and the descent's length).
+        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads).
     fold
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
@@ -116,8 +116,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
-    first, second, _ = folded_pair(first, second, fold)
-    check_same_architecture(second, first)  # after the data: capturing takes longer
+    second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
     curves = {mode: _curve(mode, first, second, path, align_options or {}) for mode in aligns}
@@ -225,7 +224,7 @@ def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, 
     """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
     if mode == "none":
         return source.state_dict()
-    return align(source, anchor, mode=mode, verify=True, **options).state
+    return align(source, anchor, mode=mode, verify=True, fold=False, **options).state  # folded (or not) already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
@@ -290,7 +289,7 @@ def _save_figure(figure, path: Path) -> Path:
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
-ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start")
+ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear")
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:

@@ -85,9 +85,13 @@ def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
                         hint="fold a model with its weights.")
     cap = subject.capture
     norms = find_norms(cap)
+    if not norms:
+        raise FoldError(f"{subject.name} has no norm on a residual stream (no layer_norm op, no RMSNorm "
+                        f"weight * x * rsqrt(...)) in its graph: there is nothing to fold.",
+                        hint="align without --fold.")
     state = subject.state_dict()
     folded = {**state, **_folded_params(state, norms)}
-    centred = residual_writers(cap, norms) if norms and all(n.centres for n in norms) else []
+    centred = residual_writers(cap, norms) if all(n.centres for n in norms) else []
     folded.update(_centred(folded, centred))
     result = FoldResult(folded, norms, sorted({name for name, _ in centred}))
     if verify:
@@ -119,7 +123,8 @@ def folded_subject(subject, inputs=None):
     result = fold(subject)
     model = copy.deepcopy(subject.model)
     model.load_state_dict(result.state, strict=True)
-    return Subject(model, f"{subject.name} (folded)", subject.args, dict(subject.kwargs), subject.config,
+    name = subject.name if subject.name.endswith("(folded)") else f"{subject.name} (folded)"
+    return Subject(model, name, subject.args, dict(subject.kwargs), subject.config,
                    subject.path, subject.config_only)
 
 

@@ -151,17 +151,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m) for m in models]
-    if fold is None:
-        from .fold import pays_off
-
-        fold = pays_off(subjects[0])
-    if fold:
-        from .fold import folded_subject
-
-        subjects = [folded_subject(s) for s in subjects]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
-    check_compatible(subjects, exclude, groups=align != "none")  # after the data: capturing takes longer
+    subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
     consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress)
     clock.lap("align")
@@ -173,6 +165,20 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
                        clock.laps(), source.config, source.path)
+
+
+def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool) -> list:
+    """Every subject folded (:func:`symgraph.fold`) when ``fold``, or when None and it pays off for the first;
+    checked to match (:func:`check_compatible`) before folding, and their groups after it."""
+    from .fold import folded_subject, pays_off
+
+    fold = pays_off(subjects[0]) if fold is None else fold
+    check_compatible(subjects, exclude, groups=groups and not fold)
+    if not fold:
+        return subjects
+    subjects = [folded_subject(s) for s in subjects]
+    check_compatible(subjects, exclude, groups=groups)
+    return subjects
 
 
 # -- methods ---------------------------------------------------------------------------------------------------------
