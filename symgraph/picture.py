@@ -4,8 +4,9 @@ Parameters are rows, grouped into sections along the model: what comes before th
 block drawn once with its repeats counted (``model.layers.*`` x 4), then what comes after. A row shows the
 parameter's name and shape and, for each of its first two axes, a lane as long as the axis; every group acting
 on that axis is a coloured span over the coordinates it moves (colour: motif; fill: the action, see
-:data:`ACTION_STYLES`), cut at the boundaries of its copies (heads). Layers whose rows would be drawn the same are
-one section, so the picture's size follows the number of distinct blocks, not the depth.
+:data:`ACTION_STYLES`), cut at the boundaries of its copies (heads). A parameter with pinned coordinates
+says why under its shape. Layers whose rows would be drawn the same are one section, so the picture's size follows
+the number of distinct blocks, not the depth.
 
 Examples
 --------
@@ -17,6 +18,7 @@ True
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ class Row:
     name: str  # relative to the section's block prefix, numbers inside a block as ``*``
     shape: tuple[int, ...]
     spans: tuple[Span, ...]
+    pinned: tuple[str, ...] = ()  # why coordinates of this parameter are pinned (report.pinned reasons)
     repeats: int = 1  # rows folded into this one (experts of an MoE block)
 
 
@@ -74,7 +77,7 @@ class Section:
 
 def sections(report: Report) -> list[Section]:
     """The picture's sections, in the order their parameters appear in the model."""
-    spans = _spans_by_param(report.groups)
+    marks = _Marks(_spans_by_param(report.groups), _pins_by_param(report))
     pieces: list[tuple[str, int | None, str]] = []  # (block prefix, block number or None, parameter)
     for param in report.parameters:
         prefix, number = _block_of(param)
@@ -83,9 +86,9 @@ def sections(report: Report) -> list[Section]:
     runs = _runs(pieces)
     for i, (prefix, numbers, params) in enumerate(runs):
         if numbers is None:
-            out.append(Section(_outside_title(i, len(runs)), _fold(params, "", report, spans)))
+            out.append(Section(_outside_title(i, len(runs)), _fold(params, "", report, marks)))
             continue
-        out += _block_sections(prefix, numbers, params, report, spans)
+        out += _block_sections(prefix, numbers, params, report, marks)
     return out
 
 
@@ -119,14 +122,15 @@ def _outside_title(position: int, runs: int) -> str:
         "After the repeated blocks" if position == runs - 1 else "Between repeated blocks"
 
 
-def _block_sections(prefix: str, numbers: list[int], params: list[str], report: Report, spans) -> list[Section]:
+def _block_sections(prefix: str, numbers: list[int], params: list[str], report: Report,
+                    marks: _Marks) -> list[Section]:
     """One section per distinct block; blocks whose rows are equal share it and are counted."""
     by_number: dict[int, list[str]] = {}
     for param in params:
         by_number.setdefault(_block_of(param)[1], []).append(param)
     variants: dict[tuple[Row, ...], list[int]] = {}
     for number in numbers:
-        rows = _fold(by_number[number], f"{prefix}.{number}." if prefix else f"{number}.", report, spans)
+        rows = _fold(by_number[number], f"{prefix}.{number}." if prefix else f"{number}.", report, marks)
         variants.setdefault(rows, []).append(number)
     return [Section(_block_title(prefix, which, len(numbers)), rows) for rows, which in variants.items()]
 
@@ -146,15 +150,31 @@ def _number_ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _fold(params: list[str], strip: str, report: Report, spans) -> tuple[Row, ...]:
+@dataclass(frozen=True)
+class _Marks:
+    """What is drawn on each parameter: the spans of the groups acting on it, the reasons it is pinned."""
+
+    spans: dict[str, tuple[Span, ...]]
+    pins: dict[str, tuple[str, ...]]
+
+
+def _fold(params: list[str], strip: str, report: Report, marks: _Marks) -> tuple[Row, ...]:
     """Rows of ``params`` named relative to ``strip``; rows equal but for an inner number (experts) fold."""
-    rows: dict[tuple, Row] = {}
+    rows: dict[Row, Row] = {}
     for param in params:
         name = _DIGITS.sub("*", param[len(strip):]) if strip else param
-        row = Row(name, tuple(report.parameters[param]), spans.get(param, ()))
-        key = (row.name, row.shape, row.spans)
-        rows[key] = Row(row.name, row.shape, row.spans, rows[key].repeats + 1) if key in rows else row
+        row = Row(name, tuple(report.parameters[param]), marks.spans.get(param, ()), marks.pins.get(param, ()))
+        rows[row] = dataclasses.replace(rows[row], repeats=rows[row].repeats + 1) if row in rows else row
     return tuple(rows.values())
+
+
+def _pins_by_param(report: Report) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for pin in report.pinned:
+        for param in pin.params:
+            if pin.reason not in out.setdefault(param, []):
+                out[param].append(pin.reason)
+    return {param: tuple(reasons) for param, reasons in out.items()}
 
 
 def _spans_by_param(groups: tuple[Group, ...]) -> dict[str, tuple[Span, ...]]:
@@ -241,7 +261,7 @@ def _row(row: Row, y: int) -> tuple[str, int]:
     repeats = f"  x{row.repeats}" if row.repeats > 1 else ""
     parts = [f'<line x1="0" x2="{WIDTH}" y1="{y + height - 4}" y2="{y + height - 4}" class="rowline"/>',
              f'<text x="8" y="{y + 14}" class="pname"><title>{_esc(row.name)}</title>{_esc(name)}{repeats}</text>',
-             f'<text x="8" y="{y + 28}" class="pshape">{_esc(" x ".join(map(str, row.shape)) or "scalar")}</text>']
+             _shape_line(row, y + 28)]
     for column, spans in lanes.items():
         shown = spans[0].axis if spans else column  # the second lane shows axis 2 or 3 when a group acts there
         if shown < len(row.shape):
@@ -250,6 +270,17 @@ def _row(row: Row, y: int) -> tuple[str, int]:
             length = row.shape[span.axis] if span.axis < len(row.shape) else 1
             parts.append(_span_svg(span, length, y + 2 + lane * (SPAN_H + 3)))
     return "".join(parts), height
+
+
+def _shape_line(row: Row, y: int) -> str:
+    """The shape, and why coordinates are pinned when they are (full reasons on hover)."""
+    shape = " x ".join(map(str, row.shape)) or "scalar"
+    if not row.pinned:
+        return f'<text x="8" y="{y}" class="pshape">{_esc(shape)}</text>'
+    note = f"{shape} · pinned: {'; '.join(row.pinned)}"
+    short = note if len(note) <= 62 else note[:59] + "..."
+    return (f'<text x="8" y="{y}" class="pshape"><title>{_esc(note)}</title>{_esc(shape)} · '
+            f'<tspan class="pinned">{_esc(short[len(shape) + 3:])}</tspan></text>')
 
 
 def _axis_bar(length: int, axis: int, y: int, *, empty: bool) -> str:

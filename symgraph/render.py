@@ -385,7 +385,7 @@ svg.layers text { font-family: system-ui, -apple-system, "Segoe UI", sans-serif;
 svg.layers .colhead { font-size: 13px; font-weight: 600; fill: #444; }
 svg.layers .sechead { fill: #eef1f5; } svg.layers .sectitle { font-size: 14px; font-weight: 600; fill: #223; }
 svg.layers .pname { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; fill: #222; }
-svg.layers .pshape { font-size: 11px; fill: #777; } svg.layers .alen { font-size: 11px; fill: #888; }
+svg.layers .pshape { font-size: 11px; fill: #777; } svg.layers .pinned { fill: #b04a00; } svg.layers .alen { font-size: 11px; fill: #888; }
 svg.layers .axis { fill: #f6f6f6; stroke: #ddd; } svg.layers .rowline { stroke: #eee; }
 svg.layers .piece { stroke-width: 1; } svg.layers .span:hover .piece { stroke-width: 2.5; }
 svg.layers .slabel { font-size: 11px; font-weight: 600; fill: #111; paint-order: stroke; stroke: #fff;

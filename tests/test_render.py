@@ -295,10 +295,13 @@ def test_big_report_renders_quickly_and_draws_one_block():
     markdown, page = to_markdown(report), to_html(report)
     assert time.perf_counter() - start < 10
     assert int(_summary_value(markdown, "groups")) == 1000
-    [section] = sections(report)
-    assert section.title.startswith("model.layers.*   x 100") and "(blocks 0-99)" in section.title
-    assert [row.name for row in section.rows] == [f"m{j}.weight" for j in range(6)]
-    assert page.count('class="pname"') == 6  # drawn once, not 100 times
+    first, second, rest = sections(report)  # the synthetic pin covers the 10 parameters of blocks 0 and 1
+    assert [s.title for s in (first, second)] == ["model.layers.*   x 1 of 100   (blocks 0)",
+                                                   "model.layers.*   x 1 of 100   (blocks 1)"]
+    assert rest.title == "model.layers.*   x 98 of 100   (blocks 2-99)"
+    assert [row.name for row in rest.rows] == [f"m{j}.weight" for j in range(6)]
+    assert [bool(row.pinned) for row in second.rows] == [True] * 4 + [False] * 2
+    assert page.count('class="pname"') == 18  # three distinct blocks drawn once each, not 100 blocks
     assert _StrictParser().check(page) == []
 
 
@@ -326,6 +329,17 @@ def test_spans_cover_the_member_coordinates_cut_at_copies():
     svg = to_svg(report)
     widths = re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="16" fill="#4477aa"', svg)
     assert [float(w) for w in widths] == [LANE_W / 4] * 4  # each head a quarter of the 32-row axis
+
+
+def test_pinned_parameters_say_why_under_their_shape():
+    groups = tuple(_group(f"ffn:l.{i}", f"l.{i}", [f"l.{i}.up.weight"]) for i in range(2))
+    params = {"embed.weight": (50, 8)} | {f"l.{i}.up.weight": (8, 8) for i in range(2)}
+    pin = PinnedSpace(("embed.weight",), 50, "embedding rows are selected by input ids", node="embedding")
+    report = Report("toy", groups, (pin,), params)
+    before, block = sections(report)
+    assert before.rows[0].pinned == (pin.reason,) and block.rows[0].pinned == ()
+    svg = to_svg(report)
+    assert f"<title>50 x 8 · pinned: {pin.reason}</title>" in svg and 'class="pinned"' in svg
 
 
 def test_inner_repeats_fold_into_one_row():
