@@ -81,6 +81,15 @@ def test_depthwise_conv_shares_one_permutation_with_its_input():
     assert_fuzzed_at_two_shapes(subject)
 
 
+def test_same_padding_convs_use_the_same_rule():
+    """``padding="same"`` traces to the ``conv*d.padding`` overloads: read through the schema like the others."""
+    model = nn.Sequential(nn.Conv1d(3, 6, 3, padding="same"), nn.ReLU(), nn.Conv1d(6, 4, 3, padding="same", groups=2),
+                          nn.ReLU(), nn.Conv1d(4, 2, 1))
+    subject = load(model, (torch.randn(2, 3, 8),))
+    assert census(subject) == {"ffn permutation/positive 3x1": 1, "ffn permutation/positive 2x2": 1}
+    assert_fuzzed_at_two_shapes(subject)
+
+
 def test_depthwise_conv_on_input_data_pins_its_kernel():
     model = nn.Sequential(nn.Conv2d(3, 3, 3, groups=3), nn.ReLU(), nn.Conv2d(3, 2, 1))
     subject = load(model, (torch.randn(2, 3, 5, 5),))
