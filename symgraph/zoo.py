@@ -101,9 +101,9 @@ _HF: dict[str, _HFFamily] = {
         _MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True)),
     "olmoe": _HFFamily("olmoe", "AutoModelForCausalLM", dict(_MOE, num_experts=4, eos_token_id=2)),
     "deepseek-v2": _HFFamily("deepseek_v2", "AutoModelForCausalLM", dict(
-        _MOE, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-        kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
-        topk_method="greedy")),
+        _MOE, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=16, topk_method="greedy")),
     "gpt-oss": _HFFamily("gpt_oss", "AutoModelForCausalLM", dict(
         _MOE, num_local_experts=4, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=2.0, original_max_position_embeddings=32,
