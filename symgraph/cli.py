@@ -61,9 +61,9 @@ def _descent_options(command):
                      help="At most this many coordinate-descent rounds after the first pass (0: first pass only)."),
         click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
                      help="Stop descending once a round lowers the distance by less than this fraction."),
-        click.option("--matching-start", is_flag=True,
-                     help="Full mode: descend also from weight matching of the permutations, keep the closer "
-                          "result (about twice the time; can help between independently trained models)."),
+        click.option("--matching-start/--no-matching-start", default=True, show_default=True,
+                     help="Full and permutation modes, unless the first pass recovers the source exactly: descend "
+                          "also from textbook weight matching of the permutations and keep the closer result."),
     ]
     for option in reversed(options):
         command = option(command)
