@@ -51,9 +51,12 @@ def test_random_group_element_is_recovered_exactly(family):
 def test_full_mode_beats_paper_and_permutation_on_a_noisy_reparametrisation():
     subject, source = reparametrised("bert", noise=0.01)
     anchor = subject.state_dict()
-    after = {mode: align_states(select_groups(subject.report.groups, mode), source, anchor, mode=mode)
-             .distance_after for mode in ("full", "paper", "permutation")}
+    results = {mode: align_states(select_groups(subject.report.groups, mode), source, anchor, mode=mode)
+               for mode in ("full", "paper", "permutation")}
+    after = {mode: r.distance_after for mode, r in results.items()}
     assert after["full"] < 0.05 < after["paper"] and after["full"] < after["permutation"]
+    # the first pass found the reparametrisation: full mode skips its second start, permutation mode never does
+    assert list(results["full"].starts) == ["recovery"] and len(results["permutation"].starts) == 2
 
 
 def test_paper_mode_solves_each_group_once_and_leaves_the_residual_stream_alone():
@@ -198,8 +201,9 @@ def test_a_solver_that_breaks_the_function_is_named_and_nothing_is_returned(monk
     model.load_state_dict(source)
     honest = dispatch.SOLVERS["permutation"]
 
-    def sign_flipping(ws, g, members, ctx):  # GELU units do not commute with a sign flip
-        return [Element(e.group, perm=e.perm, diag=-e.diag) for e in honest.fn(ws, g, members, ctx)]
+    def sign_flipping(ws, g, members, ctx):  # GELU units commute with neither a sign flip nor a scale (and a
+        # second solve must not undo the first: both descent starts go through it)
+        return [Element(e.group, perm=e.perm, diag=-2 * e.diag) for e in honest.fn(ws, g, members, ctx)]
 
     monkeypatch.setitem(dispatch.SOLVERS, "permutation", dispatch.Solver("permutation", "broken", "", sign_flipping))
     with pytest.raises(InvarianceError, match=r"Group\(s\) at fault: ffn:"):
