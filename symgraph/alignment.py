@@ -336,7 +336,8 @@ class Aligner:
             self.rounds_run, moves = round_, len(self.elements)
             for done, i in enumerate(order.permutation(len(matching)), 1):
                 g = matching[i]
-                self._solve_and_apply([g], [list(g.members)], first_pass=False, keep_if_worse=True)
+                self._solve_and_apply([g], [list(g.members)], first_pass=False, keep_if_worse=True,
+                                      stage="weight_matching")
                 for m in g.members:
                     self.pending[(m.param, m.axis)].discard(g.id)
                 if progress is not None:
@@ -368,7 +369,7 @@ class Aligner:
         return batch
 
     def _solve_and_apply(self, groups: list[Group], members: list[list[Member]], *, first_pass: bool,
-                         keep_if_worse: bool) -> None:
+                         keep_if_worse: bool, stage: str | None = None) -> None:
         """Solve ``groups`` (one, or a batch of independent rotations) and apply each group's elements; in
         refinement a group's elements are kept only if its own distance falls."""
         clock = time.perf_counter()
@@ -394,7 +395,8 @@ class Aligner:
                     apply_in_place(self.ws.src, [inverse(e) for e in reversed(elements)])
                     after = before
             self.solved_at[g.id] = self._versions(g)
-            self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, "first_pass" if first_pass else "refine",
+            stage = stage or ("first_pass" if first_pass else "refine")
+            self.stats.append(GroupStat(g.id, g.kind, solver_for(g).name, stage,
                                         float(np.sqrt(before)), float(np.sqrt(after)),
                                         seconds + time.perf_counter() - clock))
 
