@@ -7,8 +7,10 @@ axes, nothing overlapping them on this one), and the first pass always takes the
 determine (the residual stream from the embeddings, then norm scales, heads, rotations, FFN units). Head
 permutations are matched on per-head invariants (:mod:`symgraph.solve.heads`). ``full`` and ``permutation``
 modes then descend: every group whose parameters moved is solved again with all its members, a move is kept
-only if the group's distance falls, until a round gains less than ``tolerance`` (1e-4 by default). ``paper``
-mode solves each group once.
+only if the group's distance falls, until a round gains less than ``tolerance`` (1e-4 by default). Unless the
+source came back exactly, they also descend from a second start, weight matching of the permutations (the
+textbook Git Re-Basin algorithm, :func:`weight_matching`), and keep the closer result: between independently
+trained models the first pass's evidence can be thin. ``paper`` mode solves each group once.
 """
 from __future__ import annotations
 
@@ -148,8 +150,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     return _result(aligner, source, anchor, timings, starts, "matching" if aligner is not first else "recovery")
 
 
-def weight_matching(groups, source: dict, anchor: dict, *, seed: int = 0, rounds: int = _TEXTBOOK_ROUNDS, progress=None,
-                    cost_excluded=()) -> AlignResult:
+def weight_matching(groups, source: dict, anchor: dict, *, seed: int = 0, rounds: int = _TEXTBOOK_ROUNDS,
+                    progress=None, cost_excluded=()) -> AlignResult:
     """Textbook Git Re-Basin weight matching (Ainsworth et al., ICLR 2023), the reference any permutation mode
     must reach: the permutation groups of ``groups`` (residual stream, heads, FFN units), each solved by a
     Hungarian with all its members, from the identity, in a random order drawn from ``seed`` every round, until
@@ -202,8 +204,9 @@ def _found_share(mode: str) -> float:
 
 
 def _matching_start(groups, matching, source, anchor, mode, rounds, tolerance, progress, options) -> "Aligner":
-    """The second start: textbook weight matching of the permutations (:meth:`Aligner.match_from_identity`),
-    then, in ``full`` mode, the first pass of the other groups and descent over everything.
+    """The second start: textbook weight matching of the permutations (:meth:`Aligner.match_from_identity`; to
+    convergence in ``permutation`` mode, one round in ``full`` mode), then, in ``full`` mode, the first pass of
+    the other groups and descent over everything.
 
     The first pass solves each group from the members no unsolved group still moves: exact for a
     reparametrised copy, but between independently trained models that evidence can be thin (post-LN BERT's
