@@ -62,8 +62,9 @@ def _descent_options(command):
         click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
                      help="Stop descending once a round lowers the distance by less than this fraction."),
         click.option("--matching-start/--no-matching-start", default=True, show_default=True,
-                     help="Full and permutation modes, unless the first pass recovers the source exactly: descend "
-                          "also from textbook weight matching of the permutations and keep the closer result."),
+                     help="Full and permutation modes: descend also from weight matching of the permutations "
+                          "(textbook, to convergence, in permutation mode; one round in full mode, skipped once "
+                          "the first start removed 90% of the distance) and keep the closer result."),
     ]
     for option in reversed(options):
         command = option(command)
