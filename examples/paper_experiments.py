@@ -483,8 +483,17 @@ at a time.
   weight matching of the permutations and keep the closer result (`matching_start`, skipped when the first
   pass recovers the source exactly). Permutation mode starts from textbook weight matching run to
   convergence, so it is never farther from A than the `textbook` column; full mode starts from one round of
-  it (its descent re-solves every permutation anyway), which keeps its time on BERT-base near 2x of paper
-  mode's.
+  it (its descent re-solves every permutation anyway) and skips it once the first start removed 90% of the
+  distance. It costs time: on a 4-layer BERT-base pair of random initialisations full mode took 2.15x the paper
+  mode's time (README, bench_align.py), against about 1.5x with the first start alone.
+- **What the two starts did to the barriers** (the rows without the weight-matching start are the previous
+  default). Full mode: bert-topics 0.0104 -> 0.0000 on the test split and 0.298 -> 0.154 on the training split;
+  llama-chars and vit-digits keep their first start, unchanged. Permutation mode ends closer to A on bert-topics
+  (0.6492 against 0.6523) but its barrier rises there (0.109 -> 0.127 test, 0.069 -> 0.219 train): the closer
+  weight match is not the lower barrier. A aligned to B on llama-chars: full mode's weight-matching start ends
+  closer but its barrier is higher than the first start's was (2.559 against 2.239 in the previous report),
+  and `merge` (which aligns A to B there) scores 3.777 instead of 3.482 after full alignment; on bert-topics
+  it scores 1.123 instead of 1.136. The start is chosen by distance, and distance does not rank barriers.
 
 Rows: without the weight-matching start (the first pass alone, the previous default); a longer coordinate descent
 (the default stops once a round gains less than 1e-4); no QK / rotary rescaling; the other direction of alignment
