@@ -102,12 +102,6 @@ def twins(family):
     return subject.report.groups, b.state_dict(), subject.state_dict()
 
 
-def shipped(name):
-    """(groups, source, anchor) of a shipped pair of independently trained models (B aligned to A)."""
-    a, b = (symgraph.load(folder) for folder in shipped_pair(name))
-    return b.report.groups, b.state_dict(), a.state_dict()
-
-
 @pytest.mark.parametrize("family, closer", [("vit", "matching"), ("bert", "recovery")])
 def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family, closer):
     groups, source, anchor = twins(family)
