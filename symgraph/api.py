@@ -164,9 +164,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
-          matching_start: bool = False, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True,
-          progress=None):
+          matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
+          inputs: Inputs = None, verify: bool = True, progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -175,7 +174,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     ``permutation`` (permutations only, weight matching). ``only``, ``rescale`` and ``layers`` are the ablations.
     After the first pass, coordinate descent runs at most ``refine_rounds`` rounds and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
-    (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
+    (the default; full and permutation modes), unless the first pass recovers the source exactly, a second
+    descent starts from textbook weight matching of the permutations and the closer result is kept.
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the

@@ -96,9 +96,10 @@ def _descent_options(command):
                      help="At most this many coordinate-descent rounds after the first pass (0: first pass only)."),
         click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
                      help="Stop descending once a round lowers the distance by less than this fraction."),
-        click.option("--matching-start", is_flag=True,
-                     help="Full mode: descend also from weight matching of the permutations, keep the closer "
-                          "result (about twice the time; can help between independently trained models)."),
+        click.option("--matching-start/--no-matching-start", default=True, show_default=True,
+                     help="Full and permutation modes: descend also from weight matching of the permutations "
+                          "(textbook, to convergence, in permutation mode; one round in full mode, skipped once "
+                          "the first start removed 90% of the distance) and keep the closer result."),
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),

@@ -10,10 +10,14 @@ import torch
 
 import symgraph
 from symgraph import zoo
-from symgraph.alignment import align_states, key_bias_candidates, select_groups
+from symgraph.alignment import (align_states, free_cost_members, key_bias_candidates, relative_distance,
+                                select_groups, weight_matching)
+from symgraph.api import tie_aliases
+from symgraph.demo import shipped_pair
 from symgraph.elements import Element, apply, sample
 from symgraph.errors import InvarianceError, MismatchError, ModelLoadError, SymgraphError
 from symgraph.solve import dispatch
+from symgraph.solve.workspace import Workspace
 from symgraph.verify import Evaluator, free_members
 
 from cli_runner import run, tree_digest
@@ -47,9 +51,12 @@ def test_random_group_element_is_recovered_exactly(family):
 def test_full_mode_beats_paper_and_permutation_on_a_noisy_reparametrisation():
     subject, source = reparametrised("bert", noise=0.01)
     anchor = subject.state_dict()
-    after = {mode: align_states(select_groups(subject.report.groups, mode), source, anchor, mode=mode)
-             .distance_after for mode in ("full", "paper", "permutation")}
+    results = {mode: align_states(select_groups(subject.report.groups, mode), source, anchor, mode=mode)
+               for mode in ("full", "paper", "permutation")}
+    after = {mode: r.distance_after for mode, r in results.items()}
     assert after["full"] < 0.05 < after["paper"] and after["full"] < after["permutation"]
+    # the first pass found the reparametrisation: full mode skips its second start, permutation mode never does
+    assert list(results["full"].starts) == ["recovery"] and len(results["permutation"].starts) == 2
 
 
 def test_paper_mode_solves_each_group_once_and_leaves_the_residual_stream_alone():
@@ -88,22 +95,67 @@ def test_api_align_checks_the_function_and_reports_stages():
     assert stats["groups"] and all(g["after"] <= g["before"] + 1e-12 for g in stats["groups"].values())
 
 
-@pytest.mark.parametrize("family", ["bert", "vit"])
-def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family):
+def twins(family):
+    """(groups, source, anchor): two independent float64 initialisations of one tiny zoo model."""
     a, b = (zoo.build(family, seed=s, dtype=torch.float64) for s in (0, 1))
     subject = symgraph.load(a, zoo.example_inputs_for(family, a))
-    anchor, source, groups = subject.state_dict(), b.state_dict(), subject.report.groups
-    both = align_states(groups, source, anchor, matching_start=True)
-    first_pass_start = align_states(groups, source, anchor)
+    return subject.report.groups, b.state_dict(), subject.state_dict()
+
+
+@pytest.mark.parametrize("family, closer", [("vit", "matching"), ("bert", "recovery")])
+def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family, closer):
+    groups, source, anchor = twins(family)
+    both = align_states(groups, source, anchor)
+    first_pass_start = align_states(groups, source, anchor, matching_start=False)
     permutation = align_states(select_groups(groups, "permutation"), source, anchor, mode="permutation")
     assert set(both.starts) == {"recovery", "matching"} and list(first_pass_start.starts) == ["recovery"]
     assert both.start == min(both.starts, key=both.starts.get)
     assert both.starts["recovery"] == pytest.approx(first_pass_start.starts["recovery"], rel=1e-12)
     assert both.distance_after <= first_pass_start.distance_after < permutation.distance_after
-    # these independent twins land closer from the weight-matching start; its elements are all recorded
-    assert both.start == "matching" and any(s.stage.startswith("matching") for s in both.stats)
+    # measured: the ViT twins land closer from the weight-matching start, the BERT twins from the first pass;
+    # the kept start's elements are all recorded
+    assert both.start == closer and any(s.stage.startswith("matching") for s in both.stats) == (closer == "matching")
     replayed = apply(source, both.elements)
     assert all(torch.allclose(replayed[k], both.state[k], rtol=0, atol=1e-12) for k in anchor)
+
+
+@pytest.mark.parametrize("family", ["bert", "vit", "llama", "gpt2", "t5"])
+def test_permutation_mode_is_never_farther_than_textbook_weight_matching(family):
+    groups, source, anchor = twins(family)
+    perm_groups = select_groups(groups, "permutation")
+    textbook = weight_matching(groups, source, anchor)
+    ours = align_states(perm_groups, source, anchor, mode="permutation")
+    recovery_only = align_states(perm_groups, source, anchor, mode="permutation", matching_start=False)
+    assert textbook.distance_after < textbook.distance_before
+    assert ours.distance_after <= textbook.distance_after * (1 + 1e-9), (ours.starts, textbook.distance_after)
+    assert ours.distance_after <= recovery_only.distance_after * (1 + 1e-9)
+    assert set(ours.starts) == {"recovery", "matching"}
+    replayed = apply(source, ours.elements)  # still a reparametrisation of the source: its own elements replay it
+    assert all(torch.allclose(replayed[k], ours.state[k], rtol=0, atol=1e-12) for k in anchor)
+
+
+@pytest.mark.parametrize("name", ["vit-digits", "bert-topics", "llama-chars"])
+def test_api_permutation_mode_is_never_farther_than_textbook_on_the_shipped_pairs(name):
+    a, b = (symgraph.load(folder) for folder in shipped_pair(name))
+    ours = symgraph.align(b, a, mode="permutation")  # checked to compute what B computes
+    groups = select_groups(b.report.groups, "permutation")
+    free = free_cost_members(b, groups, "permutation")  # the costs permutation mode uses
+    textbook = tie_aliases(b.model, weight_matching(groups, b.state_dict(), a.state_dict(), cost_excluded=free).state)
+    assert ours.distance_after <= relative_distance(textbook, a.state_dict()) * (1 + 1e-9) < ours.distance_before
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_textbook_weight_matching_stops_where_no_permutation_moves(seed):
+    groups, source, anchor = twins("bert")
+    result = weight_matching(groups, source, anchor, seed=seed)
+    matching = select_groups(groups, "permutation")
+    assert result.refine_rounds >= 2 and {s.group for s in result.stats} == {g.id for g in matching}
+    names = {m.param for g in matching for m in g.members}
+    workspace = Workspace({k: result.state[k] for k in names}, {k: anchor[k] for k in names})
+    context = dispatch.SolveContext(mode="permutation", first_pass=False, groups=tuple(matching))
+    for g in matching:  # a fixed point of coordinate descent: every Hungarian with all members keeps its group
+        assert all(e.is_identity() for e in dispatch.solve(workspace, g, list(g.members), context)), g.id
+    assert weight_matching(groups, source, anchor, rounds=1).refine_rounds == 1
 
 
 def test_refinement_rounds_and_tolerance_bound_the_descent():
@@ -143,8 +195,9 @@ def test_a_solver_that_breaks_the_function_is_named_and_nothing_is_returned(monk
     model.load_state_dict(source)
     honest = dispatch.SOLVERS["permutation"]
 
-    def sign_flipping(ws, g, members, ctx):  # GELU units do not commute with a sign flip
-        return [Element(e.group, perm=e.perm, diag=-e.diag) for e in honest.fn(ws, g, members, ctx)]
+    def sign_flipping(ws, g, members, ctx):  # GELU units commute with neither a sign flip nor a scale (and a
+        # second solve must not undo the first: both descent starts go through it)
+        return [Element(e.group, perm=e.perm, diag=-2 * e.diag) for e in honest.fn(ws, g, members, ctx)]
 
     monkeypatch.setitem(dispatch.SOLVERS, "permutation", dispatch.Solver("permutation", "broken", "", sign_flipping))
     with pytest.raises(InvarianceError, match=r"Group\(s\) at fault: ffn:"):
@@ -199,6 +252,17 @@ def test_cli_align_modes_and_ablations_run(tmp_path):
     assert json.loads((tmp_path / "s4.json").read_text())["refine_rounds"] == 0
     assert json.loads((tmp_path / "s1.json").read_text())["refine_rounds"] >= 1
     assert json.loads((tmp_path / "s5.json").read_text())["starts"].keys() == {"recovery"}  # recovered: one start
+
+
+def test_cli_permutation_mode_keeps_the_closer_start_unless_told_not_to(tmp_path):
+    anchor, source = shipped_pair("vit-digits")
+    for name, extra in (("both", ()), ("first", ("--no-matching-start",))):
+        res = run("align", source, anchor, "-o", tmp_path / name, "--mode", "permutation", "--quiet",
+                  "--stats", tmp_path / f"{name}.json", *extra)
+        assert res.returncode == 0, res.stderr
+    both, first = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("both", "first"))
+    assert both["starts"].keys() == {"recovery", "matching"} and first["starts"].keys() == {"recovery"}
+    assert both["distance_after"] <= first["distance_after"] < first["distance_before"]
 
 
 def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):
