@@ -38,6 +38,7 @@ class Subject:
     config: Any = None
     path: Path | None = None
     config_only: bool = False
+    full_depth: bool = False  # analyse every block even when the blocks repeat (see symgraph.depth)
     _capture: Capture | None = None
     _report: Report | None = None
 
@@ -50,18 +51,23 @@ class Subject:
     @property
     def report(self) -> Report:
         if self._report is None:
+            from .depth import analyse_by_repeats
+
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
-            self._report = Report.from_analysis(self.name, analyse_capture(self.capture), notes)
+            analysis = None if self.full_depth else analyse_by_repeats(self)
+            self._report = Report.from_analysis(self.name, analysis or analyse_capture(self.capture), notes)
         return self._report
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject:
+def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Subject:
     """Turn a model, a Hugging Face folder, a config.json or a ``module:factory`` string into a :class:`Subject`.
 
     A factory may return a module, or ``(module, args)`` / ``(module, args, kwargs)`` with its example inputs.
+    A model whose blocks repeat is analysed from a shallow copy and its groups replicated
+    (:mod:`symgraph.depth`; same report, time independent of depth); ``full_depth`` analyses every block instead.
     """
     if isinstance(source, Subject):
         return source
@@ -69,12 +75,12 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject
 
     loaded = load_model(source, config_only=config_only)
     args, kwargs = _inputs_for(loaded.model, loaded.config, inputs if inputs is not None else loaded.inputs)
-    return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only)
+    return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only, full_depth)
 
 
-def analyze(source, inputs: Inputs = None, *, config_only: bool = False) -> Report:
+def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Report:
     """Find every symmetry group of ``source`` (see :func:`load` for what it may be)."""
-    return load(source, inputs, config_only=config_only).report
+    return load(source, inputs, config_only=config_only, full_depth=full_depth).report
 
 
 def sample_elements(report: Report, seed: int = 0, spread: float = 0.3) -> list[Element]:
