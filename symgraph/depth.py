@@ -44,6 +44,7 @@ _COUNTER = re.compile(r"^(.*?)(?:_(\d+))?$")
 # config fields the shallow copy may differ in: its depth, and the dtype it was built in (parameter dtypes are
 # compared one by one instead)
 _NOT_COMPARED = ("num_hidden_layers", "dtype", "torch_dtype")
+_MIN_DEPTH = 5  # a period-1 stack keeps 3 blocks: shallower models gain too little to be worth a second build
 
 
 class NotReplicable(Exception):
@@ -95,20 +96,26 @@ def analyse_by_repeats(subject) -> Analysis | None:
 def shallow_copy(model: nn.Module, config) -> tuple[nn.Module, DepthPlan]:
     """A meta-device copy of ``model`` with fewer repeated blocks, and the plan that maps blocks back."""
     depth = getattr(config, "num_hidden_layers", None) if config is not None else None
-    if not isinstance(depth, int) or depth < 5:
-        raise NotReplicable("no Hugging Face config with num_hidden_layers >= 5")
+    if not isinstance(depth, int) or depth < _MIN_DEPTH:
+        raise NotReplicable(f"no Hugging Face config with num_hidden_layers >= {_MIN_DEPTH}")
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        raise NotReplicable("the model has forward hooks, which a rebuilt copy would not have")
     stacks = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
-    if not stacks:
-        raise NotReplicable(f"no block list of length num_hidden_layers={depth}")
-    full_prints = {name: fingerprints(model.get_submodule(name), config) for name in stacks}
-    for stack, prints in full_prints.items():
+    why = f"no block list of length num_hidden_layers={depth}"
+    for stack in stacks:
+        prints = fingerprints(model.get_submodule(stack), config)
         plan = _periodic_plan(stack, prints)
         if plan is None:
+            why = f"the blocks of {stack} do not repeat with a period short enough to save work"
             continue
-        shallow = _build_shallow(model, config, plan)
-        _check_shallow(model, shallow, config, plan, prints)
+        try:
+            shallow = _build_shallow(model, config, plan)
+            _check_shallow(model, shallow, config, plan, prints)
+        except NotReplicable as exc:  # another list of the same length may be the one the config shortens
+            why = str(exc)
+            continue
         return shallow, plan
-    raise NotReplicable("no block list repeats with a period short enough to save work")
+    raise NotReplicable(why)
 
 
 def _periodic_plan(stack: str, prints: list) -> DepthPlan | None:
@@ -142,8 +149,11 @@ def fingerprints(blocks: nn.ModuleList, config) -> list[tuple]:
 
 
 def _block_attributes(block: nn.Module) -> dict:
-    return {(name, k): v for name, module in block.named_modules() for k, v in vars(module).items()
-            if not k.startswith("_") and k != "training"}
+    return {(name, k): v for name, module in block.named_modules() for k, v in _attributes(module)}
+
+
+def _attributes(module: nn.Module):
+    return ((k, v) for k, v in vars(module).items() if not k.startswith("_") and k != "training")
 
 
 def _fingerprint(block: nn.Module, attrs: dict) -> tuple:
@@ -226,7 +236,8 @@ def _check_shallow(model, shallow, config, plan: DepthPlan, full_prints: list) -
     small_prints = fingerprints(blocks, shallow.config)
     if any(full_prints[j] != small_prints[s] for j, s in enumerate(plan.source)):
         raise NotReplicable("the shallow copy's blocks differ from the blocks they stand for")
-    if _outside(model, plan.stack) != _outside(shallow, plan.stack):
+    if _outside(model, plan.stack) != _outside(shallow, plan.stack) or \
+            not _same_modules_outside(model, shallow, plan):
         raise NotReplicable("the shallow copy differs outside the block list")
     for key, value in vars(config).items():
         depth_field = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
@@ -254,6 +265,29 @@ def _outside(model: nn.Module, stack: str) -> tuple:
     buffers = tuple((n, _tensor_key(b)) for n, b in model.named_buffers(remove_duplicate=False)
                     if not n.startswith(inside))
     return tuple(params), buffers
+
+
+def _same_modules_outside(model: nn.Module, shallow: nn.Module, plan: DepthPlan) -> bool:
+    """Modules outside the stack have the same classes and attributes; one that holds the depth (DistilBERT's
+    ``n_layers``) holds the copy's depth in the copy."""
+    def modules(m):
+        inside = plan.stack + "."
+        return {n: (type(x), dict(_attributes(x))) for n, x in m.named_modules()
+                if n != plan.stack and not n.startswith(inside)}
+
+    full, small = modules(model), modules(shallow)
+    if full.keys() != small.keys():
+        return False
+    for name, (cls, attrs) in full.items():
+        small_cls, small_attrs = small[name]
+        if cls is not small_cls or attrs.keys() != small_attrs.keys():
+            return False
+        for key, value in attrs.items():
+            other = small_attrs[key]
+            holds_depth = _is_int(value) and _is_int(other) and (value, other) == (plan.depth, plan.reduced)
+            if not holds_depth and _attribute_key(value) != _attribute_key(other):
+                return False
+    return True
 
 
 # -- replication --------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_a_block_with_its_own_buffer_is_not_replicated():
     model.model.layers[4].self_attn.register_buffer("bias_table", torch.zeros(4))
     prints = depth.fingerprints(model.model.layers, model.config)
     assert prints[3] != prints[4]
-    with pytest.raises(depth.NotReplicable, match="repeats"):
+    with pytest.raises(depth.NotReplicable, match="do not repeat"):
         depth.shallow_copy(model, model.config)
 
 
@@ -61,6 +61,17 @@ def test_layer_index_attributes_do_not_split_blocks_but_other_differences_do():
     assert len(set(prints[1:])) == 1  # layer_idx differs in every block and counts as the index
     model.model.layers[2].self_attn.scaling = 0.5
     assert depth.fingerprints(model.model.layers, model.config)[2] != prints[2]
+
+
+def test_changes_a_rebuilt_copy_would_miss_send_the_model_to_full_depth():
+    model = zoo.build("llama", num_hidden_layers=6)
+    model.model.norm.variance_epsilon = 0.5  # outside the blocks, not in the config
+    with pytest.raises(depth.NotReplicable, match="outside the block list"):
+        depth.shallow_copy(model, model.config)
+    hooked = zoo.build("llama", num_hidden_layers=6)
+    hooked.model.layers[4].mlp.register_forward_hook(lambda module, args, out: 2 * out)
+    with pytest.raises(depth.NotReplicable, match="hooks"):
+        depth.shallow_copy(hooked, hooked.config)
 
 
 def test_shallow_models_and_plain_modules_take_the_full_depth_path():
