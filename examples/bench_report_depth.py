@@ -5,7 +5,8 @@ head, ``LlamaForCausalLM``). Each depth runs in a child process of its own, so i
 its own. Stages: ``load`` (build on the meta device from config.json), ``analyse`` (capture and analysis; with
 repeated blocks only a shallow copy is analysed, see :mod:`symgraph.depth`), ``render_json`` (the report as
 JSON, what ``symgraph report --format json`` writes). ``--full-depth`` also times the full-depth analysis
-(``symgraph report --full-depth``) at the smallest depth, for comparison.
+(``symgraph report --full-depth``) at the smallest depth, for comparison, and checks that both reports are
+byte-identical (``full_depth_report_identical``).
 
 The bar (issue 11): total <= 30 s, peak RSS < 2 GB, 80-layer time <= 2x the 8-layer time.
 
@@ -17,6 +18,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -50,6 +52,7 @@ def measure(depth: int, full_depth: bool) -> dict:
     return {"layers": depth, "full_depth": full_depth, "load_s": round(loaded - clock, 2),
             "analyse_s": round(analysed - loaded, 2), "render_json_s": round(done - analysed, 2),
             "total_s": round(done - clock, 2), "groups": len(report.groups), "json_bytes": len(text),
+            "json_sha1": hashlib.sha1(text.encode()).hexdigest(),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
@@ -82,6 +85,8 @@ def main(argv=None) -> None:
         "config": {**LLAMA_70B, "layers": sorted(args.depths)},
         "runs": runs,
         "deep_over_shallow_time": round(deep["total_s"] / shallow["total_s"], 2),
+        "full_depth_report_identical": next((r["json_sha1"] == by_depth[r["layers"]]["json_sha1"] for r in runs
+                                             if r["full_depth"]), None),
         "bar": {"deepest_total_s_max": 30, "peak_rss_mb_max": 2048, "deep_over_shallow_max": 2.0},
         "meets_bar": bool(deep["total_s"] <= 30 and max(r["peak_rss_mb"] for r in runs if not r["full_depth"])
                           < 2048 and deep["total_s"] <= 2 * shallow["total_s"]),

@@ -96,3 +96,19 @@ def test_cli_config_only_report_is_the_same_with_and_without_full_depth(tmp_path
     assert outputs[()] == outputs[("--full-depth",)]
     pinned = [p for p in outputs[()]["pinned"] if p["reason"] == "observable model output"]
     assert any("layers.5.mlp.down_proj.weight" in p["params"] for p in pinned)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_replicated_groups_keep_the_function(family):
+    """Random elements of every replicated group leave the outputs unchanged (checked in float64)."""
+    from symgraph.elements import apply
+    from symgraph.verify import Evaluator
+
+    model = zoo.build(family, num_hidden_layers=DEPTH)
+    subject = symgraph.load(model, zoo.example_inputs_for(family, model))
+    assert depth.analyse_by_repeats(subject) is not None
+    # block 3 is not in the 3-block copy (it stands for blocks 1-3): its groups were replicated
+    assert any(".3." in m.param for g in subject.report.groups for m in g.members)
+    elements = symgraph.sample_elements(subject.report, seed=1)
+    outcome = Evaluator(model, subject.args, subject.kwargs).check(apply(subject.state_dict(), elements))
+    assert outcome.ok, outcome.relative_error
