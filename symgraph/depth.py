@@ -306,6 +306,8 @@ def replicate(analysis: Analysis, pinned_sizes: dict, cap, plan: DepthPlan, mode
             groups += [_moved_group(g, s, j, rename, names) for j in plan.copies_of(s)]
         else:
             groups.append(_spread_group(g, rename, names))
+    if len({g.id for g in groups}) != len(groups):
+        raise NotReplicable("replicated groups would share ids (a block's group not named after its block)")
     pinned = _replicate_pins(analysis.pinned, pinned_sizes, rename, names)
     params = _full_parameters(analysis.params, model, rename, plan)
     return Analysis(groups, pinned, {}, params)
