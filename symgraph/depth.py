@@ -4,17 +4,19 @@ A decoder of ``L`` identical blocks has the same groups in every block. When a H
 (the ``ModuleList`` of length ``config.num_hidden_layers``) repeats with a period ``p`` (1 for LLaMA; 2 for
 alternating sliding-window layers), the model is rebuilt on the meta device with ``k = 3p + L mod p`` blocks: a
 first period (it reads the embeddings), a middle period and a last one (it feeds the head); ``4p + L mod p`` when
-the first period differs from the others (T5's relative bias lives in block 0). That copy is captured and analysed, and each of its blocks' groups is replicated onto every block of the full model that it
-stands for. Shallow copies are analysed at full depth, as before.
+the first period differs from the others (T5's relative bias lives in block 0). That copy is captured and
+analysed, and each of its blocks' groups and pinned spaces is replicated onto every block of the full model that
+it stands for. Models shallower than ``_MIN_DEPTH`` are analysed at full depth, as before.
 
 What makes two blocks "the same" is checked, never assumed from the config alone: module classes, every
-non-tensor attribute (an int equal to the block's own index, such as ``layer_idx``, counts as the index), parameter
-names, shapes and dtypes, buffer values, and the block's entries in per-layer config lists (``layer_types``).
-The shallow copy must match the full model on all of that block for block, and outside the stack on parameter
-shapes and buffer values. Graph node names in the notes are renumbered as the full graph numbers them (the shift
-per period is read off two consecutive equal periods). Whatever cannot be replicated exactly (an unknown op, a group or
-pinned space whose members straddle blocks in a way that changes its name, a note naming a node of another
-block) sends the model back to the full-depth analysis. The report is the one the full-depth analysis gives
+non-tensor attribute (an int equal to the block's own index in every block, such as ``layer_idx``, counts as the
+index), parameter names, shapes and dtypes, buffer values, and the block's entries in per-layer config lists
+(``layer_types``). The shallow copy must match the full model on all of that block for block, and outside the
+stack on parameters (and their ties), buffer values, module attributes and config fields. Graph node names in
+the notes are renumbered as the full graph numbers them (the shift per period is read off two consecutive equal
+periods). Whatever cannot be replicated exactly (forward hooks, an unknown op, a group whose name would change
+at full depth, a note naming a node of another block, a copy torch.export cannot trace on the meta device) sends
+the model back to the full-depth analysis. The report is the one the full-depth analysis gives
 (``tests/test_depth.py`` compares them on every zoo family).
 """
 from __future__ import annotations
