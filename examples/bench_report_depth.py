@@ -40,10 +40,11 @@ def measure(depth: int, full_depth: bool) -> dict:
     import symgraph
     from symgraph.render import render
 
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama-70b"  # the report names the model after its folder: the same in every run
         LlamaConfig(num_hidden_layers=depth, **LLAMA_70B).save_pretrained(folder)
         clock = time.perf_counter()
-        subject = symgraph.load(str(Path(folder) / "config.json"), config_only=True, full_depth=full_depth)
+        subject = symgraph.load(str(folder / "config.json"), config_only=True, full_depth=full_depth)
         loaded = time.perf_counter()
         report = subject.report
         analysed = time.perf_counter()
