@@ -41,6 +41,7 @@ class Subject:
     path: Path | None = None
     config_only: bool = False
     inputs_from_config: bool = False  # the example inputs were built by symgraph (inputs.example_inputs)
+    full_depth: bool = False  # analyse every block even when the blocks repeat (see symgraph.depth)
     _capture: Capture | None = None
     _report: Report | None = None
 
@@ -60,11 +61,12 @@ class Subject:
     @property
     def report(self) -> Report:
         if self._report is None:
+            from .depth import analyse_by_repeats
             from .fold import residual_note
 
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
-            analysis = analyse_capture(self.capture)
-            why = residual_note(self.capture, analysis.groups, self.config_only)
+            analysis = (None if self.full_depth else analyse_by_repeats(self)) or analyse_capture(self.capture)
+            why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)
             self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()))
         return self._report
 
@@ -72,10 +74,12 @@ class Subject:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject:
+def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Subject:
     """Turn a model, a Hugging Face folder, a config.json or a ``module:factory`` string into a :class:`Subject`.
 
     A factory may return a module, or ``(module, args)`` / ``(module, args, kwargs)`` with its example inputs.
+    A model whose blocks repeat is analysed from a shallow copy and its groups replicated
+    (:mod:`symgraph.depth`; same report, time independent of depth); ``full_depth`` analyses every block instead.
     """
     if isinstance(source, Subject):
         return source
@@ -85,12 +89,12 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False) -> Subject
     given = inputs if inputs is not None else loaded.inputs
     args, kwargs = _inputs_for(loaded.model, loaded.config, given)
     return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only,
-                   inputs_from_config=given is None)
+                   inputs_from_config=given is None, full_depth=full_depth)
 
 
-def analyze(source, inputs: Inputs = None, *, config_only: bool = False) -> Report:
+def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Report:
     """Find every symmetry group of ``source`` (see :func:`load` for what it may be)."""
-    return load(source, inputs, config_only=config_only).report
+    return load(source, inputs, config_only=config_only, full_depth=full_depth).report
 
 
 def sample_elements(report: Report, seed: int = 0, spread: float = 0.3) -> list[Element]:

@@ -30,12 +30,13 @@ def cli(ctx, debug):
 @click.option("--config-only", is_flag=True, help="Build from config.json on the meta device (no weights read).")
 @click.option("--format", "fmt", type=click.Choice(["json", "md", "html"]), default="md", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
-def report(model, config_only, fmt, output):
+@click.option("--full-depth", is_flag=True, help="Analyse every block even when they repeat (slower, same report).")
+def report(model, config_only, fmt, output, full_depth):
     from .api import load
     from .render import render
 
     _check_file_output(output, [model])
-    text = render(load(model, config_only=config_only).report, fmt)
+    text = render(load(model, config_only=config_only, full_depth=full_depth).report, fmt)
     _emit_text(text, output)
 
 

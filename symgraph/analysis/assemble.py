@@ -459,19 +459,18 @@ class Assembler:
 
     # -- pinned report -------------------------------------------------------------------------------------------
     def _pinned_report(self, cls_pinned: np.ndarray) -> list[PinnedSpace]:
-        by_reason: dict[tuple, set] = defaultdict(set)
+        by_reason: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         ids = np.nonzero(cls_pinned[self.cls] & self.is_param)[0]
         rng, _ = self.decode(ids)
-        sizes: dict[tuple, int] = defaultdict(int)
         for i, k in zip(ids, rng):
             reason, node = self.pin_reason.get(int(self.cls[i]), ("pinned", ""))
-            r = self.range_of[k]
-            by_reason[(reason, node)].add(r.owner)
-            sizes[(reason, node)] += 1
+            by_reason[(reason, node)][self.range_of[k].owner] += 1
+        # pinned coordinates per parameter: symgraph.depth replicates a pin that spans repeated blocks from these
+        self.pinned_sizes = {key: dict(counts) for key, counts in by_reason.items()}
         nodes = {n.name: n for n in self.w.cap.graph.nodes}
-        return [PinnedSpace(tuple(sorted(params)), sizes[key], key[0], key[1],
+        return [PinnedSpace(tuple(sorted(counts)), sum(counts.values()), key[0], key[1],
                             source_line(nodes[key[1]]) if key[1] in nodes else "")
-                for key, params in sorted(by_reason.items())]
+                for key, counts in sorted(by_reason.items())]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------

@@ -1,0 +1,490 @@
+"""Analysis that does not grow with depth: analyse a shallower copy of a model whose blocks repeat, then replicate.
+
+A decoder of ``L`` identical blocks has the same groups in every block. When a Hugging Face model's block stack
+(the ``ModuleList`` of length ``config.num_hidden_layers``) repeats with a period ``p`` (1 for LLaMA; 2 for
+alternating sliding-window layers), the model is rebuilt on the meta device with ``k = 3p + L mod p`` blocks: a
+first period (it reads the embeddings), a middle period and a last one (it feeds the head); ``4p + L mod p`` when
+the first period differs from the others (T5's relative bias lives in block 0). That copy is captured and
+analysed, and each of its blocks' groups and pinned spaces is replicated onto every block of the full model that
+it stands for. Models shallower than ``_MIN_DEPTH`` are analysed at full depth, as before.
+
+What makes two blocks "the same" is checked, never assumed from the config alone: module classes, every
+non-tensor attribute (an int equal to the block's own index in every block, such as ``layer_idx``, counts as the
+index), parameter names, shapes and dtypes, buffer values, and the block's entries in per-layer config lists
+(``layer_types``). The shallow copy must match the full model on all of that block for block, and outside the
+stack on parameters (and their ties), buffer values, module attributes and config fields. Graph node names in
+the notes are renumbered as the full graph numbers them (the shift per period is read off two consecutive equal
+periods). Whatever cannot be replicated exactly (forward hooks, an unknown op, a group whose name would change
+at full depth, a note naming a node of another block, a copy torch.export cannot trace on the meta device) sends
+the model back to the full-depth analysis. The report is the one the full-depth analysis gives
+(``tests/test_depth.py`` compares them on every zoo family).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .analysis import Analysis
+from .analysis.assemble import Assembler
+from .analysis.walk import Walker
+from .capture import capture
+from .errors import CaptureError
+from .spec import load_specs
+
+log = logging.getLogger(__name__)
+
+_NOTE_NODE = re.compile(r"\(([A-Za-z_]\w*)\)$")  # "limited by: <why> (<node>)"
+_COUNTER = re.compile(r"^(.*?)(?:_(\d+))?$")
+# config fields the shallow copy may differ in: its depth, and the dtype it was built in (parameter dtypes are
+# compared one by one instead)
+_NOT_COMPARED = ("num_hidden_layers", "dtype", "torch_dtype")
+_MIN_DEPTH = 5  # a period-1 stack keeps 3 blocks: shallower models gain too little to be worth a second build
+
+
+class NotReplicable(Exception):
+    """The shallow analysis cannot be carried over exactly; the caller analyses the full depth instead."""
+
+
+@dataclass(frozen=True)
+class DepthPlan:
+    """Which block of the shallow copy stands for each block of the full stack."""
+
+    stack: str  # module path of the block list, e.g. "model.layers"
+    depth: int  # L
+    period: int  # p
+    reduced: int  # k
+    first_repeats: bool  # the first period equals the middle ones (else the copy keeps two middle periods)
+    source: tuple[int, ...]  # full block j -> shallow block source[j]
+
+    def shallow_to_full(self, s: int) -> int:
+        """Where shallow block (or segment) ``s`` sits in the full stack when it stands for one block only."""
+        return s if s < self.reduced - self.period else s + self.depth - self.reduced
+
+    def copies_of(self, s: int) -> list[int]:
+        return [j for j, r in enumerate(self.source) if r == s]
+
+
+def analyse_by_repeats(subject) -> Analysis | None:
+    """The full-depth :class:`~symgraph.analysis.Analysis` of ``subject`` from a shallow copy, or ``None`` when the
+    model's blocks do not repeat (or the copy cannot be made or replicated exactly)."""
+    try:
+        shallow, plan = shallow_copy(subject.model, getattr(subject, "config", None))
+    except NotReplicable as exc:
+        log.info("analysing the full depth: %s", exc)
+        return None
+    try:
+        cap = capture(shallow, subject.args, subject.kwargs)
+        specs = load_specs()
+        assembler = Assembler(Walker(cap, specs).run(), specs)
+        analysis = assembler.analyse()
+        return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
+    except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
+        log.info("analysing the full depth: the shallow meta-device copy could not be captured (%s)", exc)
+        return None
+    except NotReplicable as exc:
+        log.info("analysing the full depth: %s", exc)
+        return None
+
+
+# -- the plan and the shallow copy --------------------------------------------------------------------------------
+def shallow_copy(model: nn.Module, config) -> tuple[nn.Module, DepthPlan]:
+    """A meta-device copy of ``model`` with fewer repeated blocks, and the plan that maps blocks back."""
+    depth = getattr(config, "num_hidden_layers", None) if config is not None else None
+    if not isinstance(depth, int) or depth < _MIN_DEPTH:
+        raise NotReplicable(f"no Hugging Face config with num_hidden_layers >= {_MIN_DEPTH}")
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        raise NotReplicable("the model has forward hooks, which a rebuilt copy would not have")
+    if any(p.dim() == 1 and p.device.type != "meta" and bool((p == 1).all()) for p in model.parameters()):
+        # the analysis reads such a vector's value (a folded norm weight), which a meta-device copy does not hold
+        raise NotReplicable("a parameter vector is identically 1 (a folded norm), which the analysis reads by value")
+    stacks = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    why = f"no block list of length num_hidden_layers={depth}"
+    for stack in stacks:
+        prints = fingerprints(model.get_submodule(stack), config)
+        plan = _periodic_plan(stack, prints)
+        if plan is None:
+            why = f"the blocks of {stack} do not repeat with a period short enough to save work"
+            continue
+        try:
+            shallow = _build_shallow(model, config, plan)
+            _check_shallow(model, shallow, config, plan, prints)
+        except NotReplicable as exc:  # another list of the same length may be the one the config shortens
+            why = str(exc)
+            continue
+        return shallow, plan
+    raise NotReplicable(why)
+
+
+def _periodic_plan(stack: str, prints: list) -> DepthPlan | None:
+    depth = len(prints)
+    for period in range(1, depth // 3 + 1):
+        first_repeats = prints[:period] == prints[period:2 * period]
+        reduced = (3 if first_repeats else 4) * period + depth % period
+        if reduced >= depth:
+            continue
+        source = tuple(j if j < reduced - period else
+                       j - depth + reduced if j >= depth - period else
+                       period + (j - period) % period for j in range(depth))
+        if all(prints[j] == prints[source[j]] for j in range(depth)):
+            return DepthPlan(stack, depth, period, reduced, first_repeats, source)
+    return None
+
+
+def fingerprints(blocks: nn.ModuleList, config) -> list[tuple]:
+    """One hashable description per block: everything about it that could make its graph differ.
+
+    An integer attribute that equals the block's own index in every block (``layer_idx``) counts as the index.
+    """
+    per_layer = _per_layer_fields(config, len(blocks))
+    raw = [_block_attributes(block) for block in blocks]
+    index_keys = set.intersection(*({key for key, v in attrs.items() if _is_int(v) and v == i}
+                                    for i, attrs in enumerate(raw)))
+    return [tuple(part for part in _fingerprint(block, {k: "<index>" if k in index_keys else _attribute_key(v)
+                                                        for k, v in attrs.items()}))
+            + (tuple((k, repr(v[i])) for k, v in per_layer.items()),)
+            for i, (block, attrs) in enumerate(zip(blocks, raw))]
+
+
+def _block_attributes(block: nn.Module) -> dict:
+    return {(name, k): v for name, module in block.named_modules() for k, v in _attributes(module)}
+
+
+def _attributes(module: nn.Module):
+    return ((k, v) for k, v in vars(module).items() if not k.startswith("_") and k != "training")
+
+
+def _fingerprint(block: nn.Module, attrs: dict) -> tuple:
+    parts = []
+    for name, module in block.named_modules():
+        params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in module.named_parameters(recurse=False))
+        buffers = tuple((n, _tensor_key(b)) for n, b in module.named_buffers(recurse=False))
+        parts.append((name, type(module).__module__, type(module).__qualname__, params, buffers))
+    return tuple(parts) + (tuple(sorted((k, v) for k, v in attrs.items())),)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _attribute_key(value):
+    from transformers import PretrainedConfig
+
+    if isinstance(value, PretrainedConfig):
+        return "<config>"  # shared by every block; its per-layer lists enter the fingerprint separately
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return repr(value)  # objects without a value repr show their address: blocks then differ (conservative)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    meta = (tuple(t.shape), str(t.dtype))
+    if t.device.type == "meta":
+        return meta + ("meta",)
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return meta + (hashlib.sha1(raw.tobytes()).hexdigest(),)
+
+
+def _per_layer_fields(config, depth: int) -> dict[str, list]:
+    return {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == depth}
+
+
+def _build_shallow(model: nn.Module, config, plan: DepthPlan) -> nn.Module:
+    from .io import _parameters_on_meta
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = plan.reduced
+    for key, value in _per_layer_fields(config, plan.depth).items():
+        setattr(small, key, type(value)(value[:plan.reduced]))
+    dtype = next((p.dtype for p in model.parameters()), None)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    try:
+        with _parameters_on_meta():
+            shallow = type(model)._from_config(small, **kwargs)
+    except Exception as exc:  # any failure to rebuild just means: analyse the full depth
+        raise NotReplicable(f"could not rebuild {type(model).__name__} with {plan.reduced} blocks: {exc}") from exc
+    _tie_like(shallow, model, plan.stack)
+    return shallow.eval()
+
+
+def _tie_like(shallow: nn.Module, model: nn.Module, stack: str) -> None:
+    """Tie the copy's parameters as the model's are tied (a meta-device build leaves the LM head untied)."""
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied_to = first_name.setdefault(id(param), name)
+        if tied_to == name:
+            continue
+        if name.startswith(stack + ".") or tied_to.startswith(stack + "."):
+            raise NotReplicable(f"{name} is tied to {tied_to} across the block list")
+        owner, _, leaf = name.rpartition(".")
+        setattr(shallow.get_submodule(owner), leaf, shallow.get_parameter(tied_to))
+
+
+def _check_shallow(model, shallow, config, plan: DepthPlan, full_prints: list) -> None:
+    """The shallow copy must be the full model with blocks left out, and nothing else changed."""
+    try:
+        blocks = shallow.get_submodule(plan.stack)
+    except AttributeError as exc:
+        raise NotReplicable(f"the shallow copy has no {plan.stack}") from exc
+    if len(blocks) != plan.reduced:
+        raise NotReplicable(f"the shallow copy has {len(blocks)} blocks in {plan.stack}, not {plan.reduced}")
+    small_prints = fingerprints(blocks, shallow.config)
+    if any(full_prints[j] != small_prints[s] for j, s in enumerate(plan.source)):
+        raise NotReplicable("the shallow copy's blocks differ from the blocks they stand for")
+    if _outside(model, plan.stack) != _outside(shallow, plan.stack) or \
+            not _same_modules_outside(model, shallow, plan):
+        raise NotReplicable("the shallow copy differs outside the block list")
+    for key, value in vars(config).items():
+        depth_field = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+        if key not in _per_layer_fields(config, plan.depth) and key not in _NOT_COMPARED + (depth_field,) \
+                and not _same_setting(value, vars(shallow.config).get(key)):
+            raise NotReplicable(f"config field {key!r} differs in the shallow copy")
+
+
+def _same_setting(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a usable ==: compare their reprs
+        return repr(a) == repr(b)
+
+
+def _outside(model: nn.Module, stack: str) -> tuple:
+    """Parameters and buffers outside the stack, and which parameter each name is tied to (tied embeddings)."""
+    inside = stack + "."
+    first_name: dict[int, str] = {}
+    params = []
+    for n, p in model.named_parameters(remove_duplicate=False):
+        tied_to = first_name.setdefault(id(p), n)
+        if not n.startswith(inside) or not tied_to.startswith(inside) or tied_to != n:
+            params.append((n, tuple(p.shape), str(p.dtype), tied_to))
+    buffers = tuple((n, _tensor_key(b)) for n, b in model.named_buffers(remove_duplicate=False)
+                    if not n.startswith(inside))
+    return tuple(params), buffers
+
+
+def _same_modules_outside(model: nn.Module, shallow: nn.Module, plan: DepthPlan) -> bool:
+    """Modules outside the stack have the same classes and attributes; one that holds the depth (DistilBERT's
+    ``n_layers``) holds the copy's depth in the copy."""
+    def modules(m):
+        inside = plan.stack + "."
+        return {n: (type(x), dict(_attributes(x))) for n, x in m.named_modules()
+                if n != plan.stack and not n.startswith(inside)}
+
+    full, small = modules(model), modules(shallow)
+    if full.keys() != small.keys():
+        return False
+    for name, (cls, attrs) in full.items():
+        small_cls, small_attrs = small[name]
+        if cls is not small_cls or attrs.keys() != small_attrs.keys():
+            return False
+        for key, value in attrs.items():
+            other = small_attrs[key]
+            holds_depth = _is_int(value) and _is_int(other) and (value, other) == (plan.depth, plan.reduced)
+            if not holds_depth and _attribute_key(value) != _attribute_key(other):
+                return False
+    return True
+
+
+# -- replication --------------------------------------------------------------------------------------------------
+def replicate(analysis: Analysis, pinned_sizes: dict, cap, plan: DepthPlan, model: nn.Module) -> Analysis:
+    """The shallow ``analysis`` carried onto every block of the full stack (see the module docstring);
+    ``pinned_sizes`` counts each pinned space's coordinates per parameter."""
+    if analysis.unknown_ops:
+        raise NotReplicable(f"unknown ops {sorted(analysis.unknown_ops)} (their pins are not replicated)")
+    names = NodeNames(cap, plan)
+    rename = _Renamer(plan)
+    groups = []
+    for g in analysis.groups:
+        blocks = {rename.block_of(m.param) for m in g.members}
+        if len(blocks) == 1 and None not in blocks:
+            (s,) = blocks
+            groups += [_moved_group(g, s, j, rename, names) for j in plan.copies_of(s)]
+        else:
+            groups.append(_spread_group(g, rename, names))
+    if len({g.id for g in groups}) != len(groups):
+        raise NotReplicable("replicated groups would share ids (a block's group not named after its block)")
+    pinned = _replicate_pins(analysis.pinned, pinned_sizes, rename, names)
+    params = _full_parameters(analysis.params, model, rename, plan)
+    return Analysis(groups, pinned, {}, params)
+
+
+class _Renamer:
+    """Move parameter names, group ids and layers from one block of the stack to another."""
+
+    def __init__(self, plan: DepthPlan):
+        self.plan = plan
+        self._block = re.compile(rf"^{re.escape(plan.stack)}\.(\d+)(?:\.|$)")
+
+    def block_of(self, param: str) -> int | None:
+        m = self._block.match(param)
+        return int(m.group(1)) if m else None
+
+    def move(self, text: str, s: int, j: int) -> str:
+        pattern = rf"(?<![\w.]){re.escape(self.plan.stack)}\.{s}(?=$|[.:+])"
+        return re.sub(pattern, f"{self.plan.stack}.{j}", text)
+
+    def mentions_block(self, text: str) -> bool:
+        return re.search(rf"(?<![\w.]){re.escape(self.plan.stack)}\.\d+(?=$|[.:+])", text) is not None
+
+
+class NodeNames:
+    """Names the full graph gives to the shallow graph's nodes.
+
+    torch.export numbers nodes per op (``silu``, ``silu_1``, ...) in tracing order, so a node ``t`` periods
+    later in the full graph has its number shifted by ``t`` times what one period adds; that shift is read off
+    two consecutive equal periods of the shallow graph, which must agree node for node.
+    """
+
+    def __init__(self, cap, plan: DepthPlan):
+        self.plan = plan
+        self.segment: dict[str, int] = {}
+        per_segment: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        current = -1
+        for node in cap.graph.nodes:
+            block = _block_of_node(node, plan.stack)
+            if block is not None and block > current:
+                current = block
+            self.segment[node.name] = current
+            per_segment[current].append(_split_counter(node.name))
+        self.shift = self._period_shift(per_segment)
+
+    def _period_shift(self, per_segment) -> dict[str, int]:
+        p = self.plan.period
+        start = 0 if self.plan.first_repeats else p
+        first = [n for s in range(start, start + p) for n in per_segment[s]]
+        second = [n for s in range(start + p, start + 2 * p) for n in per_segment[s]]
+        if [b for b, _ in first] != [b for b, _ in second]:
+            raise NotReplicable("two periods that should repeat differ in the shallow graph")
+        shift: dict[str, int] = {}
+        for (base, c1), (_, c2) in zip(first, second):
+            if shift.setdefault(base, c2 - c1) != c2 - c1:
+                raise NotReplicable(f"node numbers of {base!r} do not advance evenly from period to period")
+        return shift
+
+    def full_name(self, name: str, segment: int, target: int) -> str:
+        """Name in the full graph of shallow node ``name`` from ``segment``, placed at full block ``target``."""
+        if self.segment.get(name) != segment:
+            raise NotReplicable(f"node {name!r} lies outside the block it is moved with")
+        if segment < 0 or target == segment:
+            return name
+        base, counter = _split_counter(name)
+        periods, rest = divmod(target - segment, self.plan.period)
+        if rest or periods < 0:
+            raise NotReplicable(f"node {name!r} cannot move from block {segment} to block {target}")
+        moved = counter + periods * self.shift.get(base, 0)
+        return name if moved == counter else f"{base}_{moved}"
+
+    def embedded(self, name: str) -> str:
+        """Name in the full graph of a node that is not moved with a block (global groups and pins)."""
+        segment = self.segment.get(name)
+        if segment is None:
+            raise NotReplicable(f"node {name!r} is not in the shallow graph")
+        return self.full_name(name, segment, self.plan.shallow_to_full(segment) if segment >= 0 else segment)
+
+
+def _block_of_node(node, stack: str) -> int | None:
+    prefix = stack + "."
+    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+        if path.startswith(prefix):
+            head = path[len(prefix):].split(".", 1)[0]
+            if head.isdigit():
+                return int(head)
+    return None
+
+
+def _split_counter(name: str) -> tuple[str, int]:
+    base, digits = _COUNTER.match(name).groups()
+    return base, int(digits) if digits else 0
+
+
+def _renamed_notes(notes, rename_node) -> tuple[str, ...]:
+    out = []
+    for note in notes:
+        m = _NOTE_NODE.search(note)
+        out.append(note[:m.start(1)] + rename_node(m.group(1)) + ")" if m else note)
+    return tuple(out)
+
+
+def _moved_group(g, s: int, j: int, rename: _Renamer, names: NodeNames):
+    if j == s:
+        return g
+    members = tuple(dataclasses.replace(m, param=rename.move(m.param, s, j)) for m in g.members)
+    return dataclasses.replace(
+        g, id=rename.move(g.id, s, j), layer=rename.move(g.layer, s, j), members=members,
+        links=tuple(rename.move(link, s, j) for link in g.links),
+        notes=_renamed_notes(g.notes, lambda node: names.full_name(node, s, j)))
+
+
+def _spread_group(g, rename: _Renamer, names: NodeNames):
+    """A group whose members lie in several blocks (the residual stream): every block's members, in every copy."""
+    from .analysis.assemble import _common_prefix
+
+    if rename.mentions_block(g.id) or any(rename.mentions_block(link) for link in g.links):
+        raise NotReplicable(f"group {g.id} spans blocks but is named after one")
+    key = lambda m: (m.param, m.axis, m.action, m.exponent)  # noqa: E731  the order every emitter sorts by
+    if list(g.members) != sorted(g.members, key=key):
+        raise NotReplicable(f"group {g.id} lists its members in an order that cannot be extended")
+    members = []
+    for m in g.members:
+        s = rename.block_of(m.param)
+        targets = [None] if s is None else rename.plan.copies_of(s)
+        members += [m if t is None or t == s else dataclasses.replace(m, param=rename.move(m.param, s, t))
+                    for t in targets]
+    members.sort(key=key)
+    if _common_prefix([m.param for m in members]) != g.layer:
+        raise NotReplicable(f"group {g.id} would change its layer at full depth")
+    return dataclasses.replace(g, members=tuple(members), notes=_renamed_notes(g.notes, names.embedded))
+
+
+def _replicate_pins(pinned, pinned_sizes: dict, rename: _Renamer, names: NodeNames) -> list:
+    out = []
+    for pin in pinned:
+        blocks = {rename.block_of(p) for p in pin.params}
+        if blocks == {None}:
+            out.append(dataclasses.replace(pin, node=names.embedded(pin.node) if pin.node else pin.node))
+        elif len(blocks) == 1:
+            (s,) = blocks
+            out += [pin if j == s else dataclasses.replace(
+                pin, params=tuple(sorted(rename.move(p, s, j) for p in pin.params)),
+                node=names.full_name(pin.node, s, j) if pin.node else pin.node) for j in rename.plan.copies_of(s)]
+        else:
+            out.append(_spread_pin(pin, pinned_sizes[(pin.reason, pin.node)], rename, names))
+    return sorted(out, key=lambda p: (p.reason, p.node))
+
+
+def _spread_pin(pin, sizes: dict[str, int], rename: _Renamer, names: NodeNames):
+    """A pinned space over several blocks (the residual stream of a model whose output is the hidden state)."""
+    spread: dict[str, int] = {}
+    for param, size in sizes.items():
+        s = rename.block_of(param)
+        for j in [None] if s is None else rename.plan.copies_of(s):
+            spread[param if j is None else rename.move(param, s, j)] = size
+    return dataclasses.replace(pin, params=tuple(sorted(spread)), size=sum(spread.values()),
+                               node=names.embedded(pin.node) if pin.node else pin.node)
+
+
+def _full_parameters(params: dict, model: nn.Module, rename: _Renamer, plan: DepthPlan) -> dict:
+    """The full model's parameter shapes, in the order the shallow analysis lists parameters (block by block)."""
+    out = {}
+    for name, shape in params.items():
+        s = rename.block_of(name)
+        if s is None:
+            out[name] = shape
+            continue
+        for j in plan.copies_of(s):
+            out[rename.move(name, s, j)] = shape
+    full = dict(model.named_parameters(remove_duplicate=False))
+    if any(tuple(full[n].shape) != tuple(shape) for n, shape in out.items() if n in full):
+        raise NotReplicable("replicated parameter shapes differ from the model's")
+    order = {n: i for i, n in enumerate(full)}
+    return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))

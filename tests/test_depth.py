@@ -1,0 +1,114 @@
+"""Analysis that does not grow with depth (symgraph.depth): the shallow-copy report must equal the full-depth one."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import symgraph
+from symgraph import depth, zoo
+
+from cli_runner import run
+
+# families whose shallow meta-device copy torch.export cannot trace (they read a parameter's device while
+# tracing), or whose config has no top-level num_hidden_layers: these are analysed at full depth
+FULL_DEPTH_ONLY = {"vit", "deberta-v2", "clip"}
+DEPTH = 5  # shortened to 3 blocks (first, middle, last), or 4 where block 0 differs (T5)
+
+
+def _reports(model, inputs):
+    fast = symgraph.load(model, inputs)
+    used = depth.analyse_by_repeats(fast) is not None
+    slow = symgraph.load(model, inputs, full_depth=True)
+    return fast.report, slow.report, used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", zoo.HF_FAMILIES)
+def test_shallow_report_equals_full_depth_report(family):
+    model = zoo.build(family, num_hidden_layers=DEPTH)
+    fast, slow, used = _reports(model, zoo.example_inputs_for(family, model))
+    assert used == (family not in FULL_DEPTH_ONLY)
+    assert fast.to_json() == slow.to_json()
+    assert fast.parameters == slow.parameters and list(fast.parameters) == list(slow.parameters)
+
+
+@pytest.mark.slow
+def test_alternating_sliding_window_layers_repeat_with_period_two():
+    types = ["sliding_attention", "full_attention"] * 5
+    model = zoo.build("qwen2", num_hidden_layers=10, layer_types=types, use_sliding_window=True, sliding_window=4)
+    _, plan = depth.shallow_copy(model, model.config)
+    assert plan.period == 2 and plan.reduced == 6
+    assert all(types[j] == types[s] for j, s in enumerate(plan.source))  # no block stands for another type
+    fast, slow, used = _reports(model, zoo.example_inputs_for("qwen2", model))
+    assert used and fast.to_json() == slow.to_json()
+
+
+def test_a_block_with_its_own_buffer_is_not_replicated():
+    model = zoo.build("llama", num_hidden_layers=6)
+    model.model.layers[3].self_attn.register_buffer("bias_table", torch.ones(4))
+    model.model.layers[4].self_attn.register_buffer("bias_table", torch.zeros(4))
+    prints = depth.fingerprints(model.model.layers, model.config)
+    assert prints[3] != prints[4]
+    with pytest.raises(depth.NotReplicable, match="do not repeat"):
+        depth.shallow_copy(model, model.config)
+
+
+def test_layer_index_attributes_do_not_split_blocks_but_other_differences_do():
+    model = zoo.build("llama", num_hidden_layers=6)
+    prints = depth.fingerprints(model.model.layers, model.config)
+    assert len(set(prints[1:])) == 1  # layer_idx differs in every block and counts as the index
+    model.model.layers[2].self_attn.scaling = 0.5
+    assert depth.fingerprints(model.model.layers, model.config)[2] != prints[2]
+
+
+def test_changes_a_rebuilt_copy_would_miss_send_the_model_to_full_depth():
+    model = zoo.build("llama", num_hidden_layers=6)
+    model.model.norm.variance_epsilon = 0.5  # outside the blocks, not in the config
+    with pytest.raises(depth.NotReplicable, match="outside the block list"):
+        depth.shallow_copy(model, model.config)
+    hooked = zoo.build("llama", num_hidden_layers=6)
+    hooked.model.layers[4].mlp.register_forward_hook(lambda module, args, out: 2 * out)
+    with pytest.raises(depth.NotReplicable, match="hooks"):
+        depth.shallow_copy(hooked, hooked.config)
+
+
+def test_shallow_models_and_plain_modules_take_the_full_depth_path():
+    shallow = zoo.build("llama", num_hidden_layers=4)
+    with pytest.raises(depth.NotReplicable, match="num_hidden_layers"):
+        depth.shallow_copy(shallow, shallow.config)
+    mlp = zoo.build("torch-relu-mlp")
+    assert depth.analyse_by_repeats(symgraph.load(mlp, zoo.example_inputs_for("torch-relu-mlp", mlp))) is None
+
+
+@pytest.mark.slow
+def test_cli_config_only_report_is_the_same_with_and_without_full_depth(tmp_path):
+    # a base model (no LM head): its output is the residual stream, pinned across every block
+    config = zoo.tiny_config("llama", num_hidden_layers=6, architectures=["LlamaModel"])
+    config.save_pretrained(tmp_path)
+    outputs = {}
+    for flag in ((), ("--full-depth",)):
+        out = tmp_path / f"report{len(flag)}.json"
+        res = run("report", tmp_path / "config.json", "--config-only", "--format", "json", "-o", out, *flag)
+        assert res.returncode == 0, res.stderr
+        outputs[flag] = json.loads(out.read_text())
+    assert outputs[()] == outputs[("--full-depth",)]
+    pinned = [p for p in outputs[()]["pinned"] if p["reason"] == "observable model output"]
+    assert any("layers.5.mlp.down_proj.weight" in p["params"] for p in pinned)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_replicated_groups_keep_the_function(family):
+    """Random elements of every replicated group leave the outputs unchanged (checked in float64)."""
+    from symgraph.elements import apply
+    from symgraph.verify import Evaluator
+
+    model = zoo.build(family, num_hidden_layers=DEPTH)
+    subject = symgraph.load(model, zoo.example_inputs_for(family, model))
+    assert depth.analyse_by_repeats(subject) is not None
+    # block 3 is not in the 3-block copy (it stands for blocks 1-3): its groups were replicated
+    assert any(".3." in m.param for g in subject.report.groups for m in g.members)
+    elements = symgraph.sample_elements(subject.report, seed=1)
+    outcome = Evaluator(model, subject.args, subject.kwargs).check(apply(subject.state_dict(), elements))
+    assert outcome.ok, outcome.relative_error
