@@ -183,6 +183,25 @@ class SubLayerNormAttention(ClampedAttention):
         return self.o(self.norm(out).transpose(1, 2).flatten(2))
 
 
+class EmptyPiece(torch.nn.Module):
+    """Concatenates a class token with positions past the input's length (empty at the probe length)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, d))
+        self.inner, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.inner(x)
+        joined = torch.cat([self.cls.expand(x.shape[0], 1, -1), h[:, 8:]], dim=1)
+        return self.out(torch.relu(joined + h[:, :1]))
+
+
+def empty_piece():
+    torch.manual_seed(0)
+    return EmptyPiece(), (torch.randn(2, 5, 16),)
+
+
 def sub_layer_norm():
     torch.manual_seed(0)
     model = SubLayerNormAttention()
@@ -222,7 +241,7 @@ def test_cli_reports_values_per_head_after_an_unknown_score_op(factory, tmp_path
     assert json.loads((tmp_path / "f.json").read_text())["ok"]
 
 
-@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm"])
+@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm", "empty_piece"])
 def test_torch_modules_groups_hold_at_other_lengths(factory, name):
     model, args = getattr(load_factory(factory), name)()
     report = symgraph.analyze(model, inputs=args)

@@ -46,7 +46,8 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     out_shape = _shape_of(node)
     dim %= len(out_shape)
-    if any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
+    values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
+    if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
     if any(dim in chan_axes(c) or c.mixed for v in values for c in v.chans):
         return None
