@@ -202,6 +202,30 @@ def empty_piece():
     return EmptyPiece(), (torch.randn(2, 5, 16),)
 
 
+class QKLayerNormAttention(ClampedAttention):
+    """A LayerNorm over each head's queries and keys, one weight and bias shared by all heads, no RoPE."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__(d, heads)
+        self.q_norm, self.k_norm = torch.nn.LayerNorm(d // heads), torch.nn.LayerNorm(d // heads)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q = self.q_norm(self.q(x).view(b, n, self.h, -1)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, n, self.h, -1)).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, self.split(self.v(x)))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+def qk_layer_norm():
+    torch.manual_seed(0)
+    model = QKLayerNormAttention()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, (torch.randn(2, 5, 16),)
+
+
 def sub_layer_norm():
     torch.manual_seed(0)
     model = SubLayerNormAttention()
@@ -241,12 +265,18 @@ def test_cli_reports_values_per_head_after_an_unknown_score_op(factory, tmp_path
     assert json.loads((tmp_path / "f.json").read_text())["ok"]
 
 
-@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm", "empty_piece"])
+@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm", "qk_layer_norm", "empty_piece"])
 def test_torch_modules_groups_hold_at_other_lengths(factory, name):
     model, args = getattr(load_factory(factory), name)()
     report = symgraph.analyze(model, inputs=args)
     assert report.groups
     assert not violations(model, report.groups, lambda n: ((torch.randn(2, n, 16),), {}))
+
+
+def test_a_layernorm_bias_shared_by_heads_allows_one_global_sign(factory):
+    model, args = load_factory(factory).qk_layer_norm()
+    qk = [g for g in symgraph.analyze(model, inputs=args).groups if g.motif == "qk"]
+    assert [(g.kind, g.size, g.copies, g.global_sign) for g in qk] == [("permutation", 4, 1, True)]
 
 
 def test_head_blocks_pass_a_norm_of_each_head_output(factory):
