@@ -132,8 +132,15 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     if isinstance(dim, int):
         return frozenset({dim % rank})
     indices = schema_arg(node, "indices")
-    if isinstance(indices, (list, tuple)):
-        return frozenset(i for i, t in enumerate(indices) if t is not None)
+    if isinstance(indices, (list, tuple)):  # index.Tensor: one entry per leading axis; a boolean mask spans several
+        axes, axis = set(), 0
+        for t in indices:
+            val = t.meta.get("val") if isinstance(t, fx.Node) else None
+            span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
+            if t is not None:
+                axes.update(range(axis, axis + span))
+            axis += span
+        return frozenset(axes)
     return frozenset(range(rank))  # an op that reads index values some other way: every axis
 
 
