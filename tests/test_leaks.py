@@ -127,8 +127,9 @@ def test_layernorm_shared_by_heads_gets_no_per_pair_sign(subjects):
 
 
 def test_columns_that_read_zero_padding_stay_fixed(subjects):
-    for gid, params in group_params(subjects("mobilebert")):
-        assert "embeddings.embedding_transformation.weight" not in params, gid
+    for g in subjects("mobilebert").report.groups:  # its input columns read [shifted | embeddings | shifted]
+        assert not any(m.param == "embeddings.embedding_transformation.weight" and m.axis == 1
+                       for m in g.members), g.id
 
 
 def test_mamba_state_permutation_moves_a_log_columns_with_b_and_c_rows(subjects):
@@ -183,6 +184,49 @@ class SubLayerNormAttention(ClampedAttention):
         return self.o(self.norm(out).transpose(1, 2).flatten(2))
 
 
+class EmptyPiece(torch.nn.Module):
+    """Concatenates a class token with positions past the input's length (empty at the probe length)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, d))
+        self.inner, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.inner(x)
+        joined = torch.cat([self.cls.expand(x.shape[0], 1, -1), h[:, 8:]], dim=1)
+        return self.out(torch.relu(joined + h[:, :1]))
+
+
+def empty_piece():
+    torch.manual_seed(0)
+    return EmptyPiece(), (torch.randn(2, 5, 16),)
+
+
+class QKLayerNormAttention(ClampedAttention):
+    """A LayerNorm over each head's queries and keys, one weight and bias shared by all heads, no RoPE."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__(d, heads)
+        self.q_norm, self.k_norm = torch.nn.LayerNorm(d // heads), torch.nn.LayerNorm(d // heads)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q = self.q_norm(self.q(x).view(b, n, self.h, -1)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, n, self.h, -1)).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, self.split(self.v(x)))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+def qk_layer_norm():
+    torch.manual_seed(0)
+    model = QKLayerNormAttention()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, (torch.randn(2, 5, 16),)
+
+
 def sub_layer_norm():
     torch.manual_seed(0)
     model = SubLayerNormAttention()
@@ -222,12 +266,18 @@ def test_cli_reports_values_per_head_after_an_unknown_score_op(factory, tmp_path
     assert json.loads((tmp_path / "f.json").read_text())["ok"]
 
 
-@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm"])
+@pytest.mark.parametrize("name", ["clamped", "sub_layer_norm", "qk_layer_norm", "empty_piece"])
 def test_torch_modules_groups_hold_at_other_lengths(factory, name):
     model, args = getattr(load_factory(factory), name)()
     report = symgraph.analyze(model, inputs=args)
     assert report.groups
     assert not violations(model, report.groups, lambda n: ((torch.randn(2, n, 16),), {}))
+
+
+def test_a_layernorm_bias_shared_by_heads_allows_one_global_sign(factory):
+    model, args = load_factory(factory).qk_layer_norm()
+    qk = [g for g in symgraph.analyze(model, inputs=args).groups if g.motif == "qk"]
+    assert [(g.kind, g.size, g.copies, g.global_sign) for g in qk] == [("permutation", 4, 1, True)]
 
 
 def test_head_blocks_pass_a_norm_of_each_head_output(factory):

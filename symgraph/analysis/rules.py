@@ -54,7 +54,8 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     out_shape = _shape_of(node)
     dim %= len(out_shape)
-    if any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
+    values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
+    if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
     if any(dim in chan_axes(c) or c.mixed for v in values for c in v.chans):
         return None
@@ -164,8 +165,15 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     if isinstance(dim, int):
         return frozenset({dim % rank})
     indices = schema_arg(node, "indices")
-    if isinstance(indices, (list, tuple)):
-        return frozenset(i for i, t in enumerate(indices) if t is not None)
+    if isinstance(indices, (list, tuple)):  # index.Tensor: one entry per leading axis; a boolean mask spans several
+        axes, axis = set(), 0
+        for t in indices:
+            val = t.meta.get("val") if isinstance(t, fx.Node) else None
+            span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
+            if t is not None:
+                axes.update(range(axis, axis + span))
+            axis += span
+        return frozenset(axes)
     return frozenset(range(rank))  # an op that reads index values some other way: every axis
 
 

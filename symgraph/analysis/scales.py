@@ -32,14 +32,14 @@ def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> 
         return []
     range_of_id = np.searchsorted(asm.range_start, np.arange(asm.n), side="right") - 1
     zero_id, positive_id = _id_limits(asm)
-    _, range_of_id = np.unique(range_of_id * 2 + zero_id, return_inverse=True)  # one variable per part
-    range_of_id = range_of_id.reshape(-1)
-    ties = _range_edges(asm.c.ties, range_of_id)
-    products = _range_products(asm.c.products, range_of_id)
-    zero = np.zeros(int(range_of_id.max()) + 1, bool)
-    zero[range_of_id[zero_id]] = True
+    _, part_of_id = np.unique(range_of_id * 2 + zero_id, return_inverse=True)  # one variable per part
+    part_of_id = part_of_id.reshape(-1)
+    ties = _range_edges(asm.c.ties, part_of_id)
+    products = _range_products(asm.c.products, part_of_id)
+    zero = np.zeros(int(part_of_id.max()) + 1, bool)
+    zero[part_of_id[zero_id]] = True
     positive = np.zeros_like(zero)
-    positive[range_of_id[positive_id]] = True
+    positive[part_of_id[positive_id]] = True
     linked = [{a, b} for a, b, _ in ties] + [set(p) for p in products]
     groups = []
     for component in union_sets(linked):
@@ -51,28 +51,28 @@ def scale_groups(asm, restriction, excluded: np.ndarray, rotary: np.ndarray) -> 
                      for a, b, dual in ties if a in component]
         equations += [_product_row(p) for p in products if p[0] in component]
         for v in _nice_null_space(family, equations, zero):
-            group = _emit(asm, v, range_of_id, positive, restriction, excluded, rotary)
+            group = _emit(asm, v, part_of_id, positive, restriction, excluded, rotary)
             if group is not None:
                 groups.append(group)
     return groups
 
 
-def _range_edges(ties, range_of_id) -> list[tuple[int, int, int]]:
+def _range_edges(ties, part_of_id) -> list[tuple[int, int, int]]:
     edges = set()
     for a, b, dual, product in ties:
         if product:  # factors of a product keep their own scales
             continue
-        pairs = np.unique(np.stack([range_of_id[a], range_of_id[b]], 1), axis=0)
+        pairs = np.unique(np.stack([part_of_id[a], part_of_id[b]], 1), axis=0)
         edges.update((int(x), int(y), int(dual)) for x, y in pairs)
     return sorted(edges)
 
 
-def _range_products(products, range_of_id) -> list[tuple[int, int, int]]:
+def _range_products(products, part_of_id) -> list[tuple[int, int, int]]:
     out = set()
     for o, a, b, _node in products:
         cols = [x.reshape(-1) for x in (o, a, b)]
         ok = np.all([c >= 0 for c in cols], axis=0)
-        table = np.unique(np.stack([range_of_id[c[ok]] for c in cols], 1), axis=0)
+        table = np.unique(np.stack([part_of_id[c[ok]] for c in cols], 1), axis=0)
         out.update(tuple(int(x) for x in row) for row in table)
     return sorted(out)
 
@@ -154,9 +154,9 @@ def _rref(m: np.ndarray) -> np.ndarray:
     return m[np.any(np.abs(m) > 1e-9, axis=1)]
 
 
-def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) -> Group | None:
+def _emit(asm, v: dict, part_of_id, positive, restriction, excluded, rotary) -> Group | None:
     active = [r for r, e in v.items() if abs(e) > 1e-9]
-    ids = np.nonzero(np.isin(range_of_id, active))[0]
+    ids = np.nonzero(np.isin(part_of_id, active))[0]
     coords = np.unique(asm.cls[ids])
     if len(coords) == 0 or excluded[coords].any():
         return None  # head blocks
@@ -172,7 +172,7 @@ def _emit(asm, v: dict, range_of_id, positive, restriction, excluded, rotary) ->
     where = {int(k): j for j, k in enumerate(coords)}
     found: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in coords])
     for i, k, p in zip(ids, rng, pos):
-        e = v[int(range_of_id[i])]
+        e = v[int(part_of_id[i])]
         key = (asm.range_of[k].owner, asm.range_of[k].axis, "primal" if e > 0 else "dual", abs(float(e)))
         found[key][where[int(asm.cls[i])]].append(int(p))
     members = []
