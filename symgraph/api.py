@@ -142,7 +142,7 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
-          layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
+          layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = False, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True,
           progress=None):
@@ -152,7 +152,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     the best solver for each, coordinate descent until nothing improves), ``paper`` (the paper's algorithm:
     per-head QK/VO rotations with heads in fixed order, the scalar rescale, one Hungarian per FFN) or
     ``permutation`` (permutations only, weight matching). ``only``, ``rescale`` and ``layers`` are the ablations.
-    After the first pass, coordinate descent runs at most ``refine_rounds`` rounds and stops once a round lowers
+    After the first pass, coordinate descent runs at most ``refine_rounds`` rounds (default 8, or 100 when the
+    residual stream is orthogonal: :func:`symgraph.alignment.default_rounds`) and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (full mode) a second descent starts from weight matching of the permutations and the closer result is kept.
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
