@@ -136,23 +136,36 @@ def monomial_subgroup(g: Group) -> Group:
     return replace(g, kind="signed_permutation")
 
 
+DEFAULT_ROUNDS, ORTHOGONAL_RESIDUAL_ROUNDS = 8, 100
+
+
+def default_rounds(groups) -> int:
+    """Refinement rounds when none are asked for: 8, or 100 when an orthogonal residual group (a folded model) is
+    aligned. It couples with every in-block group, and alternating them converges slowly but keeps paying off:
+    folded vit-digits, full mode, loss barrier 3.90 after 8 rounds, 3.30 after 30, 3.05 after 100."""
+    if any(g.motif == "residual" and g.kind == "orthogonal" for g in groups):
+        return ORTHOGONAL_RESIDUAL_ROUNDS
+    return DEFAULT_ROUNDS
+
+
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
-                 rounds: int = 8, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
+                 rounds: int | None = None, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
                  cost_excluded=()) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
-    After the first pass, at most ``rounds`` rounds of coordinate descent run; they stop early once a round
-    lowers the distance by less than ``tolerance`` of itself. With ``matching_start`` (the default; ``full`` and
-    ``permutation`` modes), a second descent starts from weight matching of the permutations and the closer of
-    the two results is kept: in ``permutation`` mode textbook weight matching (:func:`weight_matching`) run to
-    convergence, so the mode is never farther from the anchor than the textbook; in ``full`` mode one round of it
-    (the descent re-solves every permutation), skipped when the first start already removed 90% of the distance
-    (:func:`_found_share`). An exact recovery always skips it.
+    After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
+    they stop early once a round lowers the distance by less than ``tolerance`` of itself. With ``matching_start``
+    (the default; ``full`` and ``permutation`` modes), a second descent starts from weight matching of the
+    permutations and the closer of the two results is kept: in ``permutation`` mode textbook weight matching
+    (:func:`weight_matching`) run to convergence, so the mode is never farther from the anchor than the textbook;
+    in ``full`` mode one round of it (the descent re-solves every permutation), skipped when the first start
+    already removed 90% of the distance (:func:`_found_share`). An exact recovery always skips it.
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
     slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
     Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast); the
     result is cast back to each tensor's own dtype. Distances are whole-model (:func:`relative_distance`).
     """
+    rounds = default_rounds(groups) if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise SymgraphError(f"Refinement rounds must be a whole number >= 0, not {rounds!r}.",
                             hint="pass 0 to stop after the first pass, or more rounds to descend longer.")

@@ -167,7 +167,7 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 
 
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
-          layers: tuple[int, int] | None = None, refine_rounds: int = 8, tolerance: float = 1e-4,
+          layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
@@ -176,7 +176,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     the best solver for each, coordinate descent until nothing improves), ``paper`` (the paper's algorithm:
     per-head QK/VO rotations with heads in fixed order, the scalar rescale, one Hungarian per FFN) or
     ``permutation`` (permutations only, weight matching). ``only``, ``rescale`` and ``layers`` are the ablations.
-    After the first pass, coordinate descent runs at most ``refine_rounds`` rounds and stops once a round lowers
+    After the first pass, coordinate descent runs at most ``refine_rounds`` rounds (default 8, or 100 when the
+    residual stream is orthogonal: :func:`symgraph.alignment.default_rounds`) and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (the default; full and permutation modes), unless the first pass recovers the source exactly, a second
     descent starts from textbook weight matching of the permutations and the closer result is kept.

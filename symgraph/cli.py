@@ -93,8 +93,9 @@ def _descent_options(command):
     """The options of every alignment's descent, shared by ``align`` and ``barrier`` (see :func:`_descent`)."""
     options = [
         click.option("--no-rescale", is_flag=True, help="Ablation: no QK / rotary rescaling."),
-        click.option("--refine-rounds", type=click.IntRange(min=0), default=8, show_default=True,
-                     help="At most this many coordinate-descent rounds after the first pass (0: first pass only)."),
+        click.option("--refine-rounds", type=click.IntRange(min=0), default=None,
+                     help="At most this many coordinate-descent rounds after the first pass (0: first pass only; "
+                          "default 8, or 100 when the residual stream is orthogonal, as in a folded model)."),
         click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
                      help="Stop descending once a round lowers the distance by less than this fraction."),
         click.option("--matching-start/--no-matching-start", default=True, show_default=True,
