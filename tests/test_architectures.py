@@ -199,6 +199,7 @@ EXPECTED = {
     "mixtral": {
         "experts permutation 4x1": 2,
         "ffn permutation 32x1": 2,
+        "ffn scale/nonzero 32x1": 2,
         "heads permutation 2x1": 2,
         "heads permutation 2x2": 2,
         "qk rotary/positive 16x2": 2,
@@ -211,6 +212,7 @@ EXPECTED = {
     "qwen2-moe": {
         "experts permutation 4x1": 2,
         "ffn permutation 32x1": 2,
+        "ffn scale/nonzero 32x1": 2,
         "ffn permutation 48x1": 2,
         "ffn scale/nonzero 48x1": 2,
         "heads permutation 2x1": 2,
@@ -224,6 +226,7 @@ EXPECTED = {
     "olmoe": {
         "experts permutation 4x1": 2,
         "ffn permutation 32x1": 2,
+        "ffn scale/nonzero 32x1": 2,
         "heads permutation 2x1": 2,
         "heads permutation 2x2": 2,
         "qk scale/sign 8x2": 2,
@@ -236,7 +239,7 @@ EXPECTED = {
     "deepseek-v2": {
         "experts permutation 4x1": 1,
         "ffn permutation 32x1": 3,
-        "ffn scale/nonzero 32x1": 2,
+        "ffn scale/nonzero 32x1": 3,
         "other signed_permutation 16x1": 2,
         "residual signed_permutation 64x1": 1,
         "scale_free scale/nonzero 16x1": 2,

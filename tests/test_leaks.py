@@ -126,10 +126,16 @@ def test_layernorm_shared_by_heads_gets_no_per_pair_sign(subjects):
             assert (g.kind, g.scale) != ("scale", "sign"), g.id
 
 
-def test_columns_that_read_zero_padding_stay_fixed(subjects):
-    for g in subjects("mobilebert").report.groups:  # its input columns read [shifted | embeddings | shifted]
-        assert not any(m.param == "embeddings.embedding_transformation.weight" and m.axis == 1
-                       for m in g.members), g.id
+def test_columns_that_read_zero_padded_pieces_move_with_the_embeddings(subjects):
+    # the input columns read [shifted | embeddings | shifted] (zero-padded along the sequence): a map of the
+    # embedding axis must act on all three pieces alike, never on the middle one alone
+    width = 16
+    for g in subjects("mobilebert").report.groups:
+        for m in g.members:
+            if m.param == "embeddings.embedding_transformation.weight" and m.axis == 1:
+                pieces = m.index.reshape(-1, 3)
+                assert (pieces[:, 1] == pieces[:, 0] + width).all() and (pieces[:, 2] == pieces[:, 0] + 2 * width).all()
+                assert any(o.param == "embeddings.word_embeddings.weight" for o in g.members), g.id
 
 
 def test_mamba_state_permutation_moves_a_log_columns_with_b_and_c_rows(subjects):
@@ -139,7 +145,16 @@ def test_mamba_state_permutation_moves_a_log_columns_with_b_and_c_rows(subjects)
     for g in state:
         rows = sorted(int(i) for m in g.members if m.param.endswith("x_proj.weight") for i in m.index.ravel())
         assert rows == list(range(4, 12))  # x_proj rows [dt | B | C] = [4 | 4 | 4]: B and C move, dt does not
-    assert not any("conv1d" in m.param for g in report.groups for m in g.members)  # depthwise conv: pinned
+    # the depthwise conv's channels move with everything else that is indexed by the mixer's inner channel:
+    # both halves of in_proj (x and the gate z), A_log and D rows, dt_proj rows, x_proj and out_proj columns
+    inner = [g for g in report.groups if any("conv1d.weight" in m.param for m in g.members)]
+    assert len(inner) == 2
+    for g in inner:
+        moved = {(m.param.split("mixer.")[1], m.axis) for m in g.members}
+        assert {("conv1d.weight", 0), ("conv1d.bias", 0), ("A_log", 0), ("D", 0), ("dt_proj.weight", 0),
+                ("in_proj.weight", 0), ("x_proj.weight", 1), ("out_proj.weight", 1)} <= moved
+        halves = next(m for m in g.members if m.param.endswith("in_proj.weight")).index.reshape(-1, 2)
+        assert (halves[:, 1] == halves[:, 0] + g.size).all()  # x channel i and gate channel i together
 
 
 # -- the same mechanisms on plain torch modules, through the CLI ------------------------------------------------

@@ -116,7 +116,7 @@ class Constraints:
             a, b = collapse_pair(a, b)
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
         self.pin(np.concatenate([a[(a >= 0) & (b < 0)], b[(b >= 0) & (a < 0)]]),
-                 "meets values that carry no label (data) at the same position", node)
+                 "meets data where a coordinate was expected (concatenated with data?)", node)
         keep = (a >= 0) & (b >= 0)
         if keep.any():
             pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)
