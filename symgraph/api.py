@@ -185,9 +185,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the
     folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
-    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was done. With ``general_linear`` (full mode) QK and VO groups whose
-    exact group is GL(d_head) are aligned in it (least squares from either side or Procrustes, whichever is
-    closest, maps worse conditioned than 100 refused) instead of in its orthogonal subgroup.
+    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was
+    done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
+    (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
+    instead of in its orthogonal subgroup.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to

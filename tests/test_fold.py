@@ -200,13 +200,13 @@ def test_cli_align_fold_recovers_a_transformed_folded_model(tmp_path):
     assert any(v["kind"] == "orthogonal" and k.startswith("residual") for k, v in stats["groups"].items())
 
 
-def test_merge_folds_rmsnorm_models_by_default_and_keeps_the_first_models_function():
+def test_merge_folds_by_default_and_keeps_the_first_models_function():
     a, b = (symgraph.load(zoo.build("llama", seed=s)) for s in (0, 1))
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)  # default: fold (RMSNorm)
+    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)  # default: fold
     assert all(name.endswith("(folded)") for name in result.models)
     assert torch.equal(result.state["model.norm.weight"], torch.ones_like(result.state["model.norm.weight"]))
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
-    assert pays_off(a) and not pays_off(_subject("vit")) and not pays_off(_subject("bert"))  # LayerNorm: no
+    assert pays_off(a) and pays_off(_subject("vit")) and not pays_off(_subject("bert"))  # post-LN cannot fold
 
 
 class _AffineFreeNorm(torch.nn.Module):
