@@ -150,8 +150,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
-    they stop early once a round lowers the distance by less than ``tolerance`` of itself. With ``matching_start`` (full mode), unless the
-    source was recovered exactly, a second descent starts from weight matching of the permutations (see
+    they stop early once a round lowers the distance by less than ``tolerance`` of itself. With
+    ``matching_start`` (full mode), unless the source was recovered exactly, a second descent starts from weight matching of the permutations (see
     :func:`_matching_start`) and the closer of the two results is kept; it about doubles the time.
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose slices the model ignores (they move with
     their groups but never enter a cost). Neither input is modified.
