@@ -1,8 +1,8 @@
 """Does norm folding pay off? Loss barriers on the shipped pairs with and without ``--fold``; prints one JSON object.
 
 For each shipped pair (model A, model B, its test data) ``symgraph.barrier`` runs once on the models as trained and
-once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation``, ``paper`` and ``full``, and ``full`` with QK/VO aligned in GL(d_head)
-(``general_linear``). A pair
+once on their folded forms (:func:`symgraph.fold`), for the modes ``none``, ``permutation``, ``paper`` and
+``full``, and ``full`` with QK/VO aligned in GL(d_head) (``general_linear``). A pair
 whose norms cannot be folded (post-LN BERT) records the refusal instead. The numbers decide the default of
 ``--fold`` (see ``symgraph/fold.py``, :func:`symgraph.fold.pays_off`), so rerun this after changing the aligner.
 

@@ -148,7 +148,7 @@ def residual_note(cap, groups, config_only: bool) -> str | None:
 # -- finding norms -----------------------------------------------------------------------------------------------
 def find_norms(cap) -> list[NormSite]:
     """Every norm of the captured graph that carries parameters, with the linears reading it."""
-    names = cap.params
+    names, placeholders, tied = cap.params, _placeholders(cap), _tied_names(cap)
     sites = []
     for node in cap.graph.nodes:
         if node.op != "call_function":
@@ -164,8 +164,8 @@ def find_norms(cap) -> list[NormSite]:
             if centres:
                 sites.append(site)  # nothing to fold, but it makes the stream centrable
             continue
-        _check_used_once(cap, node, site)
-        sites.append(replace(site, readers=_linear_readers(cap, node, site)))
+        _check_used_once(placeholders, node, site)
+        sites.append(replace(site, readers=_linear_readers(cap, placeholders, tied, node, site)))
     return sites
 
 
@@ -221,17 +221,16 @@ def _param(arg, names) -> str | None:
     return names.get(arg.name) if isinstance(arg, fx.Node) and arg.op == "placeholder" else None
 
 
-def _check_used_once(cap, node, site: NormSite) -> None:
+def _check_used_once(placeholders, node, site: NormSite) -> None:
     for name in (site.weight, site.bias):
-        placeholder = _placeholder_of(cap, name)
+        placeholder = placeholders.get(name)
         if placeholder is not None and len(placeholder.users) > 1:
             raise FoldError(f"Cannot fold {site.describe()}: its parameter {name} is also read by "
                             f"{_other_users(placeholder, node)}; one fold cannot serve both.",
                             hint="untie the parameter, or align without --fold.")
 
 
-def _linear_readers(cap, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
-    tied = _tied_names(cap)
+def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
     readers = []
     for user in _readers(node):
         if str(user.target) != "aten.linear.default" or _param(user.args[1], cap.params) is None:
@@ -245,7 +244,7 @@ def _linear_readers(cap, node, site: NormSite) -> tuple[tuple[str, str | None], 
         weight = _param(user.args[1], cap.params)
         bias = _param(user.args[2], cap.params) if len(user.args) > 2 else None
         shared = [n for n in tied.get(weight, ()) if n != weight] or \
-            [u.name for u in _placeholder_of(cap, weight).users if u is not user]
+            [u.name for u in placeholders[weight].users if u is not user]
         if shared:
             raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
@@ -399,10 +398,9 @@ def _through_identity_back(node):
     return node
 
 
-def _placeholder_of(cap, name: str | None):
-    if name is None:
-        return None
-    return next((n for n in cap.graph.nodes if n.op == "placeholder" and cap.params.get(n.name) == name), None)
+def _placeholders(cap) -> dict[str, fx.Node]:
+    """Parameter name -> its graph placeholder."""
+    return {cap.params[n.name]: n for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params}
 
 
 def _other_users(placeholder: fx.Node, node: fx.Node) -> str:
