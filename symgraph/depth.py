@@ -32,12 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .analysis import Analysis
-from .analysis.assemble import Assembler
-from .analysis.walk import Walker
+from .analysis import Analysis, assemble_capture
 from .capture import capture
 from .errors import CaptureError
-from .spec import load_specs
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +79,7 @@ def analyse_by_repeats(subject) -> Analysis | None:
         return None
     try:
         cap = capture(shallow, subject.args, subject.kwargs)
-        specs = load_specs()
-        assembler = Assembler(Walker(cap, specs).run(), specs)
-        analysis = assembler.analyse()
+        analysis, assembler = assemble_capture(cap)
         return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
         log.info("analysing the full depth: the shallow meta-device copy could not be captured (%s)", exc)
@@ -427,7 +422,7 @@ def _moved_group(g, s: int, j: int, rename: _Renamer, names: NodeNames):
 
 def _spread_group(g, rename: _Renamer, names: NodeNames):
     """A group whose members lie in several blocks (the residual stream): every block's members, in every copy."""
-    from .analysis.assemble import _common_prefix
+    from .analysis.naming import common_prefix
 
     if rename.mentions_block(g.id) or any(rename.mentions_block(link) for link in g.links):
         raise NotReplicable(f"group {g.id} spans blocks but is named after one")
@@ -441,7 +436,7 @@ def _spread_group(g, rename: _Renamer, names: NodeNames):
         members += [m if t is None or t == s else dataclasses.replace(m, param=rename.move(m.param, s, t))
                     for t in targets]
     members.sort(key=key)
-    if _common_prefix([m.param for m in members]) != g.layer:
+    if common_prefix([m.param for m in members]) != g.layer:
         raise NotReplicable(f"group {g.id} would change its layer at full depth")
     return dataclasses.replace(g, members=tuple(members), notes=_renamed_notes(g.notes, names.embedded))
 

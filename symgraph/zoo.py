@@ -105,7 +105,7 @@ _HF: dict[str, _HFFamily] = {
         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
         v_head_dim=16, topk_method="greedy")),
     "gpt-oss": _HFFamily("gpt_oss", "AutoModelForCausalLM", dict(
-        _MOE, num_local_experts=4, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        _MOE, num_local_experts=4, head_dim=16, sliding_window=4,  # layer_types: sliding and full in turn
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=2.0, original_max_position_embeddings=32,
                              beta_fast=32.0, beta_slow=1.0, truncate=False))),
     "clip": _HFFamily("clip", "AutoModel", dict(

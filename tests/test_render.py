@@ -4,8 +4,11 @@ from __future__ import annotations
 import html
 import json
 import re
+import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 from html.parser import HTMLParser
 
 import numpy as np
@@ -15,7 +18,8 @@ import torch
 import symgraph
 from symgraph.errors import SymgraphError
 from symgraph.groups import Group, Member, PinnedSpace
-from symgraph.render import render, to_html, to_markdown
+from symgraph.picture import LANE_W, sections, to_svg
+from symgraph.render import ACTION_TEXT, KIND_TEXT, MOTIF_TEXT, render, to_html, to_markdown
 from symgraph.report import Report
 
 transformers = pytest.importorskip("transformers")
@@ -40,9 +44,9 @@ def bert_report() -> Report:
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, vocab_size=50)
     model = transformers.AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():  # norm weights of exactly 1 would give the folded model's orthogonal residual group
+    with torch.no_grad():  # as if trained: norm weights of exactly 1 would read as folded (an orthogonal stream)
         for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn_like(p))
     return symgraph.analyze(model, inputs={"input_ids": torch.randint(0, 50, (2, 7))})
 
 
@@ -73,7 +77,7 @@ def _synthetic(n_layers: int, per_layer: int, params_per_layer: int = 6) -> Repo
         params.update({n: (8, 8) for n in names})
         for k in range(per_layer):
             members = [names[(k + i) % params_per_layer] for i in range(3)]
-            groups.append(_group(f"g{layer}-{k}", f"model.layers.{layer}", members, kind=kinds[k % len(kinds)],
+            groups.append(_group(f"g{k}:model.layers.{layer}", f"model.layers.{layer}", members, kind=kinds[k % len(kinds)],
                                  motif=motifs[k % len(motifs)]))
     pinned = (PinnedSpace(tuple(params)[:10], 8, "synthetic pin", node="linear_7"),)
     return Report("synthetic", tuple(groups), pinned, params, {"aten.mystery.default": 2}, ("a synthetic note",))
@@ -123,7 +127,7 @@ def test_every_group_id_appears(report, rendered):
     assert report.groups
     for g in report.groups:
         assert f"`{g.id}`" in markdown
-        assert f"<code>{html.escape(g.id)}</code>" in page
+        assert f"<code>{html.escape(g.id)}</code>" in page.replace("<wbr>", "")
 
 
 def test_markdown_summary_counts_match_report(report, rendered):
@@ -170,11 +174,43 @@ def test_html_parses_strictly(rendered):
     assert _StrictParser().check(page) == []
 
 
-def test_html_nodes_carry_hover_titles(report, rendered):
+def test_every_group_is_drawn_with_a_hover_title(report, rendered):
     _, page = rendered
-    titles = re.findall(r'<g id="sgnode\d+"><title>(.*?)</title>', page)
+    titles = re.findall(r'<g class="span"><title>(.*?)</title>', page)
     for g in report.groups:
-        assert html.escape(g.id) in titles
+        template = html.escape(re.sub(r"(?<![^.:+])\d+(?=$|[.:+])", "*", g.id))
+        assert any(t.startswith(template + ":") for t in titles), g.id
+
+
+def test_page_explains_actions_kinds_and_motifs(rendered):
+    markdown, page = rendered
+    for name, table in (("action", ACTION_TEXT), ("kind", KIND_TEXT), ("motif", MOTIF_TEXT)):
+        for key, text in table.items():
+            assert f"{key} ({name}): {text}" in markdown
+            assert html.escape(f"{key} ({name}): {text}") in page
+
+
+def test_long_ids_can_wrap_inside_their_table_column(bert_report):
+    page = to_html(bert_report)
+    qk = next(g for g in bert_report.groups if g.motif == "qk")
+    assert f"<code>{html.escape(qk.id)}</code>" not in page  # one unbreakable word would widen the table
+    assert html.escape(qk.id).replace(".", ".<wbr>").replace(":", ":<wbr>").replace("+", "+<wbr>") \
+        .replace("_", "_<wbr>") in page
+
+
+@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+                    reason="needs a headless Chromium (Debian: apt-get install chromium)")
+def test_report_fits_a_1400px_browser_window(tmp_path):
+    """Runs examples/screenshot_reports.py: Chromium renders the page, screenshots it, and measures its width."""
+    script = Path(__file__).resolve().parent.parent / "examples" / "screenshot_reports.py"
+    folder = Path(__file__).resolve().parent.parent / "symgraph" / "data" / "models" / "bert-topics-a"
+    done = subprocess.run([sys.executable, str(script), str(folder), "--out", str(tmp_path / "shots")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["fits"] and result["scroll_width"] == 1400
+    png = Path(result["png"]).read_bytes()
+    assert png.startswith(b"\x89PNG") and int.from_bytes(png[16:20], "big") == 1400  # IHDR width
 
 
 def test_layer_sections_and_member_details(bert_report):
@@ -255,17 +291,67 @@ def test_pinned_params_are_truncated_and_notes_listed():
     assert _summary_value(markdown, "unknown ops") == "aten.mystery.default x2"
 
 
-def test_big_report_renders_quickly_and_collapses():
+def test_big_report_renders_quickly_and_draws_one_block():
     report = _synthetic(n_layers=100, per_layer=10)
     assert len(report.groups) == 1000 and len(report.parameters) == 600
     start = time.perf_counter()
     markdown, page = to_markdown(report), to_html(report)
     assert time.perf_counter() - start < 10
     assert int(_summary_value(markdown, "groups")) == 1000
-    caption = re.search(r"<figcaption>(.*?)</figcaption>", page).group(1)
-    assert "one node per layer prefix" in caption and "one node per motif and kind" in caption
-    assert page.count('<g id="sgnode') < 200
+    first, second, rest = sections(report)  # the synthetic pin covers the 10 parameters of blocks 0 and 1
+    assert [s.title for s in (first, second)] == ["model.layers.*   x 1 of 100   (blocks 0)",
+                                                   "model.layers.*   x 1 of 100   (blocks 1)"]
+    assert rest.title == "model.layers.*   x 98 of 100   (blocks 2-99)"
+    assert [row.name for row in rest.rows] == [f"m{j}.weight" for j in range(6)]
+    assert [bool(row.pinned) for row in second.rows] == [True] * 4 + [False] * 2
+    assert page.count('class="pname"') == 18  # three distinct blocks drawn once each, not 100 blocks
     assert _StrictParser().check(page) == []
+
+
+def test_a_block_that_differs_gets_its_own_section():
+    groups = [_group(f"ffn:l.{i}", f"l.{i}", [f"l.{i}.up.weight"]) for i in range(5)]
+    groups[3] = _group("ffn:l.3", "l.3", ["l.3.up.weight"], kind="signed_permutation")
+    params = {f"l.{i}.up.weight": (8, 4) for i in range(5)} | {"head.weight": (3, 8)}
+    titles = [s.title for s in sections(Report("toy", tuple(groups), (), params))]
+    assert titles == ["l.*   x 4 of 5   (blocks 0-2, 4)", "l.*   x 1 of 5   (blocks 3)",
+                      "After the repeated blocks"]
+
+
+def test_spans_cover_the_member_coordinates_cut_at_copies():
+    heads = Member("l.0.q.weight", 0, np.arange(32).reshape(4, 8, 1))  # 4 heads of 8 rows
+    whole_heads = Member("l.0.o.weight", 1, np.arange(32).reshape(1, 4, 8), "dual")  # heads moved as blocks
+    scattered = Member("l.0.q.weight", 1, np.array([[[0], [2], [3], [7]]]))
+    group = Group("qk:l.0", "qk", "orthogonal", 8, 4, (heads,), layer="l.0")
+    perm = Group("heads:l.0", "heads", "permutation", 4, 1, (whole_heads,), layer="l.0")
+    other = Group("other:l.0", "other", "permutation", 4, 1, (scattered,), layer="l.0")
+    report = Report("toy", (group, perm, other), (), {"l.0.q.weight": (32, 8), "l.0.o.weight": (8, 32)})
+    rows = {row.name: row for row in sections(report)[0].rows}
+    assert rows["q.weight"].spans[0].rects == ((0, 8), (8, 16), (16, 24), (24, 32))
+    assert rows["o.weight"].spans[0].rects == ((0, 8), (8, 16), (16, 24), (24, 32))
+    assert rows["o.weight"].spans[0].action == "dual" and rows["q.weight"].spans[1].rects == ((0, 1), (2, 4), (7, 8))
+    svg = to_svg(report)
+    widths = re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="16" fill="#4477aa"', svg)
+    assert [float(w) for w in widths] == [LANE_W / 4] * 4  # each head a quarter of the 32-row axis
+
+
+def test_pinned_parameters_say_why_under_their_shape():
+    groups = tuple(_group(f"ffn:l.{i}", f"l.{i}", [f"l.{i}.up.weight"]) for i in range(2))
+    params = {"embed.weight": (50, 8)} | {f"l.{i}.up.weight": (8, 8) for i in range(2)}
+    pin = PinnedSpace(("embed.weight",), 50, "embedding rows are selected by input ids", node="embedding")
+    report = Report("toy", groups, (pin,), params)
+    before, block = sections(report)
+    assert before.rows[0].pinned == (pin.reason,) and block.rows[0].pinned == ()
+    svg = to_svg(report)
+    assert f"<title>50 x 8 · pinned: {pin.reason}</title>" in svg and 'class="pinned"' in svg
+
+
+def test_inner_repeats_fold_into_one_row():
+    params = {f"l.{i}.experts.{e}.w": (4, 4) for i in range(2) for e in range(3)}
+    groups = tuple(_group(f"ffn:l.{i}.experts.{e}", f"l.{i}", [f"l.{i}.experts.{e}.w"])
+                   for i in range(2) for e in range(3))
+    [section] = sections(Report("moe", groups, (), params))
+    assert [(row.name, row.repeats) for row in section.rows] == [("experts.*.w", 3)]
+    assert "x 2" in section.title
 
 
 def test_empty_report():

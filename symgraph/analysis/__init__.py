@@ -10,11 +10,16 @@ from .walk import Walker
 
 def analyse_capture(cap: Capture, specs: Specs | None = None) -> Analysis:
     """Walk ``cap``'s graph and assemble every symmetry group it admits."""
+    return assemble_capture(cap, specs)[0]
+
+
+def assemble_capture(cap: Capture, specs: Specs | None = None) -> tuple[Analysis, Assembler]:
+    """:func:`analyse_capture`, with the assembler (its per-parameter pin counts serve symgraph.depth)."""
     specs = specs or load_specs()
-    walker = Walker(cap, specs).run()
-    analysis = Assembler(walker, specs).analyse()
+    assembler = Assembler(Walker(cap, specs).run(), specs)
+    analysis = assembler.analyse()
     analysis.groups = note_shared_expert_units(analysis.groups)
-    return analysis
+    return analysis, assembler
 
 
-__all__ = ["Analysis", "analyse_capture"]
+__all__ = ["Analysis", "analyse_capture", "assemble_capture"]
