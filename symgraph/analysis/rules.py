@@ -469,15 +469,14 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     out_shape = out_shape or _shape_of(node)
     a, b = _as_value(a), _as_value(b)
     chans, used = [], set()
+    b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
         axes = chan_axes(ca)
-        j = next((j for j, cb in enumerate(b.chans)
-                  if j not in used and cb.block == ca.block and chan_axes(cb.broadcast_to(out_shape)) & axes),
+        j = next((j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes),
                  None)
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
-            j = next((j for j, cb in enumerate(b.chans)
-                      if j not in used and chan_axes(cb.broadcast_to(out_shape)) == axes), None)
+            j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
             _add_data(w, node, ca, b, out_shape)
             chans.append(ca)
