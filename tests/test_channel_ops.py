@@ -2,16 +2,16 @@
 float64 at two input shapes, and the elements just outside them shown to break the function."""
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
 from torch import nn
 
 import symgraph
-from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
 from symgraph.zoo import _perturb
+
+from group_checks import assert_fuzzed_at_two_shapes, census
 
 
 def load(model: nn.Module, inputs, seed: int = 0):
@@ -24,17 +24,6 @@ def load(model: nn.Module, inputs, seed: int = 0):
             module.running_mean.copy_(torch.randn(module.running_mean.shape, generator=generator))
             module.running_var.uniform_(0.5, 2.0, generator=generator)
     return symgraph.load(model, inputs)
-
-
-def census(subject) -> dict[str, int]:
-    return dict(collections.Counter(f"{g.motif} {g.kind}{'/' + g.scale if g.scale else ''} {g.size}x{g.copies}"
-                                    for g in subject.report.groups))
-
-
-def assert_fuzzed_at_two_shapes(subject, samples: int = 6):
-    result = fuzz(subject, samples=samples)
-    assert result.ok, [v.counterexample for v in result.failures]
-    assert len(result.shapes) == 2 and result.shapes[0] != result.shapes[1]
 
 
 def conv_bn(activation: nn.Module) -> nn.Module:
@@ -50,13 +39,13 @@ def test_batch_norm_statistics_move_with_the_channel():
                        "1.running_var": "permute", "1.weight": "permute", "1.bias": "primal", "3.weight": "dual"}
     scale = next(g for g in subject.report.groups if g.kind == "scale")  # the norm's output scale
     assert {m.param for m in scale.members} == {"1.weight", "1.bias", "3.weight"}
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 def test_batch_norm_passes_sign_flips_to_an_odd_activation():
     subject = load(conv_bn(nn.Tanh()), (torch.randn(2, 3, 6, 6),))
     assert census(subject) == {"ffn signed_permutation 6x1": 1}
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 def test_scaling_a_batch_norm_input_channel_breaks_it():
@@ -94,7 +83,7 @@ def test_pooling_and_upsampling_keep_channel_ids(pool):
     model = nn.Sequential(nn.Conv2d(3, 6, 1), nn.ReLU(), pool, nn.Conv2d(6, 2, 1))
     subject = load(model, (torch.randn(2, 3, 6, 6),))
     assert census(subject) == {"ffn permutation/positive 6x1": 1}
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 class SquaredReLU(nn.Module):
@@ -116,7 +105,7 @@ def test_relu_squared_scales_c_in_and_one_over_c_squared_out(how):
     scale = next(g for g in subject.report.groups if g.kind == "scale")
     assert {(m.param, m.action, m.exponent) for m in scale.members} == {
         ("up.weight", "primal", 1), ("up.bias", "primal", 1), ("down.weight", "dual", 2)}
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 def test_relu_squared_with_one_over_c_out_breaks_it():
@@ -180,7 +169,7 @@ def test_a_batch_norm_read_twice_moves_its_statistics_once():
     subject = load(SharedNorm(), (torch.randn(2, 3, 5, 5),))
     members = [(m.param, m.action) for g in subject.report.groups for m in g.members]
     assert members.count(("norm.running_mean", "primal")) == 1 and members.count(("norm.running_var", "permute")) == 1
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 class Padded(nn.Module):
@@ -207,7 +196,7 @@ class Padded(nn.Module):
 def test_padding_keeps_channels_it_does_not_pad(padded, expected):
     subject = load(padded, (torch.randn(2, 3, 5, 5),))
     assert census(subject) == expected
-    assert_fuzzed_at_two_shapes(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=6)
 
 
 def test_scaling_channels_padded_with_ones_breaks_it():

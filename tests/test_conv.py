@@ -2,7 +2,6 @@
 is fuzzed in float64 at two input shapes (the traced one and a larger batch / image / sequence)."""
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -10,9 +9,10 @@ from torch import nn
 
 import symgraph
 from symgraph.elements import apply
-from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
 from symgraph.zoo import _perturb
+
+from group_checks import assert_fuzzed_at_two_shapes, census
 
 
 def load(model: nn.Module, inputs) -> symgraph.api.Subject:
@@ -20,17 +20,6 @@ def load(model: nn.Module, inputs) -> symgraph.api.Subject:
     model = model.eval()
     _perturb(model, torch.Generator().manual_seed(1))
     return symgraph.load(model, inputs)
-
-
-def census(subject) -> dict[str, int]:
-    return dict(collections.Counter(f"{g.motif} {g.kind}{'/' + g.scale if g.scale else ''} {g.size}x{g.copies}"
-                                    for g in subject.report.groups))
-
-
-def assert_fuzzed_at_two_shapes(subject, samples: int = 5):
-    result = fuzz(subject, samples=samples)
-    assert result.ok, [v.counterexample for v in result.failures]
-    assert len(result.shapes) == 2 and result.shapes[0] != result.shapes[1]
 
 
 def grouped_then_dense():
