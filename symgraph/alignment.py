@@ -25,6 +25,7 @@ import torch
 from .elements import MATRIX_KINDS, Element, apply_in_place, inverse
 from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
+from .io import check_finite
 from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
 from .solve.workspace import Workspace
 
@@ -548,11 +549,8 @@ def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
         raise MismatchError(f"Parameter {k} has shape {tuple(s[k].shape)} in the source but {tuple(a[k].shape)} in "
                             f"the anchor ({len(shapes)} parameters differ).",
                             hint="both models must use the same configuration sizes.")
-    for name, t in (("source", s), ("anchor", a)):
-        bad = [k for k, v in t.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            raise MismatchError(f"The {name} has NaN or Inf values in {bad[0]} ({len(bad)} tensors).",
-                                hint="alignment needs finite weights; check the checkpoint.")
+    for name, subject in (("source", source), ("anchor", anchor)):
+        check_finite(subject.model, f"the {name} ({subject.name})")
     if groups and [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
         raise MismatchError("The two models have different symmetry groups.",
                             hint="compare `symgraph report` of both; they must be the same architecture.")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # importing transformers is slow; the loaders import it lazil
 
 __all__ = [
     "LoadedModel",
+    "check_finite",
     "load_model",
     "save_model",
     "state_dict_of",
@@ -245,7 +246,7 @@ def _call_factory(factory, text: str, *, dtype: torch.dtype | None) -> LoadedMod
 def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype) -> LoadedModel:
     if dtype is not None and dtype != "auto":
         model = model.to(dtype)
-    _check_finite(model, f"the parameters of {name}")
+    check_finite(model, f"the parameters of {name}")
     model.eval()
     return LoadedModel(model=model, config=model_config(model), path=path, name=name)
 
@@ -347,7 +348,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         ) from exc
     _check_loading_info(loading_info, model, folder, weights[0])
     _check_stored_dtypes(model, folder, weights[0])
-    _check_finite(model, f"the weights in '{folder}'")
+    check_finite(model, f"the weights in '{folder}'")
     model.eval()
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
 
@@ -435,8 +436,9 @@ def _model_key(model, stored_key: str, model_keys: set[str]) -> str:
         return stored_key
 
 
-def _check_finite(model: torch.nn.Module, where: str) -> None:
-    """NaN or Inf weights are bad input: say which tensor, before any analysis could be blamed for them."""
+def check_finite(model: torch.nn.Module, where: str) -> None:
+    """NaN or Inf weights are bad input: say which tensor, before any analysis could be blamed for them.
+    Every loader calls it; alignment and merging call it again for subjects built by hand."""
     bad = [k for k, v in model.state_dict().items()
            if v.is_floating_point() and v.device.type != "meta" and not torch.isfinite(v).all()]
     if bad:

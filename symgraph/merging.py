@@ -38,6 +38,7 @@ import torch
 from .api import Subject, load, tie_aliases
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
 from .errors import DataError, MismatchError, SymgraphError
+from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 
 __all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters"]
@@ -392,10 +393,7 @@ def check_compatible(subjects: Sequence[Subject], exclude: frozenset[str], *, gr
             raise MismatchError(f"{where.capitalize()} have different symmetry groups.",
                                 hint="compare `symgraph report` of both; merge models of one architecture.")
     for position, subject in enumerate(subjects, start=1):
-        bad = [k for k, v in subject.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            raise MismatchError(f"Model {position} ({subject.name}) has NaN or Inf values in {bad[0]} "
-                                f"({len(bad)} tensors).", hint="merging needs finite weights; check the checkpoint.")
+        check_finite(subject.model, f"model {position} ({subject.name})")
 
 
 def _check_same_parameters(first: Subject, other: Subject, exclude: frozenset[str], where: str) -> None:
