@@ -137,17 +137,18 @@ def _block_sections(prefix: str, numbers: list[int], params: list[str], report: 
 
 def _block_title(prefix: str, which: list[int], total: int) -> str:
     share = "" if len(which) == total else f" of {total}"
-    return f"{prefix + '.' if prefix else ''}*   x {len(which)}{share}   (blocks {_number_ranges(which)})"
+    return f"{prefix + '.' if prefix else ''}*   x {len(which)}{share}   (blocks {number_ranges(which)})"
 
 
-def _number_ranges(numbers: list[int]) -> str:
+def number_ranges(numbers, dash: str = "-") -> str:
+    """``0-3, 8, 10-11``: consecutive runs collapsed (``dash`` joins a run's ends)."""
     runs: list[list[int]] = []
     for n in sorted(numbers):
         if runs and n == runs[-1][1] + 1:
             runs[-1][1] = n
         else:
             runs.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ", ".join(str(a) if a == b else f"{a}{dash}{b}" for a, b in runs)
 
 
 @dataclass(frozen=True)

@@ -279,13 +279,9 @@ def _pairs_text(pairs: tuple[tuple[int, int], ...]) -> str:
 
 def _ranges_text(values: tuple[int, ...]) -> str:
     """``0..3, 8, 10..11``: consecutive runs collapsed."""
-    runs: list[list[int]] = []
-    for v in sorted(values):
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs) or "none"
+    from .picture import number_ranges
+
+    return number_ranges(values, dash="..") or "none"
 
 
 def _pinned_section(pinned: tuple[PinnedSpace, ...]) -> _Section:
