@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .analysis import Analysis, assemble_capture
+from .analysis.walk import is_unit_vector
 from .capture import capture
 from .errors import CaptureError
 
@@ -97,7 +98,7 @@ def shallow_copy(model: nn.Module, config) -> tuple[nn.Module, DepthPlan]:
         raise NotReplicable(f"no Hugging Face config with num_hidden_layers >= {_MIN_DEPTH}")
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         raise NotReplicable("the model has forward hooks, which a rebuilt copy would not have")
-    if any(p.dim() == 1 and p.device.type != "meta" and bool((p == 1).all()) for p in model.parameters()):
+    if any(is_unit_vector(p) for p in model.parameters()):
         # the analysis reads such a vector's value (a folded norm weight), which a meta-device copy does not hold
         raise NotReplicable("a parameter vector is identically 1 (a folded norm), which the analysis reads by value")
     stacks = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]

@@ -58,6 +58,20 @@ def test_a_block_with_its_own_buffer_is_not_replicated():
         depth.shallow_copy(model, model.config)
 
 
+def test_a_norm_weight_of_ones_keeps_the_full_depth_and_its_orthogonal_stream():
+    # the analysis reads such a weight's value (a folded norm), which a meta-device copy cannot hold
+    model = zoo.build("llama", num_hidden_layers=5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+    with pytest.raises(depth.NotReplicable, match="identically 1"):
+        depth.shallow_copy(model, model.config)
+    fast, slow, used = _reports(model, zoo.example_inputs_for("llama", model))
+    assert not used and fast.to_json() == slow.to_json()
+    assert any(g.motif == "residual" and g.kind == "orthogonal" for g in fast.groups)
+
+
 def test_layer_index_attributes_do_not_split_blocks_but_other_differences_do():
     model = zoo.build("llama", num_hidden_layers=6)
     prints = depth.fingerprints(model.model.layers, model.config)

@@ -72,9 +72,7 @@ class Walker:
     def _is_unit_vector(self, name: str) -> bool:
         """A vector parameter whose stored value is 1 everywhere (a folded norm weight). Meta parameters
         (config-only capture) have no value: never unit, so their groups stay those of an arbitrary weight."""
-        value = self.cap.program.state_dict.get(name)
-        return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.device.type != "meta"
-                and bool((value == 1).all()))
+        return is_unit_vector(self.cap.program.state_dict.get(name))
 
     def _call(self, node: fx.Node):
         if node.target is operator.getitem:
@@ -195,6 +193,12 @@ class Walker:
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
+
+
+def is_unit_vector(value) -> bool:
+    """A real (not meta) vector whose entries are all 1: the analysis reads its value (a folded norm weight)."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.device.type != "meta"
+            and bool((value == 1).all()))
 
 # rules that read a squared channel as such (a sum of squares is a norm) or pass it on unchanged
 _DEGREE_AWARE = frozenset({"reduce", "identity"})
