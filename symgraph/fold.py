@@ -377,7 +377,7 @@ def _passes_last_axis(user: fx.Node, node) -> bool:
         return False
     target = str(user.target)
     spec = load_specs().op(target)
-    if spec is not None and spec.rule in _SAME_VALUE_RULES and "neg" not in target:
+    if spec is not None and spec.rule in _SAME_VALUE_RULES and not spec.negates:
         return True
     out, src = user.meta.get("val"), node.meta.get("val")
     if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor) or out.shape[-1:] != src.shape[-1:]:

@@ -1,40 +1,119 @@
 """The declarative rules under ``specs/``: op behaviour and motifs, validated once and indexed by ATen op name.
 
 The YAML files install with the package (``symgraph.specs``), so the engine works outside the repository.
-Unknown keys are rejected so that a field nobody reads cannot drift into the files.
+Each rule has a model of its own holding only the fields its handler reads; unknown keys are rejected so that a
+field nobody reads cannot drift into the files. Patterns are parsed and argument names checked against the op's
+schema when the files load, so a malformed entry fails there with the op and field named.
 """
 from __future__ import annotations
 
 import functools
 from importlib import resources
-from typing import Literal
+from typing import Annotated, Literal, Union, get_args
 
+import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
+from .pattern import Pattern, parse_pattern
 
-Rule = Literal[
-    "movement", "identity", "activation", "contract", "conv", "attention", "add", "sub", "mul", "div", "pow",
-    "layer_norm", "batch_norm", "pool", "pad", "reduce", "softmax", "embedding", "where", "ignore", "topk",
-    "one_hot", "gather",
-]
 GroupLimit = Literal["general_linear", "orthogonal", "signed_permutation", "permutation"]
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def arguments(self) -> tuple[str, ...]:
+        """Schema argument names this entry refers to (checked against the op when the specs load)."""
+        return ()
 
-class OpSpec(_Frozen):
-    rule: Rule
-    group: GroupLimit | None = None  # activation, pool: largest group commuting with the function
-    scale: Literal["positive", "nonzero"] | None = None  # activation, pool: per-coordinate scale it passes
-    pattern: str | None = None  # contract: einsum-like pattern, or "matmul" / "einsum"
-    order: tuple[int, ...] | None = None  # contract: which positional args are the operands, in pattern order
-    kind: Literal["sum", "select"] | None = None  # reduce
-    exponent: float | None = None  # pow: a fixed exponent (square), else read from the call
-    transposed: bool = False  # conv: the kernel is laid out (in, out, taps...), as in conv_transpose
+
+class PlainSpec(_Frozen):
+    """Rules whose handler needs nothing beyond the op's arguments."""
+
+    rule: Literal["attention", "add", "mul", "div", "layer_norm", "batch_norm", "pad", "reduce", "softmax",
+                  "embedding", "ignore", "topk", "one_hot", "gather"]
+
+
+class MovementSpec(_Frozen):
+    rule: Literal["movement"]
+    concatenates: bool = False  # pieces joined along `dim`: pieces carrying the same coordinates are tied
+    replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
+
+    @field_validator("replay_as")
+    @classmethod
+    def _real_op(cls, name):
+        if name is not None:
+            aten_op(name)
+        return name
+
+
+class IdentitySpec(_Frozen):
+    rule: Literal["identity"]
+    negates: bool = False  # the output is minus the input (indices through it no longer point anywhere)
+
+
+class SubSpec(_Frozen):
+    rule: Literal["sub"]
+    swapped: bool = False  # the second argument minus the first (rsub)
+
+
+class WhereSpec(_Frozen):
+    rule: Literal["where"]
+    condition: str = "condition"  # the schema argument that chooses
+    choices: tuple[str, str] = ("self", "other")  # the schema arguments chosen between
+
+    def arguments(self) -> tuple[str, ...]:
+        return (self.condition, *self.choices)
+
+
+class MapSpec(_Frozen):
+    """Elementwise maps of each coordinate (activations), or of each channel over its positions (pooling)."""
+
+    rule: Literal["activation", "pool"]
+    group: GroupLimit  # the largest group commuting with the map
+    scale: Literal["positive", "nonzero"] | None = None  # the per-coordinate scale it passes
+
+
+class ContractSpec(_Frozen):
+    rule: Literal["contract"]
+    pattern: str  # einsum-like, or "matmul" (numpy broadcasting) / "einsum" (the equation argument)
+    operands: tuple[str, ...] | None = None  # schema arguments in pattern order; default: every Tensor argument
+    _recipe: Pattern | None = PrivateAttr(default=None)
+
+    @field_validator("pattern")
+    @classmethod
+    def _parse(cls, text: str) -> str:
+        if text not in ("matmul", "einsum"):
+            parse_pattern(text)  # raises ValueError naming what is wrong
+        return text
+
+    def model_post_init(self, _context) -> None:
+        self._recipe = None if self.pattern in ("matmul", "einsum") else parse_pattern(self.pattern)
+
+    @property
+    def recipe(self) -> Pattern | None:
+        """The parsed pattern (None for ``matmul`` and ``einsum``, whose pattern comes from the call)."""
+        return self._recipe
+
+    def arguments(self) -> tuple[str, ...]:
+        return self.operands or ()
+
+
+class ConvSpec(_Frozen):
+    rule: Literal["conv"]
+    transposed: bool = False  # the kernel is laid out (in, out, taps...), as in conv_transpose
+
+
+class PowSpec(_Frozen):
+    rule: Literal["pow"]
+    exponent: float | None = None  # fixed by the op (square); else read from the call
+
+
+_RULE_MODELS = (PlainSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec)
+OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
+RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))
 
 
 class MotifSpec(_Frozen):
@@ -49,8 +128,43 @@ class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
 
+    @model_validator(mode="after")
+    def _check_against_schemas(self):
+        for name, spec in self.ops.items():
+            schema = aten_op(name)._schema
+            names = [a.name for a in schema.arguments]
+            unknown = [a for a in spec.arguments() if a not in names]
+            if unknown:
+                raise ValueError(f"{name}: the entry names argument(s) {', '.join(unknown)}, which its schema does not "
+                                 f"have ({schema})")
+            recipe = getattr(spec, "recipe", None)
+            n_operands = len(spec.arguments() or _tensor_arguments(schema))
+            if recipe is not None and len(recipe.operands) != n_operands:
+                raise ValueError(f"{name}: field 'pattern' has {len(recipe.operands)} operands but the op passes "
+                                 f"{n_operands} tensors ({schema}); name them in 'operands'")
+        return self
+
     def op(self, name: str) -> OpSpec | None:
         return self.ops.get(name)
+
+
+def aten_op(name: str) -> torch._ops.OpOverload:
+    """The overload an op name such as ``aten.linear.default`` stands for; ValueError if there is none."""
+    try:
+        namespace, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except (ValueError, AttributeError, RuntimeError) as exc:
+        raise ValueError(f"{name!r} is not an ATen op overload (namespace.op.overload)") from exc
+
+
+def _tensor_arguments(schema) -> tuple[str, ...]:
+    optional_tensor = torch.OptionalType.ofTensor()
+    return tuple(a.name for a in schema.arguments if a.type.isSubtypeOf(optional_tensor) and not a.kwarg_only)
+
+
+def operand_names(spec: ContractSpec, target) -> tuple[str, ...]:
+    """The schema arguments a contraction reads, in pattern order."""
+    return spec.operands or _tensor_arguments(target._schema)
 
 
 def _load_yaml(name: str) -> dict:
@@ -71,7 +185,15 @@ def load_specs() -> Specs:
     try:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise SpecError(f"Spec rule {where} is invalid: {first['msg']}.",
-                        hint="Check the field against the rule list at the top of specs/ops.yaml.") from exc
+        raise SpecError(_describe(exc.errors()[0]),
+                        hint="Check the entry against the rule list at the top of specs/ops.yaml.") from exc
+
+
+def _describe(error: dict) -> str:
+    """``specs/ops.yaml: aten.linear.default, field 'pattern': ...`` from a pydantic error location."""
+    loc = [str(p) for p in error["loc"]]
+    msg = error["msg"].removeprefix("Value error, ")
+    if len(loc) >= 2 and loc[0] in ("ops", "motifs"):
+        field = f", field '{loc[-1]}'" if len(loc) > 2 else ""
+        return f"Spec entry specs/{loc[0]}.yaml: {loc[1]}{field} is invalid: {msg}."
+    return f"Spec files specs/ are invalid: {msg}."

@@ -7,16 +7,14 @@ import yaml
 
 from symgraph import spec as spec_module
 from symgraph.errors import SpecError
-from symgraph.spec import OpSpec, Specs, load_specs
+from symgraph.pattern import Pattern
+from symgraph.spec import RULES, load_specs
 
 
 def test_specs_load_and_cover_the_rules_the_engine_has():
-    from symgraph.analysis import rules
-
     specs = load_specs()
     assert len(specs.ops) > 80
-    for name, op in specs.ops.items():
-        assert hasattr(rules, f"rule_{op.rule}"), f"{name}: rule {op.rule} has no handler"
+    assert {op.rule for op in specs.ops.values()} == set(RULES)  # every rule is used by some op
 
 
 def test_every_op_name_is_a_real_aten_overload():
@@ -26,11 +24,66 @@ def test_every_op_name_is_a_real_aten_overload():
         assert overload in packet.overloads(), name
 
 
-def test_unknown_keys_are_refused():
-    with pytest.raises(Exception):
-        OpSpec(rule="activation", group="permutation", colour="blue")
-    with pytest.raises(Exception):
-        Specs(ops={"aten.relu.default": {"rule": "not-a-rule"}}, motifs={})
+def test_every_rule_has_a_handler():
+    from symgraph.analysis import rules
+
+    assert {name.removeprefix("rule_") for name in dir(rules) if name.startswith("rule_")} == set(RULES)
+
+
+def _load_ops(monkeypatch, ops: dict):
+    """load_specs() over an ops.yaml holding only ``ops`` (and the real motifs)."""
+    real = spec_module._load_yaml
+    monkeypatch.setattr(spec_module, "_load_yaml", lambda name: {"ops": ops} if name == "ops.yaml" else real(name))
+    spec_module.load_specs.cache_clear()
+    try:
+        return load_specs()
+    finally:
+        spec_module.load_specs.cache_clear()
+
+
+@pytest.mark.parametrize("entry, field, message", [
+    ({"rule": "contract", "pattern": "ab,,->->"}, "pattern", "exactly one '->'"),
+    ({"rule": "contract", "pattern": "ab,,b->a"}, "pattern", "operand 2 has no letters"),
+    ({"rule": "contract", "pattern": "a1,b->a"}, "pattern", "characters other than letters"),
+    ({"rule": "contract", "pattern": "...i...,oi->o"}, "pattern", "more than one '...'"),
+    ({"rule": "contract", "pattern": "...i,oi->...z"}, "pattern", "output letters z appear in no operand"),
+    ({"rule": "contract", "pattern": "...i,oi->oo"}, "pattern", "repeats a letter"),
+    ({"rule": "activation", "group": "permutation", "colour": "blue"}, "colour", "Extra inputs"),
+    ({"rule": "activation", "pattern": "i,i->i", "group": "permutation"}, "pattern", "Extra inputs"),
+    ({"rule": "activation"}, "group", "Field required"),
+    ({"rule": "activation", "group": "rotation"}, "group", "'permutation'"),
+    ({"rule": "movement", "negates": True}, "negates", "Extra inputs"),
+    ({"rule": "movement", "replay_as": "aten.nothing.default"}, "replay_as", "not an ATen op overload"),
+])
+def test_a_malformed_entry_fails_to_load_naming_the_op_and_the_field(monkeypatch, entry, field, message):
+    with pytest.raises(SpecError) as info:
+        _load_ops(monkeypatch, {"aten.linear.default": entry})
+    text = str(info.value)
+    assert "aten.linear.default" in text and f"field '{field}'" in text and message in text, text
+
+
+def test_an_unknown_rule_fails_to_load_listing_the_rules(monkeypatch):
+    with pytest.raises(SpecError, match="aten.relu.default.*not-a-rule.*'movement'"):
+        _load_ops(monkeypatch, {"aten.relu.default": {"rule": "not-a-rule"}})
+
+
+@pytest.mark.parametrize("name, entry, message", [
+    ("aten.linear.default", {"rule": "contract", "pattern": "...i,oi->...o"}, "has 2 operands but the op passes 3"),
+    ("aten.addmm.default", {"rule": "contract", "pattern": "...i,io,o->...o", "operands": ["mat1", "bias"]},
+     "names argument(s) bias"),
+    ("aten.masked_fill.Scalar", {"rule": "where"}, "names argument(s) condition, other"),
+    ("aten.relu.nonexistent", {"rule": "activation", "group": "permutation"}, "not an ATen op overload"),
+])
+def test_an_entry_that_does_not_fit_the_op_schema_fails_to_load(monkeypatch, name, entry, message):
+    with pytest.raises(SpecError, match=name.replace(".", r"\.")) as info:
+        _load_ops(monkeypatch, {name: entry})
+    assert message in str(info.value)
+
+
+def test_patterns_are_parsed_once_at_load():
+    linear = load_specs().op("aten.linear.default")
+    assert linear.recipe == Pattern(("...i", "oi", "o"), "...o")
+    assert load_specs().op("aten.matmul.default").recipe is None  # built per call from the operand ranks
 
 
 def test_a_broken_spec_file_gives_a_spec_error(monkeypatch):

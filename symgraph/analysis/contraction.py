@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
 from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
 
@@ -36,11 +37,10 @@ class Operand:
     data: object = None  # the operand's value when it depends on no parameter (None: unknown, may vary anywhere)
 
 
-def expand_ellipsis(pattern: str, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
+def expand_ellipsis(pattern: Pattern, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
     """Turn ``"...i,oi->...o"`` into explicit letters for the given operand ranks (numpy broadcasting)."""
-    inputs, output = pattern.replace(" ", "").split("->")
-    specs = inputs.split(",")
-    used = set(pattern) - set(".,->")
+    specs, output = pattern.operands, pattern.output
+    used = set("".join(specs) + output) - set(".")
     pool = [c for c in string.ascii_uppercase if c not in used]
     n_ell = max((len(s) - len(spec.replace("...", "")) for spec, s in zip(specs, shapes) if "..." in spec),
                 default=0)
@@ -54,15 +54,15 @@ def expand_ellipsis(pattern: str, shapes: list[tuple[int, ...]]) -> tuple[list[s
     return explicit, output.replace("...", ell)
 
 
-def matmul_pattern(ra: int, rb: int) -> str:
+def matmul_pattern(ra: int, rb: int) -> Pattern:
     """An einsum pattern equivalent to torch.matmul for operand ranks ``ra`` and ``rb``."""
     if ra == 1 and rb == 1:
-        return "k,k->"
+        return parse_pattern("k,k->")
     if ra == 1:
-        return "k,...km->...m"
+        return parse_pattern("k,...km->...m")
     if rb == 1:
-        return "...nk,k->...n"
-    return "...nk,...km->...nm"
+        return parse_pattern("...nk,k->...n")
+    return parse_pattern("...nk,...km->...nm")
 
 
 class Contraction:

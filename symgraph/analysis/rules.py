@@ -9,6 +9,8 @@ import torch
 from torch import fx
 
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
+from ..pattern import parse_pattern
+from ..spec import MovementSpec, aten_op, operand_names
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows
 
@@ -25,7 +27,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
         return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
-    if "cat" in str(node.target) or "concat" in str(node.target):
+    if spec.concatenates:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
             return joined
@@ -40,7 +42,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                 for t in c.terms:
                     w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
             continue
-        results.append(_move_channel(w, node, j))
+        results.append(_move_channel(w, node, j, spec))
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
@@ -51,9 +53,8 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     """Concatenation along an axis no input channel varies along (a class token in front of patches): the
     pieces carry the same coordinates, so tie them instead of stacking two labellings along a data axis."""
     values = [w.value(a) for a in _tensor_args(node)]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     out_shape = _shape_of(node)
-    dim %= len(out_shape)
+    dim = schema_arg(node, "dim") % len(out_shape)
     values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
@@ -94,15 +95,15 @@ def _like(node: fx.Node, make):
     return [make(k) for k in range(len(val))] if isinstance(val, (list, tuple)) else make(None)
 
 
-def _move_channel(w, node: fx.Node, j: int):
+def _move_channel(w, node: fx.Node, j: int, spec):
     operands = [w.value(a) for a in _tensor_args(node)]
     n_terms = max(len(v.chans[j].terms) if v is not None and j < len(v.chans) else 1 for v in operands)
     block = any(v is not None and j < len(v.chans) and v.chans[j].block for v in operands)
     mixed = any(v is not None and j < len(v.chans) and v.chans[j].mixed for v in operands)
     terms_out = []
     for k in range(n_terms):
-        ids = _replay(w, node, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "ids"))
-        coef = _replay(w, node, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "coef")) if mixed else None
+        ids = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "ids"))
+        coef = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "coef")) if mixed else None
         terms_out.append((ids, coef))
     if isinstance(terms_out[0][0], (list, tuple)):
         count = len(terms_out[0][0])
@@ -123,7 +124,7 @@ def _term_tensor(v: Value | None, j: int, k: int, shape, what: str) -> torch.Ten
     return torch.zeros(shape, dtype=torch.float64)
 
 
-def _replay(w, node: fx.Node, pick):
+def _replay(w, node: fx.Node, spec, pick):
     def load(a):
         if isinstance(a, fx.Node):
             v = w.values.get(a.name)
@@ -140,8 +141,8 @@ def _replay(w, node: fx.Node, pick):
     try:
         return node.target(*args, **kwargs)
     except RuntimeError:
-        if "view" in str(node.target):  # expanded label tensors are not viewable; reshape copies instead
-            return torch.ops.aten.reshape.default(*args, **kwargs)
+        if spec.replay_as:  # expanded label tensors are not viewable; reshape copies instead
+            return aten_op(spec.replay_as)(*args, **kwargs)
         raise
 
 
@@ -194,11 +195,11 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
 def rule_identity(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     if v.points_to is not None and not v.chans:  # indices cast or copied still point there; negated do not
-        if "neg" not in str(node.target):
+        if not spec.negates:
             return Value(points_to=v.points_to, shape=_shape_of(node))
         return _pin_moved(w, node, "indices negated")
     chans = v.chans
-    if "neg" in str(node.target):
+    if spec.negates:
         chans = [c.scaled(-1.0) for c in chans]
     # type_as(values, activation): the channels come from the reference tensor, the values (and whether they are
     # invariant, as routing weights are) from the first argument
@@ -288,18 +289,18 @@ def squared(w, node: fx.Node, chan: Chan) -> Chan:
 # -- contractions -------------------------------------------------------------------------------------------
 def rule_contract(w, node: fx.Node, spec) -> Value:
     if spec.pattern == "einsum":
-        pattern, operands = node.args[0], list(node.args[1])
+        pattern, operands = parse_pattern(schema_arg(node, "equation")), list(schema_arg(node, "tensors"))
         if len(operands) != 2:  # operands after the second are not biases here: no rule says what they do
             return _pin_moved(w, node, f"einsum of {len(operands)} operands, which no rule describes")
     else:
-        operands = list(node.args) if spec.order is None else [node.args[i] for i in spec.order
-                                                                if i < len(node.args)]
-        pattern = spec.pattern
+        args = _schema_args(node)
+        operands = [args[name] for name in operand_names(spec, node.target)]
+        pattern = spec.recipe
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
     shapes = [v.shape if v is not None else () for v in values]
-    if pattern == "matmul":
+    if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
-    letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.split("->")[0].split(","))])
+    letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.operands)])
     out_shape = _shape_of(node)
     ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
                    values[i].data if values[i] else operands[i]) for i in range(2)]
@@ -458,7 +459,7 @@ def rule_add(w, node: fx.Node, spec) -> Value:
 
 def rule_sub(w, node: fx.Node, spec) -> Value:
     a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
-    if "rsub" in str(node.target):
+    if spec.swapped:
         a, b = b, a
     if isinstance(b, Value):
         b = Value(chans=[c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape, invariant=b.invariant)
@@ -834,10 +835,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     The chosen values are tied like an addition; a condition that differs between coordinates would apply the
     transformation to some coordinates and not others, so it pins them.
     """
-    if "masked_fill" in str(node.target):
-        x, cond, y = node.args[0], node.args[1], node.args[2]
-    else:
-        cond, x, y = node.args[0], node.args[1], node.args[2]
+    args = _schema_args(node)
+    cond, (x, y) = args[spec.condition], (args[name] for name in spec.choices)
     out_shape = _shape_of(node)
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
     out = _add_values(w, node, _operand(w, x), _operand(w, y), residual=False, out_shape=out_shape)
@@ -958,12 +957,15 @@ def rule_one_hot(w, node: fx.Node, spec) -> Value:
     return Value(chans=[Chan.clean(index.points_to.reshape(view).expand(out_shape))], shape=out_shape)
 
 
+_GATHER_AS_MOVEMENT = MovementSpec(rule="movement")
+
+
 def rule_gather(w, node: fx.Node, spec) -> Value:
     """``gather(x, dim, index)``: with indices that point into ``x``'s own labelled ``dim`` (routing weights read
     at the chosen experts), the result follows the coordinates and is invariant; otherwise a movement."""
     x, index = w.value(node.args[0]), w.value(node.args[2])
     if index is None or index.points_to is None:
-        return rule_movement(w, node, spec)
+        return rule_movement(w, node, _GATHER_AS_MOVEMENT)
     dim = node.args[1] % len(x.shape)
     rank = len(x.shape)
     along = [c for c in x.chans if chan_axes(c) == {dim} and not c.mixed and not c.block]
