@@ -1,20 +1,21 @@
 """Inputs of more than one shape for the float64 checks, derived from the example inputs alone.
 
 The graph is traced at one input shape, so a mistake that only shows at another shape (a position table sliced
-by sequence length, a batch-dependent reshape, padding) is invisible there. :func:`probe_inputs` returns the
-example inputs plus one variant that differs in every way the model accepts:
+by sequence length, a batch-dependent reshape, padding, a branch taken only for short inputs or a single row) is
+invisible there. :func:`probe_inputs` returns the example inputs plus up to two variants that between them cover
+batch size 1 and more than 1, a longer and a shorter length, and padding:
 
-* **batch**: one more row on axis 0 of every tensor that shares the first tensor's batch size;
-* **length**: every other axis size grown to ``2 n + 3``, one size at a time (all axes of that size together,
-  so ``input_ids`` and ``attention_mask`` grow as one); sizes the model rejects (feature widths, fixed image
-  sizes, mel bins) stay as they are;
-* **padding**: an ``attention_mask`` whose first row masks its last third, where the model takes one beside
-  ``input_ids``.
+* **single row, longer**: batch size 1 (the first row of every tensor that shares the first tensor's batch size);
+  every other axis size grown to ``2 n + 3``, one size at a time (all axes of that size together, so
+  ``input_ids`` and ``attention_mask`` grow as one);
+* **more rows, shorter, padded**: one more row; every other axis size above 2 cut to ``n // 2 + 1`` (a prefix);
+  an ``attention_mask`` whose first row masks its last third, where the model takes one beside ``input_ids``.
 
-Grown tensors keep the original as a prefix; new integer entries are drawn from the values the original holds
-(token ids stay clear of special tokens, a mask of ones stays ones), new float entries from its mean and spread.
-Which changes a model accepts is found by running it once per change: a change it rejects (an error, or
-outputs that are not finite) is left out.
+Sizes the model rejects (feature widths, fixed image sizes, mel bins) stay as they are. Grown tensors keep the
+original as a prefix; new integer entries are drawn from the values the original holds (token ids stay clear of
+special tokens, a mask of ones stays ones), new float entries from its mean and spread. Which changes a model
+accepts is found by running it: all of a variant's changes at once first, and one at a time only when that
+fails; a change it rejects (an error, or outputs that are not finite) is left out.
 """
 from __future__ import annotations
 
@@ -34,23 +35,41 @@ Change = Callable[[Inputs, torch.Generator], Inputs]
 
 
 def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0) -> list[Inputs]:
-    """``[(args, kwargs)]``: the example inputs first, then (if the model accepts any change) one variant.
+    """``[(args, kwargs), ...]``: the example inputs first, then the variants the model accepts any change for.
 
     Examples
     --------
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    >>> probes = probe_inputs(mlp, (torch.randn(2, 4),), {})
+    >>> probes = probe_inputs(mlp, (torch.randn(2, 7, 4),), {})
     >>> [tuple(a[0].shape) for a, _ in probes]
-    [(2, 4), (3, 4)]
+    [(2, 7, 4), (1, 17, 4), (3, 4, 4)]
     """
     original = (tuple(args), dict(kwargs))
-    accepted = [c for c in _changes(model, original) if _runs(model, _apply([c], original, seed))]
-    if not accepted:
+    tensors = _tensors(original)
+    if not tensors:
         return [original]
+    batch, sizes = tensors[0].shape[0], {n for t in tensors for n in t.shape[1:]}
+    longer = ([_shrink_batch(batch)] if batch > 1 else []) + [
+        _grow_size(n) for n in sorted((n for n in sizes if n > 1), reverse=True)]  # a grown size is not regrown
+    shorter = [_grow_batch(batch)] + [_shrink_size(n) for n in sorted(n for n in sizes if n > 2)]
+    if "input_ids" in original[1] and "attention_mask" in _parameters(model):
+        shorter.append(_pad)
+    variants = [_variant(model, original, changes, seed) for changes in (longer, shorter)]
+    return [original] + [v for v in variants if v is not None]
+
+
+def _variant(model, original: Inputs, changes: list[Change], seed: int) -> Inputs | None:
+    """The inputs with every change the model accepts; ``None`` when it accepts none."""
+    if not changes:
+        return None
+    variant = _apply(changes, original, seed)
+    if _runs(model, variant):
+        return variant
+    accepted = [c for c in changes if _runs(model, _apply([c], original, seed))]
+    if not accepted:
+        return None
     variant = _apply(accepted, original, seed)
-    if not _runs(model, variant):  # each change runs alone but not all together: keep the first
-        variant = _apply(accepted[:1], original, seed)
-    return [original, variant]
+    return variant if _runs(model, variant) else _apply(accepted[:1], original, seed)  # each alone, not together
 
 
 def shape_summary(inputs: Inputs) -> str:
@@ -66,15 +85,9 @@ def shape_summary(inputs: Inputs) -> str:
     return ", ".join(f"{name} {'x'.join(map(str, t.shape))}" for name, t in named if isinstance(t, torch.Tensor))
 
 
-def _changes(model, inputs: Inputs) -> list[Change]:
+def _tensors(inputs: Inputs) -> list[torch.Tensor]:
     tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        return []
-    changes = [_grow_batch(tensors[0].shape[0])]
-    changes += [_grow_size(n) for n in sorted({n for t in tensors for n in t.shape[1:] if n > 1})]
-    if "input_ids" in inputs[1] and "attention_mask" in _parameters(model):
-        changes.append(_pad)
-    return changes
+    return tensors if tensors and tensors[0].dim() else []
 
 
 def _apply(changes: list[Change], inputs: Inputs, seed: int) -> Inputs:
@@ -100,6 +113,24 @@ def _grow_size(size: int) -> Change:
         return t
 
     return lambda inputs, generator: tree_map(lambda t: grown(t, generator), inputs)
+
+
+def _shrink_batch(batch: int) -> Change:
+    def change(inputs, generator):
+        return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t,
+                        inputs)
+    return change
+
+
+def _shrink_size(size: int) -> Change:
+    def shrunk(t):
+        if isinstance(t, torch.Tensor):
+            for axis in range(1, t.dim()):
+                if t.shape[axis] == size:
+                    t = t.narrow(axis, 0, size // 2 + 1)
+        return t
+
+    return lambda inputs, generator: tree_map(shrunk, inputs)
 
 
 def _pad(inputs: Inputs, generator) -> Inputs:

@@ -1,10 +1,11 @@
 """Numerical invariance: does a transformed state dict compute what the original computes?
 
 Models are evaluated in float64 with ``torch.func.functional_call`` on a float64 copy, so nothing the caller holds
-is modified. Every check runs the example inputs and a variant of another shape (larger batch, longer sequences,
-a padding mask: :func:`symgraph.probes.probe_inputs`), because the graph was traced at one shape only. The
-relative error ``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that reflects the dtype
-actually computed (HF RMSNorm and eager softmax upcast to fp32 internally).
+is modified. Every check runs the example inputs and variants of other shapes (a grown one: larger batch, longer
+sequences, a padding mask; a shrunk one: batch size 1, shorter sequences; :func:`symgraph.probes.probe_inputs`),
+because the graph was traced at one shape only. The relative error ``||f(g.theta) - f(theta)|| / ||f(theta)||``
+is compared with a tolerance that reflects the dtype actually computed (HF RMSNorm and eager softmax upcast to
+fp32 internally).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks shared by the per-op test files: a census of a report's groups, and a fuzz at two input shapes."""
+"""Checks shared by the per-op test files: a census of a report's groups, and a fuzz at several input shapes."""
 from __future__ import annotations
 
 import collections
@@ -15,4 +15,4 @@ def census(subject) -> dict[str, int]:
 def assert_fuzzed_at_two_shapes(subject, samples: int = 5) -> None:
     result = fuzz(subject, samples=samples)
     assert result.ok, [v.counterexample for v in result.failures]
-    assert len(result.shapes) == 2 and result.shapes[0] != result.shapes[1]
+    assert len(result.shapes) >= 2 and len(set(result.shapes)) == len(result.shapes)

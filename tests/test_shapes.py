@@ -88,7 +88,39 @@ def test_fuzz_catches_a_group_that_only_breaks_longer_inputs():
     model, inputs = sliced_positions()
     result = fuzz(symgraph.load(model, inputs), groups=[rows_group("positions", range(5, 16))], samples=3)
     assert not result.ok and result.failures[0].group_id == "trap"
-    assert result.shapes == ["arg0 2x5x8", "arg0 3x13x8"]
+    assert result.shapes == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8"]
+
+
+class ShortAndSingleRowPaths(nn.Module):
+    """Takes another path for short inputs and for a single row (as padding-free or unbatched fast paths do): the
+    traced (2, 5) shape runs neither ``short`` nor ``single``; each probe variant runs one of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.long, self.short, self.single = nn.Linear(8, 3), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            return self.single(x)
+        return self.long(x) if x.shape[1] >= 5 else self.short(x)
+
+
+@pytest.mark.parametrize("param,catching_probe", [("single.weight", 1), ("short.weight", 2)])
+def test_a_group_on_a_path_only_small_inputs_take_is_caught(param, catching_probe):
+    """A group on weights the traced shape never reads: invisible there, caught by the probe that reads them
+    (batch size 1, or a shorter input with more than one row)."""
+    torch.manual_seed(0)
+    model, inputs = ShortAndSingleRowPaths().eval(), (torch.randn(2, 5, 8),)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    moved = apply(state, [sample(rows_group(param, range(3)), np.random.default_rng(0))])
+    evaluator = Evaluator(model, inputs)
+    assert [tuple(a[0].shape) for a, _ in evaluator.probes] == [(2, 5, 8), (1, 13, 8), (3, 3, 8)]
+    errors = [float((out - ref).norm() / ref.norm()) for out, ref in zip(evaluator.outputs(moved),
+                                                                         evaluator.references)]
+    assert [i for i, e in enumerate(errors) if e > 1e-3] == [catching_probe] and errors[0] == 0.0
+    assert not evaluator.check(moved).ok
+    result = fuzz(symgraph.load(model, inputs), groups=[rows_group(param, range(3))], samples=3)
+    assert not result.ok and result.failures[0].group_id == "trap"
 
 
 def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
@@ -96,7 +128,7 @@ def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
     assert axis_groups(whisper.report, table, 0) == []
     assert any(table in p.params and "cut away by a slice" in p.reason for p in whisper.report.pinned)
     evaluator = Evaluator(whisper.model, whisper.args, whisper.kwargs)
-    assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (3, 17)]
+    assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (1, 17), (3, 4)]
     moved = apply(whisper.state_dict(), [sample(rows_group(table, range(7, 64)), np.random.default_rng(0))])
     assert not evaluator.check(moved).ok
 
@@ -104,25 +136,28 @@ def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
 def test_whisper_groups_are_invariant_at_every_probe_shape(whisper):
     result = fuzz(whisper, samples=3)
     assert result.ok, [v.counterexample for v in result.failures]
-    assert len(result.shapes) == 2 and {v.motif for v in result.verdicts} >= {"qk", "vo", "ffn", "heads"}
+    assert len(result.shapes) == 3 and {v.motif for v in result.verdicts} >= {"qk", "vo", "ffn", "heads"}
 
 
 def test_probe_inputs_grow_batch_and_length_and_pad_token_models(zoo_subject):
     bert = zoo_subject("bert")
     probes = probe_inputs(bert.model, bert.args, bert.kwargs)
-    assert len(probes) == 2 and probes[0][1] is not bert.kwargs
-    variant = probes[1][1]
-    assert tuple(variant["input_ids"].shape) == (3, 17)
-    assert torch.equal(variant["input_ids"][:2, :7], bert.kwargs["input_ids"])  # the original is a prefix
-    assert variant["attention_mask"][0, -5:].eq(0).all() and variant["attention_mask"][1:].eq(1).all()
+    assert len(probes) == 3 and probes[0][1] is not bert.kwargs
+    longer, shorter = probes[1][1], probes[2][1]
+    assert tuple(longer["input_ids"].shape) == (1, 17) and "attention_mask" not in longer
+    assert torch.equal(longer["input_ids"][:, :7], bert.kwargs["input_ids"][:1])  # the original is a prefix
+    assert tuple(shorter["input_ids"].shape) == (3, 4)
+    assert torch.equal(shorter["input_ids"][:2], bert.kwargs["input_ids"][:, :4])
+    assert shorter["attention_mask"][0, -1:].eq(0).all() and shorter["attention_mask"][1:].eq(1).all()
     assert "attention_mask" not in bert.kwargs  # inputs are never modified
 
 
 def test_probe_inputs_keep_sizes_a_vision_model_rejects(zoo_subject):
     vit = zoo_subject("vit")
-    (_, original), (_, variant) = probe_inputs(vit.model, vit.args, vit.kwargs)
+    (_, original), (_, longer), (_, shorter) = probe_inputs(vit.model, vit.args, vit.kwargs)
     assert tuple(original["pixel_values"].shape) == (2, 3, 16, 16)
-    assert tuple(variant["pixel_values"].shape) == (3, 3, 16, 16)  # fixed image size and channels
+    assert tuple(longer["pixel_values"].shape) == (1, 3, 16, 16)  # fixed image size and channels
+    assert tuple(shorter["pixel_values"].shape) == (3, 3, 16, 16)
 
 
 def test_fuzz_cli_reports_the_probe_shapes(tmp_path):
@@ -131,8 +166,8 @@ def test_fuzz_cli_reports_the_probe_shapes(tmp_path):
                        + "\n".join(_source(SlicedPositions, sliced_positions)))
     res = run("fuzz", f"{factory}:sliced_positions", "--samples", "2", "--json", tmp_path / "f.json")
     assert res.returncode == 0, res.stderr
-    assert "input shapes: arg0 2x5x8 | arg0 3x13x8" in res.stdout
-    assert json.loads((tmp_path / "f.json").read_text())["shapes"] == ["arg0 2x5x8", "arg0 3x13x8"]
+    assert "input shapes: arg0 2x5x8 | arg0 1x13x8 | arg0 3x3x8" in res.stdout
+    assert json.loads((tmp_path / "f.json").read_text())["shapes"] == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8"]
 
 
 def _source(*objects) -> list[str]:
@@ -189,7 +224,7 @@ class NanBeyondSeven(nn.Module):
 
 def test_probe_inputs_skip_shapes_with_non_finite_outputs():
     probes = probe_inputs(NanBeyondSeven(), (torch.randn(2, 7, 4),), {})
-    assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (3, 7, 4)]
+    assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (1, 7, 4), (3, 4, 4)]
 
 
 def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
@@ -203,5 +238,5 @@ def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
     spec.loader.exec_module(bench)
     bench.main(["--families", "torch-relu-mlp", "--samples", "2", "--repeats", "1"])
     result = json.loads(capsys.readouterr().out)["torch-relu-mlp"]
-    assert len(result["one_shape"]["probes"]) == 1 and len(result["two_shapes"]["probes"]) == 2
-    assert result["two_shapes"]["all_invariant"] and result["ratio"]["check_ms"] > 0
+    assert len(result["one_shape"]["probes"]) == 1 and len(result["every_shape"]["probes"]) == 3
+    assert result["every_shape"]["all_invariant"] and result["ratio"]["check_ms"] > 0

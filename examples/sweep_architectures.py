@@ -1,0 +1,458 @@
+"""An independent soundness sweep over Hugging Face model types (issue 10's bar). Prints one JSON object.
+
+For each model type the default ``transformers`` config is shrunk (every size field it has: width, depth,
+heads, experts, vocabulary, image and patch size, ...), the model is built with its natural head, and every
+parameter gets noise so no norm weight is 1 and no bias 0. symgraph then reports the model from its own example
+inputs, and each reported group is checked *independently of symgraph's verification*: random elements
+(``symgraph.elements.sample``) are applied, and the float64 outputs are compared with the original's at input
+shapes other than the traced one (batch 1 and 3, lengths 5 and 11, a padding mask where ``forward`` takes one),
+with transformers' own reference experts loop for mixtures of experts. ``symgraph.transform`` runs too, so a
+group the report lists but the transform's own check refuses shows up.
+
+Each type runs in its own subprocess with a time limit. Classes:
+
+* ``sound``: groups found, every one preserved the outputs at every shape;
+* ``nothing``: no group found (sound, but nothing to align);
+* ``unsound``: some group changed the outputs (the group ids and errors are listed);
+* ``refused``: symgraph's ``transform`` refused its own report (the report lists a group transform refuses);
+* ``crash``: symgraph failed with an unexpected exception (not a :class:`symgraph.errors.SymgraphError`);
+* ``unsupported``: symgraph stopped with its own clear error (message recorded);
+* ``timeout``: over the per-type limit;
+* ``skipped``: the tiny model could not be built or run by transformers itself (not symgraph's concern).
+
+``named`` marks types an issue or the test zoo already names; the bar is measured on the others. Run in chunks
+under load; results accumulate in ``--jsonl`` (one line per type, the last line per type wins)::
+
+    python examples/sweep_architectures.py --types llama,bert --timeout 300 --jsonl /tmp/sweep.jsonl
+    python examples/sweep_architectures.py --summarize --jsonl /tmp/sweep.jsonl -o examples/results/sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+# Types named by an issue, by the zoo or by the architecture tests: swept too, but kept out of the bar.
+NAMED = {
+    "bert", "roberta", "distilbert", "deberta-v2", "vit", "gpt2", "gptj", "gpt_neox", "llama", "mistral", "qwen2",
+    "qwen3", "phi", "t5", "bart", "opt", "mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "gpt_oss", "clip",
+    "whisper", "xglm", "roformer", "llama4_text", "convnext", "persimmon", "mobilebert", "mamba", "deepseek_v3",
+    "jamba", "longt5", "switch_transformers", "llava", "resnet", "beit", "squeezebert", "funnel", "nemotron",
+    "rwkv", "smollm3", "helium", "glm", "phi3", "albert", "gemma", "falcon", "bloom", "gpt_bigcode", "electra",
+    "gemma2", "glm4_moe", "phimoe", "granitemoe",
+}
+
+DECODERS = [
+    "apertus", "arcee", "bitnet", "cohere", "cohere2", "diffllama", "doge", "exaone4", "gemma3_text", "glm4",
+    "granite", "hunyuan_v1_dense", "jais2", "lfm2", "ministral", "olmo", "olmo2", "olmo3", "seed_oss", "stablelm",
+    "starcoder2", "codegen", "ctrl", "gpt_neo", "gpt_neox_japanese", "biogpt", "openai-gpt", "mpt", "vaultgemma",
+    "internlm3", "minicpm3", "ernie4_5", "nanochat", "modernbert-decoder", "xlnet", "cwm", "exaone4_5",
+    "recurrent_gemma", "zamba", "zamba2", "bamba", "mamba2", "falcon_mamba", "falcon_h1", "lfm2_moe",
+    "granitemoeshared", "granitemoehybrid", "jetmoe", "dbrx", "qwen3_moe", "qwen3_next", "hunyuan_v1_moe",
+    "ernie4_5_moe", "dots1", "minimax", "flex_olmo", "deepseek_v3", "glm4_moe", "phimoe", "jamba", "granitemoe",
+    "llama4_text", "xglm", "smollm3", "nemotron", "helium", "glm", "persimmon", "phi3", "gemma", "falcon",
+]
+ENCODERS = [
+    "camembert", "convbert", "data2vec-text", "ernie", "esm", "ibert", "megatron-bert", "mpnet", "nystromformer",
+    "rembert", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "modernbert", "big_bird", "fnet",
+    "flaubert", "xlm", "deberta", "longformer", "layoutlm", "mra", "yoso", "eurobert", "nomic_bert", "lilt",
+    "canine", "xmod", "roc_bert", "bert-generation", "markuplm", "splinter",
+]
+SEQ2SEQ = ["mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "m2m_100", "plbart", "mvp", "led",
+           "mt5", "umt5", "prophetnet", "fsmt", "bigbird_pegasus", "pegasus_x", "nllb-moe", "t5gemma"]
+VISION = ["deit", "dinov2", "dinov2_with_registers", "swin", "swinv2", "convnextv2", "regnet", "mobilenet_v1",
+          "mobilenet_v2", "mobilevit", "mobilevitv2", "efficientnet", "levit", "poolformer", "pvt", "pvt_v2",
+          "segformer", "data2vec-vision", "vit_msn", "ijepa", "bit", "cvt", "focalnet", "hiera", "swiftformer",
+          "dinov3_vit", "dinov3_convnext", "hgnet_v2", "siglip_vision_model", "vit_mae", "glpn", "vitdet"]
+AUDIO = ["wav2vec2", "hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", "data2vec-audio",
+         "wav2vec2-conformer", "speech_to_text", "audio-spectrogram-transformer", "moonshine"]
+MULTIMODAL = ["siglip", "chinese_clip", "owlvit", "blip", "altclip", "x_clip"]
+TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL
+
+# Size fields and the tiny value each gets wherever a config has it.
+SHRINK = {
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "embedding_size": 64,
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "num_decoder_layers": 2, "num_encoder_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "kv_channels": 16, "d_kv": 16,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "d_ff": 128, "hidden_dim": 128, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
+    "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "top_k": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48, "n_group": 1, "topk_group": 1,
+    "image_size": 32, "patch_size": 8, "num_channels": 3, "num_labels": 3,
+    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "time_step_rank": 8, "mamba_n_heads": 4,
+    "mamba_d_head": 32, "mamba_n_groups": 1, "n_groups": 1, "mamba_expand": 2, "expand": 2,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "sliding_window": 16, "first_k_dense_replace": 1,
+}
+EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
+    "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2),
+    "recurrent_gemma": dict(lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"]),
+    "hunyuan_v1_moe": dict(moe_topk=[2, 2]), "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"]),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_d_head=16, mamba_n_heads=4),
+    "zamba2": dict(mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, hybrid_layer_ids=[1]),
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8),
+    "bamba": dict(attn_layer_indices=[1], mamba_d_head=16, mamba_n_heads=8),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "mamba2": dict(num_heads=8, head_dim=16),
+    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
+    "swinv2": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
+    "focalnet": dict(embed_dim=16, depths=[1, 1], patch_size=4), "convnextv2": dict(hidden_sizes=[16, 32], depths=[1, 1]),
+    "dinov3_convnext": dict(hidden_sizes=[16, 32], depths=[1, 1]),
+    "regnet": dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16, groups_width=8),
+    "bit": dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16),
+    "hgnet_v2": dict(stage_in_channels=[16, 32], stage_mid_channels=[16, 16], stage_out_channels=[32, 32],
+                     stage_num_blocks=[1, 1], stage_downsample=[False, True], stage_light_block=[False, False],
+                     stage_kernel_size=[3, 3], stage_numb_of_layers=[2, 2], stem_channels=[3, 16, 16],
+                     hidden_sizes=[32, 32], depths=[1, 1]),
+    "poolformer": dict(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[7, 3],
+                       strides=[4, 2], padding=[2, 1]),
+    "pvt": dict(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, sequence_reduction_ratios=[2, 1],
+                num_attention_heads=[1, 2], patch_sizes=[4, 2], strides=[4, 2], mlp_ratios=[2, 2]),
+    "pvt_v2": dict(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, sr_ratios=[2, 1],
+                   num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]),
+    "segformer": dict(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, sr_ratios=[2, 1],
+                      num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+                      decoder_hidden_size=32),
+    "levit": dict(hidden_sizes=[32, 48], num_attention_heads=[2, 3], depths=[1, 1], key_dim=[8, 8],
+                  drop_path_rate=0, mlp_ratio=[2, 2], attention_ratio=[2, 2], patch_size=16, image_size=64),
+    "mobilevit": dict(hidden_sizes=[32, 32, 32], neck_hidden_sizes=[8, 8, 16, 16, 16, 32, 64], image_size=64),
+    "mobilevitv2": dict(image_size=64, width_multiplier=0.25), "efficientnet": dict(width_coefficient=0.25,
+                                                                                    depth_coefficient=0.25),
+    "mobilenet_v1": dict(depth_multiplier=0.25), "mobilenet_v2": dict(depth_multiplier=0.25),
+    "cvt": dict(embed_dim=[16, 32], num_heads=[1, 2], depth=[1, 1], patch_sizes=[7, 3], patch_stride=[4, 2],
+                patch_padding=[2, 1], stride_kv=[2, 2], cls_token=[False, True], mlp_ratio=[2.0, 2.0],
+                qkv_bias=[True, True], drop_rate=[0.0, 0.0], attention_drop_rate=[0.0, 0.0],
+                drop_path_rate=[0.0, 0.0], qkv_projection_method=["dw_bn", "dw_bn"], kernel_qkv=[3, 3],
+                padding_kv=[1, 1], padding_q=[1, 1], stride_q=[1, 1]),
+    "hiera": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], image_size=[64, 64], patch_size=[7, 7],
+                  patch_stride=[4, 4], patch_padding=[3, 3], masked_unit_size=[8, 8], query_stride=[2, 2],
+                  num_query_pool=1),
+    "swiftformer": dict(embed_dims=[16, 32], depths=[1, 1], mlp_ratio=2),
+    "vitdet": dict(image_size=32, pretrain_image_size=32),
+    "glpn": dict(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2, sr_ratios=[2, 1],
+                 num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+                 decoder_hidden_size=16),
+    "wav2vec2": dict(conv_dim=[16, 16], conv_kernel=[4, 2], conv_stride=[3, 2], num_conv_pos_embeddings=4,
+                     num_conv_pos_embedding_groups=2),
+    "speech_to_text": dict(input_feat_per_channel=16, conv_channels=32, max_source_positions=64),
+    "audio-spectrogram-transformer": dict(num_mel_bins=16, max_length=32, patch_size=8, frequency_stride=8,
+                                          time_stride=8),
+    "big_bird": dict(attention_type="original_full"), "bigbird_pegasus": dict(attention_type="original_full"),
+    "longformer": dict(attention_window=4), "led": dict(attention_window=4, max_encoder_position_embeddings=64,
+                                                        max_decoder_position_embeddings=64),
+    "reformer": dict(), "canine": dict(downsampling_rate=2, num_hash_buckets=8, num_hash_functions=2),
+    "fsmt": dict(src_vocab_size=128, tgt_vocab_size=128), "nllb-moe": dict(expert_capacity=16),
+    "pegasus_x": dict(block_size=4, num_global_tokens=2), "esm": dict(pad_token_id=1, mask_token_id=2),
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
+}
+for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", "data2vec-audio",
+               "wav2vec2-conformer"):
+    EXTRA[_audio] = EXTRA["wav2vec2"]
+EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
+EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
+
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                  "cls_token_id", "mask_token_id", "unk_token_id")
+HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+         "AutoModelForImageClassification", "AutoModelForAudioClassification", "AutoModel")
+SHAPES = ((1, 5, False), (3, 11, True))  # (batch, length, padding mask): none is the traced (2, 7)
+DRAWS = 2  # random elements per group
+TOLERANCE = 1e-5  # relative; float64 end to end gives ~1e-15, HF's fp32 upcasts ~1e-7, a wrong group >= 1e-3
+
+
+# -- building a tiny model -----------------------------------------------------------------------------------
+def shrunk(fields: dict, model_type: str) -> dict:
+    """The size fields a config dict holds, replaced by their tiny values (sub-config dicts too)."""
+    out = {}
+    for key, value in fields.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = {**value, **shrunk(value, value.get("model_type", model_type))}
+        elif key in SHRINK and (isinstance(value, int) or value is None and key in ("q_lora_rank", "head_dim")):
+            out[key] = SHRINK[key]
+    vocab = out.get("vocab_size", fields.get("vocab_size"))
+    for key in SPECIAL_TOKENS:  # special ids must fit the tiny vocabulary
+        if isinstance(fields.get(key), int) and isinstance(vocab, int) and fields[key] >= vocab:
+            out[key] = min(3 + SPECIAL_TOKENS.index(key), vocab - 1)
+    if "layer_types" in fields and isinstance(fields["layer_types"], list):
+        out["layer_types"] = fields["layer_types"][:2]
+    return out
+
+
+def tiny_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = cls().to_dict()
+    return cls(**{**shrunk(fields, model_type), **EXTRA.get(model_type, {})})
+
+
+def build(model_type: str):
+    import torch
+    import transformers
+
+    config = tiny_config(model_type)
+    for head in HEADS:
+        auto = getattr(transformers, head)
+        if type(config) not in auto._model_mapping:
+            continue
+        torch.manual_seed(0)
+        try:
+            model = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            model = auto.from_config(copy.deepcopy(config), attn_implementation="eager")
+        perturb(model)
+        return model.eval(), head
+    raise LookupError(f"no Auto class builds {type(config).__name__}")
+
+
+def perturb(model) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_((0.02 if p.dim() >= 2 else 0.1) * torch.randn(p.shape, generator=generator).to(p.dtype))
+
+
+# -- the independent check -----------------------------------------------------------------------------------
+def shaped_inputs(model, batch: int, length: int, pad: bool) -> dict:
+    import inspect
+
+    import torch
+
+    from symgraph.inputs import example_inputs, forward_kwargs
+
+    params = inspect.signature(model.forward).parameters
+    inputs = example_inputs(model.config, batch=batch, seq=length, seed=length, dtype=torch.float64,
+                            forward_params=params)
+    if pad and "input_ids" in inputs and "attention_mask" in params:
+        mask = torch.ones_like(inputs["input_ids"])
+        mask[0, length - length // 3:] = 0  # the first row's last third is padding
+        inputs["attention_mask"] = mask
+    return {**inputs, **forward_kwargs(model.config)}
+
+
+class Checker:
+    """The model in float64 (reference experts loop), its outputs at every sweep shape, and a comparison."""
+
+    def __init__(self, model):
+        import torch
+
+        from symgraph.moe import REFERENCE, use_experts_implementation
+
+        self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
+        self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
+        self.tied = tied_names(self.model)
+        self.inputs, self.refs, self.rejected = [], [], []
+        for batch, length, pad in SHAPES:
+            kwargs = shaped_inputs(self.model, batch, length, pad)
+            try:
+                ref = self.run(self.state, kwargs)
+            except Exception as exc:  # noqa: BLE001 -- a shape this model does not take
+                self.rejected.append(f"{batch}x{length}{' padded' if pad else ''}: {first_line(exc)}")
+                continue
+            if not bool(ref.isfinite().all()):
+                self.rejected.append(f"{batch}x{length}: non-finite outputs")
+                continue
+            self.inputs.append((batch, length, pad, kwargs))
+            self.refs.append(ref)
+
+    def run(self, state, kwargs):
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        with torch.no_grad():
+            out = torch.func.functional_call(self.model, state, (), kwargs, tie_weights=False)
+        leaves = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
+        return torch.cat([t.reshape(-1).double() for t in leaves if hasattr(t, "is_floating_point")
+                          and t.is_floating_point()])
+
+    def error(self, state) -> float:
+        """Worst relative output change over the sweep shapes."""
+        import torch
+
+        state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
+        for names in self.tied:
+            changed = [n for n in names if state[n] is not self.state[n]]
+            for n in names:
+                state[n] = state[changed[0] if changed else names[0]]
+        return max(float((self.run(state, kw) - ref).norm() / ref.norm().clamp_min(1e-30))
+                   for (_, _, _, kw), ref in zip(self.inputs, self.refs))
+
+
+def tied_names(model) -> list[list[str]]:
+    groups: dict = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.numel():
+            groups.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300]
+
+
+def sweep_one(model_type: str) -> dict:
+    import numpy as np
+    import torch
+
+    import symgraph
+    from symgraph.elements import apply, sample
+    from symgraph.errors import InvarianceError, SymgraphError
+
+    row = {"type": model_type, "named": model_type in NAMED}
+    clock = time.perf_counter()
+    try:
+        model, head = build(model_type)
+        row.update(head=head, params=sum(p.numel() for p in model.parameters()))
+        checker = Checker(model)
+    except Exception as exc:  # noqa: BLE001 -- transformers could not build or run the tiny model
+        return {**row, "class": "skipped", "reason": first_line(exc)}
+    if not checker.inputs:
+        return {**row, "class": "skipped", "reason": "runs at no sweep shape: " + "; ".join(checker.rejected)}
+    row["shapes"] = [f"{b}x{n}{' padded' if p else ''}" for b, n, p, _ in checker.inputs]
+    row["rejected_shapes"] = checker.rejected
+    try:
+        subject = symgraph.load(model)
+        groups = subject.report.groups
+    except SymgraphError as exc:
+        return {**row, "class": "unsupported", "reason": first_line(exc), "seconds": elapsed(clock)}
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "class": "crash", "reason": first_line(exc), "where": last_frame(exc),
+                "seconds": elapsed(clock)}
+    row["report_seconds"] = elapsed(clock)
+    row["groups"] = dict(Counter(f"{g.motif}/{g.kind}" for g in groups))
+    row["unknown_ops"] = sorted(subject.report.unknown_ops)[:10]
+    rng = np.random.default_rng(0)
+    bad, worst = [], 0.0
+    elements = []
+    for group in groups:
+        draws = [sample(group, rng) for _ in range(DRAWS)]
+        elements.append(draws[0])
+        err = max(checker.error(apply(checker.state, [e])) for e in draws)
+        worst = max(worst, err)
+        if err > TOLERANCE:
+            bad.append(f"{group.id} {group.motif}/{group.kind} ({err:.1e})")
+    if groups and not bad:
+        joint = checker.error(apply(checker.state, elements))
+        worst = max(worst, joint)
+        if joint > TOLERANCE:
+            bad.append(f"all groups together ({joint:.1e})")
+    row["max_error"] = worst
+    if bad:
+        return {**row, "class": "unsound", "bad_groups": bad, "seconds": elapsed(clock)}
+    if groups:
+        try:
+            symgraph.transform(subject, seed=0)
+        except InvarianceError as exc:
+            return {**row, "class": "refused", "reason": first_line(exc), "seconds": elapsed(clock)}
+        except Exception as exc:  # noqa: BLE001
+            return {**row, "class": "crash", "reason": "transform: " + first_line(exc), "where": last_frame(exc),
+                    "seconds": elapsed(clock)}
+    return {**row, "class": "sound" if groups else "nothing", "seconds": elapsed(clock)}
+
+
+def elapsed(clock: float) -> float:
+    return round(time.perf_counter() - clock, 1)
+
+
+def last_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "symgraph" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else ""
+
+
+# -- driver ----------------------------------------------------------------------------------------------------
+def run_isolated(model_type: str, timeout: float) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        done = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "named": model_type in NAMED, "class": "timeout", "reason": f">{timeout:.0f} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return {"type": model_type, "named": model_type in NAMED, "class": "crash", "reason": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def summarize(rows: list[dict]) -> dict:
+    latest = {r["type"]: r for r in rows}
+    rows = list(latest.values())
+    unnamed = [r for r in rows if not r["named"] and r["class"] != "skipped"]
+    counts = Counter(r["class"] for r in rows)
+    counts_unnamed = Counter(r["class"] for r in unnamed)
+    sound = counts_unnamed["sound"]
+    return {
+        "tolerance": TOLERANCE, "shapes": [list(s) for s in SHAPES], "draws_per_group": DRAWS,
+        "types": len(rows), "counts": dict(counts), "unnamed_built": len(unnamed),
+        "counts_unnamed": dict(counts_unnamed),
+        "unnamed_sound_nontrivial_fraction": round(sound / len(unnamed), 3) if unnamed else None,
+        "unsound_groups": sum(len(r.get("bad_groups", [])) for r in rows),
+        "failures": {r["type"]: {k: r[k] for k in ("class", "reason", "bad_groups", "where") if k in r}
+                     for r in rows if r["class"] not in ("sound",)},
+        "rows": sorted(rows, key=lambda r: r["type"]),
+    }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", help="run one type in this process and print its JSON line")
+    parser.add_argument("--types", help="comma-separated model types (default: the whole list)")
+    parser.add_argument("--skip-done", action="store_true", help="leave out types already in --jsonl")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
+    parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
+    parser.add_argument("--summarize", action="store_true", help="only summarize --jsonl")
+    parser.add_argument("-o", "--output", type=Path, help="also write the summary JSON here (atomically)")
+    args = parser.parse_args(argv)
+    if args.one:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        print(json.dumps(sweep_one(args.one)))
+        return
+    rows = [json.loads(ln) for ln in args.jsonl.read_text().splitlines()] if args.jsonl and args.jsonl.exists() else []
+    if not args.summarize:
+        types = args.types.split(",") if args.types else TYPES
+        done = {r["type"] for r in rows} if args.skip_done else set()
+        for model_type in [t for t in types if t not in done]:
+            row = run_isolated(model_type, args.timeout)
+            print(json.dumps({k: row.get(k) for k in ("type", "class", "reason", "bad_groups", "seconds")}),
+                  file=sys.stderr, flush=True)
+            rows.append(row)
+            if args.jsonl:
+                with args.jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    summary = summarize(rows)
+    text = json.dumps(summary, indent=1)
+    if args.output:
+        write_atomically(args.output, text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
