@@ -13,11 +13,12 @@ from .elements import Element, apply, apply_to_model, sample
 from .errors import SymgraphError
 from .fold import FoldResult, fold
 from .groups import Group, Member, PinnedSpace
-from .merging import MergeResult, merge
+from .merging import MergeResult, StreamedMerge, merge, merge_streamed
 from .report import Report
 
 __all__ = [
     "BarrierResult", "Element", "FoldResult", "Group", "Member", "MergeResult", "PinnedSpace", "Report", "Subject", "SymgraphError",
+    "StreamedMerge",
     "align", "analyze", "apply", "apply_to_model", "barrier", "fold", "load", "merge", "sample", "sample_elements",
-    "transform",
+    "transform", "merge_streamed",
 ]

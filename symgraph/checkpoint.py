@@ -9,11 +9,12 @@ equal another's (all-zero biases, norms all ones are ordinary after folding or f
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -21,7 +22,7 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "owned_tensors"]
+__all__ = ["save_model", "hf_layout", "owned_tensors", "output_folder", "staged_folder", "write_side_files"]
 
 
 def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -144,6 +145,16 @@ def save_model(
     >>> sorted(p.name for p in out.iterdir())
     ['config.json', 'model.safetensors']
     """
+    out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
+    tensors = owned_tensors(hf_layout(_checked(state_dict), config if config is not None else _config_of(like_dir)))
+    with staged_folder(out, overwrite=overwrite) as tmp:
+        _write_folder(tmp, tensors, config=config, like_dir=like_dir)
+    return out
+
+
+def output_folder(out_dir, like, *, overwrite: bool) -> tuple[Path, Path | None]:
+    """``out_dir`` as an absolute folder path checked to be writable as a model folder (see :func:`save_model`),
+    and ``like``'s folder (None without one)."""
     out = Path(out_dir).expanduser()
     if not out.name:
         raise OutputError(f"The output path '{out_dir}' names no folder.", hint="give a name, e.g. -o out/model.")
@@ -152,14 +163,19 @@ def save_model(
     if like_dir is not None:
         refuse_overlap(out, [like_dir])
     prepare_output(out, overwrite=overwrite, folder=True)
-    tensors = owned_tensors(hf_layout(_checked(state_dict), config if config is not None else _config_of(like_dir)))
+    return out, like_dir
 
+
+@contextlib.contextmanager
+def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling folder of ``out`` to write into; moved to ``out`` when the block ends without error,
+    removed (with everything written so far) when it fails. OS and safetensors errors become :class:`OutputError`."""
     with os_errors_as_output_error(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out, folder=True)
     done = False
     try:
-        _write_folder(tmp, tensors, config=config, like_dir=like_dir)
+        yield tmp
         install_folder(tmp, out, overwrite=overwrite)
         done = True
     except OutputError:
@@ -168,14 +184,13 @@ def save_model(
         # OSError: disk full, permissions; safetensors reports some I/O problems as SafetensorError.
         reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
         raise OutputError(
-            f"Writing the model to '{out}' failed: {reason}. Nothing was written"
-            + (" and the existing folder was left as it was." if out.exists() else "."),
+            f"Writing the model to '{out}' failed: {reason}. Nothing was written (the partly written files were "
+            "removed)" + (" and the existing folder was left as it was." if out.exists() else "."),
             hint="free disk space or fix permissions on the output location, then run again.",
         ) from exc
     finally:
         if not done:
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _like_dir(like) -> Path:
@@ -226,6 +241,13 @@ def _checked(state_dict) -> dict[str, torch.Tensor]:
 def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_dir: Path | None) -> None:
     from safetensors.torch import save_file
 
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_side_files(tmp, config=config, like_dir=like_dir)
+
+
+def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
+    """Beside the weights in ``tmp``: config.json (from ``config``, else ``like_dir``'s) and ``like_dir``'s
+    tokenizer files; then every file made readable and flushed to disk."""
     from .io import TOKENIZER_FILES
 
     if config is not None:
@@ -240,8 +262,6 @@ def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_d
             )
     elif like_dir is not None and (like_dir / "config.json").is_file():
         shutil.copy2(like_dir / "config.json", tmp / "config.json")
-
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     if like_dir is not None:
         for name in TOKENIZER_FILES:

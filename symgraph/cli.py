@@ -265,13 +265,22 @@ def demo(out_dir, quick, overwrite):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--stream", is_flag=True,
+              help="Read and write one tensor at a time (7B models and up): safetensors inputs, sharded output. "
+                   "Only with --method simple --align none; nothing is folded.")
+@click.option("--shard-size", default="5GB", show_default=True,
+              help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 @_FOLD_OPTION
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold):
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress, stream, shard_size, fold):
     from .merging import merge as run_merge
 
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
+    if stream:
+        _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold)
+        _merge_streamed(models, output, weights, _parse_size(shard_size), overwrite, json_path)
+        return
     if head_from is not None and not 1 <= head_from <= len(models):
         raise click.BadParameter(f"{head_from} is not a model number (1 to {len(models)})", param_hint="--head-from")
     data = None if not data_specs else data_specs[0] if len(data_specs) == 1 else list(data_specs)
@@ -326,6 +335,45 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
         click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")
     click.echo(f"wrote {output}")
+
+
+def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold) -> None:
+    given = [f"--method {method}" if method != "simple" else "", f"--align {align_mode}" if align_mode != "none" else "",
+             "--data" if data_specs else "", "--head-from" if head_from is not None else "",
+             "--head" if head_patterns else "", "--fold" if fold else ""]
+    given = [g for g in given if g]
+    if given:
+        raise click.UsageError(
+            f"--stream averages the stored tensors one at a time, so it cannot be combined with {', '.join(given)}. "
+            "Run it as `symgraph merge A B --stream --method simple --align none` (align the models beforehand for "
+            "an aligned merge), or leave out --stream.")
+
+
+def _merge_streamed(models, output, weights, shard_bytes, overwrite, json_path) -> None:
+    from .merging import merge_streamed
+
+    done = {}
+    with _side_file(json_path, lambda: json.dumps(done["result"].to_json() if done else {}, indent=1)):
+        done["result"] = result = merge_streamed(list(models), output, weights=_parse_weights(weights),
+                                                 shard_bytes=shard_bytes, overwrite=overwrite)
+    click.echo(f"wrote {output}: simple merge of {len(models)} models, streamed ({result.tensors} tensors, "
+               f"{result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f} s)")
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _parse_size(text: str) -> int:
+    """A byte count written as transformers writes max_shard_size: 5GB, 500MB, 2GiB, or a number of bytes."""
+    number = text.strip().upper().rstrip("BIKMG")
+    unit = text.strip().upper()[len(number):]
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        size = 0
+    if size <= 0:
+        raise click.BadParameter(f"{text!r} is not a size such as 5GB, 500MB or 2GiB", param_hint="--shard-size")
+    return size
 
 
 def _parse_weights(text):

@@ -442,11 +442,16 @@ def check_finite(model: torch.nn.Module, where: str) -> None:
     bad = [k for k, v in model.state_dict().items()
            if v.is_floating_point() and v.device.type != "meta" and not torch.isfinite(v).all()]
     if bad:
-        raise ModelLoadError(
-            f"NaN or Inf values in {where}: {_some(bad)}.",
-            hint="symgraph needs finite weights; the checkpoint is damaged or training diverged: use an earlier "
-            "or re-saved checkpoint.",
-        )
+        raise nonfinite_error(where, bad)
+
+
+def nonfinite_error(where: str, names) -> ModelLoadError:
+    """The error for NaN or Inf weights in ``names`` of ``where`` (a model, a checkpoint)."""
+    return ModelLoadError(
+        f"NaN or Inf values in {where}: {_some(names)}.",
+        hint="symgraph needs finite weights; the checkpoint is damaged or training diverged: use an earlier "
+        "or re-saved checkpoint.",
+    )
 
 
 def _read_json(file: Path, *, what: str) -> dict:

@@ -41,7 +41,8 @@ from .errors import DataError, MismatchError, SymgraphError
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 
-__all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters"]
+__all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters",
+           "StreamedMerge", "merge_streamed"]
 
 METHODS = ("simple", "fisher", "regmean")
 _log = logging.getLogger(__name__)
@@ -180,6 +181,101 @@ def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, group
     subjects = [folded_subject(s) for s in subjects]
     check_compatible(subjects, exclude, groups=groups)
     return subjects
+
+
+
+@dataclass(frozen=True)
+class StreamedMerge:
+    """What :func:`merge_streamed` wrote: the folder, the models and their weights, and its size and timings."""
+
+    path: Path
+    models: tuple[str, ...]
+    weights: tuple[float, ...]
+    tensors: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"method": "simple", "align": "none", "streamed": True, "path": str(self.path),
+                "models": list(self.models), "weights": list(self.weights), "tensors": self.tensors,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "seconds": self.seconds}
+
+
+def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | None = None,
+                   shard_bytes: int | None = None, overwrite: bool = False) -> StreamedMerge:
+    """The weighted average of safetensors checkpoints, read and written one tensor at a time (7B and up).
+
+    Each tensor is read from every model (memory-mapped, in its stored dtype), averaged in float32 (float64 when
+    any model stores it so), and written in the widest stored dtype to sharded safetensors with the index
+    (:func:`symgraph.shards.write_checkpoint`: atomic, nothing at ``out`` until complete). Integer tensors come from
+    the first model. Config and tokenizer files are copied from the first model. The models are neither aligned
+    nor folded: align them first (``symgraph align``) for an aligned merge. Peak memory is a few tensors.
+
+    Examples
+    --------
+    >>> import tempfile, symgraph
+    >>> from symgraph import zoo
+    >>> from symgraph.io import model_config
+    >>> folders = [symgraph.io.save_model(m.state_dict(), tempfile.mkdtemp() + "/m", config=model_config(m))
+    ...            for m in (zoo.build("llama", seed=0), zoo.build("llama", seed=1))]
+    >>> merge_streamed(folders, tempfile.mkdtemp() + "/merged", shard_bytes=10**5).tensors
+    21
+    """
+    from .files import refuse_overlap
+    from .lazy_state import LazyState
+    from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
+
+    if len(models) < 2:
+        raise SymgraphError(f"Merging needs at least two models, got {len(models)}.", hint="pass two or more models.")
+    w = normalized_weights(weights, len(models))
+    refuse_overlap(out, models)
+    start = time.perf_counter()
+    states = [LazyState(m) for m in models]
+    infos = _streamed_plan(states, models)
+    path = write_checkpoint(out, infos, lambda name: _streamed_average(states, w, name, models),
+                            shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, like=states[0].folder,
+                            overwrite=overwrite)
+    return StreamedMerge(path, tuple(map(str, models)), tuple(map(float, w)), len(infos),
+                         sum(s.nbytes for s in states), sum(i.nbytes for i in infos),
+                         time.perf_counter() - start)
+
+
+def _streamed_plan(states, models) -> list:
+    """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
+    from .shards import TensorInfo
+
+    first = states[0]
+    for position, other in enumerate(states[1:], start=2):
+        where = f"model 1 ({models[0]}) and model {position} ({models[position - 1]})"
+        if set(first) != set(other):
+            only_a, only_b = sorted(set(first) - set(other))[:3], sorted(set(other) - set(first))[:3]
+            raise MismatchError(f"{where.capitalize()} store different tensors (only in the first: {only_a}; only in "
+                                f"the second: {only_b}).", hint="merge checkpoints of one architecture.")
+        differ = [k for k in first if first.info(k).shape != other.info(k).shape]
+        if differ:
+            k = differ[0]
+            raise MismatchError(f"{where.capitalize()} differ in shape: {k} is {first.info(k).shape} vs "
+                                f"{other.info(k).shape} ({len(differ)} tensors differ).",
+                                hint="both models must use the same configuration sizes.")
+    return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]
+
+
+def _streamed_average(states, w, name: str, models) -> torch.Tensor:
+    tensors = [s[name] for s in states]
+    out_dtype = _widest(t.dtype for t in tensors)
+    if not out_dtype.is_floating_point:
+        return tensors[0]
+    compute = torch.promote_types(out_dtype, torch.float32)
+    total = torch.zeros(tensors[0].shape, dtype=compute)
+    for position, (weight, tensor) in enumerate(zip(w, tensors)):
+        tensor = tensor.to(compute)
+        if not torch.isfinite(tensor).all():
+            from .io import nonfinite_error
+
+            raise nonfinite_error(f"model {position + 1} ({models[position]})", [name])
+        total.add_(tensor, alpha=float(weight))
+    return total.to(out_dtype)
 
 
 # -- methods ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""A checkpoint's tensors read on demand: a safetensors file or folder (single or sharded) as a mapping whose
+values are read from the memory-mapped file only when asked for, in the dtype they are stored in.
+
+Alignment and merging at 7B cannot hold two models: they read a block's tensors, work on them in fp32 and let
+them go. Each read opens the tensor's file, copies the tensor out and closes the file again, so no mapping stays
+resident between reads (a kept-open 5 GB mapping would count fully in the peak RSS once read through).
+
+Examples
+--------
+>>> import tempfile, torch
+>>> from symgraph.shards import TensorInfo, write_checkpoint
+>>> out = write_checkpoint(tempfile.mkdtemp() + "/m", [TensorInfo("w", (2, 2), torch.float16)],
+...                        lambda name: torch.eye(2, dtype=torch.float16))
+>>> state = LazyState(out)
+>>> list(state), state.info("w").shape, state["w"].dtype
+(['w'], (2, 2), torch.float16)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+from .shards import SAFETENSORS_DTYPES, TensorInfo
+
+__all__ = ["LazyState", "safetensors_files"]
+
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+class LazyState(Mapping[str, torch.Tensor]):
+    """The tensors of the safetensors checkpoint at ``source`` (a model folder, its index file, or one
+    ``.safetensors`` file), keyed as stored; ``state[name]`` reads one tensor in its stored dtype.
+
+    Raises :class:`~symgraph.errors.ModelLoadError` when the folder has no safetensors weights, the index names a
+    shard that is missing, or a file's header is damaged.
+    """
+
+    def __init__(self, source):
+        self.files = safetensors_files(source)
+        self.folder = self.files[0].parent
+        self._file_of: dict[str, Path] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        for file in self.files:
+            for info in _header_infos(file):
+                self._file_of[info.name] = file
+                self._infos[info.name] = info
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self._file_of[name]  # KeyError for an unknown name, as a mapping should
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as exc:  # SafetensorError, OSError: the file changed or broke since it was opened
+            raise ModelLoadError(f"Cannot read tensor '{name}' from '{file}': {exc}",
+                                 hint="the file is damaged or was changed while it was read: re-save it.") from exc
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        """Name, shape and stored dtype of one tensor, from the file header (no values read)."""
+        return self._infos[name]
+
+    def infos(self) -> list[TensorInfo]:
+        """Every tensor's :class:`~symgraph.shards.TensorInfo`, in file order."""
+        return list(self._infos.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for info in self._infos.values())
+
+
+def safetensors_files(source) -> list[Path]:
+    """The safetensors files of a checkpoint: the file itself, the folder's ``model.safetensors``, or the shards
+    the folder's (or the given) ``model.safetensors.index.json`` lists, each checked to exist and to be readable."""
+    from .io import _check_weights, _weight_files
+
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".safetensors":
+        folder, weights = path.parent, path
+    else:
+        folder = path if path.is_dir() else path.parent
+        if path.is_file() and path.name.endswith(".index.json"):
+            weights = path
+        else:
+            weights = next((folder / n for n in ("model.safetensors", "model.safetensors.index.json")
+                            if (folder / n).is_file()), None)
+        if weights is None:
+            what = "does not exist" if not path.exists() else "has no model.safetensors or model.safetensors.index.json"
+            raise ModelLoadError(f"'{path}' {what}: streaming reads safetensors checkpoints only.",
+                                 hint="pass a Hugging Face folder saved as safetensors (re-save a .bin checkpoint "
+                                 "with save_pretrained(safe_serialization=True)).")
+    _check_weights(folder, weights)  # a missing shard or a damaged header: a clear error naming the file
+    return _weight_files(folder, weights)
+
+
+def _header_infos(file: Path) -> list[TensorInfo]:
+    from safetensors import safe_open
+
+    infos = []
+    with safe_open(str(file), framework="pt") as handle:
+        for name in handle.keys():
+            tensor_slice = handle.get_slice(name)
+            stored = tensor_slice.get_dtype()
+            if stored not in _TORCH_DTYPES:
+                raise ModelLoadError(f"Tensor '{name}' in '{file}' has dtype {stored}, which symgraph cannot read.",
+                                     hint=f"symgraph reads {', '.join(_TORCH_DTYPES)}.")
+            infos.append(TensorInfo(name, tuple(tensor_slice.get_shape()), _TORCH_DTYPES[stored]))
+    return infos
