@@ -64,6 +64,7 @@ class AlignResult:
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept
     folded: bool = False  # both models were folded first (symgraph.fold)
+    learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -77,7 +78,7 @@ class AlignResult:
     def to_json(self) -> dict:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
-                "starts": self.starts, "start": self.start, "folded": self.folded,
+                "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
                 "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}

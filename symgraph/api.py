@@ -169,7 +169,7 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True, progress=None):
+          inputs: Inputs = None, verify: bool = True, progress=None, data=None, learn=False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -190,6 +190,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup.
 
+    With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) the alignment found from the weights is then
+    tuned on the loss of the interpolated model on the training split of ``data`` (a data SPEC or
+    :class:`~symgraph.datasets.Dataset`; required): :mod:`symgraph.learn`. ``result.learned`` says what it did.
+
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
     compute what the source computes; otherwise :class:`~symgraph.errors.InvarianceError` names the group at
@@ -209,6 +213,12 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                             select_groups)
     from .verify import Evaluator
 
+    check_learn(learn, data)
+    if data is not None and not learn:
+        from .learn import LearnError
+
+        raise LearnError("Data was given without learned matching, which is what alignment uses data for.",
+                         hint="add --learn (learn=True), or leave out --data.")
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
@@ -229,6 +239,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, rounds=refine_rounds,
                           tolerance=tolerance, matching_start=matching_start, progress=progress,
                           cost_excluded=free)
+    if learn:
+        clock = time.perf_counter()
+        result = learned(src, groups, state, anchor_state, result, data, learn, free, progress is not None)
+        timings["learn"] = time.perf_counter() - clock
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
@@ -239,6 +253,38 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result
+
+
+def learned(subject: Subject, groups, state, anchor_state, start, data, learn, free, progress: bool,
+            exclude: frozenset[str] = frozenset()):
+    """``start`` (an alignment of ``state`` to ``anchor_state`` within ``groups``) tuned by learned matching on the
+    training split of ``data`` (:func:`symgraph.learn.learn_alignment`); ``learn`` is True or the options."""
+    from .consensus import shared_float_names
+    from .learn import LearnOptions, learn_alignment, training_data
+
+    options = (learn if isinstance(learn, LearnOptions) else LearnOptions()).checked()
+    dataset = training_data(data, subject, options.batch_size)
+    result, record = learn_alignment(groups, state, anchor_state, start, model=subject.model, data=dataset,
+                                     names=shared_float_names(anchor_state, exclude), options=options,
+                                     cost_excluded=free, progress=progress)
+    result.learned = record.to_json()
+    return result
+
+
+def check_learn(learn, data) -> None:
+    """Learned matching needs data, and its options must be in range (checked before any work)."""
+    from .learn import LearnError, LearnOptions
+
+    if learn is False or learn is None:
+        return
+    if data is None:
+        raise LearnError("Learned matching optimises the loss of the interpolated model on data, and none was given.",
+                         hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt) with --learn; its training "
+                              "split is used.")
+    if isinstance(learn, LearnOptions):
+        learn.checked()
+    elif learn is not True:
+        raise LearnError(f"learn must be True, False or a LearnOptions, not {learn!r}.")
 
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:

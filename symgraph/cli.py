@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -111,6 +112,42 @@ def _descent_options(command):
     return command
 
 
+def _learn_options(command, *, flag: bool = True):
+    """Learned matching's options (:class:`symgraph.learn.LearnOptions`), shared by ``align``, ``merge`` and
+    ``barrier`` (whose learned modes, e.g. ``full+learn``, take the place of the ``--learn`` flag)."""
+    options = [
+        click.option("--learn-steps", type=click.IntRange(min=1), default=lambda: _learn_default("steps"),
+                     show_default="300", help="Optimiser steps of learned matching."),
+        click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
+                     show_default="0.003", help="Learning rate (Adam) of learned matching."),
+        click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
+                     show_default="32", help="Training examples per step of learned matching."),
+        click.option("--learn-t", type=click.Choice(["midpoint", "random"]), default="midpoint", show_default=True,
+                     help="Where on the path the loss is taken: the midpoint, or a random point each step."),
+    ]
+    if flag:
+        options.insert(0, click.option(
+            "--learn", is_flag=True,
+            help="Learned matching: tune the alignment on the loss of the interpolated model (midpoint of the "
+                 "path) on the training split of --data; the result is still an exact reparametrisation."))
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _learn_default(name: str):
+    from .learn import LearnOptions
+
+    return getattr(LearnOptions, name)
+
+
+def _learning(learn_steps, learn_lr, learn_batch_size, learn_t):
+    """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options`."""
+    from .learn import LearnOptions
+
+    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t)
+
+
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
@@ -133,8 +170,11 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
+@click.option("--data", help="Data for --learn (e.g. digits, pydoc-chars, FILE.txt, FILE.npz); its training split.")
+@_learn_options
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold, data, learn, learn_steps, learn_lr, learn_batch_size,
+          learn_t):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -146,16 +186,27 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                 general_linear))
+                           fold=fold, data=data,
+                           learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t),
+                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
         save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
         result.timings["write"] = time.perf_counter() - clock
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; "
+               f"(mode {mode}{', folded' if result.folded else ''}{_learned_note(result.learned)}, "
+               f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)})")
+
+
+def _learned_note(learned: dict | None) -> str:
+    """What learned matching did, for the one-line summary."""
+    if learned is None:
+        return ""
+    verdict = "kept" if learned["kept"] else "not kept: no better than the start"
+    return (f", learned over {learned['steps']} steps: midpoint loss {learned['start_midpoint_loss']:.4g} -> "
+            f"{learned['end_midpoint_loss']:.4g} on training batches, {verdict}")
 
 
 def _equality(error: float, tolerance: float, state) -> str:
@@ -271,14 +322,16 @@ def demo(out_dir, quick, overwrite):
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 @_FOLD_OPTION
+@_learn_options
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress, stream, shard_size, fold):
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
+          learn_steps, learn_lr, learn_batch_size, learn_t):
     from .merging import merge as run_merge
 
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
     if stream:
-        _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold)
+        _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, learn)
         _merge_streamed(models, output, weights, _parse_size(shard_size), overwrite, json_path)
         return
     if head_from is not None and not 1 <= head_from <= len(models):
@@ -287,11 +340,13 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress)
+                       fold=fold, progress=not no_progress,
+                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t))
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
     folded = ", norms folded first" if any(n.endswith("(folded)") for n in result.models) else ""
+    folded += ", learned matching" if learn else ""
     frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
                f"each model to the merge: {distances}{frame}")
@@ -308,15 +363,18 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
 @click.option("--steps", default=21, show_default=True, type=click.IntRange(min=3), help="Points on the path.")
 @click.option("--align", "aligns", default="none,permutation,paper,full", show_default=True,
-              help="Comma-separated alignment modes to compare.")
+              help="Comma-separated alignment modes to compare; add +learn to a mode (e.g. full+learn) for learned "
+                   "matching on the training split of --data.")
 @_descent_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
+@functools.partial(_learn_options, flag=False)
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, output, json_path, no_progress, fold):
+            matching_start, general_linear, output, json_path, no_progress, fold, learn_steps, learn_lr,
+            learn_batch_size, learn_t):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
@@ -325,6 +383,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
+                         learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t),
                          align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                 general_linear))
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -337,10 +396,10 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     click.echo(f"wrote {output}")
 
 
-def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold) -> None:
+def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, learn) -> None:
     given = [f"--method {method}" if method != "simple" else "", f"--align {align_mode}" if align_mode != "none" else "",
              "--data" if data_specs else "", "--head-from" if head_from is not None else "",
-             "--head" if head_patterns else "", "--fold" if fold else ""]
+             "--head" if head_patterns else "", "--fold" if fold else "", "--learn" if learn else ""]
     given = [g for g in given if g]
     if given:
         raise click.UsageError(

@@ -74,7 +74,7 @@ class BarrierResult:
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
             align_options: Mapping[str, Any] | None = None, fold: bool | None = None,
-            progress: bool = True) -> BarrierResult:
+            learn: Any = None, progress: bool = True) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -86,7 +86,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     steps
         Points on the path, end points included (at least 3).
     aligns
-        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``.
+        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``, and the learned ones
+        ``full+learn``, ``permutation+learn``, ``paper+learn``: that mode's alignment tuned on the loss of the
+        interpolated model on the training split of ``data`` (:mod:`symgraph.learn`).
     batch_size, limit, split
         How a data SPEC is loaded.
     align_options
@@ -96,6 +98,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
         off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
+    learn
+        The :class:`symgraph.learn.LearnOptions` of the learned modes (None: the defaults). ``limit`` and
+        ``split`` apply to the evaluation only.
     progress
         Show progress bars (only ever on a terminal).
 
@@ -119,7 +124,8 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
-    curves = {mode: _curve(mode, first, second, path, align_options or {}) for mode in aligns}
+    learning = {"data": data, "learn": learn or True, "progress": progress}  # learns on data's training split
+    curves = {mode: _curve(mode, first, second, path, align_options or {}, learning) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
                          time.perf_counter() - start)
 
@@ -208,9 +214,10 @@ class _Path:
             return evaluate(self.model, self.data)
 
 
-def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Mapping[str, Any]) -> BarrierCurve:
+def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Mapping[str, Any],
+           learning: Mapping[str, Any]) -> BarrierCurve:
     start = time.perf_counter()
-    aligned = _aligned(mode, anchor, source, options)
+    aligned = _aligned(mode, anchor, source, options, learning)
     seconds = time.perf_counter() - start
     metrics = path.metrics(aligned, mode)
     losses = [m.loss for m in metrics]
@@ -220,15 +227,21 @@ def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Ma
                         relative_distance(aligned, path.anchor, path.names), seconds)
 
 
-def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any]) -> State:
-    """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
+def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any],
+             learning: Mapping[str, Any]) -> State:
+    """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed;
+    a ``+learn`` mode learns on ``learning["data"]``'s training split."""
     if mode == "none":
         return source.state_dict()
-    return align(source, anchor, mode=mode, verify=True, fold=False, **options).state  # folded (or not) already
+    base, learned = mode.removesuffix(LEARNED), mode.endswith(LEARNED)
+    extra = {"data": learning["data"], "learn": learning["learn"],
+             "progress": (lambda *_: None) if learning["progress"] else None} if learned else {}
+    return align(source, anchor, mode=base, verify=True, fold=False, **options, **extra).state  # folded already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
-_COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c"}
+_COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c",
+            "full+learn": "#d62728", "permutation+learn": "#9467bd", "paper+learn": "#8c564b"}
 
 
 # what the loss averages over (datasets.evaluate): next-token predictions for causal LM, examples otherwise
@@ -289,6 +302,8 @@ def _save_figure(figure, path: Path) -> Path:
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
+LEARNED = "+learn"  # suffix of a learned mode: the base mode's alignment, then learned matching
+BARRIER_MODES = ALIGN_MODES[::-1] + tuple(m + LEARNED for m in ALIGN_MODES if m != "none")
 ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear")
 
 
@@ -299,8 +314,8 @@ def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str
                             hint=f"barrier passes only {', '.join(ALIGN_OPTIONS)} on to symgraph.align.")
     if steps < 3:
         raise SymgraphError(f"steps must be at least 3 (both ends and one point between), got {steps}.")
-    choices = ", ".join(ALIGN_MODES[::-1])
-    unknown = [m for m in aligns if m not in ALIGN_MODES]
+    choices = ", ".join(BARRIER_MODES)
+    unknown = [m for m in aligns if m not in BARRIER_MODES]
     if unknown or not aligns:
         raise SymgraphError(f"Unknown alignment mode(s): {', '.join(unknown) or 'none given'}.",
                             hint=f"choose from {choices} (comma-separated on the command line).")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,11 +55,13 @@ class Consensus:
 
 def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
                        exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
-                       progress: bool = True) -> Consensus:
+                       progress: bool = True, learner: Callable | None = None) -> Consensus:
     """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
 
     ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
     which may differ in shape); they are still transformed with their model, so each model keeps its function.
+    A ``learner`` (:attr:`AlignmentPlan.learner`) tunes each model's alignment to the reference; the rounds that
+    follow align by distance and would undo it, so there are none.
 
     Examples
     --------
@@ -81,7 +83,8 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     if mode == "none":
         return Consensus(states, reference, before, before, 0, [_weighted(before, w)], time.perf_counter() - start)
 
-    plan = AlignmentPlan.of(subjects[0], mode, exclude)
+    plan = AlignmentPlan.of(subjects[0], mode, exclude, learner)
+    rounds = 0 if learner is not None else rounds
     bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
     for i in _others(len(states), reference):
         states[i] = plan.move(states[i], states[reference])
@@ -107,9 +110,11 @@ class AlignmentPlan:
     full: dict[str, Group]
     free: tuple
     mode: str
+    learner: Callable | None = None  # learner(solve, source, target, result) -> result: learned matching
 
     @classmethod
-    def of(cls, subject: Subject, mode: str, exclude: frozenset[str] = frozenset()) -> AlignmentPlan:
+    def of(cls, subject: Subject, mode: str, exclude: frozenset[str] = frozenset(),
+           learner: Callable | None = None) -> AlignmentPlan:
         chosen = select_groups(subject.report.groups, mode)
         solve = []
         for g in chosen:
@@ -117,11 +122,14 @@ class AlignmentPlan:
             if members:
                 solve.append(dataclasses.replace(g, members=members))
         free = free_cost_members(subject, solve, mode)
-        return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode)
+        return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode, learner)
 
     def move(self, source: State, target: State) -> State:
-        """``source`` moved within its groups as close to ``target`` as they allow (same function)."""
+        """``source`` moved within its groups as close to ``target`` as they allow (same function), then tuned by
+        the learner when there is one."""
         result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free)
+        if self.learner is not None:
+            result = self.learner(list(self.solve), source, target, result, self.free)
         elements = [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
         return apply(source, elements)
 

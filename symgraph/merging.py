@@ -102,7 +102,7 @@ class MergeResult:
 def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
-          limit: int | None = None, split: str = "train", fold: bool | None = None,
+          limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
           progress: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
@@ -135,6 +135,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         Fold every model first (:func:`symgraph.fold`): alignment then uses the orthogonal residual group, and
         the merge averages folded weights (norm weights folded into the linears that read them). ``None``: where
         it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
+    learn
+        True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
+        learned matching on the training split of ``data`` (the first, if one per model); needs ``data``.
     progress
         Show progress bars (only ever on a terminal).
 
@@ -149,7 +152,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     >>> max(result.distances) < 1e-6
     True
     """
-    _check_options(len(models), method, align, data, alpha, rounds, head_from, head)
+    _check_options(len(models), method, align, data, alpha, rounds, head_from, head, learn)
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m) for m in models]
@@ -157,7 +160,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress)
+    learner = _learner(subjects[0], data, learn, exclude, progress) if learn else None
+    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
+                                   learner=learner)
     clock.lap("align")
     names = shared_float_names(consensus.states[0], exclude)
     merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha, progress)
@@ -525,7 +530,25 @@ def _group_keys(subject: Subject, exclude: frozenset[str]) -> list:
     return keys
 
 
-def _check_options(count, method, align, data, alpha, rounds, head_from, head) -> None:
+def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool):
+    """Learned matching (:func:`symgraph.api.learned`) of one model's alignment to the reference, as an
+    :attr:`symgraph.consensus.AlignmentPlan.learner`."""
+    from .api import learned
+
+    spec = data[0] if isinstance(data, (list, tuple)) else data
+
+    def learner(groups, source, target, start, free):
+        return learned(subject, groups, source, target, start, spec, learn, free, progress, exclude)
+    return learner
+
+
+def _check_options(count, method, align, data, alpha, rounds, head_from, head, learn=False) -> None:
+    from .api import check_learn
+
+    check_learn(learn, data)
+    if learn and align == "none":
+        raise SymgraphError("Learned matching tunes an alignment, and --align none asks for none.",
+                            hint="use --align full (or permutation, paper) with --learn.")
     if count < 2:
         raise SymgraphError(f"Merging needs at least two models, got {count}.", hint="pass two or more models.")
     if method not in METHODS:

@@ -1,0 +1,219 @@
+"""Learned matching: tune an alignment on the loss of the interpolated model, not on weight distance.
+
+Git Re-Basin's straight-through estimator (Ainsworth et al., ICLR 2023; used for transformers by Theus et al.,
+NeurIPS 2025), carried over to every group symgraph finds. A *proxy* state ``P`` starts at the start solution
+(the weight-matched alignment, or any :class:`~symgraph.alignment.AlignResult` handed in, such as an
+activation-matched one). Each step:
+
+1. the source is *projected* onto ``P`` within its groups: aligned to ``P`` by the ordinary solvers (SVD
+   projection, i.e. Procrustes, for orthogonal groups; Hungarian for permutations; least squares for GL; closed
+   forms for scales), warm-started from the previous projection with a few descent rounds. The projection ``B'``
+   is an exact reparametrisation of the source;
+2. the loss of ``(1 - t) A + t (B' + P - stopgrad(P))`` is taken on one batch (``t = 1/2``, or uniform in
+   [0, 1]): the forward pass runs through ``B'``, the gradient reaches ``P``, and Adam moves ``P``.
+
+The result is the last projection, kept only if its midpoint loss on the evaluation batches is below the
+start's; its group elements are found by aligning the source to it (an exact recovery, as for any
+reparametrised copy), so the caller applies them in float64 and verifies the function as for every alignment.
+
+Examples
+--------
+>>> LearnOptions(steps=10).checked().steps
+10
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .alignment import AlignResult, align_states
+from .errors import SymgraphError
+
+__all__ = ["LearnError", "LearnOptions", "learn_alignment", "training_data"]
+
+State = dict[str, torch.Tensor]
+T_CHOICES = ("midpoint", "random")
+
+
+class LearnError(SymgraphError):
+    """Learned matching could not finish (the loss or the proxy weights stopped being finite)."""
+
+
+@dataclass(frozen=True)
+class LearnOptions:
+    """How the alignment is learned.
+
+    ``steps`` optimiser steps of Adam at learning rate ``lr`` on batches of ``batch_size`` training examples, the
+    interpolation point ``t`` (``midpoint`` or ``random``, uniform in [0, 1] each step), ``project_rounds``
+    coordinate-descent rounds per projection, ``eval_batches`` training batches that decide whether the learned
+    alignment beats its start, and the ``seed`` of batch order and ``t``. Defaults: measured on the shipped pairs
+    (README, examples/RESULTS.md), a few minutes on 2 CPU cores.
+    """
+
+    steps: int = 300
+    lr: float = 3e-3
+    batch_size: int = 32
+    t: str = "midpoint"
+    project_rounds: int = 2
+    eval_batches: int = 4
+    seed: int = 0
+
+    def checked(self) -> LearnOptions:
+        """``self``, or a :class:`LearnError` naming the first option out of range."""
+        for name in ("steps", "batch_size", "eval_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LearnError(f"Learning option {name} must be a whole number >= 1, not {value!r}.",
+                                 hint=f"e.g. {name}={getattr(LearnOptions, name)} (the default).")
+        if isinstance(self.project_rounds, bool) or not isinstance(self.project_rounds, int) \
+                or self.project_rounds < 0:
+            raise LearnError(f"Learning option project_rounds must be a whole number >= 0, not "
+                             f"{self.project_rounds!r}.", hint="e.g. project_rounds=2 (the default).")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
+                             hint=f"e.g. lr={LearnOptions.lr} (the default).")
+        if self.t not in T_CHOICES:
+            raise LearnError(f"Unknown interpolation point {self.t!r}.", hint=f"choose one of {', '.join(T_CHOICES)}.")
+        return self
+
+
+@dataclass
+class LearnRecord:
+    """What the optimisation did: the loss per step, the midpoint loss on the evaluation batches at the start and
+    at the end, and whether the learned alignment was kept (it must beat the start)."""
+
+    losses: list[float] = field(default_factory=list)
+    start_loss: float = math.nan
+    end_loss: float = math.nan
+    kept: bool = False
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
+                "last_loss": self.losses[-1] if self.losses else None, "start_midpoint_loss": self.start_loss,
+                "end_midpoint_loss": self.end_loss, "kept": self.kept, "seconds": self.seconds}
+
+
+def training_data(spec, model, batch_size: int):
+    """The data learning runs on: a SPEC's training split (a ``:split`` suffix on the name wins), or a
+    :class:`~symgraph.datasets.Dataset` as it is."""
+    from .datasets import load_data
+
+    return load_data(spec, model=model, batch_size=batch_size, split="train")
+
+
+def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *, model: torch.nn.Module, data,
+                    names: Sequence[str], options: LearnOptions = LearnOptions(), cost_excluded=(),
+                    progress: bool = True) -> tuple[AlignResult, LearnRecord]:
+    """Learn an alignment of ``source`` to ``anchor`` (state dicts of ``model``'s architecture) within ``groups``,
+    starting from ``start`` (see the module docstring). ``names`` are the entries interpolated (the others are
+    taken from ``anchor``); ``data`` is a :class:`~symgraph.datasets.Dataset`. Returns the alignment (elements
+    acting on ``source``, and the state they give) and a :class:`LearnRecord`. Neither input is modified; a loss
+    or proxy that stops being finite raises :class:`LearnError`.
+    """
+    import time
+
+    from .progress import progress_bar
+
+    options = options.checked()
+    clock = time.perf_counter()
+    loss_at = _InterpolatedLoss(model, anchor, names, data.task)
+    rng = np.random.default_rng(options.seed)
+    current = dict(start.state)
+    proxy = {k: current[k].detach().to(torch.float32).clone().requires_grad_(True) for k in names}
+    optimiser = torch.optim.Adam(list(proxy.values()), lr=options.lr)
+    record = LearnRecord(start_loss=loss_at.evaluate(current, data.batches[:options.eval_batches]))
+    bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
+    for step in bar:
+        target = {**current, **{k: p.detach().to(current[k].dtype) for k, p in proxy.items()}}
+        current = align_states(groups, current, target, rounds=options.project_rounds, matching_start=False,
+                               cost_excluded=cost_excluded).state
+        t = 0.5 if options.t == "midpoint" else float(rng.uniform())
+        batch = data.batches[int(rng.integers(len(data.batches)))]
+        loss = loss_at(_straight_through(current, proxy), t, batch)
+        _check_finite(loss, proxy, step)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        record.losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{record.losses[-1]:.4f}")
+    bar.close()
+    record.end_loss = loss_at.evaluate(current, data.batches[:options.eval_batches])
+    record.kept = record.end_loss < record.start_loss
+    result = _recovered(groups, source, anchor, current, cost_excluded) if record.kept else start
+    record.seconds = time.perf_counter() - clock
+    return result, record
+
+
+class _InterpolatedLoss:
+    """The loss of ``(1 - t) anchor + t other`` on a batch, differentiable in ``other`` (torch.func.functional_call
+    on a private copy of the model; the anchor's entries outside ``names`` are used as they are)."""
+
+    def __init__(self, model: torch.nn.Module, anchor: State, names: Sequence[str], task: str):
+        from .verify import _aliases
+
+        self.module = _Functional(copy.deepcopy(model).eval())
+        self.anchor, self.names, self.task = anchor, list(names), task
+        # tied names share one tensor in the module: passing one of them is enough
+        self.skip = {n for group in _aliases(model) for n in group[1:]}
+
+    def __call__(self, other: State, t: float, batch) -> torch.Tensor:
+        from .datasets import batch_loss
+
+        state = {k: v for k, v in self.anchor.items() if k not in self.skip}
+        for k in self.names:
+            if k not in self.skip:
+                state[k] = (1 - t) * self.anchor[k].to(torch.float32) + t * other[k].to(torch.float32)
+        self.module.state = state
+        return batch_loss(self.module, batch, self.task)
+
+    @torch.no_grad()
+    def evaluate(self, other: State, batches) -> float:
+        """Mean midpoint loss over ``batches``."""
+        return float(np.mean([float(self(other, 0.5, b)) for b in batches]))
+
+
+class _Functional(torch.nn.Module):
+    """``model`` run with the state dict in ``self.state`` (so :func:`symgraph.datasets.batch_loss` can call it)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.config = getattr(model, "config", None)
+        self.state: State = {}
+
+    def forward(self, **inputs):
+        return torch.func.functional_call(self.model, self.state, (), inputs, strict=False)
+
+
+def _straight_through(projected: State, proxy: State) -> State:
+    """Forward values of ``projected``, gradients to ``proxy``."""
+    return {k: projected[k].to(p.dtype) + p - p.detach() for k, p in proxy.items()}
+
+
+def _check_finite(loss: torch.Tensor, proxy: State, step: int) -> None:
+    bad = [k for k, p in proxy.items() if not torch.isfinite(p).all()]
+    if torch.isfinite(loss) and not bad:
+        return
+    what = f"the loss is {float(loss.detach())}" if not torch.isfinite(loss) else f"proxy weights {bad[0]} are not finite"
+    raise LearnError(f"Learned matching stopped at step {step + 1}: {what}; nothing was written.",
+                     hint="lower the learning rate (--learn-lr), and check that the data gives finite losses on "
+                          "both models.")
+
+
+def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:
+    """The learned point as elements acting on ``source``: the source aligned to its own reparametrisation
+    (exact recovery), with distances measured to ``anchor``."""
+    from .alignment import relative_distance
+
+    result = align_states(groups, source, learned, matching_start=False, cost_excluded=cost_excluded)
+    result.distance_before = relative_distance(source, anchor)
+    result.distance_after = relative_distance(result.state, anchor)
+    result.start = "learned"
+    return result
+

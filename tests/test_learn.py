@@ -1,0 +1,156 @@
+"""Learned matching (symgraph.learn): API, CLI, barrier and merge, bad input, NaN during learning."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import symgraph
+import symgraph.learn
+from symgraph.connectivity import barrier
+from symgraph.datasets import evaluate, load_data
+from symgraph.demo import shipped_pair
+from symgraph.learn import LearnError, LearnOptions
+
+from cli_runner import run, tree_digest
+
+FEW = LearnOptions(steps=12, eval_batches=2)
+
+
+@pytest.fixture(scope="module")
+def vit_pair():
+    """The shipped ViT pair (trained on digits, independent seeds): it has a barrier for learning to lower."""
+    return tuple(str(p) for p in shipped_pair("vit-digits"))
+
+
+def outputs(subject_or_path, state=None):
+    subject = symgraph.load(subject_or_path)
+    model = subject.model.eval()
+    if state is not None:
+        model.load_state_dict(state)
+    pixels = load_data("digits", limit=16).batches[0].inputs["pixel_values"]
+    with torch.no_grad():
+        return model(pixel_values=pixels).logits
+
+
+@pytest.mark.slow
+def test_learning_lowers_the_midpoint_loss_and_keeps_the_source_function(vit_pair):
+    a, b = vit_pair
+    start = symgraph.align(b, a)
+    result = symgraph.align(b, a, data="digits", learn=FEW)
+    learned = result.learned
+    assert learned["steps"] == 12 and learned["kept"]
+    assert learned["end_midpoint_loss"] < learned["start_midpoint_loss"] - 0.1
+    assert result.start == "learned" and result.verified_error is not None
+    changed = max(float((result.state[k] - start.state[k]).abs().max()) for k in start.state
+                  if start.state[k].is_floating_point())
+    assert changed > 1e-3  # learning moved the alignment away from the weight-matched one ...
+    assert torch.allclose(outputs(b, result.state), outputs(b), atol=1e-4)  # ... within the source's orbit
+
+
+def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monkeypatch):
+    a, b = vit_pair
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: 1.0)
+    start = symgraph.align(b, a)
+    result = symgraph.align(b, a, data="digits", learn=LearnOptions(steps=2, eval_batches=1))
+    assert not result.learned["kept"] and result.start != "learned"
+    assert all(torch.equal(result.state[k], start.state[k]) for k in start.state)
+
+
+@pytest.mark.parametrize("options, match", [
+    (LearnOptions(steps=0), "steps must be a whole number >= 1"),
+    (LearnOptions(lr=math.nan), "learning rate must be a finite number > 0"),
+    (LearnOptions(lr=-1.0), "learning rate must be a finite number > 0"),
+    (LearnOptions(t="end"), "Unknown interpolation point"),
+    (LearnOptions(project_rounds=-1), "project_rounds must be a whole number >= 0"),
+])
+def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
+    a, b = vit_pair
+    with pytest.raises(LearnError, match=match):
+        symgraph.align(b, a, data="digits", learn=options)
+
+
+def test_learning_needs_data_and_data_needs_learning(vit_pair):
+    a, b = vit_pair
+    with pytest.raises(LearnError, match="none was given"):
+        symgraph.align(b, a, learn=True)
+    with pytest.raises(LearnError, match="without learned matching"):
+        symgraph.align(b, a, data="digits")
+    with pytest.raises(LearnError, match="none was given"):
+        symgraph.merge([a, b], learn=True, progress=False)
+    with pytest.raises(symgraph.SymgraphError, match="--align none"):
+        symgraph.merge([a, b], align="none", data="digits", learn=True, progress=False)
+
+
+def test_cli_learn_without_data_is_refused_and_writes_nothing(vit_pair, tmp_path):
+    a, b = vit_pair
+    for command in (["align", b, a], ["merge", a, b]):
+        code, _, stderr = run(*command, "-o", tmp_path / "out", "--learn")
+        assert code == 2 and "none was given" in stderr and "--data SPEC" in stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_nan_during_learning_stops_and_writes_nothing(vit_pair, tmp_path, monkeypatch):
+    a, b = vit_pair
+    nan = {"calls": 0}
+
+    def poisoned(projected, proxy):  # the third step's forward pass sees NaN weights
+        nan["calls"] += 1
+        factor = math.nan if nan["calls"] == 3 else 1.0
+        return {k: projected[k].to(p.dtype) * factor + p - p.detach() for k, p in proxy.items()}
+
+    monkeypatch.setattr(symgraph.learn, "_straight_through", poisoned)
+    before = tree_digest(tmp_path)
+    code, _, stderr = run("align", b, a, "-o", tmp_path / "out", "--data", "digits", "--learn", "--learn-steps", 5,
+                          "--stats", tmp_path / "stats.json")
+    assert code == 2, stderr
+    assert "stopped at step 3" in stderr and "nothing was written" in stderr and "--learn-lr" in stderr
+    assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_cli_align_learn_writes_a_verified_model_and_its_record(vit_pair, tmp_path):
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--data", "digits", "--learn",
+                               "--learn-steps", 8, "--learn-lr", "0.003", "--stats", tmp_path / "stats.json")
+    assert code == 0, stderr
+    assert "learned over 8 steps" in stdout and "outputs checked" in stdout
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["learned"]["steps"] == 8 and stats["timings_s"]["learn"] > 0
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
+    a, b = vit_pair
+    data = load_data("digits", split="test", limit=96)
+    result = barrier(a, b, data, steps=5, aligns=("full", "full+learn"), progress=False,
+                     learn=LearnOptions(steps=25))
+    full, learned = result.curves["full"], result.curves["full+learn"]
+    assert learned.loss_barrier < full.loss_barrier - 0.2
+    assert learned.losses[0] == full.losses[0]  # same anchor end
+
+
+def test_barrier_refuses_unknown_learned_modes(vit_pair):
+    a, b = vit_pair
+    with pytest.raises(symgraph.SymgraphError, match="full\\+learn"):
+        barrier(a, b, "digits", aligns=("none", "rotation+learn"), progress=False)
+
+
+@pytest.mark.slow
+def test_cli_barrier_and_merge_take_learned_matching(vit_pair, tmp_path):
+    a, b = vit_pair
+    code, stdout, stderr = run("barrier", a, b, "--data", "digits", "--limit", 64, "--steps", 3,
+                               "--align", "none,full+learn", "--learn-steps", 4, "-o", tmp_path / "b.png",
+                               "--json", tmp_path / "b.json")
+    assert code == 0, stderr
+    assert set(json.loads((tmp_path / "b.json").read_text())["modes"]) == {"none", "full+learn"}
+    assert "full+learn" in stdout
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "merged", "--data", "digits", "--learn",
+                               "--learn-steps", 4, "--no-progress")
+    assert code == 0, stderr
+    assert "learned matching" in stdout
+    data = load_data("digits", limit=64)
+    assert math.isfinite(evaluate(symgraph.load(str(tmp_path / "merged")).model, data).loss)
