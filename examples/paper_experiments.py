@@ -2,6 +2,8 @@
 
     python examples/paper_experiments.py                                  # -> examples/RESULTS.md (+ results/)
     python examples/paper_experiments.py --quick --out /tmp/q/RESULTS.md  # smoke run: tiny data, 3 path points
+    python examples/paper_experiments.py --wide                           # also the wide pairs (trained, cached)
+    python examples/paper_experiments.py --pairs vit-digits-wide          # one wide pair only
 
 For each shipped pair (two independent trainings of one model, ``-a`` seed 0 and ``-b`` seed 1; see
 symgraph/data/models/README.md) B is aligned to A with the public API and measured on the pair's fixed test split:
@@ -37,6 +39,9 @@ from symgraph.api import tie_aliases
 from symgraph.consensus import shared_float_names
 from symgraph.datasets import Dataset, evaluate, load_data
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
+from train_models import WIDE_CACHE, WIDE_PAIRS, wide_pair  # examples/: the wide pairs are trained, not shipped
+
+PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
 
 MODES = ("none", "permutation", "paper", "full")
 TEXTBOOK = "textbook"  # reference column: Git Re-Basin weight matching (symgraph.alignment.weight_matching)
@@ -95,10 +100,12 @@ def log(message: str) -> None:
 
 
 # -- loading and measuring -------------------------------------------------------------------------------------------
-def load_pair(name: str, settings: Settings, root: Path | None) -> Pair:
-    folder_a, folder_b = shipped_pair(name, root)
+def load_pair(name: str, settings: Settings, root: Path | None, wide_root: Path | None = None) -> Pair:
+    """A shipped pair (from ``root``, default the shipped models) or a wide one (from ``wide_root``, default
+    :data:`WIDE_CACHE`; trained there first when missing)."""
+    folder_a, folder_b = wide_pair(name, wide_root) if name in WIDE_PAIRS else shipped_pair(name, root)
     a, b = symgraph.load(folder_a), symgraph.load(folder_b)
-    data = SHIPPED_PAIRS[name]
+    data = PAIRS[name]
     test = load_data(data, model=a, split="test", limit=settings.test_limit, batch_size=settings.batch_size)
     train = load_data(data, model=a, split="train", limit=settings.stats_limit, batch_size=settings.batch_size)
     train_eval = load_data(data, model=a, split="train", limit=len(test), batch_size=settings.batch_size)
@@ -210,9 +217,9 @@ def layer_experiment(pair: Pair) -> dict:
     return {"single": single, "tail": tail}
 
 
-def run_pair(name: str, settings: Settings, root: Path | None, figures: Path) -> dict:
+def run_pair(name: str, settings: Settings, root: Path | None, figures: Path, wide_root: Path | None = None) -> dict:
     clock = time.perf_counter()
-    pair = load_pair(name, settings, root)
+    pair = load_pair(name, settings, root, wide_root)
     log(f"{name}: {len(pair.a.report.groups)} groups, {len(pair.test)} test / {len(pair.train)} train examples")
     out = {"data": pair.data, "models": [pair.a.name, pair.b.name], "groups": len(pair.a.report.groups),
            "layers": pair.layers, "test_examples": len(pair.test), "stats_examples": len(pair.train),
@@ -440,6 +447,14 @@ def render(results: dict, settings: Settings, command: str, seconds: float) -> s
         "deterministic: nothing is sampled. Losses are cross-entropy per example (classification) or nats per "
         "predicted character (`pydoc-chars`).",
     ]
+    wide = [name for name in results if name in WIDE_PAIRS]
+    if wide:
+        paragraphs.append(
+            f"**Wide pairs** ({', '.join(wide)}): not shipped but trained by `python examples/train_models.py "
+            "--wide` (deterministic, one CPU thread; cached in ~/.cache/symgraph/wide or $SYMGRAPH_WIDE_MODELS): "
+            "the same ViT at width 256 with 6 layers and the same LLaMA at width 256 with 4 layers, trained for "
+            "fewer steps than the shipped pairs (a few CPU minutes each; see that folder's README.md). They fold "
+            "like their shipped counterparts.")
     header = "# symgraph: the paper's experiments on the shipped model pairs\n\n" + "\n\n".join(
         textwrap.fill(p, width=115, break_on_hyphens=False) for p in paragraphs) + "\n"
     return "\n".join([
@@ -511,14 +526,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="report path (default: examples/RESULTS.md, or "
                                                  "out/paper-quick/RESULTS.md with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny data, 3 path points")
-    parser.add_argument("--pairs", default=",".join(SHIPPED_PAIRS), help="comma-separated shipped pairs")
-    parser.add_argument("--models", type=Path, help="folder holding the pairs (default: the shipped models)")
+    parser.add_argument("--pairs", default=",".join(SHIPPED_PAIRS),
+                        help=f"comma-separated pairs: shipped ({', '.join(SHIPPED_PAIRS)}) or wide "
+                             f"({', '.join(WIDE_PAIRS)})")
+    parser.add_argument("--wide", action="store_true", help="add the wide pairs to --pairs")
+    parser.add_argument("--models", type=Path, help="folder holding the shipped pairs (default: the shipped models)")
+    parser.add_argument("--wide-models", type=Path,
+                        help=f"folder caching the wide pairs, trained there when missing (default {WIDE_CACHE})")
     args = parser.parse_args(argv)
     args.out = args.out or Path("out/paper-quick/RESULTS.md" if args.quick else "examples/RESULTS.md")
     args.pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
-    unknown = [p for p in args.pairs if p not in SHIPPED_PAIRS]
+    args.pairs += [p for p in WIDE_PAIRS if args.wide and p not in args.pairs]
+    unknown = [p for p in args.pairs if p not in PAIRS]
     if unknown:
-        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {', '.join(SHIPPED_PAIRS)}")
+        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}")
     return args
 
 
@@ -530,9 +551,10 @@ def main(argv=None) -> None:
     figures = args.out.parent / "results"
     figures.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    results = {name: run_pair(name, settings, args.models, figures) for name in args.pairs}
+    results = {name: run_pair(name, settings, args.models, figures, args.wide_models) for name in args.pairs}
     seconds = time.perf_counter() - start
-    command = "python examples/paper_experiments.py" + (" --quick" if args.quick else "")
+    command = "python examples/paper_experiments.py" + (" --quick" if args.quick else "") + (
+        f" --pairs {','.join(args.pairs)}" if args.pairs != list(SHIPPED_PAIRS) else "")
     (figures / "results.json").write_text(json.dumps({"settings": asdict(settings), "seconds": seconds,
                                                       "pairs": results}, indent=1))
     args.out.write_text(render(results, settings, command, seconds))
