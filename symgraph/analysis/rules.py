@@ -653,7 +653,6 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
                    for x in range(triple[0].dim()))
     w.c.products.append((*(t[shared].numpy() for t in triple), node.name))
     w.c.restrict(out.ids, limit, why, node.name, scales=False)
-    w.c.tag("product", out.ids)
     return out
 
 
