@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml
 	@echo "== set-up 1/3: virtual environment in $(VENV), newest pip"
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -n 2 -q
+
+# the fast tier: everything but the tests marked slow (per-architecture sweeps, end-to-end runs; tests/conftest.py)
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) out

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .analysis import Analysis
 from .groups import Group, PinnedSpace
+from .spec import load_specs
 
 SCHEMA_VERSION = 1
 
@@ -33,8 +34,8 @@ class Report:
 
     @classmethod
     def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = ()) -> "Report":
-        order = {"residual": 0, "qk": 1, "vo": 2, "heads": 3, "ffn": 4, "scale_free": 5, "other": 6}
-        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), order.get(g.motif, 9), g.id))
+        order = {name: i for i, name in enumerate(load_specs().motifs)}  # the order of specs/motifs.yaml
+        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), order.get(g.motif, len(order)), g.id))
         return cls(model, tuple(groups), tuple(analysis.pinned), dict(analysis.params),
                    dict(analysis.unknown_ops), notes)
 

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
+from .groups import Kind
 from .pattern import Pattern, parse_pattern
 
 GroupLimit = Literal["general_linear", "orthogonal", "signed_permutation", "permutation"]
@@ -116,17 +117,54 @@ OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
 RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))
 
 
+GroupFamily = Literal["coordinates", "scales", "heads"]
+
+
+class Subgroup(_Frozen):
+    of: Kind  # the exact group the analysis finds
+    emit: Kind  # the subgroup emitted in its place
+    note: str  # what the report says about the choice
+
+
+class Rescale(_Frozen):
+    note: str  # what the report says about the scalar rescale group
+
+
 class MotifSpec(_Frozen):
     description: str
-    tag: str
-    full_group: str | None = None
-    emit: str | None = None
-    rescale: bool = False
+    tag: str | None = None  # the role tag (attached by the rules) that marks the motif's coordinates
+    subgroup: Subgroup | None = None
+    rescale: Rescale | None = None  # also emit the per-copy scalar rescale (a, 1/a) of the emitted subgroup
+
+    @model_validator(mode="after")
+    def _rescale_needs_subgroup(self):
+        if self.rescale is not None and self.subgroup is None:
+            raise ValueError("field 'rescale' needs a 'subgroup' whose emitted groups it rescales")
+        return self
 
 
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
+    classify: dict[GroupFamily, tuple[str, ...]]  # per group family: motifs by precedence, the last the default
+
+    @model_validator(mode="after")
+    def _check_classify(self):
+        for family, names in self.classify.items():
+            unknown = [n for n in names if n not in self.motifs]
+            if unknown or not names:
+                raise ValueError(f"specs/motifs.yaml: classify.{family} must list motifs of that file; "
+                                 f"unknown: {unknown}")
+            untagged = [n for n in names[:-1] if self.motifs[n].tag is None]
+            if untagged:
+                raise ValueError(f"specs/motifs.yaml: classify.{family}: motif(s) {', '.join(untagged)} have no "
+                                 "tag, so only the last entry (the default) may be one of them")
+        return self
+
+    def motif_for(self, family: GroupFamily, tagged) -> str:
+        """The motif naming a group of ``family`` whose coordinates carry the tags for which ``tagged(tag)``."""
+        names = self.classify[family]
+        return next((n for n in names[:-1] if tagged(self.motifs[n].tag)), names[-1])
 
     @model_validator(mode="after")
     def _check_against_schemas(self):
@@ -135,13 +173,13 @@ class Specs(_Frozen):
             names = [a.name for a in schema.arguments]
             unknown = [a for a in spec.arguments() if a not in names]
             if unknown:
-                raise ValueError(f"{name}: the entry names argument(s) {', '.join(unknown)}, which its schema does not "
-                                 f"have ({schema})")
+                raise ValueError(f"specs/ops.yaml: {name}: the entry names argument(s) {', '.join(unknown)}, which "
+                                 f"its schema does not have ({schema})")
             recipe = getattr(spec, "recipe", None)
             n_operands = len(spec.arguments() or _tensor_arguments(schema))
             if recipe is not None and len(recipe.operands) != n_operands:
-                raise ValueError(f"{name}: field 'pattern' has {len(recipe.operands)} operands but the op passes "
-                                 f"{n_operands} tensors ({schema}); name them in 'operands'")
+                raise ValueError(f"specs/ops.yaml: {name}: field 'pattern' has {len(recipe.operands)} operands but "
+                                 f"the op passes {n_operands} tensors ({schema}); name them in 'operands'")
         return self
 
     def op(self, name: str) -> OpSpec | None:
@@ -183,17 +221,20 @@ def load_specs() -> Specs:
     """Load and validate ``specs/ops.yaml`` and ``specs/motifs.yaml`` (cached)."""
     ops, motifs = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml")
     try:
-        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}))
+        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}))
     except ValidationError as exc:
-        raise SpecError(_describe(exc.errors()[0]),
-                        hint="Check the entry against the rule list at the top of specs/ops.yaml.") from exc
+        message, file = _describe(exc.errors()[0])
+        raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
-def _describe(error: dict) -> str:
-    """``specs/ops.yaml: aten.linear.default, field 'pattern': ...`` from a pydantic error location."""
+_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml"}
+
+
+def _describe(error: dict) -> tuple[str, str]:
+    """``specs/ops.yaml: aten.linear.default, field 'pattern' ...`` from a pydantic error, and the file's name."""
     loc = [str(p) for p in error["loc"]]
     msg = error["msg"].removeprefix("Value error, ")
-    if len(loc) >= 2 and loc[0] in ("ops", "motifs"):
+    if len(loc) >= 2 and loc[0] in ("ops", "motifs", "classify"):
         field = f", field '{loc[-1]}'" if len(loc) > 2 else ""
-        return f"Spec entry specs/{loc[0]}.yaml: {loc[1]}{field} is invalid: {msg}."
-    return f"Spec files specs/ are invalid: {msg}."
+        return f"Spec entry specs/{_FILE[loc[0]]}: {loc[1]}{field} is invalid: {msg}.", _FILE[loc[0]]
+    return f"Spec entry {msg}.", "motifs.yaml" if msg.startswith("specs/motifs.yaml") else "ops.yaml"

@@ -27,3 +27,19 @@ def zoo_subject():
         return cache[family]
 
     return get
+
+
+# The slow tier (`make test` runs it too; `make test-fast` leaves it out): tests marked `slow`, and every
+# per-architecture test (parametrised by a model family or HF model type) except on a few representative families
+# that keep a decoder, an encoder and plain torch modules in the fast tier.
+_ARCHITECTURE_PARAMS = ("family", "model_type")
+_FAST_FAMILIES = frozenset({"llama", "bert", "torch-encoder-layer", "torch-mha", "torch-relu-mlp"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        architecture = next((params[p] for p in _ARCHITECTURE_PARAMS if p in params), None)
+        if architecture is not None and architecture not in _FAST_FAMILIES:
+            item.add_marker(pytest.mark.slow)

@@ -86,6 +86,76 @@ def test_patterns_are_parsed_once_at_load():
     assert load_specs().op("aten.matmul.default").recipe is None  # built per call from the operand ranks
 
 
+def _with_motifs(monkeypatch, edit):
+    """load_specs() with specs/motifs.yaml changed by ``edit`` (a function of its parsed YAML)."""
+    real = spec_module._load_yaml
+    motifs = edit(real("motifs.yaml"))
+    monkeypatch.setattr(spec_module, "_load_yaml", lambda name: motifs if name == "motifs.yaml" else real(name))
+    spec_module.load_specs.cache_clear()
+
+
+@pytest.fixture
+def motif_edit(monkeypatch):
+    yield lambda edit: _with_motifs(monkeypatch, edit)
+    spec_module.load_specs.cache_clear()
+
+
+def _encoder_layer_census() -> dict[str, int]:
+    import symgraph
+    from symgraph import zoo
+
+    from group_checks import census
+
+    model = zoo.build("torch-encoder-layer")
+    return census(symgraph.load(model, zoo.example_inputs_for("torch-encoder-layer", model)))
+
+
+@pytest.mark.slow
+def test_motifs_name_and_shape_the_groups_from_the_spec(motif_edit):
+    assert _encoder_layer_census() == {"qk scale/nonzero 1x4": 1, "qk orthogonal 8x4": 1, "vo orthogonal 8x4": 1,
+                                       "heads permutation 4x1": 1, "ffn permutation/positive 64x1": 1}
+
+    def edit(yaml_data):  # a new motif for activation units, and QK without the orthogonal subgroup or rescale
+        yaml_data["motifs"]["hidden"] = {"description": "units behind an activation", "tag": "activation"}
+        yaml_data["motifs"]["qk"] = {"description": "query/key pair", "tag": "qk"}
+        yaml_data["classify"]["coordinates"] = ["hidden", "qk", "vo", "residual", "other"]
+        return yaml_data
+
+    motif_edit(edit)
+    assert _encoder_layer_census() == {"qk general_linear 8x4": 1, "vo orthogonal 8x4": 1,
+                                       "heads permutation 4x1": 1, "hidden permutation/positive 64x1": 1}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["classify"].update(coordinates=["qk", "nowhere"]) or m, "unknown: ['nowhere']"),
+    (lambda m: m["classify"].update(scales=["scale_free", "ffn"]) or m, "scale_free have no tag"),
+    (lambda m: m["motifs"]["vo"].update(rescale={"note": "x"}, subgroup=None) or m, "'rescale' needs a 'subgroup'"),
+    (lambda m: m["motifs"]["qk"]["subgroup"].update(emit="rotation") or m, "'orthogonal'"),
+    (lambda m: m["motifs"]["qk"].update(emit="orthogonal") or m, "Extra inputs"),
+])
+def test_a_malformed_motif_file_fails_to_load(motif_edit, edit, message):
+    motif_edit(edit)
+    with pytest.raises(SpecError, match="motifs.yaml") as info:
+        load_specs()
+    assert message in str(info.value)
+
+
+@pytest.mark.slow
+def test_every_tag_the_rules_attach_names_a_motif():
+    """A tag no motif reads would be knowledge that drives nothing."""
+    from symgraph import zoo
+    from symgraph.analysis.walk import Walker
+    from symgraph.capture import capture
+
+    motif_tags = {m.tag for m in load_specs().motifs.values()} - {None}
+    seen = set()
+    for family in ("torch-encoder-layer", "mixtral"):
+        model = zoo.build(family)
+        args, kwargs = zoo.example_inputs_for(family, model)
+        seen |= set(Walker(capture(model, args, kwargs)).run().c.tags)
+    assert seen == motif_tags
+
+
 def test_a_broken_spec_file_gives_a_spec_error(monkeypatch):
     monkeypatch.setattr(spec_module, "_load_yaml",
                         lambda name: {"ops": {"aten.relu.default": {"rule": "activation", "bogus": 1}}}

@@ -26,9 +26,6 @@ from .partition import parity_classes, union_sets
 from .scales import scale_groups
 from .walk import source_line
 
-_MOTIF_ORDER = ("experts", "qk", "vo", "activation", "residual")
-_MOTIF_NAME = {"experts": "experts", "qk": "qk", "vo": "vo", "activation": "ffn", "residual": "residual"}
-
 
 @dataclass
 class Analysis:
@@ -201,7 +198,7 @@ class Assembler:
                     pair_list.append((min(j, jj), max(j, jj)))
             pairs = tuple(sorted(pair_list))
             passthrough = tuple(j for j, k in enumerate(classes) if role["pair"][k] == 2)
-        motif = self._motif(classes)
+        motif = self.motif_for("coordinates", classes)
         member_sig = tuple(sorted((p, a, act, m["pos"].shape[1]) for (p, a, act), m in members.items()))
         signature = (motif, len(classes), r, pairs, passthrough, member_sig, self._layer_key(members))
         return {"signature": signature, "classes": classes, "members": members, "restriction": r,
@@ -258,7 +255,8 @@ class Assembler:
             self._permute_mask = mask
         return self._permute_mask
 
-    def _motif(self, classes: np.ndarray) -> str:
+    def motif_for(self, family: str, classes: np.ndarray) -> str:
+        """The motif (specs/motifs.yaml, ``classify``) naming a group of ``family`` over these classes."""
         if not hasattr(self, "_class_tags"):
             self._class_tags = {}
             for tag, arrays in self.c.tags.items():
@@ -266,11 +264,7 @@ class Assembler:
                 for ids in arrays:
                     mark[self.cls[ids]] = True
                 self._class_tags[tag] = mark
-        for tag in _MOTIF_ORDER:
-            mark = self._class_tags.get(tag)
-            if mark is not None and mark[classes].any():
-                return _MOTIF_NAME[tag]
-        return "other"
+        return self.specs.motif_for(family, lambda tag: tag in self._class_tags and self._class_tags[tag][classes].any())
 
     def _emit(self, items: list[dict]) -> list[Group]:
         first = items[0]
@@ -293,20 +287,20 @@ class Assembler:
             return []  # the permutations of one coordinate: only the identity
         notes = [f"limited by: {why}" for why in first["why"]]
         full = None
-        if motif in ("qk", "vo") and kind == "general_linear":
-            kind, full = "orthogonal", "general_linear"
-            notes.append("the exact group is GL(d_head); the orthogonal subgroup is emitted, as in the paper")
+        spec = self.specs.motifs[motif]
+        if spec.subgroup is not None and kind == spec.subgroup.of:
+            kind, full = spec.subgroup.emit, spec.subgroup.of
+            notes.append(spec.subgroup.note)
         if r.fixes_ones and kind == "orthogonal":
             notes.append("restricted to Q with Q 1 = +-1 (LayerNorm centering)")
         groups = [Group(id=gid, kind=kind, scale=scale, global_sign=global_sign, full_group=full,
                         fixes_ones=r.fixes_ones and kind == "orthogonal", notes=tuple(notes), **base)]
-        if motif == "qk" and kind == "orthogonal" and full == "general_linear":
+        if spec.rescale is not None and full is not None:
             block_members = tuple(Member(m.param, m.axis, m.index.reshape(copies, 1, -1), m.action)
                                   for m in members)
-            groups.append(Group(id=gid.replace("qk:", "qk-rescale:", 1), motif="qk", kind="scale",
-                                size=1, copies=copies, members=block_members, scale="nonzero", layer=layer,
-                                notes=("per-head scalar a on queries, 1/a on keys (paper eq. 11-12)",),
-                                links=(gid,)))
+            groups.append(Group(id=f"{motif}-rescale:{layer or 'model'}:{short_members(members)}", motif=motif,
+                                kind="scale", size=1, copies=copies, members=block_members, scale="nonzero",
+                                layer=layer, links=(gid,), notes=(spec.rescale.note,)))
         return groups
 
     def _rotary_group(self, gid, base, first, r) -> Group | None:
@@ -419,12 +413,13 @@ class Assembler:
         if len({len(g) for g in kv_groups}) != 1:
             return []
         rep = len(kv_groups[0])
+        motif = self.motif_for("heads", np.asarray(heads))
         groups = []
         outer = self._positions_members([set().union(*(content[h] for h in g)) for g in kv_groups])
         if outer and len(kv_groups) > 1:
             layer = common_prefix([m.param for m in outer])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
-            groups.append(Group(id=f"heads:{layer or 'model'}:{short_members(outer)}", motif="heads",
+            groups.append(Group(id=f"{motif}:{layer or 'model'}:{short_members(outer)}", motif=motif,
                                 kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
                                 layer=layer, notes=(note,)))
         if rep > 1:
@@ -436,7 +431,7 @@ class Assembler:
                 inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
                          for k, m in enumerate(per_group[0])]
                 layer = common_prefix([m.param for m in inner])
-                groups.append(Group(id=f"heads-within:{layer or 'model'}:{short_members(inner)}", motif="heads",
+                groups.append(Group(id=f"{motif}-within:{layer or 'model'}:{short_members(inner)}", motif=motif,
                                     kind="permutation", size=rep, copies=len(kv_groups), members=tuple(inner),
                                     layer=layer, notes=("permutes query heads within each KV group",)))
         return groups

@@ -308,6 +308,7 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
     out = Value(chans=chans, shape=out_shape)
     for extra, letter_spec in zip(values[2:], letters[2:]):  # biases: added to the output
         if extra is not None:
+            letter_spec = letter_spec[len(letter_spec) - len(extra.shape):]  # a bias of lower rank broadcasts
             out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
                               residual=False)
     return out
@@ -653,7 +654,6 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
                    for x in range(triple[0].dim()))
     w.c.products.append((*(t[shared].numpy() for t in triple), node.name))
     w.c.restrict(out.ids, limit, why, node.name, scales=False)
-    w.c.tag("product", out.ids)
     return out
 
 
@@ -676,12 +676,11 @@ def _ids_of(chan: Chan):
 
 
 # -- normalisation, reductions, softmax --------------------------------------------------------------------
-def rule_layer_norm(w, node: fx.Node, spec) -> Value:
-    x = w.value(node.args[0])
-    normalized = list(node.args[1])
-    weight = w.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
-    bias = w.value(node.args[3]) if len(node.args) > 3 and node.args[3] is not None else None
-    out_shape = _shape_of(node)
+def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    args = _schema_args(node)
+    x, normalized = w.value(args["input"]), list(args["normalized_shape"])
+    weight, bias = w.value(args["weight"]), w.value(args["bias"])
+    out_shape = _shape_of(node, 0 if isinstance(node.meta.get("val"), (list, tuple)) else None)  # native: 3 outputs
     rank = len(out_shape)
     norm_axes = frozenset(range(rank - len(normalized), rank))
     chans = []
@@ -697,7 +696,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
                 for c in p.chans:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
         chans = [c.broadcast_to(out_shape) for c in weight.chans]
-        return Value(chans=chans, shape=out_shape)
+        return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
     chans = [c.broadcast_to(out_shape) for c in chans]
     if weight is not None and _holds_unit(w, node, weight.chans):
         weight = None
@@ -705,7 +704,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value:
         chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)
     if bias is not None:
         chans = _affine_part(w, node, chans, bias, norm_axes, out_shape, scale=False)
-    return Value(chans=chans, shape=out_shape)
+    return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
 
 
 def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
@@ -745,7 +744,7 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
 
 
 def _with_saved_stats(node: fx.Node, out: Value) -> Value | list[Value]:
-    """The native batch norm ops also return saved statistics (plain data here)."""
+    """The native norm ops also return saved statistics (plain data here)."""
     return [out, Value(), Value()] if isinstance(node.meta.get("val"), (list, tuple)) else out
 
 

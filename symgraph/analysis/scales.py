@@ -183,8 +183,7 @@ def _emit(asm, v: dict, part_of_id, positive, restriction, excluded, rotary) -> 
         index = np.array([sorted(x) for x in per_coord], dtype=np.int64)[None]
         exponent = int(exponent) if float(exponent).is_integer() else exponent
         members.append(Member(param, axis, index, action, exponent))
-    tags = getattr(asm, "_class_tags", {})
-    motif = "ffn" if "activation" in tags and tags["activation"][coords].any() else "scale_free"
+    motif = asm.motif_for("scales", coords)
     layer = common_prefix([m.param for m in members])
     sign = "positive" if positive[active].any() else "nonzero"
     return Group(id=f"{motif}-scale:{layer or 'model'}:{short_members(members)}", motif=motif, kind="scale",

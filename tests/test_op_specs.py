@@ -1,0 +1,231 @@
+"""One invariance test per entry of specs/ops.yaml, generated: a tiny module that calls the op itself between two
+linear layers, analysed, its groups fuzzed in float64 at two input shapes.
+
+``EXAMPLES`` holds, per op, the body between the layers: ``body(h, m)`` maps ``h`` (batch, length, 8) to a tensor
+whose last axis is again 8, calling the overload directly (``A.op.overload``) so that the export keeps exactly that
+node. ``m`` offers parameters for the op to use. An op spec without an example fails the test; an op torch.export
+never records at static shapes is listed in ``NOT_RECORDED`` with the reason instead.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+from symgraph.spec import load_specs
+from symgraph.zoo import _perturb
+
+from group_checks import assert_fuzzed_at_two_shapes
+
+A = torch.ops.aten
+D = 8
+
+
+class Body(nn.Module):
+    """``Linear(4, 8) -> body -> Linear(8, 3)``, with spare parameters the body may read."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.a, self.b = nn.Linear(4, D), nn.Linear(D, 3)
+        self.w, self.w2, self.w3 = (nn.Parameter(torch.randn(D, D) / 3) for _ in range(3))
+        self.v, self.v2 = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.randn(D))
+        self.k1, self.k2, self.k3 = (nn.Parameter(torch.randn(D, D, *[1] * n) / 3) for n in (1, 2, 3))
+        self.table = nn.Parameter(torch.randn(10, D))
+        self.register_buffer("mean", torch.randn(D))
+        self.register_buffer("var", torch.rand(D) + 0.5)
+
+    def forward(self, x):
+        return self.b(self.body(self.a(x), self))
+
+
+def channels_first(op, dims: int = 1):
+    """``op`` applied to h as (batch, 8, length, 1...) with ``dims`` spatial axes, and h's layout restored."""
+    def body(h, m):
+        x = h.transpose(1, 2).reshape(h.shape[0], D, h.shape[1], *[1] * (dims - 1))
+        return op(x, m).flatten(2).transpose(1, 2)
+    return body
+
+
+def _attention(h, m):
+    q, k, v = (A.linear.default(h, w).unflatten(-1, (2, 4)).transpose(1, 2) for w in (m.w, m.w2, m.w3))
+    return A.scaled_dot_product_attention.default(q, k, v).transpose(1, 2).flatten(-2)
+
+
+def _routed(h, m):
+    chosen = A.one_hot.default(A.topk.default(A.linear.default(h, m.w), 2, -1)[1], D)
+    return h * chosen.sum(-2).to(h.dtype)
+
+
+def _rows_mask(h):
+    return torch.arange(h.shape[1])[:, None] > 0  # varies along the length only
+
+
+EXAMPLES = {
+    # movement
+    "aten.view.default": lambda h, m: A.view.default(h, [-1, D]),
+    "aten.reshape.default": lambda h, m: A.reshape.default(h, [-1, D]),
+    "aten.reshape_as.default": lambda h, m: A.reshape_as.default(h.flatten(0, 1), h),
+    "aten._unsafe_view.default": lambda h, m: A._unsafe_view.default(h, [-1, D]),
+    "aten.transpose.int": lambda h, m: A.transpose.int(h, 0, 1),
+    "aten.t.default": lambda h, m: A.t.default(A.t.default(h.flatten(0, 1))),
+    "aten.numpy_T.default": lambda h, m: A.numpy_T.default(A.numpy_T.default(h)),
+    "aten.mT.default": lambda h, m: A.mT.default(A.mT.default(h)),
+    "aten.permute.default": lambda h, m: A.permute.default(h, [1, 0, 2]),
+    "aten.unsqueeze.default": lambda h, m: A.unsqueeze.default(h, 0),
+    "aten.squeeze.dim": lambda h, m: A.squeeze.dim(h.unsqueeze(0), 0),
+    "aten.squeeze.dims": lambda h, m: A.squeeze.dims(h.unsqueeze(0), [0]),
+    "aten.squeeze.default": lambda h, m: A.squeeze.default(h.unsqueeze(0)),
+    "aten.expand.default": lambda h, m: A.expand.default(h.unsqueeze(0), [2, -1, -1, -1]),
+    "aten.expand_as.default": lambda h, m: A.expand_as.default(h.unsqueeze(0), h.new_zeros(2, *h.shape)),
+    "aten.slice.Tensor": lambda h, m: A.slice.Tensor(h, 1, 0, 3),
+    "aten.select.int": lambda h, m: A.select.int(h, 1, 0),
+    "aten.narrow.default": lambda h, m: A.narrow.default(h, 1, 0, 2),
+    "aten.cat.default": lambda h, m: A.cat.default([h, h], 1),
+    "aten.concat.default": lambda h, m: A.concat.default([h, h], 1),
+    "aten.stack.default": lambda h, m: A.stack.default([h, h], 0),
+    "aten.split.Tensor": lambda h, m: A.split.Tensor(h, 1, 1)[0],
+    "aten.split_with_sizes.default": lambda h, m: A.split_with_sizes.default(h, [1, h.shape[1] - 1], 1)[1],
+    "aten.chunk.default": lambda h, m: torch.cat(A.chunk.default(h, 2, -1), -1),
+    "aten.unbind.int": lambda h, m: A.unbind.int(h, 0)[0],
+    "aten.flatten.using_ints": lambda h, m: A.flatten.using_ints(h, 0, 1),
+    "aten.unflatten.int": lambda h, m: A.unflatten.int(h, -1, [2, 4]).flatten(-2),
+    "aten.repeat_interleave.self_int": lambda h, m: A.repeat_interleave.self_int(h, 2, 1),
+    "aten.repeat.default": lambda h, m: A.repeat.default(h, [1, 2, 1]),
+    "aten.index_select.default": lambda h, m: A.index_select.default(h, 1, torch.tensor([0, 0, 1])),
+    "aten.flip.default": lambda h, m: A.flip.default(h, [1]),
+    "aten.roll.default": lambda h, m: A.roll.default(h, [1], [1]),
+    "aten.contiguous.default": lambda h, m: A.contiguous.default(h.transpose(0, 1)),
+    "aten.clone.default": lambda h, m: A.clone.default(h),
+    "aten.alias.default": lambda h, m: A.alias.default(h),
+    "aten.detach.default": lambda h, m: A.detach.default(h),
+    "aten.lift_fresh_copy.default": lambda h, m: h + A.lift_fresh_copy.default(torch.ones(D)),
+    "aten.movedim.int": lambda h, m: A.movedim.int(h, 0, 1),
+    "aten.swapaxes.default": lambda h, m: A.swapaxes.default(h, 0, 1),
+    "aten.unfold.default": lambda h, m: A.unfold.default(h, 1, 2, 1).select(-1, 0),
+    "aten.index.Tensor": lambda h, m: A.index.Tensor(h, [None, torch.tensor([0, 1])]),
+    "aten.gather.default": lambda h, m: A.gather.default(h, 1, torch.zeros(1, 1, D, dtype=torch.long)),
+    "aten.take_along_dim.default": lambda h, m: A.take_along_dim.default(h, torch.zeros(1, 1, 1, dtype=torch.long), 1),
+    # identity
+    "aten.dropout.default": lambda h, m: A.dropout.default(h, 0.1, False),
+    "aten.feature_dropout.default": lambda h, m: A.feature_dropout.default(h, 0.1, False),
+    "aten.to.dtype": lambda h, m: A.to.dtype(h, h.dtype),
+    "aten.to.dtype_layout": lambda h, m: A.to.dtype_layout(h, dtype=h.dtype),
+    "aten.to.device": lambda h, m: A.to.device(h, h.device, h.dtype),
+    "aten._to_copy.default": lambda h, m: A._to_copy.default(h, dtype=h.dtype),
+    "aten.type_as.default": lambda h, m: A.type_as.default(h, h),
+    "aten.neg.default": lambda h, m: A.neg.default(h),
+    "aten.positive.default": lambda h, m: A.positive.default(h),
+    # activations (log, sqrt, rsqrt, reciprocal of positive values)
+    **{f"aten.{name}.default": (lambda op: lambda h, m: op(h))(getattr(A, name).default) for name in (
+        "relu", "leaky_relu", "hardtanh", "gelu", "silu", "sigmoid", "softplus", "mish", "elu", "selu", "celu",
+        "hardswish", "hardsigmoid", "exp", "abs", "erf", "tanh", "sin", "atan", "cos")},
+    "aten.clamp.default": lambda h, m: A.clamp.default(h, -1.0, 1.0),
+    "aten.relu_.default": lambda h, m: A.relu_.default(h.clone()),
+    **{f"aten.{name}.default": (lambda op: lambda h, m: op(torch.exp(h)))(getattr(A, name).default)
+       for name in ("log", "sqrt", "rsqrt", "reciprocal")},
+    # contractions
+    "aten.linear.default": lambda h, m: A.linear.default(h, m.w, m.v2),
+    "aten.addmm.default": lambda h, m: A.addmm.default(m.v2, h.flatten(0, 1), m.w),
+    "aten.mm.default": lambda h, m: A.mm.default(h.flatten(0, 1), m.w),
+    "aten.bmm.default": lambda h, m: A.bmm.default(h, m.w.expand(h.shape[0], D, D)),
+    "aten.matmul.default": lambda h, m: A.matmul.default(h, m.w),
+    "aten.baddbmm.default": lambda h, m: A.baddbmm.default(m.v2, h, m.w.expand(h.shape[0], D, D)),
+    "aten.einsum.default": lambda h, m: A.einsum.default("btd,ed->bte", [h, m.w]),
+    "aten.conv1d.default": channels_first(lambda x, m: A.conv1d.default(x, m.k1, m.v2)),
+    "aten.conv2d.default": channels_first(lambda x, m: A.conv2d.default(x, m.k2, m.v2), 2),
+    "aten.conv3d.default": channels_first(lambda x, m: A.conv3d.default(x, m.k3, m.v2), 3),
+    "aten.conv1d.padding": channels_first(lambda x, m: A.conv1d.padding(x, m.k1, m.v2, [1], "same")),
+    "aten.conv2d.padding": channels_first(lambda x, m: A.conv2d.padding(x, m.k2, m.v2, [1, 1], "same"), 2),
+    "aten.conv3d.padding": channels_first(lambda x, m: A.conv3d.padding(x, m.k3, m.v2, [1, 1, 1], "same"), 3),
+    "aten.convolution.default": channels_first(
+        lambda x, m: A.convolution.default(x, m.k1, m.v2, [1], [0], [1], False, [0], 1)),
+    "aten.conv_transpose1d.default": channels_first(lambda x, m: A.conv_transpose1d.default(x, m.k1, m.v2)),
+    "aten.conv_transpose2d.input": channels_first(lambda x, m: A.conv_transpose2d.input(x, m.k2, m.v2), 2),
+    "aten.conv_transpose3d.input": channels_first(lambda x, m: A.conv_transpose3d.input(x, m.k3, m.v2), 3),
+    "aten.scaled_dot_product_attention.default": _attention,
+    # arithmetic
+    "aten.add.Tensor": lambda h, m: A.add.Tensor(h, A.linear.default(h, m.w)),
+    "aten.add_.Tensor": lambda h, m: A.add_.Tensor(h.clone(), m.v2),
+    "aten.add.Scalar": lambda h, m: A.add.Scalar(h, 1.0),
+    "aten.sub.Tensor": lambda h, m: A.sub.Tensor(h, m.v2),
+    "aten.sub.Scalar": lambda h, m: A.sub.Scalar(h, 1.0),
+    "aten.rsub.Scalar": lambda h, m: A.rsub.Scalar(h, 1.0),
+    "aten.mul.Tensor": lambda h, m: A.mul.Tensor(h, m.v),
+    "aten.mul.Scalar": lambda h, m: A.mul.Scalar(h, 2.0),
+    "aten.mul_.Tensor": lambda h, m: A.mul_.Tensor(h.clone(), m.v),
+    "aten.div.Tensor": lambda h, m: A.div.Tensor(h, torch.full((D,), 2.0)),
+    "aten.div.Scalar": lambda h, m: A.div.Scalar(h, 2.0),
+    "aten.pow.Tensor_Scalar": lambda h, m: A.pow.Tensor_Scalar(h, 3),
+    "aten.square.default": lambda h, m: A.square.default(h),
+    # normalisation, reductions, softmax
+    "aten.layer_norm.default": lambda h, m: A.layer_norm.default(h, [D], m.v, m.v2),
+    "aten.native_layer_norm.default": lambda h, m: A.native_layer_norm.default(h, [D], m.v, m.v2, 1e-5)[0],
+    "aten.batch_norm.default": channels_first(
+        lambda x, m: A.batch_norm.default(x, m.v, m.v2, m.mean, m.var, False, 0.1, 1e-5, False)),
+    "aten._native_batch_norm_legit_no_training.default": channels_first(
+        lambda x, m: A._native_batch_norm_legit_no_training.default(x, m.v, m.v2, m.mean, m.var, 0.1, 1e-5)[0]),
+    "aten.pad.default": lambda h, m: A.pad.default(h, [0, 0, 1, 1]),
+    "aten.constant_pad_nd.default": lambda h, m: A.constant_pad_nd.default(h, [0, 0, 1, 1], 0.0),
+    "aten.reflection_pad1d.default": channels_first(lambda x, m: A.reflection_pad1d.default(x, [1, 1])),
+    "aten.reflection_pad2d.default": channels_first(lambda x, m: A.reflection_pad2d.default(x, [0, 0, 1, 1]), 2),
+    "aten.replication_pad1d.default": channels_first(lambda x, m: A.replication_pad1d.default(x, [1, 1])),
+    "aten.replication_pad2d.default": channels_first(lambda x, m: A.replication_pad2d.default(x, [0, 0, 1, 1]), 2),
+    "aten.max_pool1d.default": channels_first(lambda x, m: A.max_pool1d.default(x, [2])),
+    "aten.max_pool2d.default": channels_first(lambda x, m: A.max_pool2d.default(x, [2, 1]), 2),
+    "aten.max_pool3d.default": channels_first(lambda x, m: A.max_pool3d.default(x, [2, 1, 1]), 3),
+    "aten.avg_pool1d.default": channels_first(lambda x, m: A.avg_pool1d.default(x, [2])),
+    "aten.avg_pool2d.default": channels_first(lambda x, m: A.avg_pool2d.default(x, [2, 1]), 2),
+    "aten.avg_pool3d.default": channels_first(lambda x, m: A.avg_pool3d.default(x, [2, 1, 1]), 3),
+    "aten.adaptive_avg_pool1d.default": channels_first(lambda x, m: A.adaptive_avg_pool1d.default(x, [2])),
+    "aten.adaptive_avg_pool2d.default": channels_first(lambda x, m: A.adaptive_avg_pool2d.default(x, [2, 1]), 2),
+    "aten.adaptive_avg_pool3d.default": channels_first(
+        lambda x, m: A.adaptive_avg_pool3d.default(x, [2, 1, 1]), 3),
+    "aten.upsample_nearest1d.vec": channels_first(lambda x, m: A.upsample_nearest1d.vec(x, None, [2.0])),
+    "aten.upsample_nearest2d.vec": channels_first(lambda x, m: A.upsample_nearest2d.vec(x, None, [2.0, 1.0]), 2),
+    "aten.upsample_linear1d.vec": channels_first(lambda x, m: A.upsample_linear1d.vec(x, None, False, [2.0])),
+    "aten.upsample_bilinear2d.vec": channels_first(
+        lambda x, m: A.upsample_bilinear2d.vec(x, None, False, [2.0, 1.0]), 2),
+    "aten.upsample_bicubic2d.vec": channels_first(
+        lambda x, m: A.upsample_bicubic2d.vec(x, None, False, [2.0, 1.0]), 2),
+    "aten.mean.dim": lambda h, m: A.mean.dim(h, [1], True),
+    "aten.sum.dim_IntList": lambda h, m: A.sum.dim_IntList(h, [1], True),
+    "aten.mean.default": lambda h, m: h * A.mean.default(h),
+    "aten.sum.default": lambda h, m: h * A.sum.default(h),
+    "aten.softmax.int": lambda h, m: A.softmax.int(h, -1),
+    "aten._softmax.default": lambda h, m: A._softmax.default(h, -1, False),
+    "aten.log_softmax.int": lambda h, m: A.log_softmax.int(h, -1),
+    "aten.embedding.default": lambda h, m: h + A.embedding.default(m.table, torch.zeros(1, 1, dtype=torch.long)),
+    "aten.topk.default": _routed,
+    "aten.one_hot.default": _routed,
+    "aten.where.self": lambda h, m: A.where.self(_rows_mask(h), h, m.v2),
+    "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),
+    "aten.where.ScalarSelf": lambda h, m: A.where.ScalarSelf(_rows_mask(h), 0.0, h),
+    "aten.masked_fill.Scalar": lambda h, m: A.masked_fill.Scalar(h, _rows_mask(h), 0.0),
+    "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,
+}
+
+NOT_RECORDED = {
+    "aten._assert_scalar.default": "asserts on symbolic sizes: only exports with dynamic shapes record it",
+    "aten.sym_size.int": "symbolic sizes: only exports with dynamic shapes record it",
+}
+
+
+def test_every_op_spec_has_an_example():
+    missing = sorted(set(load_specs().ops) - set(EXAMPLES) - set(NOT_RECORDED))
+    assert not missing, f"add an example for {missing} to EXAMPLES in {__file__}"
+    assert not set(EXAMPLES) & set(NOT_RECORDED)
+    assert set(EXAMPLES) | set(NOT_RECORDED) <= set(load_specs().ops)
+
+
+@pytest.mark.parametrize("op", sorted(EXAMPLES))
+def test_op_spec_groups_hold_at_two_input_shapes(op):
+    torch.manual_seed(0)
+    model = Body(EXAMPLES[op]).eval()
+    _perturb(model, torch.Generator().manual_seed(1))
+    subject = symgraph.load(model, (torch.randn(2, 5, 4),))
+    recorded = {str(n.target) for n in subject.capture.graph.nodes if n.op == "call_function"}
+    assert op in recorded, f"the example does not exercise {op}; the graph has {sorted(recorded)}"
+    assert op not in subject.report.unknown_ops
+    assert_fuzzed_at_two_shapes(subject, samples=3)
