@@ -58,7 +58,7 @@ DECODERS = [
     "recurrent_gemma", "zamba", "zamba2", "bamba", "mamba2", "falcon_mamba", "falcon_h1", "lfm2_moe",
     "granitemoeshared", "granitemoehybrid", "jetmoe", "dbrx", "qwen3_moe", "qwen3_next", "hunyuan_v1_moe",
     "ernie4_5_moe", "dots1", "minimax", "flex_olmo", "deepseek_v3", "glm4_moe", "phimoe", "jamba", "granitemoe",
-    "llama4_text", "xglm", "smollm3", "nemotron", "helium", "glm", "persimmon", "phi3", "gemma", "falcon",
+    "llama4_text", "xglm",
 ]
 ENCODERS = [
     "camembert", "convbert", "data2vec-text", "ernie", "esm", "ibert", "megatron-bert", "mpnet", "nystromformer",
@@ -98,7 +98,8 @@ SHRINK = {
     "sliding_window": 16, "first_k_dense_replace": 1,
 }
 EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
-    "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2),
+    "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2), "codegen": dict(rotary_dim=8),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4), "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
     "recurrent_gemma": dict(lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"]),
     "hunyuan_v1_moe": dict(moe_topk=[2, 2]), "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"]),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_d_head=16, mamba_n_heads=4),

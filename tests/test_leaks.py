@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mamba": (dict(state_size=4, expand=2, conv_kernel=4, time_step_rank=4), {}),  # A_log * dt, depthwise conv
     "llama4_text": (dict(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
                          interleave_moe_layer_step=2), MOE),  # view_as_complex RoPE
+    "doge": (dict(num_key_value_heads=2, head_dim=8), {}),  # dt_proj reads every head's values (dynamic mask)
 }
 LENGTHS = (7, 4, 12)  # the traced length first
 
@@ -136,6 +137,16 @@ def test_columns_that_read_zero_padded_pieces_move_with_the_embeddings(subjects)
                 pieces = m.index.reshape(-1, 3)
                 assert (pieces[:, 1] == pieces[:, 0] + width).all() and (pieces[:, 2] == pieces[:, 0] + 2 * width).all()
                 assert any(o.param == "embeddings.word_embeddings.weight" for o in g.members), g.id
+
+
+def test_a_linear_reading_each_heads_values_moves_with_the_heads(subjects):
+    # Doge's dynamic mask: dt_proj reads the values of KV head g through columns [8 g, 8 g + 8); permuting
+    # heads without those columns changed the outputs (relative error 1e-3 in the sweep)
+    heads = [g for g in subjects("doge").report.groups if g.id.startswith("heads:")]
+    assert len(heads) == 2
+    for g in heads:
+        columns = next(m for m in g.members if m.param.endswith("dt_proj.weight") and m.axis == 1)
+        assert columns.index[0].tolist() == [list(range(8)), list(range(8, 16))]
 
 
 def test_mamba_state_permutation_moves_a_log_columns_with_b_and_c_rows(subjects):

@@ -415,7 +415,8 @@ class Assembler:
         rep = len(kv_groups[0])
         motif = self.motif_for("heads", np.asarray(heads))
         groups = []
-        outer = self._positions_members([set().union(*(content[h] for h in g)) for g in kv_groups])
+        blocks = self._whole_classes([set().union(*(content[h] for h in g)) for g in kv_groups])
+        outer = self._positions_members(blocks) if blocks else []
         if outer and len(kv_groups) > 1:
             layer = common_prefix([m.param for m in outer])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
@@ -435,6 +436,20 @@ class Assembler:
                                     kind="permutation", size=rep, copies=len(kv_groups), members=tuple(inner),
                                     layer=layer, notes=("permutes query heads within each KV group",)))
         return groups
+
+    def _whole_classes(self, id_sets: list[set[int]]) -> list[set[int]] | None:
+        """Each block with the parameter coordinates of its classes that no block holds: a coordinate that
+        transforms with one head's coordinates moves with that head (Doge's ``dt_proj`` columns read each head's
+        values). One in the classes of every block stays (a QK-norm weight shared by all heads); ``None`` when one
+        is in the classes of some blocks only: no permutation of the blocks can then be sound."""
+        held = set().union(*id_sets)
+        extra = [{int(i) for i in self.ids_of(np.unique(self.cls[np.fromiter(ids, dtype=np.int64)]))} - held
+                 for ids in id_sets]
+        shared_by_all = set.intersection(*extra)
+        extra = [e - shared_by_all for e in extra]
+        if sum(map(len, extra)) != len(set().union(*extra)):
+            return None
+        return [ids | e for ids, e in zip(id_sets, extra)]
 
     def _positions_members(self, id_sets) -> list[Member]:
         """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``."""
