@@ -45,7 +45,8 @@ PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
 
 MODES = ("none", "permutation", "paper", "full")
 TEXTBOOK = "textbook"  # reference column: Git Re-Basin weight matching (symgraph.alignment.weight_matching)
-COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full")
+LEARNED = "full+learn"  # full alignment tuned on the midpoint loss on the train split (symgraph.learn)
+COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full", LEARNED)
 METHODS = ("simple", "fisher", "regmean")
 ABLATIONS = {"attention only": {"only": "attention"}, "FFN only": {"only": "ffn"},
              "residual only": {"only": "residual"}, "everything (full)": {}}
@@ -146,7 +147,8 @@ def aligned_and_merged(pair: Pair, **options) -> dict:
 # -- the experiments -------------------------------------------------------------------------------------------------
 def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
     """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
-    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES, progress=False)
+    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES + (LEARNED,),
+                              learn_data=pair.data, progress=False)
     result.plot(figure)
     modes = {mode: curve.to_json() for mode, curve in result.curves.items()}
     return {"ts": result.ts, "modes": {**modes, TEXTBOOK: textbook_curve(pair, settings)}}

@@ -312,7 +312,11 @@ def demo(out_dir, quick, overwrite):
 @click.option("--alpha", default=0.9, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="RegMean: scale of off-diagonal Gram entries.")
 @click.option("--rounds", default=5, show_default=True, type=click.IntRange(min=0),
-              help="Most consensus rounds (three or more models).")
+              help="Most consensus rounds (three or more models, or the common frame).")
+@click.option("--frame", type=click.Choice(["best", "reference", "common"]), default="best", show_default=True,
+              help="Frame of the merge: onto the reference model; a common frame (every model aligned to their "
+                   "mean); or best: every model's frame and the common one tried, the merge with the lowest loss "
+                   "on --data kept (without data: the aligned models closest to their mean).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
@@ -324,7 +328,7 @@ def demo(out_dir, quick, overwrite):
 @_FOLD_OPTION
 @_learn_options
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
+          head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
           learn_steps, learn_lr, learn_batch_size, learn_t):
     from .merging import merge as run_merge
 
@@ -340,16 +344,16 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress,
+                       fold=fold, progress=not no_progress, frame=frame,
                        learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t))
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
     folded = ", norms folded first" if any(n.endswith("(folded)") for n in result.models) else ""
     folded += ", learned matching" if learn else ""
-    frame = "" if align_mode == "none" else f"; aligned onto the reference {models[result.consensus.reference]}"
+    where = "" if align_mode == "none" else f"; frame: {result.frame} ({result.frame_note})"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
-               f"each model to the merge: {distances}{frame}")
+               f"each model to the merge: {distances}{where}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "

@@ -74,7 +74,7 @@ class BarrierResult:
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
             align_options: Mapping[str, Any] | None = None, fold: bool | None = None,
-            learn: Any = None, progress: bool = True) -> BarrierResult:
+            learn: Any = None, learn_data: Any = None, progress: bool = True) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -101,6 +101,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     learn
         The :class:`symgraph.learn.LearnOptions` of the learned modes (None: the defaults). ``limit`` and
         ``split`` apply to the evaluation only.
+    learn_data
+        What the learned modes learn on (its training split, for a SPEC); default ``data``. Pass the SPEC here
+        when ``data`` is an evaluation :class:`~symgraph.datasets.Dataset`, which would be learned on as it is.
     progress
         Show progress bars (only ever on a terminal).
 
@@ -124,7 +127,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
-    learning = {"data": data, "learn": learn or True, "progress": progress}  # learns on data's training split
+    learning = {"data": data if learn_data is None else learn_data, "learn": learn or True, "progress": progress}
     curves = {mode: _curve(mode, first, second, path, align_options or {}, learning) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
                          time.perf_counter() - start)

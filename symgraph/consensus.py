@@ -55,13 +55,17 @@ class Consensus:
 
 def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
                        exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
-                       progress: bool = True, learner: Callable | None = None) -> Consensus:
+                       progress: bool = True, learner: Callable | None = None, reference: int | None = None,
+                       common: bool = False) -> Consensus:
     """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
 
     ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
     which may differ in shape); they are still transformed with their model, so each model keeps its function.
     A ``learner`` (:attr:`AlignmentPlan.learner`) tunes each model's alignment to the reference; the rounds that
-    follow align by distance and would undo it, so there are none.
+    follow align by distance and would undo it, so there are none. ``reference`` names the model whose frame is
+    kept (default: :func:`reference_index`). With ``common`` the frame is then given up for a common one: rounds in
+    which *every* model, the reference too, is aligned to the weighted mean of all (generalised Procrustes
+    analysis), kept model by model where it comes closer to that mean, while the mean distance keeps falling.
 
     Examples
     --------
@@ -78,7 +82,7 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     states = [_float64_state(s) for s in subjects]
     names = shared_float_names(states[0], exclude)
     w = np.asarray(weights, dtype=np.float64)
-    reference = reference_index(states, w, names)
+    reference = reference_index(states, w, names) if reference is None else reference
     before = distances_to_mean(states, w, names)
     if mode == "none":
         return Consensus(states, reference, before, before, 0, [_weighted(before, w)], time.perf_counter() - start)
@@ -91,6 +95,8 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
         bar.update()
     bar.close()
     states, history = _rounds(plan, states, w, names, reference, rounds, tol, progress)
+    if common:
+        states, history = _common_rounds(plan, states, w, names, rounds, tol, progress, history)
     states = [_verified(s, state) for s, state in zip(subjects, states)]
     return Consensus(states, reference, before, distances_to_mean(states, w, names), len(history) - 1, history,
                      time.perf_counter() - start)
@@ -134,6 +140,12 @@ class AlignmentPlan:
         return apply(source, elements)
 
 
+def default_reference(subjects: Sequence[Subject], weights: Sequence[float], exclude: frozenset[str]) -> int:
+    """The model whose frame a merge keeps by default: :func:`reference_index` of the subjects' states."""
+    states = [_float64_state(s) for s in subjects]
+    return reference_index(states, np.asarray(weights, dtype=np.float64), shared_float_names(states[0], exclude))
+
+
 def reference_index(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> int:
     """The model with the largest weight; ties go to the larger sum of squares, never to the argument order."""
     keys = [(float(w), _sum_of_squares(s, names)) for w, s in zip(weights, states)]
@@ -169,6 +181,29 @@ def _rounds(plan, states, w, names, reference, rounds, tol, progress) -> tuple[l
             break
         states = candidate
         history.append(score)
+        if score > history[-2] * (1 - tol):
+            break
+    return states, history
+
+
+def _common_rounds(plan, states, w, names, rounds, tol, progress, history) -> tuple[list[State], list[float]]:
+    """Rounds in which every model is aligned to the weighted mean of all of them (a frame no model owns), while
+    the weighted mean distance to the consensus falls by more than ``tol`` of itself."""
+    for _ in range(rounds):
+        target = weighted_mean(states, w, names)
+        bar = progress_bar(desc=f"common frame ({plan.mode})", total=len(states), enabled=progress)
+        candidate = []
+        for state in states:
+            moved = plan.move(state, target)
+            closer = relative_distance(moved, target, names) < relative_distance(state, target, names)
+            candidate.append(moved if closer else state)
+            bar.update()
+        bar.close()
+        score = _weighted(distances_to_mean(candidate, w, names), w)
+        if score >= history[-1]:
+            break
+        states = candidate
+        history = history + [score]
         if score > history[-2] * (1 - tol):
             break
     return states, history

@@ -75,6 +75,9 @@ class MergeResult:
     timings: dict[str, float] = field(default_factory=dict)
     config: Any = field(default=None, repr=False)
     like: Path | None = None
+    frame: str = ""  # the frame the models were merged in (see merge's ``frame``)
+    frame_note: str = ""  # ... and why that one
+    frames: dict[str, float] = field(default_factory=dict)  # the score of every frame tried (lower is better)
 
     @property
     def distances(self) -> list[float]:
@@ -88,7 +91,8 @@ class MergeResult:
         return {"method": self.method, "align": self.align, "models": list(self.models),
                 "weights": list(self.weights), "data": list(self.data), "head_from": self.head_from,
                 "head": list(self.head), "simple_averaged": len(self.simple_averaged),
-                "consensus": self.consensus.to_json(), "timings_s": self.timings}
+                "consensus": self.consensus.to_json(), "frame": self.frame, "frame_note": self.frame_note,
+                "frames": self.frames, "timings_s": self.timings}
 
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
@@ -103,7 +107,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
-          progress: bool = True) -> MergeResult:
+          frame: str = "best", progress: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -138,6 +142,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
         learned matching on the training split of ``data`` (the first, if one per model); needs ``data``.
+    frame
+        Which frame the models are merged in. ``reference``: every model aligned onto the reference (the model
+        with the largest weight; :func:`symgraph.consensus.reference_index`). ``common``: then every model,
+        the reference too, aligned to their weighted mean (:func:`symgraph.consensus.align_to_consensus`).
+        ``best`` (the default): each model's frame in turn and the common one (not with ``learn``), keeping the
+        merge with the lowest loss on ``data`` when there is data, else the one whose aligned models lie
+        closest to their mean; ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A
+        and A onto B give different merges; ``best`` costs one alignment and one merge per frame tried.
     progress
         Show progress bars (only ever on a terminal).
 
@@ -152,26 +164,82 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     >>> max(result.distances) < 1e-6
     True
     """
-    _check_options(len(models), method, align, data, alpha, rounds, head_from, head, learn)
+    _check_options(len(models), method, align, data, alpha, rounds, head_from, head, learn, frame)
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m) for m in models]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
-    datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
+    datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
     learner = _learner(subjects[0], data, learn, exclude, progress) if learn else None
-    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
-                                   learner=learner)
-    clock.lap("align")
-    names = shared_float_names(consensus.states[0], exclude)
-    merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha, progress)
-    clock.lap("statistics_and_combine")
+    tried = []
+    for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None):
+        consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
+                                       learner=learner, reference=reference, common=common)
+        names = shared_float_names(consensus.states[0], exclude)
+        merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha,
+                                    progress)
+        state = _finished_state(merged, subjects, consensus, head_from, exclude)
+        tried.append((label, consensus, state, averaged, _frame_score(state, subjects, consensus, w, datasets,
+                                                                      head_from)))
+    clock.lap("align_and_combine")
+    label, consensus, state, averaged, _ = _best_frame(tried)
     source = subjects[head_from if head_from is not None else consensus.reference]
-    state = _finished_state(merged, subjects, consensus, head_from, exclude)
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
-                       clock.laps(), source.config, source.path)
+                       clock.laps(), source.config, source.path, label, _frame_note(tried, label, datasets),
+                       {t[0]: t[4] for t in tried})
+
+
+FRAMES = ("best", "reference", "common")
+_FRAME_TIE = 1e-5  # relative: scores closer than this are equal (equivalent merges differ by float rounding)
+
+
+def _frames(frame: str, subjects, w, exclude, align: str, learned: bool) -> list[tuple[str, int, bool]]:
+    """The frames to try, as (label, reference model, common frame?); the default reference's frame first, so a
+    tie keeps it."""
+    from .consensus import default_reference
+
+    default = default_reference(subjects, w, exclude)
+    onto = [(f"onto {'the reference, ' if i == default else ''}model {i + 1} ({subjects[i].name})", i, False)
+            for i in [default] + [i for i in range(len(subjects)) if i != default]]
+    if align == "none" or frame == "reference":
+        return onto[:1]
+    common = [("common (every model aligned to the mean)", default, True)]
+    if frame == "common":
+        return common
+    return onto + ([] if learned else common)
+
+
+def _frame_score(state, subjects, consensus, w, datasets, head_from) -> float:
+    """The merged model's mean loss on ``datasets``, or without data the weighted mean distance of the aligned
+    models to their mean (lower is better)."""
+    if not datasets:
+        return float(np.dot(consensus.distances, w) / np.sum(w))
+    from .datasets import evaluate
+
+    model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
+    return float(np.mean([evaluate(model, d).loss for d in datasets]))
+
+
+def _best_frame(tried: list) -> tuple:
+    """The lowest score; one within :data:`_FRAME_TIE` of an earlier one does not replace it."""
+    best = tried[0]
+    for candidate in tried[1:]:
+        if candidate[4] < best[4] - _FRAME_TIE * abs(best[4]):
+            best = candidate
+    return best
+
+
+def _frame_note(tried: list, label: str, datasets) -> str:
+    """Which frame the merge was made in, and why."""
+    if len(tried) == 1:
+        return "the frame asked for"
+    what = (f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}" if datasets else
+            "smallest mean distance of the aligned models to their merge (no data to score the merges on)")
+    scores = ", ".join(f"{t[0]}: {t[4]:.4g}" for t in tried)
+    return f"chosen for the {what}: {scores}"
 
 
 def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool) -> list:
@@ -542,10 +610,12 @@ def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: b
     return learner
 
 
-def _check_options(count, method, align, data, alpha, rounds, head_from, head, learn=False) -> None:
+def _check_options(count, method, align, data, alpha, rounds, head_from, head, learn, frame) -> None:
     from .api import check_learn
 
     check_learn(learn, data)
+    if frame not in FRAMES:
+        raise SymgraphError(f"Unknown frame {frame!r}.", hint=f"choose one of {', '.join(FRAMES)}.")
     if learn and align == "none":
         raise SymgraphError("Learned matching tunes an alignment, and --align none asks for none.",
                             hint="use --align full (or permutation, paper) with --learn.")

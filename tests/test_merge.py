@@ -98,9 +98,10 @@ def test_statistics_are_taken_on_the_aligned_models(llama, method):
     moved = with_state(llama.model, apply(close.state_dict(), symgraph.sample_elements(llama.report, 5)))
     # A stays the reference; unfolded, so both merges recover the exact frame (the folded orthogonal stream
     # is aligned by a descent that stops at a tolerance)
-    kwargs = dict(method=method, data=tokens(), weights=[0.6, 0.4], progress=False, fold=False)
+    kwargs = dict(method=method, data=tokens(), weights=[0.6, 0.4], progress=False, fold=False, frame="reference")
     direct, via_moved = merge([llama, close], **kwargs), merge([llama, moved], **kwargs)
-    simple = merge([llama, close], method="simple", weights=[0.6, 0.4], progress=False, fold=False)
+    simple = merge([llama, close], method="simple", weights=[0.6, 0.4], progress=False, fold=False,
+                   frame="reference")
     assert max_difference(direct.state, via_moved.state) < 1e-5
     assert max_difference(direct.state, simple.state) > 1e-3  # the statistics did change the merge
 

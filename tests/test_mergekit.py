@@ -42,7 +42,7 @@ def test_readme_route_runs_and_equals_symgraph_merge(tmp_path):
     merged = tmp_path / "mergekit" / "merged"
     ours = tmp_path / "symgraph-merge"
     done = _run([sys.executable, "-m", "symgraph", "merge", str(MODELS / "llama-chars-a"),
-                 str(MODELS / "llama-chars-b"), "--method", "simple", "-o", str(ours), "--json",
+                 str(MODELS / "llama-chars-b"), "--method", "simple", "--frame", "reference", "-o", str(ours), "--json",
                  str(tmp_path / "merge.json"), "--no-progress"])
     assert json.loads((tmp_path / "merge.json").read_text())["consensus"]["reference"] == 1  # llama-chars-b
     assert "aligned onto the reference" in done.stdout and "llama-chars-b" in done.stdout
