@@ -59,6 +59,9 @@ class LazyState(Mapping[str, torch.Tensor]):
             raise ModelLoadError(f"Cannot read tensor '{name}' from '{file}': {exc}",
                                  hint="the file is damaged or was changed while it was read: re-save it.") from exc
 
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to find out
+        return name in self._infos
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
 
