@@ -3,7 +3,8 @@
     python examples/bench_stream_merge.py /work/big7b/A /work/big7b/B1 [--out /work/big7b/merged] [--keep]
 
 Two stages, each in a process of its own so that its peak RSS (``wait4``'s ``ru_maxrss``) is its own:
-``read`` reads every tensor of both checkpoints once through :class:`symgraph.lazy_state.LazyState` (the floor);
+``read`` reads every tensor of both checkpoints once through :class:`symgraph.lazy_state.LazyState` into memory
+(a copy of each memory-mapped tensor: the floor);
 ``merge`` runs ``symgraph merge A B --stream --method simple --align none -o OUT`` (read both, average in fp32,
 write the stored dtype as sharded safetensors). Times are measured inside each process (Python and symgraph
 start-up left out; the wall times with them are reported too). The page cache is shared with the machine and not dropped: on a
@@ -29,7 +30,7 @@ start, total = time.perf_counter(), 0
 for source in sys.argv[1:]:
     state = LazyState(source)
     for name in state:
-        total += state[name].nbytes
+        total += state[name].clone().nbytes  # the tensor is memory-mapped: copying it reads every byte
 print(total, time.perf_counter() - start)
 """
 

@@ -263,3 +263,10 @@ def test_compare_on_the_command_line(tmp_path, llama_pair):
     assert json.loads((tmp_path / "same.json").read_text())["relative_error"] == 0.0
     code, stdout, _ = run("compare", folders[0], folders[1])
     assert code == 1 and "DIFFERENT" in stdout
+
+
+def test_writing_to_a_read_tensor_never_reaches_the_checkpoint(llama_pair):
+    (folder, _), (model, _) = llama_pair
+    key = "model.embed_tokens.weight"
+    LazyState(folder)[key].mul_(0)
+    assert torch.equal(LazyState(folder)[key], model.state_dict()[key])
