@@ -7,9 +7,9 @@ Writes three Hugging Face folders (sharded bf16 safetensors with the index, conf
 ``A``   LLaMA-2-7B sizes (d 4096, 32 layers, GQA 32/8 heads, SwiGLU 11008, vocab 32000), random weights: linears
         and embeddings N(0, 0.02) (transformers' ``initializer_range``), RMSNorm weights 1.
 ``B1``  A moved by a random element of its own symmetry group, then 1% noise (per tensor, Gaussian with 1% of the
-        tensor's RMS): residual stream rotated by a dense orthogonal Q (two rounds of random permutation, random
-        signs and the Kronecker product of two random 64 x 64 orthogonal matrices: O(128 d) per row, where a
-        dense Haar Q would cost ~50 TFLOP here); KV groups permuted, query heads permuted within their group; per KV group a rotation of each RoPE
+        tensor's RMS): residual stream rotated by a dense orthogonal Q (a random permutation, random signs and
+        the Kronecker product of two random 64 x 64 orthogonal matrices: O(128 d) per row, where a dense Haar Q
+        would cost ~50 TFLOP here); KV groups permuted, query heads permuted within their group; per KV group a rotation of each RoPE
         frequency pair on Q and K, and an orthogonal map on V with its inverse on O's columns; FFN units permuted.
         These are the rotations and permutations `symgraph report` lists for the folded model (norm weights 1, so
         the fold is the identity). Without noise, B1 computes exactly what A computes (tests check it in float64).
@@ -91,17 +91,17 @@ class Element:
         d = sizes["hidden_size"]
         a = max(k for k in range(1, math.isqrt(d) + 1) if d % k == 0)
         g = torch.Generator().manual_seed(seed)
-        self.rounds = [(torch.randperm(d, generator=g), torch.randint(0, 2, (d,), generator=g) * 2.0 - 1,
-                        _haar(a, g), _haar(d // a, g)) for _ in range(2)]
+        self.perm, self.signs = torch.randperm(d, generator=g), torch.randint(0, 2, (d,), generator=g) * 2.0 - 1
+        self.left, self.right = _haar(a, g), _haar(d // a, g)
 
     def residual(self, rows: torch.Tensor) -> torch.Tensor:
-        """Q x for every row x of ``rows`` (rows indexed by the residual stream's coordinates): per round, a
-        permutation, random signs and the Kronecker product of two random orthogonal matrices (dense, orthogonal,
-        and applied at O(d (a + b)) per row for d = a b)."""
-        for perm, signs, left, right in self.rounds:
-            x = (rows[:, perm] * signs).view(rows.shape[0], left.shape[0], right.shape[0])
-            rows = (left.to(x.dtype) @ x @ right.T.to(x.dtype)).reshape(rows.shape)
-        return rows
+        """Q x for every row x of ``rows`` (rows indexed by the residual stream's coordinates): a permutation,
+        random signs, then the Kronecker product of two random orthogonal a x a and b x b matrices (d = a b): dense,
+        orthogonal, and applied as two large matrix products, O(d (a + b)) per row."""
+        (n, d), a, b = rows.shape, self.left.shape[0], self.right.shape[0]
+        x = (rows[:, self.perm] * self.signs.to(rows.dtype)).reshape(n * a, b) @ self.right.T.to(rows.dtype)
+        x = self.left.to(rows.dtype) @ x.view(n, a, b).transpose(0, 1).reshape(a, n * b)
+        return x.view(a, n, b).transpose(0, 1).reshape(n, d)
 
     def layer(self, index: int) -> dict:
         s = self.sizes
@@ -194,6 +194,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--noise", type=float, default=0.01, help="B1's noise, relative to each tensor's RMS")
     parser.add_argument("--shard-gb", type=float, default=4.0, help="largest shard, in GB (1e9 bytes)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
+    parser.add_argument("--models", default="A,B1,B2",
+                        help="which folders to write (comma-separated; separate processes may write them side by "
+                        "side with the same options: READY appears once all three are complete)")
     for key, value in LLAMA_7B.items():
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     args = parser.parse_args(argv)
@@ -204,20 +207,21 @@ def main(argv=None) -> dict:
     element, layers = Element(sizes, args.seed + 100), {}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "READY").unlink(missing_ok=True)
+    makers = {"A": lambda i: initial(args.seed, i),
+              "B1": lambda i: noisy(transformed(element, i.name, initial(args.seed, i), layers), args.noise,
+                                    args.seed, i.name),
+              "B2": lambda i: initial(args.seed + 1, i)}
     with torch.no_grad():
-        models = {
-            "A": write_model(args.out / "A", infos, lambda i: initial(args.seed, i), config, shard_bytes),
-            "B1": write_model(args.out / "B1", infos, lambda i: noisy(
-                transformed(element, i.name, initial(args.seed, i), layers), args.noise, args.seed, i.name),
-                config, shard_bytes),
-            "B2": write_model(args.out / "B2", infos, lambda i: initial(args.seed + 1, i), config, shard_bytes),
-        }
+        written = {name: write_model(args.out / name, infos, makers[name], config, shard_bytes)
+                   for name in args.models.split(",")}
     summary = {"config": sizes, "dtype": args.dtype, "parameters": sum(math.prod(i.shape) for i in infos),
-               "noise": args.noise, "seed": args.seed, "models": models,
+               "noise": args.noise, "seed": args.seed,
+               "models": {name: str(args.out / name) for name in makers},
                "B1": "A moved by a random element of its symmetry group, plus noise",
-               "B2": "an independent initialisation",
-               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
-    write_text_atomic(args.out / "READY", json.dumps(summary, indent=1) + "\n")
+               "B2": "an independent initialisation"}
+    if all((args.out / name / "config.json").is_file() for name in makers):  # folders appear only when complete
+        write_text_atomic(args.out / "READY", json.dumps(summary, indent=1) + "\n")
+    summary.update(written=written, peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     return summary
 
 

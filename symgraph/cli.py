@@ -278,6 +278,29 @@ def fuzz(model, samples, seed, json_path):
         sys.exit(1)
 
 
+@cli.command(help="Do MODEL_A and MODEL_B (safetensors folders of one architecture) compute the same function? "
+                  "Both run in float64 on example inputs built from the config, block by block with each block's "
+                  "weights read just before it runs (a 7B model needs a few GB, not a 56 GB float64 copy); exit 1 "
+                  "when the relative difference of their outputs exceeds the tolerance of the precision involved.")
+@click.argument("model_a")
+@click.argument("model_b")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the result.")
+def compare(model_a, model_b, json_path):
+    from .streamed_verify import verify_streamed
+
+    _check_file_output(json_path, [model_a, model_b])
+    outcome = verify_streamed(model_a, model_b)
+    result = {"model_a": model_a, "model_b": model_b, "relative_error": outcome.relative_error,
+              "tolerance": outcome.tolerance, "same_function": outcome.ok, "float64": "block by block"}
+    if json_path is not None:
+        _emit_text(json.dumps(result, indent=1), json_path)
+    verdict = "the same function" if outcome.ok else "DIFFERENT functions"
+    click.echo(f"{model_a} and {model_b}: {verdict} (relative error {outcome.relative_error:.2e}, tolerance "
+               f"{outcome.tolerance:.0e}; float64, block by block)")
+    if not outcome.ok:
+        sys.exit(1)
+
+
 @cli.command(help="Run the main job on the shipped model pairs (two trainings of one model each): symmetry report, "
                   "alignment in every mode, merges, loss barriers; print a summary and write everything to OUT.")
 @click.option("--out", "out_dir", default=Path("out/demo"), show_default=True,

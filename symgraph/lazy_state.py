@@ -2,8 +2,10 @@
 values are read from the memory-mapped file only when asked for, in the dtype they are stored in.
 
 Alignment and merging at 7B cannot hold two models: they read a block's tensors, work on them in fp32 and let
-them go. Each read opens the tensor's file, copies the tensor out and closes the file again, so no mapping stays
-resident between reads (a kept-open 5 GB mapping would count fully in the peak RSS once read through).
+them go. ``state[name]`` is a tensor backed by a private (copy-on-write) memory map of just that tensor's bytes
+(safetensors' ``safe_open``): pages are read from disk when first touched, writing to the tensor never reaches the
+file, and the mapping goes away with the tensor, so the resident memory is the tensors alive and no more (a handle
+kept open on a whole 5 GB shard would count every page read through it).
 
 Examples
 --------
@@ -58,6 +60,9 @@ class LazyState(Mapping[str, torch.Tensor]):
         except Exception as exc:  # SafetensorError, OSError: the file changed or broke since it was opened
             raise ModelLoadError(f"Cannot read tensor '{name}' from '{file}': {exc}",
                                  hint="the file is damaged or was changed while it was read: re-save it.") from exc
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to find out
+        return name in self._infos
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)

@@ -60,9 +60,7 @@ class Evaluator:
     def _run(self, state, args, kwargs) -> torch.Tensor:
         with torch.no_grad():
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
-        leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
-        return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
-                          if isinstance(t, torch.Tensor) and t.is_floating_point()])
+        return flat_outputs(out)
 
     def check(self, state: dict[str, torch.Tensor]) -> Outcome:
         """Compare outputs at every probe shape (the worst relative error counts); parameters stored in a lower
@@ -71,6 +69,13 @@ class Evaluator:
                   for out, ref in zip(self.outputs(state), self.references))
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         return Outcome(err, max([self.tolerance, *stored]))
+
+
+def flat_outputs(out) -> torch.Tensor:
+    """Every float tensor of a model's output (a tensor, tuple or ModelOutput), flattened into one float64 vector."""
+    leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()])
 
 
 def _to64(x):

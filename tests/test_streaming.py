@@ -3,6 +3,7 @@ read lazily in the stored dtype, the streamed simple merge (CLI and API), and th
 from __future__ import annotations
 
 import builtins
+import copy
 import errno
 import json
 import sys
@@ -18,6 +19,7 @@ from symgraph.io import model_config, save_model
 from symgraph.lazy_state import LazyState
 from symgraph.merging import merge, merge_streamed
 from symgraph.shards import TensorInfo, infos_of, write_checkpoint
+from symgraph.streamed_verify import streamed_outputs, verify_streamed
 
 from cli_runner import run
 
@@ -224,3 +226,47 @@ def test_generated_noise_is_one_percent_of_each_tensor(tmp_path, tiny_pair):
     for key in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
         ratio = float((noisy[key] - exact[key]).norm() / exact[key].norm())
         assert 0.008 < ratio < 0.012, (key, ratio)
+
+
+# -- float64 verification block by block -----------------------------------------------------------------------------
+def test_block_by_block_verification_accepts_a_transform_and_refuses_another_model(tmp_path, llama_pair, monkeypatch):
+    folders, models = llama_pair
+    moved = write_checkpoint(tmp_path / "moved", infos_of(models[0].state_dict()),
+                             symgraph.transform(models[0], seed=4).__getitem__, shard_bytes=SMALL_SHARDS,
+                             config=model_config(models[0]))
+    for shape in ((1, 6), (2, 13)):
+        ids = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(shape[1]))
+        same = verify_streamed(folders[0], moved, {"input_ids": ids})
+        assert same.ok and same.relative_error < 1e-5
+        other = verify_streamed(folders[0], folders[1], {"input_ids": ids})
+        assert not other.ok and other.relative_error > 0.1
+    reads = []
+    monkeypatch.setattr(LazyState, "__getitem__", lambda self, k, read=LazyState.__getitem__: reads.append(k)
+                        or read(self, k))
+    streamed_outputs(moved, {"input_ids": ids})
+    assert sorted(reads) == sorted(LazyState(moved))  # every tensor read once
+    blocks = [int(k.split(".")[2]) for k in reads if k.startswith("model.layers.")]
+    assert blocks == sorted(blocks) and len(set(blocks)) > 1  # block by block, in order
+
+
+def test_block_by_block_outputs_equal_the_whole_model_in_float64(llama_pair):
+    (folder, _), (model, _) = llama_pair
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    whole = copy.deepcopy(model).to(torch.float64)(input_ids=ids).logits.reshape(-1)
+    torch.testing.assert_close(streamed_outputs(folder, {"input_ids": ids}), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_compare_on_the_command_line(tmp_path, llama_pair):
+    folders, _ = llama_pair
+    code, stdout, _ = run("compare", folders[0], folders[0], "--json", tmp_path / "same.json")
+    assert code == 0 and "the same function" in stdout
+    assert json.loads((tmp_path / "same.json").read_text())["relative_error"] == 0.0
+    code, stdout, _ = run("compare", folders[0], folders[1])
+    assert code == 1 and "DIFFERENT" in stdout
+
+
+def test_writing_to_a_read_tensor_never_reaches_the_checkpoint(llama_pair):
+    (folder, _), (model, _) = llama_pair
+    key = "model.embed_tokens.weight"
+    LazyState(folder)[key].mul_(0)
+    assert torch.equal(LazyState(folder)[key], model.state_dict()[key])

@@ -1,0 +1,126 @@
+"""Float64 verification block by block, for models whose float64 copy does not fit in memory.
+
+:class:`symgraph.verify.Evaluator` runs a float64 copy of the whole model: 56 GB at 7B. Here the model is built on
+the meta device from its config, the tensors outside its block list (embeddings, final norm, head) are read in
+float64, and each block's tensors are read from the safetensors checkpoint just before the block runs and dropped
+right after it (forward hooks), so the peak holds the outside tensors, one block and the activations. Both models
+run on the same example inputs, one after the other; the outputs are compared as the Evaluator compares them.
+
+Examples
+--------
+>>> import tempfile, symgraph
+>>> from symgraph import zoo
+>>> from symgraph.io import model_config, save_model
+>>> model = zoo.build("llama", seed=0)
+>>> a = save_model(model.state_dict(), tempfile.mkdtemp() + "/a", config=model_config(model))
+>>> b = save_model(symgraph.transform(model, seed=1), tempfile.mkdtemp() + "/b", config=model_config(model))
+>>> outcome = verify_streamed(a, b)
+>>> outcome.ok, outcome.relative_error < 1e-5
+(True, True)
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import MismatchError
+from .lazy_state import LazyState
+from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs
+
+__all__ = ["verify_streamed", "streamed_outputs"]
+
+
+def verify_streamed(source, other, inputs=None) -> Outcome:
+    """Do the safetensors checkpoints ``source`` and ``other`` (Hugging Face folders of one architecture) compute
+    the same outputs? Each runs in float64, block by block (see the module docstring), on ``inputs`` (example
+    inputs built from the config when None); the relative error of ``other``'s outputs against ``source``'s is
+    compared with a tolerance for the lowest precision computed or stored (bf16 weights widen it)."""
+    with _LowestFloat() as seen:
+        reference = streamed_outputs(source, inputs)
+    outputs = streamed_outputs(other, inputs)
+    if outputs.shape != reference.shape:
+        raise MismatchError(f"'{source}' and '{other}' give outputs of different sizes ({reference.numel()} vs "
+                            f"{outputs.numel()} values).", hint="compare models of one architecture.")
+    stored = {info.dtype for path in (source, other) for info in LazyState(path).infos()}
+    tolerance = max(TOLERANCE[seen.lowest], *(TOLERANCE[d] for d in stored if d in TOLERANCE))
+    return Outcome(float((outputs - reference).norm() / reference.norm().clamp_min(1e-30)), tolerance)
+
+
+def streamed_outputs(folder, inputs=None) -> torch.Tensor:
+    """The flattened float64 outputs of the model at ``folder`` on ``inputs``, its weights read block by block."""
+    from .api import _inputs_for
+    from .io import load_model
+
+    loaded = load_model(Path(folder), config_only=True)
+    model, state = loaded.model.to(torch.float64), LazyState(folder)
+    args, kwargs = _inputs_for(model, loaded.config, inputs)
+    names = _checkpoint_names(model, state, folder)
+    blocks = _block_list(model, loaded.config)
+    outside = [n for n in names if not any(n.startswith(f"{prefix}.") for prefix in blocks)]
+    _materialise(model, {n: names[n] for n in outside}, state)
+    with contextlib.ExitStack() as hooks:
+        for prefix, block in blocks.items():
+            own = {n: names[n] for n in names if n.startswith(f"{prefix}.")}
+            hooks.enter_context(_streamed_block(model, block, own, state))
+        with torch.no_grad():
+            return flat_outputs(model(*map(_to64, args), **{k: _to64(v) for k, v in kwargs.items()}))
+
+
+def _checkpoint_names(model: nn.Module, state: LazyState, folder) -> dict[str, str]:
+    """Model parameter -> the checkpoint key holding it (tied parameters read their source's key)."""
+    from .checkpoint import _declared_ties
+
+    ties = _declared_ties(model)
+    names = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        key = name if name in state else ties.get(name)
+        if key not in state:
+            raise MismatchError(f"The checkpoint '{folder}' has no tensor '{name}', which "
+                                f"{type(model).__name__} needs; streamed verification reads tensors under the "
+                                "model's own names.", hint="re-save the model with save_pretrained (or symgraph).")
+        names[name] = key
+    return names
+
+
+def _block_list(model: nn.Module, config) -> dict[str, nn.Module]:
+    """The blocks to stream: the entries of the ``ModuleList`` of length ``num_hidden_layers`` (none: everything
+    is read at once, which is right for models small enough to have no such list)."""
+    depth = getattr(config, "num_hidden_layers", None)
+    for stack, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == depth:
+            return {f"{stack}.{i}": block for i, block in enumerate(module)}
+    return {}
+
+
+def _materialise(model: nn.Module, names: dict[str, str], state: LazyState) -> None:
+    for name, key in names.items():
+        _set_parameter(model, name, state[key].to(torch.float64))
+
+
+def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+@contextlib.contextmanager
+def _streamed_block(model: nn.Module, block: nn.Module, names: dict[str, str], state: LazyState):
+    """Hooks that read the block's parameters in float64 before it runs and put them back on the meta device
+    after."""
+    def load(*_):
+        _materialise(model, names, state)
+
+    def drop(*_):
+        for name in names:
+            _set_parameter(model, name, torch.empty(state.info(names[name]).shape, device="meta",
+                                                    dtype=torch.float64))
+
+    handles = [block.register_forward_pre_hook(load), block.register_forward_hook(drop)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
