@@ -66,8 +66,11 @@ def _head_similarity(ws, g: Group, members, groups, kinds, per_group, *, normali
 
 def _rotation_values(ws, layout, g: Group) -> np.ndarray:
     n_heads = g.copies * g.size
+    cache: dict = {}
+
     def head_block(which: str, h: int) -> torch.Tensor:  # both sides of head h, features side by side
-        return torch.cat([x for side in ("primal", "dual") for x in _side_slices(ws, which, layout, h, side)], 1)
+        slices = [x for side in ("primal", "dual") for x in _side_slices(ws, which, layout, h, side, cache)]
+        return torch.cat(slices, 1)
 
     stacks = {w: torch.stack([head_block(w, h) for h in range(n_heads)]) for w in ("src", "anc")}
     cross = torch.einsum("ikf,jlf->ijkl", stacks["src"], stacks["anc"])  # [source head, anchor head]
@@ -125,22 +128,31 @@ def _circuit_layout(other: Group, coord, g: Group):
     return other, copy_of, sides, shared
 
 
-def _side_slices(ws, which, layout, h, side) -> list[torch.Tensor]:
-    """The (size, features) slices of one side of head ``h``'s circuit."""
+def _side_slices(ws, which, layout, h, side, cache: dict) -> list[torch.Tensor]:
+    """The (size, features) slices of one side of head ``h``'s circuit. ``cache`` keeps each member's float64
+    slices for the next head (every head reads the same members: gathering them once per head was most of the
+    head solver's time)."""
     other, copy_of, sides, shared = layout
     c = int(copy_of[h])
-    out = [ws.gather(which, m)[c, :, s].double() for m, s in sides[side][h]]
+
+    def gathered(m: Member) -> torch.Tensor:
+        key = (which, id(m))
+        if key not in cache:
+            cache[key] = ws.gather(which, m).double()
+        return cache[key]
+
+    out = [gathered(m)[c, :, s] for m, s in sides[side][h]]
     for m in shared[side]:
-        x = ws.gather(which, m)[c].double()  # (size, block, rest): every slice is shared by the heads of this copy
+        x = gathered(m)[c]  # (size, block, rest): every slice is shared by the heads of this copy
         out.extend(x[:, s] for s in range(x.shape[1]))
     return out
 
 
 def _circuit_cosines(ws, layout, g: Group) -> np.ndarray:
     n_heads = g.copies * g.size
-    per_side = {}
+    per_side, cache = {}, {}
     for side in ("primal", "dual"):
-        slices = {w: [_side_slices(ws, w, layout, h, side) for h in range(n_heads)] for w in ("src", "anc")}
+        slices = {w: [_side_slices(ws, w, layout, h, side, cache) for h in range(n_heads)] for w in ("src", "anc")}
         counts = {len(s) for s in slices["src"]}
         if counts == {0} or len(counts) != 1:
             return np.zeros((g.copies, g.size, g.size))

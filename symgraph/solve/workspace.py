@@ -83,6 +83,12 @@ class Workspace:
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
-    """Member slice of ``x`` as (copies, size, block, rest)."""
-    y = x.movedim(m.axis, 0)[torch.as_tensor(m.index)]
+    """Member slice of ``x`` as (copies, size, block, rest). A member over a contiguous run of positions (a
+    residual member: the whole axis) comes back as a view, not a copy: read it, never write into it."""
+    y = x.movedim(m.axis, 0)
+    flat = m.index.reshape(-1)
+    start = int(flat[0])
+    if np.array_equal(flat, np.arange(start, start + flat.size)):
+        return y[start:start + flat.size].reshape(*m.index.shape, -1)
+    y = y[torch.as_tensor(m.index)]
     return y.reshape(*y.shape[:3], -1)
