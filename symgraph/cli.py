@@ -17,6 +17,13 @@ MODEL_HELP = ("MODEL is a Hugging Face folder (config.json + weights), a config.
               "'package.module:factory' / 'file.py:factory' returning a module or (module, args[, kwargs]).")
 
 
+_FREE_OUTPUTS = click.option(
+    "--free-outputs", is_flag=True,
+    help="Base models and sentence encoders: outputs that are residual-stream reads (hidden states) may change "
+         "basis by the residual stream's permutation or orthogonal map instead of pinning it; every check compares "
+         "them after undoing that map. Other outputs (pooled, logits) stay pinned.")
+
+
 @click.group(help=f"Find and use the parameter-space symmetries of PyTorch models.\n\n{MODEL_HELP}")
 @click.option("--debug", is_flag=True, help="Show full tracebacks for unexpected errors.")
 @click.pass_context
@@ -31,12 +38,14 @@ def cli(ctx, debug):
 @click.option("--format", "fmt", type=click.Choice(["json", "md", "html"]), default="md", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
 @click.option("--full-depth", is_flag=True, help="Analyse every block even when they repeat (slower, same report).")
-def report(model, config_only, fmt, output, full_depth):
+@_FREE_OUTPUTS
+def report(model, config_only, fmt, output, full_depth, free_outputs):
     from .api import load
     from .render import render
 
     _check_file_output(output, [model])
-    text = render(load(model, config_only=config_only, full_depth=full_depth).report, fmt)
+    text = render(load(model, config_only=config_only, full_depth=full_depth, free_outputs=free_outputs).report,
+                  fmt)
     _emit_text(text, output)
 
 
@@ -45,14 +54,14 @@ def report(model, config_only, fmt, output, full_depth):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
-def transform(model, output, seed, overwrite):
-    from .api import check_transformed, load, transform as transform_state
+@_FREE_OUTPUTS
+def transform(model, output, seed, overwrite, free_outputs):
+    from .api import load, transformed
     from .io import save_model
 
     _check_model_output(output, overwrite, [model])
-    subject = load(model)
-    state = transform_state(subject, seed=seed, verify=False)
-    outcome = check_transformed(subject, state)
+    subject = load(model, free_outputs=free_outputs)
+    state, outcome = transformed(subject, seed)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; "
                f"{_equality(outcome.relative_error, outcome.tolerance, state)})")
@@ -133,8 +142,9 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
+@_FREE_OUTPUTS
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold, free_outputs):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -142,7 +152,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
     clock = time.perf_counter()
-    subject, anchor_subject = load(source), load(anchor)
+    subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
@@ -211,13 +221,14 @@ def _parse_layers(text):
 @click.option("--samples", default=20, show_default=True, type=int, help="Hypothesis examples per group.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write results.")
-def fuzz(model, samples, seed, json_path):
+@_FREE_OUTPUTS
+def fuzz(model, samples, seed, json_path, free_outputs):
     from .fuzz import fuzz as run_fuzz
 
     if samples < 1:
         raise click.BadParameter("must be at least 1", param_hint="--samples")
     _check_file_output(json_path, [model])
-    result = run_fuzz(model, samples=samples, seed=seed, progress=_print_verdict)
+    result = run_fuzz(model, samples=samples, seed=seed, progress=_print_verdict, free_outputs=free_outputs)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     status = "all groups invariant" if result.ok else f"{len(result.failures)} group(s) VIOLATE invariance"
@@ -266,8 +277,9 @@ def demo(out_dir, quick, overwrite):
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
+@_FREE_OUTPUTS
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold):
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold, free_outputs):
     from .merging import merge as run_merge
 
     _check_model_output(output, overwrite, models)
@@ -278,7 +290,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress)
+                       fold=fold, progress=not no_progress, free_outputs=free_outputs)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)

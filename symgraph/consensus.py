@@ -82,13 +82,14 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
         return Consensus(states, reference, before, before, 0, [_weighted(before, w)], time.perf_counter() - start)
 
     plan = AlignmentPlan.of(subjects[0], mode, exclude)
+    applied: list[list[Element]] = [[] for _ in states]  # per model, every element applied, in order
     bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
     for i in _others(len(states), reference):
-        states[i] = plan.move(states[i], states[reference])
+        states[i], applied[i] = plan.move(states[i], states[reference])
         bar.update()
     bar.close()
-    states, history = _rounds(plan, states, w, names, reference, rounds, tol, progress)
-    states = [_verified(s, state) for s, state in zip(subjects, states)]
+    states, history = _rounds(plan, states, applied, w, names, reference, rounds, tol, progress)
+    states = [_verified(s, state, moves) for s, state, moves in zip(subjects, states, applied)]
     return Consensus(states, reference, before, distances_to_mean(states, w, names), len(history) - 1, history,
                      time.perf_counter() - start)
 
@@ -119,11 +120,12 @@ class AlignmentPlan:
         free = free_cost_members(subject, solve, mode)
         return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode)
 
-    def move(self, source: State, target: State) -> State:
-        """``source`` moved within its groups as close to ``target`` as they allow (same function)."""
+    def move(self, source: State, target: State) -> tuple[State, list[Element]]:
+        """``source`` moved within its groups as close to ``target`` as they allow (same function), and the
+        elements applied to it, in order."""
         result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free)
         elements = [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
-        return apply(source, elements)
+        return apply(source, elements), elements
 
 
 def reference_index(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> int:
@@ -150,43 +152,50 @@ def shared_float_names(state: State, exclude: frozenset[str]) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _rounds(plan, states, w, names, reference, rounds, tol, progress) -> tuple[list[State], list[float]]:
+def _rounds(plan, states, applied, w, names, reference, rounds, tol, progress
+            ) -> tuple[list[State], list[float]]:
     """Jacobi rounds while the weighted mean distance to the consensus keeps falling (by more than ``tol`` of
-    itself); a round that does not lower it is discarded. Two models need none."""
+    itself); a round that does not lower it is discarded. Two models need none. ``applied`` (per model, the
+    elements applied so far) is extended in place with each kept move."""
     history = [_weighted(distances_to_mean(states, w, names), w)]
     while len(states) > 2 and len(history) <= rounds:
-        candidate = _jacobi_round(plan, states, w, names, reference, progress)
+        candidate, moves = _jacobi_round(plan, states, w, names, reference, progress)
         score = _weighted(distances_to_mean(candidate, w, names), w)
         if score >= history[-1]:
             break
         states = candidate
+        for done, new in zip(applied, moves):
+            done.extend(new)
         history.append(score)
         if score > history[-2] * (1 - tol):
             break
     return states, history
 
 
-def _jacobi_round(plan: AlignmentPlan, states, w, names, reference, progress) -> list[State]:
-    """Every model but the reference aligned to the weighted mean of the others (all from the same old states)."""
-    out = list(states)
+def _jacobi_round(plan: AlignmentPlan, states, w, names, reference, progress
+                  ) -> tuple[list[State], list[list[Element]]]:
+    """Every model but the reference aligned to the weighted mean of the others (all from the same old states);
+    the new states, and per model the elements of the move it kept (none if it stayed)."""
+    out, moves = list(states), [[] for _ in states]
     bar = progress_bar(desc=f"consensus ({plan.mode})", total=len(states) - 1, enabled=progress)
     for i in _others(len(states), reference):
         keep = [j for j in range(len(states)) if j != i]
         target = weighted_mean([states[j] for j in keep], w[keep], names)
-        moved = plan.move(states[i], target)
+        moved, elements = plan.move(states[i], target)
         if relative_distance(moved, target, names) < relative_distance(states[i], target, names):
-            out[i] = moved
+            out[i], moves[i] = moved, elements
         bar.update()
     bar.close()
-    return out
+    return out, moves
 
 
-def _verified(subject: Subject, state: State) -> State:
-    """``state`` with tied names agreeing; raise unless it computes what ``subject`` computes."""
+def _verified(subject: Subject, state: State, elements: Sequence[Element] = ()) -> State:
+    """``state`` with tied names agreeing; raise unless it computes what ``subject`` computes (free outputs:
+    after undoing ``elements``, those applied to get ``state``)."""
     from .verify import Evaluator
 
     state = tie_aliases(subject.model, state)
-    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    outcome = Evaluator.of(subject).check(state, elements)
     if not outcome.ok:
         raise InvarianceError(
             f"Aligning {subject.name} changed its outputs (relative error {outcome.relative_error:.2e}, tolerance "

@@ -102,7 +102,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None,
-          progress: bool = True) -> MergeResult:
+          progress: bool = True, free_outputs: bool = False) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -136,6 +136,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
     progress
         Show progress bars (only ever on a terminal).
+    free_outputs
+        Base models and sentence encoders: hidden-state outputs move with the residual stream, which is then
+        aligned too (see :func:`symgraph.load`); the merge's outputs are in the reference model's basis.
 
     Examples
     --------
@@ -151,7 +154,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     _check_options(len(models), method, align, data, alpha, rounds, head_from, head)
     w = normalized_weights(weights, len(models))
     clock = _Clock()
-    subjects = [load(m) for m in models]
+    subjects = [load(m, free_outputs=free_outputs) for m in models]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
