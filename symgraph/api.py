@@ -44,6 +44,7 @@ class Subject:
     inputs_from_config: bool = False  # the example inputs were built by symgraph (inputs.example_inputs)
     full_depth: bool = False  # analyse every block even when the blocks repeat (see symgraph.depth)
     free_outputs: bool = False  # residual-read outputs move with the residual stream (see symgraph.outputs)
+    weights_from_path: bool = False  # ``path`` holds exactly these weights (a job may read them from there)
     _capture: Capture | None = None
     _report: Report | None = None
 
@@ -101,7 +102,8 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth
     given = inputs if inputs is not None else loaded.inputs
     args, kwargs = _inputs_for(loaded.model, loaded.config, given)
     return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only,
-                   inputs_from_config=given is None, full_depth=full_depth, free_outputs=free_outputs)
+                   inputs_from_config=given is None, full_depth=full_depth, free_outputs=free_outputs,
+                   weights_from_path=loaded.path is not None and not config_only)
 
 
 def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False,

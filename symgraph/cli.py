@@ -278,8 +278,12 @@ def demo(out_dir, quick, overwrite):
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
 @_FREE_OUTPUTS
+@click.option("--workers", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the alignment jobs (one per model per round) run: this process, or a Ray cluster "
+                   "(RAY_ADDRESS or a running `ray start --head`; else a local one for this run). Needs the "
+                   "symgraph[ray] extra. Same result either way.")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold, free_outputs):
+          head_patterns, alpha, rounds, json_path, overwrite, no_progress, fold, free_outputs, workers):
     from .merging import merge as run_merge
 
     _check_model_output(output, overwrite, models)
@@ -290,7 +294,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress, free_outputs=free_outputs)
+                       fold=fold, progress=not no_progress, free_outputs=free_outputs, workers=workers)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)

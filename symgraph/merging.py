@@ -37,6 +37,7 @@ import torch
 
 from .api import Subject, load, tie_aliases
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
+from .workers import check_workers
 from .errors import DataError, MismatchError, SymgraphError
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
@@ -102,7 +103,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None,
-          progress: bool = True, free_outputs: bool = False) -> MergeResult:
+          progress: bool = True, free_outputs: bool = False, workers: str = "local") -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -139,6 +140,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     free_outputs
         Base models and sentence encoders: hidden-state outputs move with the residual stream, which is then
         aligned too (see :func:`symgraph.load`); the merge's outputs are in the reference model's basis.
+    workers
+        Where the consensus alignment jobs run: ``"local"`` or ``"ray"`` (a Ray cluster; the ``symgraph[ray]``
+        extra), one job per model per round, each reading its model from its folder (:mod:`symgraph.workers`).
 
     Examples
     --------
@@ -152,6 +156,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     True
     """
     _check_options(len(models), method, align, data, alpha, rounds, head_from, head)
+    check_workers(workers)
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m, free_outputs=free_outputs) for m in models]
@@ -159,7 +164,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress)
+    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
+                                   workers=workers)
     clock.lap("align")
     names = shared_float_names(consensus.states[0], exclude)
     merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha, progress)
