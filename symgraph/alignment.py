@@ -583,7 +583,7 @@ def free_cost_members(subject, groups, mode: str, evaluator=None) -> list[Member
         return []
     from .verify import Evaluator, free_members
 
-    evaluator = evaluator or Evaluator(subject.model, subject.args, subject.kwargs)
+    evaluator = evaluator or Evaluator.of(subject)
     return free_members(evaluator, key_bias_candidates(groups, subject.state_dict()))
 
 

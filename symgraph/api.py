@@ -10,6 +10,7 @@ Examples
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Subject:
     config_only: bool = False
     inputs_from_config: bool = False  # the example inputs were built by symgraph (inputs.example_inputs)
     full_depth: bool = False  # analyse every block even when the blocks repeat (see symgraph.depth)
+    free_outputs: bool = False  # residual-read outputs move with the residual stream (see symgraph.outputs)
+    weights_from_path: bool = False  # ``path`` holds exactly these weights (a job may read them from there)
     _capture: Capture | None = None
     _report: Report | None = None
 
@@ -65,23 +68,33 @@ class Subject:
             from .fold import residual_note
 
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
-            analysis = (None if self.full_depth else analyse_by_repeats(self)) or analyse_capture(self.capture)
+            # the shallow copy's analysis does not carry free outputs over yet: they take the full depth
+            repeats = None if self.full_depth or self.free_outputs else analyse_by_repeats(self)
+            analysis = repeats or analyse_capture(self.capture, free_outputs=self.free_outputs)
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)
-            self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()))
+            self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()),
+                                                free_outputs=self.free_outputs)
         return self._report
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Subject:
+def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False,
+         free_outputs: bool = False) -> Subject:
     """Turn a model, a Hugging Face folder, a config.json or a ``module:factory`` string into a :class:`Subject`.
 
     A factory may return a module, or ``(module, args)`` / ``(module, args, kwargs)`` with its example inputs.
     A model whose blocks repeat is analysed from a shallow copy and its groups replicated
     (:mod:`symgraph.depth`; same report, time independent of depth); ``full_depth`` analyses every block instead.
+    With ``free_outputs`` (base models, sentence encoders), outputs that are residual-stream reads (hidden states)
+    may change basis by the residual stream's element instead of pinning it (:mod:`symgraph.outputs`); every
+    check then compares them after undoing that element. A :class:`Subject` given as ``source`` is returned as
+    it is, unless ``free_outputs`` asks for more than it has (then a copy that frees them).
     """
     if isinstance(source, Subject):
+        if free_outputs and not source.free_outputs:
+            return dataclasses.replace(source, free_outputs=True, _report=None)
         return source
     from .io import load_model
 
@@ -89,12 +102,26 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth
     given = inputs if inputs is not None else loaded.inputs
     args, kwargs = _inputs_for(loaded.model, loaded.config, given)
     return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only,
-                   inputs_from_config=given is None, full_depth=full_depth)
+                   inputs_from_config=given is None, full_depth=full_depth, free_outputs=free_outputs,
+                   weights_from_path=loaded.path is not None and not config_only)
 
 
-def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False) -> Report:
-    """Find every symmetry group of ``source`` (see :func:`load` for what it may be)."""
-    return load(source, inputs, config_only=config_only, full_depth=full_depth).report
+def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False,
+            free_outputs: bool = False) -> Report:
+    """Find every symmetry group of ``source`` (see :func:`load` for what it may be and for ``free_outputs``).
+
+    Examples
+    --------
+    >>> import symgraph, transformers
+    >>> from symgraph import zoo
+    >>> encoder = transformers.AutoModel.from_config(zoo.tiny_config("bert"))  # outputs: hidden states, pooled
+    >>> [g.kind for g in symgraph.analyze(encoder).by_motif("residual")]  # the hidden states pin the stream
+    []
+    >>> report = symgraph.analyze(encoder, free_outputs=True)
+    >>> [(f.name, f.group == report.by_motif("residual")[0].id) for f in report.free_outputs]
+    [('last_hidden_state', True)]
+    """
+    return load(source, inputs, config_only=config_only, full_depth=full_depth, free_outputs=free_outputs).report
 
 
 def sample_elements(report: Report, seed: int = 0, spread: float = 0.3) -> list[Element]:
@@ -103,28 +130,33 @@ def sample_elements(report: Report, seed: int = 0, spread: float = 0.3) -> list[
     return [sample(g, rng, spread) for g in report.groups]
 
 
-def transform(source, *, seed: int = 0, inputs: Inputs = None, verify: bool = True) -> dict[str, torch.Tensor]:
+def transform(source, *, seed: int = 0, inputs: Inputs = None, verify: bool = True,
+              free_outputs: bool = False) -> dict[str, torch.Tensor]:
     """A functionally equivalent, randomly reparametrised copy of the model's state dict.
 
     The copy is checked in float64 on the example inputs before it is returned; a violation raises
-    :class:`~symgraph.errors.InvarianceError` naming the groups involved.
+    :class:`~symgraph.errors.InvarianceError` naming the groups involved. With ``free_outputs`` (see
+    :func:`load`) the copy's free outputs are those of the original moved by the residual stream's element.
     """
-    subject = load(source, inputs)
+    return transformed(load(source, inputs, free_outputs=free_outputs), seed, verify)[0]
+
+
+def transformed(subject: Subject, seed: int = 0, verify: bool = True):
+    """``(state, outcome)``: :func:`transform`'s state dict, and its check's outcome (None without ``verify``)."""
     state = subject.state_dict()
     elements = sample_elements(subject.report, seed)
     new = tie_aliases(subject.model, apply(state, elements))  # float64 arithmetic, one rounding to each dtype
-    if verify:
-        check_transformed(subject, new)
-    return new
+    return new, (check_transformed(subject, new, elements) if verify else None)
 
 
-def check_transformed(subject: Subject, state: dict[str, torch.Tensor]):
+def check_transformed(subject: Subject, state: dict[str, torch.Tensor], elements=()):
     """Run ``subject``'s model with ``state`` and with its own weights, both in float64, on its example inputs;
     return the :class:`~symgraph.verify.Outcome` (relative error, and a tolerance that allows the rounding of
-    weights stored in float32/fp16/bf16), or raise :class:`~symgraph.errors.InvarianceError` when it is exceeded."""
+    weights stored in float32/fp16/bf16), or raise :class:`~symgraph.errors.InvarianceError` when it is exceeded.
+    ``elements`` (those that gave ``state``) are undone on free outputs before the comparison."""
     from .verify import Evaluator
 
-    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    outcome = Evaluator.of(subject).check(state, elements)
     if not outcome.ok:
         raise InvarianceError(
             f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
@@ -169,7 +201,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True, progress=None, data=None, learn=False):
+          inputs: Inputs = None, verify: bool = True, progress=None, data=None, learn=False,
+          free_outputs: bool = False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -188,7 +221,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was
     done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
-    instead of in its orthogonal subgroup.
+    instead of in its orthogonal subgroup. With ``free_outputs`` (see :func:`load`; base models and sentence
+    encoders) the residual stream is aligned too, and the result's free outputs are the source's moved by the
+    residual element it applied (``result.elements``).
 
     With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) the alignment found from the weights is then
     tuned on the loss of the interpolated model on the training split of ``data`` (a data SPEC or
@@ -221,7 +256,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                          hint="add --learn (learn=True), or leave out --data.")
     timings = {}
     clock = time.perf_counter()
-    src, anc = load(source, inputs), load(anchor, inputs)
+    src, anc = load(source, inputs, free_outputs=free_outputs), load(anchor, inputs, free_outputs=free_outputs)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
@@ -232,7 +267,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     groups = select_groups(src.report.groups, mode, only=only, rescale=rescale, layers=layers,
                            general_linear=general_linear)
     state = src.state_dict()
-    evaluator = Evaluator(src.model, src.args, src.kwargs) if verify or mode != "paper" else None  # one float64 copy
+    evaluator = Evaluator.of(src) if verify or mode != "paper" else None  # one float64 copy
     free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
@@ -325,13 +360,14 @@ def _verify_alignment(evaluator, state, result) -> None:
     elements already change the function."""
     from .elements import apply
 
-    outcome = evaluator.check(result.state)
+    outcome = evaluator.check(result.state, result.elements)
     if outcome.ok:
         result.verified_error, result.verified_tolerance = outcome.relative_error, outcome.tolerance
         return
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):
-        alone = evaluator.check(apply(state, [e for e in result.elements if e.group.id == gid]))
+        mine = [e for e in result.elements if e.group.id == gid]
+        alone = evaluator.check(apply(state, mine), mine)
         if not alone.ok:
             culprits.append(f"{gid} (error {alone.relative_error:.1e})")
     raise InvarianceError(

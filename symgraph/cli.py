@@ -18,6 +18,13 @@ MODEL_HELP = ("MODEL is a Hugging Face folder (config.json + weights), a config.
               "'package.module:factory' / 'file.py:factory' returning a module or (module, args[, kwargs]).")
 
 
+_FREE_OUTPUTS = click.option(
+    "--free-outputs", is_flag=True,
+    help="Base models and sentence encoders: outputs that are residual-stream reads (hidden states) may change "
+         "basis by the residual stream's permutation or orthogonal map instead of pinning it; every check compares "
+         "them after undoing that map. Other outputs (pooled, logits) stay pinned.")
+
+
 @click.group(help=f"Find and use the parameter-space symmetries of PyTorch models.\n\n{MODEL_HELP}")
 @click.option("--debug", is_flag=True, help="Show full tracebacks for unexpected errors.")
 @click.pass_context
@@ -32,12 +39,14 @@ def cli(ctx, debug):
 @click.option("--format", "fmt", type=click.Choice(["json", "md", "html"]), default="md", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
 @click.option("--full-depth", is_flag=True, help="Analyse every block even when they repeat (slower, same report).")
-def report(model, config_only, fmt, output, full_depth):
+@_FREE_OUTPUTS
+def report(model, config_only, fmt, output, full_depth, free_outputs):
     from .api import load
     from .render import render
 
     _check_file_output(output, [model])
-    text = render(load(model, config_only=config_only, full_depth=full_depth).report, fmt)
+    text = render(load(model, config_only=config_only, full_depth=full_depth, free_outputs=free_outputs).report,
+                  fmt)
     _emit_text(text, output)
 
 
@@ -46,14 +55,14 @@ def report(model, config_only, fmt, output, full_depth):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
-def transform(model, output, seed, overwrite):
-    from .api import check_transformed, load, transform as transform_state
+@_FREE_OUTPUTS
+def transform(model, output, seed, overwrite, free_outputs):
+    from .api import load, transformed
     from .io import save_model
 
     _check_model_output(output, overwrite, [model])
-    subject = load(model)
-    state = transform_state(subject, seed=seed, verify=False)
-    outcome = check_transformed(subject, state)
+    subject = load(model, free_outputs=free_outputs)
+    state, outcome = transformed(subject, seed)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; "
                f"{_equality(outcome.relative_error, outcome.tolerance, state)})")
@@ -172,9 +181,10 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
 @click.option("--data", help="Data for --learn (e.g. digits, pydoc-chars, FILE.txt, FILE.npz); its training split.")
 @_learn_options
+@_FREE_OUTPUTS
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, stats_path, overwrite, quiet, fold, data, learn, learn_steps, learn_lr, learn_batch_size,
-          learn_t):
+          learn_t, free_outputs):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -182,7 +192,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
     clock = time.perf_counter()
-    subject, anchor_subject = load(source), load(anchor)
+    subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
@@ -262,13 +272,14 @@ def _parse_layers(text):
 @click.option("--samples", default=20, show_default=True, type=int, help="Hypothesis examples per group.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write results.")
-def fuzz(model, samples, seed, json_path):
+@_FREE_OUTPUTS
+def fuzz(model, samples, seed, json_path, free_outputs):
     from .fuzz import fuzz as run_fuzz
 
     if samples < 1:
         raise click.BadParameter("must be at least 1", param_hint="--samples")
     _check_file_output(json_path, [model])
-    result = run_fuzz(model, samples=samples, seed=seed, progress=_print_verdict)
+    result = run_fuzz(model, samples=samples, seed=seed, progress=_print_verdict, free_outputs=free_outputs)
     if json_path is not None:
         _emit_text(json.dumps(result.to_json(), indent=1), json_path)
     status = "all groups invariant" if result.ok else f"{len(result.failures)} group(s) VIOLATE invariance"
@@ -350,9 +361,14 @@ def demo(out_dir, quick, overwrite):
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 @_FOLD_OPTION
 @_learn_options
+@_FREE_OUTPUTS
+@click.option("--workers", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the alignment jobs (one per model per round) run: this process, or a Ray cluster "
+                   "(RAY_ADDRESS or a running `ray start --head`; else a local one for this run). Needs the "
+                   "symgraph[ray] extra. Same result either way.")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          learn_steps, learn_lr, learn_batch_size, learn_t):
+          learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, workers):
     from .merging import merge as run_merge
 
     _check_model_output(output, overwrite, models)
@@ -367,7 +383,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress, frame=frame,
+                       fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
                        learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t))
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)

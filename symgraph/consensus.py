@@ -12,6 +12,10 @@ models) stops falling. The reference never moves: it fixes the frame, and with w
 ``(1, 0, ...)`` the merge returns model 1 itself, parameter for parameter.
 
 Alignment never changes what a model computes: every final state is checked in float64 against its model.
+
+The jobs of each pass (one per model) run in this process or on a Ray cluster (``workers="ray"``,
+:mod:`symgraph.workers`); they return the elements of their move, which are applied here, so the result is the
+same either way.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .elements import Element, apply
 from .errors import InvarianceError
 from .groups import Group
 from .progress import progress_bar
+from .workers import Job, workers as workers_context
 
 #: Alignment modes a merge or a barrier accepts: the modes of :func:`symgraph.alignment.select_groups`, or none.
 ALIGN_MODES = ("full", "paper", "permutation", "none")
@@ -47,16 +52,19 @@ class Consensus:
     rounds: int
     history: list[float]  # weighted mean distance to the consensus after each round (round 0: the first pass)
     seconds: float
+    workers: str = "local"
+    job_seconds: list[float] = dataclasses.field(default_factory=list)  # each alignment job, where it ran
 
     def to_json(self) -> dict:
         return {"reference": self.reference, "rounds": self.rounds, "distances_before": self.distances_before,
-                "distances": self.distances, "history": self.history, "seconds": self.seconds}
+                "distances": self.distances, "history": self.history, "seconds": self.seconds,
+                "workers": self.workers, "job_seconds": self.job_seconds}
 
 
 def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
                        exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
                        progress: bool = True, learner: Callable | None = None, reference: int | None = None,
-                       common: bool = False) -> Consensus:
+                       common: bool = False, workers: str = "local") -> Consensus:
     """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
 
     ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
@@ -66,6 +74,8 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     kept (default: :func:`reference_index`). With ``common`` the frame is then given up for a common one: rounds in
     which *every* model, the reference too, is aligned to the weighted mean of all (generalised Procrustes
     analysis), kept model by model where it comes closer to that mean, while the mean distance keeps falling.
+    ``workers`` is where the alignment jobs run: ``local`` (this process) or ``ray`` (:mod:`symgraph.workers`;
+    needs the ``symgraph[ray]`` extra), with the same result.
 
     Examples
     --------
@@ -79,7 +89,7 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     True
     """
     start = time.perf_counter()
-    states = [_float64_state(s) for s in subjects]
+    states = [float64_state(s.state_dict()) for s in subjects]
     names = shared_float_names(states[0], exclude)
     w = np.asarray(weights, dtype=np.float64)
     reference = reference_index(states, w, names) if reference is None else reference
@@ -89,17 +99,21 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
 
     plan = AlignmentPlan.of(subjects[0], mode, exclude, learner)
     rounds = 0 if learner is not None else rounds
-    bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
-    for i in _others(len(states), reference):
-        states[i] = plan.move(states[i], states[reference])
-        bar.update()
-    bar.close()
-    states, history = _rounds(plan, states, w, names, reference, rounds, tol, progress)
-    if common:
-        states, history = _common_rounds(plan, states, w, names, rounds, tol, progress, history)
-    states = [_verified(s, state) for s, state in zip(subjects, states)]
+    applied: list[list[Element]] = [[] for _ in states]  # per model, every element applied, in order
+    with workers_context(workers, subjects) as runner:
+        bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
+        jobs = (Job(i, states[i], [], states[reference]) for i in _others(len(states), reference))
+        for job, elements in runner.run(plan, jobs):
+            states[job.index], applied[job.index] = apply(job.state, elements), list(elements)
+            bar.update()
+        bar.close()
+        states, history = _rounds(plan, runner, states, applied, w, names, reference, rounds, tol, progress)
+        if common:
+            states, history = _common_rounds(plan, runner, states, applied, w, names, rounds, tol, progress,
+                                             history)
+    states = [_verified(s, state, moves) for s, state, moves in zip(subjects, states, applied)]
     return Consensus(states, reference, before, distances_to_mean(states, w, names), len(history) - 1, history,
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, workers, runner.seconds)
 
 
 @dataclass(frozen=True)
@@ -130,19 +144,19 @@ class AlignmentPlan:
         free = free_cost_members(subject, solve, mode)
         return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode, learner)
 
-    def move(self, source: State, target: State) -> State:
-        """``source`` moved within its groups as close to ``target`` as they allow (same function), then tuned by
-        the learner when there is one."""
+    def elements(self, source: State, target: State) -> list[Element]:
+        """The elements, in order, that move ``source`` within its groups as close to ``target`` as they allow
+        (same function), tuned by the learner when there is one: each acts with every member of its group,
+        excluded parameters included."""
         result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free)
         if self.learner is not None:
             result = self.learner(list(self.solve), source, target, result, self.free)
-        elements = [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
-        return apply(source, elements)
+        return [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
 
 
 def default_reference(subjects: Sequence[Subject], weights: Sequence[float], exclude: frozenset[str]) -> int:
     """The model whose frame a merge keeps by default: :func:`reference_index` of the subjects' states."""
-    states = [_float64_state(s) for s in subjects]
+    states = [float64_state(s.state_dict()) for s in subjects]
     return reference_index(states, np.asarray(weights, dtype=np.float64), shared_float_names(states[0], exclude))
 
 
@@ -170,66 +184,79 @@ def shared_float_names(state: State, exclude: frozenset[str]) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _rounds(plan, states, w, names, reference, rounds, tol, progress) -> tuple[list[State], list[float]]:
+def _rounds(plan, runner, states, applied, w, names, reference, rounds, tol, progress
+            ) -> tuple[list[State], list[float]]:
     """Jacobi rounds while the weighted mean distance to the consensus keeps falling (by more than ``tol`` of
-    itself); a round that does not lower it is discarded. Two models need none."""
+    itself); a round that does not lower it is discarded. Two models need none. ``applied`` (per model, the
+    elements applied so far) is extended in place with each kept move."""
     history = [_weighted(distances_to_mean(states, w, names), w)]
     while len(states) > 2 and len(history) <= rounds:
-        candidate = _jacobi_round(plan, states, w, names, reference, progress)
+        candidate, moves = _jacobi_round(plan, runner, states, applied, w, names, reference, progress)
         score = _weighted(distances_to_mean(candidate, w, names), w)
         if score >= history[-1]:
             break
         states = candidate
+        for done, new in zip(applied, moves):
+            done.extend(new)
         history.append(score)
         if score > history[-2] * (1 - tol):
             break
     return states, history
 
 
-def _common_rounds(plan, states, w, names, rounds, tol, progress, history) -> tuple[list[State], list[float]]:
-    """Rounds in which every model is aligned to the weighted mean of all of them (a frame no model owns), while
-    the weighted mean distance to the consensus falls by more than ``tol`` of itself."""
+def _common_rounds(plan, runner, states, applied, w, names, rounds, tol, progress, history
+                   ) -> tuple[list[State], list[float]]:
+    """Rounds in which every model is aligned to the weighted mean of all of them (a frame no model owns), kept
+    model by model where it comes closer, while the weighted mean distance to the consensus falls by more than
+    ``tol`` of itself. ``applied`` is extended in place with each kept move."""
     for _ in range(rounds):
         target = weighted_mean(states, w, names)
+        candidate, moves = list(states), [[] for _ in states]
         bar = progress_bar(desc=f"common frame ({plan.mode})", total=len(states), enabled=progress)
-        candidate = []
-        for state in states:
-            moved = plan.move(state, target)
-            closer = relative_distance(moved, target, names) < relative_distance(state, target, names)
-            candidate.append(moved if closer else state)
+        for done, elements in runner.run(plan, (Job(i, states[i], applied[i], target) for i in range(len(states)))):
+            moved = apply(done.state, elements)
+            if relative_distance(moved, target, names) < relative_distance(done.state, target, names):
+                candidate[done.index], moves[done.index] = moved, elements
             bar.update()
         bar.close()
         score = _weighted(distances_to_mean(candidate, w, names), w)
         if score >= history[-1]:
             break
         states = candidate
+        for done, new in zip(applied, moves):
+            done.extend(new)
         history = history + [score]
         if score > history[-2] * (1 - tol):
             break
     return states, history
 
 
-def _jacobi_round(plan: AlignmentPlan, states, w, names, reference, progress) -> list[State]:
-    """Every model but the reference aligned to the weighted mean of the others (all from the same old states)."""
-    out = list(states)
-    bar = progress_bar(desc=f"consensus ({plan.mode})", total=len(states) - 1, enabled=progress)
-    for i in _others(len(states), reference):
+def _jacobi_round(plan: AlignmentPlan, runner, states, applied, w, names, reference, progress
+                  ) -> tuple[list[State], list[list[Element]]]:
+    """Every model but the reference aligned to the weighted mean of the others (all from the same old states);
+    the new states, and per model the elements of the move it kept (none if it stayed)."""
+    def job(i: int) -> Job:
         keep = [j for j in range(len(states)) if j != i]
-        target = weighted_mean([states[j] for j in keep], w[keep], names)
-        moved = plan.move(states[i], target)
-        if relative_distance(moved, target, names) < relative_distance(states[i], target, names):
-            out[i] = moved
+        return Job(i, states[i], applied[i], weighted_mean([states[j] for j in keep], w[keep], names))
+
+    out, moves = list(states), [[] for _ in states]
+    bar = progress_bar(desc=f"consensus ({plan.mode})", total=len(states) - 1, enabled=progress)
+    for done, elements in runner.run(plan, map(job, _others(len(states), reference))):
+        moved = apply(done.state, elements)
+        if relative_distance(moved, done.target, names) < relative_distance(done.state, done.target, names):
+            out[done.index], moves[done.index] = moved, elements
         bar.update()
     bar.close()
-    return out
+    return out, moves
 
 
-def _verified(subject: Subject, state: State) -> State:
-    """``state`` with tied names agreeing; raise unless it computes what ``subject`` computes."""
+def _verified(subject: Subject, state: State, elements: Sequence[Element] = ()) -> State:
+    """``state`` with tied names agreeing; raise unless it computes what ``subject`` computes (free outputs:
+    after undoing ``elements``, those applied to get ``state``)."""
     from .verify import Evaluator
 
     state = tie_aliases(subject.model, state)
-    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(state)
+    outcome = Evaluator.of(subject).check(state, elements)
     if not outcome.ok:
         raise InvarianceError(
             f"Aligning {subject.name} changed its outputs (relative error {outcome.relative_error:.2e}, tolerance "
@@ -239,8 +266,8 @@ def _verified(subject: Subject, state: State) -> State:
     return state
 
 
-def _float64_state(subject: Subject) -> State:
-    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in subject.state_dict().items()}
+def float64_state(state: State) -> State:
+    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
 
 
 def _sum_of_squares(state: State, names: Sequence[str]) -> float:

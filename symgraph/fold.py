@@ -125,7 +125,7 @@ def folded_subject(subject, inputs=None):
     model.load_state_dict(result.state, strict=True)
     name = subject.name if subject.name.endswith("(folded)") else f"{subject.name} (folded)"
     return Subject(model, name, subject.args, dict(subject.kwargs), subject.config,
-                   subject.path, subject.config_only)
+                   subject.path, subject.config_only, free_outputs=subject.free_outputs)
 
 
 def residual_note(cap, groups, config_only: bool) -> str | None:

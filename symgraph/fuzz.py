@@ -55,17 +55,19 @@ class FuzzResult:
                 "shapes": self.shapes, "groups": [v.__dict__ for v in self.verdicts]}
 
 
-def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, progress=None) -> FuzzResult:
+def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, progress=None,
+         free_outputs: bool = False) -> FuzzResult:
     """Check every group of ``source`` (anything :func:`symgraph.load` accepts) for invariance.
 
     ``groups`` restricts the check to some groups (default: all of the report); ``progress`` is called with
-    each verdict as it is reached.
+    each verdict as it is reached. With ``free_outputs`` (see :func:`symgraph.load`) free outputs are compared
+    after undoing each element on them.
     """
     from .api import load
 
-    subject = load(source, inputs)
+    subject = load(source, inputs, free_outputs=free_outputs)
     groups = list(subject.report.groups if groups is None else groups)
-    evaluator = Evaluator(subject.model, subject.args, subject.kwargs)
+    evaluator = Evaluator.of(subject)
     state = evaluator.state
     result = FuzzResult(subject.name, evaluator.tolerance, shapes=[shape_summary(p) for p in evaluator.probes])
     for i, group in enumerate(groups):
@@ -75,8 +77,8 @@ def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, 
             progress(verdict)
     rng = np.random.default_rng(seed)
     if groups:
-        joint = apply(state, [sample(g, rng) for g in groups])
-        result.joint_error = evaluator.check(joint).relative_error
+        elements = [sample(g, rng) for g in groups]
+        result.joint_error = evaluator.check(apply(state, elements), elements).relative_error
     return result
 
 
@@ -84,7 +86,7 @@ def check_group(evaluator: Evaluator, state, group, *, samples: int, seed: int) 
     errors = []
 
     def violates(element: Element) -> bool:
-        outcome = evaluator.check(apply(state, [element]))
+        outcome = evaluator.check(apply(state, [element]), [element])
         errors.append(outcome.relative_error)
         return not outcome.ok
 
@@ -94,7 +96,7 @@ def check_group(evaluator: Evaluator, state, group, *, samples: int, seed: int) 
         bad = find(group_elements(group), violates, settings=config, random=random.Random(seed))
     except NoSuchExample:
         return GroupVerdict(group.id, group.motif, group.kind, len(errors), max(errors, default=0.0))
-    error = evaluator.check(apply(state, [bad])).relative_error
+    error = evaluator.check(apply(state, [bad]), [bad]).relative_error
     return GroupVerdict(group.id, group.motif, group.kind, len(errors), max(errors), describe(bad, error))
 
 

@@ -123,6 +123,21 @@ class Group:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class FreeOutput:
+    """A model output whose basis moves with a group (``--free-outputs``; see :mod:`symgraph.outputs`).
+
+    ``member`` is a virtual member (no state dict holds it) along the output's ``axis`` (counted from the end, so
+    it holds at every input shape): an element of ``group`` multiplies the output by what it does to that member.
+    """
+
+    index: int  # position among the model's flattened outputs
+    name: str
+    axis: int
+    group: str = ""
+    member: Member | None = field(default=None, repr=False)
+
+
 @dataclass(frozen=True)
 class PinnedSpace:
     """A set of coordinates no transformation may touch, and why."""

@@ -37,6 +37,7 @@ import torch
 
 from .api import Subject, load, tie_aliases
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
+from .workers import check_workers
 from .errors import DataError, MismatchError, SymgraphError
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
@@ -107,7 +108,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
-          frame: str = "best", progress: bool = True) -> MergeResult:
+          frame: str = "best", progress: bool = True, free_outputs: bool = False,
+          workers: str = "local") -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -152,6 +154,12 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         and A onto B give different merges; ``best`` costs one alignment and one merge per frame tried.
     progress
         Show progress bars (only ever on a terminal).
+    free_outputs
+        Base models and sentence encoders: hidden-state outputs move with the residual stream, which is then
+        aligned too (see :func:`symgraph.load`); the merge's outputs are in the reference model's basis.
+    workers
+        Where the consensus alignment jobs run: ``"local"`` or ``"ray"`` (a Ray cluster; the ``symgraph[ray]``
+        extra), one job per model per round, each reading its model from its folder (:mod:`symgraph.workers`).
 
     Examples
     --------
@@ -165,9 +173,13 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     True
     """
     _check_options(len(models), method, align, data, alpha, rounds, head_from, head, learn, frame)
+    check_workers(workers)
+    if learn and workers != "local":
+        raise SymgraphError("Learned matching runs in this process: it cannot run on --workers ray yet.",
+                            hint="leave out --workers ray, or --learn.")
     w = normalized_weights(weights, len(models))
     clock = _Clock()
-    subjects = [load(m) for m in models]
+    subjects = [load(m, free_outputs=free_outputs) for m in models]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
@@ -176,7 +188,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     tried = []
     for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None):
         consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
-                                       learner=learner, reference=reference, common=common)
+                                       learner=learner, reference=reference, common=common, workers=workers)
         names = shared_float_names(consensus.states[0], exclude)
         merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha,
                                     progress)

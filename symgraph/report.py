@@ -10,7 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .analysis import Analysis
-from .groups import Group, PinnedSpace
+from .groups import FreeOutput, Group, PinnedSpace
+from .outputs import describe as describe_free
 from .spec import load_specs
 
 SCHEMA_VERSION = 1
@@ -31,13 +32,17 @@ class Report:
     parameters: dict[str, tuple[int, ...]]
     unknown_ops: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    free_outputs: tuple[FreeOutput, ...] | None = None  # None: outputs pinned (no --free-outputs)
 
     @classmethod
-    def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = ()) -> "Report":
+    def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = (),
+                      free_outputs: bool = False) -> "Report":
         order = {name: i for i, name in enumerate(load_specs().motifs)}  # the order of specs/motifs.yaml
         groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), order.get(g.motif, len(order)), g.id))
+        if free_outputs:
+            notes = notes + _free_output_notes(analysis)
         return cls(model, tuple(groups), tuple(analysis.pinned), dict(analysis.params),
-                   dict(analysis.unknown_ops), notes)
+                   dict(analysis.unknown_ops), notes, tuple(analysis.free_outputs) if free_outputs else None)
 
     def by_motif(self, motif: str) -> list[Group]:
         return [g for g in self.groups if g.motif == motif]
@@ -70,10 +75,20 @@ class Report:
             "groups": groups,
             "pinned": [p.to_json() for p in self.pinned],
             "notes": list(self.notes),
-        }
+        } | ({} if self.free_outputs is None else {"free_outputs": describe_free(self.free_outputs, self.groups)})
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
+
+
+def _free_output_notes(analysis: Analysis) -> tuple[str, ...]:
+    free = ", ".join(f"{f.name} (group {f.group})" for f in analysis.free_outputs)
+    notes = (f"free outputs: {free}; compared after undoing the group's element on them",) if free else \
+        ("free outputs: none of the outputs is a plain read of the residual stream",)
+    if analysis.fixed_outputs and free:
+        notes += (f"outputs still pinned (not the residual stream's coordinates): "
+                  f"{', '.join(analysis.fixed_outputs)}",)
+    return notes
 
 
 def _numel(shape) -> int:

@@ -33,11 +33,14 @@ class Outcome:
 
 class Evaluator:
     """Runs one model in float64 with substitute parameters on inputs of several shapes; caches the reference
-    outputs. ``shapes=False`` checks the given inputs only."""
+    outputs. ``shapes=False`` checks the given inputs only. ``free_outputs`` (a report's, with ``--free-outputs``)
+    are outputs whose basis moves with a group: :meth:`check` undoes the elements' action on them."""
 
-    def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True):
+    def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True,
+                 free_outputs: tuple = ()):
         from .probes import probe_inputs
 
+        self.free_outputs = tuple(free_outputs or ())
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
@@ -48,32 +51,48 @@ class Evaluator:
             self.references = self.outputs(self.state)
         self.tolerance = TOLERANCE[seen.lowest]
 
-    def outputs(self, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The model's flattened float outputs on each probe input."""
+    @classmethod
+    def of(cls, subject, **kwargs) -> "Evaluator":
+        """The evaluator of a :class:`~symgraph.api.Subject`, with its free outputs when it asked for them."""
+        free = subject.report.free_outputs if getattr(subject, "free_outputs", False) else ()
+        return cls(subject.model, subject.args, subject.kwargs, free_outputs=free, **kwargs)
+
+    def outputs(self, state: dict[str, torch.Tensor], transforms: dict | None = None) -> list[torch.Tensor]:
+        """The model's flattened float outputs on each probe input; ``transforms`` (output index -> matrix, from
+        :func:`symgraph.outputs.output_transforms`) are undone on the free outputs first."""
         state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
         for names in self.aliases:  # tied weights: whichever name was transformed speaks for all
             changed = [n for n in names if state[n] is not self.state[n]]
             for n in names:
                 state[n] = state[changed[0] if changed else names[0]]
-        return [self._run(state, args, kwargs) for args, kwargs in self.probes]
+        return [self._run(state, args, kwargs, transforms) for args, kwargs in self.probes]
 
-    def _run(self, state, args, kwargs) -> torch.Tensor:
+    def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
         with torch.no_grad():
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
-        return flat_outputs(out)
+        return flat_outputs(out, self.free_outputs, transforms)
 
-    def check(self, state: dict[str, torch.Tensor]) -> Outcome:
+    def check(self, state: dict[str, torch.Tensor], elements=()) -> Outcome:
         """Compare outputs at every probe shape (the worst relative error counts); parameters stored in a lower
-        precision (a float32 copy) widen the tolerance."""
+        precision (a float32 copy) widen the tolerance. ``elements``: those applied to get ``state``, in order
+        (free outputs are compared after undoing them; other outputs must not need it)."""
+        from .outputs import output_transforms
+
+        transforms = output_transforms(self.free_outputs, elements) if self.free_outputs else None
         err = max(float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-                  for out, ref in zip(self.outputs(state), self.references))
+                  for out, ref in zip(self.outputs(state, transforms), self.references))
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         return Outcome(err, max([self.tolerance, *stored]))
 
 
-def flat_outputs(out) -> torch.Tensor:
-    """Every float tensor of a model's output (a tensor, tuple or ModelOutput), flattened into one float64 vector."""
+def flat_outputs(out, free_outputs=(), transforms=None) -> torch.Tensor:
+    """Every float tensor of a model's output (a tensor, tuple or ModelOutput), flattened into one float64 vector;
+    with ``transforms`` the free outputs are first moved back (:func:`symgraph.outputs.undo`)."""
+    from .outputs import undo
+
     leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
+    if transforms:
+        leaves = undo(leaves, free_outputs, transforms)
     return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
                       if isinstance(t, torch.Tensor) and t.is_floating_point()])
 

@@ -35,6 +35,8 @@ class Analysis:
     pinned: list[PinnedSpace]
     unknown_ops: dict[str, int] = field(default_factory=dict)
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    free_outputs: list = field(default_factory=list)  # FreeOutput records (--free-outputs)
+    fixed_outputs: list[str] = field(default_factory=list)  # outputs that stay pinned although free ones were asked
 
 
 class Assembler:

@@ -20,14 +20,17 @@ from ..capture import Capture, data_values
 from ..errors import AnalysisError, SymgraphError
 from ..spec import OpSpec, Specs, load_specs
 from . import rules
-from .constraints import Constraints
-from .labels import Chan, IdSpace, Value, collapse, param_channels
+from ..outputs import output_names, virtual_name
+from .constraints import ORTHOGONAL, Constraints
+from .labels import Chan, IdSpace, Value, chan_axes, collapse, param_channels
 from .mixing import resolve as resolve_mixed
 
 
 class Walker:
-    def __init__(self, cap: Capture, specs: Specs | None = None):
+    def __init__(self, cap: Capture, specs: Specs | None = None, free_outputs: frozenset[int] = frozenset()):
         self.cap = cap
+        self.free_outputs = free_outputs  # indices of flattened outputs that may move with the residual stream
+        self.free_sites: dict[str, tuple[int, str, int]] = {}  # virtual parameter -> (index, name, axis)
         self.specs = specs or load_specs()
         self.ids = IdSpace()
         self.c = Constraints()
@@ -129,12 +132,39 @@ class Walker:
 
     def _output(self, node: fx.Node) -> None:
         self._mark_read(_flat_values(node, self.values))
-        for v in _flat_values(node, self.values):
+        names = output_names(self.cap) if self.free_outputs else []
+        for index, leaf in enumerate(node.args[0] if isinstance(node.args[0], (list, tuple)) else node.args):
+            v = self.values.get(leaf.name) if isinstance(leaf, fx.Node) else None
+            if not isinstance(v, Value):
+                continue
+            if index in self.free_outputs and self._free_output(index, names[index], v, node):
+                continue
             if v.points_to is not None:
                 self.c.pin(v.points_to, "indices into this axis are a model output", node.name)
             for c in v.chans:
                 c = self.resolve(c, node.name)
                 self.c.pin(c.ids, "observable model output", node.name)
+
+    def _free_output(self, index: int, name: str, v: Value, node: fx.Node) -> bool:
+        """Tie an output that is exactly a set of coordinates (one clean channel, varying along one axis, each
+        coordinate once) to a virtual vector and keep its transformations isometric; False leaves it pinned."""
+        if v.points_to is not None or len(v.chans) != 1 or v.shape is None:
+            return False
+        c = v.chans[0]
+        if c.mixed or c.block or c.weight or c.degree != 1:
+            return False
+        axes = chan_axes(c)
+        if len(axes) != 1:
+            return False
+        axis = next(iter(axes))
+        ids = c.ids.expand(v.shape).movedim(axis, -1).reshape(-1, v.shape[axis])[0]
+        if bool((ids < 0).any()) or len(torch.unique(ids)) != len(ids):
+            return False
+        owner = virtual_name(name)
+        self.c.tie(self.ids.allocate(len(ids), owner=owner), ids, node=node.name)
+        self.c.restrict(ids, ORTHOGONAL, f"the free output {name} may only move by an isometry", node.name)
+        self.free_sites[owner] = (index, name, axis - len(v.shape))
+        return True
 
     def _materialise_squares(self, node: fx.Node) -> None:
         """Give squared channels (kept as ``x``'s ids so a reduction can recognise a norm) ids of their own

@@ -1,0 +1,80 @@
+"""Free outputs: model outputs whose basis may move with the residual stream (``--free-outputs``).
+
+A base model or sentence encoder returns hidden states, so by default the output pins the residual stream and
+nothing can align it. With free outputs, an output that is exactly a residual read (one channel, varying along one
+axis, every element one coordinate of the stream: hidden states, or a final norm of them) is not pinned; the
+analysis instead ties it to a *virtual* vector, as if a bias-like parameter sat at the output, and restricts its
+coordinates to isometries (no per-coordinate scale survives, so cosine similarities of embeddings are kept). The
+group that then reaches the virtual vector is the transformation ``T`` of that output: the model's output becomes
+``T y``. Only the residual-stream group may reach an output; any other (a pooler's units behind a ``tanh``, a
+vocabulary axis of logits) makes the analysis pin that output again, as without the option.
+
+The virtual members are taken out of the groups (no state dict holds them) and kept as :class:`FreeOutput`
+records; verification applies the same elements to an identity matrix along the virtual member and undoes ``T``
+on the model's output before comparing, so every check stays exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from .groups import FreeOutput
+
+VIRTUAL = "<output>"  # prefix of the virtual parameters tied to free outputs; no state dict key starts with it
+
+
+def output_names(cap) -> list[str]:
+    """A name per flattened output of the captured program (``last_hidden_state``, ``0``, ...)."""
+    spec = cap.program.call_spec.out_spec
+    if spec is None:
+        return []
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    return [pytree.keystr(path).strip("[]'\".") or str(i)
+            for i, (path, _) in enumerate(pytree.tree_flatten_with_path(tree)[0])]
+
+
+def virtual_name(output: str) -> str:
+    return f"{VIRTUAL}{output}"
+
+
+def is_virtual(param: str) -> bool:
+    return param.startswith(VIRTUAL)
+
+
+def output_transforms(free: tuple[FreeOutput, ...], elements) -> dict[int, torch.Tensor]:
+    """Output index -> the matrix ``T`` (float64) that ``elements``, applied in order, multiply that output by."""
+    from .elements import Element, apply
+
+    out = {}
+    for f in free:
+        acting = [Element(dataclasses.replace(e.group, members=(f.member,)), e.matrices, e.perm, e.diag)
+                  for e in elements if e.group.id == f.group]
+        if acting:
+            size = int(f.member.index.size)
+            eye = {f.member.param: torch.eye(size, dtype=torch.float64)}
+            out[f.index] = apply(eye, acting)[f.member.param]
+    return out
+
+
+def undo(leaves: list, free: tuple[FreeOutput, ...], transforms: dict[int, torch.Tensor]) -> list:
+    """``leaves`` with ``T^{-1}`` applied to each free output along its axis (the outputs of the original model,
+    if the transformed one is sound)."""
+    out = list(leaves)
+    for f in free:
+        t = transforms.get(f.index)
+        if t is None:
+            continue
+        y = out[f.index].to(torch.float64).movedim(f.axis, -1)
+        out[f.index] = torch.linalg.solve(t, y.unsqueeze(-1)).squeeze(-1).movedim(-1, f.axis)
+    return out
+
+
+def describe(free: tuple[FreeOutput, ...], groups) -> list[dict]:
+    """The report's ``free_outputs`` entries: which output, along which axis, under which group."""
+    kinds = {g.id: g for g in groups}
+    return [{"output": f.name, "index": f.index, "axis": f.axis, "group": f.group,
+             "kind": kinds[f.group].kind if f.group in kinds else None,
+             "size": int(np.asarray(f.member.index).size)} for f in free]
