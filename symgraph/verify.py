@@ -9,6 +9,7 @@ fp32 internally).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -41,7 +42,8 @@ class Evaluator:
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
-        self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
+        with float64_default():
+            self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
         with _LowestFloat() as seen:
@@ -58,7 +60,7 @@ class Evaluator:
         return [self._run(state, args, kwargs) for args, kwargs in self.probes]
 
     def _run(self, state, args, kwargs) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), float64_default():
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
         return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
@@ -71,6 +73,18 @@ class Evaluator:
                   for out, ref in zip(self.outputs(state), self.references))
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         return Outcome(err, max([self.tolerance, *stored]))
+
+
+@contextlib.contextmanager
+def float64_default():
+    """Make float64 the default dtype while the float64 copy runs: model code that builds constants in the
+    default dtype (XGLM's ``torch.full((), finfo(float64).min)``) would overflow float32 otherwise."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _to64(x):
