@@ -99,7 +99,7 @@ SHRINK = {
 }
 EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
     "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2), "codegen": dict(rotary_dim=8),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4), "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
     "recurrent_gemma": dict(lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"]),
     "hunyuan_v1_moe": dict(moe_topk=[2, 2]), "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"]),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_d_head=16, mamba_n_heads=4),
@@ -189,6 +189,8 @@ def shrunk(fields: dict, model_type: str) -> dict:
     for key in SPECIAL_TOKENS:  # special ids must fit the tiny vocabulary
         if isinstance(fields.get(key), int) and isinstance(vocab, int) and fields[key] >= vocab:
             out[key] = min(3 + SPECIAL_TOKENS.index(key), vocab - 1)
+    if "kv_lora_rank" in fields:  # multi-head latent attention: as many key heads as query heads, rotary head dim
+        out.update(num_key_value_heads=SHRINK["num_attention_heads"], head_dim=SHRINK["qk_rope_head_dim"])
     if "layer_types" in fields and isinstance(fields["layer_types"], list):
         out["layer_types"] = fields["layer_types"][:2]
     return out
@@ -278,8 +280,13 @@ class Checker:
         import torch
         from torch.utils._pytree import tree_flatten
 
-        with torch.no_grad():
-            out = torch.func.functional_call(self.model, state, (), kwargs, tie_weights=False)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # constants built in the default dtype (XGLM) fit float64 values
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(self.model, state, (), kwargs, tie_weights=False)
+        finally:
+            torch.set_default_dtype(previous)
         leaves = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
         return torch.cat([t.reshape(-1).double() for t in leaves if hasattr(t, "is_floating_point")
                           and t.is_floating_point()])

@@ -9,6 +9,7 @@ fp32 internally).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -44,7 +45,8 @@ class Evaluator:
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
-        self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
+        with float64_default():
+            self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
         with _LowestFloat() as seen:
@@ -68,7 +70,7 @@ class Evaluator:
         return [self._run(state, args, kwargs, transforms) for args, kwargs in self.probes]
 
     def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), float64_default():
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         return flat_outputs(out, self.free_outputs, transforms)
 
@@ -95,6 +97,18 @@ def flat_outputs(out, free_outputs=(), transforms=None) -> torch.Tensor:
         leaves = undo(leaves, free_outputs, transforms)
     return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
                       if isinstance(t, torch.Tensor) and t.is_floating_point()])
+
+
+@contextlib.contextmanager
+def float64_default():
+    """Make float64 the default dtype while the float64 copy runs: model code that builds constants in the
+    default dtype (XGLM's ``torch.full((), finfo(float64).min)``) would overflow float32 otherwise."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _to64(x):

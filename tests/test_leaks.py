@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel
 
 import symgraph
 from symgraph.elements import apply, sample
+from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
 
 from cli_runner import run
@@ -111,6 +112,16 @@ def test_unknown_op_on_the_query_key_path_keeps_values_per_head(model_type, head
     assert value_groups
     for g in value_groups:  # on value rows: per-head GL (or a permutation of whole heads), never across heads
         assert g.kind == "permutation" or (g.motif == "vo" and g.size == head_dim), (g.id, g.kind, g.size)
+
+
+def test_float64_checks_run_code_that_builds_constants_in_the_default_dtype(subjects):
+    # XGLM clamps scores with torch.full((), finfo(scores.dtype).min): a float64 minimum in a default-dtype
+    # (float32) tensor overflowed, so transform and fuzz crashed instead of checking
+    subject = subjects("xglm")
+    assert torch.get_default_dtype() == torch.float32
+    state = symgraph.transform(subject, seed=0)
+    assert set(state) == set(subject.state_dict()) and torch.get_default_dtype() == torch.float32
+    assert fuzz(subject, samples=2).ok
 
 
 def test_full_width_qk_norm_moves_with_the_heads(subjects):
