@@ -417,10 +417,9 @@ def _pin_operands(w, node, values, why: str) -> Value:
 
 
 def rule_attention(w, node: fx.Node, spec) -> Value:
-    args = list(node.args) + [None] * (8 - len(node.args))
-    q, k, v = (w.value(a) for a in args[:3])
-    mask = node.kwargs.get("attn_mask", args[3])
-    gqa = node.kwargs.get("enable_gqa", args[7]) or False
+    args = _schema_args(node)
+    q, k, v = (w.value(args[name]) for name in ("query", "key", "value"))
+    mask, gqa = args["attn_mask"], args["enable_gqa"]
     qs, ks, vs = q.shape, k.shape, v.shape
     if gqa and ks[-3] != qs[-3]:
         rep = qs[-3] // ks[-3]
@@ -450,8 +449,8 @@ def _repeat_heads(v: Value, rep: int) -> Value:
 
 # -- arithmetic ------------------------------------------------------------------------------------------------
 def rule_add(w, node: fx.Node, spec) -> Value:
-    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
-    alpha = node.kwargs.get("alpha", 1)
+    a, b = _self_and_other(w, node)
+    alpha = schema_arg(node, "alpha", 1)
     if alpha != 1 and isinstance(b, Value):
         b = Value(chans=[c.scaled(float(alpha)) for c in b.chans], data=b.data, shape=b.shape,
                   invariant=b.invariant)
@@ -459,7 +458,7 @@ def rule_add(w, node: fx.Node, spec) -> Value:
 
 
 def rule_sub(w, node: fx.Node, spec) -> Value:
-    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
+    a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
     if isinstance(b, Value):
@@ -528,11 +527,11 @@ def _nonzero(data) -> bool:
 
 
 def rule_mul(w, node: fx.Node, spec) -> Value:
-    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=False)
+    return _product(w, node, *_self_and_other(w, node), divide=False)
 
 
 def rule_div(w, node: fx.Node, spec) -> Value:
-    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=True)
+    return _product(w, node, *_self_and_other(w, node), divide=True)
 
 
 def _product(w, node, a, b, divide: bool) -> Value:
@@ -779,11 +778,11 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
 
 
 def rule_reduce(w, node: fx.Node, spec) -> Value:
-    x = w.value(node.args[0])
-    dims = node.args[1] if len(node.args) > 1 else None
+    args = _schema_args(node)
+    x, dims = w.value(args["self"]), args.get("dim")  # sum.default and mean.default have no dim: every axis
     rank = len(x.shape)
     axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
-    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    keepdim = bool(args.get("keepdim", False))
     out_shape = _shape_of(node)
     passed, invariant = [], False
     for c in x.chans:
@@ -814,8 +813,8 @@ def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
 
 
 def rule_softmax(w, node: fx.Node, spec) -> Value:
-    x = w.value(node.args[0])
-    return _softmax_value(w, node, x, node.args[1] % len(x.shape))
+    x = w.value(schema_arg(node, "self"))
+    return _softmax_value(w, node, x, schema_arg(node, "dim") % len(x.shape))
 
 
 def _softmax_value(w, node, x: Value, axis: int) -> Value:
@@ -847,9 +846,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
 
 
 def rule_embedding(w, node: fx.Node, spec) -> Value:
-    table, indices = w.value(node.args[0]), node.args[1]
+    table = w.value(schema_arg(node, "weight"))
     out_shape = _shape_of(node)
-    del indices
     chans = []
     for c in table.chans:
         if 0 in chan_axes(c):
@@ -869,10 +867,10 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     ``dim``'s coordinates, so a consumer that follows them (one_hot, gather) can move with those coordinates.
     Channels along any other axis are pinned.
     """
-    x = w.value(node.args[0])
+    args = _schema_args(node)
+    x = w.value(args["self"])
     rank = len(x.shape)
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % rank
-    ordered = node.args[4] if len(node.args) > 4 else node.kwargs.get("sorted", True)
+    dim, ordered = args["dim"] % rank, args["sorted"]
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
     followable = ordered or _order_blind(node, dim - rank)
     pointed = None
@@ -911,13 +909,15 @@ def _order_blind(topk: fx.Node, k_axis: int) -> bool:
         if node.target is operator.getitem or (target in _ELEMENTWISE and _alike_along(node, k, reached)):
             todo += [(user, k) for user in node.users]
         elif target == "aten.one_hot.default" or (
-                target == "aten.unsqueeze.default" and node.args[1] in (-1, len(node.meta["val"].shape) - 1)):
+                target == "aten.unsqueeze.default"
+                and schema_arg(node, "dim") in (-1, len(node.meta["val"].shape) - 1)):
             todo += [(user, k - 1) for user in node.users]  # a new last axis
-        elif target == "aten.gather.default" and node.args[2] in reached and node.args[0] not in reached:
+        elif (target == "aten.gather.default" and schema_arg(node, "index") in reached
+              and schema_arg(node, "self") not in reached):
             todo += [(user, k) for user in node.users]
         elif target in _SUMS:
-            rank = len(node.args[0].meta["val"].shape)
-            if k % rank not in {d % rank for d in node.args[1]}:
+            rank = len(schema_arg(node, "self").meta["val"].shape)
+            if k % rank not in {d % rank for d in schema_arg(node, "dim")}:
                 return False
         else:
             return False
@@ -946,8 +946,7 @@ def _alike_along(node: fx.Node, k: int, reached: set[fx.Node]) -> bool:
 def rule_one_hot(w, node: fx.Node, spec) -> Value:
     """One-hot of indices into a labelled axis: the new last axis carries that axis' coordinates (a routing
     matrix whose column ``e`` is expert ``e``)."""
-    index = w.value(node.args[0])
-    classes = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+    index, classes = w.value(schema_arg(node, "self")), schema_arg(node, "num_classes")
     out_shape = _shape_of(node)
     if index.points_to is None or classes != len(index.points_to):
         return _pin_moved(w, node, "one-hot width differs from the axis its indices point into")
@@ -962,10 +961,11 @@ _GATHER_AS_MOVEMENT = MovementSpec(rule="movement")
 def rule_gather(w, node: fx.Node, spec) -> Value:
     """``gather(x, dim, index)``: with indices that point into ``x``'s own labelled ``dim`` (routing weights read
     at the chosen experts), the result follows the coordinates and is invariant; otherwise a movement."""
-    x, index = w.value(node.args[0]), w.value(node.args[2])
+    args = _schema_args(node)
+    x, index = w.value(args["self"]), w.value(args["index"])
     if index is None or index.points_to is None:
         return rule_movement(w, node, _GATHER_AS_MOVEMENT)
-    dim = node.args[1] % len(x.shape)
+    dim = args["dim"] % len(x.shape)
     rank = len(x.shape)
     along = [c for c in x.chans if chan_axes(c) == {dim} and not c.mixed and not c.block]
     if len(x.chans) == 1 and along and torch.equal(
@@ -978,6 +978,12 @@ def rule_gather(w, node: fx.Node, spec) -> Value:
 def schema_arg(node: fx.Node, name: str, default=None):
     """The argument ``name`` of an ATen call, positional or keyword, read through the op's schema."""
     return _schema_args(node).get(name, default)
+
+
+def _self_and_other(w, node: fx.Node) -> tuple:
+    """The two operands of an elementwise binary op (schema arguments ``self`` and ``other``)."""
+    args = _schema_args(node)
+    return _operand(w, args["self"]), _operand(w, args["other"])
 
 
 def _operand(w, arg):
