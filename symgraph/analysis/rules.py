@@ -872,7 +872,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     rank = len(x.shape)
     dim, ordered = args["dim"] % rank, args["sorted"]
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
-    followable = ordered or _order_blind(node, dim - rank)
+    followable = ordered or _order_blind(w.specs, node, dim - rank)
     pointed = None
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -887,35 +887,28 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
 
 
-# Ops that treat every position of the top-k axis alike (its order passes through unchanged).
-_ELEMENTWISE = frozenset({"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
-                          "aten.add.Tensor", "aten.sub.Tensor", "aten.to.dtype", "aten._to_copy.default",
-                          "aten.type_as.default", "aten.clone.default", "aten.sigmoid.default",
-                          "aten.exp.default", "aten.softmax.int", "aten._softmax.default"})
-_SUMS = frozenset({"aten.sum.dim_IntList", "aten.mean.dim"})
-
-
-def _order_blind(topk: fx.Node, k_axis: int) -> bool:
+def _order_blind(specs, topk: fx.Node, k_axis: int) -> bool:
     """Whether every use of ``topk``'s outputs is blind to the order along the top-k axis (``k_axis``, counted
-    from the end): elementwise maths among them or with values constant along that axis, one-hot, gathering by
-    the indices, up to a sum over that axis."""
+    from the end): equivariant maths (specs/ops.yaml) among them or with values constant along that axis,
+    one-hot, gathering by the indices, up to a sum over that axis."""
     reached = _descendants(topk)
     todo = [(user, k_axis) for user in topk.users]
     while todo:
         node, k = todo.pop()
-        target = str(node.target)
-        if target == "aten._assert_tensor_metadata.default":
+        spec = specs.op(str(node.target))
+        rule = spec.rule if spec is not None else None
+        if rule == "ignore":
             continue
-        if node.target is operator.getitem or (target in _ELEMENTWISE and _alike_along(node, k, reached)):
+        if node.target is operator.getitem or (getattr(spec, "equivariant", False) and _alike_along(node, k, reached)):
             todo += [(user, k) for user in node.users]
-        elif target == "aten.one_hot.default" or (
-                target == "aten.unsqueeze.default"
+        elif rule == "one_hot" or (
+                str(node.target) == "aten.unsqueeze.default"
                 and schema_arg(node, "dim") in (-1, len(node.meta["val"].shape) - 1)):
             todo += [(user, k - 1) for user in node.users]  # a new last axis
-        elif (target == "aten.gather.default" and schema_arg(node, "index") in reached
+        elif (rule == "gather" and schema_arg(node, "index") in reached
               and schema_arg(node, "self") not in reached):
             todo += [(user, k) for user in node.users]
-        elif target in _SUMS:
+        elif rule == "reduce" and schema_arg(node, "dim") is not None:
             rank = len(schema_arg(node, "self").meta["val"].shape)
             if k % rank not in {d % rank for d in schema_arg(node, "dim")}:
                 return False
