@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .analysis import Analysis
 from .groups import Group, PinnedSpace
-from .spec import load_specs
+from .spec import motif_order
 
 SCHEMA_VERSION = 1
 
@@ -34,8 +34,7 @@ class Report:
 
     @classmethod
     def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = ()) -> "Report":
-        order = {name: i for i, name in enumerate(load_specs().motifs)}  # the order of specs/motifs.yaml
-        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), order.get(g.motif, len(order)), g.id))
+        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), motif_order(g.motif), g.id))
         return cls(model, tuple(groups), tuple(analysis.pinned), dict(analysis.params),
                    dict(analysis.unknown_ops), notes)
 

@@ -192,6 +192,12 @@ class Specs(_Frozen):
         return self.ops.get(name)
 
 
+def motif_order(motif: str) -> int:
+    """Where ``motif`` comes in specs/motifs.yaml (reports list a layer's groups in that order); unknown: last."""
+    names = list(load_specs().motifs)
+    return names.index(motif) if motif in names else len(names)
+
+
 def aten_op(name: str) -> torch._ops.OpOverload:
     """The overload an op name such as ``aten.linear.default`` stands for; ValueError if there is none."""
     try:
