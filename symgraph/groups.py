@@ -27,7 +27,6 @@ Action = Literal["primal", "dual", "permute"]
 ScaleAttr = Literal["positive", "nonzero", "sign"]
 
 KINDS: tuple[str, ...] = ("general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale")
-MOTIFS: tuple[str, ...] = ("qk", "vo", "heads", "ffn", "experts", "residual", "scale_free", "other")
 
 
 @dataclass(frozen=True, eq=False)

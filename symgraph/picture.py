@@ -25,12 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .groups import MOTIFS, Group, Member
+from .groups import Group, Member
+from .spec import motif_order
 from .report import Report
 
 __all__ = ["ACTION_STYLES", "MOTIF_COLOURS", "to_svg"]
 
-MOTIF_COLOURS = dict(zip(MOTIFS, ("#4477aa", "#ee6677", "#aa3377", "#228833", "#ccbb44", "#66ccee", "#777777")))
+MOTIF_COLOURS = {"qk": "#4477aa", "vo": "#ee6677", "heads": "#aa3377", "ffn": "#228833", "experts": "#ccbb44",
+                 "residual": "#66ccee", "scale_free": "#777777"}  # other motifs: grey
 ACTION_STYLES = {  # how a span is filled: the legend shows the same three swatches
     "primal": "solid: the slice transforms like the activation (rows of a linear layer, its bias)",
     "dual": "hatched: the slice is contracted with the activation (columns of a linear layer)",
@@ -215,7 +217,7 @@ def _contiguous(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _motif_order(motif: str) -> int:
-    return MOTIFS.index(motif) if motif in MOTIFS else len(MOTIFS)
+    return motif_order(motif)
 
 
 # ----------------------------------------------------------------------------------------------------------------

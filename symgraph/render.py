@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .errors import SymgraphError
-from .groups import MOTIFS, Group, Member, PinnedSpace
+from .groups import Group, Member, PinnedSpace
+from .spec import motif_order
 from .report import Report, solver_for
 
 __all__ = ["render", "to_html", "to_markdown"]
@@ -449,7 +450,7 @@ _CAPTION = ("One row per parameter, in model order; repeated blocks are drawn on
 def _legend_html(report: Report) -> str:
     from .picture import ACTION_STYLES, MOTIF_COLOURS
 
-    motifs = sorted({g.motif for g in report.groups}, key=lambda m: MOTIFS.index(m) if m in MOTIFS else 99)
+    motifs = sorted({g.motif for g in report.groups}, key=motif_order)
     chips = "".join(f'<span class="chip" style="background:{MOTIF_COLOURS.get(m, "#999999")}"></span>'
                     f"<b>{_esc(m)}</b> {_esc(MOTIF_TEXT.get(m, ''))}<br>" for m in motifs)
     actions = "".join(f'<span class="swatch {a}"></span><b>{a}</b>: {_esc(text)}<br>'

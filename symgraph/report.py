@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .analysis import Analysis
 from .groups import FreeOutput, Group, PinnedSpace
 from .outputs import describe as describe_free
-from .spec import load_specs
+from .spec import motif_order
 
 SCHEMA_VERSION = 1
 
@@ -37,8 +37,7 @@ class Report:
     @classmethod
     def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = (),
                       free_outputs: bool = False) -> "Report":
-        order = {name: i for i, name in enumerate(load_specs().motifs)}  # the order of specs/motifs.yaml
-        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), order.get(g.motif, len(order)), g.id))
+        groups = sorted(analysis.groups, key=lambda g: (_layer_index(g.layer), motif_order(g.motif), g.id))
         if free_outputs:
             notes = notes + _free_output_notes(analysis)
         return cls(model, tuple(groups), tuple(analysis.pinned), dict(analysis.params),

@@ -30,14 +30,20 @@ class _Frozen(BaseModel):
         return ()
 
 
-class PlainSpec(_Frozen):
+class _Equivariant(_Frozen):
+    # permuting the positions along any axis of the inputs permutes the output alike (elementwise maps, softmax):
+    # the order along a top-k axis passes through the op (unflagged ops are assumed to see it: sound, fewer groups)
+    equivariant: bool = False
+
+
+class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
     rule: Literal["attention", "add", "mul", "div", "layer_norm", "batch_norm", "pad", "reduce", "softmax",
                   "embedding", "ignore", "topk", "one_hot", "gather"]
 
 
-class MovementSpec(_Frozen):
+class MovementSpec(_Equivariant):
     rule: Literal["movement"]
     concatenates: bool = False  # pieces joined along `dim`: pieces carrying the same coordinates are tied
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
@@ -50,12 +56,12 @@ class MovementSpec(_Frozen):
         return name
 
 
-class IdentitySpec(_Frozen):
+class IdentitySpec(_Equivariant):
     rule: Literal["identity"]
     negates: bool = False  # the output is minus the input (indices through it no longer point anywhere)
 
 
-class SubSpec(_Frozen):
+class SubSpec(_Equivariant):
     rule: Literal["sub"]
     swapped: bool = False  # the second argument minus the first (rsub)
 
@@ -69,7 +75,7 @@ class WhereSpec(_Frozen):
         return (self.condition, *self.choices)
 
 
-class MapSpec(_Frozen):
+class MapSpec(_Equivariant):
     """Elementwise maps of each coordinate (activations), or of each channel over its positions (pooling)."""
 
     rule: Literal["activation", "pool"]
@@ -184,6 +190,12 @@ class Specs(_Frozen):
 
     def op(self, name: str) -> OpSpec | None:
         return self.ops.get(name)
+
+
+def motif_order(motif: str) -> int:
+    """Where ``motif`` comes in specs/motifs.yaml (reports list a layer's groups in that order); unknown: last."""
+    names = list(load_specs().motifs)
+    return names.index(motif) if motif in names else len(names)
 
 
 def aten_op(name: str) -> torch._ops.OpOverload:

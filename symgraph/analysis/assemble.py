@@ -266,7 +266,8 @@ class Assembler:
                 for ids in arrays:
                     mark[self.cls[ids]] = True
                 self._class_tags[tag] = mark
-        return self.specs.motif_for(family, lambda tag: tag in self._class_tags and self._class_tags[tag][classes].any())
+        tags = self._class_tags
+        return self.specs.motif_for(family, lambda tag: tag in tags and bool(tags[tag][classes].any()))
 
     def _emit(self, items: list[dict]) -> list[Group]:
         first = items[0]

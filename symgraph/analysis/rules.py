@@ -417,10 +417,9 @@ def _pin_operands(w, node, values, why: str) -> Value:
 
 
 def rule_attention(w, node: fx.Node, spec) -> Value:
-    args = list(node.args) + [None] * (8 - len(node.args))
-    q, k, v = (w.value(a) for a in args[:3])
-    mask = node.kwargs.get("attn_mask", args[3])
-    gqa = node.kwargs.get("enable_gqa", args[7]) or False
+    args = _schema_args(node)
+    q, k, v = (w.value(args[name]) for name in ("query", "key", "value"))
+    mask, gqa = args["attn_mask"], args["enable_gqa"]
     qs, ks, vs = q.shape, k.shape, v.shape
     if gqa and ks[-3] != qs[-3]:
         rep = qs[-3] // ks[-3]
@@ -450,8 +449,8 @@ def _repeat_heads(v: Value, rep: int) -> Value:
 
 # -- arithmetic ------------------------------------------------------------------------------------------------
 def rule_add(w, node: fx.Node, spec) -> Value:
-    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
-    alpha = node.kwargs.get("alpha", 1)
+    a, b = _self_and_other(w, node)
+    alpha = schema_arg(node, "alpha", 1)
     if alpha != 1 and isinstance(b, Value):
         b = Value(chans=[c.scaled(float(alpha)) for c in b.chans], data=b.data, shape=b.shape,
                   invariant=b.invariant)
@@ -459,7 +458,7 @@ def rule_add(w, node: fx.Node, spec) -> Value:
 
 
 def rule_sub(w, node: fx.Node, spec) -> Value:
-    a, b = _operand(w, node.args[0]), _operand(w, node.args[1])
+    a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
     if isinstance(b, Value):
@@ -528,11 +527,11 @@ def _nonzero(data) -> bool:
 
 
 def rule_mul(w, node: fx.Node, spec) -> Value:
-    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=False)
+    return _product(w, node, *_self_and_other(w, node), divide=False)
 
 
 def rule_div(w, node: fx.Node, spec) -> Value:
-    return _product(w, node, _operand(w, node.args[0]), _operand(w, node.args[1]), divide=True)
+    return _product(w, node, *_self_and_other(w, node), divide=True)
 
 
 def _product(w, node, a, b, divide: bool) -> Value:
@@ -779,11 +778,11 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
 
 
 def rule_reduce(w, node: fx.Node, spec) -> Value:
-    x = w.value(node.args[0])
-    dims = node.args[1] if len(node.args) > 1 else None
+    args = _schema_args(node)
+    x, dims = w.value(args["self"]), args.get("dim")  # sum.default and mean.default have no dim: every axis
     rank = len(x.shape)
     axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
-    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    keepdim = bool(args.get("keepdim", False))
     out_shape = _shape_of(node)
     passed, invariant = [], False
     for c in x.chans:
@@ -814,8 +813,8 @@ def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
 
 
 def rule_softmax(w, node: fx.Node, spec) -> Value:
-    x = w.value(node.args[0])
-    return _softmax_value(w, node, x, node.args[1] % len(x.shape))
+    x = w.value(schema_arg(node, "self"))
+    return _softmax_value(w, node, x, schema_arg(node, "dim") % len(x.shape))
 
 
 def _softmax_value(w, node, x: Value, axis: int) -> Value:
@@ -847,9 +846,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
 
 
 def rule_embedding(w, node: fx.Node, spec) -> Value:
-    table, indices = w.value(node.args[0]), node.args[1]
+    table = w.value(schema_arg(node, "weight"))
     out_shape = _shape_of(node)
-    del indices
     chans = []
     for c in table.chans:
         if 0 in chan_axes(c):
@@ -869,12 +867,12 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     ``dim``'s coordinates, so a consumer that follows them (one_hot, gather) can move with those coordinates.
     Channels along any other axis are pinned.
     """
-    x = w.value(node.args[0])
+    args = _schema_args(node)
+    x = w.value(args["self"])
     rank = len(x.shape)
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % rank
-    ordered = node.args[4] if len(node.args) > 4 else node.kwargs.get("sorted", True)
+    dim, ordered = args["dim"] % rank, args["sorted"]
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
-    followable = ordered or _order_blind(node, dim - rank)
+    followable = ordered or _order_blind(w.specs, node, dim - rank)
     pointed = None
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -889,35 +887,30 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
 
 
-# Ops that treat every position of the top-k axis alike (its order passes through unchanged).
-_ELEMENTWISE = frozenset({"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
-                          "aten.add.Tensor", "aten.sub.Tensor", "aten.to.dtype", "aten._to_copy.default",
-                          "aten.type_as.default", "aten.clone.default", "aten.sigmoid.default",
-                          "aten.exp.default", "aten.softmax.int", "aten._softmax.default"})
-_SUMS = frozenset({"aten.sum.dim_IntList", "aten.mean.dim"})
-
-
-def _order_blind(topk: fx.Node, k_axis: int) -> bool:
+def _order_blind(specs, topk: fx.Node, k_axis: int) -> bool:
     """Whether every use of ``topk``'s outputs is blind to the order along the top-k axis (``k_axis``, counted
-    from the end): elementwise maths among them or with values constant along that axis, one-hot, gathering by
-    the indices, up to a sum over that axis."""
+    from the end): equivariant maths (specs/ops.yaml) among them or with values constant along that axis,
+    one-hot, gathering by the indices, up to a sum over that axis."""
     reached = _descendants(topk)
     todo = [(user, k_axis) for user in topk.users]
     while todo:
         node, k = todo.pop()
-        target = str(node.target)
-        if target == "aten._assert_tensor_metadata.default":
+        spec = specs.op(str(node.target))
+        rule = spec.rule if spec is not None else None
+        if rule == "ignore":
             continue
-        if node.target is operator.getitem or (target in _ELEMENTWISE and _alike_along(node, k, reached)):
+        if node.target is operator.getitem or (getattr(spec, "equivariant", False) and _alike_along(node, k, reached)):
             todo += [(user, k) for user in node.users]
-        elif target == "aten.one_hot.default" or (
-                target == "aten.unsqueeze.default" and node.args[1] in (-1, len(node.meta["val"].shape) - 1)):
+        elif rule == "one_hot" or (
+                str(node.target) == "aten.unsqueeze.default"
+                and schema_arg(node, "dim") in (-1, len(node.meta["val"].shape) - 1)):
             todo += [(user, k - 1) for user in node.users]  # a new last axis
-        elif target == "aten.gather.default" and node.args[2] in reached and node.args[0] not in reached:
+        elif (rule == "gather" and schema_arg(node, "index") in reached
+              and schema_arg(node, "self") not in reached):
             todo += [(user, k) for user in node.users]
-        elif target in _SUMS:
-            rank = len(node.args[0].meta["val"].shape)
-            if k % rank not in {d % rank for d in node.args[1]}:
+        elif rule == "reduce" and schema_arg(node, "dim") is not None:
+            rank = len(schema_arg(node, "self").meta["val"].shape)
+            if k % rank not in {d % rank for d in schema_arg(node, "dim")}:
                 return False
         else:
             return False
@@ -946,8 +939,7 @@ def _alike_along(node: fx.Node, k: int, reached: set[fx.Node]) -> bool:
 def rule_one_hot(w, node: fx.Node, spec) -> Value:
     """One-hot of indices into a labelled axis: the new last axis carries that axis' coordinates (a routing
     matrix whose column ``e`` is expert ``e``)."""
-    index = w.value(node.args[0])
-    classes = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+    index, classes = w.value(schema_arg(node, "self")), schema_arg(node, "num_classes")
     out_shape = _shape_of(node)
     if index.points_to is None or classes != len(index.points_to):
         return _pin_moved(w, node, "one-hot width differs from the axis its indices point into")
@@ -962,10 +954,11 @@ _GATHER_AS_MOVEMENT = MovementSpec(rule="movement")
 def rule_gather(w, node: fx.Node, spec) -> Value:
     """``gather(x, dim, index)``: with indices that point into ``x``'s own labelled ``dim`` (routing weights read
     at the chosen experts), the result follows the coordinates and is invariant; otherwise a movement."""
-    x, index = w.value(node.args[0]), w.value(node.args[2])
+    args = _schema_args(node)
+    x, index = w.value(args["self"]), w.value(args["index"])
     if index is None or index.points_to is None:
         return rule_movement(w, node, _GATHER_AS_MOVEMENT)
-    dim = node.args[1] % len(x.shape)
+    dim = args["dim"] % len(x.shape)
     rank = len(x.shape)
     along = [c for c in x.chans if chan_axes(c) == {dim} and not c.mixed and not c.block]
     if len(x.chans) == 1 and along and torch.equal(
@@ -978,6 +971,12 @@ def rule_gather(w, node: fx.Node, spec) -> Value:
 def schema_arg(node: fx.Node, name: str, default=None):
     """The argument ``name`` of an ATen call, positional or keyword, read through the op's schema."""
     return _schema_args(node).get(name, default)
+
+
+def _self_and_other(w, node: fx.Node) -> tuple:
+    """The two operands of an elementwise binary op (schema arguments ``self`` and ``other``)."""
+    args = _schema_args(node)
+    return _operand(w, args["self"]), _operand(w, args["other"])
 
 
 def _operand(w, arg):
