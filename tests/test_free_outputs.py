@@ -18,6 +18,7 @@ import transformers
 
 import symgraph
 from symgraph import zoo
+from symgraph.depth import analyse_by_repeats
 from symgraph.elements import apply
 from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
@@ -124,6 +125,16 @@ def test_outputs_that_are_not_residual_reads_keep_their_pin():
     assert report.free_outputs == () and report.by_motif("residual")  # logits: the vocabulary axis stays pinned
     assert [g.id for g in report.groups] == [g.id for g in symgraph.analyze(lm, zoo.example_inputs_for(
         "llama", lm)).groups]
+
+
+def test_repeated_block_fast_path_gives_the_full_depth_report_with_free_outputs():
+    model = transformers.AutoModel.from_config(zoo.tiny_config("llama", num_hidden_layers=6)).eval()
+    zoo._perturb(model, torch.Generator().manual_seed(1))
+    fast, full = (symgraph.load(model, _inputs(model), free_outputs=True, full_depth=f) for f in (False, True))
+    assert analyse_by_repeats(fast) is not None  # the shallow copy is used
+    assert fast.report.to_json() == full.report.to_json() and fast.report.to_json()["free_outputs"]
+    assert [f.member.index.tolist() for f in fast.report.free_outputs] == \
+        [f.member.index.tolist() for f in full.report.free_outputs]
 
 
 @pytest.mark.slow
