@@ -55,6 +55,7 @@ def run(paths: list[Path], mode: str, workers: str) -> dict:
     analyse = time.perf_counter() - plan_clock
     result = align_to_consensus(subjects, [1.0] * len(subjects), mode=mode, progress=False, workers=workers)
     jobs = result.job_seconds
+    print(f"{workers}: {result.seconds:.1f} s, {len(jobs)} jobs", file=sys.stderr, flush=True)
     return {"workers": workers, "load_and_analyse_s": round(plan_clock - clock + analyse, 2),
             "consensus_s": round(result.seconds, 2), "rounds": result.rounds, "jobs": len(jobs),
             "job_seconds": [round(s, 3) for s in jobs],
