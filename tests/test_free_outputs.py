@@ -100,6 +100,20 @@ def test_pooler_output_keeps_its_pin_and_the_undo_covers_hidden_states_only():
     assert any(m.param == "pooler.dense.weight" and m.action == "dual" for m in residual.members)
 
 
+def test_every_hidden_state_moves_with_the_one_residual_element():
+    model = _base("bert")
+    args, kwargs = _inputs(model)
+    subject = symgraph.load(model, (args, {**kwargs, "output_hidden_states": True}), free_outputs=True)
+    free = subject.report.free_outputs
+    assert [f.name for f in free] == ["hidden_states.0", "hidden_states.1", "hidden_states.2", "last_hidden_state"]
+    (residual,) = subject.report.by_motif("residual")
+    assert {f.group for f in free} == {residual.id}
+    elements = [e for e in symgraph.sample_elements(subject.report, seed=3) if e.group.id == residual.id]
+    moved = apply(subject.state_dict(), elements)
+    evaluator = Evaluator.of(subject)
+    assert evaluator.check(moved, elements).relative_error < 1e-9 < evaluator.check(moved).relative_error
+
+
 def test_outputs_that_are_not_residual_reads_keep_their_pin():
     """A width-preserving linear read of the stream (a pooled output through a linear) and logits are not the
     stream's coordinates: with free outputs the report is the pinned one (the linear's rows stay pinned; its
