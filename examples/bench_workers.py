@@ -4,7 +4,7 @@ overhead, and whether both give the same states; prints JSON.
 The models are independent random initialisations of one LLaMA-style config (``--hidden``, ``--layers``; FFN
 width 2.75 x hidden, vocabulary 4096, untied head), written as Hugging Face folders, so each Ray job reads its
 model from its own folder as it would on a cluster. The Ray cluster is a local one started for the run (or the
-one ``RAY_ADDRESS`` names). ``job_seconds`` are measured where each job ran: in process, the solve only; on Ray,
+one ``RAY_ADDRESS`` names); the Ray consensus runs twice, cold (worker processes start) and warm. ``job_seconds`` are measured where each job ran: in process, the solve only; on Ray,
 reading the model from its folder, re-applying earlier rounds' elements and solving.
 
 Examples::
@@ -55,6 +55,7 @@ def run(paths: list[Path], mode: str, workers: str) -> dict:
     analyse = time.perf_counter() - plan_clock
     result = align_to_consensus(subjects, [1.0] * len(subjects), mode=mode, progress=False, workers=workers)
     jobs = result.job_seconds
+    print(f"{workers}: {result.seconds:.1f} s, {len(jobs)} jobs", file=sys.stderr, flush=True)
     return {"workers": workers, "load_and_analyse_s": round(plan_clock - clock + analyse, 2),
             "consensus_s": round(result.seconds, 2), "rounds": result.rounds, "jobs": len(jobs),
             "job_seconds": [round(s, 3) for s in jobs],
@@ -73,11 +74,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    import ray
+
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(Path(tmp), args.models, args.hidden, args.layers)
         params = sum(t.numel() for t in symgraph_state(paths[0]).values())
-        runs = [run(paths, args.mode, w) for w in ("local", "ray")]
-    same = all(torch.equal(a[k], b[k]) for a, b in zip(runs[0]["_states"], runs[1]["_states"]) for k in a)
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)  # kept for both Ray runs
+        runs = [run(paths, args.mode, w) for w in ("local", "ray", "ray")]  # the second Ray run: warm workers
+        ray.shutdown()
+    runs[1]["note"], runs[2]["note"] = "cold: worker processes start and import torch", "warm workers"
+    same = all(torch.equal(a[k], b[k]) for r in runs[1:]
+               for a, b in zip(runs[0]["_states"], r["_states"]) for k in a)
     for r in runs:
         del r["_states"]
     out = {"models": args.models, "hidden": args.hidden, "layers": args.layers, "parameters_per_model": params,

@@ -68,8 +68,7 @@ class Subject:
             from .fold import residual_note
 
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
-            # the shallow copy's analysis does not carry free outputs over yet: they take the full depth
-            repeats = None if self.full_depth or self.free_outputs else analyse_by_repeats(self)
+            repeats = None if self.full_depth else analyse_by_repeats(self)
             analysis = repeats or analyse_capture(self.capture, free_outputs=self.free_outputs)
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)
             self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()),

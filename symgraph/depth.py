@@ -80,7 +80,7 @@ def analyse_by_repeats(subject) -> Analysis | None:
         return None
     try:
         cap = capture(shallow, subject.args, subject.kwargs)
-        analysis, assembler = assemble_capture(cap)
+        analysis, assembler = assemble_capture(cap, free_outputs=getattr(subject, "free_outputs", False))
         return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
         log.info("analysing the full depth: the shallow meta-device copy could not be captured (%s)", exc)
@@ -311,7 +311,8 @@ def replicate(analysis: Analysis, pinned_sizes: dict, cap, plan: DepthPlan, mode
         raise NotReplicable("replicated groups would share ids (a block's group not named after its block)")
     pinned = _replicate_pins(analysis.pinned, pinned_sizes, rename, names)
     params = _full_parameters(analysis.params, model, rename, plan)
-    return Analysis(groups, pinned, {}, params)
+    # free outputs name spread groups (the residual stream), whose ids do not change
+    return Analysis(groups, pinned, {}, params, analysis.free_outputs, analysis.fixed_outputs)
 
 
 class _Renamer:

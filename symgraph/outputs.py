@@ -27,13 +27,21 @@ VIRTUAL = "<output>"  # prefix of the virtual parameters tied to free outputs; n
 
 
 def output_names(cap) -> list[str]:
-    """A name per flattened output of the captured program (``last_hidden_state``, ``0``, ...)."""
+    """A name per flattened output of the captured program (``last_hidden_state``, ``hidden_states.2``, ``0``)."""
     spec = cap.program.call_spec.out_spec
     if spec is None:
         return []
     tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-    return [pytree.keystr(path).strip("[]'\".") or str(i)
+    return [".".join(str(_key(k)) for k in path) or str(i)
             for i, (path, _) in enumerate(pytree.tree_flatten_with_path(tree)[0])]
+
+
+def _key(entry):
+    """A path entry's plain name: a mapping key, a sequence index or an attribute name."""
+    for field in ("key", "idx", "name"):
+        if hasattr(entry, field):
+            return getattr(entry, field)
+    return entry
 
 
 def virtual_name(output: str) -> str:

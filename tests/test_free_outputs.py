@@ -18,6 +18,7 @@ import transformers
 
 import symgraph
 from symgraph import zoo
+from symgraph.depth import analyse_by_repeats
 from symgraph.elements import apply
 from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
@@ -99,6 +100,20 @@ def test_pooler_output_keeps_its_pin_and_the_undo_covers_hidden_states_only():
     assert any(m.param == "pooler.dense.weight" and m.action == "dual" for m in residual.members)
 
 
+def test_every_hidden_state_moves_with_the_one_residual_element():
+    model = _base("bert")
+    args, kwargs = _inputs(model)
+    subject = symgraph.load(model, (args, {**kwargs, "output_hidden_states": True}), free_outputs=True)
+    free = subject.report.free_outputs
+    assert [f.name for f in free] == ["hidden_states.0", "hidden_states.1", "hidden_states.2", "last_hidden_state"]
+    (residual,) = subject.report.by_motif("residual")
+    assert {f.group for f in free} == {residual.id}
+    elements = [e for e in symgraph.sample_elements(subject.report, seed=3) if e.group.id == residual.id]
+    moved = apply(subject.state_dict(), elements)
+    evaluator = Evaluator.of(subject)
+    assert evaluator.check(moved, elements).relative_error < 1e-9 < evaluator.check(moved).relative_error
+
+
 def test_outputs_that_are_not_residual_reads_keep_their_pin():
     """A width-preserving linear read of the stream (a pooled output through a linear) and logits are not the
     stream's coordinates: with free outputs the report is the pinned one (the linear's rows stay pinned; its
@@ -124,6 +139,16 @@ def test_outputs_that_are_not_residual_reads_keep_their_pin():
     assert report.free_outputs == () and report.by_motif("residual")  # logits: the vocabulary axis stays pinned
     assert [g.id for g in report.groups] == [g.id for g in symgraph.analyze(lm, zoo.example_inputs_for(
         "llama", lm)).groups]
+
+
+def test_repeated_block_fast_path_gives_the_full_depth_report_with_free_outputs():
+    model = transformers.AutoModel.from_config(zoo.tiny_config("llama", num_hidden_layers=6)).eval()
+    zoo._perturb(model, torch.Generator().manual_seed(1))
+    fast, full = (symgraph.load(model, _inputs(model), free_outputs=True, full_depth=f) for f in (False, True))
+    assert analyse_by_repeats(fast) is not None  # the shallow copy is used
+    assert fast.report.to_json() == full.report.to_json() and fast.report.to_json()["free_outputs"]
+    assert [f.member.index.tolist() for f in fast.report.free_outputs] == \
+        [f.member.index.tolist() for f in full.report.free_outputs]
 
 
 @pytest.mark.slow

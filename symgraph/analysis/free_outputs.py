@@ -24,7 +24,7 @@ def assemble_with_free_outputs(cap, specs, walker_class, assembler_class):
         analysis.groups = groups
         analysis.free_outputs = found
         analysis.fixed_outputs = [n for i, n in enumerate(names) if i not in {f.index for f in found}]
-        analysis.pinned = [p for p in map(_without_virtual, analysis.pinned) if p is not None]
+        analysis.pinned = _without_virtual(analysis.pinned, assembler.pinned_sizes)
         return analysis, assembler
 
 
@@ -56,6 +56,14 @@ def split_free_outputs(groups: list[Group], sites: dict[str, tuple[int, str, int
     return kept, free, refused
 
 
-def _without_virtual(p: PinnedSpace) -> PinnedSpace | None:
-    params = tuple(n for n in p.params if not is_virtual(n))
-    return dataclasses.replace(p, params=params) if params else None
+def _without_virtual(pinned: list[PinnedSpace], sizes: dict) -> list[PinnedSpace]:
+    """The pinned spaces without virtual parameters (a free output whose stream something else pins), and
+    ``sizes`` (per pinned space, coordinates per parameter) likewise, in place."""
+    out = []
+    for p in pinned:
+        counts = sizes[(p.reason, p.node)]
+        for name in [n for n in counts if is_virtual(n)]:
+            del counts[name]
+        if counts:
+            out.append(dataclasses.replace(p, params=tuple(sorted(counts)), size=sum(counts.values())))
+    return out

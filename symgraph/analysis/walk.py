@@ -132,18 +132,27 @@ class Walker:
 
     def _output(self, node: fx.Node) -> None:
         self._mark_read(_flat_values(node, self.values))
-        names = output_names(self.cap) if self.free_outputs else []
-        for index, leaf in enumerate(node.args[0] if isinstance(node.args[0], (list, tuple)) else node.args):
-            v = self.values.get(leaf.name) if isinstance(leaf, fx.Node) else None
-            if not isinstance(v, Value):
-                continue
-            if index in self.free_outputs and self._free_output(index, names[index], v, node):
+        freed = self._free_outputs(node) if self.free_outputs else set()
+        for v in _flat_values(node, self.values):
+            if id(v) in freed:
                 continue
             if v.points_to is not None:
                 self.c.pin(v.points_to, "indices into this axis are a model output", node.name)
             for c in v.chans:
                 c = self.resolve(c, node.name)
                 self.c.pin(c.ids, "observable model output", node.name)
+
+    def _free_outputs(self, node: fx.Node) -> set[int]:
+        """Free the outputs listed in ``self.free_outputs`` that qualify; the ids of their values."""
+        leaves = node.args[0] if isinstance(node.args[0], (list, tuple)) else node.args  # flat, in pytree order
+        names = output_names(self.cap)
+        freed = set()
+        for index, leaf in enumerate(leaves):
+            v = self.values.get(leaf.name) if isinstance(leaf, fx.Node) else None
+            if index in self.free_outputs and isinstance(v, Value) and self._free_output(index, names[index], v,
+                                                                                           node):
+                freed.add(id(v))
+        return freed
 
     def _free_output(self, index: int, name: str, v: Value, node: fx.Node) -> bool:
         """Tie an output that is exactly a set of coordinates (one clean channel, varying along one axis, each
