@@ -39,6 +39,7 @@ from symgraph.api import tie_aliases
 from symgraph.consensus import shared_float_names
 from symgraph.datasets import Dataset, evaluate, load_data
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
+from symgraph.learn import LearnOptions
 from train_models import WIDE_CACHE, WIDE_PAIRS, wide_pair  # examples/: the wide pairs are trained, not shipped
 
 PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
@@ -70,11 +71,12 @@ class Settings:
     steps: int  # points on the linear path, end points included
     test_limit: int | None  # test examples evaluated (None: the whole test split)
     stats_limit: int  # train examples for Fisher / RegMean statistics
+    learn_steps: int  # optimiser steps of learned matching (full+learn)
     batch_size: int = 64
 
 
-FULL = Settings(steps=21, test_limit=None, stats_limit=256)
-QUICK = Settings(steps=3, test_limit=32, stats_limit=32)
+FULL = Settings(steps=21, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps)
+QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3)
 _START = time.perf_counter()
 
 
@@ -148,7 +150,7 @@ def aligned_and_merged(pair: Pair, **options) -> dict:
 def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
     """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
     result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES + (LEARNED,),
-                              learn_data=pair.data, progress=False)
+                              learn_data=pair.data, learn=LearnOptions(steps=settings.learn_steps), progress=False)
     result.plot(figure)
     modes = {mode: curve.to_json() for mode, curve in result.curves.items()}
     return {"ts": result.ts, "modes": {**modes, TEXTBOOK: textbook_curve(pair, settings)}}
@@ -201,6 +203,7 @@ def merge_experiment(pair: Pair) -> dict:
             merged = symgraph.merge([pair.a, pair.b], method=method, align=mode, data=data, progress=False)
             table.setdefault(mode, {})[method] = {**metrics_of(pair, merged.state),
                                                   "reference": "AB"[merged.consensus.reference],
+                                                  "frame": merged.frame,
                                                   "seconds": time.perf_counter() - clock}
     return table
 
@@ -339,11 +342,13 @@ def section_merge(results: dict) -> str:
     for name, r in results.items():
         ends = r["endpoints"]
         rows = [[mode, *(metric_cell(r["merges"][mode][m]) for m in METHODS)] for mode in MODES]
-        references = sorted({e["reference"] for row in r["merges"].values() for e in row.values()})
+        frames = sorted({e["frame"].split(" (")[0] for row in r["merges"].values() for e in row.values()})
         seconds = [[mode, *(f"{r['merges'][mode][m]['seconds']:.1f}" for m in METHODS)] for mode in MODES]
         parts += [f"**{name}** (test loss / accuracy on `{r['data']}`). Endpoints: A {metric_cell(ends['A'])}, "
-                  f"B {metric_cell(ends['B'])}. Reference model of the merges (the one the other is aligned to): "
-                  f"{' and '.join(references)}.", "", table(["alignment", *METHODS], rows), "",
+                  f"B {metric_cell(ends['B'])}. Frames of the merges (`merge --frame best`: both directions and a "
+                  f"common frame tried; kept: the lowest merged loss on the statistics examples, or for simple "
+                  f"merges, which get no data, the aligned models closest to their mean; model 1 is A): "
+                  f"{'; '.join(frames)}.", "", table(["alignment", *METHODS], rows), "",
                   "Seconds per merge (alignment, statistics on the train examples, and the merge itself):", "",
                   table(["alignment", *METHODS], seconds), ""]
     return "\n".join(parts)
