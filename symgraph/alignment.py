@@ -312,7 +312,7 @@ class Aligner:
             for m in g.members:
                 self.by_param[m.param].add(g.id)
         self._ready_cache: dict[str, tuple[bool, float]] = {}
-        self.version: dict[str, int] = defaultdict(int)  # bumped whenever a parameter moves
+        self.version = self.ws.sums.version  # bumped whenever a parameter moves (Workspace.moved)
         self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
         self.rounds_run = 0
 
@@ -435,8 +435,7 @@ class Aligner:
                 after = self.ws.distance_sq(params)
                 if keep_if_worse or after < before:
                     self.elements.extend(elements)
-                    for k in params:
-                        self.version[k] += 1
+                    self.ws.moved(elements)
                 else:
                     apply_in_place(self.ws.src, [inverse(e) for e in reversed(elements)])
                     after = before

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..groups import Group, Member
+from .sums import COLUMNS, ROWS, SCALAR, MemberSums
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Workspace:
     cost_excluded: tuple[Member, ...] = ()  # functionally free slices: moved, never costed
 
     def __post_init__(self):
+        self.sums = MemberSums()  # per-layer cost sums, read again only where the source moved
         self._free: dict[tuple[str, int], set[int]] = {}
         for m in self.cost_excluded:
             self._free.setdefault((m.param, m.axis), set()).update(m.index.reshape(-1).tolist())
@@ -45,10 +47,10 @@ class Workspace:
 
     def cross(self, members, g: Group) -> np.ndarray:
         """M[c] = sum over members X_src X_anchor^T (source coordinate first)."""
-        out = np.zeros((g.copies, g.size, g.size))
-        for m in members:
-            out += torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).numpy()
-        return out
+        def term(m):
+            return torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).numpy()
+
+        return self.sums.total("cross", ROWS, g, members, term, self.features, (g.copies, g.size, g.size))
 
     def gram(self, members, g: Group, which: str = "src") -> np.ndarray:
         """G[c] = sum over members X X^T of one model."""
@@ -60,23 +62,37 @@ class Workspace:
 
     def sq(self, members, g: Group) -> np.ndarray:
         """Squared norm of the source members, per copy."""
-        return sum((self.flat("src", m).pow(2).sum((1, 2)).numpy() for m in members), np.zeros(g.copies))
+        def term(m):
+            return self.flat("src", m).pow(2).sum((1, 2)).numpy()
+
+        return self.sums.total("sq", SCALAR, g, members, term, self.features, (g.copies,))
 
     def similarity(self, members, g: Group, *, normalise: bool) -> np.ndarray:
         """S[c, i, j] = sum over members <anchor coordinate i, source coordinate j>; with ``normalise``, of unit
         vectors (a per-coordinate scale solved afterwards must not bias the matching). Accumulated member by
         member: the residual stream's members are the whole model, never concatenated."""
-        out = np.zeros((g.copies, g.size, g.size))
+        def term(m):
+            return torch.einsum("cif,cjf->cij", self.flat("anc", m), self.flat("src", m)).double().numpy()
+
+        shape = (g.copies, g.size, g.size)
+        if not normalise:
+            return self.sums.total("similarity", COLUMNS, g, members, term, self.features, shape)
+        out = self.sums.total(None, COLUMNS, g, members, term, self.features, shape)
         norm_s, norm_a = np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))
         for m in members:
-            xs, xa = self.flat("src", m), self.flat("anc", m)
-            out += torch.einsum("cif,cjf->cij", xa, xs).double().numpy()
-            if normalise:
-                norm_s += xs.double().pow(2).sum(2).numpy()
-                norm_a += xa.double().pow(2).sum(2).numpy()
-        if normalise:
-            out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
+            norm_s += self.flat("src", m).double().pow(2).sum(2).numpy()
+            norm_a += self.flat("anc", m).double().pow(2).sum(2).numpy()
+        out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
         return out
+
+    def features(self, m: Member) -> int:
+        """Features per coordinate of a member: its block times the size of the parameter's other axes."""
+        shape = self.src[m.param].shape
+        return m.index.shape[2] * int(np.prod(shape)) // shape[m.axis]
+
+    def moved(self, elements) -> None:
+        """The source moved by ``elements`` (already applied, and kept): sums that read it are stale."""
+        self.sums.moved(elements)
 
     def distance_sq(self, params) -> float:
         return sum(float((self.src[k] - self.anc[k]).pow(2).sum()) for k in params)
