@@ -40,7 +40,8 @@ from symgraph.demo import SHIPPED_PAIRS, shipped_pair
 
 MODES = ("none", "permutation", "paper", "full")
 TEXTBOOK = "textbook"  # reference column: Git Re-Basin weight matching (symgraph.alignment.weight_matching)
-COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full")
+DATA_MODE = "full+data"  # full mode, costs from activations on the train examples (symgraph.activations)
+COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full", DATA_MODE)
 METHODS = ("simple", "fisher", "regmean")
 ABLATIONS = {"attention only": {"only": "attention"}, "FFN only": {"only": "ffn"},
              "residual only": {"only": "residual"}, "everything (full)": {}}
@@ -139,7 +140,8 @@ def aligned_and_merged(pair: Pair, **options) -> dict:
 # -- the experiments -------------------------------------------------------------------------------------------------
 def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
     """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
-    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES, progress=False)
+    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=(*MODES, DATA_MODE),
+                              align_options={"align_data": pair.train}, progress=False)
     result.plot(figure)
     modes = {mode: curve.to_json() for mode, curve in result.curves.items()}
     return {"ts": result.ts, "modes": {**modes, TEXTBOOK: textbook_curve(pair, settings)}}

@@ -64,6 +64,7 @@ class AlignResult:
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept
     folded: bool = False  # both models were folded first (symgraph.fold)
+    costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -78,6 +79,7 @@ class AlignResult:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
                 "starts": self.starts, "start": self.start, "folded": self.folded,
+                **({"costs": self.costs} if self.costs else {}),
                 "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}

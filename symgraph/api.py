@@ -169,7 +169,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True, progress=None):
+          inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
+          data_batch_size: int = 16, data_groups: str = "residual"):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -189,6 +190,12 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup.
+
+    With ``data`` (a data SPEC, train split unless it names one, or a :class:`~symgraph.datasets.Dataset`),
+    costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
+    examples run through both models, and the groups ``data_groups`` names (``residual``: the residual stream,
+    the default; ``all``: every group) are matched on the activations that carry their coordinates, first; the
+    other groups, and those no activation carries, then on weights (``result.costs`` says which).
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -212,6 +219,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
+    dataset = _alignment_data(data, src, data_batch_size)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
@@ -226,9 +234,17 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
-    result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, rounds=refine_rounds,
-                          tolerance=tolerance, matching_start=matching_start, progress=progress,
-                          cost_excluded=free)
+    options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
+                   matching_start=matching_start, progress=progress, cost_excluded=free)
+    if dataset is None:
+        result = align_states(groups, state, anchor_state, **options)
+    else:
+        from .activations import align_on_activations, record
+
+        clock = time.perf_counter()
+        recording = record(src, anc, groups, dataset, batches=data_batches)
+        timings["record_activations"] = time.perf_counter() - clock
+        result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
@@ -239,6 +255,16 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
     return result
+
+
+def _alignment_data(data, subject: Subject, batch_size: int):
+    """The data activation costs are computed on (None without data): shipped specs default to their train split,
+    so alignment never sees the examples a barrier is measured on."""
+    if data is None:
+        return None
+    from .datasets import load_data
+
+    return load_data(data, model=subject, batch_size=batch_size, split="train")
 
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:

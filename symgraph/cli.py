@@ -111,6 +111,23 @@ def _descent_options(command):
     return command
 
 
+def _data_options(command):
+    """Options of activation-based costs (symgraph.activations), shared by align and barrier."""
+    options = [
+        click.option("--data-batches", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Batches of the alignment data run through both models."),
+        click.option("--data-batch-size", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="Examples per batch of the alignment data."),
+        click.option("--data-groups", type=click.Choice(["residual", "all"]), default="residual",
+                     show_default=True,
+                     help="Groups matched on activations (the others, after them, on weights): the residual "
+                          "stream, or every group whose coordinates some activation carries."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
@@ -133,8 +150,12 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
+@click.option("--data", "data_spec", help="Match groups on activations of this data (its train split; e.g. digits, "
+                                          "pydoc-chars, FILE.txt, FILE.npz) instead of on weights.")
+@_data_options
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
+          data_groups):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -146,16 +167,26 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                 general_linear))
+                           fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
+                           data_groups=data_groups, **_descent(no_rescale, refine_rounds, tolerance,
+                                                                matching_start, general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
         save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
         result.timings["write"] = time.perf_counter() - clock
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}, {len(result.group_distances())} groups; "
+               f"(mode {mode}{', folded' if result.folded else ''}{_cost_summary(result.costs)}, "
+               f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)})")
+
+
+def _cost_summary(costs: dict[str, str]) -> str:
+    """How many groups took which cost (with --data)."""
+    if not costs:
+        return ""
+    counts = {c: sum(v == c for v in costs.values()) for c in dict.fromkeys(costs.values())}
+    return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items())
 
 
 def _equality(error: float, tolerance: float, state) -> str:
@@ -246,8 +277,10 @@ def demo(out_dir, quick, overwrite):
 @click.argument("models", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--method", type=click.Choice(["simple", "fisher", "regmean"]), default="simple", show_default=True)
-@click.option("--align", "align_mode", type=click.Choice(["full", "paper", "permutation", "none"]), default="full",
-              show_default=True, help="Groups used to bring the models into one frame before merging.")
+@click.option("--align", "align_mode", type=click.Choice(["full", "paper", "permutation", "none", "full+data"]),
+              default="full", show_default=True,
+              help="Groups used to bring the models into one frame before merging; full+data: full mode with "
+                   "costs from activations on --data (each model after the first aligned to it).")
 @click.option("--data", "data_specs", multiple=True,
               help="Statistics data for fisher/regmean (e.g. digits, pydoc-chars, FILE.txt, FILE.npz): once for "
                    "every model, or once per model in the models' order.")
@@ -299,15 +332,18 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
 @click.option("--steps", default=21, show_default=True, type=click.IntRange(min=3), help="Points on the path.")
 @click.option("--align", "aligns", default="none,permutation,paper,full", show_default=True,
-              help="Comma-separated alignment modes to compare.")
+              help="Comma-separated alignment modes to compare; full+data: full mode with activation costs.")
 @_descent_options
+@click.option("--align-data", help="Data for full+data's activation costs (default: --data, train split).")
+@_data_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, output, json_path, no_progress, fold):
+            matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
+            json_path, no_progress, fold):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
@@ -316,8 +352,11 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
-                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                general_linear))
+                         align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                   general_linear),
+                                        **({"align_data": align_data} if align_data else {}),
+                                        **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
+                                                data_groups=data_groups) if "full+data" in aligns else {})})
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.plot(output)
     if any(n.endswith("(folded)") for n in result.models):

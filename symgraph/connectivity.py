@@ -25,11 +25,14 @@ import torch
 
 from .api import Subject, align, folded_pair, load
 from .alignment import relative_distance
+from .activations import DATA_MODE
 from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
 from .progress import progress_bar
 
-__all__ = ["BarrierCurve", "BarrierResult", "barrier", "barrier_figure", "barrier_height", "check_plot_path",
+BARRIER_MODES = (*ALIGN_MODES[::-1], DATA_MODE)
+
+__all__ = ["BARRIER_MODES", "BarrierCurve", "BarrierResult", "barrier", "barrier_figure", "barrier_height", "check_plot_path",
            "plot_barrier"]
 
 State = dict[str, torch.Tensor]
@@ -86,12 +89,15 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     steps
         Points on the path, end points included (at least 3).
     aligns
-        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``.
+        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``, and ``full+data``: full mode with
+        activation costs (:mod:`symgraph.activations`) on the train split of ``data`` (or on ``align_data``).
     batch_size, limit, split
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads).
+        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads),
+        and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
+        ``data_batch_size`` and ``data_groups``.
     fold
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
@@ -116,10 +122,11 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
+    options = _with_alignment_data(dict(align_options or {}), aligns, data, first)
     second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
-    curves = {mode: _curve(mode, first, second, path, align_options or {}) for mode in aligns}
+    curves = {mode: _curve(mode, first, second, path, options) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
                          time.perf_counter() - start)
 
@@ -220,15 +227,33 @@ def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Ma
                         relative_distance(aligned, path.anchor, path.names), seconds)
 
 
+def _with_alignment_data(options: dict, aligns, data, model: Subject) -> dict:
+    """``options`` with ``align_data`` loaded (its train split, by the unfolded model, whose folder has the
+    tokenizer) when ``full+data`` is asked for: the path is measured on ``data``'s own split."""
+    if DATA_MODE not in aligns:
+        return options
+    from .datasets import load_data
+
+    batch_size = options.pop("data_batch_size", 16)
+    options["align_data"] = load_data(options.get("align_data", data), model=model, batch_size=batch_size,
+                                      split="train")
+    return options
+
+
 def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any]) -> State:
     """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed."""
     if mode == "none":
         return source.state_dict()
+    data_options = {k: options[k] for k in DATA_OPTIONS if k in options}
+    options = {k: v for k, v in options.items() if k not in DATA_OPTIONS}
+    if mode == DATA_MODE:
+        mode, options = "full", {**options, "data": data_options.pop("align_data"), **data_options}
     return align(source, anchor, mode=mode, verify=True, fold=False, **options).state  # folded (or not) already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
-_COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c"}
+_COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c",
+            "full+data": "#9467bd"}
 
 
 # what the loss averages over (datasets.evaluate): next-token predictions for causal LM, examples otherwise
@@ -289,7 +314,9 @@ def _save_figure(figure, path: Path) -> Path:
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
-ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear")
+DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
+ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear",
+                 *DATA_OPTIONS)
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:
@@ -299,8 +326,8 @@ def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str
                             hint=f"barrier passes only {', '.join(ALIGN_OPTIONS)} on to symgraph.align.")
     if steps < 3:
         raise SymgraphError(f"steps must be at least 3 (both ends and one point between), got {steps}.")
-    choices = ", ".join(ALIGN_MODES[::-1])
-    unknown = [m for m in aligns if m not in ALIGN_MODES]
+    choices = ", ".join(BARRIER_MODES)
+    unknown = [m for m in aligns if m not in BARRIER_MODES]
     if unknown or not aligns:
         raise SymgraphError(f"Unknown alignment mode(s): {', '.join(unknown) or 'none given'}.",
                             hint=f"choose from {choices} (comma-separated on the command line).")

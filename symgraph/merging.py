@@ -38,6 +38,7 @@ import torch
 from .api import Subject, load, tie_aliases
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
 from .errors import DataError, MismatchError, SymgraphError
+from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 
@@ -113,7 +114,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         ``"simple"``, ``"fisher"`` or ``"regmean"`` (see the module docstring).
     align
         ``"full"``, ``"paper"``, ``"permutation"`` or ``"none"``: the groups used to bring the models into one
-        frame before merging.
+        frame before merging; ``"full+data"``: every model after the first aligned to it in full mode with
+        activation costs (:mod:`symgraph.activations`) on its ``data`` (needed then).
     data
         Fisher and RegMean statistics data: a data SPEC or :class:`symgraph.datasets.Dataset`, or a sequence
         with one per model (each model's statistics on its own data).
@@ -153,10 +155,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     clock = _Clock()
     subjects = [load(m) for m in models]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
-    datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" else []
+    on_data = align == DATA_ALIGN
+    datasets = _datasets_for(data, subjects, batch_size, limit, split) if method != "simple" or on_data else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress)
+    if on_data:
+        subjects = _aligned_on_activations(subjects, datasets)
+    consensus = align_to_consensus(subjects, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
+                                   progress=progress)
     clock.lap("align")
     names = shared_float_names(consensus.states[0], exclude)
     merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha, progress)
@@ -434,8 +440,12 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head) -
         raise SymgraphError(f"Merging needs at least two models, got {count}.", hint="pass two or more models.")
     if method not in METHODS:
         raise SymgraphError(f"Unknown merge method {method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
-    if align not in ALIGN_MODES:
-        raise SymgraphError(f"Unknown alignment {align!r}.", hint=f"choose one of {', '.join(ALIGN_MODES)}.")
+    if align not in (*ALIGN_MODES, DATA_ALIGN):
+        raise SymgraphError(f"Unknown alignment {align!r}.",
+                            hint=f"choose one of {', '.join((*ALIGN_MODES, DATA_ALIGN))}.")
+    if align == DATA_ALIGN and data is None:
+        raise DataError("Alignment on activations (full+data) runs data through the models, and none was given.",
+                        hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt), or use --align full.")
     if method != "simple" and data is None:
         raise DataError(f"The {method} merge estimates statistics on data, and none was given.",
                         hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt), or use --method simple.")
@@ -452,6 +462,19 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head) -
 
 
 # -- data and states ------------------------------------------------------------------------------------------------
+def _aligned_on_activations(subjects: list[Subject], datasets: list) -> list[Subject]:
+    """The first model, and every other aligned to it in full mode with activation costs on its own data
+    (checked to compute what it computed)."""
+    from .api import align
+
+    out = [subjects[0]]
+    for subject, data in zip(subjects[1:], datasets[1:]):
+        model = copy.deepcopy(subject.model)
+        model.load_state_dict(align(subject, subjects[0], mode="full", data=data, fold=False).state)
+        out.append(Subject(model, subject.name, subject.args, subject.kwargs, subject.config, subject.path))
+    return out
+
+
 def _datasets_for(data, subjects, batch_size, limit, split) -> list:
     """One dataset per model: a single SPEC or Dataset serves every model; a sequence gives each its own."""
     from .datasets import load_data
