@@ -46,8 +46,9 @@ PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
 
 MODES = ("none", "permutation", "paper", "full")
 TEXTBOOK = "textbook"  # reference column: Git Re-Basin weight matching (symgraph.alignment.weight_matching)
+DATA_MODE = "full+data"  # full mode, costs from activations on the train examples (symgraph.activations)
 LEARNED = "full+learn"  # full alignment tuned on the midpoint loss on the train split (symgraph.learn)
-COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full", LEARNED)
+COLUMNS = ("none", TEXTBOOK, "permutation", "paper", "full", DATA_MODE, LEARNED)
 METHODS = ("simple", "fisher", "regmean")
 ABLATIONS = {"attention only": {"only": "attention"}, "FFN only": {"only": "ffn"},
              "residual only": {"only": "residual"}, "everything (full)": {}}
@@ -149,8 +150,9 @@ def aligned_and_merged(pair: Pair, **options) -> dict:
 # -- the experiments -------------------------------------------------------------------------------------------------
 def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
     """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
-    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=MODES + (LEARNED,),
-                              learn_data=pair.data, learn=LearnOptions(steps=settings.learn_steps), progress=False)
+    result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=(*MODES, DATA_MODE, LEARNED),
+                              align_options={"align_data": pair.train}, learn_data=pair.data,
+                              learn=LearnOptions(steps=settings.learn_steps), progress=False)
     result.plot(figure)
     modes = {mode: curve.to_json() for mode, curve in result.curves.items()}
     return {"ts": result.ts, "modes": {**modes, TEXTBOOK: textbook_curve(pair, settings)}}

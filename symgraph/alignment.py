@@ -65,6 +65,7 @@ class AlignResult:
     start: str = "recovery"  # the start kept
     folded: bool = False  # both models were folded first (symgraph.fold)
     learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
+    costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -79,6 +80,7 @@ class AlignResult:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
+                **({"costs": self.costs} if self.costs else {}),
                 "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}

@@ -200,8 +200,8 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True, progress=None, data=None, learn=False,
-          free_outputs: bool = False):
+          inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
+          data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -224,9 +224,15 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     encoders) the residual stream is aligned too, and the result's free outputs are the source's moved by the
     residual element it applied (``result.elements``).
 
-    With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) the alignment found from the weights is then
-    tuned on the loss of the interpolated model on the training split of ``data`` (a data SPEC or
-    :class:`~symgraph.datasets.Dataset`; required): :mod:`symgraph.learn`. ``result.learned`` says what it did.
+    With ``data`` (a data SPEC, train split unless it names one, or a :class:`~symgraph.datasets.Dataset`),
+    costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
+    examples run through both models, and the groups ``data_groups`` names (``residual``: the residual stream,
+    the default; ``all``: every group) are matched on the activations that carry their coordinates, first; the
+    other groups, and those no activation carries, then on weights (``result.costs`` says which).
+
+    With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) that alignment is then tuned on the loss of
+    the interpolated model on the training split of ``data`` (required): :mod:`symgraph.learn`.
+    ``result.learned`` says what it did.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -248,14 +254,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     from .verify import Evaluator
 
     check_learn(learn, data)
-    if data is not None and not learn:
-        from .learn import LearnError
-
-        raise LearnError("Data was given without learned matching, which is what alignment uses data for.",
-                         hint="add --learn (learn=True), or leave out --data.")
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs, free_outputs=free_outputs), load(anchor, inputs, free_outputs=free_outputs)
+    dataset = _alignment_data(data, src, data_batch_size)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
@@ -270,9 +272,17 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
-    result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, rounds=refine_rounds,
-                          tolerance=tolerance, matching_start=matching_start, progress=progress,
-                          cost_excluded=free)
+    options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
+                   matching_start=matching_start, progress=progress, cost_excluded=free)
+    if dataset is None:
+        result = align_states(groups, state, anchor_state, **options)
+    else:
+        from .activations import align_on_activations, record
+
+        clock = time.perf_counter()
+        recording = record(src, anc, groups, dataset, batches=data_batches)
+        timings["record_activations"] = time.perf_counter() - clock
+        result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
     if learn:
         clock = time.perf_counter()
         result = learned(src, groups, state, anchor_state, result, data, learn, free, progress is not None)
@@ -319,6 +329,16 @@ def check_learn(learn, data) -> None:
         learn.checked()
     elif learn is not True:
         raise LearnError(f"learn must be True, False or a LearnOptions, not {learn!r}.")
+
+
+def _alignment_data(data, subject: Subject, batch_size: int):
+    """The data activation costs are computed on (None without data): shipped specs default to their train split,
+    so alignment never sees the examples a barrier is measured on."""
+    if data is None:
+        return None
+    from .datasets import load_data
+
+    return load_data(data, model=subject, batch_size=batch_size, split="train")
 
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:

@@ -144,6 +144,23 @@ def _learn_options(command, *, flag: bool = True):
     return command
 
 
+def _data_options(command):
+    """Options of activation-based costs (symgraph.activations), shared by align and barrier."""
+    options = [
+        click.option("--data-batches", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Batches of the alignment data run through both models."),
+        click.option("--data-batch-size", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="Examples per batch of the alignment data."),
+        click.option("--data-groups", type=click.Choice(["residual", "all"]), default="residual",
+                     show_default=True,
+                     help="Groups matched on activations (the others, after them, on weights): the residual "
+                          "stream, or every group whose coordinates some activation carries."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _learn_default(name: str):
     from .learn import LearnOptions
 
@@ -179,12 +196,15 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
-@click.option("--data", help="Data for --learn (e.g. digits, pydoc-chars, FILE.txt, FILE.npz); its training split.")
+@click.option("--data", "data_spec", help="Match groups on activations of this data (its train split; e.g. digits, "
+                                          "pydoc-chars, FILE.txt, FILE.npz) instead of on weights; with --learn, "
+                                          "also what learned matching learns on.")
+@_data_options
 @_learn_options
 @_FREE_OUTPUTS
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold, data, learn, learn_steps, learn_lr, learn_batch_size,
-          learn_t, free_outputs):
+          general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
+          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs):
     from .api import align as run_align, load
     from .io import save_model
 
@@ -196,7 +216,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, data=data,
+                           fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
+                           data_groups=data_groups,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t),
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
     result.timings["load"] = loading
@@ -205,7 +226,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
         save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
         result.timings["write"] = time.perf_counter() - clock
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}{_learned_note(result.learned)}, "
+               f"(mode {mode}{', folded' if result.folded else ''}{_cost_summary(result.costs)}"
+               f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)})")
 
@@ -217,6 +239,14 @@ def _learned_note(learned: dict | None) -> str:
     verdict = "kept" if learned["kept"] else "not kept: no better than the start"
     return (f", learned over {learned['steps']} steps: midpoint loss {learned['start_midpoint_loss']:.4g} -> "
             f"{learned['end_midpoint_loss']:.4g} on training batches, {verdict}")
+
+
+def _cost_summary(costs: dict[str, str]) -> str:
+    """How many groups took which cost (with --data)."""
+    if not costs:
+        return ""
+    counts = {c: sum(v == c for v in costs.values()) for c in dict.fromkeys(costs.values())}
+    return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items())
 
 
 def _equality(error: float, tolerance: float, state) -> str:
@@ -331,8 +361,10 @@ def demo(out_dir, quick, overwrite):
 @click.argument("models", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--method", type=click.Choice(["simple", "fisher", "regmean"]), default="simple", show_default=True)
-@click.option("--align", "align_mode", type=click.Choice(["full", "paper", "permutation", "none"]), default="full",
-              show_default=True, help="Groups used to bring the models into one frame before merging.")
+@click.option("--align", "align_mode", type=click.Choice(["full", "paper", "permutation", "none", "full+data"]),
+              default="full", show_default=True,
+              help="Groups used to bring the models into one frame before merging; full+data: full mode with "
+                   "costs from activations on --data (each model after the first aligned to it).")
 @click.option("--data", "data_specs", multiple=True,
               help="Statistics data for fisher/regmean (e.g. digits, pydoc-chars, FILE.txt, FILE.npz): once for "
                    "every model, or once per model in the models' order.")
@@ -406,9 +438,11 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
 @click.option("--steps", default=21, show_default=True, type=click.IntRange(min=3), help="Points on the path.")
 @click.option("--align", "aligns", default="none,permutation,paper,full", show_default=True,
-              help="Comma-separated alignment modes to compare; add +learn to a mode (e.g. full+learn) for learned "
-                   "matching on the training split of --data.")
+              help="Comma-separated alignment modes to compare; full+data: full mode with activation costs; add "
+                   "+learn to a mode (e.g. full+learn) for learned matching on the training split of --data.")
 @_descent_options
+@click.option("--align-data", help="Data for full+data's activation costs (default: --data, train split).")
+@_data_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
@@ -416,8 +450,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_FOLD_OPTION
 @functools.partial(_learn_options, flag=False)
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, output, json_path, no_progress, fold, learn_steps, learn_lr,
-            learn_batch_size, learn_t):
+            matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
+            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t):
     from .connectivity import barrier as run_barrier, check_plot_path
 
     check_plot_path(output)
@@ -427,8 +461,11 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold,
                          learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t),
-                         align_options=_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                general_linear))
+                         align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                                                   general_linear),
+                                        **({"align_data": align_data} if align_data else {}),
+                                        **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
+                                                data_groups=data_groups) if "full+data" in aligns else {})})
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.plot(output)
     if any(n.endswith("(folded)") for n in result.models):

@@ -25,11 +25,16 @@ import torch
 
 from .api import Subject, align, folded_pair, load
 from .alignment import relative_distance
+from .activations import DATA_MODE
 from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
 from .progress import progress_bar
 
-__all__ = ["BarrierCurve", "BarrierResult", "barrier", "barrier_figure", "barrier_height", "check_plot_path",
+LEARNED = "+learn"  # suffix of a learned mode: the base mode's alignment, then learned matching
+BARRIER_MODES = (*ALIGN_MODES[::-1], DATA_MODE,
+                 *(m + LEARNED for m in (*ALIGN_MODES[::-1], DATA_MODE) if m != "none"))
+
+__all__ = ["BARRIER_MODES", "BarrierCurve", "BarrierResult", "barrier", "barrier_figure", "barrier_height", "check_plot_path",
            "plot_barrier"]
 
 State = dict[str, torch.Tensor]
@@ -86,14 +91,18 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     steps
         Points on the path, end points included (at least 3).
     aligns
-        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``, and the learned ones
-        ``full+learn``, ``permutation+learn``, ``paper+learn``: that mode's alignment tuned on the loss of the
-        interpolated model on the training split of ``data`` (:mod:`symgraph.learn`).
+        Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``; ``full+data``: full mode with
+        activation costs (:mod:`symgraph.activations`) on the train split of ``data`` (or on ``align_data``); and
+        the learned ones ``full+learn``, ``permutation+learn``, ``paper+learn``, ``full+data+learn``: that mode's
+        alignment tuned on the loss of the interpolated model on the training split of ``data``
+        (:mod:`symgraph.learn`).
     batch_size, limit, split
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads).
+        ``tolerance``, ``matching_start``, ``general_linear`` (the ablations, the descent's length, GL heads),
+        and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
+        ``data_batch_size`` and ``data_groups``.
     fold
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
@@ -124,11 +133,12 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
+    options = _with_alignment_data(dict(align_options or {}), aligns, data, first)
     second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
     learning = {"data": data if learn_data is None else learn_data, "learn": learn or True, "progress": progress}
-    curves = {mode: _curve(mode, first, second, path, align_options or {}, learning) for mode in aligns}
+    curves = {mode: _curve(mode, first, second, path, options, learning) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
                          time.perf_counter() - start)
 
@@ -230,21 +240,41 @@ def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Ma
                         relative_distance(aligned, path.anchor, path.names), seconds)
 
 
+def _with_alignment_data(options: dict, aligns, data, model: Subject) -> dict:
+    """``options`` with ``align_data`` loaded (its train split, by the unfolded model, whose folder has the
+    tokenizer) when ``full+data`` is asked for: the path is measured on ``data``'s own split."""
+    if not any(m.startswith(DATA_MODE) for m in aligns):
+        return options
+    from .datasets import load_data
+
+    batch_size = options.pop("data_batch_size", 16)
+    options["align_data"] = load_data(options.get("align_data", data), model=model, batch_size=batch_size,
+                                      split="train")
+    return options
+
+
 def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any],
              learning: Mapping[str, Any]) -> State:
     """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed;
-    a ``+learn`` mode learns on ``learning["data"]``'s training split."""
+    a ``+learn`` mode learns on ``learning["data"]``'s training split (``full+data+learn``: on the alignment
+    data)."""
     if mode == "none":
         return source.state_dict()
+    data_options = {k: options[k] for k in DATA_OPTIONS if k in options}
+    options = {k: v for k, v in options.items() if k not in DATA_OPTIONS}
     base, learned = mode.removesuffix(LEARNED), mode.endswith(LEARNED)
-    extra = {"data": learning["data"], "learn": learning["learn"],
-             "progress": (lambda *_: None) if learning["progress"] else None} if learned else {}
-    return align(source, anchor, mode=base, verify=True, fold=False, **options, **extra).state  # folded already
+    if base == DATA_MODE:
+        base, options = "full", {**options, "data": data_options.pop("align_data"), **data_options}
+    if learned:
+        options = {"data": learning["data"], **options, "learn": learning["learn"],
+                   "progress": (lambda *_: None) if learning["progress"] else None}
+    return align(source, anchor, mode=base, verify=True, fold=False, **options).state  # folded (or not) already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------
 _COLOURS = {"none": "#7f7f7f", "permutation": "#1f77b4", "paper": "#ff7f0e", "full": "#2ca02c",
-            "full+learn": "#d62728", "permutation+learn": "#9467bd", "paper+learn": "#8c564b"}
+            "full+data": "#9467bd", "full+learn": "#d62728", "permutation+learn": "#17becf",
+            "paper+learn": "#8c564b", "full+data+learn": "#e377c2"}
 
 
 # what the loss averages over (datasets.evaluate): next-token predictions for causal LM, examples otherwise
@@ -305,9 +335,9 @@ def _save_figure(figure, path: Path) -> Path:
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format=suffix, dpi=120))
 
 
-LEARNED = "+learn"  # suffix of a learned mode: the base mode's alignment, then learned matching
-BARRIER_MODES = ALIGN_MODES[::-1] + tuple(m + LEARNED for m in ALIGN_MODES if m != "none")
-ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear")
+DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
+ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear",
+                 *DATA_OPTIONS)
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ tasks) can be copied from one model with ``head_from``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import logging
 import time
@@ -39,6 +40,7 @@ from .api import Subject, load, tie_aliases
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
 from .workers import check_workers
 from .errors import DataError, MismatchError, SymgraphError
+from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 
@@ -120,7 +122,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         ``"simple"``, ``"fisher"`` or ``"regmean"`` (see the module docstring).
     align
         ``"full"``, ``"paper"``, ``"permutation"`` or ``"none"``: the groups used to bring the models into one
-        frame before merging.
+        frame before merging; ``"full+data"``: every model after the first aligned to it in full mode with
+        activation costs (:mod:`symgraph.activations`) on its ``data`` (needed then).
     data
         Fisher and RegMean statistics data: a data SPEC or :class:`symgraph.datasets.Dataset`, or a sequence
         with one per model (each model's statistics on its own data).
@@ -181,19 +184,21 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     clock = _Clock()
     subjects = [load(m, free_outputs=free_outputs) for m in models]
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
+    on_data = align == DATA_ALIGN
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
     learner = _learner(subjects[0], data, learn, exclude, progress) if learn else None
     tried = []
-    for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None):
-        consensus = align_to_consensus(subjects, w, mode=align, exclude=exclude, rounds=rounds, progress=progress,
-                                       learner=learner, reference=reference, common=common, workers=workers)
+    for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None or on_data):
+        moved = _aligned_on_activations(subjects, datasets, reference) if on_data else subjects
+        consensus = align_to_consensus(moved, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
+                                       progress=progress, learner=learner, reference=reference, common=common,
+                                       workers=workers)
         names = shared_float_names(consensus.states[0], exclude)
-        merged, averaged = _combine(method, subjects, consensus.states, w, datasets, names, exclude, alpha,
-                                    progress)
-        state = _finished_state(merged, subjects, consensus, head_from, exclude)
-        tried.append((label, consensus, state, averaged, _frame_score(state, subjects, consensus, w, datasets,
+        merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress)
+        state = _finished_state(merged, moved, consensus, head_from, exclude)
+        tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
                                                                       head_from)))
     clock.lap("align_and_combine")
     label, consensus, state, averaged, _ = _best_frame(tried)
@@ -635,8 +640,15 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
         raise SymgraphError(f"Merging needs at least two models, got {count}.", hint="pass two or more models.")
     if method not in METHODS:
         raise SymgraphError(f"Unknown merge method {method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
-    if align not in ALIGN_MODES:
-        raise SymgraphError(f"Unknown alignment {align!r}.", hint=f"choose one of {', '.join(ALIGN_MODES)}.")
+    if align not in (*ALIGN_MODES, DATA_ALIGN):
+        raise SymgraphError(f"Unknown alignment {align!r}.",
+                            hint=f"choose one of {', '.join((*ALIGN_MODES, DATA_ALIGN))}.")
+    if align == DATA_ALIGN and learn:
+        raise SymgraphError("Learned matching in merge starts from weight matching, not from full+data.",
+                            hint="use --align full with --learn (or `symgraph align --data --learn` first).")
+    if align == DATA_ALIGN and data is None:
+        raise DataError("Alignment on activations (full+data) runs data through the models, and none was given.",
+                        hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt), or use --align full.")
     if method != "simple" and data is None:
         raise DataError(f"The {method} merge estimates statistics on data, and none was given.",
                         hint="pass --data SPEC (e.g. digits, pydoc-chars, FILE.txt), or use --method simple.")
@@ -653,6 +665,21 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
 
 
 # -- data and states ------------------------------------------------------------------------------------------------
+def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: int) -> list[Subject]:
+    """The reference model, and every other aligned to it in full mode with activation costs on its own data
+    (checked to compute what it computed)."""
+    from .api import align
+
+    out = list(subjects)
+    for i, (subject, data) in enumerate(zip(subjects, datasets)):
+        if i == reference:
+            continue
+        model = copy.deepcopy(subject.model)
+        model.load_state_dict(align(subject, subjects[reference], mode="full", data=data, fold=False).state)
+        out[i] = dataclasses.replace(subject, model=model, weights_from_path=False, _capture=None, _report=None)
+    return out
+
+
 def _datasets_for(data, subjects, batch_size, limit, split) -> list:
     """One dataset per model: a single SPEC or Dataset serves every model; a sequence gives each its own."""
     from .datasets import load_data

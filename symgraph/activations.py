@@ -1,0 +1,313 @@
+"""Activation-based alignment costs: match each group on the activations that carry its coordinates.
+
+The analysis labels every graph value with the coordinate ids it carries (:mod:`symgraph.analysis.labels`); ids
+tied by the graph form classes, and a group's coordinates are classes. A value whose features carry the classes
+of a group's coordinates moves under that group exactly as a parameter slice does: ``x -> T x`` (primal) or
+``x -> T^{-T} x`` (dual), and under no other group, since the model's function is unchanged. So each such value
+is a *site* of the group: a member whose "parameter" is the value, features on axis 0 and the recorded examples
+(batch and sequence positions) on axis 1.
+
+Recording runs the exported program (a torch.fx Interpreter over the capture) on a few batches of data, once with
+each model's weights. The sites then stand in for the weights: :func:`symgraph.alignment.align_states` solves the
+*site groups* (same ids, kinds and sizes, members = sites) with the weight-matching solvers on the centred
+activations: Hungarian on cross-correlations for permutations, Procrustes / least squares on cross-covariances
+for orthogonal, rotary and general linear maps, closed-form scales. The elements found are elements of the real
+groups and are applied to the weights, so the result is an exact reparametrisation of the source whatever the
+data. Groups with no site fall back to weight costs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import fx
+
+from .capture import Capture, capture
+from .errors import DataError, SymgraphError
+from .groups import Group, Member
+
+DATA_MODE = "full+data"  # the alignment mode barrier and merge name for full mode with activation costs
+SKIPPED_RULES = ("movement", "identity")  # their values repeat their input's (layout, dtype, sign): no new evidence
+SITE_PREFIX = "@"  # site keys are graph node names behind this prefix: they can never clash with parameter names
+
+
+@dataclass
+class Recording:
+    """Centred activations of both models at every site, features first: ``(features, examples)`` float64."""
+
+    sites: dict[str, list[Member]]  # group id -> its sites (members keyed by SITE_PREFIX + node name)
+    source: dict[str, torch.Tensor]
+    anchor: dict[str, torch.Tensor]
+    batches: int
+    positions: int  # recorded positions (examples x tokens) per site
+
+    def site_groups(self, groups) -> list[Group]:
+        """The groups that have sites, with the sites as members (ids unchanged)."""
+        return [replace(g, members=tuple(self.sites[g.id])) for g in groups if self.sites.get(g.id)]
+
+
+def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int = 4096) -> Recording:
+    """Run ``batches`` batches of ``data`` (a :class:`symgraph.datasets.Dataset`) through ``source`` and
+    ``anchor`` (Subjects of one architecture) and keep the activations at the sites of ``groups``.
+
+    Batches of one input shape share a capture; at most ``max_positions`` positions per site are kept (evenly
+    spaced over those recorded)."""
+    if batches < 1 or max_positions < 2:
+        raise SymgraphError(f"Activation costs need at least one batch and two positions per site (got {batches} "
+                            f"batches, {max_positions} positions).", hint="pass --data-batches 1 or more.")
+    chosen = list(data.batches[:batches])
+    by_shape: dict[tuple, list] = defaultdict(list)
+    for batch in chosen:
+        by_shape[_signature(batch)].append(batch)
+    rows = {"source": defaultdict(list), "anchor": defaultdict(list)}
+    sites: dict[str, list[Member]] | None = None
+    anchor_state = anchor.state_dict()
+    for same in by_shape.values():
+        cap = _capture_on(source, same[0], data)
+        found, views = group_sites(cap, groups)
+        sites = found if sites is None else sites
+        if _site_layout(found) != _site_layout(sites):  # another input shape traced differently: not comparable
+            continue
+        for batch in same:
+            for who, state in (("source", None), ("anchor", anchor_state)):
+                for node, x in _run(cap, batch, state, views, data, f"the {who}").items():
+                    rows[who][node].append(x)
+    src, anc = _finish(rows["source"], max_positions), _finish(rows["anchor"], max_positions)
+    for key, x in anc.items():  # every site weighs the same (the stream's norm grows with depth): one scalar
+        scale = 1.0 / max(float(x.norm()), 1e-300)   # for both models, so the groups act on them alike
+        src[key], anc[key] = src[key] * scale, x * scale
+    return Recording(sites or {}, src, anc, len(chosen), min((x.shape[1] for x in src.values()), default=0))
+
+
+def group_sites(cap: Capture, groups) -> tuple[dict[str, list[Member]], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Group id -> the graph values that carry its coordinates, as members keyed ``@node.axes`` (see the module
+    docstring); and per key, the node and its feature axes (those its labels vary along, in member order)."""
+    from .analysis.partition import parity_classes
+    from .analysis.walk import Walker
+
+    walker = Walker(cap).run()
+    # without product ties: the factors of an elementwise product share a coordinate's permutation but not its
+    # scale (x * w moves with w's scale too), so a product is a site only through its own ids
+    cls, parity, _ = parity_classes(walker.ids.next, walker.c.ties, keep=lambda product: not product)
+    by_class: dict[int, list[_Layout]] = defaultdict(list)
+    for layout in filter(None, (_Layout.of(g, walker.param_ids, cls, parity) for g in groups)):
+        for k in layout.classes:
+            by_class[k].append(layout)
+    sites: dict[str, list[Member]] = defaultdict(list)
+    views: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for node in cap.graph.nodes:
+        for ids, axes in _feature_ids(walker, node):
+            key = f"{SITE_PREFIX}{node.name}" + "".join(f".{a}" for a in axes)
+            feature_cls = cls[ids]
+            layouts = {id(x): x for k in np.unique(feature_cls) for x in by_class.get(int(k), ())}
+            members = {layout.group.id: layout.site(key, ids, feature_cls, parity) for layout in layouts.values()}
+            if members and None not in members.values():  # a group moving it unseen would corrupt the others' costs
+                for gid, member in members.items():
+                    sites[gid].append(member)
+                views[key] = (node.name, axes)
+    return dict(sites), views
+
+
+# -- which coordinates a value carries -------------------------------------------------------------------------------
+@dataclass
+class _Layout:
+    """Where a group's coordinates sit: id or class -> (copy, coordinate, slot), and each class's orientation.
+
+    An id names one parameter coordinate exactly (a linear's output carries its weight's row ids); a class is
+    used for ids no member owns, when it names one coordinate of the group only (the query heads of one KV
+    group share their classes, since each contracts with the same key coordinates)."""
+
+    group: Group
+    by_id: dict[int, tuple[int, int, int]]
+    by_class: dict[int, tuple[int, int, int]]
+    flip: dict[int, int]
+
+    @classmethod
+    def of(cls_, g: Group, param_ids, cls, parity) -> "_Layout | None":
+        by_id, by_class, flip, owners = {}, {}, {}, defaultdict(set)
+        for m in g.members:
+            if m.action == "permute" or m.axis not in param_ids.get(m.param, {}):
+                continue
+            ids = param_ids[m.param][m.axis].numpy()[m.index]  # (copies, size, block)
+            code = 1 if m.action == "dual" else 0
+            for (c, j, b), i in np.ndenumerate(ids):
+                k = int(cls[i])
+                by_id.setdefault(int(i), (c, j, b))
+                by_class.setdefault(k, (c, j, b))
+                owners[k].add((c, j))
+                flip.setdefault(k, int(parity[i]) ^ code)
+        by_class = {k: v for k, v in by_class.items() if len(owners[k]) == 1}
+        return cls_(g, by_id, by_class, flip) if by_id else None
+
+    @property
+    def classes(self):
+        """Every class a member reaches, one coordinate's or several's: a value carrying any of them may move."""
+        return self.flip.keys()
+
+    def site(self, key: str, ids: np.ndarray, feature_cls: np.ndarray, parity) -> Member | None:
+        """The member for one value's features (``ids``: one per feature), or None when the value does not carry
+        every coordinate of the group the same number of times with one orientation."""
+        g = self.group
+        where = []
+        for f, (i, k) in enumerate(zip(ids.tolist(), feature_cls.tolist())):
+            slot = self.by_id.get(i) or self.by_class.get(k)
+            if slot is not None:
+                where.append((slot, f))
+        actions = {int(parity[ids[f]]) ^ self.flip[int(feature_cls[f])] for _, f in where}
+        if not where or len(actions) != 1:
+            return None
+        per = defaultdict(list)
+        for (c, j, b), f in sorted(where):
+            per[(c, j)].append(f)
+        counts = {len(v) for v in per.values()}
+        if len(per) != g.copies * g.size or len(counts) != 1:
+            return None
+        index = np.array([[per[(c, j)] for j in range(g.size)] for c in range(g.copies)], dtype=np.int64)
+        return Member(key, 0, index, "dual" if actions.pop() else "primal")
+
+
+def _feature_ids(walker, node: fx.Node) -> list[tuple[np.ndarray, tuple[int, ...]]]:
+    """Per clean channel of a value: the coordinate ids of its features (the axes the labels vary along,
+    flattened in order) and those axes. None for values that only repeat their input, parameter views, mixed
+    (RoPE) or squared channels. A value may carry several (a token axis labelled by position embeddings)."""
+    from .analysis.labels import Value, varying_axes
+
+    value = walker.values.get(node.name)
+    if node.op != "call_function" or not isinstance(value, Value) or value.invariant or not value.chans:
+        return []
+    spec = walker.specs.op(str(node.target))
+    if spec is not None and spec.rule in SKIPPED_RULES:
+        return []
+    out = []
+    for chan in value.chans:
+        if chan.mixed or chan.weight or chan.block or chan.degree != 1:
+            continue
+        axes = tuple(sorted(varying_axes(chan.ids)))
+        if axes:
+            first = tuple(slice(None) if a in axes else 0 for a in range(chan.ids.dim()))
+            out.append((chan.ids[first].reshape(-1).numpy(), axes))
+    return out
+
+
+def _site_layout(sites: dict[str, list[Member]]) -> dict:
+    return {gid: [(m.param, m.index.shape, m.action) for m in members] for gid, members in sites.items()}
+
+
+# -- recording -------------------------------------------------------------------------------------------------------
+def _signature(batch) -> tuple:
+    return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.inputs.items()))
+
+
+def _forward_kwargs(model, batch) -> dict:
+    config = getattr(model, "config", None)
+    extra = {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
+    return {**batch.inputs, **extra}
+
+
+def _capture_on(subject, batch, data) -> Capture:
+    from .errors import CaptureError
+
+    try:
+        return capture(subject.model, (), _forward_kwargs(subject.model, batch))
+    except CaptureError as exc:
+        raise DataError(f"Data '{data.name}' does not fit the source: its first batch "
+                        f"({', '.join(f'{k} {tuple(v.shape)}' for k, v in batch.inputs.items())}) cannot run "
+                        f"through the model ({exc.message})",
+                        hint="use data made for this model (input names, shapes, token ids below the vocabulary "
+                             "size).") from exc
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the exported graph and keeps the values of the wanted nodes."""
+
+    def __init__(self, module, wanted):
+        super().__init__(module)
+        self.wanted, self.seen = wanted, {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.name in self.wanted and isinstance(out, torch.Tensor):
+            self.seen[n.name] = out.detach()
+        return out
+
+
+def _run(cap: Capture, batch, state, views: dict[str, tuple[str, tuple[int, ...]]], data,
+         who: str) -> dict[str, torch.Tensor]:
+    """Site key -> (features, positions) on ``batch`` (``views``: key -> node and feature axes), with
+    ``state``'s weights (None: the captured model's own)."""
+    from .statistics import data_must_fit
+
+    program = cap.program
+    flat = list(program._graph_module_flat_inputs((), _forward_kwargs(cap.model, batch)))
+    if state is not None:
+        names = {**cap.params, **cap.buffers}
+        placeholders = [n.name for n in cap.graph.nodes if n.op == "placeholder"]
+        flat = [state[names[p]].to(x.dtype) if names.get(p) in state else x for p, x in zip(placeholders, flat)]
+    recorder = _Recorder(program.graph_module, {node for node, _ in views.values()})
+    with torch.no_grad(), data_must_fit(data, who, "recording activations"):
+        recorder.run(*flat)
+    return {key: _by_features(recorder.seen[node], axes) for key, (node, axes) in views.items()}
+
+
+def _by_features(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """``x`` as (features, positions): ``axes`` flattened in order, every other axis a position."""
+    rest = [a for a in range(x.dim()) if a not in axes]
+    features = int(np.prod([x.shape[a] for a in axes]))
+    return x.permute(*axes, *rest).reshape(features, -1).to(torch.float64)
+
+
+def _finish(rows: dict[str, list[torch.Tensor]], max_positions: int) -> dict[str, torch.Tensor]:
+    """Each site's batches joined, thinned to ``max_positions`` evenly spaced positions, and centred."""
+    out = {}
+    for node, parts in rows.items():
+        x = torch.cat(parts, 1)
+        if x.shape[1] > max_positions:
+            x = x[:, torch.linspace(0, x.shape[1] - 1, max_positions).round().long()]
+        out[node] = x - x.mean(1, keepdim=True)
+    return out
+
+
+# -- alignment -------------------------------------------------------------------------------------------------------
+DATA_GROUPS = {"residual": ("residual",), "all": None}  # which groups take activation costs: motifs (None: all)
+# Scales are fitted on weights: activations show only their primal side (a unit's output, not the columns that
+# read it), and a scale fitted to that alone drifts freely (independent llama pair, all groups: distance 13).
+WEIGHT_ONLY_KINDS = ("scale",)
+
+
+def align_on_activations(groups, source: dict, anchor: dict, recording: Recording, *, data_groups: str = "residual",
+                         **options):
+    """Align ``source`` to ``anchor`` within ``groups``: first the groups ``data_groups`` names that have sites,
+    on ``recording``'s activations; then the others on weight costs, with the first ones held where the
+    activations put them (coarse first: the residual stream, then the groups inside each block given it).
+    ``options`` go to :func:`symgraph.alignment.align_states` (mode, rescale, rounds, tolerance, progress,
+    cost_excluded).
+
+    ``residual`` (the default) takes only the residual stream from activations: on the shipped pairs that gave
+    the lowest barriers (README of examples/, RESULTS.md); ``all`` takes every group with a site. Returns an
+    :class:`~symgraph.alignment.AlignResult` whose ``costs`` say which cost each group used."""
+    from .alignment import align_states, relative_distance
+    from .elements import apply
+
+    if data_groups not in DATA_GROUPS:
+        raise SymgraphError(f"Unknown data groups {data_groups!r}.", hint=f"choose one of {', '.join(DATA_GROUPS)}.")
+    motifs = DATA_GROUPS[data_groups]
+    observed = [g for g in recording.site_groups(groups)
+                if (motifs is None or g.motif in motifs) and g.kind not in WEIGHT_ONLY_KINDS]
+    real = {g.id: g for g in groups}
+    by_data = align_states(observed, recording.source, recording.anchor, **options)
+    elements = [replace(e, group=real[e.group.id]) for e in by_data.elements]
+    moved = apply(source, elements)
+    seen = {g.id for g in observed}
+    stats = [replace(s, stage=f"activations {s.stage}") for s in by_data.stats]
+    timings = {f"activations_{k}": v for k, v in by_data.timings.items()}
+    rest = [g for g in groups if g.id not in seen]
+    if rest:
+        by_weight = align_states(rest, moved, anchor, **options)
+        moved, elements = by_weight.state, elements + by_weight.elements
+        stats += by_weight.stats
+        timings.update(by_weight.timings)
+    costs = {g.id: "activations" if g.id in seen else "weights" for g in groups}
+    return replace(by_data, state=moved, elements=elements, stats=stats, timings=timings, costs=costs,
+                   distance_before=relative_distance(source, anchor), distance_after=relative_distance(moved, anchor))

@@ -1,0 +1,184 @@
+"""Activation-based costs (symgraph.activations): sites found from the graph's labels, recovery of a reparametrised
+copy from activations alone, exact reparametrisation between independent models, bad data, CLI and barrier."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import symgraph
+from symgraph import zoo
+from symgraph.activations import group_sites, record
+from symgraph.alignment import select_groups
+from symgraph.connectivity import barrier
+from symgraph.datasets import Batch, Dataset
+from symgraph.errors import DataError
+from symgraph.verify import Evaluator
+
+from cli_runner import run
+
+
+def tokens(seed: int = 0, high: int = 100, batches: int = 2) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    return Dataset("tokens", "causal_lm", tuple(
+        Batch({"input_ids": torch.randint(0, high, (4, 9), generator=g)}) for _ in range(batches)))
+
+
+def twin_of(subject, seed: int = 1):
+    """A randomly reparametrised copy of ``subject`` (same function, every group moved)."""
+    twin = copy.deepcopy(subject.model)
+    twin.load_state_dict(symgraph.transform(subject, seed=seed))
+    return symgraph.load(twin)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = zoo.build("llama", seed=0)
+    return symgraph.load(model, zoo.example_inputs_for("llama", model))
+
+
+def test_sites_are_the_values_that_carry_a_groups_coordinates():
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    subject = symgraph.load(mlp, (torch.randn(5, 4),))
+    (group,) = subject.report.groups
+    sites, views = group_sites(subject.capture, [group])
+    # the hidden layer before and after the ReLU, each unit at its own feature position, moving like W1's rows
+    assert sorted(views[m.param][0] for m in sites[group.id]) == ["linear", "relu"]
+    for m in sites[group.id]:
+        assert m.action == "primal" and m.index.reshape(-1).tolist() == list(range(8))
+
+
+@pytest.mark.slow
+def test_a_reparametrised_copy_is_recovered_from_activations_alone():
+    model = zoo.build("bert", seed=0)
+    subject = symgraph.load(model, zoo.example_inputs_for("bert", model))
+    twin = twin_of(subject)
+    before = {k: v.clone() for k, v in twin.state_dict().items()}
+    result = symgraph.align(twin, subject, data=tokens(), data_groups="all", data_batches=2)
+    weights = {g for g, cost in result.costs.items() if cost == "weights"}
+    assert weights and all(g.startswith(("qk-rescale", "scale_free")) for g in weights)  # scales: weights only
+    # every other group (residual, heads, QK, VO, FFN) is solved before them, from activations alone
+    data_stats = [s for s in result.stats if s.stage.startswith("activations")]
+    assert {s.group for s in data_stats} == set(result.costs) - weights
+    assert result.distance_before > 0.5 and result.distance_after < 1e-5
+    assert all(torch.equal(before[k], v) for k, v in twin.state_dict().items())  # the source is not modified
+
+
+@pytest.mark.slow
+def test_grouped_query_attention_is_recovered_with_the_residual_from_activations(llama):
+    result = symgraph.align(twin_of(llama), llama, data=tokens(), data_batches=2)
+    residual = [g for g in result.costs if g.startswith("residual")]
+    assert residual and all(result.costs[g] == "activations" for g in residual)
+    assert result.distance_after < 1e-5
+
+
+@pytest.mark.slow
+def test_independent_models_stay_exact_reparametrisations(llama):
+    other = zoo.build("llama", seed=1)
+    source = symgraph.load(other, zoo.example_inputs_for("llama", other))
+    for groups in ("residual", "all"):
+        result = symgraph.align(source, llama, data=tokens(), data_groups=groups, data_batches=2, fold=True)
+        assert result.distance_after < result.distance_before
+        outcome = Evaluator(result_model(source, fold=True), source.args, source.kwargs).check(result.state)
+        assert outcome.ok, outcome.relative_error
+        residual = [g for g, cost in result.costs.items() if g.startswith("residual")]
+        assert residual and all(result.costs[g] == "activations" for g in residual)
+        if groups == "residual":
+            assert {c for g, c in result.costs.items() if not g.startswith("residual")} == {"weights"}
+
+
+def result_model(subject, fold: bool):
+    from symgraph.fold import folded_subject
+
+    return (folded_subject(subject) if fold else subject).model
+
+
+@pytest.mark.slow
+def test_the_stats_say_which_groups_took_activation_costs(llama):
+    result = symgraph.align(twin_of(llama), llama, data=tokens(), data_batches=1)
+    stages = {s.group: s.stage for s in result.stats}
+    assert any(stage.startswith("activations") for stage in stages.values())
+    assert result.to_json()["costs"] == result.costs
+
+
+@pytest.mark.parametrize("data, message", [
+    (tokens(high=10_000), "does not fit"),  # token ids beyond the vocabulary
+    (Dataset("pixels", "classification", (Batch({"pixel_values": torch.zeros(2, 3, 8, 8)}),)), "does not fit"),
+])
+def test_data_that_does_not_fit_is_refused(llama, data, message):
+    with pytest.raises(DataError, match=message):
+        record(twin_of(llama), llama, llama.report.groups, data)
+
+
+def test_recording_needs_a_batch(llama):
+    with pytest.raises(symgraph.errors.SymgraphError, match="at least one batch"):
+        record(llama, llama, llama.report.groups, tokens(), batches=0)
+
+
+@pytest.mark.slow
+def test_barrier_full_data_ends_at_the_same_function(llama):
+    twin = twin_of(llama)
+    result = barrier(llama, twin, tokens(), steps=3, aligns=("none", "full+data"), fold=False, progress=False,
+                     align_options={"align_data": tokens(seed=1), "data_batches": 1})
+    none, data = result.curves["none"], result.curves["full+data"]
+    assert abs(data.losses[-1] - none.losses[-1]) < 1e-4  # B aligned computes what B computes
+    assert data.distance < 1e-5 < none.distance  # and is the anchor again
+
+
+# -- command line ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, llama):
+    root = tmp_path_factory.mktemp("models")
+    llama.model.save_pretrained(root / "a")
+    twin_of(llama).model.save_pretrained(root / "twin")
+    np.savez(root / "tokens.npz", input_ids=torch.cat([b.inputs["input_ids"] for b in tokens().batches]).numpy())
+    np.savez(root / "too-big.npz", input_ids=np.full((4, 9), 5000))
+    return root
+
+
+@pytest.mark.slow
+def test_cli_align_with_data_writes_the_recovered_model_and_its_costs(folders, tmp_path):
+    out, stats = tmp_path / "aligned", tmp_path / "stats.json"
+    code, stdout, stderr = run("align", folders / "twin", folders / "a", "-o", out, "--data", folders / "tokens.npz",
+                               "--data-batches", 1, "--stats", stats, "--quiet")
+    assert code == 0, stderr
+    numbers = json.loads(stats.read_text())
+    assert numbers["distance_after"] < 1e-5 and "activations" in numbers["costs"].values()
+    assert "1 group from activations" in stdout
+    assert symgraph.load(out).state_dict().keys() == symgraph.load(folders / "a").state_dict().keys()
+
+
+def test_cli_align_with_data_that_does_not_fit_exits_2_and_writes_nothing(folders, tmp_path):
+    code, _, stderr = run("align", folders / "twin", folders / "a", "-o", tmp_path / "aligned", "--data",
+                          folders / "too-big.npz", "--quiet")
+    assert code == 2, stderr
+    assert "vocabulary" in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_cli_barrier_full_data(folders, tmp_path):
+    numbers = tmp_path / "barrier.json"
+    code, stdout, stderr = run("barrier", folders / "a", folders / "twin", "--data", folders / "tokens.npz",
+                               "--steps", 3, "--align", "none,full+data", "--data-batches", 1,
+                               "-o", tmp_path / "barrier.png", "--json", numbers)
+    assert code == 0, stderr
+    assert json.loads(numbers.read_text())["modes"]["full+data"]["distance"] < 1e-5
+    assert "full+data" in stdout
+
+
+@pytest.mark.slow
+def test_merge_full_data_aligns_on_activations_first(llama):
+    result = symgraph.merge([llama, twin_of(llama)], align="full+data", data=tokens(), fold=False, progress=False)
+    from symgraph.alignment import relative_distance
+
+    assert result.align == "full+data"
+    assert relative_distance(result.state, llama.state_dict()) < 1e-5  # the twin was brought back exactly
+
+
+def test_merge_full_data_without_data_is_refused(llama):
+    with pytest.raises(DataError, match="full\\+data"):
+        symgraph.merge([llama, llama], align="full+data", progress=False)
