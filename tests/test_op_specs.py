@@ -4,7 +4,8 @@ linear layers, analysed, its groups fuzzed in float64 at two input shapes.
 ``EXAMPLES`` holds, per op, the body between the layers: ``body(h, m)`` maps ``h`` (batch, length, 8) to a tensor
 whose last axis is again 8, calling the overload directly (``A.op.overload``) so that the export keeps exactly that
 node. ``m`` offers parameters for the op to use. An op spec without an example fails the test; an op torch.export
-never records at static shapes is listed in ``NOT_RECORDED`` with the reason instead.
+never records at static shapes is listed in ``NOT_RECORDED`` with the reason instead. Every example must find
+some group (else the fuzz would check nothing), but for those in ``NO_GROUPS_YET``.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ EXAMPLES = {
     "aten.squeeze.dims": lambda h, m: A.squeeze.dims(h.unsqueeze(0), [0]),
     "aten.squeeze.default": lambda h, m: A.squeeze.default(h.unsqueeze(0)),
     "aten.expand.default": lambda h, m: A.expand.default(h.unsqueeze(0), [2, -1, -1, -1]),
-    "aten.expand_as.default": lambda h, m: A.expand_as.default(h.unsqueeze(0), h.new_zeros(2, *h.shape)),
+    "aten.expand_as.default": lambda h, m: A.expand_as.default(h.unsqueeze(0), torch.zeros(2, *h.shape)),
     "aten.slice.Tensor": lambda h, m: A.slice.Tensor(h, 1, 0, 3),
     "aten.select.int": lambda h, m: A.select.int(h, 1, 0),
     "aten.narrow.default": lambda h, m: A.narrow.default(h, 1, 0, 2),
@@ -206,6 +207,11 @@ EXAMPLES = {
     "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,
 }
 
+# Examples whose groups the analysis does not find yet (sound, but short of the exact group).
+NO_GROUPS_YET = {
+    "aten.sub.Tensor": "h - b for a parameter vector b: the -1 coefficient makes a mixed channel, which pins",
+}
+
 NOT_RECORDED = {
     "aten._assert_scalar.default": "asserts on symbolic sizes: only exports with dynamic shapes record it",
     "aten.sym_size.int": "symbolic sizes: only exports with dynamic shapes record it",
@@ -228,4 +234,5 @@ def test_op_spec_groups_hold_at_two_input_shapes(op):
     recorded = {str(n.target) for n in subject.capture.graph.nodes if n.op == "call_function"}
     assert op in recorded, f"the example does not exercise {op}; the graph has {sorted(recorded)}"
     assert op not in subject.report.unknown_ops
+    assert subject.report.groups or op in NO_GROUPS_YET, [p.reason for p in subject.report.pinned]
     assert_fuzzed_at_two_shapes(subject, samples=3)
