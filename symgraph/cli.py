@@ -65,7 +65,7 @@ def transform(model, output, seed, overwrite, free_outputs):
     state, outcome = transformed(subject, seed)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; "
-               f"{_equality(outcome.relative_error, outcome.tolerance, state)})")
+               f"{_equality(outcome.relative_error, outcome.tolerance, state)}{_free_note(subject)})")
 
 
 @cli.command(help="Fold every norm's weight (and a LayerNorm's bias) into the linear layers that read it; for "
@@ -229,7 +229,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                f"(mode {mode}{', folded' if result.folded else ''}{_cost_summary(result.costs)}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
-               f"{_equality(result.verified_error, result.verified_tolerance, result.state)})")
+               f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
 
 
 def _learned_note(learned: dict | None) -> str:
@@ -255,6 +255,15 @@ def _equality(error: float, tolerance: float, state) -> str:
     dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}))
     return (f"outputs checked on the example inputs, both models run in float64: relative error {error:.1e} to the "
             f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once")
+
+
+def _free_note(subject) -> str:
+    """How free outputs were compared (``--free-outputs``), for the one-line summaries."""
+    free = subject.report.free_outputs if subject.free_outputs else ()
+    if not free:
+        return ""
+    return (f"; free outputs {', '.join(f.name for f in free)} compared after undoing the residual stream's "
+            f"element, so the written model returns them in a moved basis")
 
 
 class _ProgressBar:

@@ -201,7 +201,7 @@ def test_cli_free_outputs_report_transform_align_and_merge(tmp_path):
     assert [f["output"] for f in free] == ["last_hidden_state"] and free[0]["group"].startswith("residual:")
     assert "free_outputs" not in json.loads(run("report", tmp_path / "a", "--format", "json").stdout)
     res = run("transform", tmp_path / "a", "-o", tmp_path / "b", "--seed", "3", "--free-outputs")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and "free outputs last_hidden_state compared after undoing" in res.stdout, res.stderr
     res = run("fuzz", tmp_path / "b", "--samples", "2", "--free-outputs")
     assert res.returncode == 0 and "all groups invariant" in res.stdout, res.stdout + res.stderr
     res = run("align", tmp_path / "b", tmp_path / "a", "-o", tmp_path / "c", "--free-outputs", "--quiet",

@@ -88,3 +88,20 @@ def test_ray_workers_without_ray_name_the_extra(monkeypatch, folders, tmp_path):
     assert res.returncode != 0 and "symgraph[ray]" in res.stderr and not (tmp_path / "out").exists()
     with pytest.raises(SymgraphError, match="Unknown workers"):
         check_workers("dask")
+
+
+@pytest.mark.slow
+def test_ray_merge_of_encoders_with_free_outputs_equals_the_local_one(cluster, tmp_path):
+    """Base encoders (hidden-state outputs) merged with --free-outputs: the Ray jobs' elements are those the
+    in-process run applies, so the free outputs are undone alike and the merges agree."""
+    import transformers
+
+    base = transformers.AutoModel.from_config(zoo.tiny_config("bert")).eval()
+    zoo._perturb(base, torch.Generator().manual_seed(3))
+    base.save_pretrained(tmp_path / "a")
+    twin = symgraph.load(str(tmp_path / "a"), free_outputs=True)
+    twin.model.load_state_dict(symgraph.transform(twin, seed=1))
+    twin.model.save_pretrained(tmp_path / "b")
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    merges = [symgraph.merge(folders, free_outputs=True, workers=w, progress=False) for w in ("local", "ray")]
+    assert _same(merges[0].state, merges[1].state) and max(merges[1].distances) < 1e-6
