@@ -277,10 +277,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     if dataset is None:
         result = align_states(groups, state, anchor_state, **options)
     else:
-        from .activations import align_on_activations, record
+        from .activations import align_on_activations, data_cost_groups, record
 
         clock = time.perf_counter()
-        recording = record(src, anc, groups, dataset, batches=data_batches)
+        recording = record(src, anc, groups, dataset, batches=data_batches,
+                           use={g.id for g in data_cost_groups(groups, data_groups)})
         timings["record_activations"] = time.perf_counter() - clock
         result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
     if learn:
