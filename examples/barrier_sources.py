@@ -33,8 +33,8 @@ def family(name: str, split: str | None) -> str:
         return name.rsplit(".", 1)[0]
     layer = re.search(r"\.(\d+)\.", name)
     if layer is None:
-        return "head" if name.startswith(HEADS) or re.search(r"(^|\.)(norm|layernorm)\.", name) else "embed"
-    part = "norm" if re.search(r"norm", name) else "attn" if re.search(r"attn|attention", name) else "mlp"
+        return "head" if name.startswith(HEADS) or re.search(r"(^|\.)(norm|layernorm|pooler)\.", name) else "embed"
+    part = "norm" if re.search(r"norm", name, re.I) else "attn" if re.search(r"attn|attention", name) else "mlp"
     return f"L{layer.group(1)}.{part}"
 
 

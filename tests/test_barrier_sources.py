@@ -31,6 +31,10 @@ def sources():
     ("model.norm.weight", "head"),
     ("lm_head.weight", "head"),
     ("model.embed_tokens.weight", "embed"),
+    ("bert.encoder.layer.1.attention.output.LayerNorm.weight", "L1.norm"),
+    ("bert.encoder.layer.1.output.dense.weight", "L1.mlp"),
+    ("bert.pooler.dense.weight", "head"),
+    ("bert.embeddings.LayerNorm.bias", "embed"),
 ])
 def test_every_parameter_lands_in_its_family(sources, name, expected):
     assert sources.family(name, None) == expected
