@@ -60,9 +60,11 @@ ATTEMPTS = {
         {"align_options": {"refine_rounds": 100, "tolerance": 0.0}},
     "no QK / rotary rescaling": {"align_options": {"rescale": False}},
     "other direction (A aligned to B)": {"reverse": True},
+    "GL(d_head) QK and VO maps (`general_linear=True`)": {"align_options": {"general_linear": True}},
+    "not folded (`fold=False`: permutations on the residual stream)": {"fold": False},
     "train split instead of test": {"split": "train"},
 }
-FULL_ONLY_OPTIONS = {"rescale"}  # permutation mode ignores these: its default curve stands
+FULL_ONLY_OPTIONS = {"rescale", "general_linear"}  # permutation mode ignores these: its default curve stands
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def attempts_experiment(pair: Pair, settings: Settings, baseline: dict) -> dict:
         full_only = bool(options) and set(options) <= FULL_ONLY_OPTIONS and len(attempt) == 1
         result = symgraph.barrier(first, second, data, steps=settings.steps,
                                   aligns=("full",) if full_only else ("permutation", "full"), align_options=options,
-                                  progress=False)
+                                  fold=attempt.get("fold"), progress=False)
         curves = {mode: {"loss_barrier": c.loss_barrier, "distance": c.distance, "losses": c.losses}
                   for mode, c in result.curves.items()}
         if full_only:
@@ -524,8 +526,9 @@ at a time.
 
 Rows: without the weight-matching start (the first pass alone, the previous default); a longer coordinate descent
 (the default stops once a round gains less than 1e-4); no QK / rotary rescaling; the other direction of alignment
-(A aligned to B); the training split instead of the test split (as many examples as the test split has).
-Permutation mode ignores the rescaling, so that row repeats its default barrier.
+(A aligned to B); GL(d_head) maps on QK and VO instead of rotations; both models left unfolded (pairs that cannot
+be folded repeat their default); the training split instead of the test split (as many examples as the test split
+has). Permutation mode ignores the rescaling and the GL maps, so those rows repeat its default barrier.
 """
 
 
