@@ -352,19 +352,20 @@ def _streamed_plan(states, models) -> list:
 
 
 def _streamed_average(states, w, name: str, models) -> torch.Tensor:
+    """One output tensor: the weighted sum accumulated in place (the other models' tensors are promoted on the
+    fly, not copied), checked for NaN/Inf once at the end (a non-finite input makes the sum non-finite)."""
     tensors = [s[name] for s in states]
     out_dtype = _widest(t.dtype for t in tensors)
     if not out_dtype.is_floating_point:
         return tensors[0]
-    compute = torch.promote_types(out_dtype, torch.float32)
-    total = torch.zeros(tensors[0].shape, dtype=compute)
-    for position, (weight, tensor) in enumerate(zip(w, tensors)):
-        tensor = tensor.to(compute)
-        if not torch.isfinite(tensor).all():
-            from .io import nonfinite_error
-
-            raise nonfinite_error(f"model {position + 1} ({models[position]})", [name])
+    total = tensors[0].to(torch.promote_types(out_dtype, torch.float32)).mul_(float(w[0]))
+    for weight, tensor in zip(w[1:], tensors[1:]):
         total.add_(tensor, alpha=float(weight))
+    if not torch.isfinite(total).all():
+        from .io import nonfinite_error
+
+        bad = next((i for i, t in enumerate(tensors) if not torch.isfinite(t).all()), 0)
+        raise nonfinite_error(f"model {bad + 1} ({models[bad]})", [name])
     return total.to(out_dtype)
 
 
