@@ -169,7 +169,7 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
 def align(source, anchor, *, mode: str = "full", only: str | None = None, rescale: bool = True,
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
-          inputs: Inputs = None, verify: bool = True, progress=None):
+          inputs: Inputs = None, verify: bool = True, progress=None, device="cpu", dtype=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -188,7 +188,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was
     done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
-    instead of in its orthogonal subgroup.
+    instead of in its orthogonal subgroup. ``device`` (``cpu`` or ``cuda``) and ``dtype`` (``float32`` or
+    ``float64``) say where and in what the alignment computes (:func:`symgraph.alignment.align_states`); a
+    device this machine lacks or another dtype is refused before anything is loaded.
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -205,10 +207,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     >>> result.distance_after < result.distance_before
     True
     """
-    from .alignment import (align_states, check_same_architecture, free_cost_members, relative_distance,
-                            select_groups)
+    from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
+                            free_cost_members, relative_distance, select_groups)
     from .verify import Evaluator
 
+    device, dtype = compute_device(device), compute_dtype(dtype)
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs), load(anchor, inputs)
@@ -228,7 +231,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     anchor_state = anc.state_dict()
     result = align_states(groups, state, anchor_state, mode=mode, rescale=rescale, rounds=refine_rounds,
                           tolerance=tolerance, matching_start=matching_start, progress=progress,
-                          cost_excluded=free)
+                          cost_excluded=free, device=device, dtype=dtype)
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]

@@ -133,11 +133,17 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the alignment computes its costs and applies its moves: cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]),
+              help="Compute dtype (default: float64 for float64 models, float32 otherwise); OUT keeps SOURCE's.")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold):
+          general_linear, stats_path, overwrite, quiet, fold, device, dtype):
+    from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
 
+    compute_device(device)  # before the models are read
     _check_model_output(output, overwrite, [source, anchor])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
@@ -146,7 +152,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     loading = time.perf_counter() - clock
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                           fold=fold, device=device, dtype=dtype, **_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                  general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
