@@ -154,7 +154,7 @@ def default_rounds(groups) -> int:
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
                  rounds: int | None = None, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
-                 cost_excluded=()) -> AlignResult:
+                 cost_excluded=(), device="cpu", dtype=None) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
@@ -168,8 +168,11 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     distance when the closer was chosen); in ``permutation`` mode both descend to the end.
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
     slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
-    Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast); the
-    result is cast back to each tensor's own dtype. Distances are whole-model (:func:`relative_distance`).
+    Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast), or in
+    ``dtype`` (float32 or float64) when given; the working copies live on ``device`` (``cpu`` or ``cuda``), where
+    the member products that make the costs are computed and the elements applied (the small per-group solver
+    kernels, SVDs of size x size and Hungarians, run on the CPU). The result is cast back to each tensor's own
+    dtype and device. Distances are whole-model (:func:`relative_distance`).
     """
     rounds = default_rounds(groups) if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
@@ -178,7 +181,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     if not tolerance >= 0:  # also refuses NaN
         raise SymgraphError(f"The refinement tolerance must be >= 0, not {tolerance!r}.",
                             hint="pass 0 to descend until a round changes nothing (or the rounds run out).")
-    options = dict(rescale=rescale, cost_excluded=cost_excluded)
+    options = dict(rescale=rescale, cost_excluded=cost_excluded, device=compute_device(device),
+                   dtype=compute_dtype(dtype))
     timings: dict[str, float] = {}
     first = kept = Aligner(groups, source, anchor, mode=mode, **options)
     matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
@@ -210,6 +214,39 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
 PROBE_ROUNDS = 2
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def compute_device(device) -> torch.device:
+    """``device`` (``cpu``, ``cuda``, ``cuda:N``) as a torch device, refused when this machine cannot use it."""
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError):
+        out = None
+    if out is None or out.type not in ("cpu", "cuda"):
+        raise SymgraphError(f"Unknown compute device {device!r}.", hint="choose cpu (the default) or cuda (cuda:N).")
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise SymgraphError(f"Device {device!r} was asked for, but torch {torch.__version__} sees no CUDA GPU on this "
+                            f"machine.", hint="use --device cpu (the default), or run where a GPU and a CUDA build "
+                                              "of torch are installed.")
+    if out.type == "cuda" and out.index is not None and out.index >= torch.cuda.device_count():
+        raise SymgraphError(f"Device {device!r} does not exist: {torch.cuda.device_count()} CUDA GPU(s) are visible.",
+                            hint="pick cuda:0 .. cuda:N-1, or plain cuda.")
+    return out
+
+
+def compute_dtype(dtype) -> torch.dtype | None:
+    """The alignment's compute dtype (float32 or float64; None: float64 for float64 models, float32 otherwise)."""
+    if dtype is None:
+        return None
+    chosen = COMPUTE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if chosen not in COMPUTE_DTYPES.values():
+        raise SymgraphError(f"Alignment cannot compute in {dtype!r}: its SVDs and eigendecompositions need float32 or "
+                            f"float64.", hint="pass float32 or float64; weights stored in bf16/fp16 are upcast "
+                                              "for the computation and written back in their own dtype.")
+    return chosen
+
+
 def weight_matching(groups, source: dict, anchor: dict, *, seed: int = 0, rounds: int = _TEXTBOOK_ROUNDS,
                     progress=None, cost_excluded=()) -> AlignResult:
     """Textbook Git Re-Basin weight matching (Ainsworth et al., ICLR 2023), the reference any permutation mode
@@ -235,7 +272,7 @@ def weight_matching(groups, source: dict, anchor: dict, *, seed: int = 0, rounds
 
 def _result(aligner: "Aligner", source: dict, anchor: dict, timings: dict, starts: dict, start: str) -> AlignResult:
     out = dict(source)
-    out.update({k: aligner.src[k].to(source[k].dtype) for k in aligner.src})
+    out.update({k: aligner.src[k].to(device=source[k].device, dtype=source[k].dtype) for k in aligner.src})
     return AlignResult(out, aligner.elements, aligner.stats, relative_distance(source, anchor),
                        relative_distance(out, anchor), timings, refine_rounds=aligner.rounds_run,
                        starts=starts, start=start)
@@ -305,13 +342,15 @@ def relative_distance(state: dict, anchor: dict, names=None) -> float:
 class Aligner:
     """Moves a working copy of the source through the groups, one solver call at a time."""
 
-    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool, cost_excluded=()):
+    def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool, cost_excluded=(),
+                 device=torch.device("cpu"), dtype=None):
         self.groups = list(groups)
         self.mode, self.rescale = mode, rescale
         names = {m.param for g in self.groups for m in g.members}
-        self.dtype = torch.float64 if any(source[k].dtype == torch.float64 for k in names) else torch.float32
-        src = {k: source[k].detach().to(self.dtype).clone() for k in names}
-        anc = {k: anchor[k].detach().to(self.dtype) for k in names}
+        self.dtype = dtype or (torch.float64 if any(source[k].dtype == torch.float64 for k in names)
+                               else torch.float32)
+        src = {k: source[k].detach().to(device=device, dtype=self.dtype).clone() for k in names}
+        anc = {k: anchor[k].detach().to(device=device, dtype=self.dtype) for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
         self.anchor_sq = sum(float(a.double().pow(2).sum()) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
@@ -511,7 +550,7 @@ class Aligner:
             eig = torch.linalg.eigvalsh(torch.from_numpy(self.ws.gram(informative, g)))
             return bool((eig[:, 0] > 1e-10 * eig[:, -1].clamp_min(1e-300)).all())
         if g.kind == "scale":
-            norms = sum(self.ws.flat("src", m).pow(2).sum(2).numpy() for m in informative)
+            norms = sum(self.ws.flat("src", m).pow(2).sum(2).cpu().numpy() for m in informative)
             return bool(np.all(norms > 0))
         if g.scale in ("positive", "nonzero"):  # units are matched by direction: one number per unit has none
             return sum(self.ws.flat("src", m).shape[2] for m in informative) > 1

@@ -201,7 +201,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
-          data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False):
+          data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False,
+          device="cpu", dtype=None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -222,7 +223,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup. With ``free_outputs`` (see :func:`load`; base models and sentence
     encoders) the residual stream is aligned too, and the result's free outputs are the source's moved by the
-    residual element it applied (``result.elements``).
+    residual element it applied (``result.elements``). ``device`` (``cpu`` or ``cuda``) and ``dtype``
+    (``float32`` or ``float64``) say where and in what the alignment computes
+    (:func:`symgraph.alignment.align_states`); a device this machine lacks or another dtype is refused before
+    anything is loaded.
 
     With ``data`` (a data SPEC, train split unless it names one, or a :class:`~symgraph.datasets.Dataset`),
     costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
@@ -249,11 +253,12 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     >>> result.distance_after < result.distance_before
     True
     """
-    from .alignment import (align_states, check_same_architecture, free_cost_members, relative_distance,
-                            select_groups)
+    from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
+                            free_cost_members, relative_distance, select_groups)
     from .verify import Evaluator
 
     check_learn(learn, data)
+    device, dtype = compute_device(device), compute_dtype(dtype)
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs, free_outputs=free_outputs), load(anchor, inputs, free_outputs=free_outputs)
@@ -273,7 +278,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
     options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
-                   matching_start=matching_start, progress=progress, cost_excluded=free)
+                   matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype)
     if dataset is None:
         result = align_states(groups, state, anchor_state, **options)
     else:

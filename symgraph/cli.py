@@ -202,12 +202,18 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @_data_options
 @_learn_options
 @_FREE_OUTPUTS
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the alignment computes its costs and applies its moves: cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]),
+              help="Compute dtype (default: float64 for float64 models, float32 otherwise); OUT keeps SOURCE's.")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
-          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs):
+          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, device, dtype):
+    from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
 
+    compute_device(device)  # before the models are read
     _check_model_output(output, overwrite, [source, anchor])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
@@ -217,7 +223,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     with _ProgressBar(disable=quiet) as bar:
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
-                           data_groups=data_groups,
+                           data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t),
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
     result.timings["load"] = loading

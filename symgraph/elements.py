@@ -135,7 +135,7 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
     for e in elements:
         for m in e.group.members:
             y = state[m.param].movedim(m.axis, 0)  # a view: writing into it writes the tensor
-            idx = torch.as_tensor(m.index)
+            idx = torch.as_tensor(m.index, device=y.device)
             y[idx] = _transform(y[idx], m, e)
 
 
@@ -152,7 +152,7 @@ def inverse(e: Element) -> Element:
 
 def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     y = x.movedim(m.axis, 0)
-    idx = torch.as_tensor(m.index)  # (copies, n, block)
+    idx = torch.as_tensor(m.index, device=y.device)  # (copies, n, block)
     g = y[idx]  # (copies, n, block, rest...)
     g = _transform(g, m, e)
     y = y.clone()
@@ -165,16 +165,16 @@ def _transform(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     if e.matrices is not None:
         if m.action == "permute":
             raise ValueError(f"{m.param}: a weight vector cannot follow a {e.group.kind} transformation")
-        mat = torch.as_tensor(e.matrices, dtype=dtype)
+        mat = torch.as_tensor(e.matrices, dtype=dtype, device=g.device)
         if m.action == "dual":
             mat = torch.linalg.inv(mat).transpose(-1, -2)
         return torch.einsum("cij,cj...->ci...", mat, g)
     if e.perm is not None:
-        perm = torch.as_tensor(e.perm)
+        perm = torch.as_tensor(e.perm, device=g.device)
         g = torch.stack([g[c, perm[c]] for c in range(g.shape[0])])
     if e.diag is None or m.action == "permute":
         return g
-    d = torch.as_tensor(e.diag, dtype=dtype) ** m.exponent
+    d = torch.as_tensor(e.diag, dtype=dtype, device=g.device) ** m.exponent
     d = d.reshape(*d.shape, *([1] * (g.dim() - 2)))
     return g * d if m.action == "primal" else g / d
 

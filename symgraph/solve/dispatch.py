@@ -218,7 +218,7 @@ def solve_scale(ws, g, members, ctx):
         sim = np.zeros((g.copies, g.size))
         for m in members:
             if m.action != "permute":
-                sim += torch.einsum("cnbr,cnbr->cn", ws.gather("src", m), ws.gather("anc", m)).numpy()
+                sim += torch.einsum("cnbr,cnbr->cn", ws.gather("src", m), ws.gather("anc", m)).cpu().numpy()
         return [Element(g, diag=np.where(sim < 0, -1.0, 1.0))]
     return [Element(g, diag=_unit_scales(ws, g, members, positive=g.scale == "positive"))]
 
@@ -283,7 +283,7 @@ def _pair_blocks(cross: np.ndarray, pairs: np.ndarray) -> np.ndarray:
 def _pair_sq(ws, members, g, pairs) -> np.ndarray:
     out = np.zeros((g.copies, len(pairs)))
     for m in members:
-        sq = ws.flat("src", m).pow(2).sum(2).numpy()
+        sq = ws.flat("src", m).pow(2).sum(2).cpu().numpy()
         out += sq[:, pairs[:, 0]] + sq[:, pairs[:, 1]]
     return out
 
@@ -315,7 +315,7 @@ def _unit_scales(ws: Workspace, g: Group, members, *, positive: bool) -> np.ndar
     n = g.copies * g.size
 
     def stack(pairs, k):
-        return torch.cat([p[k] for p in pairs], 1).numpy() if pairs else np.zeros((n, 0))
+        return torch.cat([p[k] for p in pairs], 1).cpu().numpy() if pairs else np.zeros((n, 0))
 
     dual = (stack(cols, 0).T, stack(cols, 1).T) if cols else (None, None)
     d = kernels.unit_scales(stack(rows, 0), stack(rows, 1), *dual, positive=positive)

@@ -184,7 +184,7 @@ def _circuit_cosines(ws, layout, g: Group) -> np.ndarray:
     cross = sim("src", "anc")
     norm_s = self_sim("src").clamp_min(1e-300).sqrt()
     norm_a = self_sim("anc").clamp_min(1e-300).sqrt()
-    cosine = (cross / norm_s[:, None] / norm_a[None, :]).numpy()
+    cosine = (cross / norm_s[:, None] / norm_a[None, :]).cpu().numpy()
     return _per_copy(cosine, g)
 
 
@@ -201,7 +201,7 @@ def _member_values(ws, m: Member, *, normalise: bool) -> np.ndarray:
     copies, heads = bs.shape[:2]
     value = procrustes_value(torch.einsum("cibr,cjdr->cijbd", bs, ba)).reshape(copies, heads, heads)
     if normalise:
-        ns, na = bs.flatten(2).norm(dim=2).numpy(), ba.flatten(2).norm(dim=2).numpy()
+        ns, na = bs.flatten(2).norm(dim=2).cpu().numpy(), ba.flatten(2).norm(dim=2).cpu().numpy()
         value = value / np.maximum(ns[:, :, None] * na[:, None, :], 1e-300)
     return np.swapaxes(value, -1, -2)
 

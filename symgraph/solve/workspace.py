@@ -48,7 +48,7 @@ class Workspace:
     def cross(self, members, g: Group) -> np.ndarray:
         """M[c] = sum over members X_src X_anchor^T (source coordinate first)."""
         def term(m):
-            return torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).numpy()
+            return torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).cpu().numpy()
 
         return self.sums.total("cross", ROWS, g, members, term, self.features, (g.copies, g.size, g.size))
 
@@ -57,13 +57,13 @@ class Workspace:
         out = np.zeros((g.copies, g.size, g.size))
         for m in members:
             x = self.flat(which, m)
-            out += torch.einsum("cif,cjf->cij", x, x).numpy()
+            out += torch.einsum("cif,cjf->cij", x, x).cpu().numpy()
         return out
 
     def sq(self, members, g: Group) -> np.ndarray:
         """Squared norm of the source members, per copy."""
         def term(m):
-            return self.flat("src", m).pow(2).sum((1, 2)).numpy()
+            return self.flat("src", m).pow(2).sum((1, 2)).cpu().numpy()
 
         return self.sums.total("sq", SCALAR, g, members, term, self.features, (g.copies,))
 
@@ -72,7 +72,7 @@ class Workspace:
         vectors (a per-coordinate scale solved afterwards must not bias the matching). Accumulated member by
         member: the residual stream's members are the whole model, never concatenated."""
         def term(m):
-            return torch.einsum("cif,cjf->cij", self.flat("anc", m), self.flat("src", m)).double().numpy()
+            return torch.einsum("cif,cjf->cij", self.flat("anc", m), self.flat("src", m)).cpu().numpy()
 
         shape = (g.copies, g.size, g.size)
         if not normalise:
@@ -80,8 +80,8 @@ class Workspace:
         out = self.sums.total(None, COLUMNS, g, members, term, self.features, shape)
         norm_s, norm_a = np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))
         for m in members:
-            norm_s += self.flat("src", m).double().pow(2).sum(2).numpy()
-            norm_a += self.flat("anc", m).double().pow(2).sum(2).numpy()
+            norm_s += self.flat("src", m).double().pow(2).sum(2).cpu().numpy()
+            norm_a += self.flat("anc", m).double().pow(2).sum(2).cpu().numpy()
         out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
         return out
 
@@ -106,5 +106,5 @@ def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
     start = int(flat[0])
     if np.array_equal(flat, np.arange(start, start + flat.size)):
         return y[start:start + flat.size].reshape(*m.index.shape, -1)
-    y = y[torch.as_tensor(m.index)]
+    y = y[torch.as_tensor(m.index, device=y.device)]
     return y.reshape(*y.shape[:3], -1)
