@@ -184,3 +184,20 @@ def test_merge_full_data_aligns_on_activations_first(llama):
 def test_merge_full_data_without_data_is_refused(llama):
     with pytest.raises(DataError, match="full\\+data"):
         symgraph.merge([llama, llama], align="full+data", progress=False)
+
+
+@pytest.mark.slow
+def test_a_folded_vit_residual_rotation_is_recovered_from_activations():
+    """The LayerNorm residual group {Q in O(D) : Q 1 = +-1} of a folded ViT, solved by Procrustes on activations."""
+    from symgraph.fold import folded_subject
+
+    model = zoo.build("vit", seed=0)
+    subject = folded_subject(symgraph.load(model, zoo.example_inputs_for("vit", model)))
+    g = torch.Generator().manual_seed(0)
+    images = Dataset("images", "classification", tuple(
+        Batch({"pixel_values": torch.randn(4, 3, 16, 16, generator=g)}) for _ in range(2)))
+    result = symgraph.align(twin_of(subject), subject, data=images, data_batches=2)
+    residual = [gid for gid in result.costs if gid.startswith("residual")]
+    assert [result.costs[gid] for gid in residual] == ["activations"]
+    assert {s.kind for s in result.stats if s.group in residual} == {"orthogonal"}
+    assert result.distance_before > 0.2 and result.distance_after < 1e-5
