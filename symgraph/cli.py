@@ -361,8 +361,8 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
 
 
 def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold) -> None:
-    given = [f"--method {method}" if method != "simple" else "", f"--align {align_mode}" if align_mode != "none" else "",
-             "--data" if data_specs else "", "--head-from" if head_from is not None else "",
+    given = [f"--method {method}" if method != "simple" else "",
+             f"--align {align_mode}" if align_mode != "none" else "", "--data" if data_specs else "", "--head-from" if head_from is not None else "",
              "--head" if head_patterns else "", "--fold" if fold else ""]
     given = [g for g in given if g]
     if given:
