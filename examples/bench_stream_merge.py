@@ -7,8 +7,8 @@ Two stages, each in a process of its own so that its peak RSS (``wait4``'s ``ru_
 (a copy of each memory-mapped tensor: the floor);
 ``merge`` runs ``symgraph merge A B --stream --method simple --align none -o OUT`` (read both, average in fp32,
 write the stored dtype as sharded safetensors). Times are measured inside each process (Python and symgraph
-start-up left out; the wall times with them are reported too). The page cache is shared with the machine and not dropped: on a
-machine whose RAM cannot cache both checkpoints, both stages read mostly from disk.
+start-up left out; the wall times with them are reported too). The page cache is shared with the machine and not
+dropped: on a machine whose RAM cannot cache both checkpoints, both stages read mostly from disk.
 """
 from __future__ import annotations
 

@@ -9,10 +9,11 @@ Writes three Hugging Face folders (sharded bf16 safetensors with the index, conf
 ``B1``  A moved by a random element of its own symmetry group, then 1% noise (per tensor, Gaussian with 1% of the
         tensor's RMS): residual stream rotated by a dense orthogonal Q (a random permutation, random signs and
         the Kronecker product of two random 64 x 64 orthogonal matrices: O(128 d) per row, where a dense Haar Q
-        would cost ~50 TFLOP here); KV groups permuted, query heads permuted within their group; per KV group a rotation of each RoPE
-        frequency pair on Q and K, and an orthogonal map on V with its inverse on O's columns; FFN units permuted.
-        These are the rotations and permutations `symgraph report` lists for the folded model (norm weights 1, so
-        the fold is the identity). Without noise, B1 computes exactly what A computes (tests check it in float64).
+        would cost ~50 TFLOP here); KV groups permuted, query heads permuted within their group; per KV group a
+        rotation of each RoPE frequency pair on Q and K, and an orthogonal map on V with its inverse on O's
+        columns; FFN units permuted. These are orthogonal and permutation elements of the groups the design lists
+        for LLaMA (the residual rotation needs the norm weights to be 1, as a folded model has them; no scales).
+        Without noise, B1 computes what A computes (tests check it in float64 at tiny sizes).
 ``B2``  an independent initialisation.
 
 Every tensor is generated from its own seed, so A's tensors are regenerated for B1 instead of being held: the

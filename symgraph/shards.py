@@ -10,9 +10,8 @@ Examples
 --------
 >>> import tempfile, torch
 >>> from symgraph.lazy_state import LazyState
->>> infos = [TensorInfo("a", (2, 3), torch.bfloat16), TensorInfo("b", (4,), torch.float32)]
->>> out = write_checkpoint(tempfile.mkdtemp() + "/m", infos, lambda name: torch.ones(infos_by_name(infos)[name].shape,
-...                        dtype=infos_by_name(infos)[name].dtype), shard_bytes=16)
+>>> state = {"a": torch.ones(2, 3, dtype=torch.bfloat16), "b": torch.ones(4)}
+>>> out = write_checkpoint(tempfile.mkdtemp() + "/m", infos_of(state), state.__getitem__, shard_bytes=16)
 >>> sorted(p.name for p in out.iterdir())
 ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
 >>> LazyState(out)["a"].dtype
@@ -32,7 +31,7 @@ import torch
 from .checkpoint import output_folder, staged_folder, write_side_files
 from .errors import OutputError
 
-__all__ = ["TensorInfo", "DEFAULT_SHARD_BYTES", "plan_shards", "shard_names", "infos_by_name", "write_checkpoint",
+__all__ = ["TensorInfo", "DEFAULT_SHARD_BYTES", "plan_shards", "shard_names", "infos_of", "write_checkpoint",
            "SAFETENSORS_DTYPES"]
 
 #: transformers' default ``max_shard_size`` for ``save_pretrained``.
@@ -61,10 +60,6 @@ class TensorInfo:
         for size in self.shape:
             count *= int(size)
         return count * torch.empty((), dtype=self.dtype).element_size()
-
-
-def infos_by_name(infos: Sequence[TensorInfo]) -> dict[str, TensorInfo]:
-    return {info.name: info for info in infos}
 
 
 def plan_shards(infos: Sequence[TensorInfo], shard_bytes: int) -> list[list[TensorInfo]]:

@@ -229,6 +229,7 @@ def test_generated_noise_is_one_percent_of_each_tensor(tmp_path, tiny_pair):
 
 
 # -- float64 verification block by block -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_block_by_block_verification_accepts_a_transform_and_refuses_another_model(tmp_path, llama_pair, monkeypatch):
     folders, models = llama_pair
     moved = write_checkpoint(tmp_path / "moved", infos_of(models[0].state_dict()),
@@ -238,8 +239,8 @@ def test_block_by_block_verification_accepts_a_transform_and_refuses_another_mod
         ids = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(shape[1]))
         same = verify_streamed(folders[0], moved, {"input_ids": ids})
         assert same.ok and same.relative_error < 1e-5
-        other = verify_streamed(folders[0], folders[1], {"input_ids": ids})
-        assert not other.ok and other.relative_error > 0.1
+    other = verify_streamed(folders[0], folders[1], {"input_ids": ids})
+    assert not other.ok and other.relative_error > 0.1
     reads = []
     monkeypatch.setattr(LazyState, "__getitem__", lambda self, k, read=LazyState.__getitem__: reads.append(k)
                         or read(self, k))
