@@ -568,7 +568,10 @@ changed per column:
   against 1.6 s. In the barrier runs above (alignment seconds, same load) vit-digits-wide took 242.8 s folded and
   94.7 s unfolded in full mode against 24.6 s in permutation mode, llama-chars-wide 52.3 s against 15.3 s. Full
   mode's cost on folded pairs is its descent: each round re-solves every head permutation and QK rotation +
-  rescale after the residual rotation has moved them.
+  rescale after the residual rotation has moved them. On a quieter machine (load 8), `--pair llama-chars-wide`:
+  totals full 47.9 s, permutation 32.4 s, paper 29.2 s (1.47x, 1.64x), alignment stages 19.6 / 5.1 / 1.0 s;
+  `--pair vit-digits-wide`: totals 93.5 / 13.1 / 23.3 s (7.1x, 4.0x), alignment stages 69.2 s (descent 56.8) /
+  2.0 / 0.9 s; full mode's peak RSS 586 and 835 MB.
   BERT-base size (`--pair bert-base --layers 4 --kinds independent`: two random initialisations, 4 layers):
   full 321.2 s against paper 133.4 s, 2.41x under this load (2.15x before, on a quieter machine); peak RSS
   2216 MB against 2062 MB. Full mode's second start is 132.6 s of it (a round of weight matching, with a
