@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .elements import MATRIX_KINDS, Element, apply_in_place, inverse
+from .elements import MATRIX_KINDS, Element, inverse
 from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
 from .io import check_finite
@@ -490,13 +490,13 @@ class Aligner:
             params = self._params(g)
             before = after = self.ws.distance_sq(params)
             if not all(e.is_identity() for e in elements):
-                apply_in_place(self.ws.src, elements)  # the working copy is ours: no trial copy of the model
+                self.ws.apply(elements)
                 after = self.ws.distance_sq(params)
                 if keep_if_worse or after < before:
                     self.elements.extend(elements)
                     self.ws.moved(elements)
                 else:
-                    apply_in_place(self.ws.src, [inverse(e) for e in reversed(elements)])
+                    self.ws.apply([inverse(e) for e in reversed(elements)])
                     after = before
             self.solved_at[g.id] = self._versions(g)
             stage = stage or ("first_pass" if first_pass else "refine")

@@ -135,8 +135,20 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
     for e in elements:
         for m in e.group.members:
             y = state[m.param].movedim(m.axis, 0)  # a view: writing into it writes the tensor
+            run = contiguous_run(m.index)
+            if run is not None:  # a whole axis (residual members): slice views, no index gather and scatter
+                block = y[run]
+                block.copy_(_transform(block.reshape(*m.index.shape, *block.shape[1:]), m, e).reshape(block.shape))
+                continue
             idx = torch.as_tensor(m.index, device=y.device)
             y[idx] = _transform(y[idx], m, e)
+
+
+def contiguous_run(index: np.ndarray) -> slice | None:
+    """``index`` as a slice when it lists consecutive positions in order, else None."""
+    flat = index.reshape(-1)
+    start = int(flat[0])
+    return slice(start, start + flat.size) if np.array_equal(flat, np.arange(start, start + flat.size)) else None
 
 
 def inverse(e: Element) -> Element:

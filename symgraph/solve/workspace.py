@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..elements import apply_in_place, contiguous_run
 from ..groups import Group, Member
 from .sums import COLUMNS, ROWS, SCALAR, MemberSums
 
@@ -23,6 +24,7 @@ class Workspace:
 
     def __post_init__(self):
         self.sums = MemberSums()  # per-layer cost sums, read again only where the source moved
+        self._distance_sq: dict[str, float] = {}
         self._free: dict[tuple[str, int], set[int]] = {}
         for m in self.cost_excluded:
             self._free.setdefault((m.param, m.axis), set()).update(m.index.reshape(-1).tolist())
@@ -95,16 +97,27 @@ class Workspace:
         self.sums.moved(elements)
 
     def distance_sq(self, params) -> float:
-        return sum(float((self.src[k] - self.anc[k]).pow(2).sum()) for k in params)
+        """Squared distance to the anchor over ``params``; each parameter's part is kept until :meth:`apply`
+        moves it (the residual group's distance, taken before and after each of its solves, is the whole model)."""
+        for k in params:
+            if k not in self._distance_sq:
+                self._distance_sq[k] = float((self.src[k] - self.anc[k]).pow(2).sum())
+        return sum(self._distance_sq[k] for k in params)
+
+    def apply(self, elements) -> None:
+        """Move the source working copy by ``elements``, in place (it is ours: no trial copy of the model)."""
+        apply_in_place(self.src, elements)
+        for e in elements:
+            for m in e.group.members:
+                self._distance_sq.pop(m.param, None)
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
     """Member slice of ``x`` as (copies, size, block, rest). A member over a contiguous run of positions (a
     residual member: the whole axis) comes back as a view, not a copy: read it, never write into it."""
     y = x.movedim(m.axis, 0)
-    flat = m.index.reshape(-1)
-    start = int(flat[0])
-    if np.array_equal(flat, np.arange(start, start + flat.size)):
-        return y[start:start + flat.size].reshape(*m.index.shape, -1)
+    run = contiguous_run(m.index)
+    if run is not None:
+        return y[run].reshape(*m.index.shape, -1)
     y = y[torch.as_tensor(m.index, device=y.device)]
     return y.reshape(*y.shape[:3], -1)
