@@ -369,3 +369,23 @@ def test_a_failing_rule_raises_analysis_error_with_node_rule_and_source(factory,
     assert "'contract' rule" in message and "aten.linear.default" in message and "graph node linear " in message
     assert "self.q(x)" in message
     assert "leak_factories.py:" in message and "IndexError" in message and "What to try" in message
+
+
+class RowsChosenAtRunTime(torch.nn.Module):
+    """A linear layer fed the rows a mask picks (``x[mask]``: a row count known only at run time), as JetMoE
+    feeds each expert the tokens routed to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))[x[..., 0] > 0]).sum(0)
+
+
+def test_a_contraction_with_a_run_time_shape_pins_instead_of_failing():
+    torch.manual_seed(0)
+    report = symgraph.analyze(RowsChosenAtRunTime().eval(), inputs=(torch.randn(2, 5, 4),))
+    assert not report.groups
+    assert any(p.reason == "an operand's shape is only known at run time" and "b.weight" in p.params
+               for p in report.pinned)

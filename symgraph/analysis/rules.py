@@ -44,7 +44,31 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
+    if _indexed_by_data(node):
+        _pin_unselected(w, node, tensors, results)
     return Value(chans=[r for r in results if r is not None], shape=_shape_of(node))
+
+
+def _indexed_by_data(node: fx.Node) -> bool:
+    """An index operand (gather, index_select, index.Tensor) whose values the analysis knows from the input."""
+    moved = set(_tensor_args(node))
+    return any(isinstance(a.meta.get("val"), torch.Tensor) and not a.meta["val"].is_floating_point()
+               for a in node.all_input_nodes if a not in moved)
+
+
+def _pin_unselected(w, node: fx.Node, operands, results) -> None:
+    """Pin the coordinates that known indices leave out. Indices computed from the input (ProphetNet's relative
+    position buckets) select more of them at another input shape: what this one skips is not free."""
+    kept = [collapse(t.ids).reshape(-1) for c in results if c is not None for t in c.terms]
+    given = [collapse(t.ids).reshape(-1) for v in operands if v is not None for c in v.chans for t in c.terms]
+    if not given:
+        return
+    given = torch.unique(torch.cat(given))
+    skipped = given[~torch.isin(given, torch.cat(kept))] if kept else given
+    skipped = skipped[skipped >= 0]
+    if skipped.numel():
+        w.c.pin(skipped, "not selected by indices at the traced input shape; indices computed from another input "
+                         "shape may select it", node.name)
 
 
 def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
@@ -296,6 +320,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
                                                                 if i < len(node.args)]
         pattern = spec.pattern
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
+    if any(v is not None and (v.shape is None or not all(isinstance(d, int) for d in v.shape)) for v in values):
+        return _pin_moved(w, node, "an operand's shape is only known at run time")  # JetMoE's experts, x[mask]
     shapes = [v.shape if v is not None else () for v in values]
     if pattern == "matmul":
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
