@@ -81,8 +81,10 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
-    if any(dim in chan_axes(c) or c.mixed for v in values for c in v.chans):
+    if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
+    if any(c.mixed for v in values for c in v.chans):  # DINOv3: rotated patch queries beside unrotated class ones
+        return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
     chans = []
     for j, first in enumerate(values[0].chans):
         head = first.ids.narrow(dim, 0, 1)
