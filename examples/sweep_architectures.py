@@ -5,7 +5,7 @@ heads, experts, vocabulary, image and patch size, ...), the model is built with 
 parameter gets noise so no norm weight is 1 and no bias 0. symgraph then reports the model from its own example
 inputs, and each reported group is checked *independently of symgraph's verification*: random elements
 (``symgraph.elements.sample``) are applied, and the float64 outputs are compared with the original's at input
-shapes other than the traced one (batch 1 and 3, lengths 5 and 11, a padding mask where ``forward`` takes one),
+shapes other than the traced one (batch 1 and 3, lengths 5, 11 and 19, a padding mask where ``forward`` takes one),
 with transformers' own reference experts loop for mixtures of experts. ``symgraph.transform`` runs too, so a
 group the report lists but the transform's own check refuses shows up.
 
@@ -25,6 +25,11 @@ under load; results accumulate in ``--jsonl`` (one line per type, the last line 
 
     python examples/sweep_architectures.py --types llama,bert --timeout 300 --jsonl /tmp/sweep.jsonl
     python examples/sweep_architectures.py --summarize --jsonl /tmp/sweep.jsonl -o examples/results/sweep.json
+
+After fixes, re-run some types into another file and compare (``--before`` rows, updated by ``--jsonl`` rows)::
+
+    python examples/sweep_architectures.py --types doge,prophetnet --jsonl /tmp/after.jsonl \
+        --before /tmp/sweep.jsonl -o examples/results/sweep.json
 """
 from __future__ import annotations
 
@@ -101,7 +106,8 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
     "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2), "codegen": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
     "recurrent_gemma": dict(lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"]),
-    "hunyuan_v1_moe": dict(moe_topk=[2, 2]), "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"]),
+    "hunyuan_v1_moe": dict(moe_topk=[2, 2]),
+    "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"]),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_d_head=16, mamba_n_heads=4),
     "zamba2": dict(mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, hybrid_layer_ids=[1]),
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8),
@@ -110,7 +116,8 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
     "mamba2": dict(num_heads=8, head_dim=16),
     "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
     "swinv2": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
-    "focalnet": dict(embed_dim=16, depths=[1, 1], patch_size=4), "convnextv2": dict(hidden_sizes=[16, 32], depths=[1, 1]),
+    "focalnet": dict(embed_dim=16, depths=[1, 1], patch_size=4),
+    "convnextv2": dict(hidden_sizes=[16, 32], depths=[1, 1]),
     "dinov3_convnext": dict(hidden_sizes=[16, 32], depths=[1, 1]),
     "regnet": dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16, groups_width=8),
     "bit": dict(hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16),
@@ -171,7 +178,7 @@ SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start
                   "cls_token_id", "mask_token_id", "unk_token_id")
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
          "AutoModelForImageClassification", "AutoModelForAudioClassification", "AutoModel")
-SHAPES = ((1, 5, False), (3, 11, True))  # (batch, length, padding mask): none is the traced (2, 7)
+SHAPES = ((1, 5, False), (3, 11, True), (1, 19, False))  # (batch, length, padding mask): none is the traced (2, 7)
 DRAWS = 2  # random elements per group
 TOLERANCE = 1e-5  # relative; float64 end to end gives ~1e-15, HF's fp32 upcasts ~1e-7, a wrong group >= 1e-3
 
@@ -209,6 +216,7 @@ def build(model_type: str):
     import transformers
 
     config = tiny_config(model_type)
+    config.architectures = config.architectures or []  # Auto classes with two candidates (DeiT) iterate it
     for head in HEADS:
         auto = getattr(transformers, head)
         if type(config) not in auto._model_mapping:
@@ -319,7 +327,6 @@ def first_line(exc: BaseException) -> str:
 
 def sweep_one(model_type: str) -> dict:
     import numpy as np
-    import torch
 
     import symgraph
     from symgraph.elements import apply, sample
@@ -397,7 +404,8 @@ def run_isolated(model_type: str, timeout: float) -> dict:
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {"type": model_type, "named": model_type in NAMED, "class": "crash", "reason": f"exit {done.returncode}: {tail}"}
+        return {"type": model_type, "named": model_type in NAMED, "class": "crash",
+                "reason": f"exit {done.returncode}: {tail}"}
     return json.loads(lines[-1])
 
 
@@ -409,7 +417,8 @@ def summarize(rows: list[dict]) -> dict:
     counts_unnamed = Counter(r["class"] for r in unnamed)
     sound = counts_unnamed["sound"]
     return {
-        "tolerance": TOLERANCE, "shapes": [list(s) for s in SHAPES], "draws_per_group": DRAWS,
+        "tolerance": TOLERANCE, "draws_per_group": DRAWS,
+        "shapes": sorted({s for r in rows for s in r.get("shapes", [])}),
         "types": len(rows), "counts": dict(counts), "unnamed_built": len(unnamed),
         "counts_unnamed": dict(counts_unnamed),
         "unnamed_sound_nontrivial_fraction": round(sound / len(unnamed), 3) if unnamed else None,
@@ -435,6 +444,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
     parser.add_argument("--summarize", action="store_true", help="only summarize --jsonl")
+    parser.add_argument("--before", type=Path, action="append", default=[],
+                        help="rows of an earlier run (JSON lines; repeatable): the summary then shows it as "
+                             "'before' and, as 'after', those rows updated by the rows of --jsonl")
     parser.add_argument("-o", "--output", type=Path, help="also write the summary JSON here (atomically)")
     args = parser.parse_args(argv)
     if args.one:
@@ -456,6 +468,10 @@ def main(argv=None) -> None:
                 with args.jsonl.open("a") as f:
                     f.write(json.dumps(row) + "\n")
     summary = summarize(rows)
+    if args.before:
+        before = [json.loads(ln) for path in args.before for ln in path.read_text().splitlines()]
+        summary = {"before": summarize(before), "after": summarize(before + rows),
+                   "rerun_after_fixes": sorted({r["type"] for r in rows})}
     text = json.dumps(summary, indent=1)
     if args.output:
         write_atomically(args.output, text + "\n")

@@ -369,3 +369,57 @@ def test_a_failing_rule_raises_analysis_error_with_node_rule_and_source(factory,
     assert "'contract' rule" in message and "aten.linear.default" in message and "graph node linear " in message
     assert "self.q(x)" in message
     assert "leak_factories.py:" in message and "IndexError" in message and "What to try" in message
+
+
+class RowsChosenAtRunTime(torch.nn.Module):
+    """A linear layer fed the rows a mask picks (``x[mask]``: a row count known only at run time), as JetMoE
+    feeds each expert the tokens routed to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))[x[..., 0] > 0]).sum(0)
+
+
+def test_a_contraction_with_a_run_time_shape_pins_instead_of_failing():
+    torch.manual_seed(0)
+    report = symgraph.analyze(RowsChosenAtRunTime().eval(), inputs=(torch.randn(2, 5, 4),))
+    assert not report.groups
+    assert any(p.reason == "an operand's shape is only known at run time" and "b.weight" in p.params
+               for p in report.pinned)
+
+
+class RotaryAfterPrefix(torch.nn.Module):
+    """Self-attention with rotary embeddings on every token but the first (DINOv3 leaves its class and register
+    tokens unrotated): rotated and plain queries are concatenated along the token axis."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.dh = heads, d // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def rotate(self, x):
+        n = x.shape[2]
+        angles = torch.arange(n, dtype=x.dtype)[:, None] * torch.linspace(0.1, 1.0, self.dh // 2, dtype=x.dtype)
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        half = self.dh // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return torch.cat([x[:, :, :1], (x * cos + rotated * sin)[:, :, 1:]], dim=2)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, self.dh).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(self.rotate(q), self.rotate(k), v)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_rotated_and_plain_tokens_side_by_side_give_no_query_key_rotation():
+    torch.manual_seed(0)
+    subject = symgraph.load(RotaryAfterPrefix().eval(), (torch.randn(2, 6, 16),))
+    assert not [g for g in subject.report.groups if g.motif == "qk"]
+    assert any(p.reason == "pieces with mixed coordinates concatenated along a data axis"
+               for p in subject.report.pinned)
+    assert [g.motif for g in subject.report.groups if g.motif == "vo"] == ["vo"]
+    assert fuzz(subject, samples=3).ok

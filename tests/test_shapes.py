@@ -43,6 +43,12 @@ def rows_group(param: str, rows: range) -> Group:
     return Group("trap", "other", "general_linear", len(rows), 1, (Member(param, 0, index),))
 
 
+def unread_at_this_shape(reason: str) -> bool:
+    """Pinned because the traced shape does not read it: a slice cut it away, or indices skipped it (the decoder
+    reads its position table at position ids)."""
+    return "cut away by a slice" in reason or reason.startswith("not selected by indices")
+
+
 def axis_groups(report, param: str, axis: int) -> list[Group]:
     return [g for g in report.groups if any(m.param == param and m.axis == axis for m in g.members)]
 
@@ -123,10 +129,35 @@ def test_a_group_on_a_path_only_small_inputs_take_is_caught(param, catching_prob
     assert not result.ok and result.failures[0].group_id == "trap"
 
 
+class BucketedPositions(nn.Module):
+    """Per-token scores for 16 relative-position buckets, gathered at buckets computed from the input's length
+    (as ProphetNet does): length 5 reads buckets 3..11 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.buckets, self.head = nn.Linear(8, 16), nn.Linear(8, 3)
+
+    def forward(self, x):
+        n = x.shape[1]
+        relative = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        index = (relative.clamp(-7, 8) + 7).expand(x.shape[0], n, n)  # length 5: rows 3-11, 7 rows unread
+        scores = torch.gather(self.buckets(x), 2, index)
+        return self.head(torch.softmax(scores, dim=-1) @ x)
+
+
+def test_coordinates_that_computed_indices_skip_are_pinned_not_free():
+    torch.manual_seed(0)
+    subject = symgraph.load(BucketedPositions().eval(), (torch.randn(2, 5, 8),))
+    assert axis_groups(subject.report, "buckets.weight", 0) == []
+    skipped = [p for p in subject.report.pinned if p.reason.startswith("not selected by indices")]
+    assert [(p.params, p.size, p.node) for p in skipped] == [(("buckets.bias", "buckets.weight"), 14, "gather")]
+    assert fuzz(subject, samples=3).ok
+
+
 def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
     table = "model.decoder.embed_positions.weight"
     assert axis_groups(whisper.report, table, 0) == []
-    assert any(table in p.params and "cut away by a slice" in p.reason for p in whisper.report.pinned)
+    assert any(table in p.params and unread_at_this_shape(p.reason) for p in whisper.report.pinned)
     evaluator = Evaluator(whisper.model, whisper.args, whisper.kwargs)
     assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (1, 17), (3, 4)]
     moved = apply(whisper.state_dict(), [sample(rows_group(table, range(7, 64)), np.random.default_rng(0))])
@@ -205,7 +236,7 @@ def test_cli_report_and_transform_of_a_whisper_folder(tmp_path):
     report = json.loads(res.stdout)
     table = "model.decoder.embed_positions.weight"
     assert not [g for g in report["groups"] for m in g["members"] if m["param"] == table and m["axis"] == 0]
-    assert any(table in p["params"] and "cut away by a slice" in p["reason"] for p in report["pinned"])
+    assert any(table in p["params"] and unread_at_this_shape(p["reason"]) for p in report["pinned"])
     res = run("transform", folder, "-o", tmp_path / "out", "--seed", "1")
     assert res.returncode == 0, res.stderr  # checked at (2, 7) and (3, 17) decoder tokens before writing
 

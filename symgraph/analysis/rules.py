@@ -46,7 +46,31 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
+    if _indexed_by_data(node):
+        _pin_unselected(w, node, tensors, results)
     return Value(chans=[r for r in results if r is not None], shape=_shape_of(node))
+
+
+def _indexed_by_data(node: fx.Node) -> bool:
+    """An index operand (gather, index_select, index.Tensor) whose values the analysis knows from the input."""
+    moved = set(_tensor_args(node))
+    return any(isinstance(a.meta.get("val"), torch.Tensor) and not a.meta["val"].is_floating_point()
+               for a in node.all_input_nodes if a not in moved)
+
+
+def _pin_unselected(w, node: fx.Node, operands, results) -> None:
+    """Pin the coordinates that known indices leave out. Indices computed from the input (ProphetNet's relative
+    position buckets) select more of them at another input shape: what this one skips is not free."""
+    kept = [collapse(t.ids).reshape(-1) for c in results if c is not None for t in c.terms]
+    given = [collapse(t.ids).reshape(-1) for v in operands if v is not None for c in v.chans for t in c.terms]
+    if not given:
+        return
+    given = torch.unique(torch.cat(given))
+    skipped = given[~torch.isin(given, torch.cat(kept))] if kept else given
+    skipped = skipped[skipped >= 0]
+    if skipped.numel():
+        w.c.pin(skipped, "not selected by indices at the traced input shape; indices computed from another input "
+                         "shape may select it", node.name)
 
 
 def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
@@ -58,8 +82,10 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
-    if any(dim in chan_axes(c) or c.mixed for v in values for c in v.chans):
+    if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
+    if any(c.mixed for v in values for c in v.chans):  # DINOv3: rotated patch queries beside unrotated class ones
+        return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
     chans = []
     for j, first in enumerate(values[0].chans):
         head = first.ids.narrow(dim, 0, 1)
@@ -297,6 +323,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
         operands = [args[name] for name in operand_names(spec, node.target)]
         pattern = spec.recipe
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
+    if any(v is not None and (v.shape is None or not all(isinstance(d, int) for d in v.shape)) for v in values):
+        return _pin_moved(w, node, "an operand's shape is only known at run time")  # JetMoE's experts, x[mask]
     shapes = [v.shape if v is not None else () for v in values]
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
