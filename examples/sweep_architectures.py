@@ -436,6 +436,7 @@ def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         f.write(text)
+    os.chmod(f.name, 0o644)  # a temporary file is private; the result is not
     os.replace(f.name, path)
 
 
