@@ -12,7 +12,6 @@ import torch
 import symgraph
 from symgraph import zoo
 from symgraph.activations import group_sites, record
-from symgraph.alignment import select_groups
 from symgraph.connectivity import barrier
 from symgraph.datasets import Batch, Dataset
 from symgraph.errors import DataError

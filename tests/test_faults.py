@@ -374,7 +374,7 @@ def test_half_precision_transform_rounds_once_and_says_so(tmp_path, dtype):
     folder = save_model(state_dict_of(model), tmp_path / "m", config=model_config(model))
     code, out, err = run("transform", folder, "-o", tmp_path / "t", "--seed", "3")
     name = str(dtype).removeprefix("torch.")
-    assert code == 0 and f"tolerance" in out and f"{name} weights rounded once" in out, err
+    assert code == 0 and "tolerance" in out and f"{name} weights rounded once" in out, err
     error = float(out.split("relative error ")[1].split(" ")[0])
     assert 0 < error < 3e-2  # rounding shows, as the message says, within the dtype's tolerance
 
