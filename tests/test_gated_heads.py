@@ -9,11 +9,15 @@ from the heads' own rows (a per-head q/k norm, Qwen3), must not.
 """
 from __future__ import annotations
 
+import inspect
+import json
+
 import pytest
 import torch
 
 import symgraph
 
+from cli_runner import run
 from group_checks import assert_fuzzed_at_two_shapes
 
 HEADS, WIDTH = 4, 16
@@ -101,3 +105,17 @@ def test_wavlm_heads_stay_in_place_and_every_group_is_a_symmetry():
     assert not head_groups(subject), [g.id for g in head_groups(subject)]
     assert any(g.motif == "vo" for g in subject.report.groups)
     assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+def test_cli_report_and_fuzz_leave_the_heads_of_a_residual_gate_in_place(tmp_path):
+    factory = tmp_path / "gated.py"
+    factory.write_text(f"import torch\n\nHEADS, WIDTH = {HEADS}, {WIDTH}\n\n\n{inspect.getsource(GatedBiasAttention)}"
+                       "\n\ndef gated():\n    torch.manual_seed(0)\n"
+                       "    return GatedBiasAttention('mul', 'residual').eval(), (torch.randn(2, 5, WIDTH),)\n")
+    res = run("report", f"{factory}:gated", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    motifs = [g["motif"] for g in json.loads(res.stdout)["groups"]]
+    assert "vo" in motifs and "heads" not in motifs, motifs
+    fuzzed = run("fuzz", f"{factory}:gated", "--samples", "3", "--json", tmp_path / "f.json")
+    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
+    assert json.loads((tmp_path / "f.json").read_text())["ok"]

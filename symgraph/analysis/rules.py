@@ -79,7 +79,7 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     values = [w.value(a) for a in _tensor_args(node)]
     out_shape = _shape_of(node)
     dim = schema_arg(node, "dim") % len(out_shape)
-    values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
+    values = [v for v in values if v is None or v.shape is None or not _empty_piece(v.shape, dim)]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
     if any(dim in chan_axes(c) for v in values for c in v.chans):
@@ -94,6 +94,12 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _empty_piece(shape: tuple, dim: int) -> bool:
+    """A piece that adds nothing to a concatenation: size 0 along ``dim``, or torch's legacy 1-D empty tensor of
+    any rank (an empty key/value cache before its first update: XLM, FlauBERT)."""
+    return shape == (0,) or shape[dim] == 0
 
 
 def _indexed_by_unknown(w, node: fx.Node) -> bool:
