@@ -631,7 +631,8 @@ def _moves_alike(c: Chan, v: Value, out_shape) -> bool:
     ids = c.ids.expand(out_shape)
     for a in chan_axes(c) - tracked:  # the axes the reduction summed: compare each row by its first id
         ids, rows = ids.narrow(a, 0, 1), rows.narrow(a, 0, 1)
-    return torch.equal(collapse_pair(ids, rows)[0], collapse_pair(ids, rows)[1])
+    ids, rows = collapse_pair(ids, rows)
+    return torch.equal(ids, rows)
 
 
 def _varying_axes(v: Value, out_shape) -> frozenset[int]:
