@@ -191,4 +191,7 @@ class Value:
     data: object = None  # torch.Tensor, Python scalar, or None when unknown
     shape: tuple[int, ...] | None = None
     invariant: bool = False  # derived from channels but unchanged by every allowed transformation (norms)
+    # for an invariant value reduced from a channel that still varies along kept axes (a per-head norm): the id
+    # of the coordinate row each element was computed from, so it moves with exactly those rows
+    follows: torch.Tensor | None = None
     points_to: torch.Tensor | None = None  # integer data indexing a labelled axis (top-k indices): that axis' ids

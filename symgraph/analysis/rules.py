@@ -12,7 +12,7 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
-from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows
+from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows, varying_axes
 
 NEUTRAL = monomial("one")
 
@@ -79,7 +79,7 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     values = [w.value(a) for a in _tensor_args(node)]
     out_shape = _shape_of(node)
     dim = schema_arg(node, "dim") % len(out_shape)
-    values = [v for v in values if v is None or v.shape is None or v.shape[dim] > 0]  # empty pieces add nothing
+    values = [v for v in values if v is None or v.shape is None or not _empty_piece(v.shape, dim)]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
     if any(dim in chan_axes(c) for v in values for c in v.chans):
@@ -94,6 +94,12 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _empty_piece(shape: tuple, dim: int) -> bool:
+    """A piece that adds nothing to a concatenation: size 0 along ``dim``, or torch's legacy 1-D empty tensor of
+    any rank (an empty key/value cache before its first update: XLM, FlauBERT)."""
+    return shape == (0,) or shape[dim] == 0
 
 
 def _indexed_by_unknown(w, node: fx.Node) -> bool:
@@ -537,13 +543,16 @@ def _as_mixed(c: Chan) -> tuple[Term, ...]:
 def _add_data(w, node, chan: Chan, other: Value, out_shape) -> None:
     """A channel plus something without channels: fine only if that something is the same for every coordinate."""
     axes = chan_axes(chan)
-    if other.invariant or (other.data is not None and not data_varies(other.data, axes, out_shape)):
+    if (other.invariant and _moves_alike(chan, other, out_shape)) or \
+            (other.data is not None and not data_varies(other.data, axes, out_shape)):
         if not chan.block and other.data is not None and _nonzero(other.data):
             w.c.restrict(chan.ids, NEUTRAL, "a constant is added to every coordinate", node.name)
         elif not chan.block and other.invariant:
             w.c.restrict(chan.ids, NEUTRAL, "a per-row statistic is added to every coordinate", node.name)
         return
-    what = "data that differs per coordinate" if other.data is not None else "a value no rule describes"
+    what = "data that differs per coordinate" if other.data is not None else \
+        "a value that differs per coordinate but no transformation moves" if other.invariant else \
+        "a value no rule describes"
     for t in chan.terms:
         w.c.pin(t.ids, f"{what} is added", node.name)
 
@@ -605,6 +614,27 @@ def _pair_by_axes(a_chans: list[Chan], b_chans: list[Chan]):
     return pairs, alone
 
 
+def _moves_alike(c: Chan, v: Value, out_shape) -> bool:
+    """Whether channel-less ``v`` meets ``c`` only where it is the same for every coordinate of ``c``, or where it
+    follows ``c``'s own rows (a per-head norm of those heads). An invariant value that differs per head for
+    another reason stays put when the heads move: WavLM gates head h's position bias by a value read from residual
+    coordinates [h d, (h + 1) d), and permuting the heads without it changed the outputs."""
+    axes = chan_axes(c) & _varying_axes(v, out_shape)
+    if not axes:
+        return True
+    if not v.invariant or v.follows is None or c.mixed:
+        return False
+    rows = v.follows.expand(out_shape)
+    tracked = varying_axes(rows)
+    if not axes <= tracked:
+        return False
+    ids = c.ids.expand(out_shape)
+    for a in chan_axes(c) - tracked:  # the axes the reduction summed: compare each row by its first id
+        ids, rows = ids.narrow(a, 0, 1), rows.narrow(a, 0, 1)
+    ids, rows = collapse_pair(ids, rows)
+    return torch.equal(ids, rows)
+
+
 def _varying_axes(v: Value, out_shape) -> frozenset[int]:
     """Axes of the broadcast output along which ``v``'s values may vary (all but its size-1 axes)."""
     if v.shape is None:
@@ -616,15 +646,15 @@ def _varying_axes(v: Value, out_shape) -> frozenset[int]:
 def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     """A channel times data, a per-row statistic, or a scalar."""
     data = b.data
-    if b.invariant:
-        return Value(chans=[c.broadcast_to(out_shape) for c in a.chans], shape=out_shape)
-    if data is None:  # unknown values: fine only for channels along which they cannot vary (size-1 axes)
+    if data is None:  # unknown or invariant values: fine only for channels along which they cannot vary
+        what = "a value that no transformation moves (computed by a reduction or from pinned coordinates)" \
+            if b.invariant else "a value no rule describes"
         kept = []
         for c in a.chans:
             c = c.broadcast_to(out_shape)
-            if chan_axes(c) & _varying_axes(b, out_shape):
+            if not _moves_alike(c, b, out_shape):
                 for t in c.terms:
-                    w.c.pin(t.ids, "multiplied by a value no rule describes", node.name)
+                    w.c.pin(t.ids, f"multiplied by {what} that varies along this axis", node.name)
             else:
                 kept.append(c)
         return Value(chans=kept, shape=out_shape)
@@ -812,13 +842,14 @@ def rule_reduce(w, node: fx.Node, spec) -> Value:
     axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
     keepdim = bool(args.get("keepdim", False))
     out_shape = _shape_of(node)
-    passed, invariant = [], False
+    passed, invariant, rows = [], False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
         caxes = chan_axes(c)
         if not (caxes & axes):
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
+        rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
         if c.block:
             invariant = True  # a sum over heads does not see their order
             continue
@@ -828,7 +859,9 @@ def rule_reduce(w, node: fx.Node, spec) -> Value:
             w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
             w.c.restrict(c.ids, NEUTRAL, "summed over this axis", node.name)
         invariant = True
-    return Value(chans=passed, shape=out_shape, invariant=invariant and not passed)
+    follows = rows[0] if len(rows) == 1 and varying_axes(rows[0]) else None
+    return Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
+                 follows=follows if invariant and not passed else None)
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:

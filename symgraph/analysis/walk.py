@@ -113,7 +113,9 @@ class Walker:
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
             return _like_output(node, lambda: Value(shape=_shape(node)))
         if any(v.invariant for v in inputs):
-            return _like_output(node, lambda: Value(invariant=True, shape=_shape(node)))
+            spec = self.specs.op(str(node.target))
+            follows = _elementwise_follows(node, inputs) if spec is not None and spec.rule in _ELEMENTWISE else None
+            return _like_output(node, lambda: Value(invariant=True, shape=_shape(node), follows=follows))
         data = self.data.get(node.name)
         if isinstance(data, (list, tuple)):
             return [Value(data=d, shape=tuple(getattr(d, "shape", ()))) for d in data]
@@ -282,6 +284,20 @@ def _flat_values(node: fx.Node, values: dict) -> list[Value]:
 
     fx.node.map_aggregate((node.args, node.kwargs), visit)
     return out
+
+
+_ELEMENTWISE = frozenset({"identity", "activation", "add", "sub", "mul", "div", "pow"})  # value i from input i
+
+
+def _elementwise_follows(node: fx.Node, inputs: list) -> torch.Tensor | None:
+    """The rows an invariant result still follows (``rsqrt(var + eps)`` of a per-head variance): those of its one
+    invariant input, when every other input is a scalar and the shape is kept; otherwise none."""
+    invariant = [v for v in inputs if isinstance(v, Value) and v.invariant]
+    scalars = all(v.invariant or not isinstance(v.data, torch.Tensor) or v.data.dim() == 0
+                  for v in inputs if isinstance(v, Value))
+    if len(invariant) != 1 or not scalars or invariant[0].follows is None or invariant[0].shape != _shape(node):
+        return None
+    return invariant[0].follows
 
 
 def _like_output(node: fx.Node, make):
