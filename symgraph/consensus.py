@@ -107,10 +107,14 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
             states[job.index], applied[job.index] = apply(job.state, elements), list(elements)
             bar.update()
         bar.close()
-        states, history = _rounds(plan, runner, states, applied, w, names, reference, rounds, tol, progress)
+        history = [_weighted(distances_to_mean(states, w, names), w)]
+        if len(states) > 2:  # two models: the first pass is the consensus
+            states, history = _rounds(
+                lambda now: _jacobi_round(plan, runner, now, applied, w, names, reference, progress),
+                states, applied, w, names, rounds, tol, history)
         if common:
-            states, history = _common_rounds(plan, runner, states, applied, w, names, rounds, tol, progress,
-                                             history)
+            states, history = _rounds(lambda now: _common_round(plan, runner, now, applied, w, names, progress),
+                                      states, applied, w, names, rounds, tol, history)
     states = [_verified(s, state, moves) for s, state, moves in zip(subjects, states, applied)]
     return Consensus(states, reference, before, distances_to_mean(states, w, names), len(history) - 1, history,
                      time.perf_counter() - start, workers, runner.seconds)
@@ -184,41 +188,13 @@ def shared_float_names(state: State, exclude: frozenset[str]) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _rounds(plan, runner, states, applied, w, names, reference, rounds, tol, progress
-            ) -> tuple[list[State], list[float]]:
-    """Jacobi rounds while the weighted mean distance to the consensus keeps falling (by more than ``tol`` of
-    itself); a round that does not lower it is discarded. Two models need none. ``applied`` (per model, the
-    elements applied so far) is extended in place with each kept move."""
-    history = [_weighted(distances_to_mean(states, w, names), w)]
-    while len(states) > 2 and len(history) <= rounds:
-        candidate, moves = _jacobi_round(plan, runner, states, applied, w, names, reference, progress)
-        score = _weighted(distances_to_mean(candidate, w, names), w)
-        if score >= history[-1]:
-            break
-        states = candidate
-        for done, new in zip(applied, moves):
-            done.extend(new)
-        history.append(score)
-        if score > history[-2] * (1 - tol):
-            break
-    return states, history
-
-
-def _common_rounds(plan, runner, states, applied, w, names, rounds, tol, progress, history
-                   ) -> tuple[list[State], list[float]]:
-    """Rounds in which every model is aligned to the weighted mean of all of them (a frame no model owns), kept
-    model by model where it comes closer, while the weighted mean distance to the consensus falls by more than
-    ``tol`` of itself. ``applied`` is extended in place with each kept move."""
+def _rounds(propose, states, applied, w, names, rounds, tol, history) -> tuple[list[State], list[float]]:
+    """At most ``rounds`` rounds of ``propose(states) -> (candidate, moves)`` while the weighted mean distance to
+    the consensus keeps falling (by more than ``tol`` of itself); a round that does not lower it is discarded.
+    ``history`` holds the scores so far; ``applied`` (per model, the elements applied so far) is extended in
+    place with each kept move."""
     for _ in range(rounds):
-        target = weighted_mean(states, w, names)
-        candidate, moves = list(states), [[] for _ in states]
-        bar = progress_bar(desc=f"common frame ({plan.mode})", total=len(states), enabled=progress)
-        for done, elements in runner.run(plan, (Job(i, states[i], applied[i], target) for i in range(len(states)))):
-            moved = apply(done.state, elements)
-            if relative_distance(moved, target, names) < relative_distance(done.state, target, names):
-                candidate[done.index], moves[done.index] = moved, elements
-            bar.update()
-        bar.close()
+        candidate, moves = propose(states)
         score = _weighted(distances_to_mean(candidate, w, names), w)
         if score >= history[-1]:
             break
@@ -233,15 +209,29 @@ def _common_rounds(plan, runner, states, applied, w, names, rounds, tol, progres
 
 def _jacobi_round(plan: AlignmentPlan, runner, states, applied, w, names, reference, progress
                   ) -> tuple[list[State], list[list[Element]]]:
-    """Every model but the reference aligned to the weighted mean of the others (all from the same old states);
-    the new states, and per model the elements of the move it kept (none if it stayed)."""
+    """Every model but the reference aligned to the weighted mean of the others (all from the same old states)."""
     def job(i: int) -> Job:
         keep = [j for j in range(len(states)) if j != i]
         return Job(i, states[i], applied[i], weighted_mean([states[j] for j in keep], w[keep], names))
 
-    out, moves = list(states), [[] for _ in states]
     bar = progress_bar(desc=f"consensus ({plan.mode})", total=len(states) - 1, enabled=progress)
-    for done, elements in runner.run(plan, map(job, _others(len(states), reference))):
+    return _closer_moves(plan, runner, states, map(job, _others(len(states), reference)), names, bar)
+
+
+def _common_round(plan: AlignmentPlan, runner, states, applied, w, names, progress
+                  ) -> tuple[list[State], list[list[Element]]]:
+    """Every model, the reference too, aligned to the weighted mean of all of them (a frame no model owns)."""
+    target = weighted_mean(states, w, names)
+    bar = progress_bar(desc=f"common frame ({plan.mode})", total=len(states), enabled=progress)
+    jobs = (Job(i, states[i], applied[i], target) for i in range(len(states)))
+    return _closer_moves(plan, runner, states, jobs, names, bar)
+
+
+def _closer_moves(plan: AlignmentPlan, runner, states, jobs, names, bar) -> tuple[list[State], list[list[Element]]]:
+    """Run ``jobs``; the new states (a model moves only where its move brings it closer to its job's target), and
+    per model the elements of the move it kept (none if it stayed)."""
+    out, moves = list(states), [[] for _ in states]
+    for done, elements in runner.run(plan, jobs):
         moved = apply(done.state, elements)
         if relative_distance(moved, done.target, names) < relative_distance(done.state, done.target, names):
             out[done.index], moves[done.index] = moved, elements
