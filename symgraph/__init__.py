@@ -15,10 +15,11 @@ from .fold import FoldResult, fold
 from .groups import Group, Member, PinnedSpace
 from .merging import MergeResult, StreamedMerge, merge, merge_streamed
 from .report import Report
+from .streamed_align import StreamedAlignment, align_streamed
 
 __all__ = [
     "BarrierResult", "Element", "FoldResult", "Group", "Member", "MergeResult", "PinnedSpace", "Report", "Subject", "SymgraphError",
     "StreamedMerge",
     "align", "analyze", "apply", "apply_to_model", "barrier", "fold", "load", "merge", "sample", "sample_elements",
-    "transform", "merge_streamed",
+    "transform", "merge_streamed", "StreamedAlignment", "align_streamed",
 ]

@@ -206,9 +206,16 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
               help="Where the alignment computes its costs and applies its moves: cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]),
               help="Compute dtype (default: float64 for float64 models, float32 otherwise); OUT keeps SOURCE's.")
+@click.option("--stream", is_flag=True,
+              help="Block by block, reading and writing as it goes (7B models and up): safetensors inputs, sharded "
+                   "output, verified in float64 block by block. The residual stream is solved once from the "
+                   "embeddings and head; descent stays inside each block (see symgraph.streamed_align).")
+@click.option("--shard-size", default="5GB", show_default=True,
+              help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
-          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, device, dtype):
+          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, device, dtype, stream,
+          shard_size):
     from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
@@ -217,6 +224,17 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     _check_model_output(output, overwrite, [source, anchor])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
+    if stream:
+        given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
+                                       ("--general-linear", general_linear), ("--fold", fold), ("--data", data_spec),
+                                       ("--learn", learn), ("--free-outputs", free_outputs),
+                                       ("--device", device != "cpu"), ("--dtype", dtype)) if on]
+        if given:
+            raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
+                                   "align in memory (without --stream).")
+        _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance,
+                        _parse_size(shard_size), overwrite, stats_path, quiet)
+        return
     clock = time.perf_counter()
     subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
@@ -236,6 +254,23 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
+
+
+def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, shard_bytes, overwrite,
+                    stats_path, quiet) -> None:
+    from .streamed_align import align_streamed
+
+    done = {}
+    with _side_file(stats_path, lambda: json.dumps(done["result"].to_json() if done else {}, indent=1)), \
+            _ProgressBar(disable=quiet) as bar:
+        done["result"] = result = align_streamed(source, anchor, output, mode=mode, rescale=not no_rescale,
+                                                 layers=span, rounds=refine_rounds, tolerance=tolerance,
+                                                 shard_bytes=shard_bytes, overwrite=overwrite, progress=bar.update)
+    click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
+               f"(mode {mode}, streamed block by block, {len({s.group for s in result.stats})} groups"
+               f"{f', {len(result.unsolved)} spanning groups left at the identity' if result.unsolved else ''}; "
+               f"outputs checked against the source in float64 block by block (a whole float64 copy is not made): "
+               f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e})")
 
 
 def _learned_note(learned: dict | None) -> str:

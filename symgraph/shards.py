@@ -88,13 +88,15 @@ def shard_names(count: int) -> list[str]:
 
 def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[str], torch.Tensor], *,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, config: Any = None, like=None,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, check: Callable[[Path], None] | None = None) -> Path:
     """Write a Hugging Face folder at ``out_dir`` whose weights are the tensors ``infos`` names, in that order,
     each obtained from ``produce(name)`` when its bytes are written (one tensor in memory at a time).
 
     Several shards get ``model.safetensors.index.json``; ``config`` (a dict or ``PretrainedConfig``) or
     ``like``'s config.json and tokenizer files go beside them. Atomic: nothing at ``out_dir`` until every file is
     complete; on failure the staged files are removed and :class:`~symgraph.errors.OutputError` says why.
+    ``check(staged_folder)``, when given, runs on the complete staged folder before it is moved to ``out_dir``;
+    whatever it raises propagates and leaves nothing at ``out_dir``.
     """
     _check_infos(infos)
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
@@ -106,6 +108,8 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
         if len(shards) > 1:
             _write_index(tmp / INDEX_FILE, shards, names)
         write_side_files(tmp, config=config, like_dir=like_dir)
+        if check is not None:
+            check(tmp)
     return out
 
 

@@ -1,0 +1,311 @@
+"""Alignment of checkpoints too large to hold twice (7B and up): block by block, read and written as it goes.
+
+:func:`symgraph.alignment.align_states` keeps working copies of both whole models (56 GB in fp32 at 7B). Here
+both models stay on disk as :class:`~symgraph.lazy_state.LazyState` mappings (memory-mapped, stored dtype) and
+the work is cut along the block list (the ``ModuleList`` of ``num_hidden_layers`` blocks):
+
+1. groups: the source's architecture is captured on the meta device; only its vectors (norm weights) are read,
+   so a folded model (norm weights exactly 1) gets its orthogonal residual group as the in-memory analysis gives.
+2. groups spanning several blocks (the residual stream) are solved first from their members outside the blocks
+   (embeddings, LM head): the first pass of the in-memory aligner solves them from the same members, since every
+   in-block member still waits for the block's own groups then. Their elements are then fixed.
+3. each block, when the writer reaches its tensors: both models' block tensors are read in fp32 (fp64 for fp64
+   checkpoints), the fixed elements applied to the source's, and the block's groups aligned by the in-memory
+   :class:`~symgraph.alignment.Aligner` (first pass; then, except in ``paper`` mode, coordinate descent inside
+   the block); the aligned tensors go to :func:`symgraph.shards.write_checkpoint` in the stored dtype and the
+   block is dropped. Peak memory: one block of each model in fp32 plus the solver's cost matrices.
+
+What this does not do (yet): coordinate descent between the residual stream and the blocks (the residual is
+solved once, from the outside members; exact for a reparametrised copy, thin evidence between independent
+models), the second (weight-matching) start, and groups spanning blocks with no member outside them, which stay
+at the identity (listed in ``unsolved``). ``paper`` mode has no such groups and equals the in-memory result.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .alignment import DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, select_groups
+from .elements import Element, apply_in_place
+from .errors import InvarianceError, MismatchError
+from .groups import Group
+from .lazy_state import LazyState
+
+__all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
+
+
+@dataclass
+class StreamedAlignment:
+    """What :func:`align_streamed` wrote and found."""
+
+    path: Path
+    mode: str
+    distance_before: float
+    distance_after: float
+    elements: list[Element]
+    stats: list[GroupStat]
+    timings: dict[str, float]
+    unsolved: list[str] = field(default_factory=list)  # groups spanning blocks with no member outside them
+    verified_error: float | None = None
+    verified_tolerance: float | None = None
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def to_json(self) -> dict:
+        return {"streamed": True, "path": str(self.path), "mode": self.mode,
+                "distance_before": self.distance_before, "distance_after": self.distance_after,
+                "verified_relative_error": self.verified_error, "verified_tolerance": self.verified_tolerance,
+                "verification": "float64, block by block (symgraph.streamed_verify)"
+                if self.verified_error is not None else None,
+                "unsolved": self.unsolved, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "timings_s": self.timings, "solves": [s.__dict__ for s in self.stats]}
+
+
+def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = True,
+                   layers: tuple[int, int] | None = None, rounds: int | None = None, tolerance: float = 1e-4,
+                   shard_bytes: int | None = None, overwrite: bool = False, verify: bool = True,
+                   progress: Callable | None = None) -> StreamedAlignment:
+    """Align the safetensors checkpoint ``source`` to ``anchor`` (Hugging Face folders of one architecture) block
+    by block (see the module docstring) and write the result to ``out`` as sharded safetensors with the index.
+
+    ``mode``, ``rescale``, ``layers``, ``tolerance`` and ``progress`` are as for
+    :func:`symgraph.alignment.align_states`; ``rounds`` (default 8) bounds the descent inside each block. With ``verify`` the written model is run against ``source`` in float64
+    block by block (:func:`symgraph.streamed_verify.verify_streamed`: a whole float64 copy would not fit) before
+    it is moved to ``out``; a mismatch raises :class:`~symgraph.errors.InvarianceError` and leaves nothing there.
+    Atomic: nothing at ``out`` until every shard, the index and the config are complete. Inputs are only read.
+
+    Examples
+    --------
+    >>> import tempfile, symgraph
+    >>> from symgraph import zoo
+    >>> from symgraph.io import model_config, save_model
+    >>> a, b = zoo.build("llama", seed=0), zoo.build("llama", seed=1)
+    >>> folders = [save_model(m.state_dict(), tempfile.mkdtemp() + "/m", config=model_config(m)) for m in (a, b)]
+    >>> result = align_streamed(folders[1], folders[0], tempfile.mkdtemp() + "/out", mode="paper")
+    >>> result.distance_after < result.distance_before, result.verified_error < result.verified_tolerance
+    (True, True)
+    """
+    from .files import refuse_overlap
+    from .merging import _streamed_plan
+    from .shards import DEFAULT_SHARD_BYTES, TensorInfo, write_checkpoint
+
+    refuse_overlap(out, [source, anchor])
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    src, anc = LazyState(source), LazyState(anchor)
+    _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
+    model, config, groups = streamed_groups(source, src)
+    check_same_config(config, _config(anchor))
+    _check_same_vectors(src, anc, source, anchor)
+    groups = select_groups(groups, mode, rescale=rescale, layers=layers)
+    rounds = DEFAULT_ROUNDS if rounds is None else rounds  # the residual is not in the descent: no 100 rounds
+    timings["analyse"] = time.perf_counter() - clock
+
+    from .streamed_verify import _block_list
+
+    prefixes = list(_block_list(model, config))
+    job = _Job(src, anc, groups, prefixes, mode, rescale, rounds, tolerance, progress)
+    clock = time.perf_counter()
+    job.solve_spanning()
+    timings["residual"] = time.perf_counter() - clock
+
+    outcome = {}
+
+    def check(staged: Path) -> None:
+        from .streamed_verify import verify_streamed
+
+        clock = time.perf_counter()
+        outcome["verify"] = result = verify_streamed(source, staged)
+        timings["verify"] = time.perf_counter() - clock
+        if not result.ok:
+            raise InvarianceError(f"The aligned model computes something else than '{source}' (relative output "
+                                  f"error {result.relative_error:.2e}, tolerance {result.tolerance:.0e}, float64 "
+                                  "block by block); nothing was written.",
+                                  hint="this is a symgraph bug: report it with both checkpoints' config.json.")
+
+    clock = time.perf_counter()
+    infos = [TensorInfo(k, src.info(k).shape, src.info(k).dtype) for k in src]
+    path = write_checkpoint(out, infos, job.produce, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                            like=src.folder, overwrite=overwrite, check=check if verify else None)
+    timings["blocks_and_write"] = time.perf_counter() - clock - timings.get("verify", 0.0)
+    timings.update(job.timings)
+    before, after, anchor_sq = job.parts
+    verified = outcome.get("verify")
+    return StreamedAlignment(path, mode, float(np.sqrt(before / max(anchor_sq, 1e-300))),
+                             float(np.sqrt(after / max(anchor_sq, 1e-300))), job.elements, job.stats, timings,
+                             job.unsolved, verified and verified.relative_error, verified and verified.tolerance,
+                             src.nbytes + anc.nbytes, sum(i.nbytes for i in infos))
+
+
+def streamed_groups(folder, state: LazyState | None = None):
+    """(meta-device model, config, symmetry groups) of the checkpoint at ``folder``, without reading its matrices:
+    the architecture is captured on the meta device and analysed at full depth with the stored vectors (norm
+    weights, biases) in place, so norm weights stored as exactly 1 give the groups a folded model has."""
+    from .analysis import analyse_capture
+    from .api import Subject, _inputs_for
+    from .io import load_model
+
+    state = state or LazyState(folder)
+    loaded = load_model(Path(folder), config_only=True)
+    args, kwargs = _inputs_for(loaded.model, loaded.config, None)
+    subject = Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only=True,
+                      inputs_from_config=True, full_depth=True)
+    program_state = subject.capture.program.state_dict
+    for name, value in list(program_state.items()):
+        if value.dim() <= 1 and name in state:  # the analysis reads vector values (a norm weight of exactly 1)
+            program_state[name] = state[name]
+    return loaded.model, loaded.config, analyse_capture(subject.capture).groups
+
+
+class _Job:
+    """The state of one streamed alignment: the fixed elements of groups spanning blocks, and each block's
+    aligned tensors from when the writer first asks for one of them until it has taken them all."""
+
+    def __init__(self, src: LazyState, anc: LazyState, groups, prefixes, mode, rescale, rounds, tolerance,
+                 progress):
+        self.src, self.anc, self.mode, self.rescale = src, anc, mode, rescale
+        self.rounds, self.tolerance, self.progress = rounds, tolerance, progress
+        self.prefixes = prefixes
+        self.blocks: dict[str, list[Group]] = {p: [] for p in prefixes}
+        self.spanning: list[Group] = []
+        for g in groups:
+            where = {self.block_of(m.param) for m in g.members}
+            if len(where) == 1 and None not in where:
+                self.blocks[where.pop()].append(g)
+            else:
+                self.spanning.append(g)
+        missing = sorted({m.param for g in groups for m in g.members} - set(src))[:3]
+        if missing:
+            raise MismatchError(f"The checkpoint '{src.folder}' has no tensor {missing[0]}, which a symmetry group "
+                                "moves (tied or renamed parameters are not streamed).",
+                                hint="align it in memory (without --stream), or re-save it with save_pretrained.")
+        self.fixed: list[Element] = []  # elements of the spanning groups, solved first
+        self.elements: list[Element] = []
+        self.stats: list[GroupStat] = []
+        self.unsolved: list[str] = []
+        self.parts = np.zeros(3)  # squared distance before, after, squared anchor norm (float64)
+        self.timings = {"blocks": 0.0}
+        self._ready: dict[str, dict[str, torch.Tensor]] = {}  # block -> aligned tensors not yet written
+        self._outside: dict[str, torch.Tensor] = {}
+
+    def block_of(self, name: str) -> str | None:
+        return next((p for p in self.prefixes if name.startswith(p + ".")), None)
+
+    def solve_spanning(self) -> None:
+        """The groups that span blocks, from their members outside the blocks (see the module docstring)."""
+        restricted = []
+        for g in self.spanning:
+            outside = tuple(m for m in g.members if self.block_of(m.param) is None)
+            if outside:
+                restricted.append(replace(g, members=outside))
+            else:
+                self.unsolved.append(g.id)
+        if not restricted:
+            return
+        names = list(dict.fromkeys(m.param for g in restricted for m in g.members))
+        aligner = Aligner(restricted, {k: self.src[k] for k in names}, {k: self.anc[k] for k in names},
+                          mode=self.mode, rescale=self.rescale)
+        aligner.first_pass(self.progress)
+        full = {g.id: g for g in self.spanning}
+        self.fixed = [replace_group(e, full[e.group.id]) for e in aligner.elements]
+        self.elements += self.fixed
+        self.stats += aligner.stats
+        self._outside = {k: aligner.src[k].to(self.src.info(k).dtype) for k in names}
+
+    def produce(self, name: str) -> torch.Tensor:
+        """The aligned tensor ``name`` in its stored dtype (the writer's ``produce``)."""
+        block = self.block_of(name)
+        if block is None:
+            out = self._outside.pop(name, None)
+            if out is None:
+                out = self._moved({name: self.src[name]})[name]
+            self._add_distance(self.src[name], out, self.anc[name])
+            return out
+        if block not in self._ready:
+            self._ready[block] = self._align_block(block)
+        ready = self._ready[block]
+        out = ready.pop(name)
+        if not ready:
+            del self._ready[block]
+        return out
+
+    def _align_block(self, prefix: str) -> dict[str, torch.Tensor]:
+        clock = time.perf_counter()
+        names = [k for k in self.src if k.startswith(prefix + ".")]
+        stored = {k: self.src[k] for k in names}
+        moved = self._moved(stored, work=True)
+        groups = self.blocks[prefix]
+        if groups:
+            anchor = {k: self.anc[k] for k in {m.param for g in groups for m in g.members}}
+            aligner = Aligner(groups, moved, anchor, mode=self.mode, rescale=self.rescale)
+            for k in aligner.src:  # the aligner holds its own working copy of these
+                del moved[k]
+            aligner.first_pass(self.progress)
+            if self.mode != "paper":
+                aligner.refine(self.rounds, self.tolerance, self.progress)
+            self.elements += aligner.elements
+            self.stats += aligner.stats
+            moved.update(aligner.src)
+            del aligner, anchor
+        out = {k: moved.pop(k).to(stored[k].dtype) for k in names}
+        for k in names:
+            self._add_distance(stored[k], out[k], self.anc[k])
+        self.timings["blocks"] += time.perf_counter() - clock
+        return out
+
+    def _moved(self, tensors: dict[str, torch.Tensor], work: bool = False) -> dict[str, torch.Tensor]:
+        """``tensors`` moved by the fixed elements (computed in fp32, or fp64 for fp64 tensors): in the compute
+        dtype with ``work``, else back in each tensor's own dtype."""
+        touched = [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None]
+        if not touched and not work:
+            return dict(tensors)
+        moved = {k: v.to(_compute_dtype(v.dtype), copy=True) for k, v in tensors.items()}
+        apply_in_place(moved, touched)
+        return moved if work else {k: v.to(tensors[k].dtype) for k, v in moved.items()}
+
+    def _add_distance(self, before: torch.Tensor, after: torch.Tensor, anchor: torch.Tensor) -> None:
+        if not anchor.is_floating_point():
+            return
+        work = _compute_dtype(anchor.dtype)
+        a = anchor.to(work)
+        self.parts += [float((before.to(work) - a).pow(2).sum(dtype=torch.float64)),
+                       float((after.to(work) - a).pow(2).sum(dtype=torch.float64)),
+                       float(a.pow(2).sum(dtype=torch.float64))]
+
+
+def replace_group(e: Element, group: Group) -> Element:
+    """``e`` acting on ``group`` (the same coordinates, other members)."""
+    return Element(group, matrices=e.matrices, perm=e.perm, diag=e.diag)
+
+
+def _restricted(e: Element, tensors) -> Element | None:
+    """``e`` acting only on its members among ``tensors`` (None when it touches none)."""
+    members = tuple(m for m in e.group.members if m.param in tensors)
+    return replace_group(e, replace(e.group, members=members)) if members else None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _config(folder):
+    from .io import load_model
+
+    return load_model(Path(folder), config_only=True).config
+
+
+def _check_same_vectors(src: LazyState, anc: LazyState, source, anchor) -> None:
+    """Norm weights exactly 1 in one model and not in the other give the two different groups (the in-memory
+    alignment compares whole reports; this is the part a meta-device capture can differ in)."""
+    from .analysis.walk import is_unit_vector
+
+    differ = [k for k in src if len(src.info(k).shape) == 1 and is_unit_vector(src[k]) != is_unit_vector(anc[k])]
+    if differ:
+        raise MismatchError(f"'{differ[0]}' is all ones in one of '{source}' and '{anchor}' but not in the other "
+                            f"({len(differ)} vectors differ): the models have different symmetry groups.",
+                            hint="fold both models (symgraph fold) or neither.")
