@@ -161,6 +161,16 @@ def _data_options(command):
     return command
 
 
+def _compute_options(where: str, default_dtype: str):
+    """--device and --dtype (symgraph.alignment.compute_device / compute_dtype), shared by align, merge, barrier."""
+    def decorate(command):
+        command = click.option("--dtype", type=click.Choice(["float32", "float64"]),
+                               help=f"Compute dtype (default: {default_dtype}).")(command)
+        return click.option("--device", default="cpu", show_default=True,
+                            help=f"Where {where}: cpu, cuda or cuda:N.")(command)
+    return decorate
+
+
 def _learn_default(name: str):
     from .learn import LearnOptions
 
@@ -202,10 +212,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @_data_options
 @_learn_options
 @_FREE_OUTPUTS
-@click.option("--device", default="cpu", show_default=True,
-              help="Where the alignment computes its costs and applies its moves: cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]),
-              help="Compute dtype (default: float64 for float64 models, float32 otherwise); OUT keeps SOURCE's.")
+@_compute_options("the alignment computes its costs and applies its moves",
+                  "float64 for float64 models, float32 otherwise; OUT keeps SOURCE's")
 @click.option("--stream", is_flag=True,
               help="Block by block, reading and writing as it goes (7B models and up): safetensors inputs, sharded "
                    "output, verified in float64 block by block. The residual stream is solved once from the "
@@ -448,11 +456,14 @@ def demo(out_dir, quick, overwrite):
               help="Where the alignment jobs (one per model per round) run: this process, or a Ray cluster "
                    "(RAY_ADDRESS or a running `ray start --head`; else a local one for this run). Needs the "
                    "symgraph[ray] extra. Same result either way.")
+@_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, workers):
+          learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, workers, device, dtype):
+    from .alignment import compute_device
     from .merging import merge as run_merge
 
+    compute_device(device)  # before the models are read
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
     if stream:
@@ -466,7 +477,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
                        fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
-                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t))
+                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t), device=device,
+                       dtype=dtype)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
@@ -499,17 +511,21 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
 @functools.partial(_learn_options, flag=False)
+@_compute_options("every alignment computes its costs and applies its moves",
+                  "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
             matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
-            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t):
+            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, device, dtype):
+    from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
+    compute_device(device)  # before the models are read
     check_plot_path(output)
     _check_file_output(output, [model_a, model_b])
     _check_file_output(json_path, [model_a, model_b])
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
-                         split=split, progress=not no_progress, fold=fold,
+                         split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
                          learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                    general_linear),

@@ -79,7 +79,8 @@ class BarrierResult:
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
             align_options: Mapping[str, Any] | None = None, fold: bool | None = None,
-            learn: Any = None, learn_data: Any = None, progress: bool = True) -> BarrierResult:
+            learn: Any = None, learn_data: Any = None, progress: bool = True, device="cpu",
+            dtype=None) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
 
     Parameters
@@ -115,6 +116,10 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         when ``data`` is an evaluation :class:`~symgraph.datasets.Dataset`, which would be learned on as it is.
     progress
         Show progress bars (only ever on a terminal).
+    device, dtype
+        Where and in what every alignment computes (``cpu``, the default, ``cuda`` or ``cuda:N``; ``float32`` or
+        ``float64``): :func:`symgraph.alignment.align_states`. The path is evaluated on the CPU. A device this
+        machine lacks, or another dtype, is refused before any model is read.
 
     Examples
     --------
@@ -128,12 +133,14 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     """
     _check_options(steps, aligns, align_options or {})
     start = time.perf_counter()
-    from .alignment import check_same_architecture
+    from .alignment import check_same_architecture, compute_device, compute_dtype
     from .datasets import load_data
+
+    compute = {"device": compute_device(device), "dtype": compute_dtype(dtype)}
 
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
-    options = _with_alignment_data(dict(align_options or {}), aligns, data, first)
+    options = _with_alignment_data({**(align_options or {}), **compute}, aligns, data, first)
     second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)

@@ -64,7 +64,7 @@ class Consensus:
 def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
                        exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
                        progress: bool = True, learner: Callable | None = None, reference: int | None = None,
-                       common: bool = False, workers: str = "local") -> Consensus:
+                       common: bool = False, workers: str = "local", device="cpu", dtype=None) -> Consensus:
     """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
 
     ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
@@ -75,7 +75,8 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     which *every* model, the reference too, is aligned to the weighted mean of all (generalised Procrustes
     analysis), kept model by model where it comes closer to that mean, while the mean distance keeps falling.
     ``workers`` is where the alignment jobs run: ``local`` (this process) or ``ray`` (:mod:`symgraph.workers`;
-    needs the ``symgraph[ray]`` extra), with the same result.
+    needs the ``symgraph[ray]`` extra), with the same result. ``device`` and ``dtype`` are where and in what each
+    alignment computes (:func:`symgraph.alignment.align_states`; the states stay float64 on the CPU).
 
     Examples
     --------
@@ -97,7 +98,7 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     if mode == "none":
         return Consensus(states, reference, before, before, 0, [_weighted(before, w)], time.perf_counter() - start)
 
-    plan = AlignmentPlan.of(subjects[0], mode, exclude, learner)
+    plan = AlignmentPlan.of(subjects[0], mode, exclude, learner, device=device, dtype=dtype)
     rounds = 0 if learner is not None else rounds
     applied: list[list[Element]] = [[] for _ in states]  # per model, every element applied, in order
     with workers_context(workers, subjects) as runner:
@@ -135,10 +136,12 @@ class AlignmentPlan:
     free: tuple
     mode: str
     learner: Callable | None = None  # learner(solve, source, target, result) -> result: learned matching
+    device: str = "cpu"  # where each alignment computes (symgraph.alignment.compute_device)
+    dtype: str | None = None  # what in: float32 or float64 (None: the states' float64)
 
     @classmethod
     def of(cls, subject: Subject, mode: str, exclude: frozenset[str] = frozenset(),
-           learner: Callable | None = None) -> AlignmentPlan:
+           learner: Callable | None = None, device="cpu", dtype=None) -> AlignmentPlan:
         chosen = select_groups(subject.report.groups, mode)
         solve = []
         for g in chosen:
@@ -146,13 +149,14 @@ class AlignmentPlan:
             if members:
                 solve.append(dataclasses.replace(g, members=members))
         free = free_cost_members(subject, solve, mode)
-        return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode, learner)
+        return cls(tuple(solve), {g.id: g for g in chosen}, tuple(free), mode, learner, device, dtype)
 
     def elements(self, source: State, target: State) -> list[Element]:
         """The elements, in order, that move ``source`` within its groups as close to ``target`` as they allow
         (same function), tuned by the learner when there is one: each acts with every member of its group,
         excluded parameters included."""
-        result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free)
+        result = align_states(list(self.solve), source, target, mode=self.mode, cost_excluded=self.free,
+                              device=self.device, dtype=self.dtype)
         if self.learner is not None:
             result = self.learner(list(self.solve), source, target, result, self.free)
         return [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .api import Subject, load, tie_aliases
+from .alignment import compute_device, compute_dtype
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
 from .workers import check_workers
 from .errors import DataError, MismatchError, SymgraphError
@@ -111,7 +112,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
-          workers: str = "local") -> MergeResult:
+          workers: str = "local", device="cpu", dtype=None) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -163,6 +164,11 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     workers
         Where the consensus alignment jobs run: ``"local"`` or ``"ray"`` (a Ray cluster; the ``symgraph[ray]``
         extra), one job per model per round, each reading its model from its folder (:mod:`symgraph.workers`).
+    device, dtype
+        Where and in what the heavy linear algebra computes: ``cpu`` (the default), ``cuda`` or ``cuda:N``, and
+        ``float32`` or ``float64`` (default float64): the alignment's costs, SVDs and moves
+        (:func:`symgraph.alignment.align_states`) and RegMean's solves. Statistics, means and the result stay
+        float64 on the CPU. A device this machine lacks, or another dtype, is refused before any model is read.
 
     Examples
     --------
@@ -177,6 +183,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     """
     _check_options(len(models), method, align, data, alpha, rounds, head_from, head, learn, frame)
     check_workers(workers)
+    device, dtype = compute_device(device), compute_dtype(dtype)
     if learn and workers != "local":
         raise SymgraphError("Learned matching runs in this process: it cannot run on --workers ray yet.",
                             hint="leave out --workers ray, or --learn.")
@@ -191,12 +198,13 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     learner = _learner(subjects[0], data, learn, exclude, progress) if learn else None
     tried = []
     for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None or on_data):
-        moved = _aligned_on_activations(subjects, datasets, reference) if on_data else subjects
+        moved = _aligned_on_activations(subjects, datasets, reference, device, dtype) if on_data else subjects
         consensus = align_to_consensus(moved, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
                                        progress=progress, learner=learner, reference=reference, common=common,
-                                       workers=workers)
+                                       workers=workers, device=device, dtype=dtype)
         names = shared_float_names(consensus.states[0], exclude)
-        merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress)
+        merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress,
+                                    (device, dtype or torch.float64))
         state = _finished_state(merged, moved, consensus, head_from, exclude)
         tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
                                                                       head_from)))
@@ -395,11 +403,12 @@ def fisher_average(states: Sequence[State], fishers: Sequence[State], weights: S
 
 
 def regmean_solution(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor], scales: Sequence[float],
-                     alpha: float = 0.9) -> torch.Tensor:
+                     alpha: float = 0.9, compute=("cpu", torch.float64)) -> torch.Tensor:
     """The RegMean weight ``(sum_i s_i G~_i)^-1 sum_i s_i G~_i W_i^T`` (returned as ``(out, in)``, float64).
 
     ``weights[i]`` is ``(out, in)``, ``grams[i]`` the ``(in, in)`` Gram matrix of model ``i``'s inputs to the
-    layer, and ``G~`` keeps the diagonal of ``G`` and scales the rest by ``alpha``.
+    layer, and ``G~`` keeps the diagonal of ``G`` and scales the rest by ``alpha``. ``compute`` is the
+    (device, dtype) the sums and the solve run in; the result comes back float64 on the CPU.
 
     Examples
     --------
@@ -408,7 +417,7 @@ def regmean_solution(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tens
     >>> regmean_solution([w1, w2], [g1, g2], [0.5, 0.5]).round(decimals=6)  # each trusted where it saw data
     tensor([[1., 1.]], dtype=torch.float64)
     """
-    sums = _RegMeanSums()
+    sums = _RegMeanSums(compute)
     for w, g, s in zip(weights, grams, scales):
         sums.add(w, g, float(s), alpha)
     return sums.solve()
@@ -417,13 +426,14 @@ def regmean_solution(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tens
 class _RegMeanSums:
     """Running ``A = sum s_i G~_i``, ``B = sum s_i G~_i W_i^T`` and the weighted average ``W`` (the ridge prior)."""
 
-    def __init__(self):
+    def __init__(self, compute=("cpu", torch.float64)):
         self.a = self.b = self.prior = 0
         self.total = 0.0
+        self.device, self.dtype = compute
 
     def add(self, weight: torch.Tensor, gram: torch.Tensor, scale: float, alpha: float) -> None:
-        w = weight.to(torch.float64)
-        g = gram.to(torch.float64)
+        w = weight.to(device=self.device, dtype=self.dtype)
+        g = gram.to(device=self.device, dtype=self.dtype)
         shrunk = alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g))
         self.a = self.a + scale * shrunk
         self.b = self.b + scale * shrunk @ w.T
@@ -432,7 +442,7 @@ class _RegMeanSums:
 
     def solve(self) -> torch.Tensor:
         prior = self.prior / self.total
-        return _solve_towards(self.a, self.b, prior.T).T
+        return _solve_towards(self.a, self.b, prior.T).T.to(device="cpu", dtype=torch.float64)
 
 
 def _solve_towards(a: torch.Tensor, b: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
@@ -441,7 +451,7 @@ def _solve_towards(a: torch.Tensor, b: torch.Tensor, prior: torch.Tensor) -> tor
     scale = float(torch.diagonal(a).mean()) if a.numel() else 0.0
     if not scale > 0:
         return prior.clone()
-    eye = torch.eye(a.shape[0], dtype=a.dtype)
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     for ridge in _RIDGES:
         r = ridge * scale
         factor, info = torch.linalg.cholesky_ex(a + r * eye)
@@ -451,8 +461,10 @@ def _solve_towards(a: torch.Tensor, b: torch.Tensor, prior: torch.Tensor) -> tor
     return prior.clone()  # unreachable for finite input: ridge 1.0 makes any PSD matrix well-conditioned
 
 
-def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progress) -> tuple[State, tuple]:
-    """Merged float64 tensors for ``names``, and the names the method had no statistics for."""
+def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progress,
+             compute=("cpu", torch.float64)) -> tuple[State, tuple]:
+    """Merged float64 tensors for ``names``, and the names the method had no statistics for; RegMean solves in
+    ``compute`` (device, dtype)."""
     merged = weighted_mean(states, w, names)
     if method == "simple":
         return merged, ()
@@ -464,7 +476,7 @@ def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progr
         merged.update(fisher_average(states, fishers, w, names))
         return merged, tuple(k for k in names if k not in fishers[0])
     layers = _regmean_layers(subjects[0].model, exclude)
-    solved = _regmean_merge(states, layers, w, alpha,
+    solved = _regmean_merge(states, layers, w, alpha, compute,
                             lambda i: input_grams(models[i], datasets[i], layers=layers, progress=progress,
                                                   label=labels[i]))
     unseen = sorted(name for name, layer in layers.items() if layer.weight not in solved)
@@ -475,10 +487,10 @@ def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progr
     return merged, tuple(k for k in names if k not in solved)
 
 
-def _regmean_merge(states, layers: dict[str, LinearLayer], w, alpha,
+def _regmean_merge(states, layers: dict[str, LinearLayer], w, alpha, compute,
                    grams_of: Callable[[int], dict[str, torch.Tensor]]) -> State:
     """RegMean for every layer that saw data in every model; Gram matrices are folded in one model at a time."""
-    sums = {name: _RegMeanSums() for name in layers}
+    sums = {name: _RegMeanSums(compute) for name in layers}
     for i, state in enumerate(states):
         grams = grams_of(i)
         sums = {name: acc for name, acc in sums.items() if name in grams}  # never called: simple average
@@ -666,7 +678,8 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
 
 
 # -- data and states ------------------------------------------------------------------------------------------------
-def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: int) -> list[Subject]:
+def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: int, device="cpu",
+                            dtype=None) -> list[Subject]:
     """The reference model, and every other aligned to it in full mode with activation costs on its own data
     (checked to compute what it computed)."""
     from .api import align
@@ -676,7 +689,8 @@ def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: 
         if i == reference:
             continue
         model = copy.deepcopy(subject.model)
-        model.load_state_dict(align(subject, subjects[reference], mode="full", data=data, fold=False).state)
+        model.load_state_dict(align(subject, subjects[reference], mode="full", data=data, fold=False, device=device,
+                                    dtype=dtype).state)
         out[i] = dataclasses.replace(subject, model=model, weights_from_path=False, _capture=None, _report=None)
     return out
 

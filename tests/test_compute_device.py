@@ -74,3 +74,91 @@ def test_cli_align_device_and_dtype(tmp_path):
         assert not refused.exists()
     code, _, stderr = run("align", DEMO, DEMO, "-o", tmp_path / "x", "--dtype", "float16", "--quiet")
     assert code != 0 and "float16" in stderr
+
+
+# -- merge and barrier: the same device and dtype options ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def twin_models():
+    """Two independent tiny llamas (float32): what merge and barrier align."""
+    return [zoo.build("llama", seed=s) for s in (0, 1)]
+
+
+def test_merge_in_float32_and_float64_finds_the_same_alignment(twin_models):
+    from symgraph.merging import merge
+
+    runs = {dtype: merge(twin_models, align="permutation", frame="reference", dtype=dtype, progress=False)
+            for dtype in ("float32", "float64")}
+    wide, narrow = runs["float64"], runs["float32"]
+    assert wide.distances_before != pytest.approx(wide.distances, rel=1e-3)  # alignment moved the second model
+    for k in wide.state:  # another permutation would move whole rows: differences of the weights' own size
+        torch.testing.assert_close(narrow.state[k], wide.state[k], rtol=1e-4, atol=1e-5)
+
+
+def test_regmean_solves_in_the_asked_dtype_and_returns_float64():
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(2)]
+    grams = [(x.T @ x) for x in (torch.randn(9, 4, generator=g, dtype=torch.float64) for _ in range(2))]
+    from symgraph.merging import regmean_solution
+
+    wide = regmean_solution(weights, grams, [0.5, 0.5])
+    narrow = regmean_solution(weights, grams, [0.5, 0.5], compute=("cpu", torch.float32))
+    assert wide.dtype == narrow.dtype == torch.float64
+    assert not torch.equal(narrow, wide)  # it really ran in float32
+    torch.testing.assert_close(narrow, wide, rtol=1e-4, atol=1e-5)
+
+
+def test_barrier_in_float32_and_float64_gives_the_same_curves(twin_models):
+    from symgraph.connectivity import barrier
+    from test_barrier import tokens
+
+    data = tokens()
+    runs = {dtype: barrier(*twin_models, data, steps=3, aligns=("permutation",), dtype=dtype, progress=False)
+            for dtype in ("float32", "float64")}
+    wide, narrow = runs["float64"].curves["permutation"], runs["float32"].curves["permutation"]
+    assert narrow.distance == pytest.approx(wide.distance, rel=1e-5)
+    assert narrow.losses == pytest.approx(wide.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("command", ["merge", "barrier"])
+def test_api_refuses_a_missing_gpu_and_other_dtypes_before_reading_models(command, tmp_path):
+    from symgraph.connectivity import barrier
+    from symgraph.merging import merge
+
+    missing = [str(tmp_path / "no-such-model-a"), str(tmp_path / "no-such-model-b")]
+
+    def call(**compute):
+        if command == "merge":
+            return merge(missing, progress=False, **compute)
+        return barrier(*missing, "digits", progress=False, **compute)
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SymgraphError, match="sees no CUDA GPU") as info:
+            call(device="cuda")
+        assert "--device cpu" in info.value.hint
+    with pytest.raises(SymgraphError, match="float32 or float64"):
+        call(dtype=torch.bfloat16)
+    with pytest.raises(SymgraphError, match="Unknown compute device"):
+        call(device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cli_merge_and_barrier_refuse_cuda_without_a_gpu(tmp_path):
+    out = tmp_path / "merged"
+    code, _, stderr = run("merge", DEMO, DEMO, "-o", out, "--device", "cuda", "--no-progress")
+    assert code != 0 and "sees no CUDA GPU" in stderr and "--device cpu" in stderr
+    assert not out.exists()
+    plot = tmp_path / "barrier.png"
+    code, _, stderr = run("barrier", DEMO, DEMO, "--data", "digits", "-o", plot, "--device", "cuda",
+                          "--no-progress")
+    assert code != 0 and "sees no CUDA GPU" in stderr and "--device cpu" in stderr
+    assert not plot.exists()
+    code, _, stderr = run("merge", DEMO, DEMO, "-o", out, "--dtype", "bfloat16", "--no-progress")
+    assert code != 0 and "bfloat16" in stderr
+
+
+def test_cli_merge_with_device_and_dtype(tmp_path):
+    out = tmp_path / "merged"
+    code, stdout, stderr = run("merge", DEMO, DEMO, "-o", out, "--align", "permutation", "--frame", "reference",
+                               "--device", "cpu", "--dtype", "float32", "--no-progress")
+    assert code == 0, stderr
+    assert (out / "config.json").exists() and "distance of each model to the merge" in stdout
