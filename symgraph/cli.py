@@ -234,13 +234,13 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     span = _parse_layers(layers)
     if stream:
         given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
-                                       ("--general-linear", general_linear), ("--fold", fold), ("--data", data_spec),
+                                       ("--general-linear", general_linear), ("--data", data_spec),
                                        ("--learn", learn), ("--free-outputs", free_outputs),
                                        ("--device", device != "cpu"), ("--dtype", dtype)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
                                    "align in memory (without --stream).")
-        _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance,
+        _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold,
                         _parse_size(shard_size), overwrite, stats_path, quiet)
         return
     clock = time.perf_counter()
@@ -264,8 +264,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
 
 
-def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, shard_bytes, overwrite,
-                    stats_path, quiet) -> None:
+def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, shard_bytes,
+                    overwrite, stats_path, quiet) -> None:
     from .streamed_align import align_streamed
 
     done = {}
@@ -273,9 +273,10 @@ def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_round
             _ProgressBar(disable=quiet) as bar:
         done["result"] = result = align_streamed(source, anchor, output, mode=mode, rescale=not no_rescale,
                                                  layers=span, rounds=refine_rounds, tolerance=tolerance,
-                                                 shard_bytes=shard_bytes, overwrite=overwrite, progress=bar.update)
+                                                 fold=fold, shard_bytes=shard_bytes, overwrite=overwrite,
+                                                 progress=bar.update)
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}, streamed block by block, {len({s.group for s in result.stats})} groups"
+               f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {len({s.group for s in result.stats})} groups"
                f"{f', {len(result.unsolved)} spanning groups left at the identity' if result.unsolved else ''}; "
                f"outputs checked against the source in float64 block by block (a whole float64 copy is not made): "
                f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e})")

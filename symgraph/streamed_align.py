@@ -15,6 +15,11 @@ the work is cut along the block list (the ``ModuleList`` of ``num_hidden_layers`
    the block); the aligned tensors go to :func:`symgraph.shards.write_checkpoint` in the stored dtype and the
    block is dropped. Peak memory: one block of each model in fp32 plus the solver's cost matrices.
 
+With ``fold`` both models are read folded (:class:`FoldedState`: each RMSNorm weight multiplied into the
+columns of the linears that read it as the tensor is read, the norm weight read as 1; :mod:`symgraph.fold` finds
+the norms in the graph), so the residual stream has its orthogonal group; OUT is then the folded source, as with
+``symgraph align --fold``. LayerNorm models (whose folding centres every residual writer) are not streamed yet.
+
 What this does not do (yet): coordinate descent between the residual stream and the blocks (the residual is
 solved once, from the outside members; exact for a reparametrised copy, thin evidence between independent
 models), the second (weight-matching) start, and groups spanning blocks with no member outside them, which stay
@@ -23,7 +28,7 @@ at the identity (listed in ``unsolved``). ``paper`` mode has no such groups and 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,13 +56,14 @@ class StreamedAlignment:
     stats: list[GroupStat]
     timings: dict[str, float]
     unsolved: list[str] = field(default_factory=list)  # groups spanning blocks with no member outside them
+    folded: bool = False  # both models were read folded: OUT is the folded source
     verified_error: float | None = None
     verified_tolerance: float | None = None
     bytes_read: int = 0
     bytes_written: int = 0
 
     def to_json(self) -> dict:
-        return {"streamed": True, "path": str(self.path), "mode": self.mode,
+        return {"streamed": True, "path": str(self.path), "mode": self.mode, "folded": self.folded,
                 "distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "verified_tolerance": self.verified_tolerance,
                 "verification": "float64, block by block (symgraph.streamed_verify)"
@@ -68,15 +74,17 @@ class StreamedAlignment:
 
 def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = True,
                    layers: tuple[int, int] | None = None, rounds: int | None = None, tolerance: float = 1e-4,
-                   shard_bytes: int | None = None, overwrite: bool = False, verify: bool = True,
-                   progress: Callable | None = None) -> StreamedAlignment:
+                   fold: bool = False, shard_bytes: int | None = None, overwrite: bool = False,
+                   verify: bool = True, progress: Callable | None = None) -> StreamedAlignment:
     """Align the safetensors checkpoint ``source`` to ``anchor`` (Hugging Face folders of one architecture) block
     by block (see the module docstring) and write the result to ``out`` as sharded safetensors with the index.
 
     ``mode``, ``rescale``, ``layers``, ``tolerance`` and ``progress`` are as for
-    :func:`symgraph.alignment.align_states`; ``rounds`` (default 8) bounds the descent inside each block. With ``verify`` the written model is run against ``source`` in float64
-    block by block (:func:`symgraph.streamed_verify.verify_streamed`: a whole float64 copy would not fit) before
-    it is moved to ``out``; a mismatch raises :class:`~symgraph.errors.InvarianceError` and leaves nothing there.
+    :func:`symgraph.alignment.align_states`; ``rounds`` (default 8) bounds the descent inside each block;
+    ``fold`` reads both models folded (see the module docstring). With ``verify`` the written model is run against
+    ``source`` in float64 block by block (:func:`symgraph.streamed_verify.verify_streamed`: a whole float64 copy
+    would not fit) before it is moved to ``out``; a mismatch raises :class:`~symgraph.errors.InvarianceError` and
+    leaves nothing there.
     Atomic: nothing at ``out`` until every shard, the index and the config are complete. Inputs are only read.
 
     Examples
@@ -99,7 +107,9 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     clock = time.perf_counter()
     src, anc = LazyState(source), LazyState(anchor)
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
-    model, config, groups = streamed_groups(source, src)
+    model, config, groups, norms = streamed_groups(source, src, fold=fold)
+    if fold:
+        src, anc = FoldedState(src, norms), FoldedState(anc, norms)
     check_same_config(config, _config(anchor))
     _check_same_vectors(src, anc, source, anchor)
     groups = select_groups(groups, mode, rescale=rescale, layers=layers)
@@ -138,14 +148,17 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     verified = outcome.get("verify")
     return StreamedAlignment(path, mode, float(np.sqrt(before / max(anchor_sq, 1e-300))),
                              float(np.sqrt(after / max(anchor_sq, 1e-300))), job.elements, job.stats, timings,
-                             job.unsolved, verified and verified.relative_error, verified and verified.tolerance,
-                             src.nbytes + anc.nbytes, sum(i.nbytes for i in infos))
+                             unsolved=job.unsolved, folded=fold,
+                             verified_error=verified and verified.relative_error,
+                             verified_tolerance=verified and verified.tolerance,
+                             bytes_read=src.nbytes + anc.nbytes, bytes_written=sum(i.nbytes for i in infos))
 
 
-def streamed_groups(folder, state: LazyState | None = None):
-    """(meta-device model, config, symmetry groups) of the checkpoint at ``folder``, without reading its matrices:
-    the architecture is captured on the meta device and analysed at full depth with the stored vectors (norm
-    weights, biases) in place, so norm weights stored as exactly 1 give the groups a folded model has."""
+def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = False):
+    """(meta-device model, config, symmetry groups, folded norms) of the checkpoint at ``folder``, without reading
+    its matrices: the architecture is captured on the meta device and analysed at full depth with the stored
+    vectors (norm weights, biases) in place, so norm weights stored as exactly 1 give the groups a folded model
+    has. With ``fold``, those of the model read through :class:`FoldedState` (the norms it folds are returned)."""
     from .analysis import analyse_capture
     from .api import Subject, _inputs_for
     from .io import load_model
@@ -155,11 +168,69 @@ def streamed_groups(folder, state: LazyState | None = None):
     args, kwargs = _inputs_for(loaded.model, loaded.config, None)
     subject = Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only=True,
                       inputs_from_config=True, full_depth=True)
+    norms = []
+    if fold:
+        from .fold import find_norms
+
+        norms = find_norms(subject.capture)
+        state = FoldedState(state, norms)
     program_state = subject.capture.program.state_dict
     for name, value in list(program_state.items()):
         if value.dim() <= 1 and name in state:  # the analysis reads vector values (a norm weight of exactly 1)
             program_state[name] = state[name]
-    return loaded.model, loaded.config, analyse_capture(subject.capture).groups
+    return loaded.model, loaded.config, analyse_capture(subject.capture).groups, norms
+
+
+class FoldedState(Mapping[str, torch.Tensor]):
+    """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
+    multiplied into its columns as it is read (in float64, cast back to the stored dtype, as ``symgraph fold``
+    does), and the norm weight reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
+    writer, which is not done tensor by tensor here."""
+
+    def __init__(self, state: LazyState, norms):
+        from .fold import FoldError
+
+        centring = [n for n in norms if n.centres]
+        if centring:
+            raise FoldError(f"Streamed folding handles RMSNorm only, but {centring[0].describe()} is a LayerNorm, "
+                            "whose folding centres every residual writer.",
+                            hint="align without --fold, or fold in memory (symgraph fold) and stream the result.")
+        if not norms:
+            raise FoldError("No norm on the residual stream was found in the graph: there is nothing to fold.",
+                            hint="align without --fold.")
+        self.state, self.folder = state, state.folder
+        self.norm_weights = {n.weight for n in norms if n.weight}
+        self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
+                          for weight, bias in n.readers}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from .fold import _folded_params
+
+        if name in self.norm_weights:
+            return torch.ones(self.state.info(name).shape, dtype=self.state.info(name).dtype)
+        site = self.reader_of.get(name)
+        if site is None:
+            return self.state[name]
+        return _folded_params({name: self.state[name], site.weight: self.state[site.weight]}, [site])[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self.state
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def info(self, name: str):
+        return self.state.info(name)
+
+    def infos(self):
+        return self.state.infos()
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
 
 
 class _Job:

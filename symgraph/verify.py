@@ -121,8 +121,9 @@ def _aliases(model: torch.nn.Module) -> list[list[str]]:
     """Groups of state-dict names that share storage (tied embeddings)."""
     groups: dict[tuple, list[str]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if t.numel():
-            groups.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), []).append(name)
+        if t.numel():  # meta tensors have no storage (data_ptr 0): a tied one is the same parameter object
+            where = id(t) if t.device.type == "meta" else t.data_ptr()
+            groups.setdefault((where, tuple(t.shape), t.dtype), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
 
 

@@ -97,6 +97,31 @@ def test_full_mode_brings_a_reparametrised_copy_back_exactly(tmp_path, pair):
     assert not result.unsolved and any(s.group.startswith("residual") for s in result.stats)
 
 
+@pytest.fixture(scope="module")
+def noisy_pair(tmp_path_factory):
+    """A and B1 = A moved by a group element plus 1% noise on every tensor (norm weights too: B1 is not folded)."""
+    out = tmp_path_factory.mktemp("noisy") / "pair"
+    make_llama_7b_pair.main(["--out", str(out), "--dtype", "float64", "--models", "A,B1", *TINY])
+    return out
+
+
+@pytest.mark.slow
+def test_folded_streaming_equals_in_memory_folding_and_reaches_the_noise_floor(tmp_path, noisy_pair):
+    """B1's norm weights carry noise, so only folding gives its stream the orthogonal group that undoes the
+    rotation; read folded, the streamed first pass is the in-memory one after symgraph.fold."""
+    b1, a = noisy_pair / "B1", noisy_pair / "A"
+    with pytest.raises(MismatchError, match="fold both"):  # unfolded, B1 has a smaller group than A
+        streamed_align.align_streamed(b1, a, tmp_path / "plain", mode="full", rounds=0)
+    result = streamed_align.align_streamed(b1, a, tmp_path / "out", mode="full", rounds=0, fold=True)
+    expected = symgraph.align(b1, a, mode="full", fold=True, refine_rounds=0, matching_start=False)
+    assert result.folded and same_elements(result.elements, expected.elements)
+    assert result.distance_after == pytest.approx(expected.distance_after, rel=1e-9)
+    assert result.distance_after < 0.03 < 0.3 < result.distance_before  # 1% noise per tensor: the noise floor
+    written = LazyState(result.path)
+    assert all(bool((written[k] == 1).all()) for k in written if k.endswith("norm.weight"))
+    assert result.verified_error < result.verified_tolerance
+
+
 @pytest.mark.slow
 def test_bf16_checkpoints_stay_bf16_and_the_descent_never_ends_farther(tmp_path, pair):
     """Stored dtype kept; descent inside each block only lowers the distance; a permutation-mode run on
@@ -136,6 +161,6 @@ def test_streamed_alignment_on_the_command_line(tmp_path, pair):
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["streamed"] and stats["distance_after"] < 1e-12 < stats["distance_before"]
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
-    code, _, err = run("align", pair / "B1", pair / "A", "-o", tmp_path / "o2", "--stream", "--fold")
-    assert code != 0 and "--stream cannot be combined with --fold" in err
+    code, _, err = run("align", pair / "B1", pair / "A", "-o", tmp_path / "o2", "--stream", "--general-linear")
+    assert code != 0 and "--stream cannot be combined with --general-linear" in err
     assert not (tmp_path / "o2").exists()
