@@ -128,16 +128,21 @@ def _learn_options(command, *, flag: bool = True):
         click.option("--learn-steps", type=click.IntRange(min=1), default=lambda: _learn_default("steps"),
                      show_default="300", help="Optimiser steps of learned matching."),
         click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
-                     show_default="0.003", help="Learning rate (Adam) of learned matching."),
+                     show_default="0.01", help="Learning rate (Adam) of learned matching."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
-        click.option("--learn-t", type=click.Choice(["midpoint", "random"]), default="midpoint", show_default=True,
+        click.option("--learn-t", type=click.Choice(["midpoint", "random"]), default=lambda: _learn_default("t"),
+                     show_default="random",
                      help="Where on the path the loss is taken: the midpoint, or a random point each step."),
+        click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
+                     show_default="direct",
+                     help="direct: gradient descent on the continuous group elements (exponential maps), "
+                          "permutations kept from the start; ste: Git Re-Basin's straight-through estimator."),
     ]
     if flag:
         options.insert(0, click.option(
             "--learn", is_flag=True,
-            help="Learned matching: tune the alignment on the loss of the interpolated model (midpoint of the "
+            help="Learned matching: tune the alignment on the loss of the interpolated model (points along the "
                  "path) on the training split of --data; the result is still an exact reparametrisation."))
     for option in reversed(options):
         command = option(command)
@@ -177,11 +182,11 @@ def _learn_default(name: str):
     return getattr(LearnOptions, name)
 
 
-def _learning(learn_steps, learn_lr, learn_batch_size, learn_t):
+def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options`."""
     from .learn import LearnOptions
 
-    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t)
+    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
@@ -222,8 +227,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
-          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, device, dtype, stream,
-          shard_size):
+          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, free_outputs, device,
+          dtype, stream, shard_size):
     from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
@@ -250,7 +255,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                            data_groups=data_groups, device=device, dtype=dtype,
-                           learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t),
+                           learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
     result.timings["load"] = loading
     clock = time.perf_counter()
@@ -287,8 +292,8 @@ def _learned_note(learned: dict | None) -> str:
     if learned is None:
         return ""
     verdict = "kept" if learned["kept"] else "not kept: no better than the start"
-    return (f", learned over {learned['steps']} steps: midpoint loss {learned['start_midpoint_loss']:.4g} -> "
-            f"{learned['end_midpoint_loss']:.4g} on training batches, {verdict}")
+    return (f", learned over {learned['steps']} steps: path loss (t = 1/4, 1/2, 3/4) "
+            f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}")
 
 
 def _cost_summary(costs: dict[str, str]) -> str:
@@ -460,7 +465,7 @@ def demo(out_dir, quick, overwrite):
 @_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, workers, device, dtype):
+          learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, free_outputs, workers, device, dtype):
     from .alignment import compute_device
     from .merging import merge as run_merge
 
@@ -478,8 +483,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
                        fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
-                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t), device=device,
-                       dtype=dtype)
+                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
+                       device=device, dtype=dtype)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
@@ -516,7 +521,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
             matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
-            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, device, dtype):
+            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, device,
+            dtype):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -527,7 +533,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
-                         learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t),
+                         learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                    general_linear),
                                         **({"align_data": align_data} if align_data else {}),

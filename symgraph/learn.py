@@ -1,21 +1,28 @@
 """Learned matching: tune an alignment on the loss of the interpolated model, not on weight distance.
 
-Git Re-Basin's straight-through estimator (Ainsworth et al., ICLR 2023; used for transformers by Theus et al.,
-NeurIPS 2025), carried over to every group symgraph finds. A *proxy* state ``P`` starts at the start solution
-(the weight-matched alignment, or any :class:`~symgraph.alignment.AlignResult` handed in, such as an
-activation-matched one). Each step:
+Both methods start from the start solution (the weight-matched alignment, or any
+:class:`~symgraph.alignment.AlignResult` handed in, such as an activation-matched one, applied to the source:
+``B'``) and minimise the loss of ``(1 - t) A + t B'`` on batches of training data, at ``t`` uniform in [0, 1]
+each step (or ``t = 1/2``), with Adam (cosine-annealed learning rate).
 
-1. the source is *projected* onto ``P`` within its groups: aligned to ``P`` by the ordinary solvers (SVD
-   projection, i.e. Procrustes, for orthogonal groups; Hungarian for permutations; least squares for GL; closed
-   forms for scales), warm-started from the previous projection with a few descent rounds. The projection ``B'``
-   is an exact reparametrisation of the source;
-2. the loss of ``(1 - t) A + t (B' + P - stopgrad(P))`` is taken on one batch (``t = 1/2``, or uniform in
-   [0, 1]): the forward pass runs through ``B'``, the gradient reaches ``P``, and Adam moves ``P``.
+``direct`` (the default): the continuous part of every group (orthogonal maps as exponentials of skew matrices,
+general linear maps as exponentials, rotary angles and scales, positive scales as exponentials of log-scales:
+:mod:`symgraph.continuous`) is a tensor of parameters, zero at the start; ``B'`` is the start moved by those
+elements, exactly in the source's orbit at every step, so the gradient is that of the loss along the orbit.
+QK and VO maps are learned in their full group GL(d_head) (``general_linear``). Permutations and signs stay
+where the start put them. The result is the start followed by the learned elements, applied in float64.
 
-The result is the projection with the lowest midpoint loss on a few training batches, checked at evenly spaced
-steps, and only if it is below the start's; its group elements are found by aligning the source to it (an exact
-recovery, as for any reparametrised copy), so the caller applies them in float64 and verifies the function as
-for every alignment.
+``ste``: Git Re-Basin's straight-through estimator (Ainsworth et al., ICLR 2023; used for transformers by Theus
+et al., NeurIPS 2025), carried over to every group symgraph finds. A *proxy* state ``P`` starts at ``B'``; each
+step the source is *projected* onto ``P`` within its groups by the ordinary solvers (Procrustes, Hungarian,
+least squares, closed forms), warm-started with a few descent rounds, and the loss of
+``(1 - t) A + t (B' + P - stopgrad(P))`` moves ``P``. Its group elements are found by aligning the source to the
+projection kept (an exact recovery, as for any reparametrised copy).
+
+Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
+training batches; the best one checked is the result, and only if it is below the start's. The caller applies
+the elements in float64 and verifies the function as for every alignment. Measured on the shipped pairs:
+examples/RESULTS.md (remedies) and examples/results/learn.json.
 
 Examples
 --------
@@ -28,12 +35,13 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from .alignment import AlignResult, align_states
+from .elements import apply
 from .errors import SymgraphError
 from .progress import progress_bar
 
@@ -41,10 +49,12 @@ __all__ = ["LearnError", "LearnOptions", "learn_alignment", "training_data"]
 
 State = dict[str, torch.Tensor]
 T_CHOICES = ("midpoint", "random")
+METHODS = ("direct", "ste")
+CHECKED_T = (0.25, 0.5, 0.75)  # where the path loss of a candidate alignment is checked
 
 
 class LearnError(SymgraphError):
-    """Learned matching could not finish (the loss or the proxy weights stopped being finite)."""
+    """Learned matching could not finish (the loss, the proxy weights or the elements stopped being finite)."""
 
 
 @dataclass(frozen=True)
@@ -52,21 +62,25 @@ class LearnOptions:
     """How the alignment is learned.
 
     ``steps`` optimiser steps of Adam at learning rate ``lr`` (cosine-annealed to 0) on batches of ``batch_size``
-    training examples, the interpolation point ``t`` (``midpoint`` or ``random``, uniform in [0, 1] each step),
-    ``project_rounds`` coordinate-descent rounds per projection, ``checks`` evenly spaced evaluations of the
-    projection's midpoint loss on the first ``eval_batches`` training batches (the best projection, if better
-    than the start, is the result: the estimator's path is noisy), and the ``seed`` of batch order and ``t``.
-    Defaults: measured on the shipped pairs (README), a few minutes per pair on one CPU core.
+    training examples, the interpolation point ``t`` (``random``, uniform in [0, 1] each step, or ``midpoint``),
+    the ``method`` (``direct`` or ``ste``: module docstring), for ``direct`` whether QK/VO maps are learned in
+    GL(d_head) (``general_linear``), for ``ste`` the ``project_rounds`` coordinate-descent rounds per
+    projection, ``checks`` evenly spaced evaluations of the candidate's path loss on the first ``eval_batches``
+    training batches (the best one, if better than the start, is the result), and the ``seed`` of batch order
+    and ``t``. Defaults: measured on the shipped pairs (examples/RESULTS.md, remedies), a few minutes per pair on
+    one CPU core.
     """
 
     steps: int = 300
-    lr: float = 3e-3
+    lr: float = 1e-2
     batch_size: int = 32
-    t: str = "midpoint"
+    t: str = "random"
     project_rounds: int = 2
     eval_batches: int = 4
     checks: int = 10
     seed: int = 0
+    method: str = "direct"
+    general_linear: bool = True
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
@@ -82,6 +96,8 @@ class LearnOptions:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
                              hint=f"e.g. lr={LearnOptions.lr} (the default).")
+        if self.method not in METHODS:
+            raise LearnError(f"Unknown learning method {self.method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
         if self.t not in T_CHOICES:
             raise LearnError(f"Unknown interpolation point {self.t!r}.", hint=f"choose one of {', '.join(T_CHOICES)}.")
         return self
@@ -89,8 +105,9 @@ class LearnOptions:
 
 @dataclass
 class LearnRecord:
-    """What the optimisation did: the loss per step, the midpoint loss on the evaluation batches at the start, at
-    each check and of the result, and whether a learned alignment was kept (it must beat the start)."""
+    """What the optimisation did: the loss per step, the path loss (t = 1/4, 1/2, 3/4) on the evaluation batches
+    at the start, at each check and of the result, and whether a learned alignment was kept (it must beat the
+    start)."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -101,8 +118,8 @@ class LearnRecord:
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
-                "last_loss": self.losses[-1] if self.losses else None, "start_midpoint_loss": self.start_loss,
-                "checked_midpoint_losses": self.checks, "end_midpoint_loss": self.end_loss, "kept": self.kept,
+                "last_loss": self.losses[-1] if self.losses else None, "start_path_loss": self.start_loss,
+                "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
                 "seconds": self.seconds}
 
 
@@ -125,8 +142,9 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     """
     options = options.checked()
     clock = time.perf_counter()
-    run = _Run(groups, start.state, _InterpolatedLoss(model, anchor, names, data.task), data, options,
-               cost_excluded)
+    loss_at = _InterpolatedLoss(model, anchor, names, data.task)
+    run = (_DirectRun(groups, start.state, loss_at, data, options) if options.method == "direct" else
+           _Run(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.step(step)
@@ -134,7 +152,11 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar.close()
     record = run.record
     record.kept = run.best is not start.state
-    result = _recovered(groups, source, anchor, run.best, cost_excluded) if record.kept else start
+    if record.kept:
+        result = (_composed(start, run.best_elements, source, anchor) if options.method == "direct" else
+                  _recovered(groups, source, anchor, run.best, cost_excluded))
+    else:
+        result = start
     record.seconds = time.perf_counter() - clock
     return result, record
 
@@ -165,7 +187,8 @@ class _Run:
         t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
         batch = self.data.batches[int(self.rng.integers(len(self.data.batches)))]
         loss = self.loss_at(_straight_through(self.current, self.proxy), t, batch)
-        _check_finite(loss, self.proxy, step)
+        bad = [k for k, p in self.proxy.items() if not torch.isfinite(p).all()]
+        _check_finite(loss, f"proxy weights {bad[0]}" if bad else None, step)
         self.optimiser.zero_grad()
         loss.backward()
         self.optimiser.step()
@@ -176,6 +199,50 @@ class _Run:
             self.record.checks.append(checked)
             if checked < self.record.end_loss:
                 self.best, self.record.end_loss = self.current, checked
+
+
+class _DirectRun:
+    """The direct method: Adam on the continuous group elements (:class:`symgraph.continuous.ContinuousElements`)
+    applied on top of the start; the forward pass runs through the exactly transformed start, so the gradient is
+    that of the interpolated loss along the orbit. Permutations and signs stay where the start put them."""
+
+    def __init__(self, groups, start: State, loss_at: _InterpolatedLoss, data, options: LearnOptions):
+        from .alignment import general_linear_heads
+        from .continuous import ContinuousElements
+
+        self.loss_at, self.data, self.options = loss_at, data, options
+        self.rng = np.random.default_rng(options.seed)
+        self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
+        self.current = self.best = start
+        self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups)
+        self.best_elements = self.elements.exact()
+        self.optimiser = torch.optim.Adam(self.elements.parameters, lr=options.lr)
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimiser, T_max=options.steps)
+        self.probe = data.batches[:options.eval_batches]
+        self.check_every = max(1, options.steps // options.checks)
+        self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
+        self.record.end_loss = self.record.start_loss
+
+    def step(self, step: int) -> None:
+        """One Adam step on the interpolated loss of one batch; check the elements now and then (the best one
+        checked is the result)."""
+        t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
+        batch = self.data.batches[int(self.rng.integers(len(self.data.batches)))]
+        loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
+        _check_finite(loss, None, step)
+        self.optimiser.zero_grad()
+        loss.backward()
+        self.optimiser.step()
+        self.schedule.step()
+        _check_finite(loss, None if self.elements.finite() else "the group elements' parameters", step)
+        self.record.losses.append(float(loss.detach()))
+        if (step + 1) % self.check_every == 0 or step + 1 == self.options.steps:
+            exact = self.elements.exact()
+            self.current = apply(self.start, exact, dtype=torch.float64)
+            checked = self.loss_at.evaluate(self.current, self.probe)
+            self.record.checks.append(checked)
+            if checked < self.record.end_loss:
+                self.best, self.best_elements, self.record.end_loss = self.current, exact, checked
 
 
 class _InterpolatedLoss:
@@ -202,8 +269,9 @@ class _InterpolatedLoss:
 
     @torch.no_grad()
     def evaluate(self, other: State, batches) -> float:
-        """Mean midpoint loss over ``batches``."""
-        return float(np.mean([float(self(other, 0.5, b)) for b in batches]))
+        """Mean loss over ``batches`` at the interior points ``CHECKED_T`` (a midpoint alone is the wrong target:
+        learning at t = 1/2 only lowers the midpoint and raises its neighbours)."""
+        return float(np.mean([float(self(other, t, b)) for t in CHECKED_T for b in batches]))
 
 
 class _Functional(torch.nn.Module):
@@ -219,20 +287,34 @@ class _Functional(torch.nn.Module):
         return torch.func.functional_call(self.model, self.state, (), inputs, strict=False)
 
 
+def _moved(start: State, elements) -> State:
+    """``start`` moved by ``elements`` (differentiable in them)."""
+    return apply(start, elements, dtype=torch.float32)
+
+
 def _straight_through(projected: State, proxy: State) -> State:
     """Forward values of ``projected``, gradients to ``proxy``."""
     return {k: projected[k].to(p.dtype) + p - p.detach() for k, p in proxy.items()}
 
 
-def _check_finite(loss: torch.Tensor, proxy: State, step: int) -> None:
-    bad = [k for k, p in proxy.items() if not torch.isfinite(p).all()]
-    if torch.isfinite(loss) and not bad:
+def _check_finite(loss: torch.Tensor, bad: str | None, step: int) -> None:
+    """Stop with a :class:`LearnError` when the loss is not finite, or ``bad`` names what else is not."""
+    if torch.isfinite(loss) and bad is None:
         return
-    what = (f"the loss is {float(loss.detach())}" if not torch.isfinite(loss) else
-            f"proxy weights {bad[0]} are not finite")
+    what = f"the loss is {float(loss.detach())}" if not torch.isfinite(loss) else f"{bad} are not finite"
     raise LearnError(f"Learned matching stopped at step {step + 1}: {what}; nothing was written.",
                      hint="lower the learning rate (--learn-lr), and check that the data gives finite losses on "
                           "both models.")
+
+
+def _composed(start: AlignResult, learned: list, source: State, anchor: State) -> AlignResult:
+    """``start`` followed by the learned elements, applied in float64 to the start's state."""
+    from .alignment import relative_distance
+
+    state = apply(start.state, learned, dtype=torch.float64)
+    return replace(start, state=state, elements=start.elements + learned,
+                   distance_before=relative_distance(source, anchor), distance_after=relative_distance(state, anchor),
+                   start="learned")
 
 
 def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:

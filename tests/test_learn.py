@@ -42,7 +42,7 @@ def test_learning_lowers_the_midpoint_loss_and_keeps_the_source_function(vit_pai
     result = symgraph.align(b, a, data="digits", learn=FEW)
     learned = result.learned
     assert learned["steps"] == 12 and learned["kept"]
-    assert learned["end_midpoint_loss"] < learned["start_midpoint_loss"] - 0.1
+    assert learned["end_path_loss"] < learned["start_path_loss"] - 0.1
     assert result.start == "learned" and result.verified_error is not None
     changed = max(float((result.state[k] - start.state[k]).abs().max()) for k in start.state
                   if start.state[k].is_floating_point())
@@ -90,19 +90,25 @@ def test_cli_learn_without_data_is_refused_and_writes_nothing(vit_pair, tmp_path
         assert not (tmp_path / "out").exists()
 
 
-def test_nan_during_learning_stops_and_writes_nothing(vit_pair, tmp_path, monkeypatch):
+def _poisoned_on_third_call(forward):
+    """``forward`` (the state a training step runs through), with NaN weights from its third call on."""
+    calls = {"n": 0}
+
+    def poisoned(*args):
+        calls["n"] += 1
+        state = forward(*args)
+        return {k: v * math.nan for k, v in state.items()} if calls["n"] >= 3 else state
+
+    return poisoned
+
+
+@pytest.mark.parametrize("method, forward", [("direct", "_moved"), ("ste", "_straight_through")])
+def test_nan_during_learning_stops_and_writes_nothing(vit_pair, tmp_path, monkeypatch, method, forward):
     a, b = vit_pair
-    nan = {"calls": 0}
-
-    def poisoned(projected, proxy):  # the third step's forward pass sees NaN weights
-        nan["calls"] += 1
-        factor = math.nan if nan["calls"] == 3 else 1.0
-        return {k: projected[k].to(p.dtype) * factor + p - p.detach() for k, p in proxy.items()}
-
-    monkeypatch.setattr(symgraph.learn, "_straight_through", poisoned)
+    monkeypatch.setattr(symgraph.learn, forward, _poisoned_on_third_call(getattr(symgraph.learn, forward)))
     before = tree_digest(tmp_path)
     code, _, stderr = run("align", b, a, "-o", tmp_path / "out", "--data", "digits", "--learn", "--learn-steps", 5,
-                          "--stats", tmp_path / "stats.json")
+                          "--learn-method", method, "--stats", tmp_path / "stats.json")
     assert code == 2, stderr
     assert "stopped at step 3" in stderr and "nothing was written" in stderr and "--learn-lr" in stderr
     assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()

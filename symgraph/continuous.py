@@ -1,0 +1,128 @@
+"""The continuous part of group elements as differentiable parameters (learned matching's direct method).
+
+Each group with continuous degrees of freedom gets one tensor of parameters, zero at the identity, and a map
+from parameters to an element that lies in the group by construction:
+
+- orthogonal: ``Q = exp(X - X^T)`` (a skew matrix's exponential is orthogonal); for ``{Q : Q 1 = 1}`` (a
+  folded LayerNorm stream) the rotation acts on the complement of the ones vector only, ``Q = H diag(1,
+  exp(K)) H`` with ``H`` the Householder basis of :func:`symgraph.solve.kernels.ones_basis`;
+- general linear: ``exp(X)`` (always invertible; starts at the identity, so it stays well conditioned for small
+  steps);
+- rotary: a rotation angle and a log-scale per frequency pair, ``exp`` of a general (or skew, without scales)
+  matrix on the pass-through coordinates;
+- scales (scale groups and monomial groups with positive or nonzero scales): ``exp`` of a log-scale; signs and
+  permutations are discrete and stay where the start put them.
+
+:meth:`ContinuousElements.elements` gives elements whose ``matrices`` / ``diag`` are torch tensors, so
+:func:`symgraph.elements.apply` is differentiable in the parameters; :meth:`ContinuousElements.exact` gives
+the same elements in float64 NumPy, computed from the parameters in float64 (orthogonal to rounding), for the
+final state that is then verified like every alignment.
+
+Examples
+--------
+>>> import numpy as np
+>>> from symgraph.groups import Group, Member
+>>> g = Group("r", "residual", "orthogonal", 3, 1, (Member("w", 0, np.arange(3).reshape(1, 3, 1)),))
+>>> p = ContinuousElements([g])
+>>> bool(np.allclose(p.exact()[0].matrices, np.eye(3)))
+True
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .elements import Element
+from .groups import Group
+
+__all__ = ["ContinuousElements", "has_continuous_part"]
+
+SCALED = ("positive", "nonzero")
+
+
+def has_continuous_part(group: Group) -> bool:
+    """Whether ``group`` has continuous degrees of freedom that :class:`ContinuousElements` parametrises."""
+    if group.kind in ("orthogonal", "general_linear", "rotary"):
+        return group.dof > 0
+    return group.scale in SCALED and group.kind in ("scale", "permutation")
+
+
+class ContinuousElements:
+    """Parameters (zero: the identity) of the continuous part of every group in ``groups`` that has one."""
+
+    def __init__(self, groups, dtype=torch.float32):
+        self.groups = [g for g in groups if has_continuous_part(g)]
+        self.parameters = [_zeros(g, dtype).requires_grad_(True) for g in self.groups]
+
+    def elements(self) -> list[Element]:
+        """The elements, differentiable in :attr:`parameters` (torch tensors in ``matrices`` or ``diag``)."""
+        return [_element(g, p) for g, p in zip(self.groups, self.parameters)]
+
+    @torch.no_grad()
+    def exact(self) -> list[Element]:
+        """The same elements in float64 NumPy (computed from the parameters in float64)."""
+        out = []
+        for g, p in zip(self.groups, self.parameters):
+            e = _element(g, p.detach().to(torch.float64))
+            out.append(Element(g, matrices=None if e.matrices is None else e.matrices.numpy(),
+                               perm=e.perm, diag=None if e.diag is None else e.diag.numpy()))
+        return out
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.parameters)
+
+
+def _zeros(g: Group, dtype) -> torch.Tensor:
+    c, n = g.copies, g.size
+    if g.kind == "orthogonal":
+        m = n - 1 if g.fixes_ones else n
+        return torch.zeros(c, m, m, dtype=dtype)
+    if g.kind == "general_linear":
+        return torch.zeros(c, n, n, dtype=dtype)
+    if g.kind == "rotary":  # per pair an angle (and a log-scale), then the pass-through block
+        per_pair = 2 if g.scale == "positive" else 1
+        return torch.zeros(c, per_pair * len(g.rotary_pairs) + len(g.passthrough) ** 2, dtype=dtype)
+    return torch.zeros(c, n, dtype=dtype)
+
+
+def _element(g: Group, p: torch.Tensor) -> Element:
+    if g.kind == "orthogonal":
+        return Element(g, matrices=_orthogonal(g, p))
+    if g.kind == "general_linear":
+        return Element(g, matrices=torch.linalg.matrix_exp(p))
+    if g.kind == "rotary":
+        return Element(g, matrices=_rotary(g, p))
+    perm = np.tile(np.arange(g.size), (g.copies, 1)) if g.kind == "permutation" else None
+    return Element(g, perm=perm, diag=torch.exp(p))
+
+
+def _orthogonal(g: Group, p: torch.Tensor) -> torch.Tensor:
+    rotation = torch.linalg.matrix_exp(p - p.transpose(-1, -2))
+    if not g.fixes_ones:
+        return rotation
+    from .solve.kernels import ones_basis
+
+    n = g.size
+    h = torch.as_tensor(ones_basis(n), dtype=p.dtype)
+    inner = torch.zeros(p.shape[0], n, n, dtype=p.dtype)
+    inner[:, 0, 0] = 1.0
+    inner[:, 1:, 1:] = rotation
+    return h @ inner @ h
+
+
+def _rotary(g: Group, p: torch.Tensor) -> torch.Tensor:
+    c, n, k = g.copies, g.size, len(g.rotary_pairs)
+    scaled = g.scale == "positive"
+    angle, through_at = p[:, :k], 2 * k if scaled else k
+    scale = torch.exp(p[:, k:through_at]) if scaled else 1.0
+    cos, sin = scale * torch.cos(angle), scale * torch.sin(angle)
+    m = torch.zeros(c, n, n, dtype=p.dtype)
+    i, j = (torch.as_tensor([pair[s] for pair in g.rotary_pairs], dtype=torch.long) for s in (0, 1))
+    m[:, i, i], m[:, i, j], m[:, j, i], m[:, j, j] = cos, -sin, sin, cos
+    through = list(g.passthrough)
+    if through:
+        x = p[:, through_at:].reshape(c, len(through), len(through))
+        x = x if scaled else x - x.transpose(-1, -2)
+        idx = torch.as_tensor(through, dtype=torch.long)
+        m[:, idx[:, None], idx[None, :]] = torch.linalg.matrix_exp(x)
+    return m

@@ -1,0 +1,85 @@
+"""Differentiable group elements (symgraph.continuous, learned matching's direct method): every parametrised
+kind lies in its group (the model's function is unchanged in float64 at several input shapes: the evaluator's
+probes), the differentiable and the exact elements agree, and zero parameters are the identity."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import symgraph
+from symgraph import zoo
+from symgraph.alignment import general_linear_heads, select_groups
+from symgraph.continuous import ContinuousElements
+from symgraph.elements import apply
+from symgraph.fold import folded_subject
+from symgraph.verify import Evaluator
+
+# llama: O(D) residual, RoPE (rotary with positive scales), GL VO, SwiGLU scales; vit: {Q : Q 1 = 1} residual,
+# GL QK and VO
+FAMILIES = {"llama": {"orthogonal", "rotary", "general_linear", "scale"},
+            "vit": {"orthogonal", "general_linear"}}
+
+
+@functools.cache
+def _folded64(family):
+    model = zoo.build(family, seed=0, dtype=torch.float64)
+    return folded_subject(symgraph.load(model, zoo.example_inputs_for(family, model)))
+
+
+def _randomised(family, spread=0.3, seed=0):
+    subject = _folded64(family)
+    elements = ContinuousElements(general_linear_heads(select_groups(subject.report.groups, "full")),
+                                  dtype=torch.float64)
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in elements.parameters:
+            p.copy_(spread * torch.randn(p.shape, generator=rng, dtype=p.dtype))
+    return subject, elements
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_random_parameters_keep_the_function_at_every_probe_shape(family):
+    subject, elements = _randomised(family)
+    assert {g.kind for g in elements.groups} == FAMILIES[family]
+    exact = elements.exact()
+    evaluator = Evaluator.of(subject)
+    assert len(evaluator.probes) > 1
+    outcome = evaluator.check(apply(subject.state_dict(), exact), exact)
+    assert outcome.ok, outcome
+    moved = max(float(np.abs(e.matrices - np.eye(e.group.size)).max()) for e in exact if e.matrices is not None)
+    assert moved > 0.1  # the elements are far from the identity: the check is not vacuous
+
+
+def test_an_element_pushed_off_its_group_is_caught():
+    """The check above can fail: the residual rotation scaled by 1.01 is no longer orthogonal."""
+    subject, elements = _randomised("llama")
+    exact = elements.exact()
+    residual = next(i for i, e in enumerate(exact) if e.group.motif == "residual")
+    exact[residual] = symgraph.Element(exact[residual].group, matrices=1.01 * exact[residual].matrices)
+    assert not Evaluator.of(subject).check(apply(subject.state_dict(), exact), exact).ok
+
+
+def test_orthogonal_elements_are_orthogonal_and_fix_the_ones_vector_where_the_group_does():
+    _, elements = _randomised("vit", spread=1.0)
+    for e in elements.exact():
+        if e.group.kind == "orthogonal":
+            n = e.group.size
+            assert np.allclose(e.matrices @ e.matrices.transpose(0, 2, 1), np.eye(n), atol=1e-12)
+            assert e.group.fixes_ones and np.allclose(e.matrices @ np.ones(n), np.ones(n), atol=1e-12)
+
+
+def test_differentiable_and_exact_elements_agree_and_zero_is_the_identity():
+    subject, elements = _randomised("llama")
+    state = subject.state_dict()
+    live = apply(state, elements.elements(), dtype=torch.float64)
+    exact = apply(state, elements.exact())
+    assert all(torch.allclose(live[k], exact[k], atol=1e-12) for k in state)
+    loss = sum((v ** 2).sum() for k, v in live.items() if v.requires_grad)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in elements.parameters)
+    unmoved = apply(state, ContinuousElements(elements.groups).exact())
+    assert all(torch.allclose(unmoved[k], state[k], atol=1e-12) for k in state)
