@@ -44,6 +44,7 @@ def test_wide_pair_trains_once_into_its_cache_deterministically(train_models, tm
     assert [f.name for f in first] == ["llama-chars-wide-a", "llama-chars-wide-b"]
     record = json.loads((tmp_path / "cache" / "training.json").read_text())["models"]
     assert {record[f.name]["seed"] for f in first} == {0, 1} and record[first[0].name]["steps"] == 3
+    assert list(record[first[0].name]["test_loss_by_step"]) == ["1", "2", "3"]  # the test loss along the way
     a, b = (load_file(str(f / "model.safetensors")) for f in first)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # two seeds, two models
 
@@ -53,3 +54,15 @@ def test_wide_pair_trains_once_into_its_cache_deterministically(train_models, tm
     monkeypatch.setattr(train_models, "train_into", lambda *_: pytest.fail("a cached pair was trained again"))
     assert train_models.wide_pair("llama-chars-wide", tmp_path / "cache") == first
     assert symgraph.load(first[1]).config.hidden_size == 16
+
+
+def test_wide_pair_refuses_models_cached_by_another_recipe(train_models, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    for suffix in "ab":
+        (cache / f"llama-chars-wide-{suffix}").mkdir(parents=True)
+        (cache / f"llama-chars-wide-{suffix}" / "config.json").write_text("{}")
+    old = {f"llama-chars-wide-{s}": {"steps": 300, "batch": 16, "lr": 0.002} for s in "ab"}  # version 1's record
+    (cache / "training.json").write_text(json.dumps({"models": old}))
+    monkeypatch.setattr(train_models, "train_into", lambda *_: pytest.fail("a cached pair was trained again"))
+    with pytest.raises(SystemExit, match="trained with .*'steps': 300.*remove the folder"):
+        train_models.wide_pair("llama-chars-wide", cache)
