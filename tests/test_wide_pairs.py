@@ -66,3 +66,26 @@ def test_wide_pair_refuses_models_cached_by_another_recipe(train_models, tmp_pat
     monkeypatch.setattr(train_models, "train_into", lambda *_: pytest.fail("a cached pair was trained again"))
     with pytest.raises(SystemExit, match="trained with .*'steps': 300.*remove the folder"):
         train_models.wide_pair("llama-chars-wide", cache)
+
+
+@pytest.mark.slow
+def test_paper_experiments_wide_run_reports_every_mode_and_the_merge(train_models, tmp_path, monkeypatch):
+    tiny = replace(train_models.WIDE_FAMILIES["llama-wide"], steps=3, batch=2, warmup=1, size=(16, 1))
+    monkeypatch.setitem(train_models.WIDE_FAMILIES, "llama-wide", tiny)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import paper_experiments
+
+    monkeypatch.setattr(paper_experiments, "WIDE_MERGED", ("llama-chars-wide",))  # the ViT's merge, on this pair
+    out = tmp_path / "report" / "RESULTS.md"
+    paper_experiments.main(["--quick", "--pairs", "llama-chars-wide", "--wide-models", str(tmp_path / "cache"),
+                            "--out", str(out)])
+    wide = json.loads((out.parent / "results" / "wide.json").read_text())
+    result = wide["pairs"]["llama-chars-wide"]
+    assert set(result["barrier"]["modes"]) == set(paper_experiments.COLUMNS)  # every mode and the textbook
+    assert set(result["training"]) == {"llama-chars-wide-a", "llama-chars-wide-b"}
+    merge, ends = result["merge"], result["endpoints"]
+    aligned = {m: c["loss_barrier"] for m, c in result["barrier"]["modes"].items() if m not in ("none", "textbook")}
+    assert merge["align"] == min(aligned, key=aligned.get)
+    assert merge["ratio"] == pytest.approx(merge["loss"] / ((ends["A"]["loss"] + ends["B"]["loss"]) / 2))
+    section = (out.parent / "results" / "wide.md").read_text()  # no shipped results.json there: the section alone
+    assert "llama-chars-wide" in section and "| full+learn |" in section and not out.exists()
