@@ -44,6 +44,7 @@ def test_wide_pair_trains_once_into_its_cache_deterministically(train_models, tm
     assert [f.name for f in first] == ["llama-chars-wide-a", "llama-chars-wide-b"]
     record = json.loads((tmp_path / "cache" / "training.json").read_text())["models"]
     assert {record[f.name]["seed"] for f in first} == {0, 1} and record[first[0].name]["steps"] == 3
+    assert list(record[first[0].name]["test_loss_by_step"]) == ["1", "2", "3"]  # the test loss along the way
     a, b = (load_file(str(f / "model.safetensors")) for f in first)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # two seeds, two models
 
@@ -53,3 +54,38 @@ def test_wide_pair_trains_once_into_its_cache_deterministically(train_models, tm
     monkeypatch.setattr(train_models, "train_into", lambda *_: pytest.fail("a cached pair was trained again"))
     assert train_models.wide_pair("llama-chars-wide", tmp_path / "cache") == first
     assert symgraph.load(first[1]).config.hidden_size == 16
+
+
+def test_wide_pair_refuses_models_cached_by_another_recipe(train_models, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    for suffix in "ab":
+        (cache / f"llama-chars-wide-{suffix}").mkdir(parents=True)
+        (cache / f"llama-chars-wide-{suffix}" / "config.json").write_text("{}")
+    old = {f"llama-chars-wide-{s}": {"steps": 300, "batch": 16, "lr": 0.002} for s in "ab"}  # version 1's record
+    (cache / "training.json").write_text(json.dumps({"models": old}))
+    monkeypatch.setattr(train_models, "train_into", lambda *_: pytest.fail("a cached pair was trained again"))
+    with pytest.raises(SystemExit, match="trained with .*'steps': 300.*remove the folder"):
+        train_models.wide_pair("llama-chars-wide", cache)
+
+
+@pytest.mark.slow
+def test_paper_experiments_wide_run_reports_every_mode_and_the_merge(train_models, tmp_path, monkeypatch):
+    tiny = replace(train_models.WIDE_FAMILIES["llama-wide"], steps=3, batch=2, warmup=1, size=(16, 1))
+    monkeypatch.setitem(train_models.WIDE_FAMILIES, "llama-wide", tiny)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import paper_experiments
+
+    monkeypatch.setattr(paper_experiments, "WIDE_MERGED", ("llama-chars-wide",))  # the ViT's merge, on this pair
+    out = tmp_path / "report" / "RESULTS.md"
+    paper_experiments.main(["--quick", "--pairs", "llama-chars-wide", "--wide-models", str(tmp_path / "cache"),
+                            "--out", str(out)])
+    wide = json.loads((out.parent / "results" / "wide.json").read_text())
+    result = wide["pairs"]["llama-chars-wide"]
+    assert set(result["barrier"]["modes"]) == set(paper_experiments.COLUMNS)  # every mode and the textbook
+    assert set(result["training"]) == {"llama-chars-wide-a", "llama-chars-wide-b"}
+    merge, ends = result["merge"], result["endpoints"]
+    aligned = {m: c["loss_barrier"] for m, c in result["barrier"]["modes"].items() if m not in ("none", "textbook")}
+    assert merge["align"] == min(aligned, key=aligned.get)
+    assert merge["ratio"] == pytest.approx(merge["loss"] / ((ends["A"]["loss"] + ends["B"]["loss"]) / 2))
+    section = (out.parent / "results" / "wide.md").read_text()  # no shipped results.json there: the section alone
+    assert "llama-chars-wide" in section and "| full+learn |" in section and not out.exists()
