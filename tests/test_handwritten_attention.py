@@ -4,6 +4,8 @@
   ``add_zero_attn=True`` a row of zeros. Both pinned every per-head group: the learned rows were tied to the key
   and value coordinates but counted as never read, and the zeros were data meeting coordinates. A learned row
   carries the coordinates it is tied to, and zeros stay zeros under every group element (all are linear maps).
+  The same miscount pinned the head permutation of attention with a learned sink logit per head (gpt-oss style,
+  written by hand: the sink concatenated to the scores).
 * A LayerNorm over the whole query (or key) width, split into heads afterwards, centres the row of all heads
   together: a sign flip must be one sign for the whole row. Each head drew its own sign (relative output change
   2.7e-2 in float64, the only unsound group of the sweep); such a row now keeps the sign-free permutations.
@@ -51,6 +53,23 @@ class WidthNormedQK(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, n, WIDTH))
 
 
+class SinkAttention(torch.nn.Module):
+    """Attention whose softmax also sees one learned logit per head, dropped afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.sinks = torch.nn.Parameter(torch.zeros(HEADS))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, HEADS, WIDTH // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / 2.0
+        sink = self.sinks.view(1, HEADS, 1, 1).expand(b, HEADS, n, 1)
+        weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        return self.o((weights @ v).transpose(1, 2).reshape(b, n, WIDTH))
+
+
 def noisy(model: torch.nn.Module) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.no_grad():
@@ -73,6 +92,13 @@ def test_extra_key_value_rows_keep_the_per_head_groups(bias_kv, zero_attn):
     if bias_kv:  # the learned rows move with the heads' coordinates
         moved = {m.param for g in subject.report.groups if g.motif in ("qk", "vo") for m in g.members}
         assert {"attn.bias_k", "attn.bias_v"} <= moved, moved
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_learned_sink_logit_moves_with_its_head():
+    subject = symgraph.load(noisy(SinkAttention()), (torch.randn(2, 5, WIDTH),))
+    heads = [g for g in subject.report.groups if g.motif == "heads"]
+    assert len(heads) == 1 and "sinks" in {m.param for m in heads[0].members}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 
