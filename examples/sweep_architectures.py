@@ -260,9 +260,12 @@ def shaped_inputs(model, batch: int, length: int, pad: bool) -> dict:
 
 
 class Checker:
-    """The model in float64 (reference experts loop), its outputs at every sweep shape, and a comparison."""
+    """The model in float64 (reference experts loop), its outputs at every sweep shape, and a comparison.
 
-    def __init__(self, model):
+    ``inputs_at(model, batch, length, pad)`` builds the keyword inputs at one sweep shape (default: from the
+    Hugging Face config, :func:`shaped_inputs`)."""
+
+    def __init__(self, model, inputs_at=None):
         import torch
 
         from symgraph.moe import REFERENCE, use_experts_implementation
@@ -272,7 +275,7 @@ class Checker:
         self.tied = tied_names(self.model)
         self.inputs, self.refs, self.rejected = [], [], []
         for batch, length, pad in SHAPES:
-            kwargs = shaped_inputs(self.model, batch, length, pad)
+            kwargs = (inputs_at or shaped_inputs)(self.model, batch, length, pad)
             try:
                 ref = self.run(self.state, kwargs)
             except Exception as exc:  # noqa: BLE001 -- a shape this model does not take
@@ -329,11 +332,8 @@ def first_line(exc: BaseException) -> str:
 
 
 def sweep_one(model_type: str) -> dict:
-    import numpy as np
-
     import symgraph
-    from symgraph.elements import apply, sample
-    from symgraph.errors import InvarianceError, SymgraphError
+    from symgraph.errors import SymgraphError
 
     row = {"type": model_type, "named": model_type in NAMED}
     clock = time.perf_counter()
@@ -356,8 +356,20 @@ def sweep_one(model_type: str) -> dict:
         return {**row, "class": "crash", "reason": first_line(exc), "where": last_frame(exc),
                 "seconds": elapsed(clock)}
     row["report_seconds"] = elapsed(clock)
-    row["groups"] = dict(Counter(f"{g.motif}/{g.kind}" for g in groups))
-    row["unknown_ops"] = sorted(subject.report.unknown_ops)[:10]
+    return {**row, **judged(subject, checker, clock)}
+
+
+def judged(subject, checker: Checker, clock: float) -> dict:
+    """The row fields of the independent check: the groups, the worst error, and the class."""
+    import numpy as np
+
+    import symgraph
+    from symgraph.elements import apply, sample
+    from symgraph.errors import InvarianceError
+
+    groups = subject.report.groups
+    row = {"groups": dict(Counter(f"{g.motif}/{g.kind}" for g in groups)),
+           "unknown_ops": sorted(subject.report.unknown_ops)[:10]}
     rng = np.random.default_rng(0)
     bad, worst = [], 0.0
     elements = []

@@ -19,7 +19,7 @@ from scipy.sparse.csgraph import connected_components
 
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
-from .constraints import ORTHOGONAL, Restriction
+from .constraints import ORTHOGONAL, Restriction, monomial
 from .labels import IdSpace
 from .naming import common_prefix, short_members
 from .partition import parity_classes, union_sets
@@ -84,10 +84,12 @@ class Assembler:
         key = space.copy()
         key = self._refine_by_separations(key)
         restriction = self._class_restrictions()
-        key = _refine(key, restriction.code)
         role = self._rotary_roles()
-        key = _refine(key, role["kind"])
         excluded = cls_pinned | cls_is_head | (space < 0)
+        separated = key
+        key = _refine(_refine(separated, restriction.code), role["kind"])
+        if self._unsign_split_centred_rows(key, excluded, restriction):
+            key = _refine(_refine(separated, restriction.code), role["kind"])
         blocks = defaultdict(list)
         for k in np.nonzero(~excluded)[0]:
             blocks[int(key[k])].append(int(k))
@@ -96,6 +98,22 @@ class Assembler:
         groups += self._head_groups(cls_pinned)
         pinned = self._pinned_report(cls_pinned)
         return Analysis(groups, pinned, dict(self.w.unknown_ops), dict(self.w.cap.shapes))
+
+    def _unsign_split_centred_rows(self, key: np.ndarray, excluded: np.ndarray, restriction) -> bool:
+        """A centred row (LayerNorm over a width later split into heads) needs T 1 = s 1 with one sign s for the
+        whole row, but every block, and every copy of a group, draws its own sign. Where a row spans several
+        blocks or meets a pinned coordinate, its blocks keep the sign-free subgroup: permutations (P 1 = 1).
+        True when some restriction changed."""
+        changed = False
+        for rows, node in self.c.centred:
+            for row in self.cls[rows]:
+                classes = np.unique(row)
+                if excluded[classes].any() or len(np.unique(key[classes])) > 1:
+                    live = classes[~excluded[classes]]
+                    before = restriction.code[live].copy()
+                    restriction.meet(live, monomial("one"), reason=f"one sign for a centred row split into blocks ({node})")
+                    changed |= bool((restriction.code[live] != before).any())
+        return changed
 
     def _pinned_classes(self) -> np.ndarray:
         pinned = np.zeros(self.n_cls, bool)

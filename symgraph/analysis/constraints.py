@@ -103,6 +103,8 @@ class Constraints:
     commutes: list[Commute] = field(default_factory=list)
     permute_only: list[np.ndarray] = field(default_factory=list)  # param ids entering products as weights
     products: list[tuple[np.ndarray, np.ndarray, np.ndarray, str]] = field(default_factory=list)  # out = a * b
+    # (R, K) rows a norm centres (LayerNorm): T 1 = s 1 over a whole row, one sign s for every coordinate in it
+    centred: list[tuple[np.ndarray, str]] = field(default_factory=list)
     tags: dict[str, list[np.ndarray]] = field(default_factory=dict)  # motif tag -> ids
 
     def tie(self, a: torch.Tensor, b: torch.Tensor, dual: bool = False, product: int = 0, node: str = "") -> None:
@@ -136,6 +138,9 @@ class Constraints:
         rows = _np(rows)
         if rows.ndim == 2 and rows.shape[0] > 1:
             self.separates.append((rows, node))
+
+    def centre(self, rows: torch.Tensor | np.ndarray, node: str) -> None:
+        self.centred.append((_np(rows).reshape(-1, _np(rows).shape[-1]), node))
 
     def tag(self, name: str, ids) -> None:
         ids = _ids(ids)

@@ -79,13 +79,14 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     values = [w.value(a) for a in _tensor_args(node)]
     out_shape = _shape_of(node)
     dim = schema_arg(node, "dim") % len(out_shape)
-    values = [v for v in values if v is None or v.shape is None or not _empty_piece(v.shape, dim)]
+    values = [v for v in values if v is None or v.shape is None or not (_empty_piece(v.shape, dim) or _zeros(v))]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
     if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
     if any(c.mixed for v in values for c in v.chans):  # DINOv3: rotated patch queries beside unrotated class ones
         return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
+    w.mark_read(values[1:])  # tied to the first piece's coordinates, which the output carries on
     chans = []
     for j, first in enumerate(values[0].chans):
         head = first.ids.narrow(dim, 0, 1)
@@ -100,6 +101,12 @@ def _empty_piece(shape: tuple, dim: int) -> bool:
     """A piece that adds nothing to a concatenation: size 0 along ``dim``, or torch's legacy 1-D empty tensor of
     any rank (an empty key/value cache before its first update: XLM, FlauBERT)."""
     return shape == (0,) or shape[dim] == 0
+
+
+def _zeros(v: Value) -> bool:
+    """A data piece of zeros (nn.MultiheadAttention's ``add_zero_attn`` key and value): every group element is a
+    linear map of the coordinates, so zeros stay zeros and the piece may carry the other pieces' coordinates."""
+    return not v.chans and isinstance(v.data, torch.Tensor) and v.data.numel() > 0 and not bool(v.data.any())
 
 
 def _indexed_by_unknown(w, node: fx.Node) -> bool:
@@ -832,6 +839,8 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
     ids = chan.ids
     rows = unique_rows(ids, sorted(axes))
     w.c.separate(rows, node.name)
+    if restriction.fixes_ones:
+        w.c.centre(rows, node.name)
     w.c.restrict(ids, restriction, "normalised over this axis", node.name)
 
 

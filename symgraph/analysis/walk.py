@@ -87,7 +87,7 @@ class Walker:
             return self._data_node(node, inputs)
         spec = self.specs.op(str(node.target))
         if spec is None or spec.rule != "movement":
-            self._mark_read(inputs)
+            self.mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
         if pointers and spec.rule not in _FOLLOWS_INDICES:  # the op loses track of which coordinate was chosen
@@ -133,7 +133,7 @@ class Walker:
         return _like_output(node, lambda: Value(shape=_shape(node)))
 
     def _output(self, node: fx.Node) -> None:
-        self._mark_read(_flat_values(node, self.values))
+        self.mark_read(_flat_values(node, self.values))
         freed = self._free_outputs(node) if self.free_outputs else set()
         for v in _flat_values(node, self.values):
             if id(v) in freed:
@@ -186,7 +186,8 @@ class Walker:
                 chans = [rules.squared(self, arg, c) if c.degree == 2 else c for c in v.chans]
                 self.values[arg.name] = replace(v, chans=chans)
 
-    def _mark_read(self, inputs: list[Value]) -> None:
+    def mark_read(self, inputs: list[Value]) -> None:
+        """Record that the coordinates of ``inputs`` are kept (consumed, or tied to ones the graph carries on)."""
         if len(self._read) < self.ids.next:
             self._read = np.concatenate([self._read, np.zeros(self.ids.next - len(self._read), dtype=bool)])
         for v in inputs:
