@@ -309,21 +309,22 @@ class _Job:
         clock = time.perf_counter()
         names = [k for k in self.src if k.startswith(prefix + ".")]
         stored = {k: self.src[k] for k in names}
-        moved = self._moved(stored, work=True)
         groups = self.blocks[prefix]
+        work: dict[str, torch.Tensor] = {}
         if groups:
             anchor = {k: self.anc[k] for k in {m.param for g in groups for m in g.members}}
-            aligner = Aligner(groups, moved, anchor, mode=self.mode, rescale=self.rescale)
-            for k in aligner.src:  # the aligner holds its own working copy of these
-                del moved[k]
+            aligner = Aligner(groups, stored, anchor, mode=self.mode, rescale=self.rescale)
+            del anchor  # the aligner holds working copies of both (one fp32 copy of each block, no more)
+            self._apply_fixed(aligner.src)
             aligner.first_pass(self.progress)
             if self.mode != "paper":
                 aligner.refine(self.rounds, self.tolerance, self.progress)
             self.elements += aligner.elements
             self.stats += aligner.stats
-            moved.update(aligner.src)
-            del aligner, anchor
-        out = {k: moved.pop(k).to(stored[k].dtype) for k in names}
+            work = aligner.src
+            del aligner
+        work.update(self._moved({k: stored[k] for k in names if k not in work}, work=True))
+        out = {k: work.pop(k).to(stored[k].dtype) for k in names}
         for k in names:
             self._add_distance(stored[k], out[k], self.anc[k])
         self.timings["blocks"] += time.perf_counter() - clock
@@ -332,12 +333,15 @@ class _Job:
     def _moved(self, tensors: dict[str, torch.Tensor], work: bool = False) -> dict[str, torch.Tensor]:
         """``tensors`` moved by the fixed elements (computed in fp32, or fp64 for fp64 tensors): in the compute
         dtype with ``work``, else back in each tensor's own dtype."""
-        touched = [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None]
-        if not touched and not work:
+        if not work and not any(m.param in tensors for e in self.fixed for m in e.group.members):
             return dict(tensors)
         moved = {k: v.to(_compute_dtype(v.dtype), copy=True) for k, v in tensors.items()}
-        apply_in_place(moved, touched)
+        self._apply_fixed(moved)
         return moved if work else {k: v.to(tensors[k].dtype) for k, v in moved.items()}
+
+    def _apply_fixed(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Move ``tensors`` (working copies) in place by the fixed elements of the groups spanning blocks."""
+        apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None])
 
     def _add_distance(self, before: torch.Tensor, after: torch.Tensor, anchor: torch.Tensor) -> None:
         if not anchor.is_floating_point():
