@@ -54,27 +54,44 @@ class MemberSums:
         """Float64 sum of ``term(m)`` over ``members``; with a ``kind`` (the name of the sum) and members in more
         than one layer, each layer's part is kept and reused while its parameters have not moved.
         ``features(m)`` is the member's feature count (small layers are not kept)."""
+        self._layouts[kind] = layout
+        out = np.zeros(shape)
+        for key, ms in self._layers(kind, g, members, features):
+            out += _sum(ms, term, shape) if key is None else self._layer_sum(key, ms, term, shape)
+        return out
+
+    def kept(self, kind: str, g: Group, members, features, shape) -> tuple[np.ndarray, list[Member]]:
+        """The part of :meth:`total` that kept, still valid sums give without reading anything, and the members
+        whose terms they do not cover."""
+        out, rest = np.zeros(shape), []
+        for key, ms in self._layers(kind, g, members, features):
+            entry = self._entries.get(key) if key is not None else None
+            if entry is not None and self._valid(entry, ms):
+                out += entry.value
+            else:
+                rest.extend(ms)
+        return out, rest
+
+    def _layers(self, kind, g: Group, members, features):
+        """(key under which the layer's sum is kept, or None when it is not kept; that layer's members)."""
         layers = defaultdict(list)
         for m in members:
             layers[layer_of(m.param)].append(m)
         keep = kind is not None and len(layers) > 1
-        self._layouts[kind] = layout
-        out = np.zeros(shape)
         for layer, ms in layers.items():
-            if keep and sum(features(m) for m in ms) >= MIN_FEATURES:
-                key = (kind, g.id, layer, frozenset(m.action for m in ms))  # primal and dual sums apart
-                out += self._layer_sum(key, ms, term, shape)
-            else:
-                out += _sum(ms, term, shape)
-        return out
+            kept = keep and sum(features(m) for m in ms) >= MIN_FEATURES
+            yield ((kind, g.id, layer, frozenset(m.action for m in ms)) if kept else None), ms  # primal, dual apart
+
+    def _valid(self, entry: _Entry, ms) -> bool:
+        return (entry.signature == frozenset(signature(m) for m in ms)
+                and entry.versions == tuple(self.version[p] for p in entry.params))
 
     def _layer_sum(self, key, ms: list[Member], term, shape) -> np.ndarray:
-        sig = frozenset(signature(m) for m in ms)
-        params = tuple(dict.fromkeys(m.param for m in ms))
-        versions = tuple(self.version[p] for p in params)
         entry = self._entries.get(key)
-        if entry is None or entry.signature != sig or entry.versions != versions:
-            entry = _Entry(sig, versions, params, _sum(ms, term, shape))
+        if entry is None or not self._valid(entry, ms):
+            params = tuple(dict.fromkeys(m.param for m in ms))
+            entry = _Entry(frozenset(signature(m) for m in ms), tuple(self.version[p] for p in params), params,
+                           _sum(ms, term, shape))
             self._entries[key] = entry
         return entry.value
 
@@ -83,11 +100,13 @@ class MemberSums:
         that it moves rigidly follow it, the others are read again when next asked for."""
         for e in elements:
             params = {m.param for m in e.group.members}
+            current = {id(entry) for entry in self._entries.values()  # a stale sum cannot follow: read it again
+                       if entry.versions == tuple(self.version[p] for p in entry.params)}
             for p in params:
                 self.version[p] += 1
             own = {signature(m) for m in e.group.members if m.param in params}
             for (kind, gid, *_), entry in self._entries.items():
-                if gid != e.group.id or not set(entry.params) <= params:
+                if gid != e.group.id or not set(entry.params) <= params or id(entry) not in current:
                     continue
                 moves = {s for s in own if s[0] in entry.params}
                 transformed = _follow(entry, e, self._layouts[kind]) if moves == entry.signature else None
