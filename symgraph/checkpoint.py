@@ -22,7 +22,8 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "owned_tensors", "output_folder", "staged_folder", "write_side_files"]
+__all__ = ["save_model", "hf_layout", "stored_weight_names", "owned_tensors", "output_folder", "staged_folder",
+           "write_side_files"]
 
 
 def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -36,10 +37,27 @@ def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch
     if model is None:
         return dict(state)
     _check_keys(state, model)
+    return _as_stored(model, state, check_ties=True)
+
+
+def stored_weight_names(config: Any) -> set[str] | None:
+    """The names under which a complete checkpoint of ``config``'s model stores its floating-point tensors (as
+    :func:`hf_layout` writes them); None without a config transformers can build a model from. Integer buffers
+    (BatchNorm's counters) are left out: a checkpoint without them loads them at their fixed start value."""
+    model = _meta_model(config)
+    if model is None:
+        return None
+    floating = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    return set(_as_stored(model, floating, check_ties=False))
+
+
+def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) -> dict[str, torch.Tensor]:
+    """``state`` without the keys ``model`` ties to another or ignores on save, renamed to its checkpoint format."""
     out = dict(state)
     for tied, source in _declared_ties(model).items():
         if tied in out and source in out:
-            _check_tie(out, tied, source, model)
+            if check_ties:
+                _check_tie(out, tied, source, model)
             del out[tied]
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         out.pop(key, None)

@@ -115,11 +115,13 @@ def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> 
     a ``config.json`` (or a weightless folder) with ``config_only=True``, or a factory string
     ``package.module:function`` / ``path/to/file.py:function`` whose function takes no arguments and returns an
     ``nn.Module``. ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"float64"``) is passed to transformers or
-    applied with ``.to(dtype)``.
+    applied with ``.to(dtype)`` (to a copy of a module given as ``source``: the caller's weights never change).
     """
     dtype = _parse_dtype(dtype)
     _quiet_transformers()
     if isinstance(source, torch.nn.Module):
+        if dtype not in (None, "auto") and any(t.is_floating_point() and t.dtype != dtype for t in _tensors(source)):
+            source = copy.deepcopy(source)  # .to(dtype) converts a module in place: never the caller's
         return _wrap_module(source, name=type(source).__name__, path=None, dtype=dtype)
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()
