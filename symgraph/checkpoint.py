@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +24,9 @@ from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
 __all__ = ["save_model", "hf_layout", "stored_weight_names", "owned_tensors", "output_folder", "staged_folder",
-           "write_side_files"]
+           "write_side_files", "not_carried_over"]
+
+_log = logging.getLogger(__name__)
 
 
 def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -286,9 +289,28 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
             src = like_dir / name
             if src.is_file() and not (tmp / name).exists():
                 shutil.copy2(src, tmp / name)
+        left = not_carried_over(like_dir)
+        if left:
+            _log.warning("Not copied from '%s' into the written model (only its config, tokenizer, processor and "
+                         "generation files are): %s. Copy them yourself if they still apply.", like_dir,
+                         ", ".join(left))
     for file in tmp.iterdir():
         os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
     _fsync_files(tmp)
+
+
+def not_carried_over(like_dir: Path) -> list[str]:
+    """What in the model folder ``like_dir`` a written folder does not carry: every entry but the config, the
+    weights (rewritten) and the files copied (:data:`symgraph.io.TOKENIZER_FILES`); hidden ones aside. Folders
+    end in ``/``."""
+    from .io import MODEL_FILES
+
+    index = like_dir / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
+    bin_index = like_dir / "pytorch_model.bin.index.json"
+    shards |= set(json.loads(bin_index.read_text()).get("weight_map", {}).values()) if bin_index.is_file() else set()
+    return sorted(p.name + "/" * p.is_dir() for p in like_dir.iterdir()
+                  if not p.name.startswith(".") and p.name not in MODEL_FILES and p.name not in shards)
 
 
 def _fsync_files(folder: Path) -> None:

@@ -53,7 +53,7 @@ def report(model, config_only, fmt, output, full_depth, free_outputs):
 @cli.command(help="Write a functionally equivalent, randomly reparametrised copy of MODEL as a Hugging Face folder.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @_FREE_OUTPUTS
 def transform(model, output, seed, overwrite, free_outputs):
@@ -317,7 +317,7 @@ def _parse_layers(text):
 @cli.command(help="Fuzz every symmetry group of MODEL for invariance (float64); exit 1 on any violation.")
 @click.argument("model")
 @click.option("--samples", default=20, show_default=True, type=int, help="Hypothesis examples per group.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write results.")
 @_FREE_OUTPUTS
 def fuzz(model, samples, seed, json_path, free_outputs):

@@ -55,7 +55,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 
-#: Files copied verbatim from ``like`` into a saved folder (tokenizer, processor, generation settings).
+#: Files copied verbatim from ``like`` into a saved folder (tokenizer, processor, generation settings): every
+#: file name a transformers tokenizer's ``vocab_files_names`` lists, and the processor and generation configs.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -65,11 +66,30 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "spiece.model",
+    "spm.model",
+    "spm_char.model",
+    "sentencepiece.model",
     "sentencepiece.bpe.model",
+    "source.spm",
+    "target.spm",
     "tokenizer.model",
+    "bpe.codes",
+    "dict.txt",
+    "byte_maps.json",
+    "emoji.json",
+    "entity_vocab.json",
+    "normalizer.json",
+    "prophetnet.tokenizer",
+    "target_vocab.json",
+    "vocab-src.json",
+    "vocab-tgt.json",
+    "word_pronunciation.json",
+    "word_shape.json",
     "chat_template.jinja",
     "chat_template.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "audio_tokenizer_config.json",
     "processor_config.json",
     "generation_config.json",
 )

@@ -333,15 +333,13 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
 
 def _streamed_plan(states, models) -> list:
     """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
-    from .shards import TensorInfo
-
     from .alignment import check_same_config
     from .checkpoint import _config_of
+    from .shards import TensorInfo
 
     first = states[0]
     for position, other in enumerate(states[1:], start=2):
         where = f"model 1 ({models[0]}) and model {position} ({models[position - 1]})"
-        check_same_config(_config_of(first.folder), _config_of(other.folder))
         if set(first) != set(other):
             only_a, only_b = sorted(set(first) - set(other))[:3], sorted(set(other) - set(first))[:3]
             raise MismatchError(f"{where.capitalize()} store different tensors (only in the first: {only_a}; only in "
@@ -352,6 +350,7 @@ def _streamed_plan(states, models) -> list:
             raise MismatchError(f"{where.capitalize()} differ in shape: {k} is {first.info(k).shape} vs "
                                 f"{other.info(k).shape} ({len(differ)} tensors differ).",
                                 hint="both models must use the same configuration sizes.")
+        check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]
 

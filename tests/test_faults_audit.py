@@ -177,3 +177,38 @@ def test_loading_a_module_in_another_dtype_leaves_the_callers_module_alone():
     assert all(v.dtype == torch.float64 for v in loaded.model.state_dict().values() if v.is_floating_point())
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# files beside the weights: carried over, or named as not
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_every_tokenizer_file_is_carried_and_the_rest_named(tmp_path, pair, caplog):
+    """DeBERTa-v2's spm.model and Marian's source.spm were silently left behind (a fixed list of names); other
+    files (model card, licence, folders) are still not copied, and now the run says so."""
+    import logging
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(pair[0], folder)
+    for name in ("spm.model", "source.spm", "README.md", "LICENSE"):
+        (folder / name).write_text(name)
+    (folder / "original").mkdir()
+    with caplog.at_level(logging.WARNING, logger="symgraph"):
+        code, _, err = run("transform", folder, "-o", tmp_path / "out")
+    assert code == 0, err
+    written = _written(tmp_path / "out")
+    assert {"spm.model", "source.spm", "generation_config.json"} <= set(written)
+    assert all((tmp_path / "out" / n).read_text() == n for n in ("spm.model", "source.spm"))
+    assert "README.md" not in written and "LICENSE" not in written
+    assert "Not copied from" in caplog.text and "LICENSE, README.md, original/." in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("command", ["transform", "fuzz"])
+def test_a_negative_seed_is_a_usage_error(tmp_path, pair, command):
+    """Before: numpy's 'expected non-negative integer' surfaced as an internal error (exit 3), fuzz's only after
+    every group had run."""
+    args = ["transform", pair[0], "-o", tmp_path / "out"] if command == "transform" else ["fuzz", pair[0]]
+    code, _, err = run(*args, "--seed", "-1")
+    assert code == 2 and "--seed" in err and "internal error" not in err, err
+    assert _written(tmp_path) == []
