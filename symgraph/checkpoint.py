@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +23,10 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "owned_tensors", "output_folder", "staged_folder", "write_side_files"]
+__all__ = ["save_model", "hf_layout", "stored_weight_names", "owned_tensors", "output_folder", "staged_folder",
+           "write_side_files", "not_carried_over"]
+
+_log = logging.getLogger(__name__)
 
 
 def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -36,10 +40,27 @@ def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch
     if model is None:
         return dict(state)
     _check_keys(state, model)
+    return _as_stored(model, state, check_ties=True)
+
+
+def stored_weight_names(config: Any) -> set[str] | None:
+    """The names under which a complete checkpoint of ``config``'s model stores its floating-point tensors (as
+    :func:`hf_layout` writes them); None without a config transformers can build a model from. Integer buffers
+    (BatchNorm's counters) are left out: a checkpoint without them loads them at their fixed start value."""
+    model = _meta_model(config)
+    if model is None:
+        return None
+    floating = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    return set(_as_stored(model, floating, check_ties=False))
+
+
+def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) -> dict[str, torch.Tensor]:
+    """``state`` without the keys ``model`` ties to another or ignores on save, renamed to its checkpoint format."""
     out = dict(state)
     for tied, source in _declared_ties(model).items():
         if tied in out and source in out:
-            _check_tie(out, tied, source, model)
+            if check_ties:
+                _check_tie(out, tied, source, model)
             del out[tied]
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         out.pop(key, None)
@@ -268,9 +289,28 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
             src = like_dir / name
             if src.is_file() and not (tmp / name).exists():
                 shutil.copy2(src, tmp / name)
+        left = not_carried_over(like_dir)
+        if left:
+            _log.warning("Not copied from '%s' into the written model (only its config, tokenizer, processor and "
+                         "generation files are): %s. Copy them yourself if they still apply.", like_dir,
+                         ", ".join(left))
     for file in tmp.iterdir():
         os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
     _fsync_files(tmp)
+
+
+def not_carried_over(like_dir: Path) -> list[str]:
+    """What in the model folder ``like_dir`` a written folder does not carry: every entry but the config, the
+    weights (rewritten) and the files copied (:data:`symgraph.io.TOKENIZER_FILES`); hidden ones aside. Folders
+    end in ``/``."""
+    from .io import MODEL_FILES
+
+    index = like_dir / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
+    bin_index = like_dir / "pytorch_model.bin.index.json"
+    shards |= set(json.loads(bin_index.read_text()).get("weight_map", {}).values()) if bin_index.is_file() else set()
+    return sorted(p.name + "/" * p.is_dir() for p in like_dir.iterdir()
+                  if not p.name.startswith(".") and p.name not in MODEL_FILES and p.name not in shards)
 
 
 def _fsync_files(folder: Path) -> None:

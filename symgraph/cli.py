@@ -53,7 +53,7 @@ def report(model, config_only, fmt, output, full_depth, free_outputs):
 @cli.command(help="Write a functionally equivalent, randomly reparametrised copy of MODEL as a Hugging Face folder.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 @_FREE_OUTPUTS
 def transform(model, output, seed, overwrite, free_outputs):
@@ -82,6 +82,7 @@ def fold(model, output, json_path, overwrite):
     from .fold import fold as run_fold
     from .io import save_model
 
+    _check_distinct_outputs(**{"-o": output, "--json": json_path})
     _check_model_output(output, overwrite, [model])
     _check_file_output(json_path, [model])
     subject = load(model)
@@ -234,6 +235,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     from .io import save_model
 
     compute_device(device)  # before the models are read
+    _check_distinct_outputs(**{"-o": output, "--stats": stats_path})
     _check_model_output(output, overwrite, [source, anchor])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
@@ -364,7 +366,7 @@ def _parse_layers(text):
 @cli.command(help="Fuzz every symmetry group of MODEL for invariance (float64); exit 1 on any violation.")
 @click.argument("model")
 @click.option("--samples", default=20, show_default=True, type=int, help="Hypothesis examples per group.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write results.")
 @_FREE_OUTPUTS
 def fuzz(model, samples, seed, json_path, free_outputs):
@@ -470,6 +472,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     from .merging import merge as run_merge
 
     compute_device(device)  # before the models are read
+    _check_distinct_outputs(**{"-o": output, "--json": json_path})
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
     if stream:
@@ -528,6 +531,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
 
     compute_device(device)  # before the models are read
     check_plot_path(output)
+    _check_distinct_outputs(**{"-o": output, "--json": json_path})
     _check_file_output(output, [model_a, model_b])
     _check_file_output(json_path, [model_a, model_b])
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
@@ -627,6 +631,22 @@ def _check_model_output(output: Path, overwrite: bool, inputs) -> None:
     prepare_output(output.absolute(), overwrite=overwrite, folder=True)
 
 
+def _check_distinct_outputs(**outputs: Path | None) -> None:
+    """Two outputs of one command (``-o`` and ``--json``, say) may not be one path: the second written would
+    replace the first, or fail once the first is in place."""
+    import os
+
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path.expanduser())
+        if key in seen:
+            raise OutputError(f"{seen[key]} and {option} name the same path '{path}': one output would replace the "
+                              "other.", hint=f"give {option} a path of its own.")
+        seen[key] = option
+
+
 def _check_file_output(output: Path | None, inputs) -> None:
     """A report, plot or JSON output must not overwrite an input's file."""
     from .files import refuse_overlap
@@ -689,7 +709,9 @@ def main(argv=None) -> None:
     try:
         with _signals_unwind():
             cli.main(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__cause__, EOFError):  # click turns every EOFError into Abort; no command reads stdin
+            _internal_error(exc.__cause__, debug)
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
@@ -699,9 +721,13 @@ def main(argv=None) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except Exception as exc:  # a bug, not bad input: say so, and how to see more
-        if debug:
-            raise
-        click.echo(f"internal error: {type(exc).__name__}: {exc}\n  This is a symgraph bug; rerun with --debug "
-                   f"for the traceback and report it.", err=True)
-        sys.exit(3)
+        _internal_error(exc, debug)
     del start
+
+
+def _internal_error(exc: BaseException, debug: bool) -> None:
+    if debug:
+        raise exc
+    click.echo(f"internal error: {type(exc).__name__}: {exc}\n  This is a symgraph bug; rerun with --debug "
+               f"for the traceback and report it.", err=True)
+    sys.exit(3)

@@ -26,6 +26,7 @@ Losses follow Hugging Face: causal LM labels are the input ids (the loss shifts 
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -506,7 +507,13 @@ DATASETS = {"digits": _digits, "pydoc-chars": _pydoc_chars, "pydoc-topics": _pyd
 def _auto_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # a damaged or incomplete tokenizer file is bad input, not a bug
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise DataError(f"Cannot load the tokenizer in '{folder}' for text data: {type(exc).__name__}: {reason}",
+                        hint="repair or re-download the tokenizer files (tokenizer.json, tokenizer_config.json) "
+                             "there, or give the data as token ids in a .npz file.") from exc
 
 
 def _encode_stream(text: str, tokenizer: Any) -> list[int]:
@@ -588,8 +595,8 @@ def _load_npz(path: Path, target: _Target, batch_size: int) -> Dataset:
     try:
         with np.load(path, allow_pickle=False) as arrays:
             tensors = {k: _tensor(arrays[k]) for k in arrays.files}
-    except (OSError, ValueError) as exc:
-        raise DataError(f"Cannot read '{path}' as a .npz of arrays: {exc}.",
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # EOFError: an empty file
+        raise DataError(f"Cannot read '{path}' as a .npz of arrays: {exc or type(exc).__name__}.",
                         hint="write it with numpy.savez(path, input_ids=..., labels=...).") from exc
     labels = tensors.pop("labels", None)
     if not tensors:

@@ -55,7 +55,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 
-#: Files copied verbatim from ``like`` into a saved folder (tokenizer, processor, generation settings).
+#: Files copied verbatim from ``like`` into a saved folder (tokenizer, processor, generation settings): every
+#: file name a transformers tokenizer's ``vocab_files_names`` lists, and the processor and generation configs.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -65,11 +66,30 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "spiece.model",
+    "spm.model",
+    "spm_char.model",
+    "sentencepiece.model",
     "sentencepiece.bpe.model",
+    "source.spm",
+    "target.spm",
     "tokenizer.model",
+    "bpe.codes",
+    "dict.txt",
+    "byte_maps.json",
+    "emoji.json",
+    "entity_vocab.json",
+    "normalizer.json",
+    "prophetnet.tokenizer",
+    "target_vocab.json",
+    "vocab-src.json",
+    "vocab-tgt.json",
+    "word_pronunciation.json",
+    "word_shape.json",
     "chat_template.jinja",
     "chat_template.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "audio_tokenizer_config.json",
     "processor_config.json",
     "generation_config.json",
 )
@@ -115,11 +135,13 @@ def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> 
     a ``config.json`` (or a weightless folder) with ``config_only=True``, or a factory string
     ``package.module:function`` / ``path/to/file.py:function`` whose function takes no arguments and returns an
     ``nn.Module``. ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"float64"``) is passed to transformers or
-    applied with ``.to(dtype)``.
+    applied with ``.to(dtype)`` (to a copy of a module given as ``source``: the caller's weights never change).
     """
     dtype = _parse_dtype(dtype)
     _quiet_transformers()
     if isinstance(source, torch.nn.Module):
+        if dtype not in (None, "auto") and any(t.is_floating_point() and t.dtype != dtype for t in _tensors(source)):
+            source = copy.deepcopy(source)  # .to(dtype) converts a module in place: never the caller's
         return _wrap_module(source, name=type(source).__name__, path=None, dtype=dtype)
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()

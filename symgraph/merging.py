@@ -40,7 +40,7 @@ from .api import Subject, load, tie_aliases
 from .alignment import compute_device, compute_dtype
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
 from .workers import check_workers
-from .errors import DataError, MismatchError, SymgraphError
+from .errors import DataError, MismatchError, ModelLoadError, SymgraphError
 from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
@@ -341,6 +341,8 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
 
 def _streamed_plan(states, models) -> list:
     """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
+    from .alignment import check_same_config
+    from .checkpoint import _config_of
     from .shards import TensorInfo
 
     first = states[0]
@@ -356,7 +358,26 @@ def _streamed_plan(states, models) -> list:
             raise MismatchError(f"{where.capitalize()} differ in shape: {k} is {first.info(k).shape} vs "
                                 f"{other.info(k).shape} ({len(differ)} tensors differ).",
                                 hint="both models must use the same configuration sizes.")
+        check_same_config(_config_of(first.folder), _config_of(other.folder))
+    _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]
+
+
+def _check_complete(state, model) -> None:
+    """Refuse a checkpoint that lacks weights its config's architecture needs: the merge would be written without
+    them, and loading it would fill them in at random."""
+    from .checkpoint import _config_of, stored_weight_names
+    from .io import _some
+
+    needed = stored_weight_names(_config_of(state.folder))
+    missing = sorted(needed - set(state)) if needed is not None else []
+    if missing:
+        raise ModelLoadError(
+            f"The checkpoint of model 1 ({model}) lacks {len(missing)} tensor(s) that the architecture in its "
+            f"config.json needs: {_some(missing)}. Every model stores the same tensors, so the merge would lack "
+            "them too, and loading it would initialise them at random.",
+            hint="merge complete checkpoints (re-save them with save_pretrained), or check that config.json "
+                 "describes these weights.")
 
 
 def _streamed_average(states, w, name: str, models) -> torch.Tensor:

@@ -60,7 +60,7 @@ def streamed_outputs(folder, inputs=None) -> torch.Tensor:
     names = _checkpoint_names(model, state, folder)
     blocks = _block_list(model, loaded.config)
     outside = [n for n in names if not any(n.startswith(f"{prefix}.") for prefix in blocks)]
-    _materialise(model, {n: names[n] for n in outside}, state)
+    _materialise(model, {n: names[n] for n in outside}, state, folder)
     with contextlib.ExitStack() as hooks:
         for prefix, block in blocks.items():
             own = {n: names[n] for n in names if n.startswith(f"{prefix}.")}
@@ -95,9 +95,16 @@ def _block_list(model: nn.Module, config) -> dict[str, nn.Module]:
     return {}
 
 
-def _materialise(model: nn.Module, names: dict[str, str], state: LazyState) -> None:
+def _materialise(model: nn.Module, names: dict[str, str], state: LazyState, folder) -> None:
+    """Read ``names`` (parameter -> checkpoint key) in float64 into ``model``; NaN or Inf weights are bad input,
+    not a difference between the models."""
     for name, key in names.items():
-        _set_parameter(model, name, state[key].to(torch.float64))
+        value = state[key].to(torch.float64)
+        if not torch.isfinite(value).all():
+            from .io import nonfinite_error
+
+            raise nonfinite_error(f"the weights in '{folder}'", [key])
+        _set_parameter(model, name, value)
 
 
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -111,7 +118,7 @@ def _streamed_block(model: nn.Module, block: nn.Module, names: dict[str, str], s
     """Hooks that read the block's parameters in float64 before it runs and put them back on the meta device
     after."""
     def load(*_):
-        _materialise(model, names, state)
+        _materialise(model, names, state, state.folder)
 
     def drop(*_):
         for name in names:

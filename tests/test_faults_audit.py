@@ -1,0 +1,214 @@
+"""Reliability audit, second pass: faults found by running every command on bad input, each with its regression.
+
+A streamed merge of incomplete or differently configured checkpoints, two outputs on one path, NaN weights given to
+``compare``, damaged data and tokenizer files, a conversion of the caller's module: each was accepted (or reported
+as a crash, a user abort or a difference between models) before, and is a clear refusal now, with nothing written.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from cli_runner import run, tree_digest
+from symgraph import zoo
+from symgraph.errors import DataError
+
+
+def _llama(folder, seed=0, edit=None, config_edit=None):
+    """A tiny LLaMA saved by transformers; ``edit(stored)`` changes its tensors, ``config_edit(dict)`` its config."""
+    zoo.build("llama", seed=seed).save_pretrained(folder)
+    if edit is not None:
+        file = folder / "model.safetensors"
+        stored = safetensors.torch.load_file(file)
+        edit(stored)
+        safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
+    if config_edit is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config_edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two tiny LLaMA folders of one configuration (read only)."""
+    root = tmp_path_factory.mktemp("pair")
+    return _llama(root / "a", 0), _llama(root / "b", 1)
+
+
+def _written(tmp_path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge --stream checks what the in-memory merge checks
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_streamed_merge_refuses_checkpoints_that_all_lack_a_weight(tmp_path):
+    """Both checkpoints lack lm_head.weight (the model does not tie it): the merge would lack it as well and load
+    with a random head. Before: written, exit 0."""
+    drop = lambda stored: stored.pop("lm_head.weight")  # noqa: E731
+    a, b = _llama(tmp_path / "a", 0, drop), _llama(tmp_path / "b", 1, drop)
+    code, _, err = run("merge", a, b, "--stream", "--align", "none", "-o", tmp_path / "out")
+    assert code == 2 and "lm_head.weight" in err and "at random" in err and "Traceback" not in err, err
+    assert _written(tmp_path) == ["a", "b"]
+
+
+def test_streamed_merge_of_complete_checkpoints_still_runs(tmp_path, pair):
+    """The completeness check knows tied weights (left out by save_pretrained) and per-expert MoE names."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mix")
+    zoo.build("llama-tied").save_pretrained(tmp_path / "tied")
+    for source in ("mix", "tied"):
+        code, _, err = run("merge", tmp_path / source, tmp_path / source, "--stream", "--align", "none",
+                           "-o", tmp_path / f"{source}-out")
+        assert code == 0, err
+
+
+def test_streamed_merge_refuses_different_configurations(tmp_path, pair):
+    """Same tensors and shapes, another rope_theta: the in-memory merge refused this, the streamed one wrote the
+    first model's config over an average of two different functions."""
+    def other_rope(config):
+        config["rope_parameters"]["rope_theta"] = 500.0
+
+    b = _llama(tmp_path / "b", 1, config_edit=other_rope)
+    code, _, err = run("merge", pair[0], b, "--stream", "--align", "none", "-o", tmp_path / "out")
+    assert code == 2 and "different configurations" in err and "rope_theta" in err, err
+    assert _written(tmp_path) == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compare: NaN weights are bad input, not a different function
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["model.norm.weight", "model.layers.1.mlp.down_proj.weight"])  # outside, in a block
+def test_compare_names_nan_weights(tmp_path, pair, key):
+    def poison(stored):
+        stored[key].view(-1)[0] = float("nan")
+
+    bad = _llama(tmp_path / "bad", 0, poison)
+    for args in ((bad, pair[1]), (pair[1], bad)):
+        code, out, err = run("compare", *args)
+        assert code == 2 and "NaN or Inf" in err and key in err and "DIFFERENT" not in out, (out, err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# two outputs of one command on one path
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["align", "fold", "merge", "merge-stream", "barrier"])
+def test_two_outputs_on_one_path_are_refused_before_any_work(tmp_path, pair, command):
+    """Before: the model folder was written, then the side file failed on it (exit 2 with OUT in place), or the
+    barrier's JSON silently replaced its plot."""
+    out = tmp_path / ("plot.png" if command == "barrier" else "out")
+    same = tmp_path / ".." / tmp_path.name / out.name  # the same path, spelt differently
+    args = {
+        "align": ["align", *pair, "-o", out, "--stats", same],
+        "fold": ["fold", pair[0], "-o", out, "--json", same],
+        "merge": ["merge", *pair, "-o", out, "--json", same],
+        "merge-stream": ["merge", *pair, "--stream", "--align", "none", "-o", out, "--json", same],
+        "barrier": ["barrier", *pair, "--data", "pydoc-chars", "-o", out, "--json", same],
+    }[command]
+    code, _, err = run(*args)
+    assert code == 2 and "name the same path" in err, err
+    assert _written(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# damaged data files
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04truncated"])
+def test_an_empty_or_truncated_npz_is_a_data_error(tmp_path, pair, content):
+    """Before: an empty .npz raised EOFError, which click reports as a user abort ('aborted', exit 130)."""
+    data = tmp_path / "data.npz"
+    data.write_bytes(content)
+    code, _, err = run("align", pair[1], pair[0], "-o", tmp_path / "out", "--data", data, "--quiet")
+    assert code == 2 and "Cannot read" in err and str(data.name) in err and "aborted" not in err, err
+    assert _written(tmp_path) == ["data.npz"]
+
+
+def test_an_eof_error_is_not_reported_as_a_user_abort(tmp_path, pair, monkeypatch):
+    import symgraph.api
+
+    def broken(*args, **kwargs):
+        raise EOFError("ran out of input")
+
+    monkeypatch.setattr(symgraph.api, "load", broken)
+    code, _, err = run("report", pair[0])
+    assert code == 3 and "EOFError: ran out of input" in err and "aborted" not in err, err
+
+
+def test_a_damaged_tokenizer_is_a_data_error(tmp_path, pair):
+    """Before: a tokenizer_config.json that is not JSON ended text data loading in an internal error."""
+    import shutil
+
+    from symgraph.datasets import load_data
+
+    folder = tmp_path / "model"
+    shutil.copytree(pair[0], folder)
+    (folder / "tokenizer_config.json").write_text("{ not json")
+    (tmp_path / "lines.txt").write_text("hello world\n")
+    before = tree_digest(folder)
+    with pytest.raises(DataError, match="Cannot load the tokenizer in .*JSONDecodeError") as info:
+        load_data(tmp_path / "lines.txt", model=folder)
+    assert "tokenizer" in info.value.hint
+    assert tree_digest(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the caller's module is never converted
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_loading_a_module_in_another_dtype_leaves_the_callers_module_alone():
+    """Before: ``load_model(module, dtype=torch.float64)`` converted the caller's module in place."""
+    from symgraph.io import load_model
+
+    model = zoo.build("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded = load_model(model, dtype=torch.float64)
+    assert all(v.dtype == torch.float64 for v in loaded.model.state_dict().values() if v.is_floating_point())
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# files beside the weights: carried over, or named as not
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_every_tokenizer_file_is_carried_and_the_rest_named(tmp_path, pair, caplog):
+    """DeBERTa-v2's spm.model and Marian's source.spm were silently left behind (a fixed list of names); other
+    files (model card, licence, folders) are still not copied, and now the run says so."""
+    import logging
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(pair[0], folder)
+    for name in ("spm.model", "source.spm", "README.md", "LICENSE"):
+        (folder / name).write_text(name)
+    (folder / "original").mkdir()
+    with caplog.at_level(logging.WARNING, logger="symgraph"):
+        code, _, err = run("transform", folder, "-o", tmp_path / "out")
+    assert code == 0, err
+    written = _written(tmp_path / "out")
+    assert {"spm.model", "source.spm", "generation_config.json"} <= set(written)
+    assert all((tmp_path / "out" / n).read_text() == n for n in ("spm.model", "source.spm"))
+    assert "README.md" not in written and "LICENSE" not in written
+    assert "Not copied from" in caplog.text and "LICENSE, README.md, original/." in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("command", ["transform", "fuzz"])
+def test_a_negative_seed_is_a_usage_error(tmp_path, pair, command):
+    """Before: numpy's 'expected non-negative integer' surfaced as an internal error (exit 3), fuzz's only after
+    every group had run."""
+    args = ["transform", pair[0], "-o", tmp_path / "out"] if command == "transform" else ["fuzz", pair[0]]
+    code, _, err = run(*args, "--seed", "-1")
+    assert code == 2 and "--seed" in err and "internal error" not in err, err
+    assert _written(tmp_path) == []
