@@ -85,7 +85,8 @@ def _align(args, mode: str, floor: float | None) -> dict:
     solver = {}
     for s in stats["solves"]:
         solver[s["kind"]] = round(solver.get(s["kind"], 0.0) + s["seconds"], 1)
-    out = {"folded": stats["folded"], "distance_before": stats["distance_before"], "distance_after": stats["distance_after"],
+    out = {"folded": stats["folded"], "distance_before": stats["distance_before"],
+           "distance_after": stats["distance_after"],
            "verified_relative_error": stats["verified_relative_error"],
            "verified_tolerance": stats["verified_tolerance"], "unsolved": stats["unsolved"],
            "solves": len(stats["solves"]), "timings_s": timings, "solver_s_by_kind": solver,

@@ -282,8 +282,9 @@ def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_round
                                                  layers=span, rounds=refine_rounds, tolerance=tolerance,
                                                  fold=fold, shard_bytes=shard_bytes, overwrite=overwrite,
                                                  progress=bar.update)
+    groups = len({s.group for s in result.stats})
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {len({s.group for s in result.stats})} groups"
+               f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {groups} groups"
                f"{f', {len(result.unsolved)} spanning groups left at the identity' if result.unsolved else ''}; "
                f"outputs checked against the source in float64 block by block (a whole float64 copy is not made): "
                f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e})")

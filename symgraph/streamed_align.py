@@ -183,8 +183,8 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
 
 class FoldedState(Mapping[str, torch.Tensor]):
     """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
-    multiplied into its columns as it is read (in float64, cast back to the stored dtype, as ``symgraph fold``
-    does), and the norm weight reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
+    multiplied into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight
+    reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
     writer, which is not done tensor by tensor here."""
 
     def __init__(self, state: LazyState, norms):
@@ -204,14 +204,18 @@ class FoldedState(Mapping[str, torch.Tensor]):
                           for weight, bias in n.readers}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from .fold import _folded_params
-
         if name in self.norm_weights:
             return torch.ones(self.state.info(name).shape, dtype=self.state.info(name).dtype)
         site = self.reader_of.get(name)
         if site is None:
             return self.state[name]
-        return _folded_params({name: self.state[name], site.weight: self.state[site.weight]}, [site])[name]
+        # symgraph.fold multiplies in float64 and rounds once. Two bf16/fp16 numbers multiply exactly in fp32, and
+        # an fp32 product is that single rounding: the same numbers at half the memory (a 7B LM head is 1 GB in
+        # float64). Mixed dtypes would round twice in fp32: float64 then.
+        w, g = self.state[name], self.state[site.weight]
+        single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        work = torch.float32 if single else torch.float64
+        return (w.to(work) * g.to(work)).to(w.dtype)
 
     def __contains__(self, name) -> bool:
         return name in self.state

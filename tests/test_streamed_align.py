@@ -164,3 +164,20 @@ def test_streamed_alignment_on_the_command_line(tmp_path, pair):
     code, _, err = run("align", pair / "B1", pair / "A", "-o", tmp_path / "o2", "--stream", "--general-linear")
     assert code != 0 and "--stream cannot be combined with --general-linear" in err
     assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.slow
+def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path):
+    """Tensor by tensor, in bf16 (multiplied in fp32, not float64): bit for bit what the in-memory fold gives."""
+    from symgraph.io import model_config, save_model
+
+    model = zoo.build("llama", seed=0)
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    folder = save_model(state, tmp_path / "m", config=model_config(model))
+    _, _, _, norms = streamed_align.streamed_groups(folder, fold=True)
+    folded = streamed_align.FoldedState(LazyState(folder), norms)
+    expected = symgraph.fold(symgraph.load(folder)).state
+    assert any(not torch.equal(folded[k], LazyState(folder)[k]) for k in folded)
+    for name in folded:
+        assert folded[name].dtype == torch.bfloat16, name
+        assert torch.equal(folded[name], expected[name].to(torch.bfloat16)), name
