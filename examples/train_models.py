@@ -9,14 +9,14 @@ which sets both the initialisation and the order of the training data:
   Python help text documents ("pydoc-topics")
 
 and two wide pairs, not shipped but cached outside the repository (``$SYMGRAPH_WIDE_MODELS``, by default
-~/.cache/symgraph/wide; ``wide_pair`` trains a missing pair there first):
+~/.cache/symgraph/wide-v2, a new folder per recipe version; ``wide_pair`` trains a missing pair there first):
 
 - ``vit-digits-wide-{a,b}``   the ViT at width 256 with 6 layers
 - ``llama-chars-wide-{a,b}``  the LLaMA at width 256 with 4 layers
 
     python examples/train_models.py                      # all six, into symgraph/data/models
     python examples/train_models.py --only vit --out /tmp/models
-    python examples/train_models.py --wide               # the wide pairs, into ~/.cache/symgraph/wide
+    python examples/train_models.py --wide               # the wide pairs, into ~/.cache/symgraph/wide-v2
     python examples/train_models.py --extract-corpus     # rewrite the shipped text from this Python's pydoc_data
     python examples/train_models.py --tokenizers-only    # rewrite the char models' tokenizer files only
 
@@ -398,7 +398,7 @@ def unigram_loss() -> float:
 README = """# Trained model pairs
 
 Written by `python examples/train_models.py` (the shipped pairs; `--only vit|llama|bert` for one family; `--wide`
-for the wide pairs, which are not shipped but cached, by default in ~/.cache/symgraph/wide). Each pair
+for the wide pairs, which are not shipped but cached, by default in ~/.cache/symgraph/wide-v2). Each pair
 differs only in its seed: `-a` is seed 0, `-b` seed 1; the seed sets the initialisation and the order of the
 training data. Hyper-parameters, data and step counts are the same within a pair. Training is deterministic
 (`torch.use_deterministic_algorithms(True)`, one CPU thread); figures below were measured by that run (Python
