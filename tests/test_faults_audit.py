@@ -212,3 +212,27 @@ def test_a_negative_seed_is_a_usage_error(tmp_path, pair, command):
     code, _, err = run(*args, "--seed", "-1")
     assert code == 2 and "--seed" in err and "internal error" not in err, err
     assert _written(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["transform", "fold", "align", "merge", "merge-stream"])
+def test_overwrite_never_replaces_a_folder_that_holds_no_model(tmp_path, pair, command):
+    """Before: ``-o ~/project --overwrite`` swapped the model in for the whole folder and deleted what it held."""
+    out = tmp_path / "project"
+    (out / "src").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(out)
+    args = {"transform": ["transform", pair[0]], "fold": ["fold", pair[0]], "align": ["align", *pair],
+            "merge": ["merge", *pair], "merge-stream": ["merge", *pair, "--stream", "--align", "none"]}[command]
+    code, _, err = run(*args, "-o", out, "--overwrite")
+    assert code == 2 and "holds no model" in err and "notes.txt" in err, err
+    assert tree_digest(out) == before and sorted(p.name for p in out.iterdir()) == ["notes.txt", "src"]
+    assert _written(tmp_path) == ["project"]
+
+
+def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair):
+    from symgraph.io import save_model
+
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", save_model({"w": torch.zeros(2)}, tmp_path / "model")):
+        code, _, err = run("transform", pair[0], "-o", out, "--overwrite")
+        assert code == 0 and (out / "config.json").is_file(), err
