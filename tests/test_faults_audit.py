@@ -236,3 +236,52 @@ def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair
     for out in (tmp_path / "empty", save_model({"w": torch.zeros(2)}, tmp_path / "model")):
         code, _, err = run("transform", pair[0], "-o", out, "--overwrite")
         assert code == 0 and (out / "config.json").is_file(), err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# integer and boolean tensors are never averaged, nor silently taken from one model
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Masked(torch.nn.Module):
+    """A ReLU MLP whose outputs pass through a boolean mask buffer, with a 0-d step counter."""
+
+    def __init__(self, seed: int, mask):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.register_buffer("mask", torch.tensor(mask))
+        self.register_buffer("steps", torch.tensor(seed + 5))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) * self.mask
+
+
+def test_merge_refuses_models_whose_masks_differ():
+    """Before: the merge kept one model's mask silently, computing with it on the other's averaged weights."""
+    import symgraph
+    from symgraph.errors import MismatchError
+
+    x = torch.randn(3, 8)
+    same = symgraph.merge([symgraph.load(_Masked(0, [True, False, True, True]), (x,)),
+                           symgraph.load(_Masked(1, [True, False, True, True]), (x,))])
+    assert same.state["mask"].tolist() == [True, False, True, True] and int(same.state["steps"]) in (5, 6)
+    with pytest.raises(MismatchError, match="bool tensor 'mask' differs between model 1"):
+        symgraph.merge([symgraph.load(_Masked(0, [True, False, True, True]), (x,)),
+                        symgraph.load(_Masked(1, [True, True, True, True]), (x,))])
+
+
+def test_streamed_merge_refuses_integer_tensors_that_differ(tmp_path):
+    from symgraph.errors import MismatchError
+    from symgraph.io import save_model
+    from symgraph.merging import merge_streamed
+
+    folders = [save_model({"w": torch.randn(3), "ids": torch.tensor(ids), "steps": torch.tensor(n)}, tmp_path / f"m{n}")
+               for n, ids in ((1, [0, 1, 2]), (2, [0, 1, 2]))]
+    merged = merge_streamed(folders, tmp_path / "same")
+    stored = safetensors.torch.load_file(merged.path / "model.safetensors")
+    assert stored["ids"].tolist() == [0, 1, 2] and stored["ids"].dtype == torch.int64 and int(stored["steps"]) == 1
+    other = save_model({"w": torch.randn(3), "ids": torch.tensor([2, 1, 0]), "steps": torch.tensor(3)},
+                       tmp_path / "m3")
+    with pytest.raises(MismatchError, match="int64 tensor 'ids' differs between model 1"):
+        merge_streamed([folders[0], other], tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
