@@ -285,3 +285,51 @@ def test_streamed_merge_refuses_integer_tensors_that_differ(tmp_path):
     with pytest.raises(MismatchError, match="int64 tensor 'ids' differs between model 1"):
         merge_streamed([folders[0], other], tmp_path / "out")
     assert not (tmp_path / "out").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every command that writes a model: every stored tensor written, in its dtype, loadable whole, inputs unchanged
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stored_pairs(tmp_path_factory):
+    """(a, b) folders written by transformers: bf16 LLaMA (untied head), float32 LLaMA with tied embeddings."""
+    root = tmp_path_factory.mktemp("stored")
+    pairs = {}
+    for family, dtype in (("llama", torch.bfloat16), ("llama-tied", torch.float32)):
+        for seed in (0, 1):
+            zoo.build(family, seed=seed, dtype=dtype).save_pretrained(root / f"{family}-{seed}")
+        pairs[family] = (root / f"{family}-0", root / f"{family}-1")
+    return pairs
+
+
+_WRITERS = {
+    "transform": lambda a, b, out: ["transform", a, "-o", out],
+    "fold": lambda a, b, out: ["fold", a, "-o", out],
+    "align": lambda a, b, out: ["align", a, b, "-o", out, "--quiet"],
+    "merge": lambda a, b, out: ["merge", a, b, "-o", out, "--no-progress"],
+    "merge-stream": lambda a, b, out: ["merge", a, b, "-o", out, "--stream", "--align", "none"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, family", [(c, f) for c in sorted(_WRITERS) for f in ("llama", "llama-tied")
+                                             if (c, f) != ("fold", "llama-tied")])  # fold refuses tied embeddings
+def test_written_models_keep_every_tensor_and_dtype(tmp_path, stored_pairs, family, command):
+    import transformers
+
+    a, b = stored_pairs[family]
+    before = [tree_digest(a), tree_digest(b)]
+    code, _, err = run(*_WRITERS[command](a, b, tmp_path / "out"))
+    assert code == 0, err
+    stored = safetensors.torch.load_file(a / "model.safetensors")
+    written = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert written.keys() == stored.keys()
+    assert {k: v.dtype for k, v in written.items()} == {k: v.dtype for k, v in stored.items()}
+    assert all(torch.isfinite(v.float()).all() for v in written.values())
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    if family == "llama-tied":
+        assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    assert [tree_digest(a), tree_digest(b)] == before and _written(tmp_path) == ["out"]
+    assert "generation_config.json" in _written(tmp_path / "out")
