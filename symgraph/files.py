@@ -75,6 +75,23 @@ def prepare_output(out: Path, *, overwrite: bool, folder: bool) -> None:
     if folder and not overwrite:
         raise OutputError(f"Output folder '{out}' already exists.",
                           hint="pass --overwrite (overwrite=True) to replace it, or choose another output path.")
+    if folder:
+        _check_model_folder(out)
+
+
+def _check_model_folder(out: Path) -> None:
+    """--overwrite replaces a model folder (or an empty one), never a folder of other things: a mistyped -o such as
+    a project or home folder would otherwise be deleted whole."""
+    from .io import WEIGHT_FILES
+
+    entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir())
+    if not entries or any(n == "config.json" or n in WEIGHT_FILES or n.endswith(".safetensors") for n in entries):
+        return
+    raise OutputError(
+        f"Output folder '{out}' holds no model (no config.json or weights; it holds {', '.join(entries[:5])}"
+        f"{', ...' if len(entries) > 5 else ''}): --overwrite replaces model folders only, and replacing this one "
+        "would delete everything in it.",
+        hint="choose another output path (a new folder, or an earlier model output), or empty this folder yourself.")
 
 
 def _kind(path: Path) -> str:

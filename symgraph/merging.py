@@ -190,6 +190,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m, free_outputs=free_outputs) for m in models]
+    _check_fixed_tensors([s.state_dict() for s in subjects], [s.name for s in subjects])
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     on_data = align == DATA_ALIGN
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
@@ -306,9 +307,11 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
 
     Each tensor is read from every model (memory-mapped, in its stored dtype), averaged in float32 (float64 when
     any model stores it so), and written in the widest stored dtype to sharded safetensors with the index
-    (:func:`symgraph.shards.write_checkpoint`: atomic, nothing at ``out`` until complete). Integer tensors come from
-    the first model. Config and tokenizer files are copied from the first model. The models are neither aligned
-    nor folded: align them first (``symgraph align``) for an aligned merge. Peak memory is a few tensors.
+    (:func:`symgraph.shards.write_checkpoint`: atomic, nothing at ``out`` until complete). Integer and boolean
+    tensors must be equal in every model (0-d counters aside) and are written as stored. The models must share
+    their config.json, and store every weight its architecture needs. Config and tokenizer files are copied from
+    the first model. The models are neither aligned nor folded: align them first (``symgraph align``) for an
+    aligned merge. Peak memory is a few tensors.
 
     Examples
     --------
@@ -363,6 +366,29 @@ def _streamed_plan(states, models) -> list:
     return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]
 
 
+def _check_fixed_tensors(states: Sequence[State], models: Sequence[str]) -> None:
+    """Refuse models whose integer or boolean tensors differ (see :func:`_fixed_tensor`)."""
+    for name, value in states[0].items():
+        if not value.is_floating_point() and all(name in s for s in states):
+            _fixed_tensor(name, [s[name] for s in states], models)
+
+
+def _fixed_tensor(name: str, tensors: Sequence[torch.Tensor], models: Sequence[Any]) -> torch.Tensor:
+    """An integer or boolean tensor cannot be averaged: the models must agree on it (a mask or an index table that
+    differs would make the merge compute with one model's). A 0-d one is a counter (BatchNorm's
+    num_batches_tracked): not compared, kept from one model."""
+    if tensors[0].dim() > 0:
+        differs = next((i for i, t in enumerate(tensors[1:], start=1)
+                        if t.shape != tensors[0].shape or not torch.equal(t, tensors[0])), None)
+        if differs is not None:
+            raise MismatchError(
+                f"The {str(tensors[0].dtype).removeprefix('torch.')} tensor '{name}' differs between model 1 "
+                f"({models[0]}) and model {differs + 1} ({models[differs]}); integer and boolean tensors (masks, "
+                "index tables) cannot be averaged.",
+                hint="merge models that share these tensors (the same masks and tables), or make them equal first.")
+    return tensors[0]
+
+
 def _check_complete(state, model) -> None:
     """Refuse a checkpoint that lacks weights its config's architecture needs: the merge would be written without
     them, and loading it would fill them in at random."""
@@ -386,7 +412,7 @@ def _streamed_average(states, w, name: str, models) -> torch.Tensor:
     tensors = [s[name] for s in states]
     out_dtype = _widest(t.dtype for t in tensors)
     if not out_dtype.is_floating_point:
-        return tensors[0]
+        return _fixed_tensor(name, tensors, models)
     total = tensors[0].to(torch.promote_types(out_dtype, torch.float32)).mul_(float(w[0]))
     for weight, tensor in zip(w[1:], tensors[1:]):
         total.add_(tensor, alpha=float(weight))

@@ -212,3 +212,124 @@ def test_a_negative_seed_is_a_usage_error(tmp_path, pair, command):
     code, _, err = run(*args, "--seed", "-1")
     assert code == 2 and "--seed" in err and "internal error" not in err, err
     assert _written(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["transform", "fold", "align", "merge", "merge-stream"])
+def test_overwrite_never_replaces_a_folder_that_holds_no_model(tmp_path, pair, command):
+    """Before: ``-o ~/project --overwrite`` swapped the model in for the whole folder and deleted what it held."""
+    out = tmp_path / "project"
+    (out / "src").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(out)
+    args = {"transform": ["transform", pair[0]], "fold": ["fold", pair[0]], "align": ["align", *pair],
+            "merge": ["merge", *pair], "merge-stream": ["merge", *pair, "--stream", "--align", "none"]}[command]
+    code, _, err = run(*args, "-o", out, "--overwrite")
+    assert code == 2 and "holds no model" in err and "notes.txt" in err, err
+    assert tree_digest(out) == before and sorted(p.name for p in out.iterdir()) == ["notes.txt", "src"]
+    assert _written(tmp_path) == ["project"]
+
+
+def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair):
+    from symgraph.io import save_model
+
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", save_model({"w": torch.zeros(2)}, tmp_path / "model")):
+        code, _, err = run("transform", pair[0], "-o", out, "--overwrite")
+        assert code == 0 and (out / "config.json").is_file(), err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# integer and boolean tensors are never averaged, nor silently taken from one model
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Masked(torch.nn.Module):
+    """A ReLU MLP whose outputs pass through a boolean mask buffer, with a 0-d step counter."""
+
+    def __init__(self, seed: int, mask):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.register_buffer("mask", torch.tensor(mask))
+        self.register_buffer("steps", torch.tensor(seed + 5))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) * self.mask
+
+
+def test_merge_refuses_models_whose_masks_differ():
+    """Before: the merge kept one model's mask silently, computing with it on the other's averaged weights."""
+    import symgraph
+    from symgraph.errors import MismatchError
+
+    x = torch.randn(3, 8)
+    same = symgraph.merge([symgraph.load(_Masked(0, [True, False, True, True]), (x,)),
+                           symgraph.load(_Masked(1, [True, False, True, True]), (x,))])
+    assert same.state["mask"].tolist() == [True, False, True, True] and int(same.state["steps"]) in (5, 6)
+    with pytest.raises(MismatchError, match="bool tensor 'mask' differs between model 1"):
+        symgraph.merge([symgraph.load(_Masked(0, [True, False, True, True]), (x,)),
+                        symgraph.load(_Masked(1, [True, True, True, True]), (x,))])
+
+
+def test_streamed_merge_refuses_integer_tensors_that_differ(tmp_path):
+    from symgraph.errors import MismatchError
+    from symgraph.io import save_model
+    from symgraph.merging import merge_streamed
+
+    folders = [save_model({"w": torch.randn(3), "ids": torch.tensor(ids), "steps": torch.tensor(n)}, tmp_path / f"m{n}")
+               for n, ids in ((1, [0, 1, 2]), (2, [0, 1, 2]))]
+    merged = merge_streamed(folders, tmp_path / "same")
+    stored = safetensors.torch.load_file(merged.path / "model.safetensors")
+    assert stored["ids"].tolist() == [0, 1, 2] and stored["ids"].dtype == torch.int64 and int(stored["steps"]) == 1
+    other = save_model({"w": torch.randn(3), "ids": torch.tensor([2, 1, 0]), "steps": torch.tensor(3)},
+                       tmp_path / "m3")
+    with pytest.raises(MismatchError, match="int64 tensor 'ids' differs between model 1"):
+        merge_streamed([folders[0], other], tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every command that writes a model: every stored tensor written, in its dtype, loadable whole, inputs unchanged
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stored_pairs(tmp_path_factory):
+    """(a, b) folders written by transformers: bf16 LLaMA (untied head), float32 LLaMA with tied embeddings."""
+    root = tmp_path_factory.mktemp("stored")
+    pairs = {}
+    for family, dtype in (("llama", torch.bfloat16), ("llama-tied", torch.float32)):
+        for seed in (0, 1):
+            zoo.build(family, seed=seed, dtype=dtype).save_pretrained(root / f"{family}-{seed}")
+        pairs[family] = (root / f"{family}-0", root / f"{family}-1")
+    return pairs
+
+
+_WRITERS = {
+    "transform": lambda a, b, out: ["transform", a, "-o", out],
+    "fold": lambda a, b, out: ["fold", a, "-o", out],
+    "align": lambda a, b, out: ["align", a, b, "-o", out, "--quiet"],
+    "merge": lambda a, b, out: ["merge", a, b, "-o", out, "--no-progress"],
+    "merge-stream": lambda a, b, out: ["merge", a, b, "-o", out, "--stream", "--align", "none"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, family", [(c, f) for c in sorted(_WRITERS) for f in ("llama", "llama-tied")
+                                             if (c, f) != ("fold", "llama-tied")])  # fold refuses tied embeddings
+def test_written_models_keep_every_tensor_and_dtype(tmp_path, stored_pairs, family, command):
+    import transformers
+
+    a, b = stored_pairs[family]
+    before = [tree_digest(a), tree_digest(b)]
+    code, _, err = run(*_WRITERS[command](a, b, tmp_path / "out"))
+    assert code == 0, err
+    stored = safetensors.torch.load_file(a / "model.safetensors")
+    written = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert written.keys() == stored.keys()
+    assert {k: v.dtype for k, v in written.items()} == {k: v.dtype for k, v in stored.items()}
+    assert all(torch.isfinite(v.float()).all() for v in written.values())
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    if family == "llama-tied":
+        assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    assert [tree_digest(a), tree_digest(b)] == before and _written(tmp_path) == ["out"]
+    assert "generation_config.json" in _written(tmp_path / "out")

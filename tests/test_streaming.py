@@ -120,7 +120,7 @@ def test_a_disk_that_fills_while_shards_are_written_leaves_nothing(tmp_path, mon
     out = tmp_path / "out"
     if existing:
         out.mkdir()
-        (out / "keep.txt").write_text("old")
+        (out / "config.json").write_text("old")  # an earlier model output (--overwrite replaces model folders only)
     room = [3 * SMALL_SHARDS]  # the first shards fit, a later one does not
     monkeypatch.setattr(shards, "open", lambda path, mode: _FillingFile(builtins.open(path, mode), room),
                         raising=False)
@@ -130,7 +130,7 @@ def test_a_disk_that_fills_while_shards_are_written_leaves_nothing(tmp_path, mon
     assert "partly written files were removed" in str(info.value) and "free disk space" in str(info.value)
     assert room[0] < SMALL_SHARDS  # shards were really written before the disk filled
     assert leftovers(tmp_path) == []
-    assert (sorted(p.name for p in out.iterdir()) == ["keep.txt"]) if existing else not out.exists()
+    assert (sorted(p.name for p in out.iterdir()) == ["config.json"]) if existing else not out.exists()
 
 
 # -- the streamed merge ------------------------------------------------------------------------------------------------
