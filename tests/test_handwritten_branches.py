@@ -1,4 +1,5 @@
-"""Python control flow on the input shape (examples/sweep_handwritten.py, ``python_shape_branches``).
+"""Python control flow on the input shape (examples/sweep_handwritten.py, ``python_shape_branches``), and
+torch.nn.TransformerDecoder's branch on its mask values (``torch_decoder_mask_without_is_causal``: a hint that works).
 
 A model that runs an extra MLP on the residual stream only for sequences longer than 8 was traced at length 7:
 the report listed a residual permutation that changed its outputs by 42% at lengths 11 and 19 (float64), since
@@ -57,3 +58,25 @@ def test_the_command_line_says_what_to_do():
     out = run("report", f"{__file__}:make_long_only")
     assert out.returncode == 2
     assert "extra.weight" in out.stderr and "takes every branch" in out.stderr and "Traceback" not in out.stderr
+
+
+class TorchDecoder(torch.nn.Module):
+    """nn.TransformerDecoder with a causal mask; ``say_causal`` passes tgt_is_causal=True beside it."""
+
+    def __init__(self, say_causal: bool):
+        super().__init__()
+        self.say_causal = say_causal
+        layer = torch.nn.TransformerDecoderLayer(WIDTH, 2, 16, dropout=0.0, batch_first=True)
+        self.decoder = torch.nn.TransformerDecoder(layer, 1)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.decoder(x, x, tgt_mask=mask, **({"tgt_is_causal": True} if self.say_causal else {}))
+
+
+def test_a_torch_decoder_mask_without_is_causal_gets_a_hint_that_works():
+    x = torch.randn(2, 5, WIDTH)
+    with pytest.raises(CaptureError, match="tgt_is_causal=True"):
+        symgraph.analyze(TorchDecoder(say_causal=False).eval(), inputs=(x,))
+    report = symgraph.analyze(TorchDecoder(say_causal=True).eval(), inputs=(x,))
+    assert {"qk", "vo", "ffn"} <= {g.motif for g in report.groups}
