@@ -68,6 +68,11 @@ class Subject:
             from .fold import residual_note
 
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
+            if not self.config_only:  # meta weights cannot run; a config's model has no shape branches we know of
+                from .branches import check_traced_paths
+                from .probes import probe_inputs
+
+                check_traced_paths(self.capture, probe_inputs(self.model, self.args, self.kwargs))
             repeats = None if self.full_depth else analyse_by_repeats(self)
             analysis = repeats or analyse_capture(self.capture, free_outputs=self.free_outputs)
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)

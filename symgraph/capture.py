@@ -149,6 +149,9 @@ def _export_hint(exc: Exception) -> str:
         return ("the model's forward replaces one of its own submodules (`self.layer = self.layer.to(...)` at the "
                 "line named above), which torch.export cannot trace; override that forward without the "
                 "reassignment (the cast is a no-op once the model is loaded in that dtype).")
+    if any(f.name == "_detect_is_causal_mask" for f in traceback.extract_tb(exc.__traceback__)):
+        return ("torch.nn's transformer layers compare a given attention mask with a causal one, a branch on its "
+                "values: pass is_causal=True (tgt_is_causal=True for a decoder) with the causal mask.")
     if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
         return ("the model branches on tensor values (data-dependent control flow) at the line named above; make "
                 "the branch depend on shapes or config only, or express it with torch.cond.")
