@@ -115,6 +115,9 @@ def _descent_options(command):
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
+        click.option("--balance-costs", "balance", is_flag=True,
+                     help="Full mode: count each parameter's cost in units of the anchor's RMS of that parameter "
+                          "(lower barriers on most folded pairs, higher on unfolded ones; see RESULTS.md)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -174,10 +177,10 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t):
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t)
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start, general_linear=general_linear)
+                matching_start=matching_start, general_linear=general_linear, balance=balance)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -207,7 +210,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--dtype", type=click.Choice(["float32", "float64"]),
               help="Compute dtype (default: float64 for float64 models, float32 otherwise); OUT keeps SOURCE's.")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
+          general_linear, balance, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
           data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, free_outputs, device, dtype):
     from .alignment import compute_device
     from .api import align as run_align, load
@@ -225,7 +228,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                            data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t),
-                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
+                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
+                                      balance))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -465,7 +469,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_FOLD_OPTION
 @functools.partial(_learn_options, flag=False)
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
+            matching_start, general_linear, balance, align_data, data_batches, data_batch_size, data_groups, output,
             json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t):
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -477,7 +481,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          split=split, progress=not no_progress, fold=fold,
                          learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                   general_linear),
+                                                   general_linear, balance),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
                                                 data_groups=data_groups) if "full+data" in aligns else {})})
