@@ -154,7 +154,7 @@ def default_rounds(groups) -> int:
 
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
                  rounds: int | None = None, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
-                 cost_excluded=(), device="cpu", dtype=None) -> AlignResult:
+                 cost_excluded=(), device="cpu", dtype=None, balance: bool = False) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
@@ -172,7 +172,10 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     ``dtype`` (float32 or float64) when given; the working copies live on ``device`` (``cpu`` or ``cuda``), where
     the member products that make the costs are computed and the elements applied (the small per-group solver
     kernels, SVDs of size x size and Hungarians, run on the CPU). The result is cast back to each tensor's own
-    dtype and device. Distances are whole-model (:func:`relative_distance`).
+    dtype and device. Distances are whole-model (:func:`relative_distance`). With ``balance`` (``full`` mode
+    only; the others ignore it) every parameter's cost is measured in units of its anchor's RMS
+    (:func:`balanced_weights`), so the descent and the choice of start weigh a tensor by its size, not by its
+    scale.
     """
     rounds = default_rounds(groups) if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
@@ -181,8 +184,9 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     if not tolerance >= 0:  # also refuses NaN
         raise SymgraphError(f"The refinement tolerance must be >= 0, not {tolerance!r}.",
                             hint="pass 0 to descend until a round changes nothing (or the rounds run out).")
+    weights = balanced_weights(anchor) if balance and mode == "full" else None
     options = dict(rescale=rescale, cost_excluded=cost_excluded, device=compute_device(device),
-                   dtype=compute_dtype(dtype))
+                   dtype=compute_dtype(dtype), weights=weights)
     timings: dict[str, float] = {}
     first = kept = Aligner(groups, source, anchor, mode=mode, **options)
     matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
@@ -204,6 +208,20 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
         timings["refine"] = timings.get("refine", 0.0) + time.perf_counter() - clock
     timings["solvers"] = sum(s.seconds for a in (first, other) if a is not None for s in a.stats)
     return _result(kept, source, anchor, timings, starts, "matching" if kept is not first else "recovery")
+
+
+def balanced_weights(anchor: dict) -> dict[str, float]:
+    """Per floating-point tensor, 1 / its RMS in ``anchor`` (1 for an all-zero tensor): the factor that puts its
+    cost in units of its own scale. Measured (folded pairs, full mode, loss barrier at 11 points): vit-digits
+    3.19 -> 2.42, llama-chars 1.93 -> 1.90, llama-chars-wide 1.12 -> 1.11 (5 points), but vit-digits-wide 1.07 ->
+    1.12, and unfolded models get worse (vit-digits 3.41 -> 3.94, bert-topics 0.000 -> 0.008): an option, not the
+    default (examples/RESULTS.md, remedies)."""
+    out = {}
+    for k, v in anchor.items():
+        if v.is_floating_point():
+            rms = float(v.detach().double().pow(2).mean().sqrt()) if v.numel() else 0.0
+            out[k] = 1.0 / rms if rms > 0 else 1.0
+    return out
 
 
 # Full mode: both descent starts run this many rounds; only the closer one descends further. Measured on the
@@ -272,7 +290,7 @@ def weight_matching(groups, source: dict, anchor: dict, *, seed: int = 0, rounds
 
 def _result(aligner: "Aligner", source: dict, anchor: dict, timings: dict, starts: dict, start: str) -> AlignResult:
     out = dict(source)
-    out.update({k: aligner.src[k].to(device=source[k].device, dtype=source[k].dtype) for k in aligner.src})
+    out.update({k: v.to(device=source[k].device, dtype=source[k].dtype) for k, v in aligner.state().items()})
     return AlignResult(out, aligner.elements, aligner.stats, relative_distance(source, anchor),
                        relative_distance(out, anchor), timings, refine_rounds=aligner.rounds_run,
                        starts=starts, start=start)
@@ -318,11 +336,12 @@ def _matching_start(groups, matching, source, anchor, mode, rounds, tolerance, p
         start.stats = [replace(s, stage=f"matching {s.stage}") for s in start.stats]
         start.converged = True
         return start
-    moved = {**source, **start.src}
-    elements, stats = start.elements, start.stats
+    moved = {**source, **start.state()}
+    elements, stats, fresh = start.elements, start.stats, start.fresh()
     del start  # one working copy less while the second one is made
     other = Aligner(groups, moved, anchor, mode=mode, **options)
     del moved
+    other.mark_solved(fresh)  # their last solve still stands: the descent need not repeat it (a 3072-unit FFN)
     _descend(other, rounds, tolerance, progress, {}, solved=frozenset(g.id for g in matching))
     other.elements = elements + other.elements
     other.stats = [replace(s, stage=f"matching {s.stage}") for s in stats + other.stats]
@@ -343,14 +362,15 @@ class Aligner:
     """Moves a working copy of the source through the groups, one solver call at a time."""
 
     def __init__(self, groups, source: dict, anchor: dict, *, mode: str, rescale: bool, cost_excluded=(),
-                 device=torch.device("cpu"), dtype=None):
+                 device=torch.device("cpu"), dtype=None, weights=None):
         self.groups = list(groups)
         self.mode, self.rescale = mode, rescale
         names = {m.param for g in self.groups for m in g.members}
         self.dtype = dtype or (torch.float64 if any(source[k].dtype == torch.float64 for k in names)
                                else torch.float32)
-        src = {k: source[k].detach().to(device=device, dtype=self.dtype).clone() for k in names}
-        anc = {k: anchor[k].detach().to(device=device, dtype=self.dtype) for k in names}
+        self.weights = {k: float((weights or {}).get(k, 1.0)) for k in names}  # costs in these units (balance)
+        src = {k: source[k].detach().to(device=device, dtype=self.dtype) * self.weights[k] for k in names}
+        anc = {k: anchor[k].detach().to(device=device, dtype=self.dtype) * self.weights[k] for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
         self.anchor_sq = sum(float(a.double().pow(2).sum()) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
@@ -377,6 +397,10 @@ class Aligner:
     @property
     def src(self) -> dict[str, torch.Tensor]:
         return self.ws.src
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The moved source, unweighted."""
+        return {k: v / self.weights[k] for k, v in self.ws.src.items()}
 
     # -- driver ------------------------------------------------------------------------------------------------
     def first_pass(self, progress=None, solved: frozenset[str] = frozenset()) -> None:
@@ -449,6 +473,16 @@ class Aligner:
                     progress(f"weight matching {round_}", g, done, len(matching))
             if len(self.elements) == moves:
                 break
+
+    def fresh(self) -> list[str]:
+        """Groups whose parameters no solve has moved since their own last solve."""
+        return [g.id for g in self.groups if self.solved_at.get(g.id) == self._versions(g)]
+
+    def mark_solved(self, ids) -> None:
+        """Groups ``ids`` count as solved at the parameters they hold now (they were, by another aligner)."""
+        for g in self.groups:
+            if g.id in ids:
+                self.solved_at[g.id] = self._versions(g)
 
     def distance(self) -> float:
         """Relative L2 distance to the anchor over the parameters the groups touch (the descent's yardstick)."""

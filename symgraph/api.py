@@ -207,7 +207,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False,
-          device="cpu", dtype=None):
+          device="cpu", dtype=None, balance: bool = False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -226,7 +226,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was
     done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
-    instead of in its orthogonal subgroup. With ``free_outputs`` (see :func:`load`; base models and sentence
+    instead of in its orthogonal subgroup. With ``balance`` (full mode) each parameter's cost is counted in units
+    of its anchor's RMS (:func:`symgraph.alignment.balanced_weights`: lower barriers on folded pairs but one,
+    higher on unfolded ones). With ``free_outputs`` (see :func:`load`; base models and sentence
     encoders) the residual stream is aligned too, and the result's free outputs are the source's moved by the
     residual element it applied (``result.elements``). ``device`` (``cpu`` or ``cuda``) and ``dtype``
     (``float32`` or ``float64``) say where and in what the alignment computes
@@ -283,7 +285,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
     options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
-                   matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype)
+                   matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype,
+                   balance=balance)
     if dataset is None:
         result = align_states(groups, state, anchor_state, **options)
     else:

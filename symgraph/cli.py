@@ -116,6 +116,9 @@ def _descent_options(command):
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
+        click.option("--balance-costs", "balance", is_flag=True,
+                     help="Full mode: count each parameter's cost in units of the anchor's RMS of that parameter "
+                          "(lower barriers on most folded pairs, higher on unfolded ones; see RESULTS.md)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -190,10 +193,10 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method):
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method)
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start, general_linear=general_linear)
+                matching_start=matching_start, general_linear=general_linear, balance=balance)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -227,7 +230,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
+          general_linear, balance, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
           data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, free_outputs, device,
           dtype, stream, shard_size):
     from .alignment import compute_device
@@ -258,7 +261,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                            data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
-                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear))
+                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
+                                      balance))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -524,7 +528,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, align_data, data_batches, data_batch_size, data_groups, output,
+            matching_start, general_linear, balance, align_data, data_batches, data_batch_size, data_groups, output,
             json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, device,
             dtype):
     from .alignment import compute_device
@@ -540,7 +544,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
                          learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                   general_linear),
+                                                   general_linear, balance),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
                                                 data_groups=data_groups) if "full+data" in aligns else {})})

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import symgraph
-from symgraph import zoo
-from symgraph.alignment import (PROBE_ROUNDS, align_states, free_cost_members, key_bias_candidates,
-                                relative_distance, select_groups, weight_matching)
+from symgraph import alignment, zoo
+from symgraph.alignment import (PROBE_ROUNDS, Aligner, align_states, balanced_weights, free_cost_members,
+                                key_bias_candidates, relative_distance, select_groups, weight_matching)
 from symgraph.api import tie_aliases
 from symgraph.demo import shipped_pair
 from symgraph.elements import Element, apply, sample
@@ -123,6 +123,21 @@ def test_full_mode_keeps_the_closer_of_its_two_descent_starts(family, closer):
     assert all(torch.allclose(replayed[k], both.state[k], rtol=0, atol=1e-12) for k in anchor)
 
 
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_second_start_does_not_repeat_the_solves_weight_matching_left_standing(family, monkeypatch):
+    groups, source, anchor = twins(family)
+    solved = []
+    monkeypatch.setattr(alignment, "solve", lambda ws, g, *rest: solved.append(g.id) or dispatch.solve(ws, g, *rest))
+    handed_over = align_states(groups, source, anchor, rounds=1)  # one round: a stale group is solved at most once
+    calls = len(solved)
+    monkeypatch.setattr(Aligner, "mark_solved", lambda self, ids: None)  # every group re-solved, as before
+    repeated = align_states(groups, source, anchor, rounds=1)
+    assert handed_over.starts == pytest.approx(repeated.starts, rel=1e-9)
+    assert handed_over.distance_after == pytest.approx(repeated.distance_after, rel=1e-9)
+    assert handed_over.start == repeated.start
+    assert calls <= len(solved) - calls  # solves that still stood are skipped, never added
+
+
 @pytest.mark.parametrize("family", ["bert", "vit", "llama", "gpt2", "t5"])
 def test_permutation_mode_is_never_farther_than_textbook_weight_matching(family):
     groups, source, anchor = twins(family)
@@ -208,6 +223,30 @@ def test_a_solver_that_breaks_the_function_is_named_and_nothing_is_returned(monk
         symgraph.align(symgraph.load(model, (subject.args, subject.kwargs)), subject, only="ffn")
 
 
+@pytest.mark.parametrize("family", ["llama", "vit"])
+def test_balanced_costs_still_recover_a_random_group_element_exactly(family):
+    subject, source = reparametrised(family)
+    result = align_states(subject.report.groups, source, subject.state_dict(), mode="full", balance=True)
+    assert result.distance_after < 1e-6 < result.distance_before
+
+
+def test_balanced_costs_change_full_mode_only_and_lower_the_balanced_distance():
+    groups, source, anchor = twins("llama")
+    plain, balanced = (align_states(groups, source, anchor, balance=b) for b in (False, True))
+    weights = balanced_weights(anchor)
+
+    def balanced_distance(state):
+        return sum(weights[k] ** 2 * float((state[k] - v).pow(2).sum()) for k, v in anchor.items()
+                   if v.is_floating_point())
+
+    assert balanced_distance(balanced.state) < balanced_distance(plain.state)
+    replayed = apply(source, balanced.elements)  # still a reparametrisation of the source
+    assert all(torch.allclose(replayed[k], balanced.state[k], rtol=0, atol=1e-12) for k in anchor)
+    perm_groups = select_groups(groups, "permutation")
+    permutation = [align_states(perm_groups, source, anchor, mode="permutation", balance=b) for b in (False, True)]
+    assert all(torch.equal(permutation[0].state[k], permutation[1].state[k]) for k in anchor)
+
+
 def test_half_precision_source_keeps_its_dtype():
     subject, source = reparametrised("llama", noise=0.0)
     half = {k: v.to(torch.bfloat16) for k, v in source.items()}
@@ -249,7 +288,8 @@ def test_cli_align_modes_and_ablations_run(tmp_path):
     moved = tmp_path / "moved"
     run("transform", DEMO, "-o", moved, "--seed", "4")
     for i, extra in enumerate([("--mode", "paper"), ("--mode", "permutation"), ("--only", "attention"),
-                               ("--no-rescale", "--layers", "1"), ("--refine-rounds", "0"), ("--matching-start",)]):
+                               ("--no-rescale", "--layers", "1"), ("--refine-rounds", "0"), ("--matching-start",),
+                               ("--balance-costs",)]):
         res = run("align", moved, DEMO, "-o", tmp_path / f"out{i}", *extra, "--stats", tmp_path / f"s{i}.json")
         assert res.returncode == 0, (extra, res.stderr)
         assert "relative error" in res.stdout and "tolerance" in res.stdout
