@@ -82,6 +82,7 @@ class MergeResult:
     frame: str = ""  # the frame the models were merged in (see merge's ``frame``)
     frame_note: str = ""  # ... and why that one
     frames: dict[str, float] = field(default_factory=dict)  # the score of every frame tried (lower is better)
+    inputs: tuple[Path, ...] = ()  # the folders the models were read from: save never writes over one
 
     @property
     def distances(self) -> list[float]:
@@ -102,8 +103,10 @@ class MergeResult:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
         else from the reference model, whose frame the merge lives in), atomically: see
         :func:`symgraph.io.save_model`."""
+        from .files import refuse_overlap
         from .io import save_model
 
+        refuse_overlap(Path(path).expanduser(), self.inputs)
         return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite)
 
 
@@ -191,6 +194,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     clock = _Clock()
     subjects = [load(m, free_outputs=free_outputs) for m in models]
     _check_fixed_tensors([s.state_dict() for s in subjects], [s.name for s in subjects])
+    inputs = tuple(s.path for s in subjects if s.path is not None)  # before folding, which makes new subjects
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     on_data = align == DATA_ALIGN
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
@@ -215,7 +219,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
                        clock.laps(), source.config, source.path, label, _frame_note(tried, label, datasets),
-                       {t[0]: t[4] for t in tried})
+                       {t[0]: t[4] for t in tried}, inputs)
 
 
 FRAMES = ("best", "reference", "common")

@@ -333,3 +333,22 @@ def test_written_models_keep_every_tensor_and_dtype(tmp_path, stored_pairs, fami
         assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
     assert [tree_digest(a), tree_digest(b)] == before and _written(tmp_path) == ["out"]
     assert "generation_config.json" in _written(tmp_path / "out")
+
+
+def test_a_merge_is_never_saved_over_one_of_its_models(tmp_path, pair):
+    """Before: ``result.save(a, overwrite=True)`` replaced model a when the config was copied from model b (the
+    reference), since only that folder was protected."""
+    import shutil
+
+    import symgraph
+    from symgraph.errors import OutputError
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(pair[0], a)
+    shutil.copytree(pair[1], b)
+    before = [tree_digest(a), tree_digest(b)]
+    result = symgraph.merge([a, b], align="none", fold=False, progress=False)
+    for target in (a, b, a / "sub"):
+        with pytest.raises(OutputError, match="input"):
+            result.save(target, overwrite=True)
+    assert [tree_digest(a), tree_digest(b)] == before and _written(tmp_path) == ["a", "b"]
