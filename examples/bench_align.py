@@ -70,8 +70,10 @@ def build_pair(pair: str, kind: str, layers: int | None, folder: Path) -> dict:
     save_model(subject.state_dict(), folder / "anchor", config=model_config(a))  # before any noise is added
     if kind == "independent":
         b_state = _model(pair, layers, seed=1).state_dict()
-    else:
-        elements = symgraph.sample_elements(subject.report, seed=7)
+    else:  # from the groups the run aligns within: llama-1b runs on its config-only report (see run_mode)
+        report = (symgraph.analyze(folder / "anchor" / "config.json", config_only=True) if pair == "llama-1b"
+                  else subject.report)
+        elements = symgraph.sample_elements(report, seed=7)
         b_state = symgraph.apply(subject.state_dict(), elements, dtype=torch.float32)
         if kind == "transformed":
             generator = torch.Generator().manual_seed(1)

@@ -1,7 +1,6 @@
 """The alignment's fast paths give what the plain ones give: per-layer member sums (symgraph.solve.sums) equal sums
 read afresh after any moves, alignment lands where it lands without them, in-place moves through slice views
-equal the copying application, and assignments read off bfloat16 cost estimates (only where their error bound
-proves them) are the ones the exact costs give."""
+equal the copying application."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +12,7 @@ from symgraph import zoo
 from symgraph.alignment import align_states, select_groups
 from symgraph.elements import Element, apply, apply_in_place, sample
 from symgraph.fold import folded_subject
-from symgraph.solve import dispatch, kernels, sums, workspace
+from symgraph.solve import sums
 from symgraph.solve.workspace import Workspace
 
 
@@ -76,87 +75,6 @@ def test_in_place_moves_equal_the_copying_application(family):
     assert any(not torch.equal(expected[k], state[k]) for k in state)
     for k in state:
         torch.testing.assert_close(work[k], expected[k], rtol=0, atol=0)
-
-
-# -- bfloat16 cost estimates ---------------------------------------------------------------------------------------
-def test_certain_row_maxima_are_the_assignment_of_every_matrix_within_the_bound():
-    rng = np.random.default_rng(0)
-    n = 40
-    s = rng.normal(size=(n, n)) * 0.1 + 3 * np.eye(n)[rng.permutation(n)]
-    bound = np.full((n, n), 0.2)
-    perm = kernels.certain_row_maxima(s, bound)
-    assert perm is not None
-    for _ in range(20):
-        np.testing.assert_array_equal(kernels.hungarian(s + rng.uniform(-0.2, 0.2, size=s.shape)), perm)
-    assert kernels.certain_row_maxima(s, np.full((n, n), 2.0)) is None  # gaps inside the bound: undecided
-    tied = s.copy()
-    tied[0] = tied[1]  # two rows want one column
-    assert kernels.certain_row_maxima(tied, bound) is None
-
-
-def _members_workspace(features: int, seed: int):
-    """A one-member permutation group over ``features`` all-positive features (worst case for rounding: nothing
-    cancels), as a Workspace and its group."""
-    from symgraph.groups import Group, Member
-
-    g = torch.Generator().manual_seed(seed)
-    anc = torch.rand(48, features, generator=g)
-    src = anc[torch.randperm(48, generator=g)] + 0.01 * torch.rand(48, features, generator=g)
-    member = Member("w", 0, np.arange(48).reshape(1, 48, 1))
-    group = Group(id="g", kind="permutation", motif="ffn", layer="l", size=48, copies=1, members=(member,))
-    return Workspace({"w": src}, {"w": anc}), group, member
-
-
-@pytest.mark.parametrize("features", [64, 30000])
-def test_bfloat16_estimates_stay_within_their_bound(features):
-    ws, group, member = _members_workspace(features, seed=features)
-    estimate = ws.similarity_estimate([member], group)
-    if not workspace._bf16_matmul_is_fast(torch.device("cpu")):  # no bfloat16 matrix unit: exact costs only
-        assert estimate is None
-        return
-    value, bound = estimate
-    exact = (ws.anc["w"].double() @ ws.src["w"].double().T).numpy()[None]
-    error = np.abs(value - exact)
-    assert np.all(error <= bound) and error.max() > 0  # rounded, and within the bound
-    assert bound.max() < 0.05 * np.abs(exact).max()  # yet tight enough to decide clear assignments
-
-
-def _noisy_copy():
-    a = zoo.build("llama", seed=0)
-    subject = symgraph.load(a, zoo.example_inputs_for("llama", a))
-    moved = symgraph.apply(subject.state_dict(), symgraph.sample_elements(subject.report, seed=7),
-                           dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    for v in moved.values():
-        if v.is_floating_point() and v.numel() > 1:
-            v.add_(0.01 * float(v.std()) * torch.randn(v.shape, generator=generator))
-    return subject.report.groups, moved, subject.state_dict()
-
-
-@pytest.mark.parametrize("mode", ["full", "permutation"])
-def test_alignment_is_the_same_with_and_without_bfloat16_estimates(mode, monkeypatch):
-    groups, source, anchor = _noisy_copy()
-    chosen = select_groups(groups, mode)
-    decided, certain_row_maxima = [], kernels.certain_row_maxima
-
-    def recording(s, bound):
-        perm = certain_row_maxima(s, bound)
-        decided.append(perm is not None)
-        return perm
-
-    monkeypatch.setattr(kernels, "certain_row_maxima", recording)
-    estimated = align_states(chosen, source, anchor, mode=mode)
-    fast = workspace._bf16_matmul_is_fast(torch.device("cpu"))
-    monkeypatch.setattr(workspace, "_bf16_matmul_is_fast", lambda device: False)  # exact costs only
-    exact = align_states(chosen, source, anchor, mode=mode)
-    if mode == "full":  # on this noisy copy the estimates decide assignments wherever bfloat16 is fast
-        assert any(decided) == fast
-    assert [e.group.id for e in estimated.elements] == [e.group.id for e in exact.elements]
-    for e, f in zip(estimated.elements, exact.elements):
-        for field in ("perm", "diag", "matrices"):
-            x, y = getattr(e, field), getattr(f, field)
-            assert (x is None) == (y is None) and (x is None or np.array_equal(x, y))
-    assert estimated.distance_after == exact.distance_after
 
 
 def test_a_stale_kept_sum_is_read_again_after_its_group_moves():

@@ -174,9 +174,6 @@ def solve_rotary(ws, g, members, ctx):
 def solve_permutation(ws, g, members, ctx):
     members = ws.costed(members)
     scaled = g.scale in ("positive", "nonzero") and not ctx.permutations_only
-    certain = None if scaled or g.global_sign else _certain_assignment(ws, g, members, signed=False)
-    if certain is not None:
-        return [Element(g, perm=certain[0], diag=certain[1])]
     a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=scaled)
     b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=scaled)
     perms, diags = zip(*(_assign(a[c], b[c], g, signed=scaled and g.scale == "nonzero") for c in range(g.copies)))
@@ -192,9 +189,6 @@ def solve_permutation(ws, g, members, ctx):
                                                   "from the matched entries")
 def solve_signed_permutation(ws, g, members, ctx):
     members = ws.costed(members)
-    certain = _certain_assignment(ws, g, members, signed=True)
-    if certain is not None:
-        return [Element(g, perm=certain[0], diag=certain[1])]
     a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=False)
     b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=False)
     perms, diags = zip(*(_assign(a[c], b[c], g, signed=True) for c in range(g.copies)))
@@ -292,28 +286,6 @@ def _pair_sq(ws, members, g, pairs) -> np.ndarray:
         sq = ws.flat("src", m).pow(2).sum(2).cpu().numpy()
         out += sq[:, pairs[:, 0]] + sq[:, pairs[:, 1]]
     return out
-
-
-def _certain_assignment(ws, g: Group, members, *, signed: bool) -> tuple[np.ndarray, np.ndarray] | None:
-    """(perm, signs) as :func:`_assign` finds them on the exact costs, read off bfloat16 estimates of the weight
-    matrices' costs (:meth:`Workspace.similarity_estimate`; weight vectors exactly) when their error bound
-    proves it; else None, and the group is not estimated again (the exact costs decide). Several times cheaper
-    than float32 costs on CPUs with bfloat16 matrix units; the same result by construction."""
-    estimate = ws.similarity_estimate([m for m in members if m.action != "permute"], g)
-    if estimate is None:
-        return None
-    a, bound = estimate
-    b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=False)
-    perms, signs = [], []
-    for c in range(g.copies):
-        perm = kernels.certain_row_maxima(np.abs(a[c]) + b[c] if signed else a[c] + b[c], bound[c])
-        rows = np.arange(g.size)
-        if perm is None or (signed and np.any(np.abs(a[c][rows, perm]) <= bound[c][rows, perm])):
-            ws.coarse.add(g.id)
-            return None
-        perms.append(perm)
-        signs.append(np.where(a[c][rows, perm] < 0, -1.0, 1.0) if signed else np.ones(g.size))
-    return np.stack(perms), np.stack(signs)
 
 
 def _assign(a: np.ndarray, b: np.ndarray, g: Group, *, signed: bool) -> tuple[np.ndarray, np.ndarray]:

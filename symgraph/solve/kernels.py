@@ -34,7 +34,7 @@ from .polyroots import minimize_scale, polynomial_roots, scale_objective
 
 __all__ = [
     "cross_matrix", "procrustes", "procrustes_value",
-    "hungarian", "certain_row_maxima", "signed_hungarian",
+    "hungarian", "signed_hungarian",
     "rescale_quartic", "rescale_from_stats", "rescale_objective",
     "joint_rotation_rescale", "qk_objective",
     "rotary_closed_form", "rotation_2x2", "rotary_objective",
@@ -168,28 +168,6 @@ def hungarian(similarity: Array) -> np.ndarray:
     perm = np.empty(s.shape[0], dtype=np.int64)
     perm[rows] = cols
     return perm
-
-
-def certain_row_maxima(similarity: np.ndarray, bound: np.ndarray) -> np.ndarray | None:
-    r"""The assignment :func:`hungarian` returns for every similarity within ``bound`` of ``similarity``
-    (entrywise), when the estimate proves it; else None.
-
-    If each row's largest entry beats every other entry of its row by more than both their bounds, every
-    matrix within the bounds has its row maxima in those columns; when they are all different columns, they
-    are the optimal assignment of each such matrix (no assignment beats the sum of the row maxima), the one
-    :func:`hungarian` returns.
-    """
-    s = np.asarray(similarity, dtype=np.float64)
-    if not np.isfinite(s).all() or not np.isfinite(bound).all():
-        return None
-    best = np.argmax(s, axis=1)
-    if np.unique(best).size != s.shape[0]:
-        return None
-    rows = np.arange(s.shape[0])
-    lowest = s[rows, best] - bound[rows, best]
-    rivals = s + bound
-    rivals[rows, best] = -np.inf
-    return best.astype(np.int64) if np.all(lowest > rivals.max(axis=1)) else None
 
 
 def signed_hungarian(similarity: Array) -> tuple[np.ndarray, np.ndarray]:

@@ -60,18 +60,6 @@ class MemberSums:
             out += _sum(ms, term, shape) if key is None else self._layer_sum(key, ms, term, shape)
         return out
 
-    def kept(self, kind: str, g: Group, members, features, shape) -> tuple[np.ndarray, list[Member]]:
-        """The part of :meth:`total` that kept, still valid sums give without reading anything, and the members
-        whose terms they do not cover."""
-        out, rest = np.zeros(shape), []
-        for key, ms in self._layers(kind, g, members, features):
-            entry = self._entries.get(key) if key is not None else None
-            if entry is not None and self._valid(entry, ms):
-                out += entry.value
-            else:
-                rest.extend(ms)
-        return out, rest
-
     def _layers(self, kind, g: Group, members, features):
         """(key under which the layer's sum is kept, or None when it is not kept; that layer's members)."""
         layers = defaultdict(list)

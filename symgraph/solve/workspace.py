@@ -24,7 +24,6 @@ class Workspace:
 
     def __post_init__(self):
         self.sums = MemberSums()  # per-layer cost sums, read again only where the source moved
-        self.coarse: set[str] = set()  # groups whose bfloat16 cost estimates could not decide their assignment
         self._distance_sq: dict[str, float] = {}
         self._free: dict[tuple[str, int], set[int]] = {}
         for m in self.cost_excluded:
@@ -88,30 +87,6 @@ class Workspace:
         out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
         return out
 
-    def similarity_estimate(self, members, g: Group) -> tuple[np.ndarray, np.ndarray] | None:
-        """(S, E): :meth:`similarity` (unnormalised) from bfloat16 copies of the members that no kept sum covers,
-        and a bound E on ``|S - exact|`` per entry; None where no bfloat16 matrix unit makes that cheaper (GPU
-        working copies, or a CPU without oneDNN bfloat16), or after an estimate of this group proved too coarse.
-
-        Bound: each member's inputs are rounded to bfloat16 (relative error u = 2^-8 each), the product is
-        accumulated in float32 and rounded to bfloat16 once (u), and the float32 path it stands for has its own
-        accumulation error: ``|dS_ij| <= (3u + 2.2 n 2^-24) sum_f |x_if y_jf|`` for n features, which
-        Cauchy-Schwarz bounds by the row norms; summed over members, by the norms over all members."""
-        if g.id in self.coarse or not _bf16_matmul_is_fast(next(iter(self.src.values())).device):
-            return None
-        shape = (g.copies, g.size, g.size)
-        out, rest = self.sums.kept("similarity", g, members, self.features, shape)
-        norm_a, norm_s, worst = np.zeros(shape[:2]), np.zeros(shape[:2]), 0.0
-        for m in rest:
-            a, s = (_bf16(self.flat(w, m)) for w in ("anc", "src"))
-            out += torch.bmm(a, s.transpose(1, 2)).float().cpu().numpy()
-            norm_a += torch.linalg.vector_norm(a, dim=2, dtype=torch.float32).double().pow(2).cpu().numpy()
-            norm_s += torch.linalg.vector_norm(s, dim=2, dtype=torch.float32).double().pow(2).cpu().numpy()
-            worst = max(worst, _BF16_ROUNDING * 3 + 2.2 * a.shape[2] * 2.0 ** -24)
-        worst *= 1.05 / (1 - _BF16_ROUNDING) ** 2  # norms read off the rounded copies; second-order terms
-        bound = worst * np.sqrt(norm_a)[:, :, None] * np.sqrt(norm_s)[:, None, :]
-        return out, bound
-
     def features(self, m: Member) -> int:
         """Features per coordinate of a member: its block times the size of the parameter's other axes."""
         shape = self.src[m.param].shape
@@ -135,22 +110,6 @@ class Workspace:
         for e in elements:
             for m in e.group.members:
                 self._distance_sq.pop(m.param, None)
-
-
-_BF16_ROUNDING = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits)
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous bfloat16 copy (one pass; the matrix units want contiguous rows)."""
-    return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device).copy_(x)
-
-
-def _bf16_matmul_is_fast(device: torch.device) -> bool:
-    """bfloat16 products pay off on CPUs whose oneDNN computes them (AVX512-BF16 / AMX: several times float32's
-    speed, float32 accumulation). GPUs compute float32 costs fast enough, and may reduce bfloat16 sums in
-    bfloat16, which the error bound does not cover."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() \
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
