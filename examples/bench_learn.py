@@ -41,10 +41,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=LearnOptions.batch_size)
     parser.add_argument("--t", default=LearnOptions.t, choices=("midpoint", "random"))
     parser.add_argument("--method", default=LearnOptions.method, choices=("direct", "ste"))
+    parser.add_argument("--no-general-linear", action="store_true", help="direct: keep QK/VO maps orthogonal")
     parser.add_argument("--points", type=int, default=11, help="points on the path, ends included")
     parser.add_argument("--aligns", default="none,full,full+learn", help="comma-separated barrier modes")
     args = parser.parse_args()
-    options = LearnOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, t=args.t, method=args.method)
+    options = LearnOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, t=args.t, method=args.method,
+                           general_linear=not args.no_general_linear)
     runs = [measure(pair, options, args.points, tuple(args.aligns.split(","))) for pair in args.pairs.split(",")]
     print(json.dumps({"options": options.__dict__, "runs": runs}, indent=1))
 

@@ -115,12 +115,13 @@ class LearnRecord:
     end_loss: float = math.nan
     kept: bool = False
     seconds: float = 0.0
+    condition: float | None = None  # the largest condition number of a learned general linear map (direct)
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
                 "last_loss": self.losses[-1] if self.losses else None, "start_path_loss": self.start_loss,
                 "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "largest_condition_number": self.condition}
 
 
 def training_data(spec, model, batch_size: int):
@@ -152,9 +153,10 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar.close()
     record = run.record
     record.kept = run.best is not start.state
-    if record.kept:
-        result = (_composed(start, run.best_elements, source, anchor) if options.method == "direct" else
-                  _recovered(groups, source, anchor, run.best, cost_excluded))
+    if record.kept and options.method == "direct":
+        result, record.condition = _composed(start, run.best_elements, source, anchor), _condition(run.best_elements)
+    elif record.kept:
+        result = _recovered(groups, source, anchor, run.best, cost_excluded)
     else:
         result = start
     record.seconds = time.perf_counter() - clock
@@ -315,6 +317,12 @@ def _composed(start: AlignResult, learned: list, source: State, anchor: State) -
     return replace(start, state=state, elements=start.elements + learned,
                    distance_before=relative_distance(source, anchor), distance_after=relative_distance(state, anchor),
                    start="learned")
+
+
+def _condition(elements) -> float | None:
+    """The largest condition number of the general linear maps among ``elements`` (None: there are none)."""
+    maps = [e.matrices for e in elements if e.group.kind == "general_linear"]
+    return max(float(np.linalg.cond(m).max()) for m in maps) if maps else None
 
 
 def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:

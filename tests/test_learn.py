@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,13 +37,16 @@ def outputs(subject_or_path, state=None):
 
 
 @pytest.mark.slow
-def test_learning_lowers_the_midpoint_loss_and_keeps_the_source_function(vit_pair):
+@pytest.mark.parametrize("method", ["direct", "ste"])
+def test_learning_lowers_the_path_loss_and_keeps_the_source_function(vit_pair, method):
     a, b = vit_pair
     start = symgraph.align(b, a)
-    result = symgraph.align(b, a, data="digits", learn=FEW)
+    result = symgraph.align(b, a, data="digits", learn=replace(FEW, method=method))
     learned = result.learned
     assert learned["steps"] == 12 and learned["kept"]
     assert learned["end_path_loss"] < learned["start_path_loss"] - 0.1
+    if method == "direct":  # QK and VO maps learned in GL(d_head) stay well conditioned
+        assert 1.0 < learned["largest_condition_number"] < 10.0
     assert result.start == "learned" and result.verified_error is not None
     changed = max(float((result.state[k] - start.state[k]).abs().max()) for k in start.state
                   if start.state[k].is_floating_point())
@@ -65,6 +69,7 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(lr=-1.0), "learning rate must be a finite number > 0"),
     (LearnOptions(t="end"), "Unknown interpolation point"),
     (LearnOptions(project_rounds=-1), "project_rounds must be a whole number >= 0"),
+    (LearnOptions(method="sinkhorn"), "Unknown learning method"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
