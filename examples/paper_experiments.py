@@ -698,7 +698,8 @@ changed per column:
 
 **Data-free round 2 (issue 9: never above permutation, 0.35x, BERT-base time).** Loss barriers on the test split,
 11 points (llama-chars-wide 5), B aligned to A, folded as `barrier` folds unless a row says otherwise; each row
-changes one thing in full mode (`symgraph barrier A B DATA --aligns none,permutation,full [--balance-costs]`):
+changes one thing in full mode (`symgraph barrier A B --data DATA --align none,permutation,full --steps 11
+[--balance-costs]`; vit-digits with `--balance-costs` re-run so: 2.416):
 
 | full mode, remedy | vit-digits | llama-chars | vit-digits-wide | llama-chars-wide |
 |---|---|---|---|---|

@@ -369,8 +369,9 @@ class Aligner:
         self.dtype = dtype or (torch.float64 if any(source[k].dtype == torch.float64 for k in names)
                                else torch.float32)
         self.weights = {k: float((weights or {}).get(k, 1.0)) for k in names}  # costs in these units (balance)
-        src = {k: source[k].detach().to(device=device, dtype=self.dtype) * self.weights[k] for k in names}
-        anc = {k: anchor[k].detach().to(device=device, dtype=self.dtype) * self.weights[k] for k in names}
+        src = {k: _scaled(source[k].detach().to(device=device, dtype=self.dtype), self.weights[k], copy=True)
+               for k in names}
+        anc = {k: _scaled(anchor[k].detach().to(device=device, dtype=self.dtype), self.weights[k]) for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
         self.anchor_sq = sum(float(a.double().pow(2).sum()) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
@@ -399,8 +400,8 @@ class Aligner:
         return self.ws.src
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The moved source, unweighted."""
-        return {k: v / self.weights[k] for k, v in self.ws.src.items()}
+        """The moved source in its own units (the working copy itself where no weight applies: no extra copy)."""
+        return {k: _scaled(v, 1.0 / self.weights[k]) for k, v in self.ws.src.items()}
 
     # -- driver ------------------------------------------------------------------------------------------------
     def first_pass(self, progress=None, solved: frozenset[str] = frozenset()) -> None:
@@ -698,6 +699,13 @@ def _stage(g: Group) -> float:
     if g.motif == "heads":
         return 0.0 if g.copies == 1 else 0.5
     return {"permutation": 1.0, "signed_permutation": 1.0, "scale": 3.0}.get(g.kind, 2.0)
+
+
+def _scaled(x: torch.Tensor, weight: float, *, copy: bool = False) -> torch.Tensor:
+    """``x * weight``; for weight 1, ``x`` itself (the anchor is only read) or, with ``copy``, a copy of it."""
+    if weight != 1.0:
+        return x * weight
+    return x.clone() if copy else x
 
 
 def _unique_params(*groups) -> list[str]:
