@@ -83,6 +83,7 @@ def twin_models():
     return [zoo.build("llama", seed=s) for s in (0, 1)]
 
 
+@pytest.mark.slow
 def test_merge_in_float32_and_float64_finds_the_same_alignment(twin_models):
     from symgraph.merging import merge
 
@@ -107,6 +108,7 @@ def test_regmean_solves_in_the_asked_dtype_and_returns_float64():
     torch.testing.assert_close(narrow, wide, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_barrier_in_float32_and_float64_gives_the_same_curves(twin_models):
     from symgraph.connectivity import barrier
     from test_barrier import tokens
@@ -156,6 +158,7 @@ def test_cli_merge_and_barrier_refuse_cuda_without_a_gpu(tmp_path):
     assert code != 0 and "bfloat16" in stderr
 
 
+@pytest.mark.slow
 def test_cli_merge_with_device_and_dtype(tmp_path):
     out = tmp_path / "merged"
     code, stdout, stderr = run("merge", DEMO, DEMO, "-o", out, "--align", "permutation", "--frame", "reference",
