@@ -724,8 +724,8 @@ changes one thing in full mode (`symgraph barrier A B --data DATA --align none,p
   llama-chars-wide, and in reverse order on vit-digits-wide (it prefers the per-tensor solution, barrier 1.67,
   over permutation, 0.87). The KL divergence between the midpoint model and the endpoints on random probe inputs
   (`symgraph.inputs.example_inputs`, 32 examples) ranks vit-digits-wide right but puts full last on vit-digits
-  and permutation below none on llama-chars. Plain distance ranks full above permutation everywhere (full's
-  descent lowers it from the permutation start). No data-free criterion measured here would pick permutation on
+  and permutation below none on llama-chars. Plain distance puts full closer than permutation on every pair
+  (full's descent lowers it from the permutation start). No data-free criterion measured here would pick permutation on
   vit-digits-wide while keeping full elsewhere, so "never above permutation" still fails there (1.069 against
   0.872): the pair is undertrained (above) and its unfolded full alignment (0.826) is the only one below none.
 - **BERT-base time.** Full mode's second start re-solved every group in its first descent round, although the
