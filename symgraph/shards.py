@@ -105,7 +105,7 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
             _write_shard(tmp / name, shard, produce)
         if len(shards) > 1:
             _write_index(tmp / INDEX_FILE, shards, names)
-        write_side_files(tmp, config=config, like_dir=like_dir)
+        write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[i.dtype for i in infos])
     return out
 
 
