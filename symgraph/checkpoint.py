@@ -263,12 +263,13 @@ def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_d
     from safetensors.torch import save_file
 
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_side_files(tmp, config=config, like_dir=like_dir)
+    write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[t.dtype for t in tensors.values()])
 
 
-def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
-    """Beside the weights in ``tmp``: config.json (from ``config``, else ``like_dir``'s) and ``like_dir``'s
-    tokenizer files; then every file made readable and flushed to disk."""
+def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> None:
+    """Beside the weights in ``tmp``: config.json (from ``config``, else ``like_dir``'s; its dtype made the one of
+    the weights' ``dtypes`` when they share one) and ``like_dir``'s tokenizer files; then every file made readable
+    and flushed to disk."""
     from .io import TOKENIZER_FILES
 
     if config is not None:
@@ -283,6 +284,7 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
             )
     elif like_dir is not None and (like_dir / "config.json").is_file():
         shutil.copy2(like_dir / "config.json", tmp / "config.json")
+    _config_names_dtype(tmp / "config.json", dtypes)
 
     if like_dir is not None:
         for name in TOKENIZER_FILES:
@@ -297,6 +299,19 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None) -> None:
     for file in tmp.iterdir():
         os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
     _fsync_files(tmp)
+
+
+def _config_names_dtype(file: Path, dtypes) -> None:
+    """transformers loads weights in the dtype config.json names: a merge of float32 and bf16 models is written in
+    float32 and must not keep a config that says bfloat16."""
+    floating = {d for d in dtypes if d.is_floating_point}
+    if len(floating) != 1 or not file.is_file():
+        return
+    name = str(floating.pop()).removeprefix("torch.")
+    config = json.loads(file.read_text())
+    stale = [k for k in ("dtype", "torch_dtype") if k in config and config[k] != name]
+    if stale:
+        file.write_text(json.dumps({**config, **dict.fromkeys(stale, name)}, indent=2, sort_keys=True) + "\n")
 
 
 def not_carried_over(like_dir: Path) -> list[str]:

@@ -107,7 +107,7 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
             _write_shard(tmp / name, shard, produce)
         if len(shards) > 1:
             _write_index(tmp / INDEX_FILE, shards, names)
-        write_side_files(tmp, config=config, like_dir=like_dir)
+        write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[i.dtype for i in infos])
         if check is not None:
             check(tmp)
     return out

@@ -352,3 +352,28 @@ def test_a_merge_is_never_saved_over_one_of_its_models(tmp_path, pair):
         with pytest.raises(OutputError, match="input"):
             result.save(target, overwrite=True)
     assert [tree_digest(a), tree_digest(b)] == before and _written(tmp_path) == ["a", "b"]
+
+
+def test_config_names_the_dtype_a_mixed_merge_is_written_in(tmp_path, pair, stored_pairs):
+    """bf16 and float32 models merge into float32 weights; the config copied from the bf16 model said bfloat16,
+    so transformers (dtype="auto") loaded the merge rounded to bf16."""
+    code, _, err = run("merge", stored_pairs["llama"][0], pair[1], "-o", tmp_path / "out", "--stream", "--align",
+                       "none")
+    assert code == 0, err
+    written = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert {v.dtype for v in written.values()} == {torch.float32}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("config_from", ["config", "like"])
+def test_save_model_writes_the_dtype_of_the_weights_into_the_config(tmp_path, stored_pairs, config_from):
+    from symgraph.io import load_model, save_model
+
+    folder = stored_pairs["llama"][0]
+    loaded = load_model(folder)
+    state = {k: v.float() for k, v in loaded.model.state_dict().items()}
+    given = dict(config=loaded.config) if config_from == "config" else dict(like=folder)
+    out = save_model(state, tmp_path / "out", **given)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"  # the input's is left alone
+    assert loaded.config.dtype == torch.bfloat16
