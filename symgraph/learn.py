@@ -96,6 +96,8 @@ class LearnOptions:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
                              hint=f"e.g. lr={LearnOptions.lr} (the default).")
+        if not isinstance(self.general_linear, bool):
+            raise LearnError(f"Learning option general_linear must be True or False, not {self.general_linear!r}.")
         if self.method not in METHODS:
             raise LearnError(f"Unknown learning method {self.method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
         if self.t not in T_CHOICES:

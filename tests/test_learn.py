@@ -70,6 +70,7 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(t="end"), "Unknown interpolation point"),
     (LearnOptions(project_rounds=-1), "project_rounds must be a whole number >= 0"),
     (LearnOptions(method="sinkhorn"), "Unknown learning method"),
+    (LearnOptions(general_linear="yes"), "general_linear must be True or False"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
