@@ -238,8 +238,8 @@ def test_a_signal_during_a_write_removes_the_temporary_folder(tmp_path, bert_fol
         os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
-    code, _, _ = run("transform", bert_folder, "-o", tmp_path / "out")
-    assert code == exit_code
+    code, _, err = run("transform", bert_folder, "-o", tmp_path / "out")
+    assert code == exit_code, err
     assert list(tmp_path.iterdir()) == []
 
 
