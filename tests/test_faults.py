@@ -238,7 +238,13 @@ def test_a_signal_during_a_write_removes_the_temporary_folder(tmp_path, bert_fol
         os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
-    code, _, err = run("transform", bert_folder, "-o", tmp_path / "out")
+    # a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps
+    # it ignored: give SIGINT Python's usual handler, as an interactive run has, for this test only
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, _, err = run("transform", bert_folder, "-o", tmp_path / "out")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == exit_code, err
     assert list(tmp_path.iterdir()) == []
 
