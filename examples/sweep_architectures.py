@@ -410,18 +410,51 @@ def last_frame(exc: BaseException) -> str:
 
 # -- driver ----------------------------------------------------------------------------------------------------
 def run_isolated(model_type: str, timeout: float) -> dict:
+    return run_script_isolated(__file__, model_type, timeout, {"type": model_type, "named": model_type in NAMED})
+
+
+def run_script_isolated(script: str, name: str, timeout: float, identity: dict) -> dict:
+    """``script --one name`` in its own process: the JSON line it prints, or ``identity`` with a timeout or crash
+    class and its reason."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
-        done = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, script, "--one", name], capture_output=True, text=True,
                               timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"type": model_type, "named": model_type in NAMED, "class": "timeout", "reason": f">{timeout:.0f} s"}
+        return {**identity, "class": "timeout", "reason": f">{timeout:.0f} s"}
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {"type": model_type, "named": model_type in NAMED, "class": "crash",
-                "reason": f"exit {done.returncode}: {tail}"}
+        return {**identity, "class": "crash", "reason": f"exit {done.returncode}: {tail}"}
     return json.loads(lines[-1])
+
+
+def run_all(names, run, shown: tuple[str, ...], jsonl: Path | None) -> list[dict]:
+    """``run(name)`` for each name, in order: a progress line of the ``shown`` fields on stderr, and each row
+    appended to ``jsonl`` as soon as it is done."""
+    rows = []
+    for name in names:
+        row = run(name)
+        print(json.dumps({k: row.get(k) for k in shown}), file=sys.stderr, flush=True)
+        rows.append(row)
+        if jsonl:
+            with jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def report_summary(rows: list[dict], summarize, key: str, before_paths: list[Path], output: Path | None) -> None:
+    """Print the summary of ``rows`` (written atomically to ``output`` as well); with ``before_paths``, as
+    'before' (their rows) and 'after' (those rows updated by ``rows``, matched on ``key``)."""
+    summary = summarize(rows)
+    if before_paths:
+        before = [json.loads(ln) for path in before_paths for ln in path.read_text().splitlines()]
+        summary = {"before": summarize(before), "after": summarize(before + rows),
+                   "rerun_after_fixes": sorted({r[key] for r in rows})}
+    text = json.dumps(summary, indent=1)
+    if output:
+        write_atomically(output, text + "\n")
+    print(text)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -475,23 +508,9 @@ def main(argv=None) -> None:
     if not args.summarize:
         types = args.types.split(",") if args.types else TYPES
         done = {r["type"] for r in rows} if args.skip_done else set()
-        for model_type in [t for t in types if t not in done]:
-            row = run_isolated(model_type, args.timeout)
-            print(json.dumps({k: row.get(k) for k in ("type", "class", "reason", "bad_groups", "seconds")}),
-                  file=sys.stderr, flush=True)
-            rows.append(row)
-            if args.jsonl:
-                with args.jsonl.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-    summary = summarize(rows)
-    if args.before:
-        before = [json.loads(ln) for path in args.before for ln in path.read_text().splitlines()]
-        summary = {"before": summarize(before), "after": summarize(before + rows),
-                   "rerun_after_fixes": sorted({r["type"] for r in rows})}
-    text = json.dumps(summary, indent=1)
-    if args.output:
-        write_atomically(args.output, text + "\n")
-    print(text)
+        rows += run_all([t for t in types if t not in done], lambda t: run_isolated(t, args.timeout),
+                        ("type", "class", "reason", "bad_groups", "seconds"), args.jsonl)
+    report_summary(rows, summarize, "type", args.before, args.output)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -27,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sweep_architectures import Checker, elapsed, first_line, judged, last_frame, perturb, write_atomically  # noqa: E402
+from sweep_architectures import (Checker, elapsed, first_line, judged, last_frame, perturb, report_summary,  # noqa: E402
+                                 run_all, run_script_isolated)
 
 TRACED = (2, 7)  # (batch, length) of the example inputs symgraph traces; the checker's shapes are other ones
 
@@ -76,17 +75,7 @@ def sweep_one(name: str) -> dict:
 
 
 def run_isolated(name: str, timeout: float) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    try:
-        done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"model": name, "class": "timeout", "reason": f">{timeout:.0f} s"}
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {"model": name, "class": "crash", "reason": f"exit {done.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    return run_script_isolated(__file__, name, timeout, {"model": name})
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -126,25 +115,9 @@ def main(argv=None) -> None:
         print(json.dumps(sweep_one(args.one)))
         return
     names = args.models.split(",") if args.models else [e.name for e in ZOO]
-    rows = []
-    for name in names:
-        row = run_isolated(name, args.timeout)
-        print(json.dumps({k: row.get(k) for k in ("model", "class", "missing", "reason", "bad_groups", "seconds")}),
-              file=sys.stderr, flush=True)
-        rows.append(row)
-        if args.jsonl:
-            with args.jsonl.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-    summary = summarize(rows)
-    if args.before:
-        before = [json.loads(ln) for path in args.before for ln in path.read_text().splitlines()]
-        summary = {"before": summarize(before), "after": summarize(before + rows),
-                   "rerun_after_fixes": sorted({r["model"] for r in rows})}
-    text = json.dumps(summary, indent=1)
-    if args.output:
-        write_atomically(args.output, text + "\n")
-    print(text)
-
+    rows = run_all(names, lambda name: run_isolated(name, args.timeout),
+                   ("model", "class", "missing", "reason", "bad_groups", "seconds"), args.jsonl)
+    report_summary(rows, summarize, "model", args.before, args.output)
 
 if __name__ == "__main__":
     main()

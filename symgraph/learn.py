@@ -147,7 +147,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     clock = time.perf_counter()
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
     run = (_DirectRun(groups, start.state, loss_at, data, options) if options.method == "direct" else
-           _Run(groups, start.state, loss_at, data, options, cost_excluded))
+           _SteRun(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.step(step)
@@ -166,21 +166,53 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
 
 
 class _Run:
-    """The optimisation's state: the proxy and its optimiser, the current projection, the best one checked."""
+    """What both methods share: Adam (cosine-annealed) on ``parameters``, the batch and ``t`` of each step, the
+    evenly spaced checks on the probe batches, and the best state checked (the result)."""
 
-    def __init__(self, groups, start: State, loss_at: _InterpolatedLoss, data, options: LearnOptions,
-                 cost_excluded):
-        self.groups, self.loss_at, self.data, self.options = groups, loss_at, data, options
-        self.cost_excluded = cost_excluded
+    def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters):
+        self.loss_at, self.data, self.options = loss_at, data, options
         self.rng = np.random.default_rng(options.seed)
         self.current = self.best = start
-        self.proxy = {k: start[k].detach().to(torch.float32).clone().requires_grad_(True) for k in loss_at.names}
-        self.optimiser = torch.optim.Adam(list(self.proxy.values()), lr=options.lr)
+        self.optimiser = torch.optim.Adam(parameters, lr=options.lr)
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimiser, T_max=options.steps)
         self.probe = data.batches[:options.eval_batches]
         self.check_every = max(1, options.steps // options.checks)
         self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
         self.record.end_loss = self.record.start_loss
+
+    def sample(self):
+        """This step's interpolation point and training batch."""
+        t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
+        return t, self.data.batches[int(self.rng.integers(len(self.data.batches)))]
+
+    def descend(self, loss: torch.Tensor) -> None:
+        self.optimiser.zero_grad()
+        loss.backward()
+        self.optimiser.step()
+        self.schedule.step()
+        self.record.losses.append(float(loss.detach()))
+
+    def check_due(self, step: int) -> bool:
+        return (step + 1) % self.check_every == 0 or step + 1 == self.options.steps
+
+    def checked_better(self, state: State) -> bool:
+        """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked."""
+        checked = self.loss_at.evaluate(state, self.probe)
+        self.record.checks.append(checked)
+        if checked < self.record.end_loss:
+            self.best, self.record.end_loss = state, checked
+            return True
+        return False
+
+
+class _SteRun(_Run):
+    """The straight-through estimator: the proxy and its optimiser, the current projection, the best one checked."""
+
+    def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions,
+                 cost_excluded):
+        self.groups, self.cost_excluded = groups, cost_excluded
+        self.proxy = {k: start[k].detach().to(torch.float32).clone().requires_grad_(True) for k in loss_at.names}
+        super().__init__(start, loss_at, data, options, list(self.proxy.values()))
 
     def step(self, step: int) -> None:
         """Project, take the straight-through loss on one batch, move the proxy; check the projection now and
@@ -188,65 +220,42 @@ class _Run:
         target = {**self.current, **{k: p.detach().to(self.current[k].dtype) for k, p in self.proxy.items()}}
         self.current = align_states(self.groups, self.current, target, rounds=self.options.project_rounds,
                                     matching_start=False, cost_excluded=self.cost_excluded).state
-        t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
-        batch = self.data.batches[int(self.rng.integers(len(self.data.batches)))]
+        t, batch = self.sample()
         loss = self.loss_at(_straight_through(self.current, self.proxy), t, batch)
         bad = [k for k, p in self.proxy.items() if not torch.isfinite(p).all()]
         _check_finite(loss, f"proxy weights {bad[0]}" if bad else None, step)
-        self.optimiser.zero_grad()
-        loss.backward()
-        self.optimiser.step()
-        self.schedule.step()
-        self.record.losses.append(float(loss.detach()))
-        if (step + 1) % self.check_every == 0 or step + 1 == self.options.steps:
-            checked = self.loss_at.evaluate(self.current, self.probe)
-            self.record.checks.append(checked)
-            if checked < self.record.end_loss:
-                self.best, self.record.end_loss = self.current, checked
+        self.descend(loss)
+        if self.check_due(step):
+            self.checked_better(self.current)
 
 
-class _DirectRun:
+class _DirectRun(_Run):
     """The direct method: Adam on the continuous group elements (:class:`symgraph.continuous.ContinuousElements`)
     applied on top of the start; the forward pass runs through the exactly transformed start, so the gradient is
     that of the interpolated loss along the orbit. Permutations and signs stay where the start put them."""
 
-    def __init__(self, groups, start: State, loss_at: _InterpolatedLoss, data, options: LearnOptions):
+    def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
         from .alignment import general_linear_heads
         from .continuous import ContinuousElements
 
-        self.loss_at, self.data, self.options = loss_at, data, options
-        self.rng = np.random.default_rng(options.seed)
         self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
-        self.current = self.best = start
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups)
         self.best_elements = self.elements.exact()
-        self.optimiser = torch.optim.Adam(self.elements.parameters, lr=options.lr)
-        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimiser, T_max=options.steps)
-        self.probe = data.batches[:options.eval_batches]
-        self.check_every = max(1, options.steps // options.checks)
-        self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
-        self.record.end_loss = self.record.start_loss
+        super().__init__(start, loss_at, data, options, self.elements.parameters)
 
     def step(self, step: int) -> None:
         """One Adam step on the interpolated loss of one batch; check the elements now and then (the best one
         checked is the result)."""
-        t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
-        batch = self.data.batches[int(self.rng.integers(len(self.data.batches)))]
+        t, batch = self.sample()
         loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
         _check_finite(loss, None, step)
-        self.optimiser.zero_grad()
-        loss.backward()
-        self.optimiser.step()
-        self.schedule.step()
+        self.descend(loss)
         _check_finite(loss, None if self.elements.finite() else "the group elements' parameters", step)
-        self.record.losses.append(float(loss.detach()))
-        if (step + 1) % self.check_every == 0 or step + 1 == self.options.steps:
+        if self.check_due(step):
             exact = self.elements.exact()
             self.current = apply(self.start, exact, dtype=torch.float64)
-            checked = self.loss_at.evaluate(self.current, self.probe)
-            self.record.checks.append(checked)
-            if checked < self.record.end_loss:
-                self.best, self.best_elements, self.record.end_loss = self.current, exact, checked
+            if self.checked_better(self.current):
+                self.best_elements = exact
 
 
 class _InterpolatedLoss:
