@@ -1,7 +1,7 @@
 """Streamed alignment of a large pair against its floor, the time to read both checkpoints once; prints JSON.
 
     python examples/bench_7b_align.py /work/big7b/B1 /work/big7b/A [--modes paper,permutation,full]
-        [--out /work/big7b/aligned] [--rounds 8] [--fold] [--no-verify] [--json FILE --key NAME]
+        [--out /work/big7b/aligned] [--rounds 8] [--fold] [--no-verify] [--device cpu|cuda] [--json FILE --key NAME]
 
 SOURCE is aligned to ANCHOR. Each stage runs in a process of its own, one after the other, so that its peak RSS
 (``wait4``'s ``ru_maxrss``) is its own: ``read`` reads every tensor of both checkpoints once (the floor, as in
@@ -9,8 +9,9 @@ SOURCE is aligned to ANCHOR. Each stage runs in a process of its own, one after 
 meta device, the residual stream from the embeddings and head, each block read, aligned and written, then the
 written model checked against SOURCE in float64 block by block). The time of each stage comes from the run's
 ``--stats`` (inside the process: Python start-up left out; the wall time with it is reported too) and is divided
-by the floor. With ``--json`` the result is stored under ``--key`` in that file (other keys kept), written
-atomically. The page cache is not dropped: a 24 GB machine cannot cache two 12 GB checkpoints anyway.
+by the floor. ``--device cuda`` solves each block on the GPU (``align --stream --device cuda``; reads, writes
+and the float64 check stay on the CPU). With ``--json`` the result is stored under ``--key`` in that file (other
+keys kept), written atomically. The page cache is not dropped: a 24 GB machine cannot cache two 12 GB checkpoints anyway.
 """
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-floor", action="store_true", help="do not measure the read floor again")
     parser.add_argument("--json", type=Path, help="store the result in this file under --key")
     parser.add_argument("--key", default=None, help="default: SOURCE-ANCHOR folder names")
+    parser.add_argument("--device", default="cpu", help="where each block is solved (cpu, cuda)")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"source": args.source, "anchor": args.anchor, "cpu_count": os.cpu_count(),
-              "torch_threads": os.environ.get("OMP_NUM_THREADS"), "modes": {}}
+              "torch_threads": os.environ.get("OMP_NUM_THREADS"), "device": _device_name(args.device), "modes": {}}
     if not args.no_floor:
         read = _stage([sys.executable, "-c", READ_BOTH, args.source, args.anchor])
         size, floor = read["stdout"].split()
@@ -66,13 +68,14 @@ def _align(args, mode: str, floor: float | None) -> dict:
     if args.no_verify:
         code = ("import sys, json, symgraph; r = symgraph.align_streamed(sys.argv[1], sys.argv[2], sys.argv[3], "
                 "mode=sys.argv[4], rounds=None if sys.argv[5] == 'None' else int(sys.argv[5]), verify=False, "
-                "fold=sys.argv[7] == 'True', overwrite=True); open(sys.argv[6], 'w').write(json.dumps(r.to_json()))")
+                "fold=sys.argv[7] == 'True', overwrite=True, device=sys.argv[8]); "
+                "open(sys.argv[6], 'w').write(json.dumps(r.to_json()))")
         command = [sys.executable, "-c", code, args.source, args.anchor, str(args.out), mode, str(args.rounds),
-                   str(stats_file), str(args.fold)]
+                   str(stats_file), str(args.fold), args.device]
     else:
         command = [sys.executable, "-m", "symgraph", "align", args.source, args.anchor, "-o", str(args.out),
                    "--stream", "--mode", mode, "--shard-size", args.shard_size, "--overwrite", "--quiet",
-                   "--stats", str(stats_file)]
+                   "--stats", str(stats_file), "--device", args.device]
         if args.rounds is not None:
             command += ["--refine-rounds", str(args.rounds)]
         if args.fold:
@@ -95,6 +98,12 @@ def _align(args, mode: str, floor: float | None) -> dict:
         out["over_floor"] = {k: round(v / floor, 2) for k, v in timings.items()}
         out["total_over_floor"] = round(run["seconds"] / floor, 2)
     return out
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"cpu ({device})"
 
 
 def _key(args) -> str:

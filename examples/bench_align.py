@@ -22,7 +22,8 @@ spent inside solver calls), ``verify`` (outputs of aligned vs source on probe in
 skips ``verify`` and the key-bias check (they need a float64 copy of the model, 8 GB) and analyses a meta-device
 copy built from the config. Baseline: ``read_weights``, the time to read both models' safetensors files.
 ``outside_solvers_share`` is the share of the total spent outside solver calls. Torch uses every core unless
-``BENCH_THREADS`` says otherwise (1 keeps figures steadier on a machine that is doing other work).
+``BENCH_THREADS`` says otherwise (1 keeps figures steadier on a machine that is doing other work). ``--device
+cuda`` runs the alignment's working copies and solves on the GPU (``align(..., device="cuda")``).
 
 Examples::
 
@@ -116,7 +117,7 @@ def _minilm():
 
 
 # -- one mode (one child process each) ------------------------------------------------------------------------------
-def run_mode(pair: str, folder: Path, mode: str) -> dict:
+def run_mode(pair: str, folder: Path, mode: str, device: str = "cpu") -> dict:
     import torch
     from safetensors.torch import load_file
 
@@ -132,13 +133,13 @@ def run_mode(pair: str, folder: Path, mode: str) -> dict:
         clock = time.perf_counter()
         source, anchor = symgraph.load(source_folder), symgraph.load(anchor_folder)
         loading = time.perf_counter() - clock
-        result = symgraph.align(source, anchor, mode=mode, fold=None)
+        result = symgraph.align(source, anchor, mode=mode, fold=None, device=device)
         result.timings["load"] = loading
     elif pair != "llama-1b":
         clock = time.perf_counter()
         source, anchor = symgraph.load(folder / "source"), symgraph.load(folder / "anchor")
         loading = time.perf_counter() - clock
-        result = symgraph.align(source, anchor, mode=mode)
+        result = symgraph.align(source, anchor, mode=mode, device=device)
         result.timings["load"] = loading
     else:  # 8 GB of float64 copies would not fit beside the two models: analyse on the meta device
         clock = time.perf_counter()
@@ -148,14 +149,14 @@ def run_mode(pair: str, folder: Path, mode: str) -> dict:
         clock = time.perf_counter()
         report = symgraph.analyze(folder / "anchor" / "config.json", config_only=True)
         analyse = time.perf_counter() - clock
-        result = align_states(select_groups(report.groups, mode), src, anc, mode=mode)
+        result = align_states(select_groups(report.groups, mode), src, anc, mode=mode, device=device)
         result.timings.update(load=loading, analyse=analyse)
     stages = {k: v for k, v in result.timings.items() if k != "solvers"}
     total = sum(stages.values())
     return {"mode": mode, "distance_before": result.distance_before, "distance_after": result.distance_after,
             "verified_relative_error": result.verified_error, "timings_s": result.timings, "total_s": total,
             "outside_solvers_share": 1 - result.timings["solvers"] / total, "read_weights_s": read_weights,
-            "solves": len(result.stats), "folded": result.folded,
+            "solves": len(result.stats), "folded": result.folded, "device": device,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -190,10 +191,17 @@ def time_ratios(modes: dict) -> dict:
 def run_trained(pair: str, args) -> dict:
     """Every mode on a trained pair (B aligned to A), one child process per mode."""
     entry = {"pair": {"kind": "trained"}, "modes": {}}
-    for mode in args.modes.split(","):
-        log(f"{pair}/trained: {mode}")
-        entry["modes"][mode] = _child("--run", pair, "-", mode)
+    for mode, device, key in _runs(args):
+        log(f"{pair}/trained: {key}")
+        entry["modes"][key] = _child("--run", pair, "-", mode, device)
     return {**entry, **time_ratios(entry["modes"])}
+
+
+def _runs(args):
+    """(mode, device, result key) of every run asked for."""
+    devices = args.devices.split(",")
+    return [(mode, device, mode if len(devices) == 1 else f"{mode}@{device}")
+            for mode in args.modes.split(",") for device in devices]
 
 
 # -- driver -----------------------------------------------------------------------------------------------------------
@@ -213,16 +221,18 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--devices", default="cpu", help="comma-separated (cpu,cuda): each mode runs on each; with "
+                                                         "more than one, results are keyed MODE@DEVICE")
     parser.add_argument("--build", nargs=3, help=argparse.SUPPRESS)  # child: PAIR KIND FOLDER
-    parser.add_argument("--run", nargs=3, help=argparse.SUPPRESS)  # child: PAIR FOLDER MODE
+    parser.add_argument("--run", nargs=4, help=argparse.SUPPRESS)  # child: PAIR FOLDER MODE DEVICE
     args = parser.parse_args(argv)
     if args.build:
         pair, kind, folder = args.build
         print(json.dumps(build_pair(pair, kind, args.layers, Path(folder))))
         return
     if args.run:
-        pair, folder, mode = args.run
-        print(json.dumps(run_mode(pair, Path(folder), mode)))
+        pair, folder, mode, device = args.run
+        print(json.dumps(run_mode(pair, Path(folder), mode, device)))
         return
     results = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "pairs": {}}
     pairs = [p for p in (*PAIRS, *TRAINED) if args.pair in (p, "all") or (args.pair == "trained" and p in TRAINED)]
@@ -240,9 +250,9 @@ def main(argv=None) -> None:
                 layer_args = ["--layers", str(args.layers)] if args.layers else []
                 entry = {"pair": _child("--build", pair, kind, tmp, *layer_args), "modes": {}}
                 results["pairs"][f"{pair}/{kind}"] = entry
-                for mode in args.modes.split(","):
-                    log(f"{pair}/{kind}: {mode}")
-                    entry["modes"][mode] = _child("--run", pair, tmp, mode)
+                for mode, device, key in _runs(args):
+                    log(f"{pair}/{kind}: {key}")
+                    entry["modes"][key] = _child("--run", pair, tmp, mode, device)
                     if args.out:  # partial figures survive an interrupted run
                         args.out.write_text(json.dumps(results, indent=1))
                 entry.update(time_ratios(entry["modes"]))

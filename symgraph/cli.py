@@ -245,13 +245,12 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     if stream:
         given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
                                        ("--general-linear", general_linear), ("--data", data_spec),
-                                       ("--learn", learn), ("--free-outputs", free_outputs),
-                                       ("--device", device != "cpu"), ("--dtype", dtype)) if on]
+                                       ("--learn", learn), ("--free-outputs", free_outputs)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
                                    "align in memory (without --stream).")
         _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold,
-                        _parse_size(shard_size), overwrite, stats_path, quiet)
+                        _parse_size(shard_size), overwrite, stats_path, quiet, device, dtype)
         return
     clock = time.perf_counter()
     subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
@@ -276,7 +275,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
 
 
 def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, shard_bytes,
-                    overwrite, stats_path, quiet) -> None:
+                    overwrite, stats_path, quiet, device, dtype) -> None:
     from .streamed_align import align_streamed
 
     done = {}
@@ -285,7 +284,7 @@ def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_round
         done["result"] = result = align_streamed(source, anchor, output, mode=mode, rescale=not no_rescale,
                                                  layers=span, rounds=refine_rounds, tolerance=tolerance,
                                                  fold=fold, shard_bytes=shard_bytes, overwrite=overwrite,
-                                                 progress=bar.update)
+                                                 progress=bar.update, device=device, dtype=dtype)
     groups = len({s.group for s in result.stats})
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
                f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {groups} groups"

@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .alignment import DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, select_groups
+from .alignment import (DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, compute_device, compute_dtype,
+                        select_groups)
 from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
@@ -75,13 +76,16 @@ class StreamedAlignment:
 def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = True,
                    layers: tuple[int, int] | None = None, rounds: int | None = None, tolerance: float = 1e-4,
                    fold: bool = False, shard_bytes: int | None = None, overwrite: bool = False,
-                   verify: bool = True, progress: Callable | None = None) -> StreamedAlignment:
+                   verify: bool = True, progress: Callable | None = None, device="cpu",
+                   dtype=None) -> StreamedAlignment:
     """Align the safetensors checkpoint ``source`` to ``anchor`` (Hugging Face folders of one architecture) block
     by block (see the module docstring) and write the result to ``out`` as sharded safetensors with the index.
 
     ``mode``, ``rescale``, ``layers``, ``tolerance`` and ``progress`` are as for
     :func:`symgraph.alignment.align_states`; ``rounds`` (default 8) bounds the descent inside each block;
-    ``fold`` reads both models folded (see the module docstring). With ``verify`` the written model is run against
+    ``fold`` reads both models folded (see the module docstring). ``device`` and ``dtype`` are where and in what
+    each block's working copies are solved (as for :func:`symgraph.alignment.align_states`); blocks are read and
+    written on the CPU in their stored dtype either way. With ``verify`` the written model is run against
     ``source`` in float64 block by block (:func:`symgraph.streamed_verify.verify_streamed`: a whole float64 copy
     would not fit) before it is moved to ``out``; a mismatch raises :class:`~symgraph.errors.InvarianceError` and
     leaves nothing there.
@@ -103,6 +107,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     from .shards import DEFAULT_SHARD_BYTES, TensorInfo, write_checkpoint
 
     refuse_overlap(out, [source, anchor])
+    device, dtype = compute_device(device), compute_dtype(dtype)  # before anything is read
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     src, anc = LazyState(source), LazyState(anchor)
@@ -119,7 +124,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     from .streamed_verify import _block_list
 
     prefixes = list(_block_list(model, config))
-    job = _Job(src, anc, groups, prefixes, mode, rescale, rounds, tolerance, progress)
+    job = _Job(src, anc, groups, prefixes, mode, rescale, rounds, tolerance, progress, device, dtype)
     clock = time.perf_counter()
     job.solve_spanning()
     timings["residual"] = time.perf_counter() - clock
@@ -242,8 +247,9 @@ class _Job:
     aligned tensors from when the writer first asks for one of them until it has taken them all."""
 
     def __init__(self, src: LazyState, anc: LazyState, groups, prefixes, mode, rescale, rounds, tolerance,
-                 progress):
+                 progress, device, dtype):
         self.src, self.anc, self.mode, self.rescale = src, anc, mode, rescale
+        self.device, self.dtype = device, dtype
         self.rounds, self.tolerance, self.progress = rounds, tolerance, progress
         self.prefixes = prefixes
         self.blocks: dict[str, list[Group]] = {p: [] for p in prefixes}
@@ -284,13 +290,13 @@ class _Job:
             return
         names = list(dict.fromkeys(m.param for g in restricted for m in g.members))
         aligner = Aligner(restricted, {k: self.src[k] for k in names}, {k: self.anc[k] for k in names},
-                          mode=self.mode, rescale=self.rescale)
+                          mode=self.mode, rescale=self.rescale, device=self.device, dtype=self.dtype)
         aligner.first_pass(self.progress)
         full = {g.id: g for g in self.spanning}
         self.fixed = [replace_group(e, full[e.group.id]) for e in aligner.elements]
         self.elements += self.fixed
         self.stats += aligner.stats
-        self._outside = {k: aligner.src[k].to(self.src.info(k).dtype) for k in names}
+        self._outside = {k: aligner.src[k].to(device="cpu", dtype=self.src.info(k).dtype) for k in names}
 
     def produce(self, name: str) -> torch.Tensor:
         """The aligned tensor ``name`` in its stored dtype (the writer's ``produce``)."""
@@ -317,7 +323,8 @@ class _Job:
         work: dict[str, torch.Tensor] = {}
         if groups:
             anchor = {k: self.anc[k] for k in {m.param for g in groups for m in g.members}}
-            aligner = Aligner(groups, stored, anchor, mode=self.mode, rescale=self.rescale)
+            aligner = Aligner(groups, stored, anchor, mode=self.mode, rescale=self.rescale, device=self.device,
+                              dtype=self.dtype)
             del anchor  # the aligner holds working copies of both (one fp32 copy of each block, no more)
             self._apply_fixed(aligner.src)
             aligner.first_pass(self.progress)
@@ -328,7 +335,7 @@ class _Job:
             work = aligner.src
             del aligner
         work.update(self._moved({k: stored[k] for k in names if k not in work}, work=True))
-        out = {k: work.pop(k).to(stored[k].dtype) for k in names}
+        out = {k: work.pop(k).to(device="cpu", dtype=stored[k].dtype) for k in names}
         for k in names:
             self._add_distance(stored[k], out[k], self.anc[k])
         self.timings["blocks"] += time.perf_counter() - clock

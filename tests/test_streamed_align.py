@@ -181,3 +181,25 @@ def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path):
     for name in folded:
         assert folded[name].dtype == torch.bfloat16, name
         assert torch.equal(folded[name], expected[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine runs it)"))])
+def test_compute_device_and_dtype_give_the_same_alignment(tmp_path, pair, device):
+    """Blocks solved on ``device`` in float64 or float32: the same permutations, distances within rounding, and
+    the written tensors back on the CPU in their stored dtype."""
+    wide = streamed_align.align_streamed(pair / "B2", pair / "A", tmp_path / "f64", mode="permutation",
+                                         device=device, dtype="float64")
+    narrow = streamed_align.align_streamed(pair / "B2", pair / "A", tmp_path / "f32", mode="permutation",
+                                           device=device, dtype="float32")
+    assert same_elements(wide.elements, narrow.elements)
+    assert narrow.distance_after == pytest.approx(wide.distance_after, rel=1e-5)
+    assert narrow.distance_after < narrow.distance_before
+    assert {info.dtype for info in LazyState(narrow.path).infos()} == {torch.float64}
+
+
+def test_streamed_device_without_a_gpu_is_refused_before_reading(tmp_path, pair, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run("align", pair / "B2", pair / "A", "-o", tmp_path / "out", "--stream", "--device", "cuda")
+    assert code == 2 and "sees no CUDA GPU" in err
+    assert not (tmp_path / "out").exists()
