@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
+from torch.utils._pytree import tree_map
 
 from .errors import CaptureError
 from .moe import DENSE, experts_implementation
@@ -55,9 +56,10 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     """
     kwargs = dict(kwargs or {})
     model = model.eval()
+    traced_args, traced_kwargs = _on_parameter_device(model, tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
         with torch.no_grad(), _quiet(), experts_implementation(model, DENSE):
-            program = torch.export.export(model, tuple(args), kwargs, strict=False)
+            program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
     sig = program.graph_signature
@@ -72,6 +74,19 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             users.append(name)
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
     return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes)
+
+
+def _on_parameter_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs as export should see them: on the meta device when the parameters are (a config-only
+    model), since torch before 2.13 refuses an op that mixes meta and CPU tensors. The capture keeps the CPU
+    inputs: :func:`data_values` evaluates the data nodes (positions, masks) on them."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return args, kwargs
+
+    def to_meta(value):
+        return value.to("meta") if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+
+    return tree_map(to_meta, (args, kwargs))
 
 
 def data_values(cap: Capture) -> dict[str, Any]:
