@@ -53,7 +53,7 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     out = _per_expert(hidden, self.down_proj, self.is_transposed, "tei")
     if self.has_bias:
         out = out + self.down_proj_bias
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # transformers 5.17 has no post-expert norm
         out = self.post_expert_norm(out)
     return torch.einsum("ted,te->td", out, routing.to(out.dtype)).to(hidden_states.dtype)
 
