@@ -195,3 +195,5 @@ class Value:
     # of the coordinate row each element was computed from, so it moves with exactly those rows
     follows: torch.Tensor | None = None
     points_to: torch.Tensor | None = None  # integer data indexing a labelled axis (top-k indices): that axis' ids
+    constant_axes: frozenset[int] = frozenset()  # axes along which the values are known not to vary (expanded)
+    complex: bool = False  # complex values, labelled by their real view (a trailing axis: real, imaginary part)
