@@ -1,11 +1,14 @@
 """Hand-written mixtures of experts, Meta's complex rotary and MLP-Mixer's token mixing
-(examples/sweep_handwritten.py: ``moe_soft_bmm``, ``moe_top2_softmax_dense_einsum``, ``complex_rotary_meta_llama``,
-``mlp_mixer``), each as a tiny module: the groups the sweep missed are found, and every one is fuzzed in float64.
+(examples/sweep_handwritten.py: ``moe_soft_bmm``, ``moe_top2_softmax_dense_einsum``, ``moe_top1_softmax_loop``,
+``moe_expert_choice``, ``complex_rotary_meta_llama``, ``mlp_mixer``), each as a tiny module: the groups the sweep
+missed are found, and every one is fuzzed in float64.
 
 What each needed: soft MoE runs every expert on ``x.expand(E, ...)`` through ``bmm``, and an expand repeats its
 input, so expert ``e``'s weights meet the same tokens as any other's (specs/ops.yaml ``broadcasts``); the dense
 routed form builds its routing matrix with ``zeros_like(...).scatter(-1, top_k_index, weights)`` (rules ``fill``
-and ``scatter``) and mixes the experts with a three-operand einsum (contracted pairwise); Meta's rotary multiplies
+and ``scatter``) and mixes the experts with a three-operand einsum (contracted pairwise); the loop and
+expert-choice forms pick tokens by routed indices (``index_select``, ``x[rows]``: the stream's labels are the same
+at every token, whatever the count) and add them back with ``index_add``; Meta's rotary multiplies
 ``view_as_complex(q)`` by known complex numbers (rule ``complex_view``, complex products in ``mul``); the Mixer's
 token-mixing linear adds its bias along the patch axis, the same in every channel of the residual stream.
 """
@@ -68,6 +71,41 @@ class DenseRoutedMoE(ExpertsBlock):
         return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
 
 
+class ExpertChoiceMoE(ExpertsBlock):
+    """Each expert takes its top tokens (top-k over the token axis), gathered with ``x[rows]``, added back with
+    ``index_add``."""
+
+    def experts(self, flat):
+        gate, rows = self.router(flat).softmax(-1).t().topk(flat.shape[0] // 2, -1)
+        hidden = F.relu(torch.einsum("ecd,edh->ech", flat[rows], self.w_in))
+        y = torch.einsum("ech,ehd->ecd", hidden, self.w_out) * gate[..., None]
+        return torch.zeros_like(flat).index_add(0, rows.reshape(-1), y.reshape(-1, D))
+
+
+class LoopMoE(nn.Module):
+    """A ModuleList of experts, each run on the tokens routed to it (a data-dependent count: ``nonzero``,
+    ``index_select``) and added back with ``index_add``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
+                                     for _ in range(E))
+
+    def forward(self, x):
+        h = self.inp(x)
+        flat = self.norm(h).reshape(-1, D)
+        probs = self.router(flat).softmax(-1)
+        top, index = probs.topk(2, -1)
+        weights = torch.zeros_like(probs).scatter(-1, index, top)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (index == e).any(-1).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(flat.index_select(0, rows)) * weights.index_select(0, rows)[:, e:e + 1])
+        return self.out(h + out.view_as(h))
+
+
 class ComplexRotary(nn.Module):
     """Attention whose queries and keys are rotated as complex numbers (Meta's LLaMA ``apply_rotary_emb``)."""
 
@@ -120,6 +158,25 @@ def test_experts_move_with_their_router_rows(form):
     units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == HIDDEN]
     assert {(m.param, m.axis) for g in units for m in g.members} == {("w_in", 2), ("w_out", 1)}, census(subject)
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_routed_loop_keeps_each_experts_units_and_the_stream():
+    """Tokens picked by routed indices (a count known only at run time) keep the stream's labels; the router rows
+    stay (comparing indices with an expert number follows no coordinate, and ModuleList experts cannot move)."""
+    subject = _load(LoopMoE())
+    units = sorted(g.layer for g in subject.report.groups if g.motif == "ffn" and g.kind == "permutation")
+    assert units == [f"experts.{e}" for e in range(E)], census(subject)
+    assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert any("router.weight" in p.params and "aten.eq.Scalar" in p.reason for p in subject.report.pinned)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_expert_choice_keeps_the_stream_and_the_units():
+    subject = _load(ExpertChoiceMoE())
+    assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == HIDDEN]
+    assert {(m.param, m.axis) for g in units for m in g.members} == {("w_in", 2), ("w_out", 1)}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 

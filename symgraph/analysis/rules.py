@@ -12,7 +12,8 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
-from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows, varying_axes
+from .labels import (Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies, unique_rows,
+                     varying_axes)
 
 NEUTRAL = monomial("one")
 
@@ -26,7 +27,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if any(v is not None and v.points_to is not None for v in moved):
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
-        return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
+        return _pick_unknown_rows(w, node)
     if spec.concatenates:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
@@ -127,6 +128,41 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     others = [a for a in node.all_input_nodes if a not in moved]
     return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
                for v in (w.values.get(a.name) for a in others))
+
+
+def _pick_unknown_rows(w, node: fx.Node) -> Value:
+    """Positions picked by indices whose values depend on the weights (the tokens routed to one expert). A channel
+    that does not vary along the picked axes carries the same labels at every picked position, so it keeps them;
+    channels that vary there (or mix with coefficients that may), and pickings that change the rank, pin."""
+    picked = _axes_chosen_by_unknown_indices(w, node)
+    x, out_shape = w.value(_tensor_args(node)[0]), _shape_of(node)
+    relabel = None
+    pointing = any(v is not None and v.points_to is not None for v in map(w.value, node.all_input_nodes))
+    if (len(_tensor_args(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked
+            and not pointing):  # indices into a labelled axis picking another tensor's positions: pin both
+        rank, kept = len(x.shape), [a for a in range(len(x.shape)) if a not in picked]
+        if len(out_shape) == rank and all(x.shape[a] == out_shape[a] for a in kept):  # index_select, gather
+            relabel = lambda t: _first_along(t, picked, out_shape)  # noqa: E731
+        elif picked == set(range(rank - len(kept))) and tuple(out_shape[len(out_shape) - len(kept):]) == tuple(
+                x.shape[a] for a in kept):  # x[rows], x[mask]: the leading axes replaced by the indices' own
+            lead = len(out_shape) - len(kept)
+            relabel = lambda t: t[tuple(0 if a in picked else slice(None) for a in range(rank))].reshape(  # noqa: E731
+                [1] * lead + [t.shape[a] for a in kept]).expand(out_shape)
+    if relabel is None:
+        return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
+    chans = []
+    for c in x.chans:
+        if chan_axes(c) & picked or c.mixed:
+            for t in c.terms:
+                w.c.pin(t.ids, "positions picked by indices that depend on the weights", node.name)
+            continue
+        chans.append(c.map(relabel))
+    return Value(chans=chans, shape=out_shape)
+
+
+def _first_along(t: torch.Tensor, axes, out_shape) -> torch.Tensor:
+    """``t``'s labels at position 0 of ``axes``, broadcast to ``out_shape`` (labels constant along those axes)."""
+    return t[tuple(slice(0, 1) if a in axes else slice(None) for a in range(t.dim()))].expand(out_shape)
 
 
 def _pin_moved(w, node: fx.Node, reason: str):
@@ -353,8 +389,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
         operands = [args[name] for name in operand_names(spec, node.target)]
         pattern = spec.recipe
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
-    if any(v is not None and (v.shape is None or not all(isinstance(d, int) for d in v.shape)) for v in values):
-        return _pin_moved(w, node, "an operand's shape is only known at run time")  # JetMoE's experts, x[mask]
+    if any(v is not None and v.shape is None for v in values):
+        return _pin_moved(w, node, "an operand's shape is unknown")
     shapes = [v.shape if v is not None else () for v in values]
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
@@ -1139,12 +1175,35 @@ def rule_scatter(w, node: fx.Node, spec) -> Value:
     return Value(chans=[Chan.clean(index.points_to.reshape(view).expand(out_shape))], shape=out_shape)
 
 
+def rule_index_add(w, node: fx.Node, spec) -> Value:
+    """``index_add(self, dim, index, source, alpha)``: ``alpha * source``'s slices along ``dim`` added into
+    ``self`` at the positions ``index`` names (the routed tokens back into the stream). Positions move, values do
+    not mix: channels that do not vary along ``dim`` add like an addition; channels that vary there pin."""
+    args = _schema_args(node)
+    into, source = _as_value(_operand(w, args["self"])), _as_value(_operand(w, args["source"]))
+    out_shape = _shape_of(node)
+    dim = args["dim"] % len(out_shape)
+    alpha = float(args.get("alpha", 1))
+    kept = []
+    for v in (into, source):
+        for c in v.chans:
+            if dim in chan_axes(c) or c.mixed or len(c.shape) != len(out_shape):
+                for t in c.terms:
+                    w.c.pin(t.ids, "added at indexed positions along an axis it varies along", node.name)
+            elif v is source:
+                placed = c.map(lambda t: _first_along(t, {dim}, out_shape))
+                kept.append(placed.scaled(alpha) if alpha != 1 else placed)
+    into = Value(chans=[c for c in into.chans if dim not in chan_axes(c) and not c.mixed], data=into.data,
+                 shape=into.shape, invariant=into.invariant)
+    return _add_values(w, node, into, Value(chans=kept, shape=out_shape), residual=False)
+
+
 # -- new tensors ------------------------------------------------------------------------------------------------
 def rule_fill(w, node: fx.Node, spec) -> Value:
     """A tensor of one value with the input's shape (``zeros_like``): plain data, whatever the input carries."""
     value = spec.value if spec.value is not None else schema_arg(node, "fill_value")
-    val = node.meta["val"]
-    return Value(data=torch.full(tuple(val.shape), value, dtype=val.dtype), shape=tuple(val.shape))
+    shape = _shape_of(node)
+    return Value(data=torch.full(shape, value, dtype=node.meta["val"].dtype), shape=shape)
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
@@ -1196,9 +1255,9 @@ def _shape_of(node: fx.Node, k: int | None = None):
     val = node.meta.get("val")
     if k is not None:
         val = val[k]
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _node_shape(a: fx.Node):
     val = a.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None

@@ -22,7 +22,7 @@ from ..spec import OpSpec, Specs, load_specs
 from . import rules
 from ..outputs import output_names, virtual_name
 from .constraints import ORTHOGONAL, Constraints
-from .labels import Chan, IdSpace, Value, chan_axes, collapse, param_channels
+from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
 
 
@@ -278,7 +278,7 @@ def source_line(node: fx.Node) -> str:
 
 def _shape(node: fx.Node):
     val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _flat_values(node: fx.Node, values: dict) -> list[Value]:
