@@ -40,7 +40,7 @@ class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
     rule: Literal["attention", "add", "mul", "div", "layer_norm", "batch_norm", "pad", "reduce", "softmax",
-                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add"]
+                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put"]
 
 
 class MovementSpec(_Equivariant):

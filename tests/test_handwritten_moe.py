@@ -84,10 +84,11 @@ class ExpertChoiceMoE(ExpertsBlock):
 
 class LoopMoE(nn.Module):
     """A ModuleList of experts, each run on the tokens routed to it (a data-dependent count: ``nonzero``,
-    ``index_select``) and added back with ``index_add``."""
+    ``index_select``) and added back with ``index_add`` or, ``out[rows] += y``, ``index_put``."""
 
-    def __init__(self):
+    def __init__(self, put: bool = False):
         super().__init__()
+        self.put = put
         self.inp, self.norm, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
         self.router = nn.Linear(D, E, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
@@ -102,7 +103,8 @@ class LoopMoE(nn.Module):
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             rows = (index == e).any(-1).nonzero().squeeze(-1)
-            out = out.index_add(0, rows, expert(flat.index_select(0, rows)) * weights.index_select(0, rows)[:, e:e + 1])
+            y = expert(flat.index_select(0, rows)) * weights.index_select(0, rows)[:, e:e + 1]
+            out = out.index_put((rows,), y, accumulate=True) if self.put else out.index_add(0, rows, y)
         return self.out(h + out.view_as(h))
 
 
@@ -161,10 +163,13 @@ def test_experts_move_with_their_router_rows(form):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_routed_loop_keeps_each_experts_units_and_the_stream():
+@pytest.mark.parametrize("put", [False, True])
+def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
     """Tokens picked by routed indices (a count known only at run time) keep the stream's labels; the router rows
     stay (comparing indices with an expert number follows no coordinate, and ModuleList experts cannot move)."""
-    subject = _load(LoopMoE())
+    subject = _load(LoopMoE(put))
+    recorded = {str(n.target) for n in subject.capture.graph.nodes if n.op == "call_function"}
+    assert ("aten.index_put.default" if put else "aten.index_add.default") in recorded
     units = sorted(g.layer for g in subject.report.groups if g.motif == "ffn" and g.kind == "permutation")
     assert units == [f"experts.{e}" for e in range(E)], census(subject)
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)

@@ -145,9 +145,7 @@ def _pick_unknown_rows(w, node: fx.Node) -> Value:
             relabel = lambda t: _first_along(t, picked, out_shape)  # noqa: E731
         elif picked == set(range(rank - len(kept))) and tuple(out_shape[len(out_shape) - len(kept):]) == tuple(
                 x.shape[a] for a in kept):  # x[rows], x[mask]: the leading axes replaced by the indices' own
-            lead = len(out_shape) - len(kept)
-            relabel = lambda t: t[tuple(0 if a in picked else slice(None) for a in range(rank))].reshape(  # noqa: E731
-                [1] * lead + [t.shape[a] for a in kept]).expand(out_shape)
+            relabel = lambda t: _leading_replaced(t, rank - len(kept), out_shape)  # noqa: E731
     if relabel is None:
         return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
     chans = []
@@ -158,6 +156,13 @@ def _pick_unknown_rows(w, node: fx.Node) -> Value:
             continue
         chans.append(c.map(relabel))
     return Value(chans=chans, shape=out_shape)
+
+
+def _leading_replaced(t: torch.Tensor, n_leading: int, out_shape) -> torch.Tensor:
+    """Labels constant along ``t``'s first ``n_leading`` axes, as those of ``out_shape``, whose leading axes
+    replace them (``x[rows]``: the indices' shape in front of the axes kept)."""
+    rest = list(t.shape[n_leading:])
+    return t[(0,) * n_leading].reshape([1] * (len(out_shape) - len(rest)) + rest).expand(out_shape)
 
 
 def _first_along(t: torch.Tensor, axes, out_shape) -> torch.Tensor:
@@ -253,16 +258,22 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     if isinstance(dim, int):
         return frozenset({dim % rank})
     indices = schema_arg(node, "indices")
-    if isinstance(indices, (list, tuple)):  # index.Tensor: one entry per leading axis; a boolean mask spans several
-        axes, axis = set(), 0
-        for t in indices:
-            val = t.meta.get("val") if isinstance(t, fx.Node) else None
-            span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
-            if t is not None:
-                axes.update(range(axis, axis + span))
-            axis += span
-        return frozenset(axes)
+    if isinstance(indices, (list, tuple)):  # index.Tensor
+        return _indexed_axes(indices)
     return frozenset(range(rank))  # an op that reads index values some other way: every axis
+
+
+def _indexed_axes(indices) -> frozenset[int]:
+    """The axes an index list (``index.Tensor``, ``index_put``) picks: one entry per leading axis, None for an axis
+    taken whole, a boolean mask spanning as many axes as it has."""
+    axes, axis = set(), 0
+    for t in indices:
+        val = t.meta.get("val") if isinstance(t, fx.Node) else None
+        span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
+        if t is not None:
+            axes.update(range(axis, axis + span))
+        axis += span
+    return frozenset(axes)
 
 
 def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
@@ -1184,18 +1195,53 @@ def rule_index_add(w, node: fx.Node, spec) -> Value:
     out_shape = _shape_of(node)
     dim = args["dim"] % len(out_shape)
     alpha = float(args.get("alpha", 1))
+    placed = []
+    for c in source.chans:
+        if dim in chan_axes(c) or c.mixed or len(c.shape) != len(out_shape):
+            _pin_chan(w, node, c, "added at indexed positions along an axis it varies along")
+        else:
+            c = c.map(lambda t: _first_along(t, {dim}, out_shape))
+            placed.append(c.scaled(alpha) if alpha != 1 else c)
+    return _add_at_positions(w, node, into, placed, frozenset({dim}), out_shape)
+
+
+def rule_index_put(w, node: fx.Node, spec) -> Value:
+    """``index_put(self, indices, values, accumulate)`` (``x[rows] = v``, ``x[mask] += v``): ``values`` written
+    into, or added to, the positions the indices name along ``self``'s leading axes. Each element is ``self``'s,
+    ``values``' or their sum, so channels that vary along no indexed axis are tied as in an addition (as ``where``
+    does); channels that vary along one, or values laid out otherwise, pin."""
+    args = _schema_args(node)
+    into, values = _as_value(_operand(w, args["self"])), _as_value(_operand(w, args["values"]))
+    out_shape = _shape_of(node)
+    indexed = _indexed_axes(args["indices"])
+    rest = out_shape[len(indexed):] if indexed == set(range(len(indexed))) else None
+    placed = []
+    for c in values.chans:
+        lead = len(c.shape) - len(rest) if rest is not None else -1
+        if lead < 0 or tuple(c.shape[lead:]) != tuple(rest) or chan_axes(c) & set(range(lead)) or c.mixed:
+            _pin_chan(w, node, c, "written at indexed positions, laid out along the indexed axes")
+        else:
+            placed.append(c.map(lambda t, lead=lead: _leading_replaced(t, lead, out_shape)))
+    return _add_at_positions(w, node, into, placed, indexed if rest is not None else frozenset(range(len(out_shape))),
+                             out_shape)
+
+
+def _add_at_positions(w, node, into: Value, placed: list[Chan], axes: frozenset[int], out_shape) -> Value:
+    """``into`` with ``placed`` channels written or added at some of its positions along ``axes``: ``into``'s
+    channels that vary along ``axes`` pin, the rest meet the placed ones as in an addition."""
     kept = []
-    for v in (into, source):
-        for c in v.chans:
-            if dim in chan_axes(c) or c.mixed or len(c.shape) != len(out_shape):
-                for t in c.terms:
-                    w.c.pin(t.ids, "added at indexed positions along an axis it varies along", node.name)
-            elif v is source:
-                placed = c.map(lambda t: _first_along(t, {dim}, out_shape))
-                kept.append(placed.scaled(alpha) if alpha != 1 else placed)
-    into = Value(chans=[c for c in into.chans if dim not in chan_axes(c) and not c.mixed], data=into.data,
-                 shape=into.shape, invariant=into.invariant)
-    return _add_values(w, node, into, Value(chans=kept, shape=out_shape), residual=False)
+    for c in into.chans:
+        if chan_axes(c) & axes or c.mixed:
+            _pin_chan(w, node, c, "written at indexed positions along an axis it varies along")
+        else:
+            kept.append(c)
+    into = Value(chans=kept, data=into.data, shape=into.shape, invariant=into.invariant)
+    return _add_values(w, node, into, Value(chans=placed, shape=out_shape), residual=False)
+
+
+def _pin_chan(w, node, chan: Chan, why: str) -> None:
+    for t in chan.terms:
+        w.c.pin(t.ids, why, node.name)
 
 
 # -- new tensors ------------------------------------------------------------------------------------------------
