@@ -40,12 +40,13 @@ class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
     rule: Literal["attention", "add", "mul", "div", "layer_norm", "batch_norm", "pad", "reduce", "softmax",
-                  "embedding", "ignore", "topk", "one_hot", "gather"]
+                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put"]
 
 
 class MovementSpec(_Equivariant):
     rule: Literal["movement"]
     concatenates: bool = False  # pieces joined along `dim`: pieces carrying the same coordinates are tied
+    broadcasts: bool = False  # repeats the input along axes where it has size 1 (expand): values constant there
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
 
     @field_validator("replay_as")
@@ -113,12 +114,26 @@ class ConvSpec(_Frozen):
     transposed: bool = False  # the kernel is laid out (in, out, taps...), as in conv_transpose
 
 
+class ComplexViewSpec(_Frozen):
+    rule: Literal["complex_view"]
+    to: Literal["complex", "real"]  # view_as_complex: pairs (re, im) along the last axis; view_as_real: back
+
+
+class FillSpec(_Frozen):
+    rule: Literal["fill"]
+    value: float | None = None  # the value every element gets (zeros_like); None: the call's `fill_value`
+
+    def arguments(self) -> tuple[str, ...]:
+        return () if self.value is not None else ("fill_value",)
+
+
 class PowSpec(_Frozen):
     rule: Literal["pow"]
     exponent: float | None = None  # fixed by the op (square); else read from the call
 
 
-_RULE_MODELS = (PlainSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec)
+_RULE_MODELS = (PlainSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec,
+                FillSpec, ComplexViewSpec)
 OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
 RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))
 

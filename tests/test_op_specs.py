@@ -59,6 +59,21 @@ def _routed(h, m):
     return h * chosen.sum(-2).to(h.dtype)
 
 
+def _scattered(write):
+    """``h`` times the dense routing matrix that ``write(zeros, index, top)`` builds from a top-2 routing."""
+    def body(h, m):
+        top, index = A.topk.default(A.linear.default(h, m.w), 2, -1)
+        return h * write(torch.zeros_like(h), index, top)
+    return body
+
+
+def _complex_rotation(h, m):
+    """Pairs (2i, 2i + 1) as complex numbers, rotated by a position- and pair-dependent angle (Meta's rotary)."""
+    z = A.view_as_complex.default(h.reshape(*h.shape[:-1], D // 2, 2).contiguous())
+    angle = torch.arange(h.shape[1], dtype=h.dtype)[:, None] * torch.arange(1, D // 2 + 1, dtype=h.dtype)
+    return A.view_as_real.default(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+
+
 def _rows_mask(h):
     return torch.arange(h.shape[1])[:, None] > 0  # varies along the length only
 
@@ -68,6 +83,7 @@ EXAMPLES = {
     "aten.view.default": lambda h, m: A.view.default(h, [-1, D]),
     "aten.reshape.default": lambda h, m: A.reshape.default(h, [-1, D]),
     "aten.reshape_as.default": lambda h, m: A.reshape_as.default(h.flatten(0, 1), h),
+    "aten.view_as.default": lambda h, m: A.view_as.default(h.flatten(0, 1), h),
     "aten._unsafe_view.default": lambda h, m: A._unsafe_view.default(h, [-1, D]),
     "aten.transpose.int": lambda h, m: A.transpose.int(h, 0, 1),
     "aten.t.default": lambda h, m: A.t.default(A.t.default(h.flatten(0, 1))),
@@ -204,6 +220,21 @@ EXAMPLES = {
     "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),
     "aten.where.ScalarSelf": lambda h, m: A.where.ScalarSelf(_rows_mask(h), 0.0, h),
     "aten.masked_fill.Scalar": lambda h, m: A.masked_fill.Scalar(h, _rows_mask(h), 0.0),
+    "aten.scatter.src": _scattered(lambda zeros, index, top: A.scatter.src(zeros, -1, index, top)),
+    "aten.scatter.value": _scattered(lambda zeros, index, top: A.scatter.value(zeros, -1, index, 1.0)),
+    "aten.scatter_add.default": _scattered(lambda zeros, index, top: A.scatter_add.default(zeros, -1, index, top)),
+    "aten.index_add.default": lambda h, m: A.index_add.default(A.zeros_like.default(h), 1,
+                                                               torch.arange(h.shape[1]).flip(0), h),
+    "aten.index_put.default": lambda h, m: A.index_put.default(h.flatten(0, 1), [torch.tensor([0, 2])],
+                                                               h[0, :2] * 2.0, True).view_as(h),
+    "aten.zeros_like.default": lambda h, m: h + A.zeros_like.default(h),
+    "aten.ones_like.default": lambda h, m: h * A.ones_like.default(h),
+    "aten.full_like.default": lambda h, m: h + A.full_like.default(h, 2.0),
+    "aten.new_zeros.default": lambda h, m: h + A.new_zeros.default(h, [D]),
+    "aten.new_ones.default": lambda h, m: h * A.new_ones.default(h, [D]),
+    "aten.new_full.default": lambda h, m: h + A.new_full.default(h, [D], 2.0),
+    "aten.view_as_complex.default": _complex_rotation,
+    "aten.view_as_real.default": _complex_rotation,
     "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,
 }
 

@@ -35,6 +35,7 @@ class Operand:
     shape: tuple[int, ...]
     letters: str
     data: object = None  # the operand's value when it depends on no parameter (None: unknown, may vary anywhere)
+    constant_axes: frozenset[int] = frozenset()  # axes along which the values are known not to vary (expanded)
 
 
 def expand_ellipsis(pattern: Pattern, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
@@ -133,6 +134,7 @@ class Contraction:
             self.w.c.tie(_along(ca.ids, a.letters, va), _along(cb.ids, b.letters, va))
             for c in (ca, cb):
                 self.w.c.restrict(c.ids, NEUTRAL, "multiplied elementwise along a batch axis", self.node)
+                self.w.c.tag("experts", c.ids)  # index e of one factor meets index e of the other: whole experts
             outs.append(self._to_output(ca, va, a, out_letters, out_shape))
         return kept_a, kept_b
 
@@ -213,7 +215,7 @@ class Contraction:
 
 def _constant_letters(op: Operand) -> set[str]:
     """Letters along which ``op``'s values are known not to vary (size 1, or known data constant there)."""
-    out = {l for l, n in zip(op.letters, op.shape) if n == 1}
+    out = {l for l, n in zip(op.letters, op.shape) if n == 1} | {op.letters[a] for a in op.constant_axes}
     if isinstance(op.data, torch.Tensor) and not op.chans and op.data.dim() == len(op.letters):
         out |= {l for a, l in enumerate(op.letters) if not data_varies(op.data, frozenset({a}), op.data.shape)}
     elif op.data is not None and not isinstance(op.data, torch.Tensor) and not op.chans:

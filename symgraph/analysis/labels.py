@@ -19,6 +19,16 @@ import torch
 
 NO_ID = -1
 
+# A size torch.export knows only at run time (the tokens routed to one expert: an unbacked symbol) gets this
+# stand-in. Labels never vary along such an axis (the ops that create one pin channels that vary along it), so any
+# size gives the same labels; above 1, so no rule takes the axis for a broadcast one.
+STAND_IN_SIZE = 5
+
+
+def concrete_shape(shape) -> tuple[int, ...]:
+    """``shape`` with each size known only at run time replaced by :data:`STAND_IN_SIZE`."""
+    return tuple(d if isinstance(d, int) else STAND_IN_SIZE for d in shape)
+
 
 @dataclass(frozen=True)
 class IdRange:
@@ -195,3 +205,5 @@ class Value:
     # of the coordinate row each element was computed from, so it moves with exactly those rows
     follows: torch.Tensor | None = None
     points_to: torch.Tensor | None = None  # integer data indexing a labelled axis (top-k indices): that axis' ids
+    constant_axes: frozenset[int] = frozenset()  # axes along which the values are known not to vary (expanded)
+    complex: bool = False  # complex values, labelled by their real view (a trailing axis: real, imaginary part)

@@ -12,7 +12,8 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
-from .labels import Chan, Term, Value, chan_axes, collapse, collapse_pair, data_varies, unique_rows, varying_axes
+from .labels import (Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies, unique_rows,
+                     varying_axes)
 
 NEUTRAL = monomial("one")
 
@@ -26,7 +27,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if any(v is not None and v.points_to is not None for v in moved):
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
-        return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
+        return _pick_unknown_rows(w, node)
     if spec.concatenates:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
@@ -48,7 +49,19 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                 for k in range(len(results[0]))]
     if _indexed_by_data(node):
         _pin_unselected(w, node, tensors, results)
-    return Value(chans=[r for r in results if r is not None], shape=_shape_of(node))
+    out_shape = _shape_of(node)
+    constant = _broadcast_axes(tensors[0].shape, out_shape) if spec.broadcasts and tensors[0] is not None \
+        else frozenset()
+    return Value(chans=[r for r in results if r is not None], shape=out_shape, constant_axes=constant)
+
+
+def _broadcast_axes(in_shape, out_shape) -> frozenset[int]:
+    """Output axes an expand fills by repeating the input (new leading axes, and size-1 axes grown)."""
+    if in_shape is None or out_shape is None:
+        return frozenset()
+    shift = len(out_shape) - len(in_shape)
+    return frozenset(a for a, n in enumerate(out_shape)
+                     if n != 1 and (a < shift or in_shape[a - shift] == 1))
 
 
 def _indexed_by_data(node: fx.Node) -> bool:
@@ -115,6 +128,46 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     others = [a for a in node.all_input_nodes if a not in moved]
     return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
                for v in (w.values.get(a.name) for a in others))
+
+
+def _pick_unknown_rows(w, node: fx.Node) -> Value:
+    """Positions picked by indices whose values depend on the weights (the tokens routed to one expert). A channel
+    that does not vary along the picked axes carries the same labels at every picked position, so it keeps them;
+    channels that vary there (or mix with coefficients that may), and pickings that change the rank, pin."""
+    picked = _axes_chosen_by_unknown_indices(w, node)
+    x, out_shape = w.value(_tensor_args(node)[0]), _shape_of(node)
+    relabel = None
+    pointing = any(v is not None and v.points_to is not None for v in map(w.value, node.all_input_nodes))
+    if (len(_tensor_args(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked
+            and not pointing):  # indices into a labelled axis picking another tensor's positions: pin both
+        rank, kept = len(x.shape), [a for a in range(len(x.shape)) if a not in picked]
+        if len(out_shape) == rank and all(x.shape[a] == out_shape[a] for a in kept):  # index_select, gather
+            relabel = lambda t: _first_along(t, picked, out_shape)  # noqa: E731
+        elif picked == set(range(rank - len(kept))) and tuple(out_shape[len(out_shape) - len(kept):]) == tuple(
+                x.shape[a] for a in kept):  # x[rows], x[mask]: the leading axes replaced by the indices' own
+            relabel = lambda t: _leading_replaced(t, rank - len(kept), out_shape)  # noqa: E731
+    if relabel is None:
+        return _pin_moved(w, node, "rows picked by indices that depend on the weights (routed experts)")
+    chans = []
+    for c in x.chans:
+        if chan_axes(c) & picked or c.mixed:
+            for t in c.terms:
+                w.c.pin(t.ids, "positions picked by indices that depend on the weights", node.name)
+            continue
+        chans.append(c.map(relabel))
+    return Value(chans=chans, shape=out_shape)
+
+
+def _leading_replaced(t: torch.Tensor, n_leading: int, out_shape) -> torch.Tensor:
+    """Labels constant along ``t``'s first ``n_leading`` axes, as those of ``out_shape``, whose leading axes
+    replace them (``x[rows]``: the indices' shape in front of the axes kept)."""
+    rest = list(t.shape[n_leading:])
+    return t[(0,) * n_leading].reshape([1] * (len(out_shape) - len(rest)) + rest).expand(out_shape)
+
+
+def _first_along(t: torch.Tensor, axes, out_shape) -> torch.Tensor:
+    """``t``'s labels at position 0 of ``axes``, broadcast to ``out_shape`` (labels constant along those axes)."""
+    return t[tuple(slice(0, 1) if a in axes else slice(None) for a in range(t.dim()))].expand(out_shape)
 
 
 def _pin_moved(w, node: fx.Node, reason: str):
@@ -205,16 +258,22 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     if isinstance(dim, int):
         return frozenset({dim % rank})
     indices = schema_arg(node, "indices")
-    if isinstance(indices, (list, tuple)):  # index.Tensor: one entry per leading axis; a boolean mask spans several
-        axes, axis = set(), 0
-        for t in indices:
-            val = t.meta.get("val") if isinstance(t, fx.Node) else None
-            span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
-            if t is not None:
-                axes.update(range(axis, axis + span))
-            axis += span
-        return frozenset(axes)
+    if isinstance(indices, (list, tuple)):  # index.Tensor
+        return _indexed_axes(indices)
     return frozenset(range(rank))  # an op that reads index values some other way: every axis
+
+
+def _indexed_axes(indices) -> frozenset[int]:
+    """The axes an index list (``index.Tensor``, ``index_put``) picks: one entry per leading axis, None for an axis
+    taken whole, a boolean mask spanning as many axes as it has."""
+    axes, axis = set(), 0
+    for t in indices:
+        val = t.meta.get("val") if isinstance(t, fx.Node) else None
+        span = val.dim() if isinstance(val, torch.Tensor) and val.dtype == torch.bool else 1
+        if t is not None:
+            axes.update(range(axis, axis + span))
+        axis += span
+    return frozenset(axes)
 
 
 def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
@@ -252,13 +311,16 @@ def rule_ignore(w, node: fx.Node, spec) -> Value:
 def rule_activation(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     limit = from_group_name(spec.group, spec.scale)
-    chans = []
-    for c in v.chans:
-        c = w.resolve(c, node.name)
-        if not c.block:
-            w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
+    chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
+    coordinates = [c for c in chans if not c.block]
+    for c in coordinates:
+        w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
+    # the activation's units: its one channel, or among several those along the last axis, where a linear layer
+    # writes them (a token-mixing MLP activates (batch, stream, units): the stream only rides along)
+    last = len(v.shape) - 1 if v.shape else None
+    for c in coordinates:
+        if len(coordinates) == 1 or last in chan_axes(c):
             w.c.tag("activation", c.ids)
-        chans.append(replace(c, degree=1))
     return Value(chans=chans, shape=_shape_of(node))
 
 
@@ -327,32 +389,52 @@ def squared(w, node: fx.Node, chan: Chan) -> Chan:
 
 # -- contractions -------------------------------------------------------------------------------------------
 def rule_contract(w, node: fx.Node, spec) -> Value:
+    n_factors = 2  # operands after the second are added to the output (biases)
     if spec.pattern == "einsum":
         pattern, operands = parse_pattern(schema_arg(node, "equation")), list(schema_arg(node, "tensors"))
-        if len(operands) != 2:  # operands after the second are not biases here: no rule says what they do
-            return _pin_moved(w, node, f"einsum of {len(operands)} operands, which no rule describes")
+        n_factors = len(operands)  # every einsum operand is a factor
+        if n_factors < 2:
+            return _pin_moved(w, node, "einsum of one operand, which no rule describes")
     else:
         args = _schema_args(node)
         operands = [args[name] for name in operand_names(spec, node.target)]
         pattern = spec.recipe
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
-    if any(v is not None and (v.shape is None or not all(isinstance(d, int) for d in v.shape)) for v in values):
-        return _pin_moved(w, node, "an operand's shape is only known at run time")  # JetMoE's experts, x[mask]
+    if any(v is not None and v.shape is None for v in values):
+        return _pin_moved(w, node, "an operand's shape is unknown")
     shapes = [v.shape if v is not None else () for v in values]
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
     letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.operands)])
     out_shape = _shape_of(node)
     ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
-                   values[i].data if values[i] else operands[i]) for i in range(2)]
-    chans = Contraction(w, node.name).run(ops[0], ops[1], out_letters, out_shape)
-    out = Value(chans=chans, shape=out_shape)
-    for extra, letter_spec in zip(values[2:], letters[2:]):  # biases: added to the output
+                   values[i].data if values[i] else operands[i],
+                   values[i].constant_axes if values[i] else frozenset()) for i in range(n_factors)]
+    out = Value(chans=_contract_factors(w, node, ops, out_letters, out_shape), shape=out_shape)
+    for extra, letter_spec in zip(values[n_factors:], letters[n_factors:]):  # biases: added to the output
         if extra is not None:
             letter_spec = letter_spec[len(letter_spec) - len(extra.shape):]  # a bias of lower rank broadcasts
             out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
                               residual=False)
     return out
+
+
+def _contract_factors(w, node: fx.Node, ops: list[Operand], out_letters: str, out_shape) -> list[Chan]:
+    """Contract the factors left to right (a product of several factors is the same multilinear map taken
+    pairwise); each intermediate keeps the letters a later factor or the output still reads."""
+    sizes = {}
+    for op in ops:
+        for letter, n in zip(op.letters, op.shape):
+            sizes[letter] = max(sizes.get(letter, 1), n)
+    acc = ops[0]
+    for i, op in enumerate(ops[1:], start=2):
+        letters, shape = out_letters, out_shape
+        if i < len(ops):
+            later = set("".join(o.letters for o in ops[i:])) | set(out_letters)
+            letters = "".join(dict.fromkeys(l for l in acc.letters + op.letters if l in later))
+            shape = tuple(sizes[l] for l in letters)
+        acc = Operand(Contraction(w, node.name).run(acc, op, letters, shape), shape, letters)
+    return acc.chans
 
 
 def rule_conv(w, node: fx.Node, spec) -> Value:
@@ -557,6 +639,13 @@ def _add_data(w, node, chan: Chan, other: Value, out_shape) -> None:
         elif not chan.block and other.invariant:
             w.c.restrict(chan.ids, NEUTRAL, "a per-row statistic is added to every coordinate", node.name)
         return
+    if other.shape is not None and not axes & _varying_axes(other, out_shape):
+        # broadcast along this channel's axes (a token-mixing bias beside the feature axis): the same value in
+        # every coordinate, which only a permutation keeps (its own channels are tied on their own axes)
+        if not chan.block:
+            w.c.restrict(chan.ids, NEUTRAL, "a value broadcast along this axis is added to every coordinate",
+                         node.name)
+        return
     what = "data that differs per coordinate" if other.data is not None else \
         "a value that differs per coordinate but no transformation moves" if other.invariant else \
         "a value no rule describes"
@@ -571,7 +660,40 @@ def _nonzero(data) -> bool:
 
 
 def rule_mul(w, node: fx.Node, spec) -> Value:
-    return _product(w, node, *_self_and_other(w, node), divide=False)
+    a, b = _self_and_other(w, node)
+    if node.meta["val"].is_complex():
+        return _complex_product(w, node, _as_value(a), _as_value(b))
+    return _product(w, node, a, b, divide=False)
+
+
+def _complex_product(w, node, a: Value, b: Value) -> Value:
+    """Complex channels times known data ``z = p + iq`` (Meta's rotary ``x * freqs_cis``): in the real view the
+    real part is ``p x_re - q x_im`` and the imaginary part ``q x_re + p x_im``, a mix of each (re, im) pair
+    resolved when consumed. Anything else (a real channel times complex data, two channels) pins."""
+    if b.complex or b.chans:
+        a, b = b, a
+    out_shape = (*_shape_of(node), 2)
+    if not a.complex or b.chans or b.complex or b.data is None or any(c.block for c in a.chans):
+        return _pin_operands(w, node, [a, b], "complex product this rule does not describe")
+    z = torch.as_tensor(b.data).to(torch.complex128).expand(out_shape[:-1])
+    keep, cross = torch.stack([z.real, z.real], -1), torch.stack([-z.imag, z.imag], -1)
+    chans = []
+    for c in a.chans:
+        terms = []
+        for t in c.broadcast_to(out_shape).terms:
+            coef = torch.ones(out_shape, dtype=torch.float64) if t.coef is None else t.coef.expand(out_shape)
+            terms += [Term(t.ids, coef * keep), Term(t.ids.flip(-1), coef.flip(-1) * cross)]
+        chans.append(Chan(tuple(terms)))
+    return Value(chans=chans, shape=out_shape, complex=True)
+
+
+def rule_complex_view(w, node: fx.Node, spec) -> Value:
+    """``view_as_complex`` / ``view_as_real``: the same labels (a complex value is labelled by its real view)."""
+    v = w.value(node.args[0])
+    real_shape = _shape_of(node) if spec.to == "real" else v.shape
+    if v.complex != (spec.to == "real") or v.points_to is not None or tuple(v.shape) != tuple(real_shape):
+        return _pin_moved(w, node, f"view_as_{spec.to} of a value this rule cannot follow")
+    return Value(chans=list(v.chans), shape=tuple(real_shape), complex=spec.to == "complex")
 
 
 def rule_div(w, node: fx.Node, spec) -> Value:
@@ -1037,6 +1159,99 @@ def rule_gather(w, node: fx.Node, spec) -> Value:
     return _pin_moved(w, node, "gathered by indices into a different axis")
 
 
+def rule_scatter(w, node: fx.Node, spec) -> Value:
+    """``scatter(self, dim, index, src)``: ``out[..., index[..., j], ...] = src[..., j, ...]`` along ``dim``.
+
+    Relabelling the positions along ``dim`` commutes with the op when ``self`` is the same at every position
+    there and ``src`` is unchanged by the transformation: so with indices that point into a labelled axis as long
+    as ``dim`` (top-k experts), ``dim`` of the result carries that axis' coordinates (the dense routing matrix,
+    column ``e`` for expert ``e``). Any other use pins.
+    """
+    args = _schema_args(node)
+    into, index = w.value(args["self"]), w.value(args["index"])
+    out_shape = _shape_of(node)
+    dim = args["dim"] % len(out_shape)
+    src = args["src"] if "src" in args else args.get("value")
+    written = w.value(src) if isinstance(src, fx.Node) else Value(data=src)
+    if (index is None or index.points_to is None or len(index.points_to) != out_shape[dim]
+            or into is None or into.chans or into.data is None or data_varies(into.data, frozenset({dim}), out_shape)
+            or written is None or written.chans or written.points_to is not None
+            or (written.data is None and not written.invariant)):
+        return _pin_moved(w, node, "scattered by indices into an axis they do not point into, into a tensor that "
+                                   "differs along it, or with values a transformation changes")
+    w.c.restrict(index.points_to, NEUTRAL, "positions written by a scatter", node.name)
+    w.c.tag("experts", index.points_to)
+    view = [1] * len(out_shape)
+    view[dim] = out_shape[dim]
+    return Value(chans=[Chan.clean(index.points_to.reshape(view).expand(out_shape))], shape=out_shape)
+
+
+def rule_index_add(w, node: fx.Node, spec) -> Value:
+    """``index_add(self, dim, index, source, alpha)``: ``alpha * source``'s slices along ``dim`` added into
+    ``self`` at the positions ``index`` names (the routed tokens back into the stream). Positions move, values do
+    not mix: channels that do not vary along ``dim`` add like an addition; channels that vary there pin."""
+    args = _schema_args(node)
+    into, source = _as_value(_operand(w, args["self"])), _as_value(_operand(w, args["source"]))
+    out_shape = _shape_of(node)
+    dim = args["dim"] % len(out_shape)
+    alpha = float(args.get("alpha", 1))
+    placed = []
+    for c in source.chans:
+        if dim in chan_axes(c) or c.mixed or len(c.shape) != len(out_shape):
+            _pin_chan(w, node, c, "added at indexed positions along an axis it varies along")
+        else:
+            c = c.map(lambda t: _first_along(t, {dim}, out_shape))
+            placed.append(c.scaled(alpha) if alpha != 1 else c)
+    return _add_at_positions(w, node, into, placed, frozenset({dim}), out_shape)
+
+
+def rule_index_put(w, node: fx.Node, spec) -> Value:
+    """``index_put(self, indices, values, accumulate)`` (``x[rows] = v``, ``x[mask] += v``): ``values`` written
+    into, or added to, the positions the indices name along ``self``'s leading axes. Each element is ``self``'s,
+    ``values``' or their sum, so channels that vary along no indexed axis are tied as in an addition (as ``where``
+    does); channels that vary along one, or values laid out otherwise, pin."""
+    args = _schema_args(node)
+    into, values = _as_value(_operand(w, args["self"])), _as_value(_operand(w, args["values"]))
+    out_shape = _shape_of(node)
+    indexed = _indexed_axes(args["indices"])
+    rest = out_shape[len(indexed):] if indexed == set(range(len(indexed))) else None
+    placed = []
+    for c in values.chans:
+        lead = len(c.shape) - len(rest) if rest is not None else -1
+        if lead < 0 or tuple(c.shape[lead:]) != tuple(rest) or chan_axes(c) & set(range(lead)) or c.mixed:
+            _pin_chan(w, node, c, "written at indexed positions, laid out along the indexed axes")
+        else:
+            placed.append(c.map(lambda t, lead=lead: _leading_replaced(t, lead, out_shape)))
+    return _add_at_positions(w, node, into, placed, indexed if rest is not None else frozenset(range(len(out_shape))),
+                             out_shape)
+
+
+def _add_at_positions(w, node, into: Value, placed: list[Chan], axes: frozenset[int], out_shape) -> Value:
+    """``into`` with ``placed`` channels written or added at some of its positions along ``axes``: ``into``'s
+    channels that vary along ``axes`` pin, the rest meet the placed ones as in an addition."""
+    kept = []
+    for c in into.chans:
+        if chan_axes(c) & axes or c.mixed:
+            _pin_chan(w, node, c, "written at indexed positions along an axis it varies along")
+        else:
+            kept.append(c)
+    into = Value(chans=kept, data=into.data, shape=into.shape, invariant=into.invariant)
+    return _add_values(w, node, into, Value(chans=placed, shape=out_shape), residual=False)
+
+
+def _pin_chan(w, node, chan: Chan, why: str) -> None:
+    for t in chan.terms:
+        w.c.pin(t.ids, why, node.name)
+
+
+# -- new tensors ------------------------------------------------------------------------------------------------
+def rule_fill(w, node: fx.Node, spec) -> Value:
+    """A tensor of one value with the input's shape (``zeros_like``): plain data, whatever the input carries."""
+    value = spec.value if spec.value is not None else schema_arg(node, "fill_value")
+    shape = _shape_of(node)
+    return Value(data=torch.full(shape, value, dtype=node.meta["val"].dtype), shape=shape)
+
+
 # -- small helpers -------------------------------------------------------------------------------------------
 def schema_arg(node: fx.Node, name: str, default=None):
     """The argument ``name`` of an ATen call, positional or keyword, read through the op's schema."""
@@ -1065,7 +1280,8 @@ def _broadcast_value(v: Value, letters: str, out_letters: str, out_shape) -> Val
     view = [v.shape[letters.index(l)] if l in letters else 1 for l in out_letters]
     order = [letters.index(l) for l in out_letters if l in letters]
     chans = [c.map(lambda t: t.permute(*order).reshape(view).expand(out_shape)) for c in v.chans]
-    return Value(chans=chans, data=v.data, shape=tuple(out_shape), invariant=v.invariant)
+    # the shape before broadcasting (size 1 along the output's other axes): what the value may vary along
+    return Value(chans=chans, data=v.data, shape=tuple(view), invariant=v.invariant)
 
 
 def _schema_args(node: fx.Node) -> dict:
@@ -1085,9 +1301,9 @@ def _shape_of(node: fx.Node, k: int | None = None):
     val = node.meta.get("val")
     if k is not None:
         val = val[k]
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _node_shape(a: fx.Node):
     val = a.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None

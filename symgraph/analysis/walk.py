@@ -22,7 +22,7 @@ from ..spec import OpSpec, Specs, load_specs
 from . import rules
 from ..outputs import output_names, virtual_name
 from .constraints import ORTHOGONAL, Constraints
-from .labels import Chan, IdSpace, Value, chan_axes, collapse, param_channels
+from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
 
 
@@ -90,6 +90,13 @@ class Walker:
             self.mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
+        if spec.rule not in _READS_COMPLEX and any(v.complex for v in inputs):
+            for v in inputs:
+                for c in v.chans if v.complex else ():
+                    for t in c.terms:
+                        self.c.pin(t.ids, f"complex values reach {node.target}, whose rule reads real ones only",
+                                   node.name)
+            return _like_output(node, lambda: Value(shape=_shape(node)))
         if pointers and spec.rule not in _FOLLOWS_INDICES:  # the op loses track of which coordinate was chosen
             for ids in pointers:
                 self.c.pin(ids, f"indices into this axis reach {node.target}, which does not follow them", node.name)
@@ -245,8 +252,11 @@ def is_unit_vector(value) -> bool:
 # rules that read a squared channel as such (a sum of squares is a norm) or pass it on unchanged
 _DEGREE_AWARE = frozenset({"reduce", "identity"})
 
+# Rules that read complex values (labelled by their real view); any other rule pins them.
+_READS_COMPLEX = frozenset({"complex_view", "mul"})
+
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
-_FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "ignore"})
+_FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
@@ -268,7 +278,7 @@ def source_line(node: fx.Node) -> str:
 
 def _shape(node: fx.Node):
     val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _flat_values(node: fx.Node, values: dict) -> list[Value]:
