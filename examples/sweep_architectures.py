@@ -174,6 +174,162 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 
+# Config variants (issue 10's bar, beyond the defaults): (model_type, overrides[, heads]). Each is the shrunk default
+# config with the overrides on top, built with the first of ``heads`` (default: HEADS) that fits; its floating
+# buffers get noise too. Options chosen because they change the graph: biases, tied embeddings, head and KV-head
+# counts, rotary layout and scaling, norms on queries and keys, parallel residuals, sliding windows, softcapping,
+# multipliers, router shapes, task heads.
+ROPE = {
+    "linear": dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+    "dynamic": dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),  # with max_position_embeddings 8
+    "yarn": dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=8),
+    "llama3": dict(rope_type="llama3", factor=8.0, rope_theta=10000.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8),
+    "longrope": dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=8,
+                     short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[1.0 + i / 4 for i in range(8)]),
+}
+TOKEN_HEADS = {"seq1": ("AutoModelForSequenceClassification",), "token": ("AutoModelForTokenClassification",),
+               "qa": ("AutoModelForQuestionAnswering",), "mlm": ("AutoModelForMaskedLM",), "base": ("AutoModel",)}
+SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+VARIANTS: list[tuple] = [
+    # llama: the reference decoder, every switch it has
+    ("llama", dict(tie_word_embeddings=True)), ("llama", dict(attention_bias=True)), ("llama", dict(mlp_bias=True)),
+    ("llama", dict(head_dim=32)), ("llama", dict(num_key_value_heads=1)), ("llama", dict(num_key_value_heads=4)),
+    ("llama", dict(rope_parameters=ROPE["linear"])),
+    ("llama", dict(rope_parameters=ROPE["dynamic"], max_position_embeddings=8)),
+    ("llama", dict(rope_parameters=ROPE["yarn"])), ("llama", dict(rope_parameters=ROPE["llama3"])),
+    ("llama", dict(hidden_act="relu")), ("llama", dict(hidden_act="gelu")), ("llama", dict(hidden_act="relu2")),
+    ("llama", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("llama", dict(), TOKEN_HEADS["token"]),
+    ("llama", dict(), TOKEN_HEADS["qa"]), ("llama", dict(tie_word_embeddings=True), TOKEN_HEADS["base"]),
+    ("mistral", dict(sliding_window=4)), ("mistral", dict(num_key_value_heads=1, head_dim=32)),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1, **SLIDING)),
+    ("qwen2", dict(tie_word_embeddings=True)), ("qwen2", dict(num_labels=1), TOKEN_HEADS["seq1"]),
+    ("qwen3", dict(attention_bias=True)), ("qwen3", dict(num_key_value_heads=1)), ("qwen3", dict(head_dim=32)),
+    ("qwen3", dict(use_sliding_window=True, **SLIDING)), ("qwen3", dict(rope_parameters=ROPE["yarn"])),
+    ("qwen3", dict(), TOKEN_HEADS["qa"]),
+    ("phi3", dict(partial_rotary_factor=0.5)), ("phi3", dict(rope_parameters=ROPE["longrope"])),
+    ("phi3", dict(sliding_window=4)), ("phi3", dict(tie_word_embeddings=True)),
+    # norms and scalars around attention
+    ("gemma", dict(tie_word_embeddings=False)), ("gemma", dict(num_key_value_heads=1, head_dim=32)),
+    ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None)),
+    ("gemma2", dict(query_pre_attn_scalar=8, tie_word_embeddings=False)), ("gemma2", dict(sliding_window=4)),
+    ("gemma2", dict(layer_types=["full_attention", "full_attention"])),
+    ("gemma3_text", dict(attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
+    ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ("gemma3_text", dict(use_bidirectional_attention=True)), ("gemma3_text", dict(tie_word_embeddings=False)),
+    ("olmo", dict(clip_qkv=0.05)), ("olmo", dict(attention_bias=True)),
+    ("olmo2", dict(tie_word_embeddings=True)), ("olmo2", dict(attention_bias=True)),
+    ("olmo2", dict(num_key_value_heads=1)), ("olmo3", dict(sliding_window=4)),
+    ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                     logits_scaling=8.0)),
+    ("granite", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    ("granitemoe", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                        logits_scaling=8.0)),
+    ("cohere", dict(use_qk_norm=True)), ("cohere", dict(tie_word_embeddings=False, attention_bias=True)),
+    ("cohere2", dict(sliding_window=4)),
+    ("nemotron", dict(partial_rotary_factor=1.0)), ("nemotron", dict(attention_bias=True, mlp_bias=True)),
+    ("exaone4", dict(sliding_window=4)), ("smollm3", dict(no_rope_layers=[1, 0])),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=4)),
+    ("llama4_text", dict(use_qk_norm=False)), ("llama4_text", dict(no_rope_layers=[1, 0])),
+    ("llama4_text", dict(attn_temperature_tuning=False, interleave_moe_layer_step=2)),
+    # partial rotary, interleaved rotary, parallel residual, norms on queries and keys
+    ("stablelm", dict(use_qkv_bias=True)), ("stablelm", dict(qk_layernorm=True)),
+    ("stablelm", dict(use_parallel_residual=True)), ("stablelm", dict(partial_rotary_factor=0.5)),
+    ("stablelm", dict(partial_rotary_factor=1.0)),
+    ("gpt_neox", dict(use_parallel_residual=False)), ("gpt_neox", dict(attention_bias=False)),
+    ("gpt_neox", dict(partial_rotary_factor=1.0)), ("gpt_neox", dict(tie_word_embeddings=True)),
+    ("gpt_neox", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("gpt_neox", dict(), TOKEN_HEADS["token"]),
+    ("phi", dict(qk_layernorm=True)), ("phi", dict(partial_rotary_factor=1.0)),
+    ("phi", dict(tie_word_embeddings=True)),
+    ("persimmon", dict(qk_layernorm=False)), ("persimmon", dict(partial_rotary_factor=1.0)),
+    ("gptj", dict(rotary_dim=None)), ("gptj", dict(rotary_dim=4)), ("codegen", dict(rotary_dim=16)),
+    ("gpt_neox_japanese", dict(partial_rotary_factor=0.5)),
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)), ("falcon", dict(alibi=True)),
+    ("falcon", dict(parallel_attn=False, bias=True)), ("falcon", dict(multi_query=False)),
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1)),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True)), ("bloom", dict(), TOKEN_HEADS["token"]),
+    # learned positions, post-LN, projections, ALiBi
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
+    ("gpt2", dict(activation_function="relu")), ("gpt2", dict(tie_word_embeddings=False)),
+    ("gpt2", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("gpt2", dict(), TOKEN_HEADS["token"]),
+    ("gpt2", dict(), TOKEN_HEADS["qa"]), ("gpt2", dict(add_cross_attention=True)),
+    ("gpt_bigcode", dict(multi_query=False)), ("gpt_bigcode", dict(scale_attn_weights=False)),
+    ("opt", dict(do_layer_norm_before=False)), ("opt", dict(word_embed_proj_dim=32)),
+    ("opt", dict(enable_bias=False)), ("opt", dict(layer_norm_elementwise_affine=False)),
+    ("opt", dict(_remove_final_layer_norm=True)),
+    ("mpt", dict(no_bias=False)), ("mpt", dict(logit_scale=2.0)), ("mpt", dict(tie_word_embeddings=False)),
+    ("xglm", dict(scale_embedding=False)), ("biogpt", dict(scale_embedding=False)),
+    # mixtures of experts
+    ("mixtral", dict(num_key_value_heads=1)), ("mixtral", dict(sliding_window=4)),
+    ("qwen2_moe", dict(decoder_sparse_step=2)), ("qwen2_moe", dict(mlp_only_layers=[0])),
+    ("qwen2_moe", dict(norm_topk_prob=True)), ("qwen2_moe", dict(qkv_bias=False)),
+    ("qwen3_moe", dict(norm_topk_prob=True)), ("qwen3_moe", dict(decoder_sparse_step=2)),
+    ("qwen3_moe", dict(mlp_only_layers=[1])),
+    ("olmoe", dict(norm_topk_prob=True)), ("olmoe", dict(clip_qkv=0.05)),
+    ("deepseek_v3", dict(n_group=2, topk_group=1)), ("deepseek_v3", dict(q_lora_rank=None)),
+    ("deepseek_v3", dict(rope_interleave=False)), ("deepseek_v3", dict(first_k_dense_replace=0)),
+    ("deepseek_v3", dict(norm_topk_prob=False, routed_scaling_factor=2.5)),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1)),
+    ("deepseek_v2", dict(q_lora_rank=None)), ("deepseek_v2", dict(first_k_dense_replace=1)),
+    ("glm4_moe", dict(use_qk_norm=True)), ("glm4_moe", dict(n_group=2, topk_group=1)),
+    ("glm4_moe", dict(first_k_dense_replace=0)), ("glm4_moe", dict(partial_rotary_factor=1.0)),
+    ("ernie4_5_moe", dict(moe_layer_interval=2)), ("ernie4_5_moe", dict(use_bias=True)),
+    ("ernie4_5_moe", dict(moe_num_shared_experts=0)),
+    ("phimoe", dict(lm_head_bias=True, attention_bias=True)), ("granitemoeshared", dict(tie_word_embeddings=True)),
+    ("flex_olmo", dict(norm_topk_prob=True)), ("minimax", dict(layer_types=["full_attention", "linear_attention"])),
+    ("dbrx", dict(attn_config=dict(clip_qkv=0.05, kv_n_heads=2, rope_theta=10000.0))),
+    # encoders
+    ("bert", dict(), TOKEN_HEADS["token"]), ("bert", dict(), TOKEN_HEADS["qa"]),
+    ("bert", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("bert", dict(tie_word_embeddings=False), TOKEN_HEADS["mlm"]),
+    ("bert", dict(is_decoder=True), ("AutoModelForCausalLM",)), ("bert", dict(hidden_act="relu")),
+    ("bert", dict(type_vocab_size=1), TOKEN_HEADS["base"]),
+    ("roberta", dict(), TOKEN_HEADS["token"]), ("roberta", dict(is_decoder=True), ("AutoModelForCausalLM",)),
+    ("roberta-prelayernorm", dict(), TOKEN_HEADS["qa"]),
+    ("electra", dict(embedding_size=32)), ("electra", dict(embedding_size=32), TOKEN_HEADS["mlm"]),
+    ("albert", dict(embedding_size=32)), ("albert", dict(num_hidden_groups=2)), ("albert", dict(inner_group_num=2)),
+    ("distilbert", dict(sinusoidal_pos_embds=True)), ("distilbert", dict(activation="relu")),
+    ("distilbert", dict(), TOKEN_HEADS["qa"]),
+    ("deberta-v2", dict(relative_attention=True, pos_att_type=["c2p"], max_relative_positions=16)),
+    ("deberta-v2", dict(relative_attention=True, pos_att_type=["p2c"], max_relative_positions=16)),
+    ("deberta-v2", dict(relative_attention=True, pos_att_type=["c2p", "p2c"], share_att_key=False,
+                        position_buckets=8, max_relative_positions=16)),
+    ("deberta-v2", dict(relative_attention=True, pos_att_type=["c2p", "p2c"], norm_rel_ebd="layer_norm",
+                        position_biased_input=False, max_relative_positions=16)),
+    ("deberta-v2", dict(conv_kernel_size=3, conv_act="gelu")),
+    ("deberta", dict(relative_attention=True, pos_att_type=["c2p", "p2c"], max_relative_positions=16)),
+    ("mobilebert", dict(use_bottleneck=False)), ("mobilebert", dict(normalization_type="layer_norm")),
+    ("mobilebert", dict(key_query_shared_bottleneck=False)), ("mobilebert", dict(trigram_input=False)),
+    ("roformer", dict(rotary_value=True)), ("roformer", dict(embedding_size=32)),
+    ("modernbert", dict(global_attn_every_n_layers=1)), ("modernbert", dict(local_attention=4)),
+    ("modernbert", dict(attention_bias=True, mlp_bias=True, norm_bias=True)),
+    ("modernbert", dict(), TOKEN_HEADS["token"]),
+    ("esm", dict(position_embedding_type="rotary")), ("esm", dict(emb_layer_norm_before=True)),
+    ("megatron-bert", dict(), TOKEN_HEADS["token"]), ("xlm-roberta-xl", dict(), TOKEN_HEADS["qa"]),
+    ("funnel", dict(separate_cls=False)), ("funnel", dict(attention_type="factorized")),
+    # encoder-decoders and vision
+    ("t5", dict(feed_forward_proj="gated-gelu")), ("t5", dict(tie_word_embeddings=False)),
+    ("t5", dict(feed_forward_proj="gated-relu")), ("mt5", dict(tie_word_embeddings=True)),
+    ("bart", dict(scale_embedding=True)), ("bart", dict(activation_function="relu")),
+    ("bart", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("bart", dict(), TOKEN_HEADS["qa"]),
+    ("mbart", dict(scale_embedding=False)), ("whisper", dict(scale_embedding=True)),
+    ("vit", dict(qkv_bias=False)), ("vit", dict(hidden_act="relu")), ("vit", dict(), TOKEN_HEADS["base"]),
+    ("deit", dict(qkv_bias=False)), ("dinov2", dict(use_swiglu_ffn=True)), ("dinov2", dict(layerscale_value=0.5)),
+    ("clip", dict(projection_dim=16)), ("siglip", dict()),
+]
+
+def variant_heads(variant: tuple) -> tuple[str, ...]:
+    return variant[2] if len(variant) > 2 else HEADS
+
+
+def variant_name(variant: tuple) -> str:
+    """``model_type key=value ...`` (values as compact JSON), then ``@Head`` where the variant names its heads."""
+    parts = [variant[0]] + [f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in variant[1].items()]
+    if len(variant) > 2:
+        parts.append("@" + (variant[2][0].removeprefix("AutoModelFor").removeprefix("AutoModel") or "base"))
+    return " ".join(parts)
+
+
+VARIANT_BY_NAME = {variant_name(v): v for v in VARIANTS}
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                   "cls_token_id", "mask_token_id", "unk_token_id")
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
@@ -203,21 +359,22 @@ def shrunk(fields: dict, model_type: str) -> dict:
     return out
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, overrides: dict | None = None):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     fields = cls().to_dict()
-    return cls(**{**shrunk(fields, model_type), **EXTRA.get(model_type, {})})
+    return cls(**{**shrunk(fields, model_type), **EXTRA.get(model_type, {}), **(overrides or {})})
 
 
-def build(model_type: str):
+def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS):
+    """The tiny model with the first Auto class of ``heads`` that builds it, noise on every parameter."""
     import torch
     import transformers
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, overrides)
     config.architectures = config.architectures or []  # Auto classes with two candidates (DeiT) iterate it
-    for head in HEADS:
+    for head in heads:
         auto = getattr(transformers, head)
         if type(config) not in auto._model_mapping:
             continue
@@ -228,7 +385,7 @@ def build(model_type: str):
             model = auto.from_config(copy.deepcopy(config), attn_implementation="eager")
         perturb(model)
         return model.eval(), head
-    raise LookupError(f"no Auto class builds {type(config).__name__}")
+    raise LookupError(f"no Auto class of {', '.join(heads)} builds {type(config).__name__}")
 
 
 def perturb(model) -> None:
@@ -239,6 +396,21 @@ def perturb(model) -> None:
         for p in model.parameters():
             if p.is_floating_point():
                 p.add_((0.02 if p.dim() >= 2 else 0.1) * torch.randn(p.shape, generator=generator).to(p.dtype))
+
+
+def perturb_buffers(model) -> list[str]:
+    """Noise on every floating buffer the state dict holds (a router's score-correction bias, running
+    statistics), so a group that moves a weight but forgets its buffer shows; the names perturbed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(2)
+    names = []
+    with torch.no_grad():
+        for name, b in model.state_dict(keep_vars=True).items():
+            if b.is_floating_point() and not isinstance(b, torch.nn.Parameter) and b.numel():
+                b.add_(0.1 * torch.rand(b.shape, generator=generator).to(b.dtype))  # >= 0: variances stay positive
+                names.append(name)
+    return names
 
 
 # -- the independent check -----------------------------------------------------------------------------------
@@ -331,15 +503,21 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def sweep_one(model_type: str) -> dict:
+def sweep_one(model_type: str, variant: tuple | None = None) -> dict:
+    """One row: ``model_type`` at its shrunk default config, or ``variant`` (an entry of :data:`VARIANTS`) with
+    its overrides, its heads, and noise on the buffers too."""
     import symgraph
     from symgraph.errors import SymgraphError
 
     row = {"type": model_type, "named": model_type in NAMED}
+    if variant:
+        row.update(variant=variant_name(variant), overrides=variant[1])
     clock = time.perf_counter()
     try:
-        model, head = build(model_type)
+        model, head = build(model_type, *((variant[1], variant_heads(variant)) if variant else ()))
         row.update(head=head, params=sum(p.numel() for p in model.parameters()))
+        if variant:
+            row["buffers_perturbed"] = perturb_buffers(model)
         checker = Checker(model)
     except Exception as exc:  # noqa: BLE001 -- transformers could not build or run the tiny model
         return {**row, "class": "skipped", "reason": first_line(exc)}
@@ -413,6 +591,12 @@ def run_isolated(model_type: str, timeout: float) -> dict:
     return run_script_isolated(__file__, model_type, timeout, {"type": model_type, "named": model_type in NAMED})
 
 
+def run_variant_isolated(name: str, timeout: float) -> dict:
+    variant = VARIANT_BY_NAME[name]
+    identity = {"type": variant[0], "named": variant[0] in NAMED, "variant": name, "overrides": variant[1]}
+    return run_script_isolated(__file__, name, timeout, identity)
+
+
 def run_script_isolated(script: str, name: str, timeout: float, identity: dict) -> dict:
     """``script --one name`` in its own process: the JSON line it prints, or ``identity`` with a timeout or crash
     class and its reason."""
@@ -477,6 +661,26 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def summarize_variants(rows: list[dict]) -> dict:
+    """The variants table: how many ran (built by transformers), and of those how many were sound with groups,
+    unsound, crashed (or stopped with symgraph's own error), found nothing; every row that was not sound."""
+    latest = list({r["variant"]: r for r in rows}.values())
+    counts = Counter(r["class"] for r in latest)
+    return {
+        "tolerance": TOLERANCE, "draws_per_group": DRAWS,
+        "shapes": sorted({s for r in latest for s in r.get("shapes", [])}),
+        "variants": len(latest), "counts": dict(counts),
+        "table": {"run": len(latest) - counts["skipped"], "sound_with_groups": counts["sound"],
+                  "unsound": counts["unsound"], "refused": counts["refused"],
+                  "crash": counts["crash"] + counts["timeout"], "unsupported": counts["unsupported"],
+                  "nothing_found": counts["nothing"], "skipped_by_transformers": counts["skipped"]},
+        "unsound_groups": sum(len(r.get("bad_groups", [])) for r in latest),
+        "failures": {r["variant"]: {k: r[k] for k in ("class", "reason", "bad_groups", "where") if k in r}
+                     for r in latest if r["class"] != "sound"},
+        "rows": sorted(latest, key=lambda r: r["variant"]),
+    }
+
+
 def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
@@ -489,6 +693,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", help="run one type in this process and print its JSON line")
     parser.add_argument("--types", help="comma-separated model types (default: the whole list)")
+    parser.add_argument("--variants", action="store_true",
+                        help="sweep the config variants (VARIANTS) instead of the default configs; --types then "
+                             "keeps the variants of those types")
     parser.add_argument("--skip-done", action="store_true", help="leave out types already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
@@ -502,15 +709,22 @@ def main(argv=None) -> None:
         import warnings
 
         warnings.filterwarnings("ignore")
-        print(json.dumps(sweep_one(args.one)))
+        variant = VARIANT_BY_NAME.get(args.one)
+        print(json.dumps(sweep_one(variant[0], variant) if variant else sweep_one(args.one)))
         return
     rows = [json.loads(ln) for ln in args.jsonl.read_text().splitlines()] if args.jsonl and args.jsonl.exists() else []
+    key = "variant" if args.variants else "type"
     if not args.summarize:
-        types = args.types.split(",") if args.types else TYPES
-        done = {r["type"] for r in rows} if args.skip_done else set()
-        rows += run_all([t for t in types if t not in done], lambda t: run_isolated(t, args.timeout),
-                        ("type", "class", "reason", "bad_groups", "seconds"), args.jsonl)
-    report_summary(rows, summarize, "type", args.before, args.output)
+        types = args.types.split(",") if args.types else None
+        if args.variants:
+            names = [n for n, v in VARIANT_BY_NAME.items() if types is None or v[0] in types]
+            run = lambda name: run_variant_isolated(name, args.timeout)  # noqa: E731
+        else:
+            names, run = types or TYPES, lambda name: run_isolated(name, args.timeout)  # noqa: E731
+        done = {r[key] for r in rows} if args.skip_done else set()
+        rows += run_all([n for n in names if n not in done], run, (key, "class", "reason", "bad_groups", "seconds"),
+                        args.jsonl)
+    report_summary(rows, summarize_variants if args.variants else summarize, key, args.before, args.output)
 
 
 if __name__ == "__main__":

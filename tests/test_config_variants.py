@@ -1,0 +1,37 @@
+"""Config variants found by ``examples/sweep_architectures.py --variants`` (options flipped on top of a default
+transformers config): each test is a tiny model of one variant that once went wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import symgraph
+
+BASE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
+            vocab_size=60, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def tiny(model_type: str, **overrides):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **overrides})).eval()
+    with torch.no_grad():  # no weight exactly 0 or 1
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.slow
+def test_long_context_rotary_leaves_no_fake_tensor_on_the_model():
+    # longrope switches to its long factors past original_max_position_embeddings and caches them on the module
+    # (self.long_inv_freq) while it runs; traced at a longer probe shape, that cache was a FakeTensor, and the
+    # model could no longer be copied: transform crashed
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=6,
+                short_factor=[1.0 + i / 4 for i in range(4)], long_factor=[1.0 + i / 2 for i in range(4)])
+    model = tiny("phi3", rope_parameters=rope)
+    subject = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    state = symgraph.transform(subject, seed=0)  # checked in float64 at several shapes before it returns
+    assert state.keys() == subject.state_dict().keys()
+    fakes = [f"{name}.{k}" for name, m in model.named_modules() for k, v in {**vars(m), **m._buffers}.items()
+             if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter)]
+    assert not fakes
