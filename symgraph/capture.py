@@ -18,6 +18,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from .errors import CaptureError
+from .module_state import eval_mode
 from .moe import DENSE, experts_implementation
 
 
@@ -54,9 +55,8 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     ['bias', 'weight']
     """
     kwargs = dict(kwargs or {})
-    model = model.eval()
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
-        with torch.no_grad(), _quiet(), experts_implementation(model, DENSE):
+        with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE):
             program = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
