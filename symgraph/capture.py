@@ -19,6 +19,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_map
 
 from .errors import CaptureError
+from .module_state import eval_mode
 from .moe import DENSE, experts_implementation
 
 
@@ -55,10 +56,10 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     ['bias', 'weight']
     """
     kwargs = dict(kwargs or {})
-    model = model.eval()
     traced_args, traced_kwargs = _on_parameter_device(model, tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
-        with torch.no_grad(), _quiet(), experts_implementation(model, DENSE), _module_tensors_kept(model):
+        with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE), \
+                _module_tensors_kept(model):
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc

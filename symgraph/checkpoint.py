@@ -24,7 +24,7 @@ from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
 __all__ = ["save_model", "hf_layout", "stored_weight_names", "owned_tensors", "output_folder", "staged_folder",
-           "write_side_files", "not_carried_over"]
+           "write_side_files", "not_carried_over", "carried_metadata", "file_metadata"]
 
 _log = logging.getLogger(__name__)
 
@@ -145,14 +145,16 @@ def save_model(
     config: Any = None,
     like: str | os.PathLike | None = None,
     overwrite: bool = False,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``state_dict`` as a Hugging Face folder at ``out_dir``, atomically; return the folder.
 
     Writes ``config.json`` (from ``config``: a ``PretrainedConfig`` or a dict; else copied from ``like``),
     ``model.safetensors`` laid out as ``save_pretrained`` would (:func:`hf_layout`: tied copies left out, key names
     of the checkpoint format) and, from ``like``, tokenizer/processor/generation files. Everything goes into a
-    temporary sibling folder first and is moved into place at the end; with ``overwrite=True`` an existing folder is
-    swapped for the new one only once it is complete (:mod:`symgraph.files`). On failure nothing is left behind and
+    temporary sibling folder first and is moved into place at the end; the safetensors metadata is ``metadata``
+    (default: ``like``'s, see :func:`carried_metadata`) with ``format`` set to ``pt``; with ``overwrite=True`` an
+    existing folder is swapped for the new one only once it is complete (:mod:`symgraph.files`). On failure nothing is left behind and
     an existing ``out_dir`` is untouched. ``out_dir`` may not be, contain or lie inside ``like`` (an input). Input
     tensors are never modified.
 
@@ -168,9 +170,46 @@ def save_model(
     """
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     tensors = owned_tensors(hf_layout(_checked(state_dict), config if config is not None else _config_of(like_dir)))
+    metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
-        _write_folder(tmp, tensors, config=config, like_dir=like_dir)
+        _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
+
+
+def carried_metadata(folders) -> dict[str, str]:
+    """The safetensors metadata (``__metadata__``) a checkpoint written from the model folders ``folders`` carries:
+    every entry that all their safetensors files store with one value. An entry they disagree on (two merged
+    models of different provenance) describes no single input, so it is left out, and a warning names it.
+    Folders that are None or hold no safetensors (``.bin`` weights, modules) add nothing."""
+    from .lazy_state import safetensors_files
+    from safetensors import safe_open
+
+    stored = []
+    for folder in folders:
+        if folder is None or not any(Path(folder, n).is_file() for n in ("model.safetensors",
+                                                                         "model.safetensors.index.json")):
+            continue
+        for file in safetensors_files(folder):
+            with safe_open(str(file), framework="pt") as handle:
+                stored.append(handle.metadata() or {})
+    if not stored:
+        return {}
+    agreed = {k: v for k, v in stored[0].items() if all(m.get(k) == v for m in stored[1:])}
+    dropped = sorted({k for m in stored for k in m} - agreed.keys() - {"format"})
+    if dropped:
+        _log.warning("safetensors metadata not carried into the written model (the inputs store different values, "
+                     "or only some store it): %s.", ", ".join(dropped))
+    return agreed
+
+
+def file_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` as written into a safetensors file of ours: str to str, ``format`` ``pt`` (torch tensors;
+    transformers refuses a file without it)."""
+    bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise OutputError(f"safetensors metadata maps strings to strings; entry {bad[0]!r} is "
+                          f"{type(metadata[bad[0]]).__name__}.", hint="convert the metadata values to strings.")
+    return {**metadata, "format": "pt"}
 
 
 def output_folder(out_dir, like, *, overwrite: bool) -> tuple[Path, Path | None]:
@@ -259,10 +298,11 @@ def _checked(state_dict) -> dict[str, torch.Tensor]:
     return items
 
 
-def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_dir: Path | None) -> None:
+def _write_folder(tmp: Path, tensors: dict[str, torch.Tensor], *, config, like_dir: Path | None,
+                  metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
     write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[t.dtype for t in tensors.values()])
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DataError
+from .module_state import eval_mode
 
 __all__ = ["Batch", "Dataset", "Metrics", "DATASETS", "TOPIC_CLASSES", "batch_loss", "char_tokenizer",
            "char_vocabulary", "corpus_lines", "evaluate", "load_data", "logits_of"]
@@ -173,7 +174,7 @@ def batch_loss(model: torch.nn.Module, batch: Batch, task: str) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset) -> Metrics:
     """Loss and accuracy of ``model`` on every batch of ``data`` (eval mode, no gradients; means weighted by
-    examples, or by predicted tokens for causal LM). The model's train/eval mode is restored afterwards.
+    examples, or by predicted tokens for causal LM). Every submodule's train/eval mode is restored afterwards.
 
     Examples
     --------
@@ -183,15 +184,11 @@ def evaluate(model: torch.nn.Module, data: Dataset) -> Metrics:
     >>> metrics.examples, 0.0 <= metrics.accuracy <= 1.0
     (8, True)
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         loss = correct = count = 0.0
         for batch in data.batches:
             total, n, right = _loss_sum(_forward(model, batch), batch, data.task)
             loss, correct, count = loss + float(total), correct + right, count + n
-    finally:
-        model.train(was_training)
     return Metrics(loss=loss / max(count, 1), accuracy=correct / count if data.labelled and count else None,
                    examples=len(data))
 

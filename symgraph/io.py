@@ -31,6 +31,7 @@ import torch
 from .checkpoint import save_model
 from .errors import ModelLoadError
 from .files import write_atomic, write_text_atomic
+from .module_state import private_tree
 
 if TYPE_CHECKING:  # importing transformers is slow; the loaders import it lazily
     from transformers import PretrainedConfig
@@ -131,7 +132,8 @@ def _quiet_transformers() -> None:
 def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> LoadedModel:
     """Turn a MODEL argument into a :class:`LoadedModel`.
 
-    ``source`` is an ``nn.Module`` (used as is, switched to eval mode), a path to a Hugging Face folder, a path to
+    ``source`` is an ``nn.Module`` (used in eval mode, through :func:`~symgraph.module_state.private_tree`: the
+    caller's module keeps its training flags, hooks and tensors), a path to a Hugging Face folder, a path to
     a ``config.json`` (or a weightless folder) with ``config_only=True``, or a factory string
     ``package.module:function`` / ``path/to/file.py:function`` whose function takes no arguments and returns an
     ``nn.Module``. ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"float64"``) is passed to transformers or
@@ -140,8 +142,6 @@ def load_model(source: Any, *, config_only: bool = False, dtype: Any = None) -> 
     dtype = _parse_dtype(dtype)
     _quiet_transformers()
     if isinstance(source, torch.nn.Module):
-        if dtype not in (None, "auto") and any(t.is_floating_point() and t.dtype != dtype for t in _tensors(source)):
-            source = copy.deepcopy(source)  # .to(dtype) converts a module in place: never the caller's
         return _wrap_module(source, name=type(source).__name__, path=None, dtype=dtype)
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()
@@ -266,8 +266,12 @@ def _call_factory(factory, text: str, *, dtype: torch.dtype | None) -> LoadedMod
 
 
 def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype) -> LoadedModel:
-    if dtype is not None and dtype != "auto":
-        model = model.to(dtype)
+    """A module given to symgraph (by the caller or a factory, which may hand out a module it keeps) is never
+    changed: converted in a copy, or put in eval mode in a tree of its own that shares its tensors."""
+    if dtype not in (None, "auto") and any(t.is_floating_point() and t.dtype != dtype for t in _tensors(model)):
+        model = copy.deepcopy(model).to(dtype)  # .to(dtype) converts the parameters in place
+    else:
+        model = private_tree(model)
     check_finite(model, f"the parameters of {name}")
     model.eval()
     return LoadedModel(model=model, config=model_config(model), path=path, name=name)

@@ -101,13 +101,15 @@ class MergeResult:
 
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
-        else from the reference model, whose frame the merge lives in), atomically: see
-        :func:`symgraph.io.save_model`."""
+        else from the reference model, whose frame the merge lives in; the safetensors metadata entries every input
+        folder agrees on), atomically: see :func:`symgraph.io.save_model`."""
+        from .checkpoint import carried_metadata
         from .files import refuse_overlap
         from .io import save_model
 
         refuse_overlap(Path(path).expanduser(), self.inputs)
-        return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite)
+        return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite,
+                          metadata=carried_metadata(self.inputs))
 
 
 def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
@@ -314,8 +316,8 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     (:func:`symgraph.shards.write_checkpoint`: atomic, nothing at ``out`` until complete). Integer and boolean
     tensors must be equal in every model (0-d counters aside) and are written as stored. The models must share
     their config.json, and store every weight its architecture needs. Config and tokenizer files are copied from
-    the first model. The models are neither aligned nor folded: align them first (``symgraph align``) for an
-    aligned merge. Peak memory is a few tensors.
+    the first model, with the safetensors metadata entries every model agrees on. The models are neither aligned
+    nor folded: align them first (``symgraph align``) for an aligned merge. Peak memory is a few tensors.
 
     Examples
     --------
@@ -327,6 +329,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     >>> merge_streamed(folders, tempfile.mkdtemp() + "/merged", shard_bytes=10**5).tensors
     21
     """
+    from .checkpoint import carried_metadata
     from .files import refuse_overlap
     from .lazy_state import LazyState
     from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
@@ -340,7 +343,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     infos = _streamed_plan(states, models)
     path = write_checkpoint(out, infos, lambda name: _streamed_average(states, w, name, models),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, like=states[0].folder,
-                            overwrite=overwrite)
+                            overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]))
     return StreamedMerge(path, tuple(map(str, models)), tuple(map(float, w)), len(infos),
                          sum(s.nbytes for s in states), sum(i.nbytes for i in infos),
                          time.perf_counter() - start)
@@ -524,7 +527,8 @@ def _combine(method, subjects, states, w, datasets, names, exclude, alpha, progr
     if method == "fisher":
         fishers = [fisher_diagonal(m, d, progress=progress, label=lab)
                    for m, d, lab in zip(models, datasets, labels)]
-        merged.update(fisher_average(states, fishers, w, names))
+        weighed = [k for k in names if k in fishers[0]]  # parameters: float buffers have no Fisher information
+        merged.update(fisher_average(states, fishers, w, weighed))
         return merged, tuple(k for k in names if k not in fishers[0])
     layers = _regmean_layers(subjects[0].model, exclude)
     solved = _regmean_merge(states, layers, w, alpha, compute,

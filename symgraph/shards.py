@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import output_folder, staged_folder, write_side_files
+from .checkpoint import carried_metadata, file_metadata, output_folder, staged_folder, write_side_files
 from .errors import OutputError
 
 __all__ = ["TensorInfo", "DEFAULT_SHARD_BYTES", "plan_shards", "shard_names", "infos_of", "write_checkpoint",
@@ -88,12 +88,14 @@ def shard_names(count: int) -> list[str]:
 
 def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[str], torch.Tensor], *,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, config: Any = None, like=None,
-                     overwrite: bool = False, check: Callable[[Path], None] | None = None) -> Path:
+                     overwrite: bool = False, check: Callable[[Path], None] | None = None,
+                     metadata: Mapping[str, str] | None = None) -> Path:
     """Write a Hugging Face folder at ``out_dir`` whose weights are the tensors ``infos`` names, in that order,
     each obtained from ``produce(name)`` when its bytes are written (one tensor in memory at a time).
 
     Several shards get ``model.safetensors.index.json``; ``config`` (a dict or ``PretrainedConfig``) or
-    ``like``'s config.json and tokenizer files go beside them. Atomic: nothing at ``out_dir`` until every file is
+    ``like``'s config.json and tokenizer files go beside them; every shard's safetensors metadata is ``metadata``
+    (default: ``like``'s, :func:`~symgraph.checkpoint.carried_metadata`) with ``format`` ``pt``. Atomic: nothing at ``out_dir`` until every file is
     complete; on failure the staged files are removed and :class:`~symgraph.errors.OutputError` says why.
     ``check(staged_folder)``, when given, runs on the complete staged folder before it is moved to ``out_dir``;
     whatever it raises propagates and leaves nothing at ``out_dir``.
@@ -102,9 +104,10 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     shards = plan_shards(infos, shard_bytes)
     names = shard_names(len(shards))
+    metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         for name, shard in zip(names, shards):
-            _write_shard(tmp / name, shard, produce)
+            _write_shard(tmp / name, shard, produce, metadata)
         if len(shards) > 1:
             _write_index(tmp / INDEX_FILE, shards, names)
         write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[i.dtype for i in infos])
@@ -123,11 +126,12 @@ def _check_infos(infos: Sequence[TensorInfo]) -> None:
                           hint=f"convert it to one of {', '.join(map(str, SAFETENSORS_DTYPES))}.")
 
 
-def _write_shard(path: Path, shard: Sequence[TensorInfo], produce: Callable[[str], torch.Tensor]) -> None:
+def _write_shard(path: Path, shard: Sequence[TensorInfo], produce: Callable[[str], torch.Tensor],
+                 metadata: dict[str, str]) -> None:
     """One safetensors file: the header (offsets known from shapes), then each tensor's bytes as produced.
     Wider dtypes come first, as safetensors orders them, so every tensor starts aligned to its element size."""
     shard = sorted(shard, key=lambda info: -torch.empty((), dtype=info.dtype).element_size())
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for info in shard:
         header[info.name] = {"dtype": SAFETENSORS_DTYPES[info.dtype], "shape": list(info.shape),

@@ -27,6 +27,7 @@ import torch
 
 from .datasets import Batch, Dataset, batch_loss
 from .errors import DataError, SymgraphError
+from .module_state import eval_mode, gradients_on
 from .progress import progress_bar
 
 
@@ -82,8 +83,7 @@ def fisher_diagonal(model: torch.nn.Module, data: Dataset, *, progress: bool = T
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     total = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in params.items()}
-    model.eval()
-    with _gradients_on(model):
+    with eval_mode(model), gradients_on(model):
         for index, batch in enumerate(progress_bar(data.batches, desc=f"fisher {label}", enabled=progress)):
             model.zero_grad(set_to_none=True)
             checked_loss(model, batch, data, index, label).backward()
@@ -129,9 +129,8 @@ def input_grams(model: torch.nn.Module, data: Dataset, *, layers: dict[str, Line
     modules = dict(model.named_modules())
     handles = [modules[name].register_forward_pre_hook(hook(name, layer.bias is not None), with_kwargs=True)
                for name, layer in layers.items()]
-    model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):
             for index, batch in enumerate(progress_bar(data.batches, desc=f"gram {label}", enabled=progress)):
                 mask[0] = batch.inputs.get("attention_mask")
                 checked_loss(model, batch, data, index, label)
@@ -177,20 +176,6 @@ def _unpadded(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
         return x[mask.to(x.device) > 0]
     return x.reshape(-1, x.shape[-1])
-
-
-@contextlib.contextmanager
-def _gradients_on(model: torch.nn.Module) -> Iterator[None]:
-    """Every parameter requires grad inside the block; the previous flags come back afterwards."""
-    flags = {p: p.requires_grad for p in model.parameters()}
-    try:
-        for p in flags:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            yield
-    finally:
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
 
 
 def _conv1d_class() -> type:

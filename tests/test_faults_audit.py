@@ -377,3 +377,139 @@ def test_save_model_writes_the_dtype_of_the_weights_into_the_config(tmp_path, st
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"  # the input's is left alone
     assert loaded.config.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a module given to symgraph comes back exactly as it was given
+# ---------------------------------------------------------------------------------------------------------------
+
+def _module_state(model: torch.nn.Module) -> dict:
+    """Everything about a module a caller can observe: each submodule's training flag and hooks, each tensor's
+    identity, memory, dtype, device, requires_grad, values and gradient."""
+    state: dict = {}
+    for name, m in model.named_modules():
+        state[f"module {name}"] = (m.training, list(m._forward_hooks), list(m._forward_pre_hooks))
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        state[f"tensor {name}"] = (id(t), t.data_ptr(), t.dtype, t.device, t.requires_grad, t.detach().clone(),
+                                   None if t.grad is None else t.grad.clone())
+    return state
+
+
+def _same_state(a: dict, b: dict) -> list[str]:
+    def same(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        if isinstance(x, (tuple, list)):
+            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
+        return x == y
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same(a[k], b[k]))
+
+
+def _callers_mlp(seed: int) -> torch.nn.Module:
+    """A ReLU MLP as a caller holds it mid-training: train mode with its dropout switched to eval, a frozen
+    first bias, gradients present, a forward hook, BatchNorm statistics that a train-mode forward would move."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.ReLU(),
+                              torch.nn.Dropout(0.5), torch.nn.Linear(12, 3)).train()
+    net[3].eval()
+    net[0].bias.requires_grad_(False)
+    net[4].weight.grad = torch.ones_like(net[4].weight)
+    net[1].register_forward_hook(lambda *args: None)
+    return net
+
+
+def test_a_callers_module_comes_back_exactly_as_given():
+    """Before: ``symgraph.load(module)`` (and so analyze, transform, fuzz, align, merge, barrier) switched every
+    submodule of the caller's module to eval mode, and Fisher statistics cleared its gradients."""
+    import symgraph
+    from symgraph.capture import capture
+    from symgraph.datasets import Batch, Dataset, evaluate
+    from symgraph.fuzz import fuzz
+    from symgraph.statistics import fisher_diagonal, input_grams
+
+    x = torch.randn(5, 6)
+    data = Dataset("toy", "classification", (Batch({"input": x}, torch.tensor([0, 1, 2, 0, 1])),))
+    a, b = _callers_mlp(0), _callers_mlp(1)
+    before = [_module_state(a), _module_state(b)]
+    subject = symgraph.load(a, (x,))
+    assert subject.report.groups and not subject.model.training and subject.model[0].weight is a[0].weight
+    symgraph.transform(a, inputs=(x,))
+    assert fuzz(subject, samples=2).ok
+    symgraph.align(symgraph.load(b, (x,)), subject)
+    symgraph.merge([subject, symgraph.load(b, (x,))], method="fisher", data=data, progress=False)
+    symgraph.barrier(subject, symgraph.load(b, (x,)), data, steps=3, aligns=("none",), progress=False)
+    capture(a, (x,))
+    fisher_diagonal(a, data, progress=False)
+    input_grams(a, data, progress=False)
+    evaluate(a, data)
+    assert _same_state(_module_state(a), before[0]) == [] and _same_state(_module_state(b), before[1]) == []
+
+
+def test_a_fisher_merge_averages_float_buffers_simply():
+    """Before: a model with BatchNorm (float buffers: running statistics, which have no gradient and so no Fisher
+    information) ended the Fisher merge in ``KeyError: '1.running_mean'``."""
+    import symgraph
+    from symgraph.datasets import Batch, Dataset
+
+    x = torch.randn(5, 6)
+    data = Dataset("toy", "classification", (Batch({"input": x}, torch.tensor([0, 1, 2, 0, 1])),))
+    models = [_callers_mlp(seed).eval() for seed in (0, 1)]
+    for m, shift in zip(models, (1.0, 3.0)):
+        m[1].running_mean.fill_(shift)
+    merged = symgraph.merge([symgraph.load(m, (x,)) for m in models], method="fisher", align="none", data=data,
+                            progress=False)
+    assert torch.allclose(merged.state["1.running_mean"], torch.full((12,), 2.0))
+    assert "1.running_mean" in merged.simple_averaged and "0.weight" not in merged.simple_averaged
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safetensors metadata is carried into written checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+def _with_metadata(folder, **metadata):
+    file = folder / "model.safetensors"
+    safetensors.torch.save_file(safetensors.torch.load_file(file), file, metadata={"format": "pt", **metadata})
+    return folder
+
+
+def _metadata_of(folder) -> dict:
+    from safetensors import safe_open
+
+    from symgraph.lazy_state import safetensors_files
+
+    found = []
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            found.append(handle.metadata())
+    assert all(m == found[0] for m in found), found  # every shard carries the same
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def labelled_pair(tmp_path_factory):
+    """Two tiny LLaMA folders whose safetensors metadata agree on ``origin`` and differ on ``run``."""
+    root = tmp_path_factory.mktemp("labelled")
+    return (_with_metadata(_llama(root / "a", 0), origin="lab", run="a"),
+            _with_metadata(_llama(root / "b", 1), origin="lab", run="b"))
+
+
+@pytest.mark.parametrize("command", ["transform", "fold", "align", "align-stream", "merge", "merge-stream"])
+def test_safetensors_metadata_is_carried(tmp_path, labelled_pair, command, caplog):
+    """Before: every written checkpoint stored only ``format: pt``, dropping what the input's metadata said.
+    A reparametrised model carries its source's; a merge the entries every model agrees on, naming the rest."""
+    import logging
+
+    a, b = labelled_pair
+    out = tmp_path / "out"
+    args = {"transform": ["transform", a], "fold": ["fold", a], "align": ["align", a, b, "--quiet"],
+            "align-stream": ["align", a, b, "--stream", "--shard-size", "100KB", "--quiet"],
+            "merge": ["merge", a, b, "--align", "none", "--no-progress"],
+            "merge-stream": ["merge", a, b, "--stream", "--align", "none", "--shard-size", "100KB"]}[command]
+    with caplog.at_level(logging.WARNING, logger="symgraph"):
+        code, _, err = run(*args, "-o", out)
+    assert code == 0, err
+    if command.startswith("merge"):
+        assert _metadata_of(out) == {"format": "pt", "origin": "lab"}
+        assert "metadata not carried" in caplog.text and "run." in caplog.text, caplog.text
+    else:
+        assert _metadata_of(out) == {"format": "pt", "origin": "lab", "run": "a"}

@@ -1,0 +1,88 @@
+"""A caller's ``nn.Module`` comes back exactly as it was given: training flags, gradients, hooks, tensors.
+
+symgraph needs a module in eval mode (dropout off, norms on their running statistics) and sometimes with every
+parameter requiring grad (Fisher statistics). It never flips those switches on the caller's object:
+:func:`private_tree` gives it a module tree of its own that shares the caller's tensors (no weight memory), and
+:func:`eval_mode` / :func:`gradients_on` put back every flag they changed, module by module and tensor by tensor.
+
+Examples
+--------
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+>>> own = private_tree(net).eval()
+>>> net.training, own.training, own[0].weight is net[0].weight
+(True, False, True)
+>>> net[1].eval()
+Dropout(p=0.5, inplace=False)
+>>> with eval_mode(net):
+...     [m.training for m in net.modules()]
+[False, False, False]
+>>> [m.training for m in net.modules()]  # each module's own flag, the dropout's included
+[True, True, False]
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["private_tree", "eval_mode", "gradients_on"]
+
+#: Per-module dicts a module tree of its own must not share with the caller's (the rest of ``__dict__`` is
+#: shared by a shallow copy: the config, plain attributes; tensors stay the caller's).
+_OWN_DICTS = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_forward_hooks",
+              "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+              "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+              "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def private_tree(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module``'s tree of submodules holding the very same parameter and buffer tensors: switching
+    its modes, adding or removing its hooks, or registering tensors on it leaves ``module`` as it was. A
+    submodule that appears twice (shared layers) is copied once, so sharing is kept. Writing into a tensor still
+    reaches the caller's (they are the same tensors): symgraph computes on copies of the values."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def own(original: torch.nn.Module) -> torch.nn.Module:
+        if id(original) not in copies:
+            clone = copy.copy(original)
+            for name in _OWN_DICTS:
+                if name in original.__dict__:
+                    clone.__dict__[name] = copy.copy(original.__dict__[name])
+            copies[id(original)] = clone
+            clone._modules = {k: None if m is None else own(m) for k, m in original._modules.items()}
+        return copies[id(original)]
+
+    return own(module)
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``module`` in eval mode inside the block; every submodule's own training flag comes back afterwards (a
+    module whose norms the caller froze in eval mode stays so)."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@contextlib.contextmanager
+def gradients_on(module: torch.nn.Module) -> Iterator[None]:
+    """Every parameter requires grad inside the block, starting from no gradient; each parameter's
+    ``requires_grad`` and ``.grad`` come back afterwards."""
+    saved = {p: (p.requires_grad, p.grad) for p in module.parameters()}
+    try:
+        for p in saved:
+            p.grad = None
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        for p, (flag, grad) in saved.items():
+            p.requires_grad_(flag)
+            p.grad = grad
