@@ -207,7 +207,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False,
-          device="cpu", dtype=None, balance: bool = False):
+          device="cpu", dtype=None, balance: bool = False, residual: str = "auto"):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -228,12 +228,15 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup. With ``balance`` (full mode) each parameter's cost is counted in units
     of its anchor's RMS (:func:`symgraph.alignment.balanced_weights`: lower barriers on folded pairs but one,
-    higher on unfolded ones). With ``free_outputs`` (see :func:`load`; base models and sentence
-    encoders) the residual stream is aligned too, and the result's free outputs are the source's moved by the
-    residual element it applied (``result.elements``). ``device`` (``cpu`` or ``cuda``) and ``dtype``
-    (``float32`` or ``float64``) say where and in what the alignment computes
-    (:func:`symgraph.alignment.align_states`); a device this machine lacks or another dtype is refused before
-    anything is loaded.
+    higher on unfolded ones). ``residual`` (full mode, folded models) is the group an orthogonal residual stream is
+    aligned in: ``orthogonal``, ``permutation`` (its permutations), or ``auto``, the default: without ``data``,
+    permutations for a LayerNorm stream between independent models, the whole group otherwise
+    (:func:`symgraph.alignment.residual_group`; ``result.residual`` says which); with ``data``, the whole group.
+    With ``free_outputs`` (see :func:`load`; base models and sentence encoders) the residual stream is aligned too,
+    and the result's free outputs are the source's moved by the residual element it applied (``result.elements``).
+    ``device`` (``cpu`` or ``cuda``) and ``dtype`` (``float32`` or ``float64``) say where and in what the alignment
+    computes (:func:`symgraph.alignment.align_states`); a device this machine lacks or another dtype is refused
+    before anything is loaded.
 
     With ``data`` (a data SPEC, train split unless it names one, or a :class:`~symgraph.datasets.Dataset`),
     costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
@@ -286,7 +289,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     anchor_state = anc.state_dict()
     options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
                    matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype,
-                   balance=balance)
+                   balance=balance, residual=residual)
     if dataset is None:
         result = align_states(groups, state, anchor_state, **options)
     else:
@@ -296,6 +299,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         recording = record(src, anc, groups, dataset, batches=data_batches,
                            use={g.id for g in data_cost_groups(groups, data_groups)})
         timings["record_activations"] = time.perf_counter() - clock
+        options["residual"] = "orthogonal" if residual == "auto" else residual  # auto: the data-free rule
         result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
     if learn:
         clock = time.perf_counter()

@@ -119,6 +119,12 @@ def _descent_options(command):
         click.option("--balance-costs", "balance", is_flag=True,
                      help="Full mode: count each parameter's cost in units of the anchor's RMS of that parameter "
                           "(lower barriers on most folded pairs, higher on unfolded ones; see RESULTS.md)."),
+        click.option("--residual-group", "residual", type=click.Choice(["auto", "orthogonal", "permutation"]),
+                     default="auto", show_default=True,
+                     help="Full mode on folded models: align the residual stream by an orthogonal map or by "
+                          "permutations only. auto: permutations for a LayerNorm stream between independent "
+                          "models (lower barriers on the ViT pairs), the orthogonal group otherwise (LLaMA pairs, "
+                          "exact copies, --data); see RESULTS.md."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -193,10 +199,10 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method):
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method)
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance, residual) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start, general_linear=general_linear, balance=balance)
+                matching_start=matching_start, general_linear=general_linear, balance=balance, residual=residual)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -230,9 +236,9 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, balance, stats_path, overwrite, quiet, fold, data_spec, data_batches, data_batch_size,
-          data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, free_outputs, device,
-          dtype, stream, shard_size):
+          general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
+          data_batch_size, data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method,
+          free_outputs, device, dtype, stream, shard_size):
     from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
@@ -245,6 +251,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     if stream:
         given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
                                        ("--general-linear", general_linear), ("--data", data_spec),
+                                       ("--residual-group", residual != "auto"),
                                        ("--learn", learn), ("--free-outputs", free_outputs)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
@@ -261,7 +268,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
-                                      balance))
+                                      balance, residual))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -527,9 +534,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, balance, align_data, data_batches, data_batch_size, data_groups, output,
-            json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, device,
-            dtype):
+            matching_start, general_linear, balance, residual, align_data, data_batches, data_batch_size, data_groups,
+            output, json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method,
+            device, dtype):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -543,7 +550,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
                          learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
-                                                   general_linear, balance),
+                                                   general_linear, balance, residual),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
                                                 data_groups=data_groups) if "full+data" in aligns else {})})

@@ -345,7 +345,7 @@ def _save_figure(figure, path: Path) -> Path:
 
 DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
 ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear",
-                 "balance", *DATA_OPTIONS)
+                 "balance", "residual", *DATA_OPTIONS)
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:
