@@ -27,6 +27,7 @@ from .errors import MismatchError, SymgraphError
 from .groups import Group, Member
 from .io import check_finite
 from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
+from .solve.reduce import squared_distance
 from .solve.workspace import Workspace
 
 MODES = ("full", "paper", "permutation")
@@ -398,8 +399,8 @@ def relative_distance(state: dict, anchor: dict, names=None) -> float:
     with one shape), all tensors flattened into one vector, in float64: the same yardstick in every mode."""
     if names is None:
         names = [k for k, a in anchor.items() if a.is_floating_point() and k in state and state[k].shape == a.shape]
-    num = sum(float((state[k].detach().double() - anchor[k].detach().double()).pow(2).sum()) for k in names)
-    den = sum(float(anchor[k].detach().double().pow(2).sum()) for k in names)
+    num = sum(squared_distance(state[k], anchor[k]) for k in names)
+    den = sum(squared_distance(anchor[k]) for k in names)
     return float(np.sqrt(num / max(den, 1e-300)))
 
 
@@ -418,7 +419,7 @@ class Aligner:
                for k in names}
         anc = {k: _scaled(anchor[k].detach().to(device=device, dtype=self.dtype), self.weights[k]) for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
-        self.anchor_sq = sum(float(a.double().pow(2).sum()) for a in anc.values())  # the anchor never moves
+        self.anchor_sq = sum(squared_distance(a) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
         self.stats: list[GroupStat] = []
         ids = {g.id for g in self.groups}
@@ -630,7 +631,7 @@ class Aligner:
             eig = torch.linalg.eigvalsh(torch.from_numpy(self.ws.gram(informative, g)))
             return bool((eig[:, 0] > 1e-10 * eig[:, -1].clamp_min(1e-300)).all())
         if g.kind == "scale":
-            norms = sum(self.ws.flat("src", m).pow(2).sum(2).cpu().numpy() for m in informative)
+            norms = sum(self.ws.unit_sums(m, "src") for m in informative)
             return bool(np.all(norms > 0))
         if g.scale in ("positive", "nonzero"):  # units are matched by direction: one number per unit has none
             return sum(self.ws.flat("src", m).shape[2] for m in informative) > 1

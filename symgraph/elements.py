@@ -138,10 +138,10 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
             run = contiguous_run(m.index)
             if run is not None:  # a whole axis (residual members): slice views, no index gather and scatter
                 block = y[run]
-                block.copy_(_transform(block.reshape(*m.index.shape, *block.shape[1:]), m, e).reshape(block.shape))
+                block.copy_(transform_slice(block.reshape(*m.index.shape, *block.shape[1:]), m, e).reshape(block.shape))
                 continue
             idx = torch.as_tensor(m.index, device=y.device)
-            y[idx] = _transform(y[idx], m, e)
+            y[idx] = transform_slice(y[idx], m, e)
 
 
 def contiguous_run(index: np.ndarray) -> slice | None:
@@ -166,13 +166,14 @@ def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     y = x.movedim(m.axis, 0)
     idx = torch.as_tensor(m.index, device=y.device)  # (copies, n, block)
     g = y[idx]  # (copies, n, block, rest...)
-    g = _transform(g, m, e)
+    g = transform_slice(g, m, e)
     y = y.clone()
     y[idx] = g
     return y.movedim(0, m.axis)
 
 
-def _transform(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
+def transform_slice(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
+    """Member ``m``'s slice ``g`` (copies, size, block, rest...) as element ``e`` moves it (a new tensor)."""
     dtype = g.dtype
     if e.matrices is not None:
         if m.action == "permute":
@@ -181,14 +182,17 @@ def _transform(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
         if m.action == "dual":
             mat = torch.linalg.inv(mat).transpose(-1, -2)
         return torch.einsum("cij,cj...->ci...", mat, g)
-    if e.perm is not None:
+    fresh = e.perm is not None  # g is then a new tensor, scaled in place below (g may be a view before)
+    if fresh:
         perm = torch.as_tensor(e.perm, device=g.device)
-        g = torch.stack([g[c, perm[c]] for c in range(g.shape[0])])
+        g = g[0, perm[0]][None] if g.shape[0] == 1 else torch.stack([g[c, perm[c]] for c in range(g.shape[0])])
     if e.diag is None or m.action == "permute":
         return g
     d = torch.as_tensor(e.diag, dtype=dtype, device=g.device) ** m.exponent
     d = d.reshape(*d.shape, *([1] * (g.dim() - 2)))
-    return g * d if m.action == "primal" else g / d
+    if m.action == "primal":
+        return g.mul_(d) if fresh else g * d
+    return g.div_(d) if fresh else g / d
 
 
 def apply_to_model(model: torch.nn.Module, elements: list[Element]) -> torch.nn.Module:

@@ -15,8 +15,9 @@ import torch
 from ..elements import Element
 from ..errors import SymgraphError
 from ..groups import Group, Member
-from . import kernels
+from . import certify, kernels
 from .heads import invariant_head_similarity, rotation_head_similarity
+from .polyroots import minimize_scale
 from .workspace import Workspace
 
 
@@ -174,10 +175,7 @@ def solve_rotary(ws, g, members, ctx):
 def solve_permutation(ws, g, members, ctx):
     members = ws.costed(members)
     scaled = g.scale in ("positive", "nonzero") and not ctx.permutations_only
-    a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=scaled)
-    b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=scaled)
-    perms, diags = zip(*(_assign(a[c], b[c], g, signed=scaled and g.scale == "nonzero") for c in range(g.copies)))
-    element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
+    element = _matching(ws, g, members, ctx, signed=scaled and g.scale == "nonzero", normalise=scaled)
     if not scaled:
         return [element]
     moved = Workspace({**ws.src, **_apply(ws.src, element)}, ws.anc, ws.cost_excluded)
@@ -188,11 +186,27 @@ def solve_permutation(ws, g, members, ctx):
 @solver("signed_permutation", "hungarian_signed", "signed linear assignment: Hungarian on |similarity|, signs "
                                                   "from the matched entries")
 def solve_signed_permutation(ws, g, members, ctx):
-    members = ws.costed(members)
-    a = ws.similarity([m for m in members if m.action != "permute"], g, normalise=False)
-    b = ws.similarity([m for m in members if m.action == "permute"], g, normalise=False)
-    perms, diags = zip(*(_assign(a[c], b[c], g, signed=True) for c in range(g.copies)))
-    return [Element(g, perm=np.stack(perms), diag=np.stack(diags))]
+    return [_matching(ws, g, ws.costed(members), ctx, signed=True, normalise=False)]
+
+
+def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normalise: bool) -> Element:
+    """The best (signed) permutation per copy. In descent, where costs are plain inner products, the margins of
+    the answer are kept (:mod:`symgraph.solve.certify`), and a later solve that they prove to be the identity
+    skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold."""
+    signed = signed or g.kind == "signed_permutation"
+    certifiable = not normalise and not g.global_sign and ctx.mode != "paper" and not ctx.first_pass
+    if certifiable:
+        certified = certify.identity_if_certified(ws, g, members)
+        if certified is not None:
+            return certified[0]
+    a, b = _similarities(ws, g, members, normalise=normalise)
+    perms, diags, costs = zip(*(_assign(a[c], b[c], g, signed=signed) for c in range(g.copies)))
+    element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
+    if certifiable:
+        rows = np.arange(g.size)
+        entries = np.abs(np.stack([a[c][rows, p] for c, p in enumerate(perms)])) if signed else None
+        certify.keep(ws, g, members, list(costs), element, entries)
+    return element
 
 
 @solver("heads", "head_matching", "head permutation: Hungarian on invariants of each head's QK and VO circuits "
@@ -283,40 +297,52 @@ def _pair_blocks(cross: np.ndarray, pairs: np.ndarray) -> np.ndarray:
 def _pair_sq(ws, members, g, pairs) -> np.ndarray:
     out = np.zeros((g.copies, len(pairs)))
     for m in members:
-        sq = ws.flat("src", m).pow(2).sum(2).cpu().numpy()
+        sq = ws.unit_sums(m, "src")
         out += sq[:, pairs[:, 0]] + sq[:, pairs[:, 1]]
     return out
 
 
-def _assign(a: np.ndarray, b: np.ndarray, g: Group, *, signed: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Best (signed) assignment for one copy: anchor i receives source perm[i] with sign signs[i]."""
+def _similarities(ws, g: Group, members, *, normalise: bool) -> tuple[np.ndarray, list]:
+    """(similarity of the members that move with signs and scales, per copy that of the weight vectors that
+    only follow the permutation, None where there are none: an 11008-unit FFN's would be 1 GB of zeros)."""
+    moving = [m for m in members if m.action != "permute"]
+    following = [m for m in members if m.action == "permute"]
+    b = ws.similarity(following, g, normalise=normalise) if following else [None] * g.copies
+    return ws.similarity(moving, g, normalise=normalise), b
+
+
+def _assign(a: np.ndarray, b: np.ndarray | None, g: Group, *, signed: bool):
+    """Best (signed) assignment for one copy: anchor i receives source perm[i] with sign signs[i]. Returns
+    (perm, signs, the cost matrix it maximised; None for a global sign, which compares two)."""
     if signed or g.kind == "signed_permutation":
-        perm = kernels.hungarian(np.abs(a) + b)
-        return perm, np.where(a[np.arange(len(perm)), perm] < 0, -1.0, 1.0)
+        cost = np.abs(a)
+        if b is not None:
+            cost += b
+        perm = kernels.hungarian(cost)
+        return perm, np.where(a[np.arange(len(perm)), perm] < 0, -1.0, 1.0), cost
     if g.global_sign:
+        b = 0.0 if b is None else b
         plus, minus = kernels.hungarian(a + b), kernels.hungarian(-a + b)
         rows = np.arange(len(plus))
         if (-a + b)[rows, minus].sum() > (a + b)[rows, plus].sum():
-            return minus, -np.ones(len(minus))
-        return plus, np.ones(len(plus))
-    return kernels.hungarian(a + b), np.ones(a.shape[0])
+            return minus, -np.ones(len(minus)), None
+        return plus, np.ones(len(plus)), None
+    cost = a if b is None else a + b
+    return kernels.hungarian(cost), np.ones(a.shape[0]), cost
 
 
 def _unit_scales(ws: Workspace, g: Group, members, *, positive: bool) -> np.ndarray:
-    """Closed-form per-coordinate scale from the exponent-1 members (the others keep scale 1)."""
-    rows, cols = [], []
+    """Closed-form per-coordinate scale from the exponent-1 members (the others keep scale 1): the quartic of
+    :func:`kernels.unit_scales` from each side's float64 norms and inner products, summed member by member."""
+    stats = {side: [np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))] for side in ("primal", "dual")}
+    used = False
     for m in members:
         if m.action == "permute" or m.exponent != 1:
             continue
-        pair = tuple(ws.flat(w, m).reshape(g.copies * g.size, -1) for w in ("src", "anc"))
-        (rows if m.action == "primal" else cols).append(pair)
-    if not rows and not cols:
+        side = stats["primal" if m.action == "primal" else "dual"]
+        side[0] += ws.unit_sums(m, "src")
+        side[1] += ws.unit_sums(m, "src", "anc")
+        used = True
+    if not used:
         return np.ones((g.copies, g.size))
-    n = g.copies * g.size
-
-    def stack(pairs, k):
-        return torch.cat([p[k] for p in pairs], 1).cpu().numpy() if pairs else np.zeros((n, 0))
-
-    dual = (stack(cols, 0).T, stack(cols, 1).T) if cols else (None, None)
-    d = kernels.unit_scales(stack(rows, 0), stack(rows, 1), *dual, positive=positive)
-    return np.asarray(d, dtype=np.float64).reshape(g.copies, g.size)
+    return minimize_scale(*stats["primal"], *stats["dual"], power=1, positive=positive)

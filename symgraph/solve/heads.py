@@ -72,9 +72,9 @@ def _rotation_values(ws, layout, g: Group) -> np.ndarray:
         slices = [x for side in ("primal", "dual") for x in _side_slices(ws, which, layout, h, side, cache)]
         return torch.cat(slices, 1)
 
-    stacks = {w: torch.stack([head_block(w, h) for h in range(n_heads)]) for w in ("src", "anc")}
-    cross = torch.einsum("ikf,jlf->ijkl", stacks["src"], stacks["anc"])  # [source head, anchor head]
-    return _per_copy(procrustes_value(cross), g)
+    stacks = {w: _by_copy(torch.stack([head_block(w, h) for h in range(n_heads)]), g) for w in ("src", "anc")}
+    cross = torch.einsum("cikf,cjlf->cijkl", stacks["src"], stacks["anc"])  # [copy, source head, anchor head]
+    return np.swapaxes(procrustes_value(cross), -1, -2)
 
 
 def _coordinate_maps(g: Group) -> dict[tuple[str, int], np.ndarray]:
@@ -158,9 +158,10 @@ def _circuit_cosines(ws, layout, g: Group) -> np.ndarray:
             return np.zeros((g.copies, g.size, g.size))
         multi = _is_multi(layout, side)
         if multi:  # Gram over slices a finer permutation may reorder
-            per_side[side] = {w: torch.stack([sum(x @ x.T for x in s) for s in slices[w]]) for w in slices}
+            per_side[side] = {w: _by_copy(torch.stack([sum(x @ x.T for x in s) for s in slices[w]]), g)
+                              for w in slices}
         else:
-            per_side[side] = {w: torch.stack([torch.cat(s, 1) for s in slices[w]]) for w in slices}
+            per_side[side] = {w: _by_copy(torch.stack([torch.cat(s, 1) for s in slices[w]]), g) for w in slices}
         per_side[side]["multi"] = multi
     p, d = per_side["primal"], per_side["dual"]
     if p["multi"] and d["multi"]:
@@ -168,24 +169,25 @@ def _circuit_cosines(ws, layout, g: Group) -> np.ndarray:
     if p["multi"]:
         p, d = d, p
 
-    def sim(a: str, b: str) -> torch.Tensor:  # [head of a, head of b]
-        cp = torch.einsum("ikf,jlf->ijkl", p[a], p[b])
+    # Heads are only ever matched within their copy: pairs across copies are never formed.
+    def sim(a: str, b: str) -> torch.Tensor:  # [copy, head of a, head of b]
+        cp = torch.einsum("cikf,cjlf->cijkl", p[a], p[b])
         if d["multi"]:
-            return torch.einsum("ikl,ijlm,jmn,ijkn->ij", d[a], cp, d[b], cp)
-        cd = torch.einsum("ikf,jlf->ijkl", d[a], d[b])
+            return torch.einsum("cikl,cijlm,cjmn,cijkn->cij", d[a], cp, d[b], cp)
+        cd = torch.einsum("cikf,cjlf->cijkl", d[a], d[b])
         return (cp * cd).sum((-2, -1))
 
     def self_sim(a: str) -> torch.Tensor:  # the diagonal of sim(a, a), without the off-diagonal pairs
-        cp = torch.einsum("ikf,ilf->ikl", p[a], p[a])
+        cp = torch.einsum("cikf,cilf->cikl", p[a], p[a])
         if d["multi"]:
-            return torch.einsum("ikl,ilm,imn,ikn->i", d[a], cp, d[a], cp)
-        return (cp * torch.einsum("ikf,ilf->ikl", d[a], d[a])).sum((-2, -1))
+            return torch.einsum("cikl,cilm,cimn,cikn->ci", d[a], cp, d[a], cp)
+        return (cp * torch.einsum("cikf,cilf->cikl", d[a], d[a])).sum((-2, -1))
 
     cross = sim("src", "anc")
     norm_s = self_sim("src").clamp_min(1e-300).sqrt()
     norm_a = self_sim("anc").clamp_min(1e-300).sqrt()
-    cosine = (cross / norm_s[:, None] / norm_a[None, :]).cpu().numpy()
-    return _per_copy(cosine, g)
+    cosine = (cross / norm_s[:, :, None] / norm_a[:, None, :]).cpu().numpy()
+    return np.swapaxes(cosine, -1, -2)
 
 
 def _is_multi(layout, side) -> bool:
@@ -206,10 +208,6 @@ def _member_values(ws, m: Member, *, normalise: bool) -> np.ndarray:
     return np.swapaxes(value, -1, -2)
 
 
-def _per_copy(flat: np.ndarray, g: Group) -> np.ndarray:
-    """[source head, anchor head] over all copies -> S[c, anchor, source] within each copy."""
-    out = np.zeros((g.copies, g.size, g.size))
-    for c in range(g.copies):
-        block = slice(c * g.size, (c + 1) * g.size)
-        out[c] = flat[block, block].T
-    return out
+def _by_copy(stacked: torch.Tensor, g: Group) -> torch.Tensor:
+    """(copies * size, ...) per-head stacks -> (copies, size, ...): a head is matched only within its copy."""
+    return stacked.reshape(g.copies, g.size, *stacked.shape[1:])

@@ -13,6 +13,7 @@ import torch
 
 from ..elements import apply_in_place, contiguous_run
 from ..groups import Group, Member
+from .reduce import row_sums, squared_distance
 from .sums import COLUMNS, ROWS, SCALAR, MemberSums
 
 
@@ -24,6 +25,7 @@ class Workspace:
 
     def __post_init__(self):
         self.sums = MemberSums()  # per-layer cost sums, read again only where the source moved
+        self.certificates: dict = {}  # group id -> symgraph.solve.certify.Certificate of its last solve
         self._distance_sq: dict[str, float] = {}
         self._free: dict[tuple[str, int], set[int]] = {}
         for m in self.cost_excluded:
@@ -82,10 +84,16 @@ class Workspace:
         out = self.sums.total(None, COLUMNS, g, members, term, self.features, shape)
         norm_s, norm_a = np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))
         for m in members:
-            norm_s += self.flat("src", m).double().pow(2).sum(2).cpu().numpy()
-            norm_a += self.flat("anc", m).double().pow(2).sum(2).cpu().numpy()
-        out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30) * np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
+            norm_s += self.unit_sums(m, "src")
+            norm_a += self.unit_sums(m, "anc")
+        out /= np.maximum(np.sqrt(norm_a)[:, :, None], 1e-30)
+        out /= np.maximum(np.sqrt(norm_s)[:, None, :], 1e-30)
         return out
+
+    def unit_sums(self, m: Member, which: str, other: str | None = None) -> np.ndarray:
+        """Per coordinate of ``m`` (copies, size): the float64 squared norm of its ``which`` slice, or with
+        ``other`` its inner product with that model's slice (read in chunks: no float64 copy of the member)."""
+        return row_sums(self.flat(which, m), None if other is None else self.flat(other, m))
 
     def features(self, m: Member) -> int:
         """Features per coordinate of a member: its block times the size of the parameter's other axes."""
@@ -101,7 +109,7 @@ class Workspace:
         moves it (the residual group's distance, taken before and after each of its solves, is the whole model)."""
         for k in params:
             if k not in self._distance_sq:
-                self._distance_sq[k] = float((self.src[k] - self.anc[k]).pow(2).sum())
+                self._distance_sq[k] = squared_distance(self.src[k], self.anc[k])
         return sum(self._distance_sq[k] for k in params)
 
     def apply(self, elements) -> None:
