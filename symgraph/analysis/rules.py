@@ -133,7 +133,8 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
 def _pick_unknown_rows(w, node: fx.Node) -> Value:
     """Positions picked by indices whose values depend on the weights (the tokens routed to one expert). A channel
     that does not vary along the picked axes carries the same labels at every picked position, so it keeps them;
-    channels that vary there (or mix with coefficients that may), and pickings that change the rank, pin."""
+    channels that vary there (or mix with coefficients that may), pickings laid out otherwise than in place or in
+    front (``index_select``, ``x[rows]``), and indices that point into a labelled axis pin."""
     picked = _axes_chosen_by_unknown_indices(w, node)
     x, out_shape = w.value(_tensor_args(node)[0]), _shape_of(node)
     relabel = None
@@ -151,10 +152,9 @@ def _pick_unknown_rows(w, node: fx.Node) -> Value:
     chans = []
     for c in x.chans:
         if chan_axes(c) & picked or c.mixed:
-            for t in c.terms:
-                w.c.pin(t.ids, "positions picked by indices that depend on the weights", node.name)
-            continue
-        chans.append(c.map(relabel))
+            _pin_chan(w, node, c, "positions picked by indices that depend on the weights")
+        else:
+            chans.append(c.map(relabel))
     return Value(chans=chans, shape=out_shape)
 
 
