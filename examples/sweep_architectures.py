@@ -30,6 +30,16 @@ After fixes, re-run some types into another file and compare (``--before`` rows,
 
     python examples/sweep_architectures.py --types doge,prophetnet --jsonl /tmp/after.jsonl \
         --before /tmp/sweep.jsonl -o examples/results/sweep.json
+
+``--variants`` sweeps config variants instead (:data:`VARIANTS`: a model type, the options flipped on top of its
+shrunk default config, optionally the task heads to build: tied embeddings, biases, head and KV-head counts, rotary
+layouts and scalings, norms on queries and keys, parallel residuals, sliding windows, softcapping, multipliers,
+router shapes, classification heads, ...), with the same checker; their floating buffers get noise too (a
+router's score-correction bias must move with its experts). Rows are keyed by the variant's name;
+``--types`` keeps the variants of those types::
+
+    python examples/sweep_architectures.py --variants --jsonl /tmp/variants.jsonl \
+        -o examples/results/sweep_variants.json
 """
 from __future__ import annotations
 
@@ -199,11 +209,11 @@ VARIANTS: list[tuple] = [
     ("llama", dict(rope_parameters=ROPE["dynamic"], max_position_embeddings=8)),
     ("llama", dict(rope_parameters=ROPE["yarn"])), ("llama", dict(rope_parameters=ROPE["llama3"])),
     ("llama", dict(hidden_act="relu")), ("llama", dict(hidden_act="gelu")), ("llama", dict(hidden_act="relu2")),
-    ("llama", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("llama", dict(), TOKEN_HEADS["token"]),
+    ("llama", dict(num_labels=1, pad_token_id=0), TOKEN_HEADS["seq1"]), ("llama", dict(), TOKEN_HEADS["token"]),
     ("llama", dict(), TOKEN_HEADS["qa"]), ("llama", dict(tie_word_embeddings=True), TOKEN_HEADS["base"]),
     ("mistral", dict(sliding_window=4)), ("mistral", dict(num_key_value_heads=1, head_dim=32)),
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1, **SLIDING)),
-    ("qwen2", dict(tie_word_embeddings=True)), ("qwen2", dict(num_labels=1), TOKEN_HEADS["seq1"]),
+    ("qwen2", dict(tie_word_embeddings=True)), ("qwen2", dict(num_labels=1, pad_token_id=0), TOKEN_HEADS["seq1"]),
     ("qwen3", dict(attention_bias=True)), ("qwen3", dict(num_key_value_heads=1)), ("qwen3", dict(head_dim=32)),
     ("qwen3", dict(use_sliding_window=True, **SLIDING)), ("qwen3", dict(rope_parameters=ROPE["yarn"])),
     ("qwen3", dict(), TOKEN_HEADS["qa"]),
@@ -227,7 +237,8 @@ VARIANTS: list[tuple] = [
                         logits_scaling=8.0)),
     ("cohere", dict(use_qk_norm=True)), ("cohere", dict(tie_word_embeddings=False, attention_bias=True)),
     ("cohere2", dict(sliding_window=4)),
-    ("nemotron", dict(partial_rotary_factor=1.0)), ("nemotron", dict(attention_bias=True, mlp_bias=True)),
+    ("nemotron", dict(num_key_value_heads=2, partial_rotary_factor=1.0)),
+    ("nemotron", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
     ("exaone4", dict(sliding_window=4)), ("smollm3", dict(no_rope_layers=[1, 0])),
     ("smollm3", dict(use_sliding_window=True, sliding_window=4)),
     ("llama4_text", dict(use_qk_norm=False)), ("llama4_text", dict(no_rope_layers=[1, 0])),
@@ -238,7 +249,7 @@ VARIANTS: list[tuple] = [
     ("stablelm", dict(partial_rotary_factor=1.0)),
     ("gpt_neox", dict(use_parallel_residual=False)), ("gpt_neox", dict(attention_bias=False)),
     ("gpt_neox", dict(partial_rotary_factor=1.0)), ("gpt_neox", dict(tie_word_embeddings=True)),
-    ("gpt_neox", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("gpt_neox", dict(), TOKEN_HEADS["token"]),
+    ("gpt_neox", dict(num_labels=1, pad_token_id=0), TOKEN_HEADS["seq1"]), ("gpt_neox", dict(), TOKEN_HEADS["token"]),
     ("phi", dict(qk_layernorm=True)), ("phi", dict(partial_rotary_factor=1.0)),
     ("phi", dict(tie_word_embeddings=True)),
     ("persimmon", dict(qk_layernorm=False)), ("persimmon", dict(partial_rotary_factor=1.0)),
@@ -251,7 +262,7 @@ VARIANTS: list[tuple] = [
     # learned positions, post-LN, projections, ALiBi
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
     ("gpt2", dict(activation_function="relu")), ("gpt2", dict(tie_word_embeddings=False)),
-    ("gpt2", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("gpt2", dict(), TOKEN_HEADS["token"]),
+    ("gpt2", dict(num_labels=1, pad_token_id=0), TOKEN_HEADS["seq1"]), ("gpt2", dict(), TOKEN_HEADS["token"]),
     ("gpt2", dict(), TOKEN_HEADS["qa"]), ("gpt2", dict(add_cross_attention=True)),
     ("gpt_bigcode", dict(multi_query=False)), ("gpt_bigcode", dict(scale_attn_weights=False)),
     ("opt", dict(do_layer_norm_before=False)), ("opt", dict(word_embed_proj_dim=32)),
@@ -269,8 +280,9 @@ VARIANTS: list[tuple] = [
     ("deepseek_v3", dict(n_group=2, topk_group=1)), ("deepseek_v3", dict(q_lora_rank=None)),
     ("deepseek_v3", dict(rope_interleave=False)), ("deepseek_v3", dict(first_k_dense_replace=0)),
     ("deepseek_v3", dict(norm_topk_prob=False, routed_scaling_factor=2.5)),
-    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1)),
-    ("deepseek_v2", dict(q_lora_rank=None)), ("deepseek_v2", dict(first_k_dense_replace=1)),
+    ("deepseek_v2", dict(num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2, topk_group=1)),
+    ("deepseek_v2", dict(num_experts_per_tok=2, q_lora_rank=None)),
+    ("deepseek_v2", dict(num_experts_per_tok=2, first_k_dense_replace=1)),
     ("glm4_moe", dict(use_qk_norm=True)), ("glm4_moe", dict(n_group=2, topk_group=1)),
     ("glm4_moe", dict(first_k_dense_replace=0)), ("glm4_moe", dict(partial_rotary_factor=1.0)),
     ("ernie4_5_moe", dict(moe_layer_interval=2)), ("ernie4_5_moe", dict(use_bias=True)),
@@ -300,7 +312,8 @@ VARIANTS: list[tuple] = [
     ("mobilebert", dict(use_bottleneck=False)), ("mobilebert", dict(normalization_type="layer_norm")),
     ("mobilebert", dict(key_query_shared_bottleneck=False)), ("mobilebert", dict(trigram_input=False)),
     ("roformer", dict(rotary_value=True)), ("roformer", dict(embedding_size=32)),
-    ("modernbert", dict(global_attn_every_n_layers=1)), ("modernbert", dict(local_attention=4)),
+    ("modernbert", dict(layer_types=["sliding_attention", "full_attention"], local_attention=4)),
+    ("modernbert", dict(local_attention=4)),
     ("modernbert", dict(attention_bias=True, mlp_bias=True, norm_bias=True)),
     ("modernbert", dict(), TOKEN_HEADS["token"]),
     ("esm", dict(position_embedding_type="rotary")), ("esm", dict(emb_layer_norm_before=True)),
@@ -310,11 +323,16 @@ VARIANTS: list[tuple] = [
     ("t5", dict(feed_forward_proj="gated-gelu")), ("t5", dict(tie_word_embeddings=False)),
     ("t5", dict(feed_forward_proj="gated-relu")), ("mt5", dict(tie_word_embeddings=True)),
     ("bart", dict(scale_embedding=True)), ("bart", dict(activation_function="relu")),
-    ("bart", dict(num_labels=1), TOKEN_HEADS["seq1"]), ("bart", dict(), TOKEN_HEADS["qa"]),
-    ("mbart", dict(scale_embedding=False)), ("whisper", dict(scale_embedding=True)),
+    ("bart", dict(), TOKEN_HEADS["qa"]),
+    ("mbart", dict(scale_embedding=False)),
     ("vit", dict(qkv_bias=False)), ("vit", dict(hidden_act="relu")), ("vit", dict(), TOKEN_HEADS["base"]),
     ("deit", dict(qkv_bias=False)), ("dinov2", dict(use_swiglu_ffn=True)), ("dinov2", dict(layerscale_value=0.5)),
     ("clip", dict(projection_dim=16)), ("siglip", dict()),
+    # head sizes away from hidden / heads, and cross-attention left unused
+    ("llama", dict(head_dim=8)), ("gemma2", dict(num_key_value_heads=1, head_dim=32)),
+    ("qwen3_moe", dict(num_key_value_heads=1)), ("olmo2", dict(num_key_value_heads=4, head_dim=8)),
+    ("bert", dict(is_decoder=True, add_cross_attention=True), ("AutoModelForCausalLM",)),
+    ("t5", dict(d_kv=8)), ("bart", dict(encoder_attention_heads=2, decoder_attention_heads=8)),
 ]
 
 def variant_heads(variant: tuple) -> tuple[str, ...]:
@@ -663,8 +681,9 @@ def summarize(rows: list[dict]) -> dict:
 
 def summarize_variants(rows: list[dict]) -> dict:
     """The variants table: how many ran (built by transformers), and of those how many were sound with groups,
-    unsound, crashed (or stopped with symgraph's own error), found nothing; every row that was not sound."""
-    latest = list({r["variant"]: r for r in rows}.values())
+    unsound, crashed (or stopped with symgraph's own error), found nothing; every row that was not sound. Rows of
+    variants no longer in :data:`VARIANTS` (an entry since corrected) are left out."""
+    latest = [r for r in {r["variant"]: r for r in rows}.values() if r["variant"] in VARIANT_BY_NAME]
     counts = Counter(r["class"] for r in latest)
     return {
         "tolerance": TOLERANCE, "draws_per_group": DRAWS,

@@ -2,12 +2,18 @@
 transformers config): each test is a tiny model of one variant that once went wrong."""
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import symgraph
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BASE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
             vocab_size=60, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
@@ -35,3 +41,27 @@ def test_long_context_rotary_leaves_no_fake_tensor_on_the_model():
     fakes = [f"{name}.{k}" for name, m in model.named_modules() for k, v in {**vars(m), **m._buffers}.items()
              if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter)]
     assert not fakes
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("sweep_architectures")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_every_variant_flips_an_option_its_config_has(sweep):
+    # a config class accepts any keyword: a misspelt option would leave the default graph and look swept
+    from transformers import CONFIG_MAPPING
+
+    assert len(sweep.VARIANT_BY_NAME) == len(sweep.VARIANTS)  # names are unique: rows are keyed by them
+    for variant in sweep.VARIANTS:
+        config_class = CONFIG_MAPPING[variant[0]]
+        fields = config_class().to_dict()
+        code = inspect.getsource(importlib.import_module(config_class.__module__.replace(".configuration_",
+                                                                                          ".modeling_")))
+        unknown = {k for k in variant[1] if k not in fields and k not in (fields.get("rope_parameters") or {})
+                   and k != "num_labels" and f"config.{k}" not in code and f'"{k}"' not in code}
+        assert not unknown, (sweep.variant_name(variant), unknown)  # read with getattr(config, k, default) only
