@@ -100,6 +100,7 @@ def test_cli_align_and_barrier_take_the_residual_group(tmp_path):
         res = run("align", tmp_path / "m1", tmp_path / "m0", "-o", tmp_path / f"out-{choice}", "--fold", "--quiet",
                   "--residual-group", choice, "--stats", tmp_path / f"{choice}.json")
         assert res.returncode == 0, res.stderr
+        assert ("residual stream by permutations" in res.stdout) == (choice == "permutation")
         stats = json.loads((tmp_path / f"{choice}.json").read_text())
         assert stats["residual_group"] == choice
         kinds = {v["kind"] for k, v in stats["groups"].items() if k.startswith("residual")}
