@@ -159,7 +159,7 @@ def default_rounds(groups) -> int:
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
                  rounds: int | None = None, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
                  cost_excluded=(), device="cpu", dtype=None, balance: bool = False,
-                 residual: str = "auto") -> AlignResult:
+                 residual: str = "orthogonal") -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
@@ -181,8 +181,10 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     only; the others ignore it) every parameter's cost is measured in units of its anchor's RMS
     (:func:`balanced_weights`), so the descent and the choice of start weigh a tensor by its size, not by its
     scale. ``residual`` says in which group ``full`` mode aligns an orthogonal residual stream (a folded model):
-    ``orthogonal``, the whole group; ``permutation``, its permutations (:func:`monomial_subgroup`); ``auto`` (the
-    default), :func:`residual_group`'s choice (``result.residual`` says which was used).
+    ``orthogonal`` (the default here: learned matching's projections and the common frame keep the whole group),
+    the whole group; ``permutation``, its permutations (:func:`monomial_subgroup`); ``auto`` (the default of
+    :func:`symgraph.align`, ``merge`` and ``barrier``), :func:`residual_group`'s choice (``result.residual`` says
+    which was used).
     """
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0):
         raise SymgraphError(f"Refinement rounds must be a whole number >= 0, not {rounds!r}.",

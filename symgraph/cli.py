@@ -275,7 +275,9 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
         save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
         result.timings["write"] = time.perf_counter() - clock
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}{_cost_summary(result.costs)}"
+               f"(mode {mode}{', folded' if result.folded else ''}"
+               f"{', residual stream by permutations' if result.residual == 'permutation' else ''}"
+               f"{_cost_summary(result.costs)}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")

@@ -57,18 +57,22 @@ def test_orthogonal_keeps_the_whole_group_and_ends_closer_by_weights():
 
 
 @pytest.mark.slow
-def test_auto_keeps_the_orthogonal_group_for_rmsnorm_streams():
+def test_auto_keeps_the_orthogonal_group_for_rmsnorm_streams_and_align_states_keeps_it_by_default():
     result, _ = _aligned("llama")
     assert result.residual == "orthogonal" and _residual_kinds(result) == {"orthogonal"}
     forced, _ = _aligned("llama", residual="permutation")
     assert forced.residual == "permutation" and _residual_kinds(forced) <= {"signed_permutation"}
+    a, b = _folded("vit", 0), _folded("vit", 1)
+    plain = align_states(b.report.groups, b.state_dict(), a.state_dict(), mode="full", rounds=0,
+                         matching_start=False)
+    assert plain.residual == "orthogonal"  # the primitive's default: callers inside the library keep O(D)
 
 
 def test_auto_recovers_a_reparametrised_layernorm_model_exactly_in_the_whole_group():
     subject = _folded("vit", 0)
     anchor = subject.state_dict()
     source = apply(anchor, [sample(g, np.random.default_rng(5)) for g in subject.report.groups])
-    result = align_states(subject.report.groups, source, anchor, mode="full")
+    result = align_states(subject.report.groups, source, anchor, mode="full", residual="auto")
     assert result.residual == "orthogonal"
     assert result.distance_before > 0.2 and result.distance_after < 1e-6
 
@@ -96,6 +100,7 @@ def test_cli_align_and_barrier_take_the_residual_group(tmp_path):
         res = run("align", tmp_path / "m1", tmp_path / "m0", "-o", tmp_path / f"out-{choice}", "--fold", "--quiet",
                   "--residual-group", choice, "--stats", tmp_path / f"{choice}.json")
         assert res.returncode == 0, res.stderr
+        assert ("residual stream by permutations" in res.stdout) == (choice == "permutation")
         stats = json.loads((tmp_path / f"{choice}.json").read_text())
         assert stats["residual_group"] == choice
         kinds = {v["kind"] for k, v in stats["groups"].items() if k.startswith("residual")}
