@@ -229,7 +229,8 @@ def output_folder(out_dir, like, *, overwrite: bool) -> tuple[Path, Path | None]
 @contextlib.contextmanager
 def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder of ``out`` to write into; moved to ``out`` when the block ends without error,
-    removed (with everything written so far) when it fails. OS and safetensors errors become :class:`OutputError`."""
+    removed (with everything written so far) when it fails. OS and safetensors errors become :class:`OutputError`;
+    other errors propagate unchanged (the folder is removed all the same)."""
     with os_errors_as_output_error(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out, folder=True)
@@ -240,8 +241,9 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
         done = True
     except OutputError:
         raise
-    except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
-        # OSError: disk full, permissions; safetensors reports some I/O problems as SafetensorError.
+    except (OSError, SafetensorError) as exc:
+        # OSError: disk full, permissions; safetensors reports I/O problems as SafetensorError. Anything else (a
+        # failure computing the tensors a streamed writer asks for) is no writing problem: it propagates as is.
         reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
         raise OutputError(
             f"Writing the model to '{out}' failed: {reason}. Nothing was written (the partly written files were "

@@ -37,10 +37,12 @@ class LazyState(Mapping[str, torch.Tensor]):
     ``.safetensors`` file), keyed as stored; ``state[name]`` reads one tensor in its stored dtype.
 
     Raises :class:`~symgraph.errors.ModelLoadError` when the folder has no safetensors weights, the index names a
-    shard that is missing, or a file's header is damaged.
+    shard that is missing, or a file's header is damaged; with ``finite``, also when a floating-point tensor read
+    holds NaN or Inf (bad input, named as such before any solver fails on it).
     """
 
-    def __init__(self, source):
+    def __init__(self, source, *, finite: bool = False):
+        self.finite = finite
         self.files = safetensors_files(source)
         self.folder = self.files[0].parent
         self._file_of: dict[str, Path] = {}
@@ -56,10 +58,15 @@ class LazyState(Mapping[str, torch.Tensor]):
         file = self._file_of[name]  # KeyError for an unknown name, as a mapping should
         try:
             with safe_open(str(file), framework="pt") as handle:
-                return handle.get_tensor(name)
+                tensor = handle.get_tensor(name)
         except Exception as exc:  # SafetensorError, OSError: the file changed or broke since it was opened
             raise ModelLoadError(f"Cannot read tensor '{name}' from '{file}': {exc}",
                                  hint="the file is damaged or was changed while it was read: re-save it.") from exc
+        if self.finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            from .io import nonfinite_error
+
+            raise nonfinite_error(f"the weights in '{self.folder}'", [name])
+        return tensor
 
     def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to find out
         return name in self._infos

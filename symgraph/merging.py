@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import fnmatch
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     w = normalized_weights(weights, len(models))
     clock = _Clock()
     subjects = [load(m, free_outputs=free_outputs) for m in models]
+    check_distinct([s.path or s.model for s in subjects], [s.path or s.name for s in subjects])
     _check_fixed_tensors([s.state_dict() for s in subjects], [s.name for s in subjects])
     inputs = tuple(s.path for s in subjects if s.path is not None)  # before folding, which makes new subjects
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
@@ -337,6 +339,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     if len(models) < 2:
         raise SymgraphError(f"Merging needs at least two models, got {len(models)}.", hint="pass two or more models.")
     w = normalized_weights(weights, len(models))
+    check_distinct([Path(m).expanduser() for m in models], models)
     refuse_overlap(out, models)
     start = time.perf_counter()
     states = [LazyState(m) for m in models]
@@ -584,6 +587,31 @@ def _split_augmented(merged: torch.Tensor, layer: LinearLayer) -> State:
 
 
 # -- validation ----------------------------------------------------------------------------------------------------
+def check_distinct(sources: Sequence[Any], names: Sequence[Any]) -> None:
+    """Refuse a model given twice (one folder, however spelt or linked, or one module object): merged with itself
+    it only weighs more, which ``weights`` says openly; given twice by mistake, the merge would silently lack the
+    model meant."""
+    seen: dict[Any, int] = {}
+    for i, source in enumerate(sources):
+        key = _identity(source)
+        if key in seen:
+            first = seen[key]
+            raise SymgraphError(
+                f"Model {i + 1} ({names[i]}) is model {first + 1} ({names[first]}) again: a merge takes each model "
+                "once.", hint="pass each model once (to weigh one model more, use --weights / weights=), or check "
+                "the model paths for a repeated one.")
+        seen[key] = i
+
+
+def _identity(source) -> Any:
+    """What makes two model sources one model: the folder a path resolves to, or a module's weight memory (a
+    module loaded twice is two module trees over the same tensors)."""
+    if isinstance(source, torch.nn.Module):
+        first = next(iter(source.state_dict().values()), None)
+        return id(source) if first is None else ("weights", first.data_ptr())
+    return Path(os.path.realpath(source))
+
+
 def normalized_weights(weights: Sequence[float] | None, count: int) -> np.ndarray:
     """Weights that sum to 1 (equal when ``weights`` is None); refuse a wrong count, negatives, a zero sum.
 

@@ -102,6 +102,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     >>> result.distance_after < result.distance_before, result.verified_error < result.verified_tolerance
     (True, True)
     """
+    from .api import _check_layers
     from .files import refuse_overlap
     from .merging import _streamed_plan
     from .shards import DEFAULT_SHARD_BYTES, TensorInfo, write_checkpoint
@@ -110,13 +111,14 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     device, dtype = compute_device(device), compute_dtype(dtype)  # before anything is read
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    src, anc = LazyState(source), LazyState(anchor)
+    src, anc = LazyState(source, finite=True), LazyState(anchor, finite=True)
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
     model, config, groups, norms = streamed_groups(source, src, fold=fold)
     if fold:
         src, anc = FoldedState(src, norms), FoldedState(anc, norms)
     check_same_config(config, _config(anchor))
     _check_same_vectors(src, anc, source, anchor)
+    _check_layers(layers, groups)
     groups = select_groups(groups, mode, rescale=rescale, layers=layers)
     rounds = DEFAULT_ROUNDS if rounds is None else rounds  # the residual is not in the descent: no 100 rounds
     timings["analyse"] = time.perf_counter() - clock

@@ -9,6 +9,7 @@ import torch
 import symgraph
 from symgraph import zoo
 from symgraph.alignment import align_states, select_groups
+from symgraph.demo import demo_models
 from symgraph.errors import SymgraphError
 
 from cli_runner import run
@@ -161,7 +162,7 @@ def test_cli_merge_and_barrier_refuse_cuda_without_a_gpu(tmp_path):
 @pytest.mark.slow
 def test_cli_merge_with_device_and_dtype(tmp_path):
     out = tmp_path / "merged"
-    code, stdout, stderr = run("merge", DEMO, DEMO, "-o", out, "--align", "permutation", "--frame", "reference",
-                               "--device", "cpu", "--dtype", "float32", "--no-progress")
+    code, stdout, stderr = run("merge", DEMO, demo_models()["llama-b"], "-o", out, "--align", "permutation",
+                               "--frame", "reference", "--device", "cpu", "--dtype", "float32", "--no-progress")
     assert code == 0, stderr
     assert (out / "config.json").exists() and "distance of each model to the merge" in stdout

@@ -59,6 +59,8 @@ def test_streamed_merge_refuses_checkpoints_that_all_lack_a_weight(tmp_path):
 
 def test_streamed_merge_of_complete_checkpoints_still_runs(tmp_path, pair):
     """The completeness check knows tied weights (left out by save_pretrained) and per-expert MoE names."""
+    import shutil
+
     import transformers
 
     config = transformers.AutoConfig.for_model(
@@ -67,7 +69,8 @@ def test_streamed_merge_of_complete_checkpoints_still_runs(tmp_path, pair):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mix")
     zoo.build("llama-tied").save_pretrained(tmp_path / "tied")
     for source in ("mix", "tied"):
-        code, _, err = run("merge", tmp_path / source, tmp_path / source, "--stream", "--align", "none",
+        shutil.copytree(tmp_path / source, tmp_path / f"{source}-copy")
+        code, _, err = run("merge", tmp_path / source, tmp_path / f"{source}-copy", "--stream", "--align", "none",
                            "-o", tmp_path / f"{source}-out")
         assert code == 0, err
 
@@ -513,3 +516,69 @@ def test_safetensors_metadata_is_carried(tmp_path, labelled_pair, command, caplo
         assert "metadata not carried" in caplog.text and "run." in caplog.text, caplog.text
     else:
         assert _metadata_of(out) == {"format": "pt", "origin": "lab", "run": "a"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# align --stream checks what the in-memory align checks
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["source", "anchor"])
+def test_streamed_align_names_nan_weights(tmp_path, pair, bad):
+    """Before: a NaN in a bf16 weight reached the Hungarian solver, and the run ended in 'Writing the model
+    failed: matrix contains invalid numeric entries ... free disk space'."""
+    key = "model.layers.0.mlp.up_proj.weight"
+
+    def poison(stored):
+        stored[key] = stored[key].to(torch.bfloat16)
+        stored[key][0, 0] = float("nan")
+
+    nan = _llama(tmp_path / "nan", 0, poison)
+    source, anchor = (nan, pair[1]) if bad == "source" else (pair[1], nan)
+    code, _, err = run("align", source, anchor, "--stream", "-o", tmp_path / "out", "--quiet")
+    assert code == 2 and "NaN or Inf" in err and key in err and "disk" not in err, err
+    assert _written(tmp_path) == ["nan"]
+
+
+def test_streamed_align_refuses_layers_outside_the_model(tmp_path, pair):
+    """Before: --layers 5-9 on a 2-layer model was accepted by --stream (exit 0, nothing aligned)."""
+    code, _, err = run("align", *pair, "--stream", "--layers", "5-9", "-o", tmp_path / "out")
+    assert code == 2 and "outside the model" in err and "0-1" in err, err
+    assert _written(tmp_path) == []
+
+
+def test_a_failure_computing_a_streamed_tensor_is_not_called_a_write_failure(tmp_path):
+    """Only I/O errors are writing problems ('free disk space'); an error producing a tensor propagates as itself,
+    and the staged shards are removed all the same."""
+    from symgraph.shards import TensorInfo, write_checkpoint
+
+    def produce(name):
+        raise ValueError("the solver failed")
+
+    with pytest.raises(ValueError, match="the solver failed"):
+        write_checkpoint(tmp_path / "out", [TensorInfo("w", (2,), torch.float32)], produce)
+    assert _written(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a model given twice to merge
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_merge_refuses_a_model_given_twice(tmp_path, pair, stream):
+    """Before: ``merge A A`` (or A spelt another way, or a link to it) wrote A again as 'the merge', exit 0."""
+    (tmp_path / "link").symlink_to(pair[0])
+    for again in (pair[0], pair[0].parent / ".." / pair[0].parent.name / pair[0].name, tmp_path / "link"):
+        code, _, err = run("merge", pair[0], pair[1], again, "-o", tmp_path / "out", "--no-progress",
+                           *(["--stream", "--align", "none"] if stream else []))
+        assert code == 2 and "Model 3" in err and "is model 1" in err and "--weights" in err, err
+    assert _written(tmp_path) == ["link"]
+
+
+def test_merge_refuses_one_module_given_twice():
+    import symgraph
+    from symgraph.errors import SymgraphError
+
+    x = torch.randn(3, 8)
+    model = _Masked(0, [True, True, True, True])
+    with pytest.raises(SymgraphError, match="Model 2 .* is model 1"):
+        symgraph.merge([symgraph.load(model, (x,)), symgraph.load(model, (x,))], align="none", progress=False)
