@@ -177,6 +177,32 @@ def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
     assert_fuzzed_at_two_shapes(subject)
 
 
+class RoutedReshape(nn.Module):
+    """Routed tokens reshaped by their run-time count: ``view(rows.shape[0], 2, 4)`` splits the channel axis only;
+    ``reshape(rows.shape[0] * D)`` merges the count with it, which the labels cannot follow."""
+
+    def __init__(self, merged: bool):
+        super().__init__()
+        self.merged = merged
+        self.inp, self.out, self.router = nn.Linear(D, D), nn.Linear(D, 3), nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = self.inp(x).reshape(-1, D)
+        rows = (self.router(h)[:, 0] > 0).nonzero().squeeze(-1)
+        y = h.index_select(0, rows)
+        y = y.reshape(rows.shape[0] * D).view(-1, D) if self.merged else y.view(rows.shape[0], 2, 4).flatten(1)
+        return self.out(h.index_add(0, rows, torch.relu(y)))
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_sizes_known_only_at_run_time_reshape_or_pin(merged):
+    subject = _load(RoutedReshape(merged))
+    units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == D]
+    run_time = [p for p in subject.report.pinned if "known only at run time" in p.reason]
+    assert (len(units), len(run_time)) == ((0, 1) if merged else (1, 0)), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
 def test_expert_choice_keeps_the_stream_and_the_units():
     subject = _load(ExpertChoiceMoE())
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)

@@ -12,8 +12,8 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
-from .labels import (Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies, unique_rows,
-                     varying_axes)
+from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
+                     unique_rows, varying_axes)
 
 NEUTRAL = monomial("one")
 
@@ -43,7 +43,12 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                 for t in c.terms:
                     w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
             continue
-        results.append(_move_channel(w, node, j, spec))
+        try:
+            results.append(_move_channel(w, node, j, spec))
+        except RuntimeError:  # a run-time size merged with other axes: the stand-in does not fit, never guess
+            if not any(_run_time_size(a) for a in node.all_input_nodes):
+                raise
+            return _pin_moved(w, node, "reshaped by a size known only at run time, merged with other axes")
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
@@ -127,7 +132,12 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     moved = set(_tensor_args(node))
     others = [a for a in node.all_input_nodes if a not in moved]
     return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
-               for v in (w.values.get(a.name) for a in others))
+               and not _run_time_size(a) for v, a in ((w.values.get(a.name), a) for a in others))
+
+
+def _run_time_size(a: fx.Node) -> bool:
+    """A size argument torch.export knows only at run time (``view(rows.shape[0], ...)`` of routed tokens)."""
+    return isinstance(a.meta.get("val"), torch.SymInt)
 
 
 def _pick_unknown_rows(w, node: fx.Node) -> Value:
@@ -223,6 +233,8 @@ def _replay(w, node: fx.Node, spec, pick):
             if isinstance(v, Value) and (v.chans or _is_labelled_position(node, a)):
                 return pick(v, v.shape or _node_shape(a))
             if isinstance(v, Value):
+                if _run_time_size(a):  # the stand-in the shapes use for it (labels do not vary along that axis)
+                    return STAND_IN_SIZE
                 if v.data is None:
                     return pick(None, v.shape or _node_shape(a))
                 return v.data
