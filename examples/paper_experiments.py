@@ -857,6 +857,9 @@ A B --data digits --align full --steps 11`: vit-digits-wide 0.8197, vit-digits 3
   the orthogonal residual it gave vit-digits 2.416 (0.73x, round 2), the lowest data-free figure there.
   Between these pairs the weight-space optimum is not a low-barrier one: QK circuits of A and B' differ by more
   than their own size on vit-digits-wide even after full alignment (relative distance 1.50).
+- **The wide ViT merge bar is still missed.** The midpoint of the new full path (B aligned to A, the simple
+  average) scores 1.540 on vit-digits-wide, 1.92x the mean endpoint loss 0.803 (bar 1.20x; permutation mode's
+  midpoint 1.744, 2.17x).
 """
 
 
