@@ -805,9 +805,11 @@ A B --data digits --align full --steps 11`: vit-digits-wide 0.8197, vit-digits 3
 | full, orthogonal residual (previous default) | 3.193 | 1.930 | 1.862 | 1.223 / 1.119 |
 | **full, residual by permutations (new default for LayerNorm)** | **3.262 (0.98x)** | 2.177 | **0.820 (0.87x)** | 1.260 / 1.169 |
 | permutations + orthogonal residual, no in-head maps | not run | not run | 1.239 | 1.407 / not run |
-| full, no QK rescale | not run | not run | 1.896 | not run |
-| full, costs balanced per layer (each layer's tensors count equally) | not run | not run | 1.212 | not run |
-| full, descent from the weight-matching start only | not run | not run | not run | 1.298 / not run |
+| orthogonal residual, no QK rescale | not run | not run | 1.896 | not run |
+| new default, GL(d_head) heads (`--general-linear`) | 3.275 | (1.930, round 2) | 0.826 | not run |
+| new default, up to 100 rounds until nothing changes | 3.262 (1 round) | not run | 0.820 (3 rounds) | not run |
+| orthogonal residual, costs balanced per layer (each layer's tensors count equally) | not run | not run | 1.212 | not run |
+| orthogonal residual, descent from the weight-matching start only | not run | not run | not run | 1.298 / not run |
 | `--balance-costs` with the new default | 2.922 | (1.904, round 2) | 0.888 | 1.204 / 1.114 |
 | unfolded: permutation, full | 4.653, 3.414 | 2.134, 2.510 | 1.010, 1.096 | not run |
 
@@ -855,6 +857,9 @@ A B --data digits --align full --steps 11`: vit-digits-wide 0.8197, vit-digits 3
   the orthogonal residual it gave vit-digits 2.416 (0.73x, round 2), the lowest data-free figure there.
   Between these pairs the weight-space optimum is not a low-barrier one: QK circuits of A and B' differ by more
   than their own size on vit-digits-wide even after full alignment (relative distance 1.50).
+- **The wide ViT merge bar is still missed.** The midpoint of the new full path (B aligned to A, the simple
+  average) scores 1.540 on vit-digits-wide, 1.92x the mean endpoint loss 0.803 (bar 1.20x; permutation mode's
+  midpoint 1.744, 2.17x).
 """
 
 

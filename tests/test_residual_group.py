@@ -68,8 +68,10 @@ def test_auto_keeps_the_orthogonal_group_for_rmsnorm_streams_and_align_states_ke
     assert plain.residual == "orthogonal"  # the primitive's default: callers inside the library keep O(D)
 
 
-def test_auto_recovers_a_reparametrised_layernorm_model_exactly_in_the_whole_group():
-    subject = _folded("vit", 0)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["vit", "phi", "llama"])  # LayerNorm streams (ViT, Phi) and RMSNorm
+def test_auto_recovers_a_reparametrised_folded_model_exactly_in_the_whole_group(family):
+    subject = _folded(family, 0)
     anchor = subject.state_dict()
     source = apply(anchor, [sample(g, np.random.default_rng(5)) for g in subject.report.groups])
     result = align_states(subject.report.groups, source, anchor, mode="full", residual="auto")
