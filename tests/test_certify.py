@@ -88,6 +88,7 @@ def test_no_certificate_is_kept_when_the_margins_cannot_hold():
     ws = Workspace({k: v.clone() for k, v in anchor.items()}, anchor)
     members = list(g.members)
     for m in members:  # source units 0 and 1 alike: anchor unit 0's best entry is no longer alone in its row
-        ws.src[m.param].select(m.axis, int(m.index[0, 1, 0])).copy_(ws.src[m.param].select(m.axis, int(m.index[0, 0, 0])))
+        x = ws.src[m.param]
+        x.select(m.axis, int(m.index[0, 1, 0])).copy_(x.select(m.axis, int(m.index[0, 0, 0])))
     dispatch.solve(ws, g, members, dispatch.SolveContext(mode="permutation", first_pass=False))
     assert g.id not in ws.certificates

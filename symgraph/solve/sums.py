@@ -57,7 +57,10 @@ class MemberSums:
         self._layouts[kind] = layout
         out = np.zeros(shape)
         for key, ms in self._layers(kind, g, members, features):
-            out += _sum(ms, term, shape) if key is None else self._layer_sum(key, ms, term, shape)
+            if key is None:
+                _sum(ms, term, shape, out)
+            else:
+                out += self._layer_sum(key, ms, term, shape)
         return out
 
     def _layers(self, kind, g: Group, members, features):
@@ -103,8 +106,9 @@ class MemberSums:
                     entry.versions = tuple(self.version[p] for p in entry.params)
 
 
-def _sum(members, term, shape) -> np.ndarray:
-    out = np.zeros(shape)
+def _sum(members, term, shape, out: np.ndarray | None = None) -> np.ndarray:
+    """Sum of ``term(m)`` over ``members``, accumulated into ``out`` when given (no second n x n buffer)."""
+    out = np.zeros(shape) if out is None else out
     for m in members:
         out += term(m)
     return out
