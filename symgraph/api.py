@@ -266,6 +266,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                             free_cost_members, relative_distance, select_groups)
     from .verify import Evaluator
 
+    if learn_data is not None and not learn:
+        from .learn import LearnError
+
+        raise LearnError("learn_data is what learned matching learns on, and learning was not asked for.",
+                         hint="pass --learn (learn=True) with --learn-data, or leave --learn-data out.")
     learn_data = data if learn_data is None else learn_data
     check_learn(learn, learn_data)
     device, dtype = compute_device(device), compute_dtype(dtype)

@@ -133,6 +133,18 @@ def test_cli_align_learn_writes_a_verified_model_and_its_record(vit_pair, tmp_pa
 
 
 @pytest.mark.slow
+def test_cli_align_learn_data_learns_from_the_weight_matched_start(vit_pair, tmp_path):
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 2, "--quiet")
+    assert code == 0, stderr
+    assert "learned over 2 steps" in stdout and "costs:" not in stdout  # no group matched on activations
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+    code, _, stderr = run("align", b, a, "-o", tmp_path / "other", "--learn-data", "digits")
+    assert code == 2 and "learning was not asked for" in stderr and not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
 def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     a, b = vit_pair
     data = load_data("digits", split="test", limit=96)
