@@ -206,8 +206,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           layers: tuple[int, int] | None = None, refine_rounds: int | None = None, tolerance: float = 1e-4,
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
-          data_batch_size: int = 16, data_groups: str = "residual", learn=False, free_outputs: bool = False,
-          device="cpu", dtype=None, balance: bool = False, residual: str = "auto"):
+          data_batch_size: int = 16, data_groups: str = "residual", learn=False, learn_data=None,
+          free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto"):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -246,7 +246,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
 
     With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) that alignment is then tuned on the loss of
     the interpolated model on the training split of ``data`` (required): :mod:`symgraph.learn`.
-    ``result.learned`` says what it did.
+    ``result.learned`` says what it did. ``learn_data`` (a SPEC or a Dataset) is learned on instead of ``data``;
+    without ``data`` learning then starts from the weight-matched alignment, which ends lower on some pairs
+    (examples/results/learn.json).
 
     Returns :class:`symgraph.alignment.AlignResult`: the aligned state dict in the source's dtype, every element
     applied, per-group distances and the time per stage. With ``verify`` the aligned model is first checked to
@@ -267,7 +269,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                             free_cost_members, relative_distance, select_groups)
     from .verify import Evaluator
 
-    check_learn(learn, data)
+    if learn_data is not None and not learn:
+        from .learn import LearnError
+
+        raise LearnError("learn_data is what learned matching learns on, and learning was not asked for.",
+                         hint="pass --learn (learn=True) with --learn-data, or leave --learn-data out.")
+    learn_data = data if learn_data is None else learn_data
+    check_learn(learn, learn_data)
     device, dtype = compute_device(device), compute_dtype(dtype)
     timings = {}
     clock = time.perf_counter()
@@ -303,7 +311,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
     if learn:
         clock = time.perf_counter()
-        result = learned(src, groups, state, anchor_state, result, data, learn, free, progress is not None)
+        result = learned(src, groups, state, anchor_state, result, learn_data, learn, free, progress is not None)
         timings["learn"] = time.perf_counter() - clock
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow

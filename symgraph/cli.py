@@ -226,6 +226,9 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
                                           "also what learned matching learns on.")
 @_data_options
 @_learn_options
+@click.option("--learn-data", "learn_data_spec",
+              help="With --learn: learn on this data (its train split) instead of --data; without --data, learning "
+                   "then starts from the weight-matched alignment.")
 @_FREE_OUTPUTS
 @_compute_options("the alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise; OUT keeps SOURCE's")
@@ -238,6 +241,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
           data_batch_size, data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method,
+          learn_data_spec,
           free_outputs, device, dtype, stream, shard_size):
     from .alignment import compute_device
     from .api import align as run_align, load
@@ -252,7 +256,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
         given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
                                        ("--general-linear", general_linear), ("--data", data_spec),
                                        ("--residual-group", residual != "auto"),
-                                       ("--learn", learn), ("--free-outputs", free_outputs)) if on]
+                                       ("--learn", learn), ("--learn-data", learn_data_spec),
+                                       ("--free-outputs", free_outputs)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
                                    "align in memory (without --stream).")
@@ -267,6 +272,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                            data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
+                           learn_data=learn_data_spec,
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
                                       balance, residual))
     result.timings["load"] = loading

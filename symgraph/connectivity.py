@@ -95,7 +95,8 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         Alignment modes, from ``none``, ``permutation``, ``paper``, ``full``; ``full+data``: full mode with
         activation costs (:mod:`symgraph.activations`) on the train split of ``data`` (or on ``align_data``); and
         the learned ones ``full+learn``, ``permutation+learn``, ``paper+learn``, ``full+data+learn``: that mode's
-        alignment tuned on the loss of the interpolated model on the training split of ``data``
+        alignment (weight-matched, or activation-matched for ``full+data+learn``) tuned on the loss of the
+        interpolated model on the training split of ``data`` (``full+data+learn``: of the alignment data)
         (:mod:`symgraph.learn`).
     batch_size, limit, split
         How a data SPEC is loaded.
@@ -273,8 +274,8 @@ def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, 
     base, learned = mode.removesuffix(LEARNED), mode.endswith(LEARNED)
     if base == DATA_MODE:
         base, options = "full", {**options, "data": data_options.pop("align_data"), **data_options}
-    if learned:
-        options = {"data": learning["data"], **options, "learn": learning["learn"],
+    if learned:  # from the base mode's alignment (full: weight-matched); full+data+learn learns on its data
+        options = {**options, "learn_data": options.get("data", learning["data"]), "learn": learning["learn"],
                    "progress": (lambda *_: None) if learning["progress"] else None}
     return align(source, anchor, mode=base, verify=True, fold=False, **options).state  # folded (or not) already
 

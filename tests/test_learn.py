@@ -133,6 +133,18 @@ def test_cli_align_learn_writes_a_verified_model_and_its_record(vit_pair, tmp_pa
 
 
 @pytest.mark.slow
+def test_cli_align_learn_data_learns_from_the_weight_matched_start(vit_pair, tmp_path):
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 2, "--quiet")
+    assert code == 0, stderr
+    assert "learned over 2 steps" in stdout and "costs:" not in stdout  # no group matched on activations
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+    code, _, stderr = run("align", b, a, "-o", tmp_path / "other", "--learn-data", "digits")
+    assert code == 2 and "learning was not asked for" in stderr and not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
 def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     a, b = vit_pair
     data = load_data("digits", split="test", limit=96)
@@ -141,6 +153,27 @@ def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     full, learned = result.curves["full"], result.curves["full+learn"]
     assert learned.loss_barrier < full.loss_barrier - 0.2
     assert learned.losses[0] == full.losses[0]  # same anchor end
+
+
+@pytest.mark.slow
+def test_full_learn_starts_from_weights_and_full_data_learn_from_activations(vit_pair, monkeypatch):
+    """Each learned mode starts from its base mode's alignment: full+learn's is weight-matched (the data is
+    learned on, not matched on), full+data+learn's activation-matched; align(learn_data=...) is the API."""
+    import symgraph.activations
+
+    calls = []
+    matched = symgraph.activations.align_on_activations
+    monkeypatch.setattr(symgraph.activations, "align_on_activations",
+                        lambda *args, **kwargs: calls.append(1) or matched(*args, **kwargs))
+    a, b = vit_pair
+    few = LearnOptions(steps=2, eval_batches=1)
+    modes = ("full+learn", "full+data+learn")
+    result = barrier(a, b, load_data("digits", split="test", limit=32), steps=3, aligns=modes, learn=few,
+                     learn_data="digits", progress=False)
+    assert set(result.curves) == set(modes) and len(calls) == 1  # full+data+learn's start only
+    calls.clear()
+    result = symgraph.align(b, a, learn=few, learn_data="digits")
+    assert not calls and result.learned["steps"] == 2 and result.verified_error is not None
 
 
 def test_barrier_refuses_unknown_learned_modes(vit_pair):
