@@ -65,3 +65,20 @@ def test_every_variant_flips_an_option_its_config_has(sweep):
         unknown = {k for k in variant[1] if k not in fields and k not in (fields.get("rope_parameters") or {})
                    and k != "num_labels" and f"config.{k}" not in code and f'"{k}"' not in code}
         assert not unknown, (sweep.variant_name(variant), unknown)  # read with getattr(config, k, default) only
+
+
+def test_rows_a_slice_cuts_after_a_dropout_are_pinned():
+    # DeBERTa (v1) with relative attention reads rel_embeddings[16 - n : 16 + n] for length n, through a dropout
+    # (identity in eval); the dropout counted as reading every row, so the 18 rows cut away at length 7 were left
+    # free: a GL(18) on them changed the outputs at lengths 11 and 19 (relative error 5e-6 in the variants sweep)
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("deberta", **{**BASE, "relative_attention": True, "pos_att_type": ["c2p", "p2c"],
+                                                "max_relative_positions": 16, "type_vocab_size": 0})
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    report = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7))}).report
+    on_rows = [g.id for g in report.groups for m in g.members
+               if m.param == "deberta.encoder.rel_embeddings.weight" and m.axis == 0]
+    assert not on_rows
+    assert any("rel_embeddings" in p for p in report.parameters)

@@ -86,7 +86,7 @@ class Walker:
         if not any(v.chans for v in inputs) and not pointers:
             return self._data_node(node, inputs)
         spec = self.specs.op(str(node.target))
-        if spec is None or spec.rule != "movement":
+        if spec is None or spec.rule not in _PASSES_COORDINATES:
             self.mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
@@ -257,6 +257,9 @@ _READS_COMPLEX = frozenset({"complex_view", "mul"})
 
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
 _FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
+# rules whose output carries its input's coordinates on unconsumed (a slice after a dropout still cuts rows away):
+# they do not count as reading them, so _pin_unread still sees rows that a later slice drops
+_PASSES_COORDINATES = frozenset({"movement", "identity"})
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
