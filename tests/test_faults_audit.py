@@ -663,3 +663,20 @@ def test_an_output_over_the_files_an_input_links_to_is_refused(tmp_path, pair, c
         code, _, err = run(*args, "-o", out, "--overwrite")
         assert code == 2 and "input" in err and f"links into '{kept}'" in err, err
     assert tree_digest(kept) == before and _written(tmp_path) == ["kept", "links"]
+
+
+def test_a_parametrized_or_shared_module_is_loaded_with_its_structure():
+    """symgraph's own module tree must not pickle (parametrized modules refuse it) and must keep a layer used twice
+    one layer."""
+    import symgraph
+    from torch.nn.utils.parametrizations import weight_norm
+
+    x = torch.randn(2, 4)
+    normed = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 8)), torch.nn.ReLU(), torch.nn.Linear(8, 3)).train()
+    subject = symgraph.load(normed, (x,))
+    assert subject.report is not None and normed.training and not subject.model[0].training
+    assert symgraph.transform(normed, inputs=(x,)).keys() == normed.state_dict().keys()
+    shared = torch.nn.Linear(4, 4)
+    twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared).train()
+    own = symgraph.load(twice, (x,)).model
+    assert own[0] is own[2] and own[0] is not shared and own[0].weight is shared.weight and twice.training
