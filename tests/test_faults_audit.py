@@ -421,6 +421,7 @@ def _callers_mlp(seed: int) -> torch.nn.Module:
     return net
 
 
+@pytest.mark.slow
 def test_a_callers_module_comes_back_exactly_as_given():
     """Before: ``symgraph.load(module)`` (and so analyze, transform, fuzz, align, merge, barrier) switched every
     submodule of the caller's module to eval mode, and Fisher statistics cleared its gradients."""
@@ -496,6 +497,7 @@ def labelled_pair(tmp_path_factory):
             _with_metadata(_llama(root / "b", 1), origin="lab", run="b"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["transform", "fold", "align", "align-stream", "merge", "merge-stream"])
 def test_safetensors_metadata_is_carried(tmp_path, labelled_pair, command, caplog):
     """Before: every written checkpoint stored only ``format: pt``, dropping what the input's metadata said.
