@@ -38,18 +38,27 @@ def refuse_overlap(output, inputs, *, folder: bool = True) -> None:
         if not isinstance(source, (str, os.PathLike)) or not Path(source).expanduser().exists():
             continue
         src = _absolute(source)
-        home = src if src.is_dir() else src.parent
-        if folder:
-            clash = out in (src, home) or home in out.parents or out in home.parents
-        else:
-            clash = out == src or (out.parent == home and (out.name in MODEL_FILES or out.suffix in (".safetensors",
-                                                                                                    ".bin")))
-        if clash:
-            relation = "is" if out in (src, home) else "lies inside" if home in out.parents else "contains"
-            raise OutputError(
-                f"The output '{output}' {relation} the input '{source}': writing it would change or replace an "
-                "input.",
-                hint="choose an output path outside every input folder.")
+        for home in _homes(src):
+            if folder:
+                clash = out in (src, home) or home in out.parents or out in home.parents
+            else:
+                clash = out == src or (out.parent == home and (
+                    out.name in MODEL_FILES or out.suffix in (".safetensors", ".bin")))
+            if clash:
+                relation = "is" if out in (src, home) else "lies inside" if home in out.parents else "contains"
+                linked = "" if home in (src, src.parent) else f" (its files are links into '{home}')"
+                raise OutputError(
+                    f"The output '{output}' {relation} the input '{source}'{linked}: writing it would change or "
+                    "replace an input.",
+                    hint="choose an output path outside every input folder.")
+
+
+def _homes(src: Path) -> list[Path]:
+    """The folders an input's files live in: its own, and those its symbolic links point into (a folder of links
+    to shards kept elsewhere, as the Hugging Face cache keeps them: replacing those replaces the input)."""
+    home = src if src.is_dir() else src.parent
+    linked = [Path(os.path.realpath(p)).parent for p in home.iterdir() if p.is_symlink()] if src.is_dir() else []
+    return list(dict.fromkeys([home, *linked]))
 
 
 def _absolute(path) -> Path:

@@ -99,6 +99,18 @@ TOKENIZER_FILES = (
 #: Every file a model folder is read from by name (weight shards aside).
 MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES))
 
+#: Files of other formats that users hand over as models: (file name pattern, what it is, what to do instead).
+FOREIGN_FORMATS = (
+    ("adapter_config.json", "the config of a PEFT adapter (LoRA or similar): weight deltas for a base model, "
+     "not a model",
+     "merge the adapter into its base model first (peft: PeftModel.from_pretrained(base, ADAPTER)"
+     ".merge_and_unload().save_pretrained(OUT)) and pass OUT"),
+    ("*.gguf", "a GGUF file (llama.cpp), which symgraph does not read",
+     "pass the Hugging Face checkpoint they were converted from (config.json plus safetensors)"),
+    ("*.onnx", "an ONNX export, which symgraph does not read",
+     "pass the PyTorch or Hugging Face model it was exported from"),
+)
+
 
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
@@ -295,12 +307,14 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         config_file = folder / "config.json"
         if not config_file.is_file():
             found = sorted(p.name for p in folder.iterdir())[:8]
+            _refuse_foreign(sorted(folder.iterdir()))
             raise ModelLoadError(
                 f"Folder '{folder}' has no config.json (it contains: {', '.join(found) or 'nothing'}).",
                 hint="point at the Hugging Face model folder itself (the one holding config.json), or use a "
                 "factory 'package.module:function' for models that are not Hugging Face checkpoints.",
             )
     elif path.is_file():
+        _refuse_foreign([path])
         if path.suffix == ".py":
             raise ModelLoadError(
                 f"'{path}' is a Python file, not a model folder or config.",
@@ -337,6 +351,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         )
     weights = [folder / f for f in WEIGHT_FILES if (folder / f).is_file()]
     if not weights:
+        _refuse_foreign(sorted(folder.iterdir()))
         stray = sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
         detail = (
             f" It has {', '.join(stray[:4])}, but transformers only reads {', '.join(WEIGHT_FILES)}."
@@ -372,11 +387,59 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
             hint="check that the weights match config.json (same model_type and sizes) and are complete; "
             "re-download or re-save the checkpoint if a file is damaged.",
         ) from exc
-    _check_loading_info(loading_info, model, folder, weights[0])
+    try:
+        _check_loading_info(loading_info, model, folder, weights[0])
+    except ModelLoadError as exc:
+        if _architecture_class(config_dict) is not None:
+            raise
+        raise _unnamed_class_error(exc, config, folder, weights[0]) from None
     _check_stored_dtypes(model, folder, weights[0])
     check_finite(model, f"the weights in '{folder}'")
     model.eval()
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
+
+
+def _refuse_foreign(paths) -> None:
+    """Name a file of another format (:data:`FOREIGN_FORMATS`) among ``paths`` for what it is."""
+    import fnmatch
+
+    for pattern, what, todo in FOREIGN_FORMATS:
+        hit = next((p for p in paths if fnmatch.fnmatch(p.name.lower(), pattern)), None)
+        if hit is not None:
+            raise ModelLoadError(f"'{hit}' is {what}.", hint=f"{todo}.")
+
+
+def _unnamed_class_error(error: ModelLoadError, config, folder: Path, weights: Path) -> ModelLoadError:
+    """``error`` (weights that do not fit the bare model) for a config.json whose "architectures" names no class
+    transformers has: say so, and name the classes of its model type whose stored tensors are exactly the file's."""
+    stored = {key for key, _, is_float, _ in _stored_dtypes(folder, weights) if is_float}
+    fitting = [name for name in _head_classes(config.model_type) if _stores(name, config) == stored]
+    named = ", ".join(f'"{n}"' for n in fitting)
+    return ModelLoadError(
+        f"{error.message} config.json names no class transformers has in \"architectures\", so the weights were "
+        f"matched against the bare model" + (f"; they are those of {' or '.join(fitting)}." if fitting else "."),
+        hint=(f"set \"architectures\": [{named.split(', ')[0]}] in config.json" + (
+            " (the classes above store the same tensors: pick the one the model was trained as)."
+            if len(fitting) > 1 else ".")) if fitting else error.hint)
+
+
+def _head_classes(model_type: str) -> list[str]:
+    """The class names transformers' auto classes map ``model_type`` to, the bare model first."""
+    from transformers.models.auto import modeling_auto
+
+    mappings = [getattr(modeling_auto, n) for n in sorted(dir(modeling_auto))
+                if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES")]
+    names = [m.get(model_type) for m in [modeling_auto.MODEL_MAPPING_NAMES, *mappings]]
+    return list(dict.fromkeys(n for n in names if isinstance(n, str)))
+
+
+def _stores(class_name: str, config) -> set[str]:
+    """The floating-point tensor names a checkpoint of ``class_name`` built from ``config`` stores."""
+    from .checkpoint import stored_weight_names
+
+    named = copy.deepcopy(config)
+    named.architectures = [class_name]
+    return stored_weight_names(named) or set()
 
 
 def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: Path) -> None:
@@ -529,6 +592,8 @@ def _build_config(config_dict: dict, config_file: Path):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     arch_cls = _architecture_class(config_dict)
+    if arch_cls is None and config_dict.get("auto_map"):
+        raise _custom_code_error(config_dict, config_file)
     model_type = config_dict.get("model_type")
     if model_type is None:
         if arch_cls is None:
@@ -567,6 +632,19 @@ def _build_config(config_dict: dict, config_file: Path):
     if arch_cls is not None and not isinstance(config, arch_cls.config_class):
         arch_cls = None  # architectures disagrees with model_type: let AutoModel pick from the config
     return config, (arch_cls or transformers.AutoModel)
+
+
+def _custom_code_error(config_dict: Mapping[str, Any], config_file: Path) -> ModelLoadError:
+    """A config whose class lives in the checkpoint's own code (``auto_map``, run by transformers only with
+    trust_remote_code): the stock class of its model_type may compute something else, so it is never substituted."""
+    code = ", ".join(sorted({str(v) for v in dict(config_dict["auto_map"]).values()}))
+    return ModelLoadError(
+        f"The config file '{config_file}' names the class {config_dict.get('architectures')!r}, which is custom "
+        f"code shipped with the checkpoint (auto_map: {code}) and not part of transformers; symgraph does not run "
+        "downloaded code (trust_remote_code), and the stock class of its model_type may compute something else.",
+        hint="if you trust the code, load the model yourself in a factory (e.g. a file model.py with "
+        "def build(): return AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)) and pass "
+        "'model.py:build'.")
 
 
 def _model_class(config) -> tuple[Any, Any]:

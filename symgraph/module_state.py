@@ -47,7 +47,8 @@ def private_tree(module: torch.nn.Module) -> torch.nn.Module:
 
     def own(original: torch.nn.Module) -> torch.nn.Module:
         if id(original) not in copies:
-            clone = copy.copy(original)
+            clone = type(original).__new__(type(original))  # not copy.copy: parametrized modules refuse pickling
+            clone.__dict__.update(original.__dict__)
             for name in _OWN_DICTS:
                 if name in original.__dict__:
                     clone.__dict__[name] = copy.copy(original.__dict__[name])

@@ -421,6 +421,7 @@ def _callers_mlp(seed: int) -> torch.nn.Module:
     return net
 
 
+@pytest.mark.slow
 def test_a_callers_module_comes_back_exactly_as_given():
     """Before: ``symgraph.load(module)`` (and so analyze, transform, fuzz, align, merge, barrier) switched every
     submodule of the caller's module to eval mode, and Fisher statistics cleared its gradients."""
@@ -496,6 +497,7 @@ def labelled_pair(tmp_path_factory):
             _with_metadata(_llama(root / "b", 1), origin="lab", run="b"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["transform", "fold", "align", "align-stream", "merge", "merge-stream"])
 def test_safetensors_metadata_is_carried(tmp_path, labelled_pair, command, caplog):
     """Before: every written checkpoint stored only ``format: pt``, dropping what the input's metadata said.
@@ -582,3 +584,101 @@ def test_merge_refuses_one_module_given_twice():
     model = _Masked(0, [True, True, True, True])
     with pytest.raises(SymgraphError, match="Model 2 .* is model 1"):
         symgraph.merge([symgraph.load(model, (x,)), symgraph.load(model, (x,))], align="none", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what users hand over as a model: adapters, GGUF files, configs naming no class or custom code
+# ---------------------------------------------------------------------------------------------------------------
+
+def _adapter(folder):
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    safetensors.torch.save_file({"base_model.model.q_proj.lora_A.weight": torch.zeros(8, 32)},
+                                folder / "adapter_model.safetensors")
+    return folder
+
+
+def _gguf_file(folder):
+    folder.mkdir()
+    (folder / "model-q4_k_m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    return folder / "model-q4_k_m.gguf"
+
+
+def _gguf_beside_config(folder):
+    _llama(folder).joinpath("model.safetensors").unlink()
+    (folder / "model.gguf").write_bytes(b"GGUF" + bytes(64))
+    return folder
+
+
+@pytest.mark.parametrize("make, words", [
+    (_adapter, ["adapter_config.json", "PEFT adapter", "merge_and_unload"]),
+    (_gguf_file, ["model-q4_k_m.gguf", "GGUF", "Hugging Face checkpoint"]),
+    (_gguf_beside_config, ["model.gguf", "GGUF"]),
+])
+def test_other_formats_are_named_for_what_they_are(tmp_path, make, words):
+    """Before: an adapter folder was 'a folder without config.json', a .gguf file 'neither a model folder nor a
+    config.json', a config beside a .gguf file 'no weights found'."""
+    source = make(tmp_path / "given")
+    code, _, err = run("transform", source, "-o", tmp_path / "out")
+    assert code == 2 and all(w in err for w in words), err
+    assert _written(tmp_path) == ["given"]
+
+
+def test_a_config_naming_no_class_says_which_class_the_weights_are(tmp_path):
+    """Before: 'lm_head.weight in the file but not in the model' (the bare LlamaModel), with no word on why."""
+    folder = _llama(tmp_path / "m", config_edit=lambda config: config.pop("architectures"))
+    code, _, err = run("report", folder)
+    assert code == 2 and 'names no class transformers has in "architectures"' in err, err
+    assert '"architectures": ["LlamaForCausalLM"]' in err
+
+
+@pytest.mark.parametrize("model_type", ["llama", "my-llama"])
+def test_a_class_in_custom_code_is_refused_not_replaced_by_the_stock_one(tmp_path, model_type):
+    """Before: with a known model_type the stock bare LlamaModel was built in place of the custom class (and
+    analysed when the weights fitted it); with an unknown one, the error spoke of a misspelt model_type."""
+    def custom(config):
+        config.update(model_type=model_type, architectures=["MyLlama"],
+                      auto_map={"AutoModelForCausalLM": "modeling_my.MyLlama"})
+
+    folder = _llama(tmp_path / "m", config_edit=custom)
+    (folder / "modeling_my.py").write_text("raise SystemExit('custom code ran')\n")
+    for args in (["report", folder], ["report", folder / "config.json", "--config-only"]):
+        code, _, err = run(*args)
+        assert code == 2 and "custom code" in err and "modeling_my.MyLlama" in err and "trust_remote_code" in err, err
+
+
+@pytest.mark.parametrize("command", ["transform", "merge-stream"])
+def test_an_output_over_the_files_an_input_links_to_is_refused(tmp_path, pair, command):
+    """A model folder of links to files kept elsewhere (as the Hugging Face cache keeps them). Before: writing to
+    the folder the links point into was allowed, and replaced the input's files (its links then dangled)."""
+    import shutil
+
+    kept = tmp_path / "kept"
+    shutil.copytree(pair[0], kept)
+    links = tmp_path / "links"
+    links.mkdir()
+    for file in kept.iterdir():
+        (links / file.name).symlink_to(file)
+    before = tree_digest(kept)
+    args = ["transform", links] if command == "transform" else ["merge", links, pair[1], "--stream", "--align", "none"]
+    for out in (kept, kept / "sub"):
+        code, _, err = run(*args, "-o", out, "--overwrite")
+        assert code == 2 and "input" in err and f"links into '{kept}'" in err, err
+    assert tree_digest(kept) == before and _written(tmp_path) == ["kept", "links"]
+
+
+def test_a_parametrized_or_shared_module_is_loaded_with_its_structure():
+    """symgraph's own module tree must not pickle (parametrized modules refuse it) and must keep a layer used twice
+    one layer."""
+    import symgraph
+    from torch.nn.utils.parametrizations import weight_norm
+
+    x = torch.randn(2, 4)
+    normed = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 8)), torch.nn.ReLU(), torch.nn.Linear(8, 3)).train()
+    subject = symgraph.load(normed, (x,))
+    assert subject.report is not None and normed.training and not subject.model[0].training
+    assert symgraph.transform(normed, inputs=(x,)).keys() == normed.state_dict().keys()
+    shared = torch.nn.Linear(4, 4)
+    twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared).train()
+    own = symgraph.load(twice, (x,)).model
+    assert own[0] is own[2] and own[0] is not shared and own[0].weight is shared.weight and twice.training
