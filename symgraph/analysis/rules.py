@@ -414,6 +414,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
     values = [w.value(a) if isinstance(a, fx.Node) else None for a in operands]
     if any(v is not None and v.shape is None for v in values):
         return _pin_moved(w, node, "an operand's shape is unknown")
+    if not all(_labels_fit(v) for v in values if v is not None):  # labels of a run-time count, not its stand-in
+        return _pin_moved(w, node, "an operand's shape is only known at run time")
     shapes = [v.shape if v is not None else () for v in values]
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
@@ -429,6 +431,14 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
             out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
                               residual=False)
     return out
+
+
+def _labels_fit(value: Value) -> bool:
+    """Whether every channel's labels broadcast to the value's shape. A size known only at run time has a stand-in
+    (:func:`~symgraph.analysis.labels.concrete_shape`) in the shape, while labels replayed on concrete data (a
+    boolean mask of the example input) have the example's size: such an operand cannot be contracted."""
+    return all(t.ids.dim() != len(value.shape) or all(i in (1, n) for i, n in zip(t.ids.shape, value.shape))
+               for c in value.chans for t in c.terms)
 
 
 def _contract_factors(w, node: fx.Node, ops: list[Operand], out_letters: str, out_shape) -> list[Chan]:
