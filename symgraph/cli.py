@@ -491,6 +491,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     from .merging import merge as run_merge
 
     compute_device(device)  # before the models are read
+    if method != "regmean" and _given("alpha"):
+        raise click.UsageError(f"--alpha is RegMean's shrinkage; --method {method} has none, so it would be ignored. "
+                               "Leave --alpha out, or use --method regmean.")
     _check_distinct_outputs(**{"-o": output, "--json": json_path})
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
@@ -570,6 +573,11 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
         click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")
     click.echo(f"wrote {output}")
+
+
+def _given(name: str) -> bool:
+    """Whether the option ``name`` of the running command was set on the command line (not left at its default)."""
+    return click.get_current_context().get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
 def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, learn) -> None:

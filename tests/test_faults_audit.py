@@ -682,3 +682,12 @@ def test_a_parametrized_or_shared_module_is_loaded_with_its_structure():
     twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared).train()
     own = symgraph.load(twice, (x,)).model
     assert own[0] is own[2] and own[0] is not shared and own[0].weight is shared.weight and twice.training
+
+
+@pytest.mark.parametrize("method", ["simple", "fisher"])
+def test_alpha_without_regmean_is_refused_instead_of_ignored(tmp_path, pair, method):
+    out = tmp_path / "merged"
+    code, _, err = run("merge", *pair, "-o", out, "--method", method, "--alpha", "0.5", "--align", "none",
+                       "--no-progress")
+    assert code == 2 and "--alpha is RegMean's shrinkage" in err and f"--method {method}" in err
+    assert not out.exists()
