@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_map
 
 from .errors import CaptureError
-from .module_state import eval_mode
+from .module_state import eval_mode, tensors_kept
 from .moe import DENSE, experts_implementation
 
 
@@ -59,7 +59,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     traced_args, traced_kwargs = _on_parameter_device(model, tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
         with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE), \
-                _module_tensors_kept(model):
+                tensors_kept(model):
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
@@ -173,28 +173,6 @@ def _export_hint(exc: Exception) -> str:
                 "the branch depend on shapes or config only, or express it with torch.cond.")
     return ("pass example inputs that match forward(), disable caches (use_cache=False), or wrap the "
             "untraceable part in a module that torch.export supports.")
-
-
-@contextlib.contextmanager
-def _module_tensors_kept(model: torch.nn.Module):
-    """Put every module's buffers and tensor attributes back as they were. Export runs ``forward`` on fake
-    tensors, and code that caches tensors on its module while it runs (transformers' long-context rotary
-    embeddings: ``self.long_inv_freq = ...``, ``register_buffer("inv_freq", ...)``) would otherwise leave fake
-    tensors on the caller's model, which then can neither run nor be copied."""
-    saved = [(m, dict(m._buffers), set(m._non_persistent_buffers_set),
-              {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for module, buffers, non_persistent, tensors in saved:
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(non_persistent)
-            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in tensors]:
-                delattr(module, name)
-            for name, value in tensors.items():
-                setattr(module, name, value)
 
 
 _NOISY_LOGGERS = ("torch._export", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",

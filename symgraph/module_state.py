@@ -3,7 +3,8 @@
 symgraph needs a module in eval mode (dropout off, norms on their running statistics) and sometimes with every
 parameter requiring grad (Fisher statistics). It never flips those switches on the caller's object:
 :func:`private_tree` gives it a module tree of its own that shares the caller's tensors (no weight memory), and
-:func:`eval_mode` / :func:`gradients_on` put back every flag they changed, module by module and tensor by tensor.
+:func:`eval_mode` / :func:`gradients_on` put back every flag they changed, module by module and tensor by tensor;
+:func:`tensors_kept` puts back the tensors a traced ``forward`` cached on its modules.
 
 Examples
 --------
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["private_tree", "eval_mode", "gradients_on"]
+__all__ = ["private_tree", "eval_mode", "gradients_on", "tensors_kept"]
 
 #: Per-module dicts a module tree of its own must not share with the caller's (the rest of ``__dict__`` is
 #: shared by a shallow copy: the config, plain attributes; tensors stay the caller's).
@@ -87,3 +88,25 @@ def gradients_on(module: torch.nn.Module) -> Iterator[None]:
         for p, (flag, grad) in saved.items():
             p.requires_grad_(flag)
             p.grad = grad
+
+
+@contextlib.contextmanager
+def tensors_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put every module's buffers and tensor attributes back as they were. Export runs ``forward`` on fake
+    tensors, and code that caches tensors on its module while it runs (transformers' long-context rotary
+    embeddings: ``self.long_inv_freq = ...``, ``register_buffer("inv_freq", ...)``) would otherwise leave fake
+    tensors on the caller's model, which then can neither run nor be copied."""
+    saved = [(m, dict(m._buffers), set(m._non_persistent_buffers_set),
+              {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, buffers, non_persistent, tensors in saved:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
+            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in tensors]:
+                delattr(module, name)
+            for name, value in tensors.items():
+                setattr(module, name, value)
