@@ -69,6 +69,7 @@ class AlignResult:
     learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
     costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
     residual: str | None = None  # full mode on an orthogonal residual stream: the group it was aligned in
+    path_losses: dict[str, float] = field(default_factory=dict)  # with data: each candidate's loss along the path
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -85,6 +86,7 @@ class AlignResult:
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
                 **({"costs": self.costs} if self.costs else {}),
                 **({"residual_group": self.residual} if self.residual else {}),
+                **({"path_losses": self.path_losses} if self.path_losses else {}),
                 "timings_s": self.timings,
                 "cost_excluded": self.free, "groups": self.group_distances(),
                 "solves": [s.__dict__ for s in self.stats]}

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +244,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
     examples run through both models, and the groups ``data_groups`` names (``residual``: the residual stream,
     the default; ``all``: every group) are matched on the activations that carry their coordinates, first; the
-    other groups, and those no activation carries, then on weights (``result.costs`` says which).
+    other groups, and those no activation carries, then on weights (``result.costs`` says which). The data-free
+    alignment is computed too, and the one whose interpolated model has the lower loss on those batches is kept
+    (:func:`lowest_path_loss`; ``result.path_losses`` holds both).
 
     With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) that alignment is then tuned on the loss of
     the interpolated model on the training split of ``data`` (required): :mod:`symgraph.learn`.
@@ -307,8 +311,17 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         recording = record(src, anc, groups, dataset, batches=data_batches,
                            use={g.id for g in data_cost_groups(groups, data_groups)})
         timings["record_activations"] = time.perf_counter() - clock
-        options["residual"] = "orthogonal" if residual == "auto" else residual  # auto: the data-free rule
-        result = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups, **options)
+        clock = time.perf_counter()
+        on_activations = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups,
+                                              **{**options, "residual": "orthogonal" if residual == "auto"
+                                                 else residual})
+        timings["align_on_activations"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        on_weights = align_states(groups, state, anchor_state, **options)
+        on_weights.costs = {g.id: "weights" for g in groups}
+        timings["align_on_weights"] = time.perf_counter() - clock
+        result = lowest_path_loss({"activations": on_activations, "weights": on_weights}, src.model, anchor_state,
+                                  dataset, data_batches)
     if learn:
         clock = time.perf_counter()
         result = learned(src, groups, state, anchor_state, result, learn_data, learn, free, progress is not None)
@@ -322,6 +335,36 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
         _verify_alignment(evaluator, state, result)
         timings["verify"] = time.perf_counter() - clock
     result.timings = {**timings, **result.timings}
+    return result
+
+
+_PATH_LOSS_TIE = 1e-5  # relative: path losses closer than this are equal (one function, rounded differently)
+
+
+def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int):
+    """The candidate alignment (name -> AlignResult) whose interpolated model has the lowest mean loss at t = 1/4,
+    1/2, 3/4 on the first ``batches`` batches of ``data`` (:func:`symgraph.learn.path_loss`), every candidate's
+    loss in its ``path_losses``. Activation costs and weight costs each win on some pairs (examples/RESULTS.md:
+    activations on vit-digits and llama-chars, weights on bert-topics and vit-digits-wide), and distance does not
+    rank barriers, so with data at hand the data decides; the first candidate wins a tie (and any non-finite loss)."""
+    from .consensus import shared_float_names
+    from .learn import path_loss
+
+    names = shared_float_names(anchor_state, frozenset())
+    try:
+        losses = {name: path_loss(model, anchor_state, c.state, names, data, batches)
+                  for name, c in candidates.items()}
+    except (ValueError, RuntimeError) as err:  # e.g. a base model's hidden states against next-token labels
+        first = next(iter(candidates))
+        warnings.warn(f"The data gives no {data.task} loss on this model ({err}); the {first} alignment is kept "
+                      f"without comparing it with the others ({', '.join(list(candidates)[1:])}).", stacklevel=2)
+        return candidates[first]
+    best = next(iter(losses))
+    for name, loss in losses.items():  # a later one must be lower by more than float rounding (equal merges)
+        if math.isfinite(loss) and not loss >= losses[best] - _PATH_LOSS_TIE * abs(losses[best]):
+            best = name
+    result = candidates[best]
+    result.path_losses = losses
     return result
 
 

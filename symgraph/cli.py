@@ -283,7 +283,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
                f"(mode {mode}{', folded' if result.folded else ''}"
                f"{', residual stream by permutations' if result.residual == 'permutation' else ''}"
-               f"{_cost_summary(result.costs)}"
+               f"{_cost_summary(result.costs, result.path_losses)}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
@@ -317,12 +317,14 @@ def _learned_note(learned: dict | None) -> str:
             f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}")
 
 
-def _cost_summary(costs: dict[str, str]) -> str:
-    """How many groups took which cost (with --data)."""
+def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:
+    """How many groups took which cost, and the candidates' path losses the data chose between (with --data)."""
     if not costs:
         return ""
     counts = {c: sum(v == c for v in costs.values()) for c in dict.fromkeys(costs.values())}
-    return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items())
+    chosen = (f" (kept for its lower path loss on the data, t = 1/4, 1/2, 3/4: "
+              f"{', '.join(f'{name} {loss:.4g}' for name, loss in path_losses.items())})" if path_losses else "")
+    return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
 
 
 def _equality(error: float, tolerance: float, state) -> str:

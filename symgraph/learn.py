@@ -45,7 +45,7 @@ from .elements import apply
 from .errors import SymgraphError
 from .progress import progress_bar
 
-__all__ = ["LearnError", "LearnOptions", "learn_alignment", "training_data"]
+__all__ = ["LearnError", "LearnOptions", "learn_alignment", "path_loss", "training_data"]
 
 State = dict[str, torch.Tensor]
 T_CHOICES = ("midpoint", "random")
@@ -132,6 +132,14 @@ def training_data(spec, model, batch_size: int):
     from .datasets import load_data
 
     return load_data(spec, model=model, batch_size=batch_size, split="train")
+
+
+def path_loss(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str], data,
+              batches: int) -> float:
+    """The mean loss of ``(1 - t) anchor + t other`` at ``t`` = 1/4, 1/2, 3/4 on the first ``batches`` batches
+    of ``data`` (a :class:`~symgraph.datasets.Dataset`): how learned matching scores its candidates, and how
+    alignment on data chooses between its own (lower is better). ``names`` are the entries interpolated."""
+    return _InterpolatedLoss(model, anchor, names, data.task).evaluate(other, data.batches[:batches])
 
 
 def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *, model: torch.nn.Module, data,

@@ -83,10 +83,33 @@ def test_independent_models_stay_exact_reparametrisations(llama):
         assert result.distance_after < result.distance_before
         outcome = Evaluator(result_model(source, fold=True), source.args, source.kwargs).check(result.state)
         assert outcome.ok, outcome.relative_error
+        # the candidate kept is the one with the lower path loss, and its costs say how it was found
+        losses = result.path_losses
+        assert set(losses) == {"activations", "weights"} and result.to_json()["path_losses"] == losses
+        kept = "activations" if losses["activations"] <= losses["weights"] * (1 + 1e-5) else "weights"
         residual = [g for g, cost in result.costs.items() if g.startswith("residual")]
-        assert residual and all(result.costs[g] == "activations" for g in residual)
-        if groups == "residual":
+        assert residual and all(result.costs[g] == kept for g in residual)
+        if groups == "residual" or kept == "weights":
             assert {c for g, c in result.costs.items() if not g.startswith("residual")} == {"weights"}
+
+
+def test_with_data_the_alignment_with_the_lower_path_loss_is_kept(llama):
+    """Activation costs and weight costs each win on some pairs; the data decides, by the interpolated loss."""
+    from symgraph.alignment import AlignResult
+    from symgraph.api import lowest_path_loss
+    from symgraph.learn import path_loss
+
+    anchor, data = llama.state_dict(), tokens()
+    names = [k for k, v in anchor.items() if v.is_floating_point()]
+    near = AlignResult(dict(anchor), [], [], 1.0, 0.0)  # the anchor itself: the path is A all along
+    far = AlignResult({k: v * 30 if k == "lm_head.weight" else v for k, v in anchor.items()}, [], [], 1.0, 1.0)
+    assert path_loss(llama.model, anchor, near.state, names, data, 2) < \
+        path_loss(llama.model, anchor, far.state, names, data, 2)  # over-confident logits along the path
+    for candidates in ({"far": far, "near": near}, {"near": near, "far": far}):
+        kept = lowest_path_loss(candidates, llama.model, anchor, data, 2)
+        assert kept is near and kept.path_losses["near"] < kept.path_losses["far"]
+    same = AlignResult(dict(anchor), [], [], 1.0, 0.0)
+    assert lowest_path_loss({"first": near, "second": same}, llama.model, anchor, data, 2) is near  # a tie
 
 
 def result_model(subject, fold: bool):
