@@ -707,15 +707,21 @@ _COSMETIC_CONFIG_KEYS = {"_name_or_path", "transformers_version", "architectures
 
 def check_same_config(source_config, anchor_config) -> None:
     """Refuse two Hugging Face configs that differ in anything but names, labels and dtype."""
-    if source_config is None or anchor_config is None:
-        return
-    s, a = (c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in (source_config, anchor_config))
-    differ = sorted(k for k in (s.keys() | a.keys()) - _COSMETIC_CONFIG_KEYS if s.get(k) != a.get(k))
+    differ = config_differences(source_config, anchor_config)
     if differ:
-        shown = ", ".join(f"{k}: {s.get(k)!r} vs {a.get(k)!r}" for k in differ[:4])
-        raise MismatchError(f"The two models have different configurations ({shown}"
-                            f"{', ...' if len(differ) > 4 else ''}).",
+        raise MismatchError(f"The two models have different configurations ({differ}).",
                             hint="align two models of the same architecture and configuration.")
+
+
+def config_differences(first, second) -> str:
+    """The fields (at most four shown) in which two Hugging Face configs (or their dicts) differ, other than names,
+    labels and dtype, as "key: first vs second, ..."; empty when they agree or either is None."""
+    if first is None or second is None:
+        return ""
+    s, a = (c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in (first, second))
+    differ = sorted(k for k in (s.keys() | a.keys()) - _COSMETIC_CONFIG_KEYS if s.get(k) != a.get(k))
+    shown = ", ".join(f"{k}: {s.get(k)!r} vs {a.get(k)!r}" for k in differ[:4])
+    return shown + (", ..." if len(differ) > 4 else "")
 
 
 def free_cost_members(subject, groups, mode: str, evaluator=None) -> list[Member]:

@@ -414,6 +414,8 @@ def fuzz(model, samples, seed, json_path, free_outputs):
 @click.argument("model_b")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the result.")
 def compare(model_a, model_b, json_path):
+    from .alignment import config_differences
+    from .io import load_model
     from .streamed_verify import verify_streamed
 
     _check_file_output(json_path, [model_a, model_b])
@@ -423,8 +425,10 @@ def compare(model_a, model_b, json_path):
     if json_path is not None:
         _emit_text(json.dumps(result, indent=1), json_path)
     verdict = "the same function" if outcome.ok else "DIFFERENT functions"
+    configs = config_differences(*(load_model(Path(m), config_only=True).config for m in (model_a, model_b)))
     click.echo(f"{model_a} and {model_b}: {verdict} (relative error {outcome.relative_error:.2e}, tolerance "
-               f"{outcome.tolerance:.0e}; float64, block by block)")
+               f"{outcome.tolerance:.0e}; float64, block by block)"
+               + (f"; their configurations differ: {configs}" if configs else ""))
     if not outcome.ok:
         sys.exit(1)
 

@@ -30,7 +30,7 @@ from .errors import MismatchError
 from .lazy_state import LazyState
 from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs
 
-__all__ = ["verify_streamed", "streamed_outputs"]
+__all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
 
 def verify_streamed(source, other, inputs=None) -> Outcome:
@@ -38,6 +38,7 @@ def verify_streamed(source, other, inputs=None) -> Outcome:
     the same outputs? Each runs in float64, block by block (see the module docstring), on ``inputs`` (example
     inputs built from the config when None); the relative error of ``other``'s outputs against ``source``'s is
     compared with a tolerance for the lowest precision computed or stored (bf16 weights widen it)."""
+    check_one_architecture(source, other)
     with _LowestFloat() as seen:
         reference = streamed_outputs(source, inputs)
     outputs = streamed_outputs(other, inputs)
@@ -47,6 +48,41 @@ def verify_streamed(source, other, inputs=None) -> Outcome:
     stored = {info.dtype for path in (source, other) for info in LazyState(path).infos()}
     tolerance = max(TOLERANCE[seen.lowest], *(TOLERANCE[d] for d in stored if d in TOLERANCE))
     return Outcome(float((outputs - reference).norm() / reference.norm().clamp_min(1e-30)), tolerance)
+
+
+def check_one_architecture(source, other) -> None:
+    """Refuse two checkpoints of different model classes, or whose tensors differ in name or shape, naming what
+    differs (their outputs would differ, but not because of their weights)."""
+    kinds = [_model_class(f) for f in (source, other)]
+    if None in kinds:
+        return
+    if kinds[0] != kinds[1]:
+        raise MismatchError(f"'{source}' is a {kinds[0]} and '{other}' a {kinds[1]}: they are different "
+                            "architectures.", hint="compare two checkpoints of one architecture (an aligned, folded "
+                                                   "or merged model against its source).")
+    shapes = [{info.name: tuple(info.shape) for info in LazyState(f).infos()} for f in (source, other)]
+    only = [sorted(shapes[0].keys() - shapes[1].keys()), sorted(shapes[1].keys() - shapes[0].keys())]
+    if only[0] or only[1]:
+        raise MismatchError(f"The checkpoints hold different tensors (only in '{source}': {only[0][:3]}; only in "
+                            f"'{other}': {only[1][:3]}).", hint="compare two checkpoints of one configuration.")
+    resized = [name for name, shape in shapes[0].items() if shapes[1][name] != shape]
+    if resized:
+        name = resized[0]
+        raise MismatchError(f"Tensor {name} has shape {shapes[0][name]} in '{source}' but {shapes[1][name]} in "
+                            f"'{other}' ({len(resized)} tensors differ).",
+                            hint="compare two checkpoints of one configuration.")
+
+
+def _model_class(folder) -> str | None:
+    """The model class a Hugging Face folder's config.json names (or its model_type); None without a config.json
+    (loading the folder then says what is wrong)."""
+    from .io import _read_json
+
+    file = Path(folder) / "config.json"
+    if not file.is_file():
+        return None
+    config = _read_json(file, what="config")
+    return next(iter(config.get("architectures") or ()), None) or f"{config.get('model_type', 'unknown')} model"
 
 
 def streamed_outputs(folder, inputs=None) -> torch.Tensor:

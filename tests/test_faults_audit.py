@@ -102,6 +102,35 @@ def test_compare_names_nan_weights(tmp_path, pair, key):
         assert code == 2 and "NaN or Inf" in err and key in err and "DIFFERENT" not in out, (out, err)
 
 
+def test_compare_names_different_architectures(tmp_path, pair):
+    """A LLaMA against a GPT-2, or against a deeper LLaMA: refused, naming the classes or the tensors that differ
+    (it used to answer "DIFFERENT functions", as if the weights were at fault)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=2, n_head=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    code, out, err = run("compare", pair[0], tmp_path / "gpt2")
+    assert code == 2 and "LlamaForCausalLM" in err and "GPT2LMHeadModel" in err and "DIFFERENT" not in out, err
+
+    def deeper(config):
+        config["num_hidden_layers"] += 1
+
+    zoo.build("llama", seed=0).save_pretrained(tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(_llama(tmp_path / "deep-config", 0, config_edit=deeper)))
+    model.save_pretrained(tmp_path / "deep")
+    code, out, err = run("compare", pair[0], tmp_path / "deep")
+    assert code == 2 and "different tensors" in err and "layers." in err, err
+
+
+def test_compare_says_which_configuration_fields_differ(tmp_path, pair):
+    def other_rope(config):
+        config["rope_parameters"]["rope_theta"] = 500.0
+
+    code, out, _ = run("compare", pair[0], _llama(tmp_path / "theta", 0, config_edit=other_rope))
+    assert code == 1 and "DIFFERENT functions" in out and "rope_theta" in out and "500.0" in out, out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # two outputs of one command on one path
 # ---------------------------------------------------------------------------------------------------------------
