@@ -62,6 +62,31 @@ def test_clamp_in_place_keeps_sign_flips_only_between_opposite_bounds(low, high,
     assert (error < 1e-12) == (low == -high), error
 
 
+class Chained(nn.Module):
+    """Two in-place ops in a row on a fresh tensor: relu_ then a product with a weight vector."""
+
+    def __init__(self, in_place: bool = True):
+        super().__init__()
+        self.in_place = in_place
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.v = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        h = self.a(x)
+        if not self.in_place:
+            return self.b(torch.relu(h) * self.v)
+        h.relu_()
+        h.mul_(self.v)
+        return self.b(h)
+
+
+def test_in_place_ops_in_a_row_on_a_fresh_tensor_read_as_functions():
+    subject = subject_of(Chained())
+    assert not [p for p in subject.report.pinned if "written in place" in p.reason]
+    assert census(subject) == census(subject_of(Chained(in_place=False))) == {"ffn permutation/positive 8x1": 1}
+    assert_fuzzed_at_two_shapes(subject)
+
+
 class StaleView(nn.Module):
     """A view taken before an in-place write and read after it: it sees the written values, not the labels the
     walker gave it when it was made (read as a plain function, the write left a GL(4) on ``a`` that the fuzz

@@ -98,11 +98,22 @@ def _view_chain(node: fx.Node | None) -> tuple[fx.Node, list[fx.Node]] | None:
             return None
         views.append(node)
         node = node.args[0] if isinstance(node.args[0], fx.Node) else None
-    if node is None or node.op != "call_function" or aliases_input(node):
+    if node is None or not _fresh(node):
         return None
     if views and len(views[0].users) != 1:
         return None
     return node, views[::-1]
+
+
+def _fresh(node: fx.Node) -> bool:
+    """An op output that shares storage with no other tensor the graph reads: a non-aliasing op, or an in-place op
+    on such an output that nothing else reads (``h.relu_().mul_(v)``)."""
+    if node.op != "call_function":
+        return False
+    target = mutated_argument(node)
+    if target is not None:
+        return len(target.users) == 1 and _fresh(target)
+    return not aliases_input(node)
 
 
 def _is_view(node: fx.Node) -> bool:
