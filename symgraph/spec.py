@@ -40,7 +40,7 @@ class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
     rule: Literal["attention", "add", "mul", "div", "layer_norm", "batch_norm", "pad", "reduce", "softmax",
-                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put"]
+                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy"]
 
 
 class MovementSpec(_Equivariant):
@@ -82,6 +82,12 @@ class MapSpec(_Equivariant):
     rule: Literal["activation", "pool"]
     group: GroupLimit  # the largest group commuting with the map
     scale: Literal["positive", "nonzero"] | None = None  # the per-coordinate scale it passes
+    # a clamp's lower and upper bound (schema arguments): `group` holds only when they are opposite numbers
+    # (clamp(-x, -c, c) = -clamp(x, -c, c)); any other bounds commute with permutations only
+    bounds: tuple[str, str] | None = None
+
+    def arguments(self) -> tuple[str, ...]:
+        return self.bounds or ()
 
 
 class ContractSpec(_Frozen):
@@ -122,9 +128,10 @@ class ComplexViewSpec(_Frozen):
 class FillSpec(_Frozen):
     rule: Literal["fill"]
     value: float | None = None  # the value every element gets (zeros_like); None: the call's `fill_value`
+    unset: bool = False  # the values are left unspecified (new_empty): unknown data, to be written later
 
     def arguments(self) -> tuple[str, ...]:
-        return () if self.value is not None else ("fill_value",)
+        return () if self.value is not None or self.unset else ("fill_value",)
 
 
 class PowSpec(_Frozen):

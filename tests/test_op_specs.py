@@ -74,6 +74,14 @@ def _complex_rotation(h, m):
     return A.view_as_real.default(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
 
 
+def _filled(h, m):
+    """A buffer from ``new_empty`` written piece by piece through slices (DeepSeek's key states)."""
+    buf = A.new_empty.default(h, list(h.shape))
+    A.copy_.default(A.slice.Tensor(buf, 2, 0, 4), A.slice.Tensor(h, 2, 0, 4))
+    A.copy_.default(A.slice.Tensor(buf, 2, 4, D), A.relu.default(A.slice.Tensor(h, 2, 4, D)))
+    return buf
+
+
 def _rows_mask(h):
     return torch.arange(h.shape[1])[:, None] > 0  # varies along the length only
 
@@ -139,6 +147,8 @@ EXAMPLES = {
         "relu", "leaky_relu", "hardtanh", "gelu", "silu", "sigmoid", "softplus", "mish", "elu", "selu", "celu",
         "hardswish", "hardsigmoid", "exp", "abs", "erf", "tanh", "sin", "atan", "cos")},
     "aten.clamp.default": lambda h, m: A.clamp.default(h, -1.0, 1.0),
+    "aten.clamp_.default": lambda h, m: A.clamp_.default(h.clone(), -1.0, 1.0),
+    "aten.hardtanh_.default": lambda h, m: A.hardtanh_.default(h.clone()),
     "aten.relu_.default": lambda h, m: A.relu_.default(h.clone()),
     **{f"aten.{name}.default": (lambda op: lambda h, m: op(torch.exp(h)))(getattr(A, name).default)
        for name in ("log", "sqrt", "rsqrt", "reciprocal")},
@@ -233,6 +243,8 @@ EXAMPLES = {
     "aten.new_zeros.default": lambda h, m: h + A.new_zeros.default(h, [D]),
     "aten.new_ones.default": lambda h, m: h * A.new_ones.default(h, [D]),
     "aten.new_full.default": lambda h, m: h + A.new_full.default(h, [D], 2.0),
+    "aten.new_empty.default": _filled,
+    "aten.copy_.default": _filled,
     "aten.view_as_complex.default": _complex_rotation,
     "aten.view_as_real.default": _complex_rotation,
     "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,

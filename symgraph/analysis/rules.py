@@ -323,6 +323,8 @@ def rule_ignore(w, node: fx.Node, spec) -> Value:
 def rule_activation(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     limit = from_group_name(spec.group, spec.scale)
+    if spec.bounds and not _opposite_numbers(*(schema_arg(node, b) for b in spec.bounds)):
+        limit = limit & NEUTRAL  # clamp(-x, a, b) = -clamp(x, -b, -a): sign flips need b = -a
     chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
     coordinates = [c for c in chans if not c.block]
     for c in coordinates:
@@ -334,6 +336,12 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
         if len(coordinates) == 1 or last in chan_axes(c):
             w.c.tag("activation", c.ids)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def _opposite_numbers(low, high) -> bool:
+    """Bounds given as Python numbers (not tensors, not absent) with ``low == -high``."""
+    numbers = all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (low, high))
+    return numbers and low == -high
 
 
 def rule_pool(w, node: fx.Node, spec) -> Value:
@@ -1269,9 +1277,20 @@ def _pin_chan(w, node, chan: Chan, why: str) -> None:
 # -- new tensors ------------------------------------------------------------------------------------------------
 def rule_fill(w, node: fx.Node, spec) -> Value:
     """A tensor of one value with the input's shape (``zeros_like``): plain data, whatever the input carries."""
-    value = spec.value if spec.value is not None else schema_arg(node, "fill_value")
     shape = _shape_of(node)
+    if spec.unset:
+        return Value(shape=shape)
+    value = spec.value if spec.value is not None else schema_arg(node, "fill_value")
     return Value(data=torch.full(shape, value, dtype=node.meta["val"].dtype), shape=shape)
+
+
+def rule_copy(w, node: fx.Node, spec) -> Value:
+    """``copy_(self, src)``: src's values (broadcast to self's shape, cast to its dtype), none of self's."""
+    src, shape = w.value(schema_arg(node, "src")), _shape_of(node)
+    if src is None:  # a Python number or a tensor with no value the analysis tracks
+        return Value(shape=shape)
+    data = src.data.expand(shape) if isinstance(src.data, torch.Tensor) else src.data
+    return Value(chans=[c.broadcast_to(shape) for c in src.chans], data=data, shape=shape, invariant=src.invariant)
 
 
 # -- small helpers -------------------------------------------------------------------------------------------

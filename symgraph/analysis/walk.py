@@ -24,6 +24,7 @@ from ..outputs import output_names, virtual_name
 from .constraints import ORTHOGONAL, Constraints
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
+from .writes import Write, aliases_input, mutated_argument, plan_write, written
 
 
 class Walker:
@@ -41,6 +42,8 @@ class Walker:
         self._buffer_ids: dict[str, torch.Tensor] = {}
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
+        self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
+        self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -90,6 +93,9 @@ class Walker:
             self.mark_read(inputs)
         if spec is None:
             return self._unknown(node, inputs)
+        write = plan_write(node, self._order, self._last_write, self.data) if mutated_argument(node) else None
+        if mutated_argument(node) is not None and write is None:
+            return self._unsafe_write(node, inputs)
         if spec.rule not in _READS_COMPLEX and any(v.complex for v in inputs):
             for v in inputs:
                 for c in v.chans if v.complex else ():
@@ -106,7 +112,7 @@ class Walker:
             self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
         try:
-            return handler(self, node, spec)
+            value = handler(self, node, spec)
         except SymgraphError:
             raise
         except Exception as exc:  # a rule met a case it was not written for: say where, never guess
@@ -115,6 +121,9 @@ class Walker:
                 f" ({source_line(node) or 'no source line recorded'}): {type(exc).__name__}: {exc}",
                 hint=f"report this with the model; meanwhile, deleting the {node.target} line from specs/ops.yaml "
                      "makes the op pin every axis it touches (sound, fewer groups).") from exc
+        if write is not None and write.base is not None:
+            self._write_back(node, write, value)
+        return value
 
     def _data_node(self, node: fx.Node, inputs: list[Value]):
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
@@ -137,6 +146,32 @@ class Walker:
             for c in v.chans:
                 for t in c.terms:
                     self.c.pin(t.ids, f"consumed by {target}, which no spec describes", node.name)
+        return _like_output(node, lambda: Value(shape=_shape(node)))
+
+    def _write_back(self, node: fx.Node, write: Write, value: Value) -> None:
+        """The base of a write through views now carries ``value``'s labels at the written positions."""
+        base = self.values.get(write.base.name)
+        updated = written(base, _shape(write.base), value, write.positions) if isinstance(base, Value) else None
+        if updated is None:
+            self._unsafe_write(node, [value])
+            return
+        self.values[write.base.name] = updated
+        self._last_write[write.base] = self._order[node]
+
+    def _unsafe_write(self, node: fx.Node, inputs: list[Value]):
+        """An in-place op the graph does not prove safe to read as a function (see analysis/writes.py): pin what
+        it reads and what the tensor it writes into carried, so stale labels can only name fixed coordinates."""
+        root = node.args[0]
+        while isinstance(root, fx.Node) and root.op == "call_function" and aliases_input(root):
+            root = root.args[0]
+        written_into = self.values.get(root.name) if isinstance(root, fx.Node) else None
+        why = f"written in place by {node.target} while the graph may still read the tensor's older value"
+        for v in [*inputs, *([written_into] if isinstance(written_into, Value) else [])]:
+            if v.points_to is not None:
+                self.c.pin(v.points_to, why, node.name)
+            for c in v.chans:
+                for t in c.terms:
+                    self.c.pin(t.ids, why, node.name)
         return _like_output(node, lambda: Value(shape=_shape(node)))
 
     def _output(self, node: fx.Node) -> None:
@@ -259,7 +294,7 @@ _READS_COMPLEX = frozenset({"complex_view", "mul"})
 _FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
 # rules whose output carries its input's coordinates on unconsumed (a slice after a dropout still cuts rows away):
 # they do not count as reading them, so _pin_unread still sees rows that a later slice drops
-_PASSES_COORDINATES = frozenset({"movement", "identity"})
+_PASSES_COORDINATES = frozenset({"movement", "identity", "copy"})
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')

@@ -1,0 +1,173 @@
+"""In-place ops: when the graph proves one can be read as a plain function of its inputs, and what it writes.
+
+torch.export keeps in-place ops (``q.clamp_(-c, c)``, ``buf[..., :8].copy_(x)``), while the walker keeps one value
+per node: a node that reads the written storage under an older name would see stale labels. Two forms are proven
+safe from the graph alone; any other in-place op pins what it touches:
+
+* the op overwrites a fresh tensor (the output of an op that aliases none of its inputs) that nothing else reads:
+  it is its functional twin;
+* the op writes through a chain of views (slice, select, ...) into a fresh tensor, each view read by the next link
+  only, the op's own result unused, and every other reader of the tensor comes after the write (or is another such
+  write): the tensor's written positions then carry the op's labels (DeepSeek's ``new_empty`` key buffer filled by
+  two ``copy_`` calls is a concatenation).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .labels import Chan, Term, Value, concrete_shape
+
+
+@dataclass(frozen=True)
+class Write:
+    """Where an in-place op's result goes: ``base`` (a fresh tensor) at ``positions`` (flat indices into it, in
+    the order of the written view's elements); no base when the op overwrites its whole, unread input."""
+
+    base: fx.Node | None = None
+    positions: torch.Tensor | None = None
+
+
+def mutated_argument(node: fx.Node) -> fx.Node | None:
+    """The tensor an ATen op writes into (its first argument, when the schema marks it written), else None."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return None
+    alias = schema.arguments[0].alias_info
+    return node.args[0] if alias is not None and alias.is_write and isinstance(node.args[0], fx.Node) else None
+
+
+def plan_write(node: fx.Node, order: dict[fx.Node, int], last_write: dict[fx.Node, int], data: dict) -> Write | None:
+    """How the walker may read in-place ``node`` (see the module docstring); None when the graph does not prove
+    it safe. ``order``: each node's position in the graph; ``last_write``: per base, the position of its latest
+    write so far; ``data``: concrete values of data nodes (sizes a view reads)."""
+    target = mutated_argument(node)
+    chain = _view_chain(target)
+    if chain is None:
+        return None
+    base, views = chain
+    if not views:
+        return Write() if len(base.users) == 1 else None
+    if node.users or any(order[v] < last_write.get(base, -1) for v in views):
+        return None
+    if not all(_sees_the_write(u, order, order[node]) for u in base.users if u is not views[0]):
+        return None
+    positions = _positions(base, views, data)
+    if positions is None or len(torch.unique(positions)) != positions.numel():
+        return None
+    return Write(base, positions)
+
+
+def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> Value | None:
+    """``base`` with the labels of ``wrote`` (the written view's value) at ``positions``; None when a label kind
+    cannot be rewritten position by position (squared channels, index pointers)."""
+    if base.points_to is not None or wrote.points_to is not None or wrote.shape is None:
+        return None
+    values = (base, wrote)
+    if any(c.degree != 1 for v in values for c in v.chans):
+        return None
+    chans = []
+    for j in range(max(len(base.chans), len(wrote.chans))):
+        present = [v.chans[j] for v in values if j < len(v.chans)]
+        mixed = any(c.mixed for c in present)
+        terms = []
+        for k in range(max(len(c.terms) for c in present)):
+            ids = _overwrite(base, j, k, base_shape, wrote, positions, "ids")
+            terms.append(Term(ids, _overwrite(base, j, k, base_shape, wrote, positions, "coef") if mixed else None))
+        chans.append(Chan(tuple(terms), block=any(c.block for c in present)))
+    return Value(chans=chans, shape=tuple(base_shape))
+
+
+def _overwrite(base: Value, j: int, k: int, base_shape, wrote: Value, positions: torch.Tensor, what: str):
+    from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
+
+    out = _term_tensor(base, j, k, base_shape, what).expand(base_shape).reshape(-1).clone()
+    out[positions] = _term_tensor(wrote, j, k, wrote.shape, what).expand(wrote.shape).reshape(-1)
+    return out.reshape(base_shape)
+
+
+def _view_chain(node: fx.Node | None) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The fresh tensor ``node`` is a view of and the views from it to ``node`` (base first); None when some link
+    is not a view op read by the next link only, or the chain starts at a graph input or an aliasing op."""
+    views = []
+    while node is not None and _is_view(node):
+        if views and len(node.users) != 1:
+            return None
+        views.append(node)
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    if node is None or not _fresh(node):
+        return None
+    if views and len(views[0].users) != 1:
+        return None
+    return node, views[::-1]
+
+
+def _fresh(node: fx.Node) -> bool:
+    """An op output that shares storage with no other tensor the graph reads: a non-aliasing op, or an in-place op
+    on such an output that nothing else reads (``h.relu_().mul_(v)``)."""
+    if node.op != "call_function":
+        return False
+    target = mutated_argument(node)
+    if target is not None:
+        return len(target.users) == 1 and _fresh(target)
+    return not aliases_input(node)
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return alias is not None and not alias.is_write and first is not None and not first.is_write
+
+
+def aliases_input(node: fx.Node) -> bool:
+    """Whether the op's output may share storage with an input (views, in-place ops, ``to`` without a cast)."""
+    if node.target is operator.getitem:
+        return aliases_input(node.args[0]) if isinstance(node.args[0], fx.Node) else True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def _sees_the_write(user: fx.Node, order: dict[fx.Node, int], at: int) -> bool:
+    """A reader of the base that is consistent with the write at position ``at``: it comes later (and sees the
+    written value), or it came before and copied what it read, or it is a view chain feeding another in-place op
+    (checked when that write is planned)."""
+    if order[user] > at or not aliases_input(user):
+        return True
+    node = user
+    while _is_view(node) and len(node.users) == 1:
+        node = next(iter(node.users))
+    return node is not user and mutated_argument(node) is not None
+
+
+def _positions(base: fx.Node, views: list[fx.Node], data: dict) -> torch.Tensor | None:
+    """Flat indices of ``base`` that the last view of ``views`` reads, in its element order: the views replayed
+    on ``arange`` (None when one cannot be replayed, e.g. a size known only at run time)."""
+    val = base.meta.get("val")
+    if not isinstance(val, torch.Tensor) or any(not isinstance(d, int) for d in val.shape):
+        return None
+    current: object = torch.arange(val.numel()).reshape(concrete_shape(val.shape))
+    previous = base
+    for view in views:
+        def load(a, previous=previous, current=current):
+            if a is previous:
+                return current
+            return data.get(a.name) if isinstance(a, fx.Node) else a
+
+        try:
+            current = view.target(*fx.node.map_aggregate(view.args, load), **fx.node.map_aggregate(view.kwargs, load))
+        except (RuntimeError, TypeError, IndexError):
+            return None
+        previous = view
+    return current.reshape(-1) if isinstance(current, torch.Tensor) else None
