@@ -22,16 +22,17 @@ projection kept (an exact recovery, as for any reparametrised copy).
 Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
 training batches; the best one checked is the result, and only if it is below the start's. A check that is no
 better than the best so far (direct method; the estimator's projections jump, so a worse one is no sign of a step
-too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the
-learning rate (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going
-from, and a non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
+too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
+back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
+(*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
+non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
 float64 and verifies the function as for every alignment. Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
 
 The direct method's learning rate is *width-aware* (``LearnOptions.width_aware``): a generator of side ``n``
 steps ``lr * sqrt(64 / n)`` per entry, so the weights move about as far per step at every width
-(:meth:`symgraph.continuous.ContinuousElements.learning_rates`); ``lr`` is the step at the shipped pairs'
-width 64 and of every vector parameter (log-scales, rotary angles).
+(:meth:`symgraph.continuous.ContinuousElements.learning_rates`); ``lr`` is the step at side 64 (the shipped
+LLaMA's width) and of every vector parameter (log-scales, rotary angles).
 
 Examples
 --------
@@ -174,7 +175,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.step(step)
-        bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}" if run.record.losses else "-",
+        bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
     bar.close()
