@@ -13,7 +13,8 @@ steps, backtracks and seconds of learning.
 ``--wide-steps`` steps (about 2.6 CPU seconds a step at width 256).
 
 Prints one JSON object (and writes it to ``--json``). Barriers come from ``symgraph.barrier`` (B aligned to A;
-foldable pairs folded, as ``barrier`` does by default); learning runs on the pair's training split.
+foldable pairs folded, as ``barrier`` does by default); learning runs on the pair's training split. Measured:
+examples/results/bench_learn.json (each run with its command).
 """
 from __future__ import annotations
 
