@@ -1,54 +1,119 @@
-"""Learned matching on the shipped pairs: loss barrier (test split) with no alignment, full alignment and full
-alignment tuned by learned matching (``full+learn``), its ratio to the unaligned barrier, and the seconds spent.
+"""Learned matching on the shipped pairs and the wide ViT: loss barrier (test split) with no alignment, full
+alignment and full alignment tuned by learned matching (``full+learn``), its ratio to the unaligned barrier, the
+steps, backtracks and seconds of learning.
 
     python examples/bench_learn.py                       # every shipped pair, default LearnOptions
     python examples/bench_learn.py --pairs vit-digits --steps 600 --points 11
     python examples/bench_learn.py --pairs llama-chars --method ste --t midpoint --lr 0.003 --aligns full,full+learn
+    python examples/bench_learn.py --pairs vit-digits,vit-digits-wide --wide-steps 80 --baseline
 
-Prints one JSON object. Barriers come from ``symgraph.barrier`` (B aligned to A; foldable pairs folded, as
-``barrier`` does by default); learning runs on the pair's training split.
+``--baseline`` also learns with the previous default (one learning rate for every parameter, no backtracking:
+``width_aware=False, backtracks=0``) at the same steps, in the same run, as ``full+learn (baseline)``. Wide pairs
+(``examples/train_models.py``, cached outside the repository; trained there first when missing) learn for
+``--wide-steps`` steps (about 2.6 CPU seconds a step at width 256).
+
+Prints one JSON object (and writes it to ``--json``). Barriers come from ``symgraph.barrier`` (B aligned to A;
+foldable pairs folded, as ``barrier`` does by default); learning runs on the pair's training split. Measured:
+examples/results/bench_learn.json (each run with its command).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import symgraph
+import symgraph.learn
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
 from symgraph.learn import LearnOptions
+# examples/: the wide pairs are trained, not shipped
+from train_models import WIDE_PAIRS, wide_pair
+
+PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
+BASELINE = {"width_aware": False, "backtracks": 0}  # the default before width-aware rates and backtracking
+LEARNED = "full+learn"
 
 
-def measure(pair: str, options: LearnOptions, points: int, aligns: tuple[str, ...]) -> dict:
-    a, b = (str(p) for p in shipped_pair(pair))
-    clock = time.perf_counter()
-    result = symgraph.barrier(a, b, SHIPPED_PAIRS[pair], steps=points, aligns=aligns, learn=options,
-                              progress=False)
-    curves = result.curves
-    return {"pair": pair, "data": SHIPPED_PAIRS[pair], "points": points,
-            "barrier": {mode: c.loss_barrier for mode, c in curves.items()},
-            **({"ratio_to_none": {mode: c.loss_barrier / curves["none"].loss_barrier for mode, c in curves.items()}}
-               if "none" in curves else {}),
-            "align_seconds": {mode: c.align_seconds for mode, c in curves.items()},
-            "seconds": time.perf_counter() - clock}
+def measure(pair: str, variants: dict[str, LearnOptions], points: int, aligns: tuple[str, ...]) -> dict:
+    """Barriers of ``aligns`` with the first variant's options, then ``full+learn`` with each other variant."""
+    a, b = (str(p) for p in (wide_pair(pair) if pair in WIDE_PAIRS else shipped_pair(pair)))
+    barriers, seconds, learned = {}, {}, {}
+    for i, (name, options) in enumerate(variants.items()):
+        modes = aligns if i == 0 else (LEARNED,)
+        records = []
+        with _records_kept(records):
+            clock = time.perf_counter()
+            result = symgraph.barrier(a, b, PAIRS[pair], steps=points, aligns=modes, learn=options,
+                                      progress=False)
+        label = (lambda mode: mode) if name == "default" else (lambda mode: f"{mode} ({name})")
+        barriers.update({label(m): c.loss_barrier for m, c in result.curves.items()})
+        seconds.update({label(m): c.align_seconds for m, c in result.curves.items()})
+        if records:
+            learned[label(LEARNED)] = {"options": options.__dict__, **records[-1].to_json(),
+                                       "barrier_seconds": time.perf_counter() - clock}
+    none = barriers.get("none")
+    return {"pair": pair, "data": PAIRS[pair], "points": points, "barrier": barriers,
+            **({"ratio_to_none": {m: v / none for m, v in barriers.items()}} if none else {}),
+            "align_seconds": seconds, "learned": learned}
+
+
+class _records_kept:
+    """Within the block, every :class:`symgraph.learn.LearnRecord` made is appended to ``records`` (the barrier
+    keeps only the curves)."""
+
+    def __init__(self, records: list):
+        self.records, self.original = records, symgraph.learn.learn_alignment
+
+    def __enter__(self):
+        def recorded(*args, **kwargs):
+            result, record = self.original(*args, **kwargs)
+            self.records.append(record)
+            return result, record
+
+        symgraph.learn.learn_alignment = recorded
+
+    def __exit__(self, *exc):
+        symgraph.learn.learn_alignment = self.original
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", default=",".join(SHIPPED_PAIRS), help="comma-separated shipped pairs")
-    parser.add_argument("--steps", type=int, default=LearnOptions.steps, help="learning steps")
+    parser.add_argument("--pairs", default=",".join(SHIPPED_PAIRS),
+                        help=f"comma-separated pairs: shipped ({', '.join(SHIPPED_PAIRS)}) or wide "
+                             f"({', '.join(WIDE_PAIRS)})")
+    parser.add_argument("--steps", type=int, default=LearnOptions.steps, help="learning steps (shipped pairs)")
+    parser.add_argument("--wide-steps", type=int, default=80, help="learning steps on the wide pairs")
     parser.add_argument("--lr", type=float, default=LearnOptions.lr)
     parser.add_argument("--batch-size", type=int, default=LearnOptions.batch_size)
     parser.add_argument("--t", default=LearnOptions.t, choices=("midpoint", "random"))
     parser.add_argument("--method", default=LearnOptions.method, choices=("direct", "ste"))
     parser.add_argument("--no-general-linear", action="store_true", help="direct: keep QK/VO maps orthogonal")
+    parser.add_argument("--no-width-aware", action="store_true", help="one learning rate for every parameter")
+    parser.add_argument("--backtracks", type=int, default=LearnOptions.backtracks)
+    parser.add_argument("--baseline", action="store_true",
+                        help="also learn with the previous default (width_aware=False, backtracks=0)")
     parser.add_argument("--points", type=int, default=11, help="points on the path, ends included")
-    parser.add_argument("--aligns", default="none,full,full+learn", help="comma-separated barrier modes")
+    parser.add_argument("--aligns", default=f"none,full,{LEARNED}", help="comma-separated barrier modes")
+    parser.add_argument("--json", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     options = LearnOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, t=args.t, method=args.method,
-                           general_linear=not args.no_general_linear)
-    runs = [measure(pair, options, args.points, tuple(args.aligns.split(","))) for pair in args.pairs.split(",")]
-    print(json.dumps({"options": options.__dict__, "runs": runs}, indent=1))
+                           general_linear=not args.no_general_linear, width_aware=not args.no_width_aware,
+                           backtracks=args.backtracks)
+    runs = []
+    for pair in args.pairs.split(","):
+        steps = args.wide_steps if pair in WIDE_PAIRS else args.steps
+        chosen = replace(options, steps=steps)
+        variants = {"default": chosen, **({"baseline": replace(chosen, **BASELINE)} if args.baseline else {})}
+        runs.append(measure(pair, variants, args.points, tuple(args.aligns.split(","))))
+    out = json.dumps({"options": options.__dict__, "wide_steps": args.wide_steps, "runs": runs}, indent=1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(out)
+        tmp.replace(args.json)
+    print(out)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,11 @@ def _learn_options(command, *, flag: bool = True):
         click.option("--learn-steps", type=click.IntRange(min=1), default=lambda: _learn_default("steps"),
                      show_default="300", help="Optimiser steps of learned matching."),
         click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
-                     show_default="0.01", help="Learning rate (Adam) of learned matching."),
+                     show_default="0.01",
+                     help="Learning rate (Adam, cosine-annealed) of learned matching, width-aware: the step of each "
+                          "entry of a 64 x 64 generator and of every log-scale or angle; a generator of side n "
+                          "steps lr * sqrt(64 / n), so the weights move about as far per step at every width. "
+                          "Lowered (backtracking) when a check finds the path loss no better."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
         click.option("--learn-t", type=click.Choice(["midpoint", "random"]), default=lambda: _learn_default("t"),
@@ -313,8 +317,11 @@ def _learned_note(learned: dict | None) -> str:
     if learned is None:
         return ""
     verdict = "kept" if learned["kept"] else "not kept: no better than the start"
+    backtracks = len(learned["backtracks"])
+    lowered = f", learning rate lowered {backtracks} time{'s' * (backtracks != 1)}" if backtracks else ""
     return (f", learned over {learned['steps']} steps: path loss (t = 1/4, 1/2, 3/4) "
-            f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}")
+            f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}"
+            f"{lowered}")
 
 
 def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:

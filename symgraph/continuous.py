@@ -29,15 +29,18 @@ True
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from .elements import Element
 from .groups import Group
 
-__all__ = ["ContinuousElements", "has_continuous_part"]
+__all__ = ["ContinuousElements", "REFERENCE_SIDE", "has_continuous_part"]
 
 SCALED = ("positive", "nonzero")
+REFERENCE_SIDE = 64  # the generator side whose entries step by the learning rate itself (the shipped widths)
 
 
 def has_continuous_part(group: Group) -> bool:
@@ -70,6 +73,31 @@ class ContinuousElements:
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.parameters)
+
+    def learning_rates(self, lr: float) -> list[float]:
+        """The learning rate of each tensor in :attr:`parameters` for the width-aware rate ``lr`` (module
+        docstring): ``lr * sqrt(REFERENCE_SIDE / n)`` for a generator of side ``n``, ``lr`` for vectors."""
+        sides = [_generator_side(g) for g in self.groups]
+        return [lr if side is None else lr * math.sqrt(REFERENCE_SIDE / side) for side in sides]
+
+    @torch.no_grad()
+    def values(self) -> list[torch.Tensor]:
+        """A copy of the parameters (for :meth:`load`)."""
+        return [p.detach().clone() for p in self.parameters]
+
+    @torch.no_grad()
+    def load(self, values: list[torch.Tensor]) -> None:
+        """Set the parameters to ``values`` (from :meth:`values`)."""
+        for p, v in zip(self.parameters, values):
+            p.copy_(v)
+
+
+def _generator_side(g: Group) -> int | None:
+    """The side of the square matrix ``g``'s parameters are the generator of (None: a vector of parameters;
+    rotary groups are angles and scales per pair, their pass-through block is small)."""
+    if g.kind == "orthogonal":
+        return g.size - 1 if g.fixes_ones else g.size
+    return g.size if g.kind == "general_linear" else None
 
 
 def _zeros(g: Group, dtype) -> torch.Tensor:

@@ -20,9 +20,19 @@ least squares, closed forms), warm-started with a few descent rounds, and the lo
 projection kept (an exact recovery, as for any reparametrised copy).
 
 Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
-training batches; the best one checked is the result, and only if it is below the start's. The caller applies
-the elements in float64 and verifies the function as for every alignment. Measured on the shipped pairs:
-examples/RESULTS.md (remedies) and examples/results/learn.json.
+training batches; the best one checked is the result, and only if it is below the start's. A check that is no
+better than the best so far (direct method; the estimator's projections jump, so a worse one is no sign of a step
+too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
+back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
+(*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
+non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
+float64 and verifies the function as for every alignment. Measured on the shipped pairs: examples/RESULTS.md
+(remedies) and examples/results/learn.json.
+
+The direct method's learning rate is *width-aware* (``LearnOptions.width_aware``): a generator of side ``n``
+steps ``lr * sqrt(64 / n)`` per entry, so the weights move about as far per step at every width
+(:meth:`symgraph.continuous.ContinuousElements.learning_rates`); ``lr`` is the step at side 64 (the shipped
+LLaMA's width) and of every vector parameter (log-scales, rotary angles).
 
 Examples
 --------
@@ -51,6 +61,7 @@ State = dict[str, torch.Tensor]
 T_CHOICES = ("midpoint", "random")
 METHODS = ("direct", "ste")
 CHECKED_T = (0.25, 0.5, 0.75)  # where the path loss of a candidate alignment is checked
+BACKTRACK = 0.3  # the learning rate after a backtrack, relative to before it
 
 
 class LearnError(SymgraphError):
@@ -67,8 +78,12 @@ class LearnOptions:
     GL(d_head) (``general_linear``), for ``ste`` the ``project_rounds`` coordinate-descent rounds per
     projection, ``checks`` evenly spaced evaluations of the candidate's path loss on the first ``eval_batches``
     training batches (the best one, if better than the start, is the result), and the ``seed`` of batch order
-    and ``t``. Defaults: measured on the shipped pairs (examples/RESULTS.md, remedies), a few minutes per pair on
-    one CPU core.
+    and ``t``. ``width_aware`` (direct method): ``lr`` is the per-entry step of a generator of side 64, and a
+    generator of side ``n`` steps ``lr * sqrt(64 / n)`` (module docstring); False: every parameter steps ``lr``.
+    ``backtracks``: how many times a check no better than the best so far (or a non-finite step) sends learning
+    back to the best point checked at ``BACKTRACK`` times the learning rate (0: never; a non-finite step then
+    stops the run). Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes
+    per shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -81,6 +96,8 @@ class LearnOptions:
     seed: int = 0
     method: str = "direct"
     general_linear: bool = True
+    width_aware: bool = True
+    backtracks: int = 4
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
@@ -89,15 +106,17 @@ class LearnOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LearnError(f"Learning option {name} must be a whole number >= 1, not {value!r}.",
                                  hint=f"e.g. {name}={getattr(LearnOptions, name)} (the default).")
-        if isinstance(self.project_rounds, bool) or not isinstance(self.project_rounds, int) \
-                or self.project_rounds < 0:
-            raise LearnError(f"Learning option project_rounds must be a whole number >= 0, not "
-                             f"{self.project_rounds!r}.", hint="e.g. project_rounds=2 (the default).")
+        for name in ("project_rounds", "backtracks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LearnError(f"Learning option {name} must be a whole number >= 0, not {value!r}.",
+                                 hint=f"e.g. {name}={getattr(LearnOptions, name)} (the default).")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
                              hint=f"e.g. lr={LearnOptions.lr} (the default).")
-        if not isinstance(self.general_linear, bool):
-            raise LearnError(f"Learning option general_linear must be True or False, not {self.general_linear!r}.")
+        for name in ("general_linear", "width_aware"):
+            if not isinstance(getattr(self, name), bool):
+                raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
         if self.method not in METHODS:
             raise LearnError(f"Unknown learning method {self.method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
         if self.t not in T_CHOICES:
@@ -108,8 +127,9 @@ class LearnOptions:
 @dataclass
 class LearnRecord:
     """What the optimisation did: the loss per step, the path loss (t = 1/4, 1/2, 3/4) on the evaluation batches
-    at the start, at each check and of the result, and whether a learned alignment was kept (it must beat the
-    start)."""
+    at the start, at each check and of the result, whether a learned alignment was kept (it must beat the
+    start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``) and
+    the learning rate of each group of parameters at the start (direct method, before the cosine schedule)."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -118,12 +138,15 @@ class LearnRecord:
     kept: bool = False
     seconds: float = 0.0
     condition: float | None = None  # the largest condition number of a learned general linear map (direct)
+    backtracks: list[dict] = field(default_factory=list)
+    learning_rates: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
                 "last_loss": self.losses[-1] if self.losses else None, "start_path_loss": self.start_loss,
                 "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
-                "seconds": self.seconds, "largest_condition_number": self.condition}
+                "seconds": self.seconds, "largest_condition_number": self.condition,
+                "backtracks": self.backtracks, "learning_rates": self.learning_rates}
 
 
 def training_data(spec, model, batch_size: int):
@@ -149,7 +172,8 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     starting from ``start`` (see the module docstring). ``names`` are the entries interpolated (the others are
     taken from ``anchor``); ``data`` is a :class:`~symgraph.datasets.Dataset`. Returns the alignment (elements
     acting on ``source``, and the state they give) and a :class:`LearnRecord`. Neither input is modified; a loss
-    or proxy that stops being finite raises :class:`LearnError`.
+    or proxy that stops being finite is backtracked from (module docstring), and raises :class:`LearnError` once
+    ``options.backtracks`` are spent.
     """
     options = options.checked()
     clock = time.perf_counter()
@@ -159,7 +183,9 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.step(step)
-        bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}", best=f"{run.record.end_loss:.4f}")
+        bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
+                        best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
+                        backtracks=len(run.record.backtracks))
     bar.close()
     record = run.record
     record.kept = run.best is not start.state
@@ -174,53 +200,103 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
 
 
 class _Run:
-    """What both methods share: Adam (cosine-annealed) on ``parameters``, the batch and ``t`` of each step, the
-    evenly spaced checks on the probe batches, and the best state checked (the result)."""
+    """What both methods share: Adam (cosine-annealed, one learning rate per tensor of ``parameters``) on the
+    batch and ``t`` of each step, the evenly spaced checks on the probe batches, the best state checked (the
+    result), and backtracking to it (module docstring). A method supplies ``step``, ``finite``, ``restore``,
+    ``what_moves`` and ``backtrack_when_worse``."""
 
-    def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters):
+    def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters,
+                 learning_rates: Sequence[float]):
         self.loss_at, self.data, self.options = loss_at, data, options
         self.rng = np.random.default_rng(options.seed)
         self.current = self.best = start
-        self.optimiser = torch.optim.Adam(parameters, lr=options.lr)
-        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimiser, T_max=options.steps)
+        self.parameters, self.learning_rates, self.lr_factor = list(parameters), list(learning_rates), 1.0
+        self.optimiser = self._adam()
         self.probe = data.batches[:options.eval_batches]
         self.check_every = max(1, options.steps // options.checks)
         self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
+        if not math.isfinite(self.record.start_loss):
+            raise LearnError(f"The path loss of the start is {self.record.start_loss} on the first "
+                             f"{len(self.probe)} training batches; nothing was written.",
+                             hint="check that the data gives finite losses on both models.")
         self.record.end_loss = self.record.start_loss
+
+    def _adam(self) -> torch.optim.Adam:
+        return torch.optim.Adam([{"params": [p], "lr": lr} for p, lr in zip(self.parameters, self.learning_rates)])
 
     def sample(self):
         """This step's interpolation point and training batch."""
         t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
         return t, self.data.batches[int(self.rng.integers(len(self.data.batches)))]
 
-    def descend(self, loss: torch.Tensor) -> None:
+    def descend(self, loss: torch.Tensor, step: int) -> bool:
+        """One Adam step at this step's learning rates (cosine-annealed from the start's, times the backtracking
+        factor); False, after backtracking, when the loss or the parameters stopped being finite."""
+        self.record.losses.append(float(loss.detach()))
+        if not torch.isfinite(loss):
+            self.backtrack(step, f"the loss is {float(loss.detach())}")
+            return False
+        cosine = 0.5 * (1 + math.cos(math.pi * step / self.options.steps))
+        for group, lr in zip(self.optimiser.param_groups, self.learning_rates):
+            group["lr"] = lr * self.lr_factor * cosine
         self.optimiser.zero_grad()
         loss.backward()
         self.optimiser.step()
-        self.schedule.step()
-        self.record.losses.append(float(loss.detach()))
+        if not self.finite():
+            self.backtrack(step, f"{self.what_moves} are not finite")
+            return False
+        return True
 
     def check_due(self, step: int) -> bool:
         return (step + 1) % self.check_every == 0 or step + 1 == self.options.steps
 
-    def checked_better(self, state: State) -> bool:
-        """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked."""
+    def checked_better(self, state: State, step: int) -> bool:
+        """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked,
+        else backtrack."""
         checked = self.loss_at.evaluate(state, self.probe)
         self.record.checks.append(checked)
         if checked < self.record.end_loss:
             self.best, self.record.end_loss = state, checked
             return True
+        finite = math.isfinite(checked)
+        if finite and not self.backtrack_when_worse:
+            return False
+        self.backtrack(step, "no better than the best checked" if finite else f"the checked path loss is {checked}",
+                       finite=finite)
         return False
+
+    def backtrack(self, step: int, why: str, *, finite: bool = False) -> None:
+        """Back to the best point checked with fresh moments at ``BACKTRACK`` times the learning rate; once
+        ``options.backtracks`` are spent, go on from here (from a point that is not ``finite``: stop with a
+        :class:`LearnError`)."""
+        if len(self.record.backtracks) >= self.options.backtracks:
+            if finite:
+                return
+            raise LearnError(f"Learned matching stopped at step {step + 1}: {why}"
+                             f"{self._after_backtracks()}; nothing was written.",
+                             hint="lower the learning rate (--learn-lr), and check that the data gives finite "
+                                  "losses on both models.")
+        self.lr_factor *= BACKTRACK
+        self.restore()
+        self.optimiser = self._adam()
+        self.record.backtracks.append({"step": step + 1, "why": why, "lr_factor": self.lr_factor})
+
+    def _after_backtracks(self) -> str:
+        n = len(self.record.backtracks)
+        return f" (after {n} backtrack{'s' * (n != 1)} to lower learning rates)" if n else ""
 
 
 class _SteRun(_Run):
     """The straight-through estimator: the proxy and its optimiser, the current projection, the best one checked."""
 
+    what_moves = "the proxy weights"
+    backtrack_when_worse = False  # the projection checked jumps between orbit points: worse is not a step too large
+
     def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions,
                  cost_excluded):
         self.groups, self.cost_excluded = groups, cost_excluded
         self.proxy = {k: start[k].detach().to(torch.float32).clone().requires_grad_(True) for k in loss_at.names}
-        super().__init__(start, loss_at, data, options, list(self.proxy.values()))
+        super().__init__(start, loss_at, data, options, list(self.proxy.values()), [options.lr] * len(self.proxy))
 
     def step(self, step: int) -> None:
         """Project, take the straight-through loss on one batch, move the proxy; check the projection now and
@@ -230,11 +306,17 @@ class _SteRun(_Run):
                                     matching_start=False, cost_excluded=self.cost_excluded).state
         t, batch = self.sample()
         loss = self.loss_at(_straight_through(self.current, self.proxy), t, batch)
-        bad = [k for k, p in self.proxy.items() if not torch.isfinite(p).all()]
-        _check_finite(loss, f"proxy weights {bad[0]}" if bad else None, step)
-        self.descend(loss)
-        if self.check_due(step):
-            self.checked_better(self.current)
+        if self.descend(loss, step) and self.check_due(step):
+            self.checked_better(self.current, step)
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.proxy.values())
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for k, p in self.proxy.items():
+            p.copy_(self.best[k].to(p.dtype))
+        self.current = self.best
 
 
 class _DirectRun(_Run):
@@ -242,28 +324,37 @@ class _DirectRun(_Run):
     applied on top of the start; the forward pass runs through the exactly transformed start, so the gradient is
     that of the interpolated loss along the orbit. Permutations and signs stay where the start put them."""
 
+    what_moves = "the group elements' parameters"
+    backtrack_when_worse = True
+
     def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
         from .alignment import general_linear_heads
         from .continuous import ContinuousElements
 
         self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups)
-        self.best_elements = self.elements.exact()
-        super().__init__(start, loss_at, data, options, self.elements.parameters)
+        self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
+        rates = (self.elements.learning_rates(options.lr) if options.width_aware
+                 else [options.lr] * len(self.elements.parameters))
+        super().__init__(start, loss_at, data, options, self.elements.parameters, rates)
+        self.record.learning_rates = {g.id: lr for g, lr in zip(self.elements.groups, rates)}
 
     def step(self, step: int) -> None:
         """One Adam step on the interpolated loss of one batch; check the elements now and then (the best one
         checked is the result)."""
         t, batch = self.sample()
         loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
-        _check_finite(loss, None, step)
-        self.descend(loss)
-        _check_finite(loss, None if self.elements.finite() else "the group elements' parameters", step)
-        if self.check_due(step):
+        if self.descend(loss, step) and self.check_due(step):
             exact = self.elements.exact()
             self.current = apply(self.start, exact, dtype=torch.float64)
-            if self.checked_better(self.current):
-                self.best_elements = exact
+            if self.checked_better(self.current, step):
+                self.best_elements, self.best_values = exact, self.elements.values()
+
+    def finite(self) -> bool:
+        return self.elements.finite()
+
+    def restore(self) -> None:
+        self.elements.load(self.best_values)
 
 
 class _InterpolatedLoss:
@@ -316,16 +407,6 @@ def _moved(start: State, elements) -> State:
 def _straight_through(projected: State, proxy: State) -> State:
     """Forward values of ``projected``, gradients to ``proxy``."""
     return {k: projected[k].to(p.dtype) + p - p.detach() for k, p in proxy.items()}
-
-
-def _check_finite(loss: torch.Tensor, bad: str | None, step: int) -> None:
-    """Stop with a :class:`LearnError` when the loss is not finite, or ``bad`` names what else is not."""
-    if torch.isfinite(loss) and bad is None:
-        return
-    what = f"the loss is {float(loss.detach())}" if not torch.isfinite(loss) else f"{bad} are not finite"
-    raise LearnError(f"Learned matching stopped at step {step + 1}: {what}; nothing was written.",
-                     hint="lower the learning rate (--learn-lr), and check that the data gives finite losses on "
-                          "both models.")
 
 
 def _composed(start: AlignResult, learned: list, source: State, anchor: State) -> AlignResult:

@@ -83,3 +83,38 @@ def test_differentiable_and_exact_elements_agree_and_zero_is_the_identity():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in elements.parameters)
     unmoved = apply(state, ContinuousElements(elements.groups).exact())
     assert all(torch.allclose(unmoved[k], state[k], atol=1e-12) for k in state)
+
+
+def _relative_move_of_one_adam_step(n: int, width_aware: bool) -> float:
+    """||Q W - W|| / ||W|| after one Adam step (learning rate 0.01) on a random linear loss of the generator of a
+    residual rotation of width ``n``, for a random ``n x 4n`` weight ``W``."""
+    group = symgraph.Group("r", "residual", "orthogonal", n, 1, (symgraph.Member("w", 0, np.arange(n)[None, :, None]),))
+    elements = ContinuousElements([group], dtype=torch.float64)
+    rates = elements.learning_rates(0.01) if width_aware else [0.01]
+    optimiser = torch.optim.Adam([{"params": [p], "lr": lr} for p, lr in zip(elements.parameters, rates)])
+    rng = torch.Generator().manual_seed(n)
+    (elements.parameters[0] * torch.randn(elements.parameters[0].shape, generator=rng, dtype=torch.float64)
+     ).sum().backward()
+    optimiser.step()
+    q = elements.exact()[0].matrices[0]
+    w = np.random.default_rng(n).standard_normal((n, 4 * n))
+    return float(np.linalg.norm(q @ w - w) / np.linalg.norm(w))
+
+
+def test_width_aware_learning_rates_move_the_weights_as_far_at_every_width():
+    """Adam moves every generator entry by about the learning rate, so one rate turns a wide stream farther
+    (about sqrt(256 / 48) = 2.3 times); the width-aware rates (lr * sqrt(64 / n)) move both about as far, and
+    exactly as far as before at the reference side 64."""
+    narrow, wide = (_relative_move_of_one_adam_step(n, width_aware=False) for n in (48, 256))
+    assert wide / narrow > 2.0
+    narrow, wide = (_relative_move_of_one_adam_step(n, width_aware=True) for n in (48, 256))
+    assert 0.8 < wide / narrow < 1.25
+    assert _relative_move_of_one_adam_step(64, True) == _relative_move_of_one_adam_step(64, False)
+
+
+def test_vector_parameters_keep_the_learning_rate_and_generators_scale_with_their_side():
+    _, elements = _randomised("llama")
+    rates = dict(zip((g.kind for g in elements.groups), elements.learning_rates(0.01)))
+    assert rates["scale"] == rates["rotary"] == 0.01  # log-scales and angles: one coordinate each
+    head = next(g for g in elements.groups if g.kind == "general_linear")
+    assert rates["general_linear"] == pytest.approx(0.01 * (64 / head.size) ** 0.5)

@@ -71,6 +71,8 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(project_rounds=-1), "project_rounds must be a whole number >= 0"),
     (LearnOptions(method="sinkhorn"), "Unknown learning method"),
     (LearnOptions(general_linear="yes"), "general_linear must be True or False"),
+    (LearnOptions(width_aware=1), "width_aware must be True or False"),
+    (LearnOptions(backtracks=-1), "backtracks must be a whole number >= 0"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
@@ -96,28 +98,73 @@ def test_cli_learn_without_data_is_refused_and_writes_nothing(vit_pair, tmp_path
         assert not (tmp_path / "out").exists()
 
 
-def _poisoned_on_third_call(forward):
-    """``forward`` (the state a training step runs through), with NaN weights from its third call on."""
-    calls = {"n": 0}
+def _poisoned(forward, calls):
+    """``forward`` (the state a training step runs through), with NaN weights at the calls numbered in ``calls``
+    (from 1; a range for "from then on")."""
+    count = {"n": 0}
 
     def poisoned(*args):
-        calls["n"] += 1
+        count["n"] += 1
         state = forward(*args)
-        return {k: v * math.nan for k, v in state.items()} if calls["n"] >= 3 else state
+        return {k: v * math.nan for k, v in state.items()} if count["n"] in calls else state
 
     return poisoned
 
 
 @pytest.mark.parametrize("method, forward", [("direct", "_moved"), ("ste", "_straight_through")])
-def test_nan_during_learning_stops_and_writes_nothing(vit_pair, tmp_path, monkeypatch, method, forward):
+def test_nan_that_backtracking_cannot_cure_stops_and_writes_nothing(vit_pair, tmp_path, monkeypatch, method,
+                                                                     forward):
     a, b = vit_pair
-    monkeypatch.setattr(symgraph.learn, forward, _poisoned_on_third_call(getattr(symgraph.learn, forward)))
+    monkeypatch.setattr(symgraph.learn, forward, _poisoned(getattr(symgraph.learn, forward), range(3, 99)))
     before = tree_digest(tmp_path)
-    code, _, stderr = run("align", b, a, "-o", tmp_path / "out", "--data", "digits", "--learn", "--learn-steps", 5,
+    code, _, stderr = run("align", b, a, "-o", tmp_path / "out", "--data", "digits", "--learn", "--learn-steps", 8,
                           "--learn-method", method, "--stats", tmp_path / "stats.json")
     assert code == 2, stderr
-    assert "stopped at step 3" in stderr and "nothing was written" in stderr and "--learn-lr" in stderr
+    # steps 3 to 6 backtrack (the default 4 times), step 7 stops
+    assert "stopped at step 7: the loss is nan (after 4 backtracks" in stderr, stderr
+    assert "nothing was written" in stderr and "--learn-lr" in stderr
     assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method, forward", [("direct", "_moved"), ("ste", "_straight_through")])
+def test_a_non_finite_step_backtracks_to_the_best_point_at_a_lower_learning_rate(vit_pair, tmp_path, monkeypatch,
+                                                                                 method, forward):
+    a, b = vit_pair
+    monkeypatch.setattr(symgraph.learn, forward, _poisoned(getattr(symgraph.learn, forward), {3}))
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 6, "--learn-method", method, "--stats", tmp_path / "stats.json")
+    assert code == 0, stderr
+    assert "learned over 6 steps" in stdout and "learning rate lowered 1 time," in stdout
+    learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+    assert learned["backtracks"] == [{"step": 3, "why": "the loss is nan", "lr_factor": symgraph.learn.BACKTRACK}]
+    assert len(learned["checked_path_losses"]) == 5  # a check every step but step 3, which never moved
+    assert all(math.isfinite(c) for c in learned["checked_path_losses"])
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("backtracks", [2, 0])
+def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, backtracks):
+    """Path losses start 1.0, then 0.8 (best), 0.9 (worse: back to step 1's elements, lr x BACKTRACK), 0.7 (best),
+    0.95 (worse again); with backtracks=0 learning goes on from the worse point, as before backtracking."""
+    checked = iter([1.0, 0.8, 0.9, 0.7, 0.95])
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: next(checked))
+    seen = []
+    moved = symgraph.learn._moved
+    monkeypatch.setattr(symgraph.learn, "_moved", lambda start, elements: seen.append(
+        [e.matrices.detach().clone() for e in elements if e.matrices is not None]) or moved(start, elements))
+    a, b = vit_pair
+    result = symgraph.align(b, a, learn=LearnOptions(steps=4, checks=4, eval_batches=1, backtracks=backtracks),
+                            learn_data="digits")
+    learned = result.learned
+    assert learned["end_path_loss"] == 0.7 and learned["kept"]
+    back_to_best = all(torch.equal(x, y) for x, y in zip(seen[1], seen[2]))  # step 3 starts where step 2 did
+    if backtracks:
+        assert [(e["step"], e["why"]) for e in learned["backtracks"]] == \
+            [(2, "no better than the best checked"), (4, "no better than the best checked")]
+        assert learned["backtracks"][1]["lr_factor"] == pytest.approx(symgraph.learn.BACKTRACK ** 2)
+        assert back_to_best
+    else:
+        assert learned["backtracks"] == [] and not back_to_best
 
 
 @pytest.mark.slow
