@@ -15,7 +15,7 @@ import torch
 from ..elements import Element
 from ..errors import SymgraphError
 from ..groups import Group, Member
-from . import certify, kernels
+from . import certify, kernels, screen
 from .heads import invariant_head_similarity, rotation_head_similarity
 from .polyroots import minimize_scale
 from .workspace import Workspace
@@ -199,13 +199,20 @@ def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normali
         certified = certify.identity_if_certified(ws, g, members)
         if certified is not None:
             return certified[0]
-    a, b = _similarities(ws, g, members, normalise=normalise)
-    perms, diags, costs = zip(*(_assign(a[c], b[c], g, signed=signed) for c in range(g.copies)))
+    screened = (screen.certified_matching(ws, g, members, signed=signed, normalise=normalise)
+                if screen.pays_off(ws, g, members) else None)
+    if screened is not None:  # provably the working costs' answer, from bfloat16 costs
+        perms, diags, margin, entries = screened
+    else:
+        a, b = _similarities(ws, g, members, normalise=normalise)
+        perms, diags, costs = zip(*(_assign(a[c], b[c], g, signed=signed) for c in range(g.copies)))
+        if certifiable:
+            margin = np.stack([certify.margins(cost, p) for cost, p in zip(costs, perms)])
+            rows = np.arange(g.size)
+            entries = np.abs(np.stack([a[c][rows, p] for c, p in enumerate(perms)]))
     element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
     if certifiable:
-        rows = np.arange(g.size)
-        entries = np.abs(np.stack([a[c][rows, p] for c, p in enumerate(perms)])) if signed else None
-        certify.keep(ws, g, members, list(costs), element, entries)
+        certify.keep(ws, g, members, margin, element, entries if signed else None)
     return element
 
 
