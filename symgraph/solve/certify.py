@@ -70,7 +70,7 @@ def keep(ws, g: Group, members: list[Member], margin: np.ndarray, element: Eleme
         return
     snapshot, sigma, alpha = [], 0.0, 0.0
     for m in members:
-        after = transform_slice(ws.gather("src", m), m, element)
+        after = ws.gather("src", m) if _identity(element) else transform_slice(ws.gather("src", m), m, element)
         after = after.reshape(*after.shape[:2], -1)
         sigma = sigma + row_sums(after)
         alpha = alpha + ws.unit_sums(m, "anc")
@@ -99,6 +99,12 @@ def rounding(ws, members) -> float:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         roundoff = 2.0 ** -8
     return 1.01 * max(ws.features(m) for m in members) * roundoff
+
+
+def _identity(e: Element) -> bool:
+    """Exactly the identity (most descent solves): the source slices stand as they are."""
+    return (e.matrices is None and (e.perm is None or (e.perm == np.arange(e.perm.shape[1])).all())
+            and (e.diag is None or (e.diag == 1.0).all()))
 
 
 def _key(members) -> tuple:
