@@ -52,6 +52,8 @@ def certified_matching(ws, g: Group, members: list[Member], *, signed: bool, nor
     and ``signed_entries`` lower bounds of that solve's), or None when the screened costs cannot prove it."""
     moving = [m for m in members if m.action != "permute"]
     following = [m for m in members if m.action == "permute"]
+    if not moving:  # the working costs are then the followers' alone, signs read from zeros: not screened
+        return None
     bound = 1.01 * _epsilon(ws, members)
     parts, alpha_sq, sigma_sq, eps = [], 0.0, 0.0, 0.0
     for part in (moving, following):
