@@ -192,7 +192,9 @@ def solve_signed_permutation(ws, g, members, ctx):
 def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normalise: bool) -> Element:
     """The best (signed) permutation per copy. In descent, where costs are plain inner products, the margins of
     the answer are kept (:mod:`symgraph.solve.certify`), and a later solve that they prove to be the identity
-    skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold."""
+    skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold.
+    Large single-layer groups are first matched on bfloat16 costs (:mod:`symgraph.solve.screen`), used only when
+    provably the working costs' answer."""
     signed = signed or g.kind == "signed_permutation"
     certifiable = not normalise and not g.global_sign and ctx.mode != "paper" and not ctx.first_pass
     if certifiable:
