@@ -56,6 +56,12 @@ def child(tree: Path, *args: str) -> dict:
     return result
 
 
+def run_args(tree: Path, folder: Path, mode: str) -> list[str]:
+    """``bench_align.py --run`` arguments for ``tree``: later trees also take the device (cpu here)."""
+    takes_device = '"--run", nargs=4' in (tree / "examples" / "bench_align.py").read_text()
+    return ["--run", "llama-1b", str(folder), mode, *(["cpu"] if takes_device else [])]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kind", default="transformed", choices=["transformed", "independent"])
@@ -75,8 +81,8 @@ def main(argv=None) -> None:
             results["build"] = child(ROOT, "--build", "llama-1b", args.kind, str(folder), *layers)
         old_tree = export(args.baseline, tmp)
         for mode in args.modes.split(","):
-            new = child(ROOT, "--run", "llama-1b", str(folder), mode)
-            old = child(old_tree, "--run", "llama-1b", str(folder), mode)
+            new = child(ROOT, *run_args(ROOT, folder, mode))
+            old = child(old_tree, *run_args(old_tree, folder, mode))
             results["modes"][mode] = {
                 "this": new, "baseline": old, "speedup": old["total_s"] / new["total_s"],
                 "cpu_speedup": old["cpu_s"] / new["cpu_s"],

@@ -138,7 +138,10 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
             run = contiguous_run(m.index)
             if run is not None:  # a whole axis (residual members): slice views, no index gather and scatter
                 block = y[run]
-                block.copy_(transform_slice(block.reshape(*m.index.shape, *block.shape[1:]), m, e).reshape(block.shape))
+                view = block.reshape(*m.index.shape, *block.shape[1:])  # splits the first axis: still a view
+                moved = transform_slice(view, m, e, in_place=True)
+                if moved is not view:
+                    block.copy_(moved.reshape(block.shape))
                 continue
             idx = torch.as_tensor(m.index, device=y.device)
             y[idx] = transform_slice(y[idx], m, e)
@@ -172,8 +175,9 @@ def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
     return y.movedim(0, m.axis)
 
 
-def transform_slice(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
-    """Member ``m``'s slice ``g`` (copies, size, block, rest...) as element ``e`` moves it (a new tensor)."""
+def transform_slice(g: torch.Tensor, m: Member, e: Element, *, in_place: bool = False) -> torch.Tensor:
+    """Member ``m``'s slice ``g`` (copies, size, block, rest...) as element ``e`` moves it (a new tensor; with
+    ``in_place``, ``g`` itself where a diagonal alone moves it, or nothing does)."""
     dtype = g.dtype
     if e.matrices is not None:
         if m.action == "permute":
@@ -182,8 +186,8 @@ def transform_slice(g: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
         if m.action == "dual":
             mat = torch.linalg.inv(mat).transpose(-1, -2)
         return torch.einsum("cij,cj...->ci...", mat, g)
-    fresh = e.perm is not None  # g is then a new tensor, scaled in place below (g may be a view before)
-    if fresh:
+    fresh = e.perm is not None or in_place  # g is then a new tensor (or may be written), scaled in place below
+    if e.perm is not None:
         perm = torch.as_tensor(e.perm, device=g.device)
         g = g[0, perm[0]][None] if g.shape[0] == 1 else torch.stack([g[c, perm[c]] for c in range(g.shape[0])])
     if e.diag is None or m.action == "permute":

@@ -93,3 +93,23 @@ def test_a_stale_kept_sum_is_read_again_after_its_group_moves():
     np.testing.assert_allclose(ws.similarity(residual.members, residual, normalise=False),
                                _fresh(ws).similarity(residual.members, residual, normalise=False),
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_chunked_float64_reductions_match_a_float64_copy(monkeypatch, dtype):
+    """row_sums and squared_distance (numpy casting chunk by chunk) equal the same sums over a float64 copy, for
+    every working dtype, transposed views and chunks that split the rows."""
+    from symgraph.solve import reduce
+
+    monkeypatch.setattr(reduce, "CHUNK", 64)  # several chunks, the last one short
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 41, 23, generator=g).to(dtype).transpose(-1, -2) for _ in range(2))  # (3, 23, 41) views
+    x64, y64 = x.double(), y.double()
+    scale = (x64.pow(2).sum(-1) * y64.pow(2).sum(-1)).sqrt().numpy()
+    cases = [(reduce.row_sums(x), x64.pow(2).sum(-1)), (reduce.row_sums(x, y), (x64 * y64).sum(-1)),
+             (reduce.row_sums(x, y, minus=True), (x64 - y64).pow(2).sum(-1))]
+    for got, want in cases:
+        assert got.shape == (3, 23)
+        np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-13 * scale.max())
+    assert reduce.squared_distance(x, y) == pytest.approx(float((x64 - y64).pow(2).sum()), rel=1e-14)
+    assert reduce.squared_distance(x) == pytest.approx(float(x64.pow(2).sum()), rel=1e-14)

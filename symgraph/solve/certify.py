@@ -58,40 +58,39 @@ def identity_if_certified(ws, g: Group, members: list[Member]) -> list[Element] 
     return [Element(g, perm=np.tile(np.arange(g.size), (g.copies, 1)), diag=np.ones((g.copies, g.size)))]
 
 
-def keep(ws, g: Group, members: list[Member], costs: list[np.ndarray], element: Element,
+def keep(ws, g: Group, members: list[Member], margin: np.ndarray, element: Element,
          signed_entries: np.ndarray | None) -> None:
-    """Keep the certificate of a solve that chose ``element`` on ``costs`` (one per copy, [anchor, source]);
-    a signed matching also passes ``signed_entries`` (copies, size): the magnitude of each row's assigned
-    inner product, which its sign turns positive."""
+    """Keep the certificate of a solve that chose ``element`` with row ``margin`` (copies, size: :func:`margins`
+    of its costs, or a lower bound of them); a signed matching also passes ``signed_entries`` (copies, size): the
+    magnitude of each row's assigned inner product, which its sign turns positive."""
     ws.certificates.pop(g.id, None)
     if signed_entries is not None and any(m.exponent != 1 for m in members if m.action != "permute"):
         return  # a sign squared does not flip the member: the cost after the move is not the cost permuted
-    margin = np.stack([_margins(c, p) for c, p in zip(costs, element.perm)])
     if not (margin > 0).all():
         return
     snapshot, sigma, alpha = [], 0.0, 0.0
     for m in members:
-        after = transform_slice(ws.gather("src", m), m, element)
+        after = ws.gather("src", m) if _identity(element) else transform_slice(ws.gather("src", m), m, element)
         after = after.reshape(*after.shape[:2], -1)
         sigma = sigma + row_sums(after)
         alpha = alpha + ws.unit_sums(m, "anc")
         snapshot.append(after.to(torch.bfloat16))
         del after
     ws.certificates[g.id] = Certificate(_key(members), snapshot, margin, signed_entries, np.sqrt(alpha),
-                                        np.sqrt(sigma), _rounding(ws, members))
+                                        np.sqrt(sigma), rounding(ws, members))
 
 
-def _margins(cost: np.ndarray, perm: np.ndarray) -> np.ndarray:
+def margins(cost: np.ndarray, perm: np.ndarray) -> np.ndarray:
     """Per row: the assigned entry minus the largest other entry of the row (``cost`` is restored)."""
     rows = np.arange(len(perm))
     assigned = cost[rows, perm].copy()
     cost[rows, perm] = -np.inf
     other = cost.max(axis=1)
     cost[rows, perm] = assigned
-    return assigned - other
+    return assigned.astype(np.float64) - other  # float64: a float32 difference may round up
 
 
-def _rounding(ws, members) -> float:
+def rounding(ws, members) -> float:
     """Bound on |computed - exact| / (alpha_i sigma_j) of a cost entry: each member's product sums its features
     in the working dtype (any order: features x unit roundoff), in float32 at the matmul precision torch is set to
     (bf16's roundoff unless "highest"); the float64 sums across members add nothing that matters."""
@@ -100,6 +99,12 @@ def _rounding(ws, members) -> float:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         roundoff = 2.0 ** -8
     return 1.01 * max(ws.features(m) for m in members) * roundoff
+
+
+def _identity(e: Element) -> bool:
+    """Exactly the identity (most descent solves): the source slices stand as they are."""
+    return (e.matrices is None and (e.perm is None or (e.perm == np.arange(e.perm.shape[1])).all())
+            and (e.diag is None or (e.diag == 1.0).all()))
 
 
 def _key(members) -> tuple:

@@ -15,7 +15,7 @@ import torch
 from ..elements import Element
 from ..errors import SymgraphError
 from ..groups import Group, Member
-from . import certify, kernels
+from . import certify, kernels, screen
 from .heads import invariant_head_similarity, rotation_head_similarity
 from .polyroots import minimize_scale
 from .workspace import Workspace
@@ -192,20 +192,29 @@ def solve_signed_permutation(ws, g, members, ctx):
 def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normalise: bool) -> Element:
     """The best (signed) permutation per copy. In descent, where costs are plain inner products, the margins of
     the answer are kept (:mod:`symgraph.solve.certify`), and a later solve that they prove to be the identity
-    skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold."""
+    skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold.
+    Large single-layer groups are first matched on bfloat16 costs (:mod:`symgraph.solve.screen`), used only when
+    provably the working costs' answer."""
     signed = signed or g.kind == "signed_permutation"
     certifiable = not normalise and not g.global_sign and ctx.mode != "paper" and not ctx.first_pass
     if certifiable:
         certified = certify.identity_if_certified(ws, g, members)
         if certified is not None:
             return certified[0]
-    a, b = _similarities(ws, g, members, normalise=normalise)
-    perms, diags, costs = zip(*(_assign(a[c], b[c], g, signed=signed) for c in range(g.copies)))
+    screened = (screen.certified_matching(ws, g, members, signed=signed, normalise=normalise)
+                if screen.pays_off(ws, g, members) else None)
+    if screened is not None:  # provably the working costs' answer, from bfloat16 costs
+        perms, diags, margin, entries = screened
+    else:
+        a, b = _similarities(ws, g, members, normalise=normalise)
+        perms, diags, costs = zip(*(_assign(a[c], b[c], g, signed=signed) for c in range(g.copies)))
+        if certifiable:
+            margin = np.stack([certify.margins(cost, p) for cost, p in zip(costs, perms)])
+            rows = np.arange(g.size)
+            entries = np.abs(np.stack([a[c][rows, p] for c, p in enumerate(perms)]))
     element = Element(g, perm=np.stack(perms), diag=np.stack(diags))
     if certifiable:
-        rows = np.arange(g.size)
-        entries = np.abs(np.stack([a[c][rows, p] for c, p in enumerate(perms)])) if signed else None
-        certify.keep(ws, g, members, list(costs), element, entries)
+        certify.keep(ws, g, members, margin, element, entries if signed else None)
     return element
 
 
