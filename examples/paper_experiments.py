@@ -505,7 +505,10 @@ def render(results: dict, settings: Settings, command: str, seconds: float, wide
         "pair's and their residual stream aligns by an orthogonal map; bert-topics (post-LN) cannot be folded. The "
         "`textbook` column is a reference, not a mode: Git Re-Basin weight matching (every permutation group "
         "solved by a Hungarian with all its members, from the identity, in a random order (seed 0) until a round "
-        "changes nothing; `symgraph.alignment.weight_matching`). Evaluation uses each dataset's "
+        "changes nothing; `symgraph.alignment.weight_matching`). `full+data` aligns on activations of the train split "
+        "(the residual stream; `symgraph.activations`) and keeps the weight-matched alignment instead where its "
+        "loss along the path on those batches is lower; `full+learn` tunes the weight-matched alignment by "
+        "learned matching on the train split (`symgraph.learn`, 300 steps). Evaluation uses each dataset's "
         f"fixed test split ({test}); Fisher and RegMean statistics use the first {settings.stats_limit} examples "
         f"of the train split. Barriers use {settings.steps} evenly spaced points on the path (both ends "
         "included), so a barrier peaking between two points is under-estimated. Distances are "
@@ -604,37 +607,32 @@ def merge_verdict(r: dict) -> str:
 WIDE_NOTES = """\
 **What was measured about the wide pairs (issue 9, this round; hand-written, figures from the runs named).**
 
-- **Training (version 2 of the cache).** The ViTs now train for 1000 steps of 64 at learning rate 1.5e-3 (version
-  1: 600 of 32 at 1e-3): test loss 0.795 / 0.810 and accuracy 0.744 / 0.731, against 1.055 / 1.033 and 0.639 /
-  0.653 before. They are still not converged: the test loss after each quarter of the steps was 1.47, 1.07, 0.92,
-  0.80 (A) and 1.76, 1.17, 0.94, 0.81 (B), still falling by 14% in the last quarter, while the shipped width-48 ViT
-  reaches 0.14 / 0.955 after 3000 steps of 64. Each took about 340 CPU seconds (0.34 s a step), but 51-54 minutes
-  of wall time: the machine ran about 15 jobs of 7 sessions on 2 cores, and the kernel shares CPU per session,
-  so the four models training side by side got 6-14% of a core each. The LLaMA's recipe is version 1's (300 steps
-  of 16; 1.578 / 1.675 nats per character): longer training did not fit that share, and its models were copied
-  from version 1's cache rather than retrained (same recipe, deterministic training). It was not measured in this
-  round (below).
-- **The ViT barrier with longer training** (11 points, B aligned to A). Version 1 (earlier round): none 0.862,
-  permutation 0.872, full 1.069 (1.24x). Version 2: none 0.943, permutation 0.941 (1.00x), paper 1.18, full 1.86
-  (1.97x), full+data 1.06, full+learn 0.721 (0.76x, 30 learned steps). Training longer raised every barrier a
-  little and full mode's most. Full mode ends closest to A (distance 0.742 against permutation's 0.908) and has
-  the highest barrier: on this folded pre-LayerNorm pair the orthogonal residual map found by weight distance
-  raises the midpoint loss (2.66 against 1.75 unaligned). In the earlier round the unfolded full mode stayed
-  under no alignment (0.826 against 0.862 on version 1), so folding is the likely cause on the wide ViT; not
-  re-measured on version 2 for time. Every bar of the issue is missed on the wide ViT, and `permutation` ends a
-  little farther from A than `textbook` (distance 0.9082 against 0.9078; both measured between the folded models,
-  but textbook matching runs on the unfolded ones and is folded afterwards, permutation mode on the folded pair).
-- **The merge.** `merge --method simple --align full --learn` (the lowest-barrier mode) kept B as the reference
-  (its frame choice) and aligned A onto it: merged loss 1.922, accuracy 0.306, 2.39x the mean endpoint loss 0.803,
-  where the 1.20x bar asks for at most 0.963. The midpoint of the full+learn path (B aligned to A, 30 steps) is
-  1.434 (1.79x): the other direction merges worse, and neither comes near the bar.
-- **Learned matching** costs about 2.6 CPU seconds a step on the wide ViT (py-spy on the running experiment: 5
-  steps in 13 CPU s), so the wide run learns for 30 steps, not the shipped pairs' 300; 30 steps already take the
-  barrier from full's 1.86 to 0.721. How far 300 would go is not measured.
-- **Run time.** `--pairs vit-digits-wide` took the time above on one thread at about 30% of a core (the barriers
-  474 s of it). The wide LLaMA was started with the ViT but stopped unfinished: at the share left to it, its
-  learned matching would not have ended before the round's deadline; the earlier round measured it at 3 points:
-  none 1.417, permutation 1.141, full 1.119 (0.79x).
+- **Training (version 3 of the cache).** The LLaMA now trains for 600 steps of 16 (version 2: 300): test loss
+  1.348 / 1.357 nats per character, against 1.578 / 1.675 (the shipped width-64 LLaMA: 1.33). Its unaligned
+  barrier rose with training (1.48 -> 1.93 on the 64 test lines), and every alignment's with it: permutation 0.91x,
+  full 0.80x, full+data 0.60x, full+learn 0.34x of it. The ViT is version 2's: trained as long as the shipped ViT
+  (3000 steps of 64 at 2e-3), it came out worse (test loss 1.094 / 1.162, accuracy 0.617 / 0.608, against 0.795 /
+  0.810 and 0.744 / 0.731; the models are not kept): that rate is too high at width 256, and a longer run at a
+  lower rate did not fit the round.
+- **full+data is no longer above full** (vit-digits-wide 1.063 -> 0.820). Alignment on data now keeps whichever
+  of the activation-matched and the weight-matched alignment has the lower loss along the path on its training
+  batches (t = 1/4, 1/2, 3/4; `symgraph.api.lowest_path_loss`): on the wide ViT that is the weight-matched one, on
+  the wide LLaMA the activation-matched one (1.158 against full's 1.546).
+- **Learned matching at width 256** now has a width-aware learning rate (a generator of side n steps
+  lr * sqrt(64 / n)) and backtracking (a check no better than the best goes back to it at 0.3x the rate): on the
+  wide ViT, 80 steps take the barrier from 0.820 to 0.518 (0.55x), where the previous default never beat its
+  start (`examples/results/bench_learn.json`, both defaults in one run); a hand-picked uniform lr 0.003 without
+  backtracking reached 0.349 there, with the same training-split barrier (0.438 against 0.438): the difference is
+  how the alignment carries over to the 360 test images. The wide LLaMA learns 40 steps (0.648, 0.34x).
+- **The merge.** `merge --method simple` after full+learn, with the training split to choose the frame by the
+  merged loss: onto B (the reference), loss 1.528, accuracy 0.481, 1.90x the mean endpoint loss 0.803 (bar
+  1.20x); the previous round's frame choice without data took the common frame, 3.26x. The full+learn path's own
+  midpoint (B aligned to A) is 1.321 (1.65x). Every bar is still missed on the wide ViT.
+- **Permutation against textbook.** On vit-digits-wide `permutation` ends a little farther from A than `textbook`
+  (0.9082 against 0.9078): the barrier folds both models before permutation mode matches them, while the textbook
+  column matches the unfolded models and is folded afterwards. Between the same models (`symgraph align`, which
+  does not fold by default) permutation mode starts from textbook matching run to convergence and cannot end
+  farther.
 """
 
 
@@ -928,6 +926,26 @@ the first round, 1.21 after re-matching, 0.70 at the end): the learned continuou
 FFN and head permutations disagree. The direct method cannot move a permutation; the llama's SwiGLU FFN (176 units
 a layer) and its 2 KV heads keep the start's matching. Learning permutations by the loss (Sinkhorn relaxations,
 or the estimator for permutations only, alternating with the direct method) is the next step; not tried here.
+
+**Learned matching at every width (next round).** Adam moves each entry of a generator by about the learning rate,
+so one rate turns an n x n map by about lr * sqrt(n): right at width 48-64, too much at 256 (the wide ViT never beat
+its start at lr 0.01). The direct method now steps a generator of side n by lr * sqrt(64 / n) per entry (vector
+parameters by lr; `LearnOptions.width_aware`), and a check no better than the best so far sends it back to the
+best point at 0.3x the rate, with fresh Adam moments (`LearnOptions.backtracks`, 4 at most; a non-finite step
+backtracks too instead of stopping at once). Both defaults in one run (`python examples/bench_learn.py --pairs
+vit-digits,llama-chars --baseline`; `--pairs vit-digits-wide --wide-steps 80 --baseline`;
+`examples/results/bench_learn.json`; test split, 11 points): vit-digits 0.233 -> 0.218, llama-chars 0.597 -> 0.576,
+vit-digits-wide 0.820 (not kept) -> 0.518 in 80 steps; the time per step is unchanged (0.050 s on vit-digits,
+back to back). The learned head maps are less well conditioned on the shipped pairs (largest condition number
+8.96 against 4.27 on vit-digits), still under 10. The main tables above use the new default.
+
+**Alignment on data chooses by the data (next round).** `full+data` kept the activation-matched alignment always,
+though weight costs gave the lower barrier on bert-topics and vit-digits-wide (1.063 against 0.820 there). With
+data, `align` now computes both and keeps the one whose interpolated model has the lower loss at t = 1/4, 1/2, 3/4
+on its training batches (`symgraph.api.lowest_path_loss`; `result.path_losses`, and the `align` summary, say
+which). On the wide ViT that picks the weight-matched one (0.820); on bert-topics the training batches still prefer
+the activation-matched one (test barrier 0.020 against full's 0.000: both tiny, and the choice is made on training
+data, not on the test split).
 """
 
 
