@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,24 @@ class BarrierCurve:
     accuracy_barrier: float | None
     distance: float
     align_seconds: float
+    alignment: dict = field(default_factory=dict)  # how the alignment was reached (alignment_summary)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+
+def alignment_summary(result) -> dict:
+    """What a barrier's JSON keeps of an :class:`~symgraph.alignment.AlignResult`: the descent start kept, the
+    residual group, the candidates' path losses and which cost each group took (with data), the learning record
+    (with learning)."""
+    if result is None:
+        return {}
+    return {"start": result.start, "distance_before": result.distance_before,
+            **({"residual_group": result.residual} if result.residual else {}),
+            **({"path_losses": result.path_losses} if result.path_losses else {}),
+            **({"costs": {c: sum(v == c for v in result.costs.values()) for c in set(result.costs.values())}}
+               if result.costs else {}),
+            **({"learned": result.learned} if result.learned else {})}
 
 
 @dataclass
@@ -239,14 +254,15 @@ class _Path:
 def _curve(mode: str, anchor: Subject, source: Subject, path: _Path, options: Mapping[str, Any],
            learning: Mapping[str, Any]) -> BarrierCurve:
     start = time.perf_counter()
-    aligned = _aligned(mode, anchor, source, options, learning)
+    result = _aligned(mode, anchor, source, options, learning)
+    aligned = source.state_dict() if result is None else result.state
     seconds = time.perf_counter() - start
     metrics = path.metrics(aligned, mode)
     losses = [m.loss for m in metrics]
     accuracies = [m.accuracy for m in metrics] if all(m.accuracy is not None for m in metrics) else None
     drop = None if accuracies is None else barrier_height(path.ts, [-x for x in accuracies])
     return BarrierCurve(mode, losses, accuracies, barrier_height(path.ts, losses), drop,
-                        relative_distance(aligned, path.anchor, path.names), seconds)
+                        relative_distance(aligned, path.anchor, path.names), seconds, alignment_summary(result))
 
 
 def _with_alignment_data(options: dict, aligns, data, model: Subject) -> dict:
@@ -263,12 +279,13 @@ def _with_alignment_data(options: dict, aligns, data, model: Subject) -> dict:
 
 
 def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, Any],
-             learning: Mapping[str, Any]) -> State:
-    """``source`` aligned to ``anchor`` in ``mode`` (``none``: as it is), checked to compute what it computed;
+             learning: Mapping[str, Any]):
+    """``source`` aligned to ``anchor`` in ``mode`` (an AlignResult; ``none``: None), checked to compute what it
+    computed;
     a ``+learn`` mode learns on ``learning["data"]``'s training split (``full+data+learn``: on the alignment
     data)."""
     if mode == "none":
-        return source.state_dict()
+        return None
     data_options = {k: options[k] for k in DATA_OPTIONS if k in options}
     options = {k: v for k, v in options.items() if k not in DATA_OPTIONS}
     base, learned = mode.removesuffix(LEARNED), mode.endswith(LEARNED)
@@ -277,7 +294,7 @@ def _aligned(mode: str, anchor: Subject, source: Subject, options: Mapping[str, 
     if learned:  # from the base mode's alignment (full: weight-matched); full+data+learn learns on its data
         options = {**options, "learn_data": options.get("data", learning["data"]), "learn": learning["learn"],
                    "progress": (lambda *_: None) if learning["progress"] else None}
-    return align(source, anchor, mode=base, verify=True, fold=False, **options).state  # folded (or not) already
+    return align(source, anchor, mode=base, verify=True, fold=False, **options)  # folded (or not) already
 
 
 # -- plotting ----------------------------------------------------------------------------------------------------

@@ -188,7 +188,12 @@ def test_cli_barrier_full_data(folders, tmp_path):
                                "--steps", 3, "--align", "none,full+data", "--data-batches", 1,
                                "-o", tmp_path / "barrier.png", "--json", numbers)
     assert code == 0, stderr
-    assert json.loads(numbers.read_text())["modes"]["full+data"]["distance"] < 1e-5
+    modes = json.loads(numbers.read_text())["modes"]
+    assert modes["full+data"]["distance"] < 1e-5
+    # how the alignment was reached: the two candidates' path losses, and which cost the groups kept took
+    alignment = modes["full+data"]["alignment"]
+    assert set(alignment["path_losses"]) == {"activations", "weights"} and alignment["costs"]
+    assert modes["none"]["alignment"] == {}
     assert "full+data" in stdout
 
 

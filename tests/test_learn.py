@@ -200,6 +200,8 @@ def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     full, learned = result.curves["full"], result.curves["full+learn"]
     assert learned.loss_barrier < full.loss_barrier - 0.2
     assert learned.losses[0] == full.losses[0]  # same anchor end
+    record = learned.to_json()["alignment"]["learned"]  # the learning record travels with the curve
+    assert record["steps"] == 25 and record["kept"] and "learned" not in full.alignment
 
 
 @pytest.mark.slow
