@@ -184,6 +184,7 @@ EXAMPLES = {
     "aten.mul_.Tensor": lambda h, m: A.mul_.Tensor(h.clone(), m.v),
     "aten.div.Tensor": lambda h, m: A.div.Tensor(h, torch.full((D,), 2.0)),
     "aten.div.Scalar": lambda h, m: A.div.Scalar(h, 2.0),
+    "aten.div_.Tensor": lambda h, m: A.div_.Tensor(h.clone(), torch.full((D,), 2.0)),
     "aten.pow.Tensor_Scalar": lambda h, m: A.pow.Tensor_Scalar(h, 3),
     "aten.square.default": lambda h, m: A.square.default(h),
     # normalisation, reductions, softmax
@@ -230,6 +231,8 @@ EXAMPLES = {
     "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),
     "aten.where.ScalarSelf": lambda h, m: A.where.ScalarSelf(_rows_mask(h), 0.0, h),
     "aten.masked_fill.Scalar": lambda h, m: A.masked_fill.Scalar(h, _rows_mask(h), 0.0),
+    "aten.bitwise_not.default": lambda h, m: A.masked_fill.Scalar(h, A.bitwise_not.default(_rows_mask(h)), 0.0),
+    "aten.logical_not.default": lambda h, m: A.masked_fill.Scalar(h, A.logical_not.default(_rows_mask(h)), 0.0),
     "aten.scatter.src": _scattered(lambda zeros, index, top: A.scatter.src(zeros, -1, index, top)),
     "aten.scatter.value": _scattered(lambda zeros, index, top: A.scatter.value(zeros, -1, index, 1.0)),
     "aten.scatter_add.default": _scattered(lambda zeros, index, top: A.scatter_add.default(zeros, -1, index, top)),
