@@ -70,10 +70,11 @@ def test_swapping_router_rows_across_mask_entries_changes_the_function():
     assert not evaluator.check(swapped(0, 1)).ok
 
 
-def _deepseek(n_group: int, experts: int, correction: torch.Tensor | None = None):
-    model = tiny("deepseek_v3", kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+def _deepseek(n_group: int, experts: int, correction: torch.Tensor | None = None, model_type="deepseek_v3",
+              **overrides):
+    model = tiny(model_type, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                  v_head_dim=8, head_dim=8, num_key_value_heads=4, n_routed_experts=experts, num_experts_per_tok=2,
-                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=n_group, topk_group=1)
+                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=n_group, topk_group=1, **overrides)
     if correction is not None:
         model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(correction)
     return symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
@@ -96,6 +97,17 @@ def test_deepseek_v3_experts_permute_within_routing_groups(n_group, experts, siz
     assert_fuzzed_at_two_shapes(subject, samples=3)
     state = symgraph.transform(subject, seed=0)  # checked in float64 at several shapes before it returns
     assert not torch.equal(state["model.layers.1.mlp.gate.weight"], subject.state_dict()["model.layers.1.mlp.gate.weight"])
+
+
+@pytest.mark.slow
+def test_deepseek_v2_group_limited_greedy_keeps_experts_within_routing_groups():
+    # its group scores are a max over each group's experts (max.dim had no spec: the router rows were pinned)
+    subject = _deepseek(2, 8, model_type="deepseek_v2", topk_method="group_limited_greedy")
+    (group,) = _expert_groups(subject)
+    assert (group.kind, group.size, group.copies) == ("permutation", 4, 2)
+    assert not subject.report.unknown_ops
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+    symgraph.transform(subject, seed=0)  # checked in float64 at several shapes before it returns
 
 
 def _swapped(state, i, j, moved_with_correction=True):

@@ -226,6 +226,7 @@ EXAMPLES = {
     "aten.log_softmax.int": lambda h, m: A.log_softmax.int(h, -1),
     "aten.embedding.default": lambda h, m: h + A.embedding.default(m.table, torch.zeros(1, 1, dtype=torch.long)),
     "aten.topk.default": _routed,
+    "aten.max.dim": lambda h, m: A.one_hot.default(A.max.dim(A.linear.default(h, m.w), -1)[1], D) * h,
     "aten.one_hot.default": _routed,
     "aten.where.self": lambda h, m: A.where.self(_rows_mask(h), h, m.v2),
     "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),

@@ -1091,7 +1091,8 @@ def rule_embedding(w, node: fx.Node, spec) -> Value:
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
 def rule_topk(w, node: fx.Node, spec) -> list[Value]:
-    """``values, indices = topk(x, k, dim)``: the choice commutes with permutations of ``dim`` only.
+    """``values, indices = topk(x, k, dim)`` (or ``max(x, dim)``): the choice commutes with permutations of
+    ``dim`` only.
 
     The values are the same numbers whichever way ``dim`` is permuted (invariant); the indices point into
     ``dim``'s coordinates, so a consumer that follows them (one_hot, gather) can move with those coordinates.
@@ -1103,7 +1104,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     args = _schema_args(node)
     x = w.value(args["self"])
     rank = len(x.shape)
-    dim, ordered = args["dim"] % rank, args["sorted"]
+    dim, ordered = args["dim"] % rank, args.get("sorted", True)  # max.dim: one result, no order to see
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
     followable = ordered or _order_blind(w.specs, node, dim - rank)
     pointed, by_rows = None, False
