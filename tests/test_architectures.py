@@ -278,9 +278,7 @@ EXPECTED = {
 
 
 # Ops no spec describes yet: they pin what they touch (sound), and the table above reflects that.
-PINNED_BY_UNKNOWN_OPS = {
-    "gpt-oss": {"aten.max.dim"},
-}
+PINNED_BY_UNKNOWN_OPS: dict[str, set[str]] = {}  # none left (gpt-oss's attention-sink max.dim has a spec now)
 
 
 def signature(group) -> str:

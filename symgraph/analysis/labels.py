@@ -207,3 +207,5 @@ class Value:
     points_to: torch.Tensor | None = None  # integer data indexing a labelled axis (top-k indices): that axis' ids
     constant_axes: frozenset[int] = frozenset()  # axes along which the values are known not to vary (expanded)
     complex: bool = False  # complex values, labelled by their real view (a trailing axis: real, imaginary part)
+    # for an invariant value without channels: positions with equal entries hold equal values (analysis/classes.py)
+    classes: torch.Tensor | None = None

@@ -11,6 +11,7 @@ from torch import fx
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
+from .classes import blocks_kept_by
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
                      unique_rows, varying_axes)
@@ -1053,7 +1054,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     """``where(cond, x, y)`` / ``masked_fill(x, mask, value)``: each output element is x or y, chosen by data.
 
     The chosen values are tied like an addition; a condition that differs between coordinates would apply the
-    transformation to some coordinates and not others, so it pins them.
+    transformation to some coordinates and not others, so it pins them. An invariant condition known to be equal
+    across blocks of coordinates (a routing mask per group of experts) keeps those blocks apart instead.
     """
     args = _schema_args(node)
     cond, (x, y) = args[spec.condition], (args[name] for name in spec.choices)
@@ -1061,6 +1063,12 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
     out = _add_values(w, node, _operand(w, x), _operand(w, y), residual=False, out_shape=out_shape)
     for c in out.chans:
+        if cond_value is not None and not cond_value.chans and cond_value.data is None and cond_value.invariant \
+                and cond_value.classes is not None and not c.mixed:
+            blocks = blocks_kept_by(c.ids.expand(out_shape), cond_value.classes.expand(out_shape), chan_axes(c))
+            if blocks is not None:
+                w.c.separate(blocks, node.name)
+                continue
         if cond_value is None or cond_value.chans or data_varies(cond_value.data, chan_axes(c), out_shape):
             for t in c.terms:
                 w.c.pin(t.ids, "selected per coordinate by a condition", node.name)
@@ -1083,30 +1091,46 @@ def rule_embedding(w, node: fx.Node, spec) -> Value:
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
 def rule_topk(w, node: fx.Node, spec) -> list[Value]:
-    """``values, indices = topk(x, k, dim)``: the choice commutes with permutations of ``dim`` only.
+    """``values, indices = topk(x, k, dim)`` (or ``max(x, dim)``): the choice commutes with permutations of
+    ``dim`` only.
 
     The values are the same numbers whichever way ``dim`` is permuted (invariant); the indices point into
     ``dim``'s coordinates, so a consumer that follows them (one_hot, gather) can move with those coordinates.
+    A channel that also varies along other axes (scores viewed as (groups, experts per group)) keeps the values
+    invariant under permutations within each row along ``dim``, kept apart from the other rows; its indices
+    then name positions within a row, which those permutations change: plain data no rule follows.
     Channels along any other axis are pinned.
     """
     args = _schema_args(node)
     x = w.value(args["self"])
     rank = len(x.shape)
-    dim, ordered = args["dim"] % rank, args["sorted"]
+    dim, ordered = args["dim"] % rank, args.get("sorted", True)  # max.dim: one result, no order to see
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
     followable = ordered or _order_blind(w.specs, node, dim - rank)
-    pointed = None
+    pointed, by_rows = None, False
     for c in x.chans:
         c = w.resolve(c, node.name)
         if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
             pointed = c.ids[tuple(slice(None) if a == dim else 0 for a in range(rank))]
+        elif followable and not c.block and dim in chan_axes(c) and _disjoint_rows(c.ids, dim) is not None:
+            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within rows of this axis", node.name)
+            w.c.separate(_disjoint_rows(c.ids, dim), node.name)
+            by_rows = True
         else:
             for t in c.terms:
                 w.c.pin(t.ids, "top-k over another axis of this channel", node.name)
     if pointed is None:
-        return [Value(shape=_shape_of(node, 0)), Value(shape=_shape_of(node, 1))]
+        return [Value(invariant=by_rows, shape=_shape_of(node, 0)), Value(shape=_shape_of(node, 1))]
     return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
+
+
+def _disjoint_rows(ids: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The distinct rows of ids along ``dim`` (rows x ids), when every id lies in exactly one row, once."""
+    rows = unique_rows(ids, [dim])
+    if bool((rows < 0).any()) or len(torch.unique(rows)) != rows.numel():
+        return None
+    return rows
 
 
 def _order_blind(specs, topk: fx.Node, k_axis: int) -> bool:

@@ -21,6 +21,7 @@ from ..errors import AnalysisError, SymgraphError
 from ..spec import OpSpec, Specs, load_specs
 from . import rules
 from ..outputs import output_names, virtual_name
+from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
@@ -61,6 +62,10 @@ class Walker:
 
     def _placeholder(self, node: fx.Node) -> Value:
         name = self.cap.params.get(node.name)
+        if name is None and self._added_buffer(node):
+            buffer = self.cap.buffers[node.name]
+            shape = tuple(self.cap.program.state_dict[buffer].shape)
+            return Value(chans=param_channels({0: self.buffer_ids(buffer, shape[0])}, shape), shape=shape)
         if name is None:
             data = self.data.get(node.name)
             return Value(data=data, shape=_shape(node))
@@ -74,6 +79,16 @@ class Walker:
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
                            node.name)
         return Value(chans=param_channels(ids, shape, unit=self._is_unit_vector(name)), shape=shape)
+
+    def _added_buffer(self, node: fx.Node) -> bool:
+        """A saved vector buffer the graph only adds to other tensors (DeepSeek-V3's expert score correction): it
+        gets ids like a bias, so it moves with the coordinates it is added to (pinned where it meets data)."""
+        value = self.cap.program.state_dict.get(self.cap.buffers.get(node.name, ""))
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 1 \
+                or len(value) < 2 or not node.users:
+            return False
+        return all(getattr(self.specs.op(str(u.target)), "rule", None) == "add" and mutated_argument(u) is None
+                   for u in node.users)
 
     def _is_unit_vector(self, name: str) -> bool:
         """A vector parameter whose stored value is 1 everywhere (a folded norm weight). Meta parameters
@@ -131,7 +146,9 @@ class Walker:
         if any(v.invariant for v in inputs):
             spec = self.specs.op(str(node.target))
             follows = _elementwise_follows(node, inputs) if spec is not None and spec.rule in _ELEMENTWISE else None
-            return _like_output(node, lambda: Value(invariant=True, shape=_shape(node), follows=follows))
+            classes = passed_classes(node, spec, inputs)
+            return _like_output(node, lambda: Value(invariant=True, shape=_shape(node), follows=follows,
+                                                    classes=classes))
         data = self.data.get(node.name)
         if isinstance(data, (list, tuple)):
             return [Value(data=d, shape=tuple(getattr(d, "shape", ()))) for d in data]
