@@ -11,12 +11,13 @@ from symgraph import depth, zoo
 
 from cli_runner import run
 
-# families whose config has no top-level num_hidden_layers (clip), or whose graph has unknown ops (deepseek-v2's
-# complex rotary embedding: their pins are not replicated), or whose blocks repeat with a period too long to save
-# work at this depth (gpt-oss alternates sliding and full attention: 3 periods are 6 > 5 blocks): these are
-# analysed at full depth. (ViT and DeBERTa-v2 read their inputs' device while tracing: their shallow meta-device
-# copies trace since the example inputs are moved to the meta device with them.)
-FULL_DEPTH_ONLY = {"clip", "deepseek-v2", "gpt-oss"}
+# families whose config has no top-level num_hidden_layers (clip), or whose blocks repeat with a period too long
+# to save work at this depth (gpt-oss alternates sliding and full attention: 3 periods are 6 > 5 blocks): these are
+# analysed at full depth. A graph with unknown ops is too (their pins are not replicated); deepseek-v2 had them
+# (copy_, new_empty) until those got specs, and now takes the fast path. (ViT and DeBERTa-v2 read their inputs'
+# device while tracing: their shallow meta-device copies trace since the example inputs are moved to the meta
+# device with them.)
+FULL_DEPTH_ONLY = {"clip", "gpt-oss"}
 DEPTH = 5  # shortened to 3 blocks (first, middle, last), or 4 where block 0 differs (T5)
 
 
