@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
+from .errors import MismatchError, ModelLoadError
 from .shards import SAFETENSORS_DTYPES, TensorInfo
 
-__all__ = ["LazyState", "safetensors_files"]
+__all__ = ["LazyState", "check_same_tensors", "safetensors_files"]
 
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -127,3 +127,17 @@ def _header_infos(file: Path) -> list[TensorInfo]:
                                      hint=f"symgraph reads {', '.join(_TORCH_DTYPES)}.")
             infos.append(TensorInfo(name, tuple(tensor_slice.get_shape()), _TORCH_DTYPES[stored]))
     return infos
+
+
+def check_same_tensors(first: LazyState, other: LazyState, where: str, hint: str) -> None:
+    """Refuse two checkpoints that store different tensor names or shapes (read from their headers), naming what
+    differs; ``where`` names the pair ("Model 1 (A) and model 2 (B)")."""
+    if set(first) != set(other):
+        only_a, only_b = sorted(set(first) - set(other))[:3], sorted(set(other) - set(first))[:3]
+        raise MismatchError(f"{where} store different tensors (only in the first: {only_a}; only in the second: "
+                            f"{only_b}).", hint=hint)
+    differ = [k for k in first if first.info(k).shape != other.info(k).shape]
+    if differ:
+        k = differ[0]
+        raise MismatchError(f"{where} differ in shape: {k} is {first.info(k).shape} vs {other.info(k).shape} "
+                            f"({len(differ)} tensors differ).", hint=hint)

@@ -356,21 +356,13 @@ def _streamed_plan(states, models) -> list:
     """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
     from .alignment import check_same_config
     from .checkpoint import _config_of
+    from .lazy_state import check_same_tensors
     from .shards import TensorInfo
 
     first = states[0]
     for position, other in enumerate(states[1:], start=2):
-        where = f"model 1 ({models[0]}) and model {position} ({models[position - 1]})"
-        if set(first) != set(other):
-            only_a, only_b = sorted(set(first) - set(other))[:3], sorted(set(other) - set(first))[:3]
-            raise MismatchError(f"{where.capitalize()} store different tensors (only in the first: {only_a}; only in "
-                                f"the second: {only_b}).", hint="merge checkpoints of one architecture.")
-        differ = [k for k in first if first.info(k).shape != other.info(k).shape]
-        if differ:
-            k = differ[0]
-            raise MismatchError(f"{where.capitalize()} differ in shape: {k} is {first.info(k).shape} vs "
-                                f"{other.info(k).shape} ({len(differ)} tensors differ).",
-                                hint="both models must use the same configuration sizes.")
+        check_same_tensors(first, other, f"Model 1 ({models[0]}) and model {position} ({models[position - 1]})",
+                           hint="merge checkpoints of one architecture and configuration.")
         check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import MismatchError
-from .lazy_state import LazyState
+from .lazy_state import LazyState, check_same_tensors
 from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
@@ -51,8 +51,9 @@ def verify_streamed(source, other, inputs=None) -> Outcome:
 
 
 def check_one_architecture(source, other) -> None:
-    """Refuse two checkpoints of different model classes, or whose tensors differ in name or shape, naming what
-    differs (their outputs would differ, but not because of their weights)."""
+    """Refuse two checkpoints of different model classes, or whose tensors differ in name or shape
+    (:func:`~symgraph.lazy_state.check_same_tensors`), naming what differs (their outputs would differ, but not
+    because of their weights)."""
     kinds = [_model_class(f) for f in (source, other)]
     if None in kinds:
         return
@@ -60,28 +61,18 @@ def check_one_architecture(source, other) -> None:
         raise MismatchError(f"'{source}' is a {kinds[0]} and '{other}' a {kinds[1]}: they are different "
                             "architectures.", hint="compare two checkpoints of one architecture (an aligned, folded "
                                                    "or merged model against its source).")
-    shapes = [{info.name: tuple(info.shape) for info in LazyState(f).infos()} for f in (source, other)]
-    only = [sorted(shapes[0].keys() - shapes[1].keys()), sorted(shapes[1].keys() - shapes[0].keys())]
-    if only[0] or only[1]:
-        raise MismatchError(f"The checkpoints hold different tensors (only in '{source}': {only[0][:3]}; only in "
-                            f"'{other}': {only[1][:3]}).", hint="compare two checkpoints of one configuration.")
-    resized = [name for name, shape in shapes[0].items() if shapes[1][name] != shape]
-    if resized:
-        name = resized[0]
-        raise MismatchError(f"Tensor {name} has shape {shapes[0][name]} in '{source}' but {shapes[1][name]} in "
-                            f"'{other}' ({len(resized)} tensors differ).",
-                            hint="compare two checkpoints of one configuration.")
+    check_same_tensors(LazyState(source), LazyState(other), f"'{source}' and '{other}'",
+                       hint="compare two checkpoints of one configuration.")
 
 
 def _model_class(folder) -> str | None:
     """The model class a Hugging Face folder's config.json names (or its model_type); None without a config.json
     (loading the folder then says what is wrong)."""
-    from .io import _read_json
+    from .checkpoint import _config_of
 
-    file = Path(folder) / "config.json"
-    if not file.is_file():
+    config = _config_of(Path(folder))
+    if config is None:
         return None
-    config = _read_json(file, what="config")
     return next(iter(config.get("architectures") or ()), None) or f"{config.get('model_type', 'unknown')} model"
 
 
