@@ -56,14 +56,17 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     ['bias', 'weight']
     """
     kwargs = dict(kwargs or {})
-    traced_args, traced_kwargs = _on_parameter_device(model, tuple(args), kwargs)
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    traced_args, traced_kwargs = _on_meta(args, kwargs) if on_meta else (tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
         with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE), \
                 tensors_kept(model):
+            real = _module_tensors_to_meta(model) if on_meta else {}
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
     sig = program.graph_signature
+    _put_back_values(program, real)
     params, buffers, users = {}, {}, []
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -77,17 +80,43 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes)
 
 
-def _on_parameter_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The example inputs as export should see them: on the meta device when the parameters are (a config-only
-    model), since torch before 2.13 refuses an op that mixes meta and CPU tensors. The capture keeps the CPU
-    inputs: :func:`data_values` evaluates the data nodes (positions, masks) on them."""
-    if not any(p.device.type == "meta" for p in model.parameters()):
-        return args, kwargs
+def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs as export should see them when the parameters live on the meta device (a config-only
+    model or a shallow copy): on the meta device too, since torch refuses ops that mix meta and CPU tensors. The
+    capture keeps the CPU inputs: :func:`data_values` evaluates the data nodes (positions, masks) on them."""
 
     def to_meta(value):
         return value.to("meta") if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
 
-    return tree_map(to_meta, (args, kwargs))
+    return tree_map(to_meta, (tuple(args), kwargs))
+
+
+def _module_tensors_to_meta(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Move every buffer and tensor attribute of a meta-parameter model to the meta device for the trace (a
+    rotary table indexed by meta positions, as GPT-J's is, must be meta too), and return the real values by
+    qualified name. The caller restores the modules (:func:`~symgraph.module_state.tensors_kept`)."""
+    real, moves = {}, {}
+    for prefix, module in model.named_modules(remove_duplicate=False):  # a shared module: every name it has
+        for name, value in [*module._buffers.items(), *vars(module).items()]:
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and value.device.type != "meta":
+                real[f"{prefix}.{name}" if prefix else name] = value
+                moves[id(module), name] = module, name, value
+    for module, name, value in moves.values():
+        if name in module._buffers:
+            module._buffers[name] = value.to("meta")
+        else:
+            setattr(module, name, value.to("meta"))
+    return real
+
+
+def _put_back_values(program: torch.export.ExportedProgram, real: dict[str, torch.Tensor]) -> None:
+    """The traced program's buffers and lifted tensor attributes get their real values back (the analysis reads
+    them: rotary tables, masks, slopes); parameters stay meta."""
+    for spec in program.graph_signature.input_specs:
+        if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) and spec.target in real:
+            store = program.state_dict if spec.target in program.state_dict else program.constants
+            store[spec.target] = real[spec.target]
 
 
 def data_values(cap: Capture) -> dict[str, Any]:

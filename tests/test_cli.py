@@ -49,6 +49,22 @@ def test_report_config_only_matches_weights(tmp_path):
     assert res.returncode == 2 and "--config-only" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_report_config_only_with_a_buffer_indexed_by_positions(tmp_path):
+    """GPT-J keeps its rotary table as a CPU buffer that the forward indexes by position ids; on the meta device
+    (a config-only model) the trace mixed meta and CPU tensors and failed. Its groups must equal the weights'."""
+    from symgraph import zoo
+    model = zoo.build("gptj", num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "weights")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "weights" / "config.json").read_text())
+    a = json.loads(run("report", tmp_path / "weights", "--format", "json").stdout)
+    res = run("report", tmp_path / "cfg" / "config.json", "--config-only", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    b = json.loads(res.stdout)
+    assert ("qk", "rotary") in {(g["motif"], g["kind"]) for g in b["groups"]}
+    assert a["groups"] == b["groups"]
+
+
 @pytest.mark.parametrize("fmt,marker", [("md", "# Symmetry report"), ("html", "<svg")])
 def test_report_human_formats(tmp_path, fmt, marker):
     out = tmp_path / f"r.{fmt}"
