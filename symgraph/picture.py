@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .groups import Group, Member
+from .groups import Group, Member, TensorMember
 from .spec import motif_order
 from .report import Report
 
@@ -79,7 +79,7 @@ class Section:
 
 def sections(report: Report) -> list[Section]:
     """The picture's sections, in the order their parameters appear in the model."""
-    marks = _Marks(_spans_by_param(report.groups), _pins_by_param(report))
+    marks = _Marks(_spans_by_param(report.groups, report.parameters), _pins_by_param(report))
     pieces: list[tuple[str, int | None, str]] = []  # (block prefix, block number or None, parameter)
     for param in report.parameters:
         prefix, number = _block_of(param)
@@ -180,11 +180,15 @@ def _pins_by_param(report: Report) -> dict[str, tuple[str, ...]]:
     return {param: tuple(reasons) for param, reasons in out.items()}
 
 
-def _spans_by_param(groups: tuple[Group, ...]) -> dict[str, tuple[Span, ...]]:
+def _spans_by_param(groups: tuple[Group, ...], shapes: dict) -> dict[str, tuple[Span, ...]]:
     out: dict[str, list[Span]] = {}
     for g in groups:
         for m in g.members:
-            out.setdefault(m.param, []).append(_span(g, m))
+            if isinstance(m, TensorMember):  # each tensor moves whole: a span over its first axis
+                for param in m.params:
+                    out.setdefault(param, []).append(_whole_span(g, m, shapes[param]))
+            else:
+                out.setdefault(m.param, []).append(_span(g, m))
     return {param: tuple(sorted(s, key=lambda span: (span.axis, _motif_order(span.motif), span.group)))
             for param, s in out.items()}
 
@@ -199,6 +203,13 @@ def _span(g: Group, m: Member) -> Span:
     title = (f"{template}: {g.motif} / {g.kind}, {g.size} x {g.copies} copies, {m.action} on axis {m.axis}"
              + (f" (blocks of {m.index.shape[2]})" if m.index.shape[2] > 1 else ""))
     return Span(template, g.motif, g.kind, m.action, m.axis, _rects(m.index), label, title)
+
+
+def _whole_span(g: Group, m: TensorMember, shape: tuple[int, ...]) -> Span:
+    template = _DIGITS.sub("*", g.id)
+    title = f"{template}: {g.motif} / {g.kind}, {g.size} slots: the whole tensor moves with its slot ({m.role})"
+    return Span(template, g.motif, g.kind, m.action, 0, ((0, shape[0] if shape else 1),),
+                f"{g.motif} {g.kind} {g.size} (whole)", title)
 
 
 def _rects(index: np.ndarray) -> tuple[tuple[int, int], ...]:

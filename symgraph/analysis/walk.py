@@ -23,8 +23,10 @@ from . import rules
 from ..outputs import output_names, virtual_name
 from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
+from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
+from .parallel import find_branch_sets
 from .writes import Write, aliases_input, mutated_argument, plan_write, written
 
 
@@ -45,6 +47,8 @@ class Walker:
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
+        # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
+        self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -100,6 +104,10 @@ class Walker:
             container, index = node.args
             return self.values[container.name][index]
         inputs = _flat_values(node, self.values)
+        if node.name in self.branch_reads:
+            value = self.branch_reads.read(self, node, inputs)
+            if value is not None:
+                return value
         pointers = [v.points_to for v in inputs if v.points_to is not None]
         if not any(v.chans for v in inputs) and not pointers:
             return self._data_node(node, inputs)
