@@ -30,6 +30,7 @@ from torch import fx
 
 from ..spec import Specs
 from .rules import _schema_args
+from .writes import mutated_argument
 
 _SYMBOL = re.compile(r"\bu\d+\b")  # a size torch.export knows only at run time (the tokens routed to one expert)
 
@@ -133,8 +134,12 @@ def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node
             args = _args(n)
             if spec.into is not None:
                 terms.append((n, _nodes_in([args[t] for t in spec.terms])))
-                if args[spec.into] in inner:
-                    todo.append(args[spec.into])
+                start = args[spec.into]
+                if start in inner:
+                    todo.append(start)
+                elif mutated_argument(n) is not None and graph.users(start) != [n]:
+                    terms = []  # written in place: another reader of the start would see a partial sum
+                    break
                 continue
             for t in spec.terms:
                 a = args[t]
@@ -209,7 +214,7 @@ def _isomorphic_sets(graph: _Graph, terms, specs: Specs) -> list[BranchSet]:
     out = []
     for forms in classes.values():
         if len(forms) > 1:
-            found = _branch_set(forms, specs)
+            found = _branch_set(sorted(forms, key=lambda f: graph.order[f.nodes[0]]), specs)
             if found is not None:
                 out.append(found)
     return out

@@ -752,6 +752,11 @@ def _product(w, node, a, b, divide: bool) -> Value:
         if chan_axes(c) & _varying_axes(other, out_shape):
             w.c.pin(c.ids, "multiplied by a value that varies along its axes and carries no matching channel",
                     node.name)
+        elif not chan_axes(c) and other.chans:
+            # one coordinate times values of other coordinates (a routing weight w[:, e:e+1] times expert e's
+            # output): moving it to another coordinate would not bring those values along; pieces concatenated
+            # later would label them by it
+            w.c.pin(c.ids, "one coordinate multiplying values of other coordinates", node.name)
         else:
             chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
