@@ -192,6 +192,9 @@ def _feature_ids(walker, node: fx.Node) -> list[tuple[np.ndarray, tuple[int, ...
     value = walker.values.get(node.name)
     if node.op != "call_function" or not isinstance(value, Value) or value.invariant or not value.chans:
         return []
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not all(isinstance(n, int) for n in val.shape):
+        return []  # a size known only at run time (the tokens routed to one expert): other positions in each model
     spec = walker.specs.op(str(node.target))
     if spec is not None and spec.rule in SKIPPED_RULES:
         return []

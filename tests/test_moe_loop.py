@@ -12,6 +12,7 @@ swap it would have meant changes the function.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -49,9 +50,9 @@ class LoopMoE(nn.Module):
     ``index_put`` (``out[rows] += y``), ``dense`` (every expert on every token, ``sum_e w[:, e:e+1] * expert_e(x)``).
     The negative forms change one thing each (see the module docstring)."""
 
-    def __init__(self, form="index_add", gated=False, experts=None, sigmoid=False, bias=False):
+    def __init__(self, form="index_add", gated=False, experts=None, sigmoid=False, bias=False, pool=False):
         super().__init__()
-        self.form, self.sigmoid = form, sigmoid
+        self.form, self.sigmoid, self.pool = form, sigmoid, pool
         self.inp, self.norm, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
         self.router = nn.Linear(D, E, bias=bias)
         self.experts = nn.ModuleList(experts or [Expert(gated=gated) for _ in range(E)])
@@ -70,7 +71,8 @@ class LoopMoE(nn.Module):
             out = getattr(self, self.form)(flat, weights)
         else:
             out = self.routed(flat, weights, index)
-        return self.out(h + out.view_as(h))
+        y = self.out(h + out.view_as(h))
+        return y.mean(1) if self.pool else y
 
     def position(self, e: int) -> int:
         """The router column expert ``e`` reads (its own; the negative ``reused`` form reads column 0 twice)."""
@@ -152,8 +154,6 @@ def swapped(state: dict, i: int, j: int, with_router: bool = True) -> dict:
 
 
 def outputs(model: nn.Module, state: dict, x: torch.Tensor) -> torch.Tensor:
-    import copy
-
     twin = copy.deepcopy(model).double()
     twin.load_state_dict({k: v.double() for k, v in state.items()})
     with torch.no_grad():
@@ -254,6 +254,102 @@ def test_tensors_move_by_the_role_each_branch_gives_them_not_by_name():
     for x in INPUTS:
         assert relative_change(model, state, apply(state, [element]), x) < 1e-12
         assert relative_change(model, state, swapped(state, 0, 1), x) > 1e-3
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_merging_a_model_with_its_reparametrisation_keeps_it():
+    """The twin (a random element of every group, the expert permutation included) aligns back exactly, so the
+    average of the two is the model itself."""
+    from symgraph.merging import merge
+
+    model = noisy(LoopMoE(gated=True)).double()
+    subject = symgraph.load(model, (torch.randn(2, TOKENS, D, dtype=torch.float64),))
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(symgraph.transform(subject, seed=3))
+    merged = merge([subject, symgraph.load(twin, (torch.randn(2, TOKENS, D, dtype=torch.float64),))],
+                   method="simple", progress=False)
+    assert max(merged.distances) < 1e-9 < 0.3 < min(merged.distances_before)
+    assert max(float((merged.state[k] - v).abs().max()) for k, v in subject.state_dict().items()) < 1e-9
+
+
+def test_learned_matching_keeps_the_expert_permutation_and_the_function():
+    """Learned matching tunes continuous elements only: the expert permutation stays where weight matching put
+    it, and the result is still an exact reparametrisation of the source (checked by align before returning)."""
+    from symgraph.datasets import Batch, Dataset
+    from symgraph.learn import LearnOptions
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return symgraph.load(noisy(LoopMoE(gated=True, pool=True)), (torch.randn(2, TOKENS, D),))
+
+    generator = torch.Generator().manual_seed(0)
+    batches = tuple(Batch({"x": torch.randn(8, TOKENS, D, generator=generator)}, torch.randint(0, 3, (8,),
+                                                                                               generator=generator))
+                    for _ in range(4))
+    source, anchor = make(1), make(2)
+    learned = symgraph.align(source, anchor, data=Dataset("noise", "classification", batches),
+                             learn=LearnOptions(steps=6, checks=2, eval_batches=1, batch_size=8), progress=None)
+    assert learned.learned is not None and learned.verified_error < 1e-5
+    start = [e for e in learned.elements if e.group.motif == "experts"]
+    assert start and all(e.matrices is None for e in start)
+
+
+def test_a_streamed_block_never_splits_the_tensors_of_one_member():
+    from symgraph.elements import Element
+    from symgraph.errors import MismatchError
+    from symgraph.streamed_align import _restricted
+
+    g = experts_of(_load(LoopMoE()))[0]
+    element = Element(g, perm=np.array([[1, 0, 2]]), diag=np.ones((1, E)))
+    assert _restricted(element, set(g.params)) is not None
+    assert _restricted(element, {"inp.weight"}) is None
+    with pytest.raises(MismatchError, match="whole tensors"):
+        _restricted(element, {"router.weight", "experts.0.up.weight"})
+
+
+def test_reports_name_the_whole_tensor_members():
+    from symgraph.render import to_html, to_markdown
+
+    report = _load(LoopMoE(gated=True)).report
+    assert "`experts.*.up.weight (whole tensors, 3 slots) swap`" in to_markdown(report)
+    html = to_html(report)
+    assert "swatch swap" in html and "the whole tensor moves with its slot" in html
+
+
+def test_the_repeated_block_fast_path_moves_whole_tensor_members_with_their_block():
+    from symgraph.depth import NotReplicable, _moved_member
+
+    g = experts_of(_load(LoopMoE()))[0]
+    member = next(m for m in g.members if hasattr(m, "slots"))
+    moved = _moved_member(member, lambda name: "model.layers.7." + name)
+    assert moved.slots[0] == tuple("model.layers.7." + name for name in member.slots[0])
+    assert NotReplicable  # a group moving whole tensors of several blocks is refused (depth._spread_group)
+
+
+def test_vitpose_backbone_experts_chosen_by_the_dataset_index_stay_apart():
+    """transformers' VitPose backbone keeps its experts in an nn.ModuleList and picks one per sample by the
+    dataset index it is given (``indices == i``): an input, not a router, so no permutation of the experts is
+    exact (swapping two changes the output) and none is emitted."""
+    import transformers
+
+    config = transformers.VitPoseBackboneConfig(image_size=[32, 32], patch_size=[8, 8], hidden_size=32,
+                                                num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+                                                num_experts=3, part_features=8, out_indices=[2])
+    torch.manual_seed(0)
+    model = noisy(transformers.VitPoseBackbone(config))
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32), "dataset_index": torch.tensor([0, 2])}
+    subject = symgraph.load(model, ((), inputs))
+    assert experts_of(subject) == [] and any(g.motif == "heads" for g in subject.report.groups), census(subject)
+    state = subject.state_dict()
+    moved = dict(state)
+    for key in [k for k in state if ".experts.0." in k]:
+        other = key.replace(".experts.0.", ".experts.2.")
+        moved[key], moved[other] = state[other], state[key]
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(moved)
+    with torch.no_grad():
+        a, b = model(**inputs).feature_maps[0], twin(**inputs).feature_maps[0]
+    assert float((a - b).norm() / a.norm()) > 1e-3
     assert_fuzzed_at_two_shapes(subject)
 
 
