@@ -37,6 +37,7 @@ ACTION_STYLES = {  # how a span is filled: the legend shows the same three swatc
     "primal": "solid: the slice transforms like the activation (rows of a linear layer, its bias)",
     "dual": "hatched: the slice is contracted with the activation (columns of a linear layer)",
     "permute": "dashed outline: an elementwise weight (a norm's) that only the permutation part moves",
+    "swap": "upright stripes: a whole tensor that moves to another slot (a ModuleList expert's)",
 }
 MAX_RECTS = 128  # rectangles per span; beyond this, one rectangle per copy
 WIDTH, NAME_W, LANE_W, LANE_GAP = 1360, 400, 440, 40
@@ -247,7 +248,7 @@ def to_svg(report: Report) -> str:
             parts.append(drawn)
             y += height
         y += 10
-    defs = "".join(_hatch(motif, colour) for motif, colour in MOTIF_COLOURS.items())
+    defs = "".join(_hatch(motif, colour) + _hatch(motif, colour, "stripes", 0) for motif, colour in MOTIF_COLOURS.items())
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {y}" width="{WIDTH}" height="{y}" '
             f'class="layers" role="img" aria-label="Symmetry groups over the model\'s layer structure">'
             f'<defs>{defs}</defs>{"".join(parts)}</svg>')
@@ -306,7 +307,8 @@ def _axis_bar(length: int, axis: int, y: int, *, empty: bool) -> str:
 
 def _span_svg(span: Span, length: int, y: int) -> str:
     x0, colour = _lane_x(span.axis), MOTIF_COLOURS.get(span.motif, "#999999")
-    fill = {"primal": colour, "dual": f"url(#hatch-{span.motif})"}.get(span.action, "#ffffff")
+    fill = {"primal": colour, "dual": f"url(#hatch-{span.motif})",
+            "swap": f"url(#stripes-{span.motif})"}.get(span.action, "#ffffff")
     dash = ' stroke-dasharray="3 2"' if span.action == "permute" else ""
     edge = "#ffffff" if span.action == "primal" else colour  # white edges show where copies (heads) meet
     rects = "".join(
@@ -318,9 +320,9 @@ def _span_svg(span: Span, length: int, y: int) -> str:
     return f'<g class="span"><title>{_esc(span.title)}</title>{rects}{text}</g>'
 
 
-def _hatch(motif: str, colour: str) -> str:
-    return (f'<pattern id="hatch-{motif}" patternUnits="userSpaceOnUse" width="6" height="6" '
-            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#ffffff"/>'
+def _hatch(motif: str, colour: str, name: str = "hatch", angle: int = 45) -> str:
+    return (f'<pattern id="{name}-{motif}" patternUnits="userSpaceOnUse" width="6" height="6" '
+            f'patternTransform="rotate({angle})"><rect width="6" height="6" fill="#ffffff"/>'
             f'<rect width="3" height="6" fill="{colour}" opacity="0.55"/></pattern>')
 
 
