@@ -205,9 +205,11 @@ def test_sizes_known_only_at_run_time_reshape_or_pin(merged):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_expert_choice_keeps_the_stream_and_the_units():
+def test_expert_choice_keeps_the_stream_the_units_and_the_experts():
+    """The expert order lives in the layout of the top-k token indices (tests/test_expert_choice.py)."""
     subject = _load(ExpertChoiceMoE())
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert [g.size for g in subject.report.groups if g.motif == "experts"] == [E], census(subject)
     units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == HIDDEN]
     assert {(m.param, m.axis) for g in units for m in g.members} == {("w_in", 2), ("w_out", 1)}, census(subject)
     assert_fuzzed_at_two_shapes(subject)

@@ -131,6 +131,13 @@ class Walker:
                 self.c.pin(ids, f"indices into this axis reach {node.target}, which does not follow them", node.name)
             if not any(v.chans for v in inputs):
                 return self._data_node(node, inputs)
+        if spec.rule not in _FOLLOWS_LAYOUTS:  # indices laid out along coordinates (top-k rows): pinned here
+            for arg in rules.index_operands(node, spec.rule):
+                v = self.value(arg)
+                for c in v.chans if v is not None else ():
+                    for t in c.terms:
+                        self.c.pin(t.ids, f"indices laid out along coordinates reach {node.target}, which does not "
+                                          "follow them", node.name)
         if spec.rule not in _DEGREE_AWARE:
             self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
@@ -317,6 +324,9 @@ _READS_COMPLEX = frozenset({"complex_view", "mul"})
 
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
 _FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
+# Rules that follow (or pin themselves) the channels of integer tensors they read as indices: a pick's leading axes
+# (x[rows], index_select), index_add's entries (analysis/rules.py index_operands); the others get them pinned.
+_FOLLOWS_LAYOUTS = frozenset({"movement", "index_add"})
 # rules whose output carries its input's coordinates on unconsumed (a slice after a dropout still cuts rows away):
 # they do not count as reading them, so _pin_unread still sees rows that a later slice drops
 _PASSES_COORDINATES = frozenset({"movement", "identity", "copy"})
