@@ -80,10 +80,15 @@ class LoopMoE(nn.Module):
 
     def routed(self, flat, weights, index):
         out = torch.zeros_like(flat)
+        count = torch.zeros_like(flat[:1])
+        seen = count[:, :]  # a view: it sees every later write into count
         for e, expert in enumerate(self.experts):
             p = self.position(e)
             rows = (index == p).any(-1).nonzero().squeeze(-1)
             picked = flat.index_select(0, rows)
+            if self.form == "counted":  # each expert reads how many experts ran before it
+                picked = picked + seen
+                count.add_(1.0)
             if self.form == "crossed":  # expert e's down projection is expert e+1's
                 y = self.experts[(e + 1) % E].down(F.relu(expert.up(picked)))
             elif self.form == "shared":  # expert e also reads expert e+1's down projection
@@ -363,6 +368,7 @@ NEGATIVE = {  # name: (model, the swaps of experts i and j (with their router ro
     "a sequential chain": (lambda: LoopMoE("chain"), ALL_PAIRS),
     "a router column read twice": (lambda: LoopMoE("reused"), ALL_PAIRS),
     "per-expert constants differ": (lambda: LoopMoE("scaled"), ALL_PAIRS),
+    "each reads a tensor changed in place between experts": (lambda: LoopMoE("counted"), ALL_PAIRS),
 }
 
 

@@ -30,7 +30,7 @@ from torch import fx
 
 from ..spec import Specs
 from .rules import _schema_args
-from .writes import mutated_argument
+from .writes import aliases_input, mutated_argument
 
 _SYMBOL = re.compile(r"\bu\d+\b")  # a size torch.export knows only at run time (the tokens routed to one expert)
 
@@ -99,9 +99,22 @@ class _Graph:
         names = {**cap.params, **cap.buffers}
         self.tensor = {n: names[n.name] for n in nodes
                        if n.op == "placeholder" and names.get(n.name) in state}  # state-dict tensors: movable
+        self.written = {_storage(mutated_argument(n)) for n in nodes if mutated_argument(n) is not None}
 
     def users(self, node: fx.Node) -> list[fx.Node]:
         return [u for u in node.users if u in self.live]
+
+    def changes_in_place(self, node: fx.Node) -> bool:
+        """Whether some op writes into ``node``'s storage: branches reading it at different times would see
+        different values (one branch's partial sum, say), so their order would matter."""
+        return _storage(node) in self.written
+
+
+def _storage(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` views (itself when it is no view or in-place result)."""
+    while node.op == "call_function" and aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
@@ -115,9 +128,10 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
 
 
 # -- sums ---------------------------------------------------------------------------------------------------------
-def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node, ...]]]]:
-    """The terms (sum node, the nodes of one term) of every maximal commutative sum with two terms or more: a
-    chain of one op through its ``into`` argument, or a tree of adds, whose inner results nothing else reads."""
+def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node, ...], tuple[str, ...]]]]:
+    """The terms (sum node, the nodes of one term, the arguments they are) of every maximal commutative sum with
+    two terms or more: a chain of one op through its ``into`` argument, or a tree of adds, whose inner results
+    nothing else reads."""
     links = {n for n in graph.live if n.op == "call_function" and _sum_spec(n, specs) is not None}
     inner = set()
     for n in links:
@@ -126,14 +140,14 @@ def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node
                 inner.add(a)
     out = []
     for tail in sorted(links - inner, key=graph.order.get):
-        terms: list[tuple[fx.Node, tuple[fx.Node, ...]]] = []
+        terms: list[tuple[fx.Node, tuple[fx.Node, ...], tuple[str, ...]]] = []
         todo = [tail]
         while todo:
             n = todo.pop()
             spec = _sum_spec(n, specs)
             args = _args(n)
             if spec.into is not None:
-                terms.append((n, _nodes_in([args[t] for t in spec.terms])))
+                terms.append((n, _nodes_in([args[t] for t in spec.terms]), spec.terms))
                 start = args[spec.into]
                 if start in inner:
                     todo.append(start)
@@ -146,7 +160,7 @@ def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node
                 if a in inner:
                     todo.append(a)
                 elif isinstance(a, fx.Node):
-                    terms.append((n, (a,)))
+                    terms.append((n, (a,), (t,)))
         if len(terms) > 1:
             out.append(terms)
     return out
@@ -177,13 +191,11 @@ def _nodes_in(values) -> tuple[fx.Node, ...]:
 
 
 # -- branches -----------------------------------------------------------------------------------------------------
-def _private(graph: _Graph, link: fx.Node, term: tuple[fx.Node, ...], specs: Specs) -> set[fx.Node]:
-    """The nodes only ``term`` (entering ``link``) depends on: walked upward in reverse graph order, so every user
-    of a node is decided before the node is."""
+def _private(graph: _Graph, link: fx.Node, term: tuple[fx.Node, ...], names: tuple[str, ...]) -> set[fx.Node]:
+    """The nodes only ``term`` (arguments ``names`` of ``link``) depends on: walked upward in reverse graph order,
+    so every user of a node is decided before the node is."""
     private: set[fx.Node] = set()
-    spec, args = specs.branches.sums[str(link.target)], _args(link)
-    elsewhere = set(_nodes_in([v for k, v in args.items() if k not in spec.terms])) | (
-        set(term) & {n for t in spec.terms for n in _nodes_in([args[t]]) if n not in term})
+    elsewhere = set(_nodes_in([v for k, v in _args(link).items() if k not in names]))  # x + x: in two terms
     heap = [(-graph.order[n], n.name, n) for n in term]
     heapq.heapify(heap)
     seen = set(term)
@@ -205,15 +217,15 @@ def _private(graph: _Graph, link: fx.Node, term: tuple[fx.Node, ...], specs: Spe
 def _isomorphic_sets(graph: _Graph, terms, specs: Specs) -> list[BranchSet]:
     """The classes of terms whose branches are isomorphic (see the module docstring), as branch sets."""
     classes = defaultdict(list)
-    for link, term in terms:
-        private = _private(graph, link, term, specs)
+    for link, term, names in terms:
+        private = _private(graph, link, term, names)
         if not any(n in graph.tensor for n in private):
             continue
         form = _Form(graph, link, term, private, specs.branches.sums[str(link.target)])
         classes[form.skeleton].append(form)
     out = []
     for forms in classes.values():
-        if len(forms) > 1:
+        if len(forms) > 1 and not any(f.reads_written for f in forms):
             found = _branch_set(sorted(forms, key=lambda f: graph.order[f.nodes[0]]), specs)
             if found is not None:
                 out.append(found)
@@ -233,6 +245,7 @@ class _Form:
         symbols: dict[str, str] = {}
         self.ints: list[tuple[fx.Node, str, int]] = []  # (node, argument, value)
         self.link = link
+        self.reads_written = False  # a shared input that some op changes in place
 
         def ref(a):
             if a in local:
@@ -242,6 +255,7 @@ class _Form:
                     role[a] = len(role)
                     self.tensors.append(graph.tensor[a])
                 return ("tensor", role[a], _value_shape(a, symbols))
+            self.reads_written |= graph.changes_in_place(a)
             return ("shared", a.name)
 
         def canonical(node, name, value):
