@@ -147,6 +147,10 @@ def monomial_subgroup(g: Group) -> Group:
 
 
 DEFAULT_ROUNDS, ORTHOGONAL_RESIDUAL_ROUNDS = 8, 100
+# Descent rounds of each pair's alignment inside an expert permutation's costs (E^2 of them per solve): the first
+# pass alone is exact for a reparametrised copy; the pair's cost is then refined, not its answer (the chosen
+# pairs' groups are solved again by the main descent).
+WITHIN_ROUNDS = 2
 
 
 def default_rounds(groups) -> int:
@@ -696,10 +700,10 @@ class Aligner:
 
     def align_within(self, groups, source: dict, anchor: dict) -> tuple[list[Element], dict[str, torch.Tensor]]:
         """``source`` aligned to ``anchor`` (working tensors: this aligner's units, dtype and device) within
-        ``groups`` by a first pass and descent: the elements and the moved tensors. An expert permutation's
-        costs align every pair of experts so (:mod:`symgraph.solve.experts`)."""
+        ``groups`` by a first pass and :data:`WITHIN_ROUNDS` of descent: the elements and the moved tensors. An
+        expert permutation's costs align every pair of experts so (:mod:`symgraph.solve.experts`)."""
         sub = Aligner(groups, source, anchor, mode=self.mode, rescale=self.rescale, **self.options)
-        _descend(sub, DEFAULT_ROUNDS, 1e-4, None, {})
+        _descend(sub, WITHIN_ROUNDS, 1e-4, None, {})
         return sub.elements, sub.ws.src
 
     def _within(self, heads: Group) -> list[Member]:

@@ -11,7 +11,7 @@ tensors with them. A branch set is dropped (its coordinates pinned, the graph as
 * each read found one coordinate: of a labelled axis (``positions``) or of the axis an index tensor points into
   (``values``);
 * every coordinate a branch reads lies in exactly one group, a permutation group (any monomial group: its
-  permutations are a subgroup) of one copy that no other group is linked to;
+  permutations are a subgroup) of one copy, linked to no other group;
 * each branch reads one coordinate of each such group, the branches distinct ones, and together the branch sets
   reading a group cover all of its coordinates (a coordinate no branch reads would move with nothing).
 
@@ -122,19 +122,12 @@ def _expert_groups(assembler, groups: list[Group], reads: BranchReads) -> list[G
     if not live:
         return groups
     by_id = {g.id: g for g in groups}
-    owners = _owners(assembler, groups) if any(reads.sets[k].reads for k in live) else {}
-    plans, broken = {}, {}
-    for k in live:
-        plan = _plan(assembler, reads.ids[k], owners, by_id) if reads.sets[k].reads else {}
-        if isinstance(plan, str):
-            broken[k] = (plan, _where(reads.sets[k]))
-        else:
-            plans[k] = plan
+    plans, broken = _plans(assembler, groups, reads, live)
     users = defaultdict(list)
     for k, plan in plans.items():
-        for gid, js in plan.items():
+        for gid in plan:
             users[gid].append(k)
-    for gid, ks in users.items():
+    for gid, ks in users.items():  # the coordinates of a group the experts read must all be read
         if sorted(j for k in ks for j in plans[k][gid]) != list(range(by_id[gid].size)):
             broken.update({k: (f"experts read only some coordinates of {gid}", _where(reads.sets[k])) for k in ks})
     if broken:
@@ -144,8 +137,23 @@ def _expert_groups(assembler, groups: list[Group], reads: BranchReads) -> list[G
     out = []
     for g in groups:
         out += [made[k] for k in users[g.id]] if g.id in users else [g]
-    out += [made[k] for k in live if not plans[k]]
-    return _unique_ids(out)
+    return _unique_ids(out + [made[k] for k in live if not plans[k]])
+
+
+def _plans(assembler, groups: list[Group], reads: BranchReads, live: list[int]) -> tuple[dict, dict]:
+    """Per live branch set, the coordinate each branch reads of each group (:func:`_plan`); and the sets that
+    read no such coordinates, with why."""
+    by_id = {g.id: g for g in groups}
+    linked = {link for g in groups for link in g.links}
+    owners = _owners(assembler, groups) if any(reads.sets[k].reads for k in live) else {}
+    plans, broken = {}, {}
+    for k in live:
+        plan = _plan(assembler, reads.ids[k], owners, by_id, linked) if reads.sets[k].reads else {}
+        if isinstance(plan, str):
+            broken[k] = (plan, _where(reads.sets[k]))
+        else:
+            plans[k] = plan
+    return plans, broken
 
 
 def _owners(assembler, groups: list[Group]) -> dict[int, list[tuple[str, int, int]]]:
@@ -163,22 +171,13 @@ def _owners(assembler, groups: list[Group]) -> dict[int, list[tuple[str, int, in
     return out
 
 
-def _plan(assembler, ids: list[list[np.ndarray]], owners, by_id) -> dict[str, list[int]] | str:
+def _plan(assembler, ids: list[list[np.ndarray]], owners, by_id, linked: set[str]) -> dict[str, list[int]] | str:
     """Per group the branches read, the coordinate of each branch (branch order); or why there is none."""
     per_branch = []
     for found in ids:
-        if not found:
-            return "an expert reads no coordinate at its own position"
-        places: dict[str, int] = {}
-        for cls in np.unique(assembler.cls[np.concatenate(found)]):
-            where = owners.get(int(cls), [])
-            if len(where) != 1:
-                return ("an expert reads, at its own position, a coordinate no group moves" if not where else
-                        "an expert reads, at its own position, a coordinate two groups move")
-            gid, c, j = where[0]
-            g = by_id[gid]
-            if g.kind not in _MONOMIAL or g.copies != 1 or g.links or places.setdefault(gid, j) != j:
-                return f"the coordinates the experts read ({gid}) cannot follow whole experts"
+        places = _places(assembler, found, owners, by_id, linked)
+        if isinstance(places, str):
+            return places
         per_branch.append(places)
     if any(set(p) != set(per_branch[0]) for p in per_branch):
         return "the experts read their own positions of different groups"
@@ -186,6 +185,23 @@ def _plan(assembler, ids: list[list[np.ndarray]], owners, by_id) -> dict[str, li
     if any(len(set(js)) != len(js) for js in plan.values()):
         return "two experts read one coordinate"
     return plan
+
+
+def _places(assembler, found: list[np.ndarray], owners, by_id, linked: set[str]) -> dict[str, int] | str:
+    """The coordinate, per group, that one branch's reads name; or why they name none usable."""
+    if not found:
+        return "an expert reads no coordinate at its own position"
+    places: dict[str, int] = {}
+    for cls in np.unique(assembler.cls[np.concatenate(found)]):
+        where = owners.get(int(cls), [])
+        if len(where) != 1:
+            return ("an expert reads, at its own position, a coordinate no group moves" if not where else
+                    "an expert reads, at its own position, a coordinate two groups move")
+        gid, c, j = where[0]
+        g = by_id[gid]
+        if g.kind not in _MONOMIAL or g.copies != 1 or g.links or gid in linked or places.setdefault(gid, j) != j:
+            return f"the coordinates the experts read ({gid}) cannot follow whole experts"
+    return places
 
 
 def _restrict(m: Member, js: list[int]) -> Member:
