@@ -27,7 +27,7 @@ from torch import fx
 
 from .capture import Capture, capture
 from .errors import CaptureError, DataError, SymgraphError
-from .groups import Group, Member
+from .groups import Group, Member, TensorMember
 
 DATA_MODE = "full+data"  # the alignment mode barrier and merge name for full mode with activation costs
 SKIPPED_RULES = ("movement", "identity")  # their values repeat their input's (layout, dtype, sign): no new evidence
@@ -143,8 +143,8 @@ class _Layout:
     def of(cls_, g: Group, param_ids, cls, parity) -> "_Layout | None":
         by_id, by_class, flip, owners = {}, {}, {}, defaultdict(set)
         for m in g.members:
-            if m.action == "permute" or m.axis not in param_ids.get(m.param, {}):
-                continue
+            if isinstance(m, TensorMember) or m.action == "permute" or m.axis not in param_ids.get(m.param, {}):
+                continue  # whole tensors have no coordinates an activation could carry
             ids = param_ids[m.param][m.axis].numpy()[m.index]  # (copies, size, block)
             code = 1 if m.action == "dual" else 0
             for (c, j, b), i in np.ndenumerate(ids):
@@ -192,6 +192,9 @@ def _feature_ids(walker, node: fx.Node) -> list[tuple[np.ndarray, tuple[int, ...
     value = walker.values.get(node.name)
     if node.op != "call_function" or not isinstance(value, Value) or value.invariant or not value.chans:
         return []
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not all(isinstance(n, int) for n in val.shape):
+        return []  # a size known only at run time (the tokens routed to one expert): other positions in each model
     spec = walker.specs.op(str(node.target))
     if spec is not None and spec.rule in SKIPPED_RULES:
         return []

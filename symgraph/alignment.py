@@ -24,7 +24,7 @@ import torch
 
 from .elements import MATRIX_KINDS, Element, inverse
 from .errors import MismatchError, SymgraphError
-from .groups import Group, Member
+from .groups import Group, Member, TensorMember, inner_groups
 from .io import check_finite
 from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
 from .solve.reduce import squared_distance
@@ -147,6 +147,10 @@ def monomial_subgroup(g: Group) -> Group:
 
 
 DEFAULT_ROUNDS, ORTHOGONAL_RESIDUAL_ROUNDS = 8, 100
+# Descent rounds of each pair's alignment inside an expert permutation's costs (E^2 of them per solve): the first
+# pass alone is exact for a reparametrised copy; the pair's cost is then refined, not its answer (the chosen
+# pairs' groups are solved again by the main descent).
+WITHIN_ROUNDS = 2
 
 
 def default_rounds(groups) -> int:
@@ -415,10 +419,12 @@ class Aligner:
                  device=torch.device("cpu"), dtype=None, weights=None):
         self.groups = list(groups)
         self.mode, self.rescale = mode, rescale
-        names = {m.param for g in self.groups for m in g.members}
+        self.options = dict(cost_excluded=cost_excluded, device=device, dtype=dtype)  # for alignments within experts
+        names = {p for g in self.groups for p in g.params}
         self.dtype = dtype or (torch.float64 if any(source[k].dtype == torch.float64 for k in names)
                                else torch.float32)
-        self.weights = {k: float((weights or {}).get(k, 1.0)) for k in names}  # costs in these units (balance)
+        # costs in these units (balance); tensors that trade slots share their role's unit
+        self.weights = _slot_weights({k: float((weights or {}).get(k, 1.0)) for k in names}, self.groups)
         src = {k: _scaled(source[k].detach().to(device=device, dtype=self.dtype), self.weights[k], copy=True)
                for k in names}
         anc = {k: _scaled(anchor[k].detach().to(device=device, dtype=self.dtype), self.weights[k]) for k in names}
@@ -429,16 +435,18 @@ class Aligner:
         ids = {g.id for g in self.groups}
         self.partner = {g.links[0]: g for g in self.groups if g.kind == "scale" and g.links and g.links[0] in ids}
         self.joint = {g.id for g in self.partner.values()}
-        self.positions = {(g.id, m.param, m.axis): np.unique(m.index) for g in self.groups for m in g.members}
+        self.positions = {(g.id, p, a): where for g in self.groups for m in g.members
+                          for (p, a), where in self._positions_of(m).items()}
         self.pending: dict[tuple[str, int], set[str]] = defaultdict(set)  # unsolved groups on each axis
         for g in self.groups:
             if g.id not in self.joint:
                 for m in g.members:
-                    self.pending[(m.param, m.axis)].add(g.id)
+                    for axis in self._axes(m):
+                        self.pending[axis].add(g.id)
         self.by_param: dict[str, set[str]] = defaultdict(set)
         for g in self.groups:
-            for m in g.members:
-                self.by_param[m.param].add(g.id)
+            for p in g.params:
+                self.by_param[p].add(g.id)
         self._ready_cache: dict[str, tuple[bool, float]] = {}
         self.version = self.ws.sums.version  # bumped whenever a parameter moves (Workspace.moved)
         self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
@@ -459,8 +467,7 @@ class Aligner:
         groups in ``solved`` count as solved already."""
         for g in self.groups:
             if g.id in solved:
-                for m in g.members:
-                    self.pending[(m.param, m.axis)].discard(g.id)
+                self._done(g)
         todo = [g for g in self.groups if g.id not in self.joint and g.id not in solved]
         total = len(todo)
         self.start = self.distance()
@@ -472,9 +479,9 @@ class Aligner:
             self._solve_and_apply(batch, exact,
                                   first_pass=True, keep_if_worse=True)
             for g in batch:
-                for m in g.members:
-                    self.pending[(m.param, m.axis)].discard(g.id)
-                    for other in self.by_param[m.param]:  # their exact members may have changed
+                self._done(g)
+                for p in g.params:
+                    for other in self.by_param[p]:  # their exact members may have changed
                         self._ready_cache.pop(other, None)
                 if progress is not None:
                     progress("first pass", g, total - len(todo), total)
@@ -518,8 +525,7 @@ class Aligner:
                 g = matching[i]
                 self._solve_and_apply([g], [list(g.members)], first_pass=False, keep_if_worse=True,
                                       stage="weight_matching")
-                for m in g.members:
-                    self.pending[(m.param, m.axis)].discard(g.id)
+                self._done(g)
                 if progress is not None:
                     progress(f"weight matching {round_}", g, done, len(matching))
             if len(self.elements) == moves:
@@ -563,8 +569,8 @@ class Aligner:
         """Solve ``groups`` (one, or a batch of independent rotations) and apply each group's elements; in
         refinement a group's elements are kept only if its own distance falls."""
         clock = time.perf_counter()
-        ctxs = [SolveContext(self.mode, self.rescale, self.partner.get(g.id), first_pass, tuple(self.groups))
-                for g in groups]
+        ctxs = [SolveContext(self.mode, self.rescale, self.partner.get(g.id), first_pass, tuple(self.groups),
+                             self.align_within) for g in groups]
         if len(groups) > 1:
             solutions = solve_orthogonal_together(self.ws, list(zip(groups, members, ctxs)))
         else:
@@ -599,9 +605,14 @@ class Aligner:
     def _exact(self, g: Group) -> list[Member]:
         """Members nothing but ``g`` still moves: no unsolved group on their other axes, and none overlapping
         their positions on this axis. A head permutation's cost is invariant to the groups inside each head, so
-        only its other axes count."""
+        only its other axes count; so is an expert permutation's (its costs align each pair of experts within,
+        :mod:`symgraph.solve.experts`) to the groups inside single experts."""
         out = []
         for m in g.members:
+            if isinstance(m, TensorMember):
+                if self._inside_done(g, m):
+                    out.append(m)
+                continue
             if not self._other_axes_done(m):
                 continue
             if g.motif != "heads":
@@ -628,6 +639,8 @@ class Aligner:
         every member of the per-head groups, so all of them must be exact on their other axes."""
         if g.motif == "heads":
             return len(exact) == len(g.members) and all(self._other_axes_done(m) for m in self._within(g))
+        if g.swaps_tensors:
+            return len(exact) == len(g.members)
         informative = [m for m in self.ws.costed(exact) if m.action != "permute"]
         if not informative:
             return False
@@ -657,24 +670,54 @@ class Aligner:
         sharing a parameter with ``g`` is solved."""
         if g.id not in self._ready_cache:
             exact = self._exact(g)
-            share = sum(m.index.size for m in exact) / max(sum(m.index.size for m in g.members), 1)
+            share = sum(_coordinates(m) for m in exact) / max(sum(_coordinates(m) for m in g.members), 1)
             self._ready_cache[g.id] = (self._determined(g, exact), share)
         return self._ready_cache[g.id]
 
     def _other_axes_done(self, m: Member) -> bool:
         return not any(self.pending.get((m.param, a)) for a in range(self.ws.src[m.param].dim()) if a != m.axis)
 
+    def _inside_done(self, g: Group, m: TensorMember) -> bool:
+        """Every axis of ``m``'s tensors waits for no group but ``g`` and the groups inside single slots."""
+        allowed = {g.id} | {h.id for h in inner_groups(g, self.groups)}
+        return all(self.pending.get(axis, set()) <= allowed for axis in self._axes(m))
+
+    def _axes(self, m) -> list[tuple[str, int]]:
+        """The parameter axes a member acts on: one, or every axis of every tensor it moves whole."""
+        if isinstance(m, TensorMember):
+            return [(p, a) for p in m.params for a in range(self.ws.src[p].dim())]
+        return [(m.param, m.axis)]
+
+    def _positions_of(self, m) -> dict[tuple[str, int], np.ndarray]:
+        if isinstance(m, TensorMember):
+            return {(p, a): np.arange(self.ws.src[p].shape[a]) for p, a in self._axes(m)}
+        return {(m.param, m.axis): np.unique(m.index)}
+
+    def _done(self, g: Group) -> None:
+        for m in g.members:
+            for axis in self._axes(m):
+                self.pending[axis].discard(g.id)
+
+    def align_within(self, groups, source: dict, anchor: dict) -> tuple[list[Element], dict[str, torch.Tensor]]:
+        """``source`` aligned to ``anchor`` (working tensors: this aligner's units, dtype and device) within
+        ``groups`` by a first pass and :data:`WITHIN_ROUNDS` of descent: the elements and the moved tensors. An
+        expert permutation's costs align every pair of experts so (:mod:`symgraph.solve.experts`)."""
+        sub = Aligner(groups, source, anchor, mode=self.mode, rescale=self.rescale, **self.options)
+        _descend(sub, WITHIN_ROUNDS, 1e-4, None, {})
+        return sub.elements, sub.ws.src
+
     def _within(self, heads: Group) -> list[Member]:
         """Members of the groups that share an axis with a head permutation (its per-head groups)."""
         axes = {(m.param, m.axis) for m in heads.members}
-        return [m for g in self.groups if g is not heads and any((x.param, x.axis) in axes for x in g.members)
+        return [m for g in self.groups if g is not heads and any(a in axes for x in g.members for a in self._axes(x))
                 for m in g.members]
 
     def _waits_for_coarser(self, g: Group, todo) -> bool:
         """A group is relative to the coarser groups on its own axes (a unit's scale to the permutation that
-        placed the unit, a head's rotation to the head permutation): those go first."""
-        axes = {(m.param, m.axis) for m in g.members}
-        return any(_stage(h) < _stage(g) and axes & {(m.param, m.axis) for m in h.members}
+        placed the unit, a head's rotation to the head permutation, an expert's units to the expert
+        permutation): those go first."""
+        axes = {axis for m in g.members for axis in self._axes(m)}
+        return any(_stage(h) < _stage(g) and axes & {axis for m in h.members for axis in self._axes(m)}
                    for h in todo if h is not g)
 
 
@@ -751,7 +794,10 @@ def key_bias_candidates(groups, state) -> list[list[Member]]:
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
 def _stage(g: Group) -> float:
-    """Coarse before fine on a shared axis: KV groups, query heads, other permutations, rotations, scales."""
+    """Coarse before fine on a shared axis: whole experts and KV groups, query heads, other permutations,
+    rotations, scales."""
+    if g.swaps_tensors:
+        return 0.0
     if g.motif == "heads":
         return 0.0 if g.copies == 1 else 0.5
     return {"permutation": 1.0, "signed_permutation": 1.0, "scale": 3.0}.get(g.kind, 2.0)
@@ -765,7 +811,24 @@ def _scaled(x: torch.Tensor, weight: float, *, copy: bool = False) -> torch.Tens
 
 
 def _unique_params(*groups) -> list[str]:
-    return list(dict.fromkeys(m.param for g in groups if g is not None for m in g.members))
+    return list(dict.fromkeys(p for g in groups if g is not None for p in g.params))
+
+
+def _coordinates(m) -> int:
+    """How many coordinate slices a member holds (whole tensors: one per slot)."""
+    return len(m.params) if isinstance(m, TensorMember) else m.index.size
+
+
+def _slot_weights(weights: dict[str, float], groups) -> dict[str, float]:
+    """``weights`` with the tensors of each tensor member brought to one value (their mean): a tensor moved to
+    another slot must keep the units it is costed in."""
+    out = dict(weights)
+    for g in groups:
+        for m in g.members:
+            if isinstance(m, TensorMember):
+                mean = float(np.mean([weights[p] for p in m.params]))
+                out.update({p: mean for p in m.params})
+    return out
 
 
 def _in_layers(g: Group, layers: tuple[int, int]) -> bool:

@@ -145,7 +145,7 @@ class AlignmentPlan:
         chosen = select_groups(subject.report.groups, mode)
         solve = []
         for g in chosen:
-            members = tuple(m for m in g.members if m.param not in exclude)
+            members = tuple(m for m in g.members if not set(m.params) & exclude)
             if members:
                 solve.append(dataclasses.replace(g, members=members))
         free = free_cost_members(subject, solve, mode)

@@ -36,6 +36,7 @@ from .analysis import Analysis, assemble_capture
 from .analysis.walk import is_unit_vector
 from .capture import capture
 from .errors import CaptureError
+from .groups import TensorMember
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ def replicate(analysis: Analysis, pinned_sizes: dict, cap, plan: DepthPlan, mode
     rename = _Renamer(plan)
     groups = []
     for g in analysis.groups:
-        blocks = {rename.block_of(m.param) for m in g.members}
+        blocks = {rename.block_of(p) for p in g.params}
         if len(blocks) == 1 and None not in blocks:
             (s,) = blocks
             groups += [_moved_group(g, s, j, rename, names) for j in plan.copies_of(s)]
@@ -415,11 +416,18 @@ def _renamed_notes(notes, rename_node) -> tuple[str, ...]:
 def _moved_group(g, s: int, j: int, rename: _Renamer, names: NodeNames):
     if j == s:
         return g
-    members = tuple(dataclasses.replace(m, param=rename.move(m.param, s, j)) for m in g.members)
+    members = tuple(_moved_member(m, lambda name: rename.move(name, s, j)) for m in g.members)
     return dataclasses.replace(
         g, id=rename.move(g.id, s, j), layer=rename.move(g.layer, s, j), members=members,
         links=tuple(rename.move(link, s, j) for link in g.links),
         notes=_renamed_notes(g.notes, lambda node: names.full_name(node, s, j)))
+
+
+def _moved_member(m, move):
+    """``m`` with its tensor names moved by ``move``."""
+    if isinstance(m, TensorMember):
+        return dataclasses.replace(m, slots=tuple(tuple(move(p) for p in row) for row in m.slots))
+    return dataclasses.replace(m, param=move(m.param))
 
 
 def _spread_group(g, rename: _Renamer, names: NodeNames):
@@ -428,6 +436,8 @@ def _spread_group(g, rename: _Renamer, names: NodeNames):
 
     if rename.mentions_block(g.id) or any(rename.mentions_block(link) for link in g.links):
         raise NotReplicable(f"group {g.id} spans blocks but is named after one")
+    if g.swaps_tensors:
+        raise NotReplicable(f"group {g.id} moves whole tensors of several blocks")
     key = lambda m: (m.param, m.axis, m.action, m.exponent)  # noqa: E731  the order every emitter sorts by
     if list(g.members) != sorted(g.members, key=key):
         raise NotReplicable(f"group {g.id} lists its members in an order that cannot be extended")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .groups import Group, Member
+from .groups import Group, Member, TensorMember
 
 MATRIX_KINDS = ("general_linear", "orthogonal", "rotary")
 
@@ -119,11 +119,14 @@ def apply(state: dict[str, torch.Tensor], elements: list[Element], *, dtype=torc
 
     Parameters that no element touches are shared with ``state`` (not copied); touched ones are new tensors.
     """
-    touched = {m.param for e in elements for m in e.group.members}
+    touched = {p for e in elements for p in e.group.params}
     work = {k: v.detach().to(dtype).clone() for k, v in state.items() if k in touched}
     for e in elements:
         for m in e.group.members:
-            work[m.param] = _apply_member(work[m.param], m, e)
+            if isinstance(m, TensorMember):
+                swap_tensors(work, m, e)
+            else:
+                work[m.param] = _apply_member(work[m.param], m, e)
     out = dict(state)
     for k, v in work.items():
         out[k] = v.to(state[k].dtype)
@@ -134,6 +137,9 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
     """Apply ``elements`` to tensors the caller owns (the aligner's working copy), without copying them."""
     for e in elements:
         for m in e.group.members:
+            if isinstance(m, TensorMember):
+                swap_tensors(state, m, e)
+                continue
             y = state[m.param].movedim(m.axis, 0)  # a view: writing into it writes the tensor
             run = contiguous_run(m.index)
             if run is not None:  # a whole axis (residual members): slice views, no index gather and scatter
@@ -145,6 +151,18 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element]) -> N
                 continue
             idx = torch.as_tensor(m.index, device=y.device)
             y[idx] = transform_slice(y[idx], m, e)
+
+
+def swap_tensors(state: dict[str, torch.Tensor], m: TensorMember, e: Element) -> None:
+    """Move the tensors of ``m`` between its slots as ``e`` says, in ``state`` (the dict's entries are replaced,
+    the tensors are not copied): slot ``j`` receives the tensor of slot ``e.perm[c][j]``."""
+    if e.perm is None or e.matrices is not None or (e.diag is not None and not np.all(e.diag == 1.0)):
+        raise ValueError(f"{m.describe()}: whole tensors only move by permutations, not by a {e.group.kind} "
+                         "element with scales")
+    for row, perm in zip(m.slots, e.perm):
+        moved = [state[row[int(p)]] for p in perm]
+        for name, tensor in zip(row, moved):
+            state[name] = tensor
 
 
 def contiguous_run(index: np.ndarray) -> slice | None:

@@ -13,6 +13,10 @@ Actions, for an element ``T`` of copy ``c`` (an ``size x size`` matrix):
   part of a monomial element acts on it; signs and scales pass through to the activation.
 
 Scale groups act by ``s ** exponent`` (primal) or ``s ** -exponent`` (dual) per coordinate.
+
+A :class:`TensorMember` is whole tensors instead of positions along an axis: coordinate ``j`` of copy ``c`` is the
+tensor named ``slots[c][j]`` (one role of the experts of an ``nn.ModuleList``: every expert's up projection), and
+a permutation moves whole tensors between the slots (action ``swap``; permutation groups only).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 Kind = Literal["general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale"]
-Action = Literal["primal", "dual", "permute"]
+Action = Literal["primal", "dual", "permute", "swap"]
 ScaleAttr = Literal["positive", "nonzero", "sign"]
 
 KINDS: tuple[str, ...] = ("general_linear", "orthogonal", "rotary", "permutation", "signed_permutation", "scale")
@@ -42,6 +46,11 @@ class Member:
     def __post_init__(self):
         if self.index.ndim != 3:
             raise ValueError(f"Member index for {self.param} must be (copies, size, block), got {self.index.shape}")
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The tensors the member moves (one: ``param``)."""
+        return (self.param,)
 
     def describe(self) -> str:
         """A one-line, human summary of where the member sits (``rows 0:64 per head of 4``)."""
@@ -64,6 +73,40 @@ class Member:
 
 
 @dataclass(frozen=True, eq=False)
+class TensorMember:
+    """Whole tensors a permutation moves between slots: ``slots[c][j]`` names the tensor in slot ``j`` of copy
+    ``c``, all of one role and shape. An element puts the tensor of slot ``perm[c][j]`` into slot ``j`` (the
+    monomial convention of :mod:`symgraph.elements`); the tensors themselves are not changed."""
+
+    slots: tuple[tuple[str, ...], ...]  # (copies, size)
+    action: Action = "swap"
+
+    def __post_init__(self):
+        if self.action != "swap" or len({len(row) for row in self.slots}) != 1:
+            raise ValueError(f"A tensor member needs action 'swap' and slots of one size per copy: {self.slots}")
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Every tensor the member moves, copy by copy and slot by slot."""
+        return tuple(name for row in self.slots for name in row)
+
+    @property
+    def role(self) -> str:
+        """The tensors' common name with the slot's part starred (``experts.*.up.weight``)."""
+        parts = [name.split(".") for name in self.params]
+        if len({len(p) for p in parts}) != 1:
+            return self.params[0]
+        return ".".join(level[0] if len(set(level)) == 1 else "*" for level in zip(*parts))
+
+    def describe(self) -> str:
+        return f"{self.role}[whole tensors, {len(self.slots[0])} slots] swap"
+
+    def to_json(self) -> dict:
+        return {"tensors": [list(row) for row in self.slots], "action": self.action, "copies": len(self.slots),
+                "size": len(self.slots[0]), "block": 1}
+
+
+@dataclass(frozen=True, eq=False)
 class Group:
     """A symmetry group of the model's parameters, ready for reports, sampling and solvers."""
 
@@ -72,7 +115,7 @@ class Group:
     kind: Kind
     size: int
     copies: int
-    members: tuple[Member, ...]
+    members: tuple[Member | TensorMember, ...]
     scale: ScaleAttr | None = None
     global_sign: bool = False  # permutation times one sign shared by every coordinate (post-LN residual)
     fixes_ones: bool = False  # orthogonal only: Q 1 = +-1 (a stream LayerNorm centres: O(n-1) on the complement of 1)
@@ -94,6 +137,16 @@ class Group:
             "scale": n,
         }.get(self.kind, n if self.scale else 0)
         return per_copy * self.copies
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Every tensor the group moves, once each, in member order."""
+        return tuple(dict.fromkeys(p for m in self.members for p in m.params))
+
+    @property
+    def swaps_tensors(self) -> bool:
+        """Whether the group moves whole tensors between slots (:class:`TensorMember`)."""
+        return any(isinstance(m, TensorMember) for m in self.members)
 
     def with_notes(self, *notes: str) -> "Group":
         return dataclasses.replace(self, notes=self.notes + tuple(notes))
@@ -120,6 +173,20 @@ class Group:
             out["rotary_pairs"] = [list(p) for p in self.rotary_pairs]
             out["passthrough"] = list(self.passthrough)
         return out
+
+
+def slot_tensors(g: Group) -> dict[tuple[int, int], tuple[str, ...]]:
+    """(copy, slot) -> the tensors of that slot, one per tensor member of ``g`` (empty for other groups)."""
+    tensors = [m for m in g.members if isinstance(m, TensorMember)]
+    if not tensors:
+        return {}
+    return {(c, j): tuple(m.slots[c][j] for m in tensors) for c in range(g.copies) for j in range(g.size)}
+
+
+def inner_groups(g: Group, groups) -> list[Group]:
+    """The groups other than ``g`` acting inside a single slot of ``g``'s tensor members (an expert's own units)."""
+    slots = [set(names) for names in slot_tensors(g).values()]
+    return [h for h in groups if h is not g and any(set(h.params) <= slot for slot in slots)]
 
 
 @dataclass(frozen=True, eq=False)

@@ -698,9 +698,14 @@ def _group_keys(subject: Subject, exclude: frozenset[str]) -> list:
     keys = []
     for g in subject.report.groups:
         data = g.to_json()
-        data["members"] = [m for m in data["members"] if m["param"] not in exclude]
+        data["members"] = [m for m in data["members"] if not _json_member_params(m) & exclude]
         keys.append(data)
     return keys
+
+
+def _json_member_params(member: dict) -> set[str]:
+    """The tensors a member of a report's JSON names (a tensor member: every slot's)."""
+    return {p for row in member["tensors"] for p in row} if "tensors" in member else {member["param"]}
 
 
 def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool):

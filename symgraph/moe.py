@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .groups import Member
+
 __all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
            "note_shared_expert_units", "use_experts_implementation"]
 
@@ -102,7 +104,8 @@ def note_shared_expert_units(groups: list) -> list:
     A member acts on one parameter axis, so the unit axis of ``gate_up_proj`` (experts x 2I x D) gets one
     permutation for every expert; each expert may in fact permute its own units independently.
     """
-    expert_params = {m.param for g in groups if g.motif == "experts" for m in g.members if m.axis == 0}
+    expert_params = {m.param for g in groups if g.motif == "experts" for m in g.members
+                     if isinstance(m, Member) and m.axis == 0}
     note = ("one unit permutation shared by every expert of the layer; each expert's units may also permute on "
             "their own (a subgroup of the exact group)")
     return [g.with_notes(note) if g.motif == "ffn" and g.members and all(m.param in expert_params and m.axis > 0

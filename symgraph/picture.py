@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .groups import Group, Member
+from .groups import Group, Member, TensorMember
 from .spec import motif_order
 from .report import Report
 
@@ -37,6 +37,7 @@ ACTION_STYLES = {  # how a span is filled: the legend shows the same three swatc
     "primal": "solid: the slice transforms like the activation (rows of a linear layer, its bias)",
     "dual": "hatched: the slice is contracted with the activation (columns of a linear layer)",
     "permute": "dashed outline: an elementwise weight (a norm's) that only the permutation part moves",
+    "swap": "upright stripes: a whole tensor that moves to another slot (a ModuleList expert's)",
 }
 MAX_RECTS = 128  # rectangles per span; beyond this, one rectangle per copy
 WIDTH, NAME_W, LANE_W, LANE_GAP = 1360, 400, 440, 40
@@ -79,7 +80,7 @@ class Section:
 
 def sections(report: Report) -> list[Section]:
     """The picture's sections, in the order their parameters appear in the model."""
-    marks = _Marks(_spans_by_param(report.groups), _pins_by_param(report))
+    marks = _Marks(_spans_by_param(report.groups, report.parameters), _pins_by_param(report))
     pieces: list[tuple[str, int | None, str]] = []  # (block prefix, block number or None, parameter)
     for param in report.parameters:
         prefix, number = _block_of(param)
@@ -180,11 +181,15 @@ def _pins_by_param(report: Report) -> dict[str, tuple[str, ...]]:
     return {param: tuple(reasons) for param, reasons in out.items()}
 
 
-def _spans_by_param(groups: tuple[Group, ...]) -> dict[str, tuple[Span, ...]]:
+def _spans_by_param(groups: tuple[Group, ...], shapes: dict) -> dict[str, tuple[Span, ...]]:
     out: dict[str, list[Span]] = {}
     for g in groups:
         for m in g.members:
-            out.setdefault(m.param, []).append(_span(g, m))
+            if isinstance(m, TensorMember):  # each tensor moves whole: a span over its first axis
+                for param in m.params:
+                    out.setdefault(param, []).append(_whole_span(g, m, shapes[param]))
+            else:
+                out.setdefault(m.param, []).append(_span(g, m))
     return {param: tuple(sorted(s, key=lambda span: (span.axis, _motif_order(span.motif), span.group)))
             for param, s in out.items()}
 
@@ -199,6 +204,13 @@ def _span(g: Group, m: Member) -> Span:
     title = (f"{template}: {g.motif} / {g.kind}, {g.size} x {g.copies} copies, {m.action} on axis {m.axis}"
              + (f" (blocks of {m.index.shape[2]})" if m.index.shape[2] > 1 else ""))
     return Span(template, g.motif, g.kind, m.action, m.axis, _rects(m.index), label, title)
+
+
+def _whole_span(g: Group, m: TensorMember, shape: tuple[int, ...]) -> Span:
+    template = _DIGITS.sub("*", g.id)
+    title = f"{template}: {g.motif} / {g.kind}, {g.size} slots: the whole tensor moves with its slot ({m.role})"
+    return Span(template, g.motif, g.kind, m.action, 0, ((0, shape[0] if shape else 1),),
+                f"{g.motif} {g.kind} {g.size} (whole)", title)
 
 
 def _rects(index: np.ndarray) -> tuple[tuple[int, int], ...]:
@@ -236,7 +248,7 @@ def to_svg(report: Report) -> str:
             parts.append(drawn)
             y += height
         y += 10
-    defs = "".join(_hatch(motif, colour) for motif, colour in MOTIF_COLOURS.items())
+    defs = "".join(_hatch(motif, colour) + _hatch(motif, colour, "stripes", 0) for motif, colour in MOTIF_COLOURS.items())
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {y}" width="{WIDTH}" height="{y}" '
             f'class="layers" role="img" aria-label="Symmetry groups over the model\'s layer structure">'
             f'<defs>{defs}</defs>{"".join(parts)}</svg>')
@@ -295,7 +307,8 @@ def _axis_bar(length: int, axis: int, y: int, *, empty: bool) -> str:
 
 def _span_svg(span: Span, length: int, y: int) -> str:
     x0, colour = _lane_x(span.axis), MOTIF_COLOURS.get(span.motif, "#999999")
-    fill = {"primal": colour, "dual": f"url(#hatch-{span.motif})"}.get(span.action, "#ffffff")
+    fill = {"primal": colour, "dual": f"url(#hatch-{span.motif})",
+            "swap": f"url(#stripes-{span.motif})"}.get(span.action, "#ffffff")
     dash = ' stroke-dasharray="3 2"' if span.action == "permute" else ""
     edge = "#ffffff" if span.action == "primal" else colour  # white edges show where copies (heads) meet
     rects = "".join(
@@ -307,9 +320,9 @@ def _span_svg(span: Span, length: int, y: int) -> str:
     return f'<g class="span"><title>{_esc(span.title)}</title>{rects}{text}</g>'
 
 
-def _hatch(motif: str, colour: str) -> str:
-    return (f'<pattern id="hatch-{motif}" patternUnits="userSpaceOnUse" width="6" height="6" '
-            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#ffffff"/>'
+def _hatch(motif: str, colour: str, name: str = "hatch", angle: int = 45) -> str:
+    return (f'<pattern id="{name}-{motif}" patternUnits="userSpaceOnUse" width="6" height="6" '
+            f'patternTransform="rotate({angle})"><rect width="6" height="6" fill="#ffffff"/>'
             f'<rect width="3" height="6" fill="{colour}" opacity="0.55"/></pattern>')
 
 

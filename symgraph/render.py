@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .errors import SymgraphError
-from .groups import Group, Member, PinnedSpace
+from .groups import Group, Member, PinnedSpace, TensorMember
 from .spec import motif_order
 from .report import Report, solver_for
 
@@ -181,6 +181,8 @@ ACTION_TEXT = {
             "the product is unchanged.",
     "permute": "a vector multiplied elementwise into the activation (a norm's weight): only the permutation part "
                "of T moves it; signs and scales pass through to the activation.",
+    "swap": "whole tensors (one per expert of an nn.ModuleList) that the permutation moves between slots: slot j "
+            "receives the tensor of the slot T maps to it.",
 }
 KIND_TEXT = {
     "general_linear": "GL(n): any invertible n x n matrix per copy.",
@@ -196,6 +198,7 @@ MOTIF_TEXT = {
     "qk": "query and key of each head: q . k is unchanged.",
     "vo": "value and output projection of each head.",
     "heads": "which head is which: whole heads swap places.",
+    "experts": "which expert is which: whole experts swap places, with the router rows that choose them.",
     "ffn": "the hidden units of a feed-forward layer.",
     "residual": "the residual stream that every block reads and writes.",
     "scale_free": "a scale that a normalisation divides out again.",
@@ -261,7 +264,10 @@ def _kind_text(g: Group) -> Cell:
     return (head, f"pairs: {_pairs_text(g.rotary_pairs)}", f"passthrough: {_ranges_text(g.passthrough)}")
 
 
-def _member_text(m: Member, layer: str) -> str:
+def _member_text(m: Member | TensorMember, layer: str) -> str:
+    if isinstance(m, TensorMember):
+        name = m.role[len(layer) + 1:] if layer and m.role.startswith(layer + ".") else m.role
+        return f"{name} (whole tensors, {len(m.slots[0])} slots) {m.action}"
     name = m.param[len(layer) + 1:] if layer and m.param.startswith(layer + ".") else m.param
     text = f"{name}[{m.axis}] {m.action}"
     if m.exponent != 1:
@@ -392,7 +398,8 @@ svg.layers .slabel { font-size: 11px; font-weight: 600; fill: #111; paint-order:
   border: 1px solid #555; }
 .swatch.primal { background: #555; }
 .swatch.dual { background: repeating-linear-gradient(45deg, #555 0 3px, #fff 3px 6px); }
-.swatch.permute { background: #fff; border-style: dashed; }"""
+.swatch.permute { background: #fff; border-style: dashed; }
+.swatch.swap { background: repeating-linear-gradient(90deg, #555 0 4px, #fff 4px 8px); }"""
 
 
 def _section_html(s: _Section) -> str:

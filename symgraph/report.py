@@ -49,7 +49,7 @@ class Report:
     def summary(self) -> dict:
         kinds = Counter(f"{g.motif}/{g.kind}" for g in self.groups)
         n_params = sum(_numel(s) for s in self.parameters.values())
-        touched = {m.param for g in self.groups for m in g.members}
+        touched = {p for g in self.groups for p in g.params}
         return {
             "groups": len(self.groups),
             "by_motif_kind": dict(sorted(kinds.items())),

@@ -171,10 +171,51 @@ class MotifSpec(_Frozen):
         return self
 
 
+class SumSpec(_Frozen):
+    """An op whose result is ``into`` plus its ``terms``, in any order (specs/branches.yaml)."""
+
+    terms: tuple[str, ...]
+    into: str | None = None
+    flag: str | None = None  # a boolean argument that must be true (index_put's accumulate)
+    unit: str | None = None  # an argument that must be 1 (add's alpha)
+
+    def arguments(self) -> tuple[str, ...]:
+        return tuple(a for a in (*self.terms, self.into, self.flag, self.unit) if a is not None)
+
+
+class ReadSpec(_Frozen):
+    """An op reading one position of a tensor, named by the number ``index`` (``end``: index + 1): a position along
+    ``dim`` (``positions``), or the elements of an index tensor that point at that position (``values``)."""
+
+    of: Literal["positions", "values"]
+    index: str
+    tensor: str = "self"  # the tensor read
+    dim: str | None = None  # positions: the axis they lie along
+    end: str | None = None
+    unit: str | None = None  # an argument that must be 1 (a slice's step)
+
+    @model_validator(mode="after")
+    def _positions_need_an_axis(self):
+        if (self.of == "positions") != (self.dim is not None):
+            raise ValueError("field 'dim' names the axis of a `positions` read, and only of one")
+        return self
+
+    def arguments(self) -> tuple[str, ...]:
+        return tuple(a for a in (self.index, self.tensor, self.dim, self.end, self.unit) if a is not None)
+
+
+class BranchSpecs(_Frozen):
+    """specs/branches.yaml: what isomorphic parallel branches (ModuleList experts) may meet in and read."""
+
+    sums: dict[str, SumSpec] = {}
+    reads: dict[str, ReadSpec] = {}
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
     classify: dict[GroupFamily, tuple[str, ...]]  # per group family: motifs by precedence, the last the default
+    branches: BranchSpecs = BranchSpecs()
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -196,12 +237,15 @@ class Specs(_Frozen):
 
     @model_validator(mode="after")
     def _check_against_schemas(self):
-        for name, spec in self.ops.items():
+        entries = [("ops.yaml", name, spec) for name, spec in self.ops.items()]
+        entries += [("branches.yaml", name, spec) for table in (self.branches.sums, self.branches.reads)
+                    for name, spec in table.items()]
+        for file, name, spec in entries:
             schema = aten_op(name)._schema
             names = [a.name for a in schema.arguments]
             unknown = [a for a in spec.arguments() if a not in names]
             if unknown:
-                raise ValueError(f"specs/ops.yaml: {name}: the entry names argument(s) {', '.join(unknown)}, which "
+                raise ValueError(f"specs/{file}: {name}: the entry names argument(s) {', '.join(unknown)}, which "
                                  f"its schema does not have ({schema})")
             recipe = getattr(spec, "recipe", None)
             n_operands = len(spec.arguments() or _tensor_arguments(schema))
@@ -253,22 +297,23 @@ def _load_yaml(name: str) -> dict:
 @functools.cache
 def load_specs() -> Specs:
     """Load and validate ``specs/ops.yaml`` and ``specs/motifs.yaml`` (cached)."""
-    ops, motifs = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml")
+    ops, motifs, branches = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml"), _load_yaml("branches.yaml")
     try:
-        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}))
+        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
+                     branches=branches)
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
-_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml"}
+_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:
     """``specs/ops.yaml: aten.linear.default, field 'pattern' ...`` from a pydantic error, and the file's name."""
     loc = [str(p) for p in error["loc"]]
     msg = error["msg"].removeprefix("Value error, ")
-    if len(loc) >= 2 and loc[0] in ("ops", "motifs", "classify"):
+    if len(loc) >= 2 and loc[0] in ("ops", "motifs", "classify", "branches"):
         field = f", field '{loc[-1]}'" if len(loc) > 2 else ""
         return f"Spec entry specs/{_FILE[loc[0]]}: {loc[1]}{field} is invalid: {msg}.", _FILE[loc[0]]
     return f"Spec entry {msg}.", "motifs.yaml" if msg.startswith("specs/motifs.yaml") else "ops.yaml"

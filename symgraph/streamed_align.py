@@ -257,12 +257,12 @@ class _Job:
         self.blocks: dict[str, list[Group]] = {p: [] for p in prefixes}
         self.spanning: list[Group] = []
         for g in groups:
-            where = {self.block_of(m.param) for m in g.members}
+            where = {self.block_of(p) for p in g.params}
             if len(where) == 1 and None not in where:
                 self.blocks[where.pop()].append(g)
             else:
                 self.spanning.append(g)
-        missing = sorted({m.param for g in groups for m in g.members} - set(src))[:3]
+        missing = sorted({p for g in groups for p in g.params} - set(src))[:3]
         if missing:
             raise MismatchError(f"The checkpoint '{src.folder}' has no tensor {missing[0]}, which a symmetry group "
                                 "moves (tied or renamed parameters are not streamed).",
@@ -283,14 +283,14 @@ class _Job:
         """The groups that span blocks, from their members outside the blocks (see the module docstring)."""
         restricted = []
         for g in self.spanning:
-            outside = tuple(m for m in g.members if self.block_of(m.param) is None)
+            outside = tuple(m for m in g.members if all(self.block_of(p) is None for p in m.params))
             if outside:
                 restricted.append(replace(g, members=outside))
             else:
                 self.unsolved.append(g.id)
         if not restricted:
             return
-        names = list(dict.fromkeys(m.param for g in restricted for m in g.members))
+        names = list(dict.fromkeys(p for g in restricted for p in g.params))
         aligner = Aligner(restricted, {k: self.src[k] for k in names}, {k: self.anc[k] for k in names},
                           mode=self.mode, rescale=self.rescale, device=self.device, dtype=self.dtype)
         aligner.first_pass(self.progress)
@@ -324,7 +324,7 @@ class _Job:
         groups = self.blocks[prefix]
         work: dict[str, torch.Tensor] = {}
         if groups:
-            anchor = {k: self.anc[k] for k in {m.param for g in groups for m in g.members}}
+            anchor = {k: self.anc[k] for k in {p for g in groups for p in g.params}}
             aligner = Aligner(groups, stored, anchor, mode=self.mode, rescale=self.rescale, device=self.device,
                               dtype=self.dtype)
             del anchor  # the aligner holds working copies of both (one fp32 copy of each block, no more)
@@ -346,7 +346,7 @@ class _Job:
     def _moved(self, tensors: dict[str, torch.Tensor], work: bool = False) -> dict[str, torch.Tensor]:
         """``tensors`` moved by the fixed elements (computed in fp32, or fp64 for fp64 tensors): in the compute
         dtype with ``work``, else back in each tensor's own dtype."""
-        if not work and not any(m.param in tensors for e in self.fixed for m in e.group.members):
+        if not work and not any(p in tensors for e in self.fixed for p in e.group.params):
             return dict(tensors)
         moved = {k: v.to(_compute_dtype(v.dtype), copy=True) for k, v in tensors.items()}
         self._apply_fixed(moved)
@@ -372,8 +372,13 @@ def replace_group(e: Element, group: Group) -> Element:
 
 
 def _restricted(e: Element, tensors) -> Element | None:
-    """``e`` acting only on its members among ``tensors`` (None when it touches none)."""
-    members = tuple(m for m in e.group.members if m.param in tensors)
+    """``e`` acting only on its members among ``tensors`` (None when it touches none); a member moving whole
+    tensors between slots acts on all of its tensors at once, or on none."""
+    members = tuple(m for m in e.group.members if set(m.params) <= set(tensors))
+    if any(set(m.params) & set(tensors) and not set(m.params) <= set(tensors) for m in e.group.members):
+        raise MismatchError(f"Group {e.group.id} moves whole tensors between slots that lie in different blocks, "
+                            "which cannot be streamed block by block.", hint="align the model in memory (without "
+                                                                             "--stream).")
     return replace_group(e, replace(e.group, members=members)) if members else None
 
 

@@ -166,14 +166,16 @@ def test_experts_move_with_their_router_rows(form):
 @pytest.mark.parametrize("put", [False, True])
 def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
     """Tokens picked by routed indices (a count known only at run time) keep the stream's labels; the router rows
-    stay (comparing indices with an expert number follows no coordinate, and ModuleList experts cannot move)."""
+    move with whole experts (each expert compares the indices with its own number: tests/test_moe_loop.py)."""
     subject = _load(LoopMoE(put))
     recorded = {str(n.target) for n in subject.capture.graph.nodes if n.op == "call_function"}
     assert ("aten.index_put.default" if put else "aten.index_add.default") in recorded
     units = sorted(g.layer for g in subject.report.groups if g.motif == "ffn" and g.kind == "permutation")
     assert units == [f"experts.{e}" for e in range(E)], census(subject)
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
-    assert any("router.weight" in p.params and "aten.eq.Scalar" in p.reason for p in subject.report.pinned)
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    assert [(g.size, sorted(g.params)[-1]) for g in experts] == [(E, "router.weight")], census(subject)
+    assert not any("router.weight" in p.params for p in subject.report.pinned)
     assert_fuzzed_at_two_shapes(subject)
 
 
@@ -203,9 +205,11 @@ def test_sizes_known_only_at_run_time_reshape_or_pin(merged):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_expert_choice_keeps_the_stream_and_the_units():
+def test_expert_choice_keeps_the_stream_the_units_and_the_experts():
+    """The expert order lives in the layout of the top-k token indices (tests/test_expert_choice.py)."""
     subject = _load(ExpertChoiceMoE())
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert [g.size for g in subject.report.groups if g.motif == "experts"] == [E], census(subject)
     units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == HIDDEN]
     assert {(m.param, m.axis) for g in units for m in g.members} == {("w_in", 2), ("w_out", 1)}, census(subject)
     assert_fuzzed_at_two_shapes(subject)

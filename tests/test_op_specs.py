@@ -239,6 +239,8 @@ EXAMPLES = {
     "aten.scatter_add.default": _scattered(lambda zeros, index, top: A.scatter_add.default(zeros, -1, index, top)),
     "aten.index_add.default": lambda h, m: A.index_add.default(A.zeros_like.default(h), 1,
                                                                torch.arange(h.shape[1]).flip(0), h),
+    "aten.index_add_.default": lambda h, m: A.index_add_.default(A.zeros_like.default(h), 1,
+                                                                 torch.arange(h.shape[1]).flip(0), h),
     "aten.index_put.default": lambda h, m: A.index_put.default(h.flatten(0, 1), [torch.tensor([0, 2])],
                                                                h[0, :2] * 2.0, True).view_as(h),
     "aten.zeros_like.default": lambda h, m: h + A.zeros_like.default(h),

@@ -20,6 +20,7 @@ from scipy.sparse.csgraph import connected_components
 from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction, monomial
+from .experts import with_expert_groups
 from .labels import IdSpace
 from .naming import common_prefix, short_members
 from .partition import parity_classes, union_sets
@@ -77,6 +78,11 @@ class Assembler:
 
     # -- 2. spaces and blocks -------------------------------------------------------------------------------------
     def analyse(self) -> Analysis:
+        """Groups and pinned spaces, with whole experts permuted where isomorphic branches allow it
+        (:mod:`symgraph.analysis.experts`)."""
+        return with_expert_groups(self, self._analyse_once)
+
+    def _analyse_once(self) -> Analysis:
         cls_pinned = self._pinned_classes()
         cls_is_head = np.zeros(self.n_cls, bool)
         cls_is_head[self.cls[self.is_block]] = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..groups import FreeOutput, Group, PinnedSpace
+from ..groups import FreeOutput, Group, Member, PinnedSpace
 from ..outputs import is_virtual, output_names
 from .naming import common_prefix, short_members
 
@@ -38,7 +38,7 @@ def split_free_outputs(groups: list[Group], sites: dict[str, tuple[int, str, int
     """
     kept, free, refused = [], [], set()
     for g in groups:
-        virtual = [m for m in g.members if is_virtual(m.param)]
+        virtual = [m for m in g.members if isinstance(m, Member) and is_virtual(m.param)]
         if not virtual:
             kept.append(g)
             continue
@@ -46,8 +46,8 @@ def split_free_outputs(groups: list[Group], sites: dict[str, tuple[int, str, int
         if g.motif != "residual" or not isometric:
             refused.update(sites[m.param][0] for m in virtual)
             continue
-        real = tuple(m for m in g.members if not is_virtual(m.param))
-        layer = common_prefix([m.param for m in real])
+        real = tuple(m for m in g.members if m not in virtual)
+        layer = common_prefix([p for m in real for p in m.params])
         gid = f"{g.id.split(':', 1)[0]}:{layer or 'model'}:{short_members(real)}"
         names = ", ".join(sites[m.param][1] for m in virtual)
         kept.append(dataclasses.replace(g, id=gid, members=real, layer=layer,

@@ -29,6 +29,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
         return _pick_unknown_rows(w, node)
+    for a in index_operands(node, "movement"):  # known indices laid out along coordinates: not followed here
+        _pin_value(w, node, w.value(a), "indices laid out along coordinates, read by an op that does not follow them")
     if spec.concatenates:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
@@ -129,11 +131,40 @@ def _zeros(v: Value) -> bool:
 
 
 def _indexed_by_unknown(w, node: fx.Node) -> bool:
-    """An index operand whose values the analysis does not know: the labels it picks cannot be replayed."""
+    """An index operand whose values the analysis does not know: the labels it picks cannot be replayed. (Its
+    own channels, when it has some, are a layout: which coordinate each index belongs to, see
+    :func:`_pick_unknown_rows`.)"""
     moved = set(_tensor_args(node))
     others = [a for a in node.all_input_nodes if a not in moved]
-    return any(isinstance(v, Value) and not v.chans and v.data is None  # invariant indices are unknown too
+    return any(isinstance(v, Value) and (not v.chans or _integer(a)) and v.data is None  # invariant: unknown too
                and not _run_time_size(a) for v, a in ((w.values.get(a.name), a) for a in others))
+
+
+def _integer(a: fx.Node) -> bool:
+    val = a.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+
+
+def index_operands(node: fx.Node, rule: str) -> list[fx.Node]:
+    """The integer tensors ``node`` reads as indices under ``rule`` (for movements: every integer operand but the
+    moved tensors)."""
+    if rule == "movement":
+        moved = set(_tensor_args(node))
+        return [a for a in node.all_input_nodes if a not in moved and _integer(a)]
+    names = _INDEX_ARGUMENTS.get(rule, ())
+    out = []
+    fx.node.map_aggregate([schema_arg(node, n) for n in names],
+                          lambda a: out.append(a) if isinstance(a, fx.Node) and _integer(a) else None)
+    return out
+
+
+_INDEX_ARGUMENTS = {"gather": ("index",), "scatter": ("index",), "index_add": ("index",), "index_put": ("indices",),
+                    "embedding": ("indices",), "one_hot": ("self",)}
+
+
+def _pin_value(w, node: fx.Node, v: Value | None, why: str) -> None:
+    for c in v.chans if v is not None else ():
+        _pin_chan(w, node, c, why)
 
 
 def _run_time_size(a: fx.Node) -> bool:
@@ -166,7 +197,34 @@ def _pick_unknown_rows(w, node: fx.Node) -> Value:
             _pin_chan(w, node, c, "positions picked by indices that depend on the weights")
         else:
             chans.append(c.map(relabel))
-    return Value(chans=chans, shape=out_shape)
+    return Value(chans=chans + _picked_layouts(w, node, x, out_shape), shape=out_shape)
+
+
+def _picked_layouts(w, node: fx.Node, x: Value, out_shape) -> list[Chan]:
+    """The channels of the indices of a pick (which coordinate each index belongs to: top-k tokens laid out per
+    expert) as channels of the result, whose picked positions follow the indices' own layout: ``x[rows]`` puts
+    the indices' shape in front, ``index_select`` along ``dim``. Any other layout pins."""
+    operands = index_operands(node, "movement")
+    laid = [(a, w.value(a)) for a in operands if w.value(a) is not None and w.value(a).chans]
+    if not laid:
+        return []
+    rank, dim = len(x.shape), schema_arg(node, "dim")
+    out = []
+    for a, v in laid:
+        shape = _node_shape(a)
+        clean = [c for c in v.chans if not c.mixed and not c.block and c.degree == 1]
+        if len(operands) == 1 and len(clean) == len(v.chans) and shape is not None:
+            if isinstance(dim, int) and len(shape) == 1 and len(out_shape) == rank:  # index_select along dim
+                view = [1] * rank
+                view[dim % rank] = shape[0]
+                out += [c.map(lambda t, view=view: t.reshape(view).expand(out_shape)) for c in clean]
+                continue
+            if dim is None and tuple(out_shape[:len(shape)]) == tuple(shape):  # x[rows]: the indices' shape first
+                view = list(shape) + [1] * (len(out_shape) - len(shape))
+                out += [c.map(lambda t, view=view: t.reshape(view).expand(out_shape)) for c in clean]
+                continue
+        _pin_value(w, node, v, "indices laid out along coordinates, placed where the pick cannot follow them")
+    return out
 
 
 def _leading_replaced(t: torch.Tensor, n_leading: int, out_shape) -> torch.Tensor:
@@ -231,7 +289,7 @@ def _replay(w, node: fx.Node, spec, pick):
     def load(a):
         if isinstance(a, fx.Node):
             v = w.values.get(a.name)
-            if isinstance(v, Value) and (v.chans or _is_labelled_position(node, a)):
+            if isinstance(v, Value) and (_is_labelled_position(node, a) or (v.chans and not _integer(a))):
                 return pick(v, v.shape or _node_shape(a))
             if isinstance(v, Value):
                 if _run_time_size(a):  # the stand-in the shapes use for it (labels do not vary along that axis)
@@ -752,6 +810,11 @@ def _product(w, node, a, b, divide: bool) -> Value:
         if chan_axes(c) & _varying_axes(other, out_shape):
             w.c.pin(c.ids, "multiplied by a value that varies along its axes and carries no matching channel",
                     node.name)
+        elif not chan_axes(c) and other.chans:
+            # one coordinate times values of other coordinates (a routing weight w[:, e:e+1] times expert e's
+            # output): moving it to another coordinate would not bring those values along; pieces concatenated
+            # later would label them by it
+            w.c.pin(c.ids, "one coordinate multiplying values of other coordinates", node.name)
         else:
             chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
@@ -1107,7 +1170,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     dim, ordered = args["dim"] % rank, args.get("sorted", True)  # max.dim: one result, no order to see
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
     followable = ordered or _order_blind(w.specs, node, dim - rank)
-    pointed, by_rows = None, False
+    pointed, by_rows, rows = None, False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
         if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
@@ -1117,12 +1180,24 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within rows of this axis", node.name)
             w.c.separate(_disjoint_rows(c.ids, dim), node.name)
             by_rows = True
+        elif not c.block and not c.mixed and chan_axes(c) and dim not in chan_axes(c):
+            rows.append(c)  # a coordinate per row, ranked within it (experts choosing their tokens)
         else:
             for t in c.terms:
                 w.c.pin(t.ids, "top-k over another axis of this channel", node.name)
+    if rows and (pointed is not None or by_rows):
+        for c in rows:
+            _pin_chan(w, node, c, "top-k rows of coordinates, ranked along another labelled axis")
+        rows = []
+    shapes = _shape_of(node, 0), _shape_of(node, 1)
+    if rows:  # both results are laid out like the rows: the values, and the indices (into an unlabelled axis)
+        for c in rows:
+            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
+        laid = [[c.map(lambda t, s=s: t.narrow(dim, 0, 1).expand(s)) for c in rows] for s in shapes]
+        return [Value(chans=laid[0], shape=shapes[0]), Value(chans=laid[1], shape=shapes[1])]
     if pointed is None:
-        return [Value(invariant=by_rows, shape=_shape_of(node, 0)), Value(shape=_shape_of(node, 1))]
-    return [Value(invariant=True, shape=_shape_of(node, 0)), Value(points_to=pointed, shape=_shape_of(node, 1))]
+        return [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
+    return [Value(invariant=True, shape=shapes[0]), Value(points_to=pointed, shape=shapes[1])]
 
 
 def _disjoint_rows(ids: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -1249,14 +1324,37 @@ def rule_index_add(w, node: fx.Node, spec) -> Value:
     out_shape = _shape_of(node)
     dim = args["dim"] % len(out_shape)
     alpha = float(args.get("alpha", 1))
+    summed = _entries_summed(w, node, w.value(args["index"]), source, dim)
     placed = []
     for c in source.chans:
+        if any(c is s for s in summed):
+            continue
         if dim in chan_axes(c) or c.mixed or len(c.shape) != len(out_shape):
             _pin_chan(w, node, c, "added at indexed positions along an axis it varies along")
         else:
             c = c.map(lambda t: _first_along(t, {dim}, out_shape))
             placed.append(c.scaled(alpha) if alpha != 1 else c)
     return _add_at_positions(w, node, into, placed, frozenset({dim}), out_shape)
+
+
+def _entries_summed(w, node: fx.Node, index: Value | None, source: Value, dim: int) -> list[Chan]:
+    """The source channels an index's own layout matches entry for entry along ``dim`` (expert choice:
+    ``index_add(out, 0, rows.flatten(), y.flatten(0, 1))``, both laid out per expert): the entries are added in
+    any order, so a permutation moving index entries and source slices together leaves the sum unchanged. Those
+    coordinates are tied (permutations only) and summed out; an index layout matching nothing pins."""
+    summed = []
+    for lay in index.chans if index is not None else ():
+        match = next((c for c in source.chans if not c.mixed and not c.block and c.degree == 1
+                      and chan_axes(c) == {dim} and not any(c is s for s in summed)), None)
+        if lay.mixed or lay.block or lay.degree != 1 or match is None or chan_axes(lay) - {0}:
+            _pin_chan(w, node, lay, "indices laid out along coordinates that the added values do not follow")
+            continue
+        along = match.ids[tuple(slice(None) if a == dim else 0 for a in range(match.ids.dim()))]
+        w.c.tie(lay.ids.reshape(-1), along, node=node.name)
+        for c in (lay, match):
+            w.c.restrict(c.ids, NEUTRAL, "entries added in any order, moved with their indices", node.name)
+        summed.append(match)
+    return summed
 
 
 def rule_index_put(w, node: fx.Node, spec) -> Value:

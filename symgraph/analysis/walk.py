@@ -23,8 +23,10 @@ from . import rules
 from ..outputs import output_names, virtual_name
 from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
+from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
+from .parallel import find_branch_sets
 from .writes import Write, aliases_input, mutated_argument, plan_write, written
 
 
@@ -45,6 +47,8 @@ class Walker:
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
+        # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
+        self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -100,6 +104,10 @@ class Walker:
             container, index = node.args
             return self.values[container.name][index]
         inputs = _flat_values(node, self.values)
+        if node.name in self.branch_reads:
+            value = self.branch_reads.read(self, node, inputs)
+            if value is not None:
+                return value
         pointers = [v.points_to for v in inputs if v.points_to is not None]
         if not any(v.chans for v in inputs) and not pointers:
             return self._data_node(node, inputs)
@@ -123,6 +131,13 @@ class Walker:
                 self.c.pin(ids, f"indices into this axis reach {node.target}, which does not follow them", node.name)
             if not any(v.chans for v in inputs):
                 return self._data_node(node, inputs)
+        if spec.rule not in _FOLLOWS_LAYOUTS:  # indices laid out along coordinates (top-k rows): pinned here
+            for arg in rules.index_operands(node, spec.rule):
+                v = self.value(arg)
+                for c in v.chans if v is not None else ():
+                    for t in c.terms:
+                        self.c.pin(t.ids, f"indices laid out along coordinates reach {node.target}, which does not "
+                                          "follow them", node.name)
         if spec.rule not in _DEGREE_AWARE:
             self._materialise_squares(node)
         handler = getattr(rules, f"rule_{spec.rule}")
@@ -309,6 +324,9 @@ _READS_COMPLEX = frozenset({"complex_view", "mul"})
 
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
 _FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
+# Rules that follow (or pin themselves) the channels of integer tensors they read as indices: a pick's leading axes
+# (x[rows], index_select), index_add's entries (analysis/rules.py index_operands); the others get them pinned.
+_FOLLOWS_LAYOUTS = frozenset({"movement", "index_add"})
 # rules whose output carries its input's coordinates on unconsumed (a slice after a dropout still cuts rows away):
 # they do not count as reading them, so _pin_unread still sees rows that a later slice drops
 _PASSES_COORDINATES = frozenset({"movement", "identity", "copy"})

@@ -16,6 +16,7 @@ from ..elements import Element
 from ..errors import SymgraphError
 from ..groups import Group, Member
 from . import certify, kernels, screen
+from .experts import expert_similarity
 from .heads import invariant_head_similarity, rotation_head_similarity
 from .polyroots import minimize_scale
 from .workspace import Workspace
@@ -30,6 +31,8 @@ class SolveContext:
     partner: Group | None = None  # the QK scalar rescale group solved jointly with this rotation group
     first_pass: bool = True  # costs invariant to the groups still to come (exact recovery)
     groups: tuple[Group, ...] = ()  # every group being aligned (head costs read the per-head groups)
+    # aligns tensors within groups: (groups, source, anchor) -> (elements, moved source); expert costs use it
+    align_within: Callable | None = field(default=None, compare=False)
 
     @property
     def permutations_only(self) -> bool:
@@ -58,7 +61,7 @@ def solver(kind: str, name: str, summary: str):
 
 
 def solver_for(group: Group) -> Solver:
-    kind = "heads" if group.motif == "heads" else group.kind
+    kind = "heads" if group.motif == "heads" else "experts" if group.swaps_tensors else group.kind
     if kind not in SOLVERS:
         raise SymgraphError(f"No solver for groups of kind {kind!r} ({group.id}).",
                             hint=f"registered kinds: {', '.join(sorted(SOLVERS))}.")
@@ -233,6 +236,16 @@ def solve_heads(ws, g, members, ctx):
     return [Element(g, perm=perm, diag=np.ones((g.copies, g.size)))]
 
 
+@solver("experts", "expert_matching", "whole experts (tensors moved between slots): Hungarian on the similarity "
+                                      "of each pair of experts once the second's own groups are aligned to the "
+                                      "first's, router rows added; the chosen pairs' inner alignments kept")
+def solve_experts(ws, g, members, ctx):
+    similarity, inner = expert_similarity(ws, g, ws.costed(members), ctx)
+    perm = np.stack([kernels.hungarian(similarity[c]) for c in range(g.copies)])
+    within = [e for c in range(g.copies) for i in range(g.size) for e in inner.get((c, i, int(perm[c, i])), [])]
+    return [Element(g, perm=perm, diag=np.ones((g.copies, g.size)))] + within
+
+
 @solver("scale", "closed_form_scale", "per-coordinate scale: sign from the inner product, or the exact minimiser "
                                       "of each coordinate's quartic (positive or nonzero)")
 def solve_scale(ws, g, members, ctx):
@@ -289,13 +302,13 @@ def _least_squares(cross: np.ndarray, gram: np.ndarray) -> np.ndarray:
 
 def _element_cost(ws: Workspace, members, element: Element) -> float:
     moved = _apply(ws.src, element)
-    return sum(float((moved[p] - ws.anc[p]).pow(2).sum()) for p in {m.param for m in members})
+    return sum(float((moved[p] - ws.anc[p]).pow(2).sum()) for p in {p for m in members for p in m.params})
 
 
 def _apply(state, element: Element) -> dict[str, torch.Tensor]:
     from ..elements import apply
 
-    touched = {m.param for m in element.group.members}
+    touched = set(element.group.params)
     return apply({k: state[k] for k in touched}, [element], dtype=state[next(iter(touched))].dtype)
 
 

@@ -37,7 +37,7 @@ def pays_off(ws, g: Group, members: list[Member]) -> bool:
     """Screen ``g`` when its costs are large GEMMs read afresh (members in one layer: the residual stream keeps
     per-layer sums instead), on a CPU whose bfloat16 matrix units make them faster than float32."""
     x = next(iter(ws.src.values()))
-    layers = {layer_of(m.param) for m in members}
+    layers = {layer_of(p) for m in members for p in m.params}
     return (g.size >= MIN_SIZE and x.device.type == "cpu" and len(layers) == 1 and not g.global_sign
             and bf16_matrix_units())
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..elements import Element
-from ..groups import Group, Member
+from ..groups import Group, Member, TensorMember
 
 MIN_FEATURES = 64  # fewer features per coordinate than this: recomputing the layer costs less than keeping it
 ROWS, COLUMNS, SCALAR = "rows", "columns", "scalar"  # where a sum carries the source coordinate
@@ -39,6 +39,8 @@ def layer_of(param: str) -> str:
 
 
 def signature(m: Member) -> tuple:
+    if isinstance(m, TensorMember):
+        return m.slots, m.action
     return m.param, m.axis, m.action, m.exponent, m.index.shape, m.index.tobytes()
 
 
@@ -67,7 +69,7 @@ class MemberSums:
         """(key under which the layer's sum is kept, or None when it is not kept; that layer's members)."""
         layers = defaultdict(list)
         for m in members:
-            layers[layer_of(m.param)].append(m)
+            layers[layer_of(m.params[0])].append(m)
         keep = kind is not None and len(layers) > 1
         for layer, ms in layers.items():
             kept = keep and sum(features(m) for m in ms) >= MIN_FEATURES
@@ -80,7 +82,7 @@ class MemberSums:
     def _layer_sum(self, key, ms: list[Member], term, shape) -> np.ndarray:
         entry = self._entries.get(key)
         if entry is None or not self._valid(entry, ms):
-            params = tuple(dict.fromkeys(m.param for m in ms))
+            params = tuple(dict.fromkeys(p for m in ms for p in m.params))
             entry = _Entry(frozenset(signature(m) for m in ms), tuple(self.version[p] for p in params), params,
                            _sum(ms, term, shape))
             self._entries[key] = entry
@@ -90,20 +92,25 @@ class MemberSums:
         """The source moved by ``elements``: their parameters get new versions; sums of an element's own group
         that it moves rigidly follow it, the others are read again when next asked for."""
         for e in elements:
-            params = {m.param for m in e.group.members}
+            params = set(e.group.params)
             current = {id(entry) for entry in self._entries.values()  # a stale sum cannot follow: read it again
                        if entry.versions == tuple(self.version[p] for p in entry.params)}
             for p in params:
                 self.version[p] += 1
-            own = {signature(m) for m in e.group.members if m.param in params}
+            own = {signature(m) for m in e.group.members}
             for (kind, gid, *_), entry in self._entries.items():
                 if gid != e.group.id or not set(entry.params) <= params or id(entry) not in current:
                     continue
-                moves = {s for s in own if s[0] in entry.params}
+                moves = {s for s in own if _names(s) & set(entry.params)}
                 transformed = _follow(entry, e, self._layouts[kind]) if moves == entry.signature else None
                 if transformed is not None:
                     entry.value = transformed
                     entry.versions = tuple(self.version[p] for p in entry.params)
+
+
+def _names(sig: tuple) -> set[str]:
+    """The tensors a member signature names."""
+    return {p for row in sig[0] for p in row} if isinstance(sig[0], tuple) else {sig[0]}
 
 
 def _sum(members, term, shape, out: np.ndarray | None = None) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..elements import apply_in_place, contiguous_run
-from ..groups import Group, Member
+from ..groups import Group, Member, TensorMember
 from .reduce import row_sums, squared_distance
 from .sums import COLUMNS, ROWS, SCALAR, MemberSums
 
@@ -37,12 +37,18 @@ class Workspace:
         return kept or list(members)
 
     def _is_free(self, m: Member) -> bool:
+        if isinstance(m, TensorMember):
+            return False
         free = self._free.get((m.param, m.axis))
         return bool(free) and set(m.index.reshape(-1).tolist()) <= free
 
     def gather(self, which: str, m: Member) -> torch.Tensor:
-        """Member slice of ``which`` ("src" or "anc") as (copies, size, block, rest)."""
-        return gather(getattr(self, which)[m.param], m)
+        """Member slice of ``which`` ("src" or "anc") as (copies, size, block, rest); a tensor member's slots as
+        (copies, size, 1, the tensor flattened)."""
+        state = getattr(self, which)
+        if isinstance(m, TensorMember):
+            return torch.stack([torch.stack([state[p].reshape(1, -1) for p in row]) for row in m.slots])
+        return gather(state[m.param], m)
 
     def flat(self, which: str, m: Member) -> torch.Tensor:
         """Member slice as (copies, size, features): block and other axes flattened together."""
@@ -96,7 +102,10 @@ class Workspace:
         return row_sums(self.flat(which, m), None if other is None else self.flat(other, m))
 
     def features(self, m: Member) -> int:
-        """Features per coordinate of a member: its block times the size of the parameter's other axes."""
+        """Features per coordinate of a member: its block times the size of the parameter's other axes (a
+        tensor member: a whole tensor)."""
+        if isinstance(m, TensorMember):
+            return self.src[m.params[0]].numel()
         shape = self.src[m.param].shape
         return m.index.shape[2] * int(np.prod(shape)) // shape[m.axis]
 
@@ -116,8 +125,8 @@ class Workspace:
         """Move the source working copy by ``elements``, in place (it is ours: no trial copy of the model)."""
         apply_in_place(self.src, elements)
         for e in elements:
-            for m in e.group.members:
-                self._distance_sq.pop(m.param, None)
+            for p in e.group.params:
+                self._distance_sq.pop(p, None)
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
