@@ -896,7 +896,7 @@ def _ids_of(chan: Chan):
 def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     args = _schema_args(node)
     x, normalized = w.value(args["input"]), list(args["normalized_shape"])
-    weight, bias = w.value(args["weight"]), w.value(args["bias"])
+    weight, bias = w.value(args["weight"]), w.value(args.get("bias"))  # rms_norm has no bias
     out_shape = _shape_of(node, 0 if isinstance(node.meta.get("val"), (list, tuple)) else None)  # native: 3 outputs
     rank = len(out_shape)
     norm_axes = frozenset(range(rank - len(normalized), rank))
@@ -905,15 +905,52 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         c = w.resolve(c, node.name)
         axes = chan_axes(c)
         if axes & norm_axes and not c.block:
-            _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=True))
+            _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=spec.centres))
         chans.append(c)
-    if not chans and weight is not None:  # normalising data: the affine part may not be transformed
+    return _with_saved_stats(node, _affine_output(w, node, chans, weight, bias, norm_axes, out_shape))
+
+
+def rule_group_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    """``group_norm(x, G, weight, bias)`` over channel axis 1: the channels split into G consecutive groups, each
+    centred and scaled over its channels and every position; then a weight and a bias per channel. Within a group
+    the channels pass what a LayerNorm over them passes (orthogonal maps fixing the ones vector); groups do not
+    mix."""
+    args = _schema_args(node)
+    x, groups = w.value(args["input"]), args["num_groups"]
+    out_shape = _shape_of(node)
+    grouped = (out_shape[0], groups, out_shape[1] // groups, *out_shape[2:])
+    spatial = frozenset(range(2, len(out_shape)))
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        axes = chan_axes(c)
+        if axes & (spatial | {1}) and not c.block:  # normalised over the group's channels and the positions
+            normalised = frozenset({2} | {a + 1 for a in axes & spatial})
+            _normalise(w, node, c.map(lambda t: t.reshape(grouped)), normalised,
+                       Restriction(orthogonal=True, fixes_ones=True))
+        chans.append(c)
+    view = [1, -1] + [1] * (len(out_shape) - 2)
+    weight, bias = (_on_channel_axis(w.value(args.get(k)), view) for k in ("weight", "bias"))
+    return _affine_output(w, node, chans, weight, bias, spatial | {1}, out_shape)
+
+
+def _on_channel_axis(param: Value | None, view: list[int]) -> Value | None:
+    """A per-channel vector parameter laid along axis 1 (``view``: its shape for broadcasting there)."""
+    if param is None:
+        return None
+    return Value(chans=[c.map(lambda t: t.reshape(view)) for c in param.chans])
+
+
+def _affine_output(w, node, chans: list[Chan], weight: Value | None, bias: Value | None, norm_axes,
+                   out_shape) -> Value:
+    """A normalisation's output: the normalised input ``chans`` times the affine ``weight``, plus ``bias``.
+    Normalising data (no channel in), the affine part may not be transformed."""
+    if not chans and weight is not None:
         for p in (weight, bias):
             if p is not None:
                 for c in p.chans:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
-        chans = [c.broadcast_to(out_shape) for c in weight.chans]
-        return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
+        return Value(chans=[c.broadcast_to(out_shape) for c in weight.chans], shape=out_shape)
     chans = [c.broadcast_to(out_shape) for c in chans]
     if weight is not None and _holds_unit(w, node, weight.chans):
         weight = None
@@ -921,7 +958,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)
     if bias is not None:
         chans = _affine_part(w, node, chans, bias, norm_axes, out_shape, scale=False)
-    return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
+    return Value(chans=chans, shape=out_shape)
 
 
 def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
