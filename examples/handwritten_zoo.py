@@ -1155,6 +1155,35 @@ class ShortConvMixer(nn.Module):
         return self.out_proj(F.silu(u) * torch.sigmoid(gate))
 
 
+class SharedValueLM(nn.Module):
+    """Values shared across layers: ``mode="value_residual"`` (ResFormer: every later layer's values averaged with
+    the first layer's) or ``mode="cross_layer_kv"`` (later layers attend to the first layer's keys and values)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block(Attention(core="einsum"), MLP("gelu")) for _ in range(3))
+        self.norm, self.head = RMSNormByHand(), nn.Linear(D, V)
+
+    def forward(self, ids, mask=None):
+        x = self.embed(ids)
+        b, n, _ = x.shape
+        first = None
+        for blk in self.blocks:
+            q, k, v = blk.attn.project(blk.norm1(x))
+            if first is None:
+                first = (k, v)
+            elif self.mode == "value_residual":
+                v = 0.5 * (v + first[1])
+            else:
+                k, v = first
+            scores = q @ k.transpose(-1, -2) / math.sqrt(DH) + blk.attn.bias(n, q, mask)
+            x = x + blk.attn.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, D))
+            x = x + blk.mlp(blk.norm2(x))
+        return self.head(self.norm(x))
+
+
 # -- the zoo --------------------------------------------------------------------------------------------------------
 def _entry(name, build, inputs=tokens, expect=("qk", "vo", "heads", "ffn", "residual")):
     return ZooEntry(name, build, inputs, frozenset(expect))
@@ -1239,6 +1268,8 @@ ZOO = [
     _entry("qk_layernorm_over_heads_grid", lm_with_attention(HeadGridNormAttention), expect=("vo", "ffn")),
     _entry("tied_autoencoder_transpose", TiedAutoencoder, tokens_only, expect=("ffn",)),
     _entry("learned_swish_slope", lambda: LM(lambda: Block(Attention(), LearnedSwish()))),
+    _entry("value_residual", lambda: SharedValueLM("value_residual")),
+    _entry("cross_layer_kv_sharing", lambda: SharedValueLM("cross_layer_kv")),
     _entry("short_conv_mixer", lambda: LM(lambda: Block(ShortConvMixer(), MLP("gelu"))), tokens_only,
            expect=("ffn", "residual")),
 ]
