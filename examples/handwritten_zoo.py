@@ -1184,6 +1184,36 @@ class SharedValueLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class InPlaceBlock(nn.Module):
+    """minGPT-style block written with in-place ops: ``x += attn(ln(x))``, scores divided and masked in place
+    (``masked_fill_`` with a causal ``tril`` buffer), ``nn.ReLU(inplace=True)``, ``h *= sigmoid(gate)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention(core="einsum")
+        self.register_buffer("tril", torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32))
+        self.up, self.gate, self.down = nn.Linear(D, FF), nn.Linear(D, FF), nn.Linear(FF, D)
+        self.act = nn.ReLU(inplace=True)
+
+    def attend(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.attn.project(x)
+        att = q @ k.transpose(-2, -1)
+        att.div_(math.sqrt(DH))
+        att.masked_fill_(self.tril[:, :, :n, :n] == 0, float("-inf"))
+        return self.attn.o((att.softmax(-1) @ v).transpose(1, 2).contiguous().view(b, n, D))
+
+    def forward(self, x, pad=None):
+        x = x.clone()
+        x += self.attend(self.ln1(x))
+        h = self.ln2(x)
+        u = self.act(self.up(h))
+        u *= torch.sigmoid(self.gate(h))
+        x += self.down(u)
+        return x
+
+
 # -- the zoo --------------------------------------------------------------------------------------------------------
 def _entry(name, build, inputs=tokens, expect=("qk", "vo", "heads", "ffn", "residual")):
     return ZooEntry(name, build, inputs, frozenset(expect))
@@ -1268,6 +1298,7 @@ ZOO = [
     _entry("qk_layernorm_over_heads_grid", lm_with_attention(HeadGridNormAttention), expect=("vo", "ffn")),
     _entry("tied_autoencoder_transpose", TiedAutoencoder, tokens_only, expect=("ffn",)),
     _entry("learned_swish_slope", lambda: LM(lambda: Block(Attention(), LearnedSwish()))),
+    _entry("mingpt_in_place_ops", lambda: LM(InPlaceBlock, norm="ln"), tokens_only),
     _entry("value_residual", lambda: SharedValueLM("value_residual")),
     _entry("cross_layer_kv_sharing", lambda: SharedValueLM("cross_layer_kv")),
     _entry("short_conv_mixer", lambda: LM(lambda: Block(ShortConvMixer(), MLP("gelu"))), tokens_only,
