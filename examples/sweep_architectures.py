@@ -94,7 +94,23 @@ VISION = ["deit", "dinov2", "dinov2_with_registers", "swin", "swinv2", "convnext
 AUDIO = ["wav2vec2", "hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", "data2vec-audio",
          "wav2vec2-conformer", "speech_to_text", "audio-spectrogram-transformer", "moonshine"]
 MULTIMODAL = ["siglip", "chinese_clip", "owlvit", "blip", "altclip", "x_clip"]
-TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL
+# Types outside the lists above that build and run as tiny models with the same shrink (every other entry of
+# transformers' CONFIG_MAPPING was tried: /work/tmp probe, this round), by the head they were built with
+WIDER_DECODERS = [
+    "afmoe", "apertus1p5_text", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "cpmant", "deepseek_v32",
+    "deepseek_v4", "dory", "emu3", "exaone_moe", "flint", "git", "glm4_moe_lite", "glm_moe_dsa", "granite_swa",
+    "granitemoe_swa", "hrm_text", "hy_v3", "hy_v4", "hyperclovax", "inkling_text", "kolibri1", "laguna",
+    "lara_mini", "lfm3", "minimax_m2", "mllama", "moshi",
+]
+WIDER_ENCODERS = ["gte", "jina_embeddings_v3", "dpr", "clip_text_model", "granite_docling_text", "molmo2_text",
+                  "muse_spark_text"]
+WIDER_SEQ2SEQ = ["encoder-decoder"]
+WIDER_VISION = ["aimv2_vision_model", "chinese_clip_vision_model", "clip_vision_model", "dpt", "idefics3_vision",
+                "internvl_vision", "mlcd_vision_model", "imagegpt", "groupvit"]
+WIDER_AUDIO = ["glmasr_encoder", "moss_transcribe_diarize_audio", "higgs_audio_v2"]
+WIDER_MULTIMODAL = ["aimv2", "bridgetower", "clipseg", "kosmos-2.5"]
+WIDER = WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
+TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 
 # Size fields and the tiny value each gets wherever a config has it.
 SHRINK = {
