@@ -1276,7 +1276,8 @@ ZOO = [
     _entry("spectral_norm_linears", lambda: Reparametrised("spectral_norm"), tokens_only, expect=("residual",)),
     _entry("perceiver_latents", Perceiver, tokens_only),
     _entry("linear_attention_elu", lm_with_attention(lambda: LinearAttention("elu")), expect=("vo", "ffn")),
-    _entry("retention_decay", lm_with_attention(lambda: LinearAttention("retention")), tokens_only),
+    _entry("retention_decay", lm_with_attention(lambda: LinearAttention("retention")), tokens_only,
+           expect=("qk", "vo", "ffn", "residual")),  # the decay rates differ per head (a buffer): heads stay
     _entry("rwkv_token_shift_mix", lambda: LM(lambda: Block(Attention(), TokenShiftMix(), norm="ln"), norm="ln"),
            tokens_only),
     _entry("squeeze_excitation_convnet", SENet, image, expect=("ffn", "residual")),

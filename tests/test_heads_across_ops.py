@@ -127,3 +127,34 @@ def test_a_block_run_twice_keeps_one_head_permutation_and_its_query_heads_within
     heads = sorted((g.size, g.copies) for g in subject.report.groups if g.motif == "heads")
     assert heads == [(2, 1), (2, 2)]  # KV groups, and query heads within each: one of each, not one per call
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Retention(nn.Module):
+    """RetNet-style retention: (q k^T * D) v with a causal decay mask D = gamma_h^(i - j), one rate per head (a
+    buffer), no softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.attn = Attention()
+        self.register_buffer("gammas", 1 - 2.0 ** (-2 - torch.arange(HEADS, dtype=torch.float)))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        n = x.shape[1]
+        a = self.attn
+        q, k, v = (a.split(p(x)) for p in (a.q, a.k, a.v))
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        decay = self.gammas.view(HEADS, 1, 1) ** (i - j).clamp_min(0) * (j <= i)
+        out = (q @ k.transpose(-1, -2) * decay) @ v
+        return self.head(x + a.o(out.transpose(1, 2).reshape(x.shape)))
+
+
+def test_per_head_decay_rates_block_head_permutations_only():
+    # the decay, data that differs from head to head, made the head labels of q k^T a mixed channel, and resolving
+    # it pinned every value and output coordinate: the per-head VO groups were lost with the head permutation
+    subject = symgraph.load(noisy(Retention()), (torch.randint(0, VOCAB, (2, 7)),))
+    motifs = {g.motif for g in subject.report.groups}
+    assert {"qk", "vo"} <= motifs and "heads" not in motifs
+    assert_fuzzed_at_two_shapes(subject)

@@ -825,7 +825,11 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     chans = []
     for c in a.chans:
         c = c.broadcast_to(out_shape)
-        if c.mixed or data_varies(coef, chan_axes(c), out_shape):
+        if c.block and not c.mixed and data_varies(coef, chan_axes(c), out_shape):
+            # data that differs per head (RetNet's decay rates) stays when the heads move: no head permutation;
+            # what each head computes from its own coordinates is unchanged
+            w.c.pin(c.ids, "multiplied by data that differs from head to head", node.name)
+        elif c.mixed or data_varies(coef, chan_axes(c), out_shape):
             c = c.scaled(coef.expand(out_shape) if coef.dim() else coef)
         chans.append(c)
     return Value(chans=chans, shape=out_shape)
