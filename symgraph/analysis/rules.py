@@ -362,6 +362,22 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     return Value(chans=chans, shape=out_shape)
 
 
+def rule_scan(w, node: fx.Node, spec) -> Value:
+    """A linear map along one axis, ``dim`` (cumulative sums over positions, as causal linear attention takes):
+    channels that do not vary along it pass, as through any map of the positions; channels that do pin."""
+    args = _schema_args(node)
+    x, out_shape = w.value(args["self"]), _shape_of(node)
+    dim = args["dim"] % len(out_shape)
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if dim in chan_axes(c):
+            _pin_chan(w, node, c, f"summed cumulatively along this axis by {node.target.__name__.split('.')[0]}")
+        else:
+            chans.append(c.broadcast_to(out_shape))
+    return Value(chans=chans, shape=out_shape)
+
+
 def rule_pad(w, node: fx.Node, spec) -> Value:
     """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
     a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
