@@ -1,6 +1,11 @@
 """Hand-written PyTorch models for examples/sweep_handwritten.py: patterns users write that no transformers model
 type may show (torch.nn's own transformer layers, einsum attention, rotary written three ways, ALiBi, sinks,
-shared layers, layer scale, GLUs with fused projections, patch stems, grouped linears, MoE written five ways).
+shared layers, layer scale, GLUs with fused projections, patch stems, grouped linears, MoE written five ways), and
+architectures as their reference code writes them (nanoGPT with a fused c_attn and a tied head, timm's ViT with
+LayerScale, minGPT with in-place ops, Perceiver latents, Conformer, a U-Net with GroupNorm, an SE net),
+reparametrised linears (weight and spectral norm), attention without softmax (linear attention, retention),
+RWKV token shift, soft-capping, recurrent layers, relative biases, cosine and gated attention, talking heads,
+projections shared between roles or layers (shared QK or KV, value residuals, cross-layer KV), nn.RMSNorm.
 
 Every entry is ``ZooEntry(name, build, inputs, expect)``: ``build()`` returns the module (parameters at their
 initial values; the sweep adds noise), ``inputs(batch, length, pad)`` its keyword inputs at one shape (float32;
