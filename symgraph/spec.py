@@ -39,7 +39,7 @@ class _Equivariant(_Frozen):
 class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
-    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "pad", "reduce", "scan", "softmax",
+    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "reduce", "scan", "softmax",
                   "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy"]
 
 

@@ -193,6 +193,8 @@ EXAMPLES = {
     "aten.native_layer_norm.default": lambda h, m: A.native_layer_norm.default(h, [D], m.v, m.v2, 1e-5)[0],
     "aten.cumsum.default": lambda h, m: A.cumsum.default(h, 1),
     "aten.rms_norm.default": lambda h, m: A.rms_norm.default(h, [D], m.v, 1e-6),
+    "aten.instance_norm.default": channels_first(lambda x, m: A.instance_norm.default(
+        x, m.v, m.v2, None, None, True, 0.1, 1e-5, False), dims=2),
     "aten.group_norm.default": channels_first(lambda x, m: A.group_norm.default(x, 2, m.v, m.v2), dims=2),
     "aten.batch_norm.default": channels_first(
         lambda x, m: A.batch_norm.default(x, m.v, m.v2, m.mean, m.var, False, 0.1, 1e-5, False)),

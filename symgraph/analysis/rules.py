@@ -938,6 +938,8 @@ def rule_group_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     args = _schema_args(node)
     x, groups = w.value(args["input"]), args["num_groups"]
     out_shape = _shape_of(node)
+    if groups == out_shape[1]:  # one channel per group: an instance norm
+        return _per_channel_norm(w, node, x, w.value(args.get("weight")), w.value(args.get("bias")), out_shape)
     grouped = (out_shape[0], groups, out_shape[1] // groups, *out_shape[2:])
     spatial = frozenset(range(2, len(out_shape)))
     chans = []
@@ -1006,15 +1008,43 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     w.c.permute_only.append(var.numpy())
     w.c.restrict(ids, monomial("sign"), "batch norm subtracts a running mean and divides by sqrt(var + eps)",
                  node.name)
+    return _with_saved_stats(node, _per_channel_affine(w, node, ids, weight, bias, out_shape))
+
+
+def rule_instance_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    """Instance norm: each channel (axis 1) of each sample centred and scaled over its own positions, then a weight
+    and a bias per channel. Channels permute and flip sign (``IN(-x) = -IN(x)``), never mix; with running
+    statistics in use (``use_input_stats`` false: eval with tracked statistics) it is an eval batch norm."""
+    args = _schema_args(node)
+    if not args.get("use_input_stats", True):
+        return rule_batch_norm(w, node, spec)
+    x, weight, bias = w.value(args["input"]), w.value(args.get("weight")), w.value(args.get("bias"))
+    return _per_channel_norm(w, node, x, weight, bias, _shape_of(node))
+
+
+def _per_channel_norm(w, node, x: Value, weight: Value | None, bias: Value | None, out_shape) -> Value:
+    """Each channel of axis 1 normalised by statistics over its own positions (instance norm; a group norm with one
+    channel per group): signed permutations of the channels, the affine part moving with them."""
+    inputs = [ids for ids in (_input_channel_ids(w, node, c) for c in x.chans) if ids is not None]
+    if len(inputs) != len(x.chans) or len(inputs) != 1:
+        for ids in inputs:
+            w.c.pin(ids, "normalised per channel together with other channels it cannot follow", node.name)
+        return _pin_operands(w, node, [weight, bias], "affine part of a per-channel norm of no single channel")
+    w.c.restrict(inputs[0], monomial("sign"), "centred and scaled over its own positions", node.name)
+    return _per_channel_affine(w, node, inputs[0], weight, bias, out_shape)
+
+
+def _per_channel_affine(w, node, ids: torch.Tensor, weight: Value | None, bias: Value | None, out_shape) -> Value:
+    """A normalised channel axis 1 (``ids``) times a weight and plus a bias per channel."""
     view = [1, -1] + [1] * (len(out_shape) - 2)
     out = Chan.clean(ids.reshape(view).expand(out_shape))
     if weight is not None:
         kernel = replace(Chan.clean(_channel_ids(weight, 0).reshape(view).expand(out_shape)), weight=True)
         w.c.permute_only.append(_ids_of(kernel))
-        out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the batch norm weight")
+        out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the norm weight")
     if bias is not None:
         w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape), node=node.name)
-    return _with_saved_stats(node, Value(chans=[out], shape=out_shape))
+    return Value(chans=[out], shape=out_shape)
 
 
 def _with_saved_stats(node: fx.Node, out: Value) -> Value | list[Value]:
