@@ -1219,6 +1219,31 @@ class InPlaceBlock(nn.Module):
         return x
 
 
+class StyleNet(nn.Module):
+    """A style-transfer net (Johnson et al.): reflection-padded convs with InstanceNorm2d, a residual block, a
+    nearest-neighbour upsample, an image out."""
+
+    def __init__(self):
+        super().__init__()
+
+        def conv(cin, cout, k, stride=1):
+            return nn.Sequential(nn.ReflectionPad2d(k // 2), nn.Conv2d(cin, cout, k, stride))
+
+        self.c1, self.n1 = conv(3, 8, 3), nn.InstanceNorm2d(8, affine=True)
+        self.c2, self.n2 = conv(8, 16, 3, 2), nn.InstanceNorm2d(16, affine=True)
+        self.r1, self.rn1 = conv(16, 16, 3), nn.InstanceNorm2d(16, affine=True)
+        self.r2, self.rn2 = conv(16, 16, 3), nn.InstanceNorm2d(16, affine=True)
+        self.c3, self.n3 = conv(16, 8, 3), nn.InstanceNorm2d(8, affine=True)
+        self.out = conv(8, 3, 3)
+
+    def forward(self, pixels):
+        x = F.relu(self.n1(self.c1(pixels)))
+        x = F.relu(self.n2(self.c2(x)))
+        x = x + self.rn2(self.r2(F.relu(self.rn1(self.r1(x)))))
+        x = F.relu(self.n3(self.c3(F.interpolate(x, scale_factor=2, mode="nearest"))))
+        return self.out(x)
+
+
 # -- the zoo --------------------------------------------------------------------------------------------------------
 def _entry(name, build, inputs=tokens, expect=("qk", "vo", "heads", "ffn", "residual")):
     return ZooEntry(name, build, inputs, frozenset(expect))
@@ -1305,6 +1330,7 @@ ZOO = [
     _entry("tied_autoencoder_transpose", TiedAutoencoder, tokens_only, expect=("ffn",)),
     _entry("learned_swish_slope", lambda: LM(lambda: Block(Attention(), LearnedSwish()))),
     _entry("mingpt_in_place_ops", lambda: LM(InPlaceBlock, norm="ln"), tokens_only),
+    _entry("instance_norm_style_net", StyleNet, image, expect=("ffn",)),
     _entry("value_residual", lambda: SharedValueLM("value_residual")),
     _entry("cross_layer_kv_sharing", lambda: SharedValueLM("cross_layer_kv")),
     _entry("short_conv_mixer", lambda: LM(lambda: Block(ShortConvMixer(), MLP("gelu"))), tokens_only,
