@@ -1,6 +1,11 @@
 """Hand-written PyTorch models for examples/sweep_handwritten.py: patterns users write that no transformers model
 type may show (torch.nn's own transformer layers, einsum attention, rotary written three ways, ALiBi, sinks,
-shared layers, layer scale, GLUs with fused projections, patch stems, grouped linears, MoE written five ways).
+shared layers, layer scale, GLUs with fused projections, patch stems, grouped linears, MoE written five ways), and
+architectures as their reference code writes them (nanoGPT with a fused c_attn and a tied head, timm's ViT with
+LayerScale, minGPT with in-place ops, Perceiver latents, Conformer, a U-Net with GroupNorm, an SE net),
+reparametrised linears (weight and spectral norm), attention without softmax (linear attention, retention),
+RWKV token shift, soft-capping, recurrent layers, relative biases, cosine and gated attention, talking heads,
+projections shared between roles or layers (shared QK or KV, value residuals, cross-layer KV), nn.RMSNorm.
 
 Every entry is ``ZooEntry(name, build, inputs, expect)``: ``build()`` returns the module (parameters at their
 initial values; the sweep adds noise), ``inputs(batch, length, pad)`` its keyword inputs at one shape (float32;
@@ -286,6 +291,10 @@ def lm(**block) -> Callable[[], nn.Module]:
 
 def lm_with(attention: dict, mlp="gelu", **block) -> Callable[[], nn.Module]:
     return lambda: LM(lambda: Block(Attention(**attention), MLP(mlp), **block), norm=block.get("norm", "rms"))
+
+
+def lm_with_attention(attention: Callable[[], nn.Module], mlp="gelu", norm="rms") -> Callable[[], nn.Module]:
+    return lambda: LM(lambda: Block(attention(), MLP(mlp), norm=norm), norm=norm)
 
 
 class Classifier(nn.Module):
@@ -604,6 +613,637 @@ def moe_lm(**moe) -> Callable[[], nn.Module]:
     return lambda: LM(lambda: MoEBlock(**moe))
 
 
+# -- more architectures: GPT and ViT as their reference code writes them, reparametrised linears, latents, linear
+# attention, token shift, convolutional nets with squeeze-excitation, skips and group norms, recurrent layers -------
+class NanoGPTBlock(nn.Module):
+    """nanoGPT's block: one fused ``c_attn`` split into q, k, v by ``split(D, dim=2)``, causal SDPA, GELU (tanh)
+    MLP named c_fc / c_proj, LayerNorms with biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.c_attn, self.c_proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.c_fc, self.mlp_proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def attn(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.c_attn(x).split(D, dim=2)
+        q, k, v = (t.view(b, n, H, DH).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, n, D))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class NanoGPT(nn.Module):
+    """Token and learned position embeddings, blocks, final LayerNorm, an ``lm_head`` whose weight *is* the token
+    embedding's (``wte.weight = lm_head.weight``: one parameter under two names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(32, D)
+        self.h = nn.ModuleList(NanoGPTBlock() for _ in range(2))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class TimmAttention(nn.Module):
+    """timm's ViT attention: ``qkv.reshape(B, N, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)``, optional per-head
+    LayerNorm on q and k (``qk_norm``), SDPA, ``proj``."""
+
+    def __init__(self, qk_norm: bool):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.q_norm = nn.LayerNorm(DH) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(DH) if qk_norm else nn.Identity()
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, H, DH).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class LayerScale(nn.Module):
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.inplace, self.gamma = inplace, nn.Parameter(torch.full((D,), 1e-1))
+
+    def forward(self, x):
+        return x.mul_(self.gamma) if self.inplace else x * self.gamma
+
+
+class TimmViT(nn.Module):
+    """timm's VisionTransformer: Conv2d patch embedding, class token, learned positions, pre-norm blocks with
+    LayerScale (``inplace``: ``x.mul_(gamma)``), GELU MLP, final norm, class-token head."""
+
+    def __init__(self, qk_norm=False, inplace=False):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, D, 4, 4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, 17, D) * 0.02)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            norm1=nn.LayerNorm(D, eps=1e-6), attn=TimmAttention(qk_norm), ls1=LayerScale(inplace),
+            norm2=nn.LayerNorm(D, eps=1e-6), mlp=nn.Sequential(nn.Linear(D, FF), nn.GELU(), nn.Linear(FF, D)),
+            ls2=LayerScale(inplace))) for _ in range(2))
+        self.norm = nn.LayerNorm(D, eps=1e-6)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, pixels):
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
+        for blk in self.blocks:
+            x = x + blk["ls1"](blk["attn"](blk["norm1"](x)))
+            x = x + blk["ls2"](blk["mlp"](blk["norm2"](x)))
+        return self.head(self.norm(x)[:, 0])
+
+
+class Reparametrised(nn.Module):
+    """An MLP language model whose linears are reparametrised by torch.nn.utils.parametrizations:
+    ``weight_norm`` (W = g v / ||v||, per output row) or ``spectral_norm`` (W / sigma, sigma from the stored
+    power-iteration vectors u, v in eval mode)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        wrap = {"weight_norm": nn.utils.parametrizations.weight_norm,
+                "spectral_norm": nn.utils.parametrizations.spectral_norm}[how]
+        self.embed = nn.Embedding(V, D)
+        self.up, self.down = wrap(nn.Linear(D, FF)), wrap(nn.Linear(FF, D))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.down(F.relu(self.up(x)))
+        return self.head(self.norm(x))
+
+
+class CrossAttention(nn.Module):
+    """Queries from one stream, keys and values from another of another width, einsum attention."""
+
+    def __init__(self, kv_width: int = D):
+        super().__init__()
+        self.q, self.o = nn.Linear(D, D), nn.Linear(D, D)
+        self.k, self.v = nn.Linear(kv_width, D), nn.Linear(kv_width, D)
+
+    def forward(self, x, memory):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, H, DH).transpose(1, 2)
+        k, v = (p(memory).view(b, memory.shape[1], H, DH).transpose(1, 2) for p in (self.k, self.v))
+        w = (torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(DH)).softmax(-1)
+        return self.o(torch.einsum("bhij,bhjd->bhid", w, v).transpose(1, 2).reshape(b, n, D))
+
+
+class Perceiver(nn.Module):
+    """Perceiver-style: 6 learned latents cross-attend to the embedded inputs (another width), then attend among
+    themselves; a classifier reads the mean latent."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, 24)
+        self.latents = nn.Parameter(torch.randn(6, D))
+        self.cross_norm, self.input_norm = nn.LayerNorm(D), nn.LayerNorm(24)
+        self.cross = CrossAttention(24)
+        self.blocks = nn.ModuleList(Block(Attention(mask="none"), MLP("gelu"), norm="ln") for _ in range(2))
+        self.norm = nn.LayerNorm(D)
+        self.classify = nn.Linear(D, CLASSES)
+
+    def forward(self, ids):
+        inputs = self.input_norm(self.embed(ids))
+        x = self.latents.expand(ids.shape[0], -1, -1)
+        x = x + self.cross(self.cross_norm(x), inputs)
+        for block in self.blocks:
+            x = block(x)
+        return self.classify(self.norm(x).mean(1))
+
+
+class LinearAttention(nn.Module):
+    """Attention without softmax. ``feature``: "elu" (Katharopoulos: phi = elu + 1 on q and k, causal through
+    cumulative sums, normalised by phi(q) . sum phi(k)); "retention" (RetNet: q k^T times a per-head decay mask
+    gamma^(i - j), no normalisation, a GroupNorm-free output)."""
+
+    def __init__(self, feature: str):
+        super().__init__()
+        self.feature = feature
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.register_buffer("gammas", 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float)))
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, H, DH).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.feature == "elu":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+            kv = torch.einsum("bhjd,bhje->bhjde", k, v).cumsum(2)  # causal running sums of k v^T
+            num = torch.einsum("bhid,bhide->bhie", q, kv)
+            den = torch.einsum("bhid,bhid->bhi", q, k.cumsum(2))[..., None]
+            out = num / den
+        else:
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+            decay = self.gammas.view(H, 1, 1) ** (i - j).clamp_min(0) * (j <= i)
+            out = (q @ k.transpose(-1, -2) / math.sqrt(DH) * decay) @ v
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class TokenShiftMix(nn.Module):
+    """RWKV-style channel mixing: each token is interpolated with the previous one per channel
+    (``x mu + shift(x) (1 - mu)``), a squared-ReLU key, a sigmoid receptance gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.mu_k, self.mu_r = nn.Parameter(torch.full((D,), 0.5)), nn.Parameter(torch.full((D,), 0.5))
+        self.key, self.value = nn.Linear(D, FF, bias=False), nn.Linear(FF, D, bias=False)
+        self.receptance = nn.Linear(D, D, bias=False)
+
+    def forward(self, x, pad=None):
+        shifted = F.pad(x, (0, 0, 1, -1))  # token t sees token t - 1 (zeros before the first)
+        xk = x * self.mu_k + shifted * (1 - self.mu_k)
+        xr = x * self.mu_r + shifted * (1 - self.mu_r)
+        return torch.sigmoid(self.receptance(xr)) * self.value(torch.relu(self.key(xk)) ** 2)
+
+
+class SEBlock(nn.Module):
+    """A residual conv block with BatchNorm and squeeze-and-excitation (global average, FC, ReLU, FC, sigmoid,
+    channel-wise product)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.fc1, self.fc2 = nn.Conv2d(channels, channels // 4, 1), nn.Conv2d(channels // 4, channels, 1)
+
+    def forward(self, x):
+        h = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        s = torch.sigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(h, 1)))))
+        return F.relu(x + h * s)
+
+
+class SENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.blocks = nn.Sequential(SEBlock(16), SEBlock(16))
+        self.classify = nn.Linear(16, CLASSES)
+
+    def forward(self, pixels):
+        x = self.blocks(F.relu(self.bn(self.stem(pixels))))
+        return self.classify(x.mean((2, 3)))
+
+
+class UNet(nn.Module):
+    """A two-level U-Net: conv blocks with GroupNorm and SiLU, max-pool down, ConvTranspose2d up, the skip
+    concatenated on the channel axis, a 1x1 conv out (a per-pixel map)."""
+
+    def __init__(self):
+        super().__init__()
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+
+        self.down1, self.down2 = block(3, 8), block(8, 16)
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.dec = block(16, 8)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, pixels):
+        s = self.down1(pixels)
+        x = self.down2(F.max_pool2d(s, 2))
+        return self.out(self.dec(torch.cat((self.up(x), s), 1)))
+
+
+class TiedSeq2Seq(nn.Module):
+    """An encoder-decoder with one embedding for source, target and output, scaled by sqrt(d) on the way in
+    (Vaswani et al.); post-LN blocks, decoder cross-attention, final projection with the embedding matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.pos = nn.Embedding(32, D)
+        self.enc = nn.ModuleList(nn.ModuleDict(dict(attn=Attention(mask="none"), n1=nn.LayerNorm(D), mlp=MLP("relu"),
+                                                    n2=nn.LayerNorm(D))) for _ in range(2))
+        self.dec = nn.ModuleList(nn.ModuleDict(dict(attn=Attention(), n1=nn.LayerNorm(D), cross=CrossAttention(),
+                                                    n2=nn.LayerNorm(D), mlp=MLP("relu"), n3=nn.LayerNorm(D)))
+                                 for _ in range(2))
+
+    def embedded(self, ids):
+        return self.embed(ids) * math.sqrt(D) + self.pos(torch.arange(ids.shape[1]))
+
+    def forward(self, ids):
+        memory = self.embedded(ids.flip(1))
+        for layer in self.enc:
+            memory = layer["n1"](memory + layer["attn"](memory))
+            memory = layer["n2"](memory + layer["mlp"](memory))
+        x = self.embedded(ids)
+        for layer in self.dec:
+            x = layer["n1"](x + layer["attn"](x))
+            x = layer["n2"](x + layer["cross"](x, memory))
+            x = layer["n3"](x + layer["mlp"](x))
+        return F.linear(x, self.embed.weight)
+
+
+class SoftcapAttention(Attention):
+    """Einsum attention whose logits are soft-capped (``c tanh(s / c)``, Gemma 2) before the causal mask."""
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(DH)
+        scores = 30.0 * torch.tanh(scores / 30.0) + self.bias(n, x, pad)
+        out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class SoftcapLM(LM):
+    """Soft-capped attention logits and soft-capped output logits."""
+
+    def __init__(self):
+        super().__init__(lambda: Block(SoftcapAttention(rotary="half"), MLP("swiglu")))
+
+    def forward(self, ids, mask=None):
+        return 10.0 * torch.tanh(super().forward(ids, mask) / 10.0)
+
+
+class Recurrent(nn.Module):
+    """nn.GRU or nn.LSTM (batch first, two layers) between an embedding and a head."""
+
+    def __init__(self, cell: str):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.rnn = {"gru": nn.GRU, "lstm": nn.LSTM}[cell](D, D, num_layers=2, batch_first=True)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+class RelativeBiasAttention(Attention):
+    """Einsum attention plus a learned bias per head and relative distance (a (2 * 16 - 1, heads) table indexed
+    by the clamped distance j - i, Swin/T5 style without buckets), causal mask."""
+
+    def __init__(self):
+        super().__init__(core="einsum")
+        self.table = nn.Parameter(torch.randn(31, H) * 0.1)
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        rel = (torch.arange(n)[None] - torch.arange(n)[:, None]).clamp(-15, 15) + 15
+        bias = self.table[rel].permute(2, 0, 1)  # (heads, n, n)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(DH) + bias + self.bias(n, x, pad)
+        out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class CosineAttention(Attention):
+    """Swin-v2 attention: queries and keys L2-normalised per head, a learned log-scale per head
+    (``exp(min(s, log 100))``) multiplies the cosine logits."""
+
+    def __init__(self):
+        super().__init__(core="einsum", mask="none")
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(H, 1, 1)))
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        cos = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        scores = cos * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        out = scores.softmax(-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class GatedAttention(Attention):
+    """SDPA whose per-head output is multiplied by a sigmoid gate from the block input (Qwen3-Next style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, D)
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, D)
+        return self.o(out * torch.sigmoid(self.gate(x)))
+
+
+class RepeatKVAttention(Attention):
+    """GQA through Hugging Face's ``repeat_kv`` (``expand`` of a new axis, then ``reshape``), einsum core."""
+
+    def __init__(self):
+        super().__init__(kv_heads=2, core="einsum", rotary="half")
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        rep = H // self.kv_heads
+        k, v = (t[:, :, None].expand(b, self.kv_heads, rep, n, DH).reshape(b, H, n, DH) for t in (k, v))
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(DH) + self.bias(n, x, pad)
+        out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class ConformerConv(nn.Module):
+    """Conformer's convolution module: pointwise conv to 2D, GLU, depthwise conv, BatchNorm, SiLU, pointwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.pw1 = nn.Conv1d(D, 2 * D, 1)
+        self.dw = nn.Conv1d(D, D, 5, padding=2, groups=D)
+        self.bn = nn.BatchNorm1d(D)
+        self.pw2 = nn.Conv1d(D, D, 1)
+
+    def forward(self, x):
+        h = F.glu(self.pw1(self.norm(x).transpose(1, 2)), dim=1)
+        return self.pw2(F.silu(self.bn(self.dw(h)))).transpose(1, 2)
+
+
+class Conformer(nn.Module):
+    """Conformer blocks: half-step (macaron) FFNs around self-attention and the depthwise conv module, a final
+    LayerNorm per block; a Conv1d stem over audio, mean pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv1d(1, D, 4, 4)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ff1=nn.Sequential(nn.LayerNorm(D), nn.Linear(D, FF), nn.SiLU(), nn.Linear(FF, D)),
+            attn_norm=nn.LayerNorm(D), attn=Attention(mask="none"), conv=ConformerConv(),
+            ff2=nn.Sequential(nn.LayerNorm(D), nn.Linear(D, FF), nn.SiLU(), nn.Linear(FF, D)),
+            out=nn.LayerNorm(D))) for _ in range(2))
+        self.classify = nn.Linear(D, CLASSES)
+
+    def forward(self, wave):
+        x = self.stem(wave).transpose(1, 2)
+        for blk in self.blocks:
+            x = x + 0.5 * blk["ff1"](x)
+            x = x + blk["attn"](blk["attn_norm"](x))
+            x = x + blk["conv"](x)
+            x = blk["out"](x + 0.5 * blk["ff2"](x))
+        return self.classify(x.mean(1))
+
+
+class TorchRMSNormLM(LM):
+    """A LLaMA-like model with torch's own ``nn.RMSNorm`` (one ``aten.rms_norm`` node) everywhere."""
+
+    def __init__(self):
+        super().__init__(lambda: Block(Attention(rotary="half", bias=False), MLP("swiglu")))
+        for module in [self] + list(self.blocks):
+            for name in ("norm", "norm1", "norm2"):
+                if isinstance(getattr(module, name, None), nn.Module):
+                    setattr(module, name, nn.RMSNorm(D, eps=1e-6))
+
+
+class SharedProjectionAttention(Attention):
+    """Einsum attention with one projection serving two roles: ``shared="qk"`` (Reformer: keys are the queries),
+    ``shared="kv"`` (values are the keys)."""
+
+    def __init__(self, shared: str):
+        super().__init__(core="einsum")
+        self.shared = shared
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        if self.shared == "qk":
+            k = q
+        else:
+            v = k
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(DH) + self.bias(n, x, pad)
+        out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class TalkingHeadsAttention(Attention):
+    """Talking-heads attention (Shazeer et al.): learned head-mixing matrices before and after the softmax, a
+    per-head temperature dividing the logits, and an output projection stored as a (heads, head dim, width)
+    tensor contracted by einsum."""
+
+    def __init__(self):
+        super().__init__(core="einsum")
+        self.pre, self.post = nn.Parameter(torch.eye(H) + 0.1), nn.Parameter(torch.eye(H) + 0.1)
+        self.temperature = nn.Parameter(torch.ones(H))
+        self.o_heads = nn.Parameter(torch.randn(H, DH, D) / math.sqrt(D))
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) / self.temperature.view(1, H, 1, 1)
+        scores = torch.einsum("bhij,hg->bgij", scores, self.pre) + self.bias(n, x, pad)
+        weights = torch.einsum("bhij,hg->bgij", scores.softmax(-1), self.post)
+        return torch.einsum("bhid,hde->bie", torch.einsum("bhij,bhjd->bhid", weights, v), self.o_heads)
+
+
+class CachedRotaryAttention(Attention):
+    """GPT-NeoX-style rotary from cos/sin tables cached as buffers (32 positions) and sliced to the length;
+    causal SDPA with an explicit scale."""
+
+    def __init__(self):
+        super().__init__(bias=False)
+        a = angles(32, DH, torch.ones(1)).repeat(1, 2)
+        self.register_buffer("cos_cached", a.cos())
+        self.register_buffer("sin_cached", a.sin())
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q, k, v = self.project(x)
+        cos, sin = self.cos_cached[:n], self.sin_cached[:n]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class HeadGridNormAttention(Attention):
+    """Queries and keys layer-normed over (heads, head dim) together after the head split, then SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm, self.k_norm = nn.LayerNorm((H, DH)), nn.LayerNorm((H, DH))
+
+    def forward(self, x, pad=None):
+        b, n, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, n, H, DH)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, n, H, DH)).transpose(1, 2)
+        v = self.v(x).view(b, n, H, DH).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, D))
+
+
+class TiedAutoencoder(nn.Module):
+    """A tied-weight autoencoder on embeddings: encode with W, a ReLU, decode with W transposed, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.w = nn.Parameter(torch.randn(FF, D) / math.sqrt(D))
+        self.b = nn.Parameter(torch.zeros(FF))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        h = F.relu(F.linear(x, self.w, self.b))
+        return self.head(x + h @ self.w)
+
+
+class LearnedSwish(nn.Module):
+    """An MLP whose activation is swish with a learned slope per hidden unit: h * sigmoid(beta * h)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.beta = nn.Parameter(torch.ones(FF))
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(h * torch.sigmoid(self.beta * h))
+
+
+class ShortConvMixer(nn.Module):
+    """Hyena/Mamba-style short causal depthwise conv over time with a SiLU gate, in place of attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(D, 2 * D)
+        self.conv = nn.Conv1d(D, D, 4, groups=D, padding=3)
+        self.out_proj = nn.Linear(D, D)
+
+    def forward(self, x, pad=None):
+        u, gate = self.in_proj(x).chunk(2, -1)
+        u = self.conv(u.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        return self.out_proj(F.silu(u) * torch.sigmoid(gate))
+
+
+class SharedValueLM(nn.Module):
+    """Values shared across layers: ``mode="value_residual"`` (ResFormer: every later layer's values averaged with
+    the first layer's) or ``mode="cross_layer_kv"`` (later layers attend to the first layer's keys and values)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block(Attention(core="einsum"), MLP("gelu")) for _ in range(3))
+        self.norm, self.head = RMSNormByHand(), nn.Linear(D, V)
+
+    def forward(self, ids, mask=None):
+        x = self.embed(ids)
+        b, n, _ = x.shape
+        first = None
+        for blk in self.blocks:
+            q, k, v = blk.attn.project(blk.norm1(x))
+            if first is None:
+                first = (k, v)
+            elif self.mode == "value_residual":
+                v = 0.5 * (v + first[1])
+            else:
+                k, v = first
+            scores = q @ k.transpose(-1, -2) / math.sqrt(DH) + blk.attn.bias(n, q, mask)
+            x = x + blk.attn.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, D))
+            x = x + blk.mlp(blk.norm2(x))
+        return self.head(self.norm(x))
+
+
+class InPlaceBlock(nn.Module):
+    """minGPT-style block written with in-place ops: ``x += attn(ln(x))``, scores divided and masked in place
+    (``masked_fill_`` with a causal ``tril`` buffer), ``nn.ReLU(inplace=True)``, ``h *= sigmoid(gate)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention(core="einsum")
+        self.register_buffer("tril", torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32))
+        self.up, self.gate, self.down = nn.Linear(D, FF), nn.Linear(D, FF), nn.Linear(FF, D)
+        self.act = nn.ReLU(inplace=True)
+
+    def attend(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.attn.project(x)
+        att = q @ k.transpose(-2, -1)
+        att.div_(math.sqrt(DH))
+        att.masked_fill_(self.tril[:, :, :n, :n] == 0, float("-inf"))
+        return self.attn.o((att.softmax(-1) @ v).transpose(1, 2).contiguous().view(b, n, D))
+
+    def forward(self, x, pad=None):
+        x = x.clone()
+        x += self.attend(self.ln1(x))
+        h = self.ln2(x)
+        u = self.act(self.up(h))
+        u *= torch.sigmoid(self.gate(h))
+        x += self.down(u)
+        return x
+
+
+class StyleNet(nn.Module):
+    """A style-transfer net (Johnson et al.): reflection-padded convs with InstanceNorm2d, a residual block, a
+    nearest-neighbour upsample, an image out."""
+
+    def __init__(self):
+        super().__init__()
+
+        def conv(cin, cout, k, stride=1):
+            return nn.Sequential(nn.ReflectionPad2d(k // 2), nn.Conv2d(cin, cout, k, stride))
+
+        self.c1, self.n1 = conv(3, 8, 3), nn.InstanceNorm2d(8, affine=True)
+        self.c2, self.n2 = conv(8, 16, 3, 2), nn.InstanceNorm2d(16, affine=True)
+        self.r1, self.rn1 = conv(16, 16, 3), nn.InstanceNorm2d(16, affine=True)
+        self.r2, self.rn2 = conv(16, 16, 3), nn.InstanceNorm2d(16, affine=True)
+        self.c3, self.n3 = conv(16, 8, 3), nn.InstanceNorm2d(8, affine=True)
+        self.out = conv(8, 3, 3)
+
+    def forward(self, pixels):
+        x = F.relu(self.n1(self.c1(pixels)))
+        x = F.relu(self.n2(self.c2(x)))
+        x = x + self.rn2(self.r2(F.relu(self.rn1(self.r1(x)))))
+        x = F.relu(self.n3(self.c3(F.interpolate(x, scale_factor=2, mode="nearest"))))
+        return self.out(x)
+
+
 # -- the zoo --------------------------------------------------------------------------------------------------------
 def _entry(name, build, inputs=tokens, expect=("qk", "vo", "heads", "ffn", "residual")):
     return ZooEntry(name, build, inputs, frozenset(expect))
@@ -658,5 +1298,42 @@ ZOO = [
            expect=ATTN + ("experts", "ffn", "residual")),
     _entry("moe_soft_bmm", moe_lm(form="bmm"), tokens_only, expect=ATTN + ("experts", "ffn", "residual")),
     _entry("moe_expert_choice", moe_lm(form="choice"), tokens_only, expect=ATTN + ("experts", "ffn", "residual")),
+    _entry("nanogpt_fused_c_attn_tied_head", NanoGPT, tokens_only),
+    _entry("timm_vit_layerscale", TimmViT, fixed_image),
+    _entry("timm_vit_qk_norm_inplace_layerscale", lambda: TimmViT(qk_norm=True, inplace=True), fixed_image,
+           expect=("heads", "vo", "ffn", "residual")),
+    _entry("weight_norm_linears", lambda: Reparametrised("weight_norm"), tokens_only, expect=("ffn", "residual")),
+    _entry("spectral_norm_linears", lambda: Reparametrised("spectral_norm"), tokens_only, expect=("residual",)),
+    _entry("perceiver_latents", Perceiver, tokens_only),
+    _entry("linear_attention_elu", lm_with_attention(lambda: LinearAttention("elu")), expect=("vo", "ffn")),
+    _entry("retention_decay", lm_with_attention(lambda: LinearAttention("retention")), tokens_only,
+           expect=("qk", "vo", "ffn", "residual")),  # the decay rates differ per head (a buffer): heads stay
+    _entry("rwkv_token_shift_mix", lambda: LM(lambda: Block(Attention(), TokenShiftMix(), norm="ln"), norm="ln"),
+           tokens_only),
+    _entry("squeeze_excitation_convnet", SENet, image, expect=("ffn", "residual")),
+    _entry("unet_skip_concat_groupnorm", UNet, image, expect=("ffn",)),
+    _entry("seq2seq_tied_scaled_embeddings", TiedSeq2Seq, tokens_only),
+    _entry("logit_softcap", SoftcapLM),
+    _entry("gru", lambda: Recurrent("gru"), tokens_only, expect=()),
+    _entry("lstm", lambda: Recurrent("lstm"), tokens_only, expect=()),
+    _entry("relative_bias_per_head", lm_with_attention(RelativeBiasAttention)),
+    _entry("cosine_attention_logit_scale", lm_with_attention(CosineAttention, norm="ln")),
+    _entry("gated_attention_output", lm_with_attention(GatedAttention)),
+    _entry("gqa_repeat_kv_expand", lm_with_attention(RepeatKVAttention, mlp="swiglu")),
+    _entry("conformer_conv_module", Conformer, audio),
+    _entry("torch_rmsnorm", TorchRMSNormLM),
+    _entry("shared_qk_projection", lm_with_attention(lambda: SharedProjectionAttention("qk"))),
+    _entry("shared_kv_projection", lm_with_attention(lambda: SharedProjectionAttention("kv"))),
+    _entry("talking_heads_temperature", lm_with_attention(TalkingHeadsAttention), expect=("qk", "vo", "ffn")),
+    _entry("rotary_cached_buffers", lm_with_attention(CachedRotaryAttention, mlp="swiglu")),
+    _entry("qk_layernorm_over_heads_grid", lm_with_attention(HeadGridNormAttention), expect=("vo", "ffn")),
+    _entry("tied_autoencoder_transpose", TiedAutoencoder, tokens_only, expect=("ffn",)),
+    _entry("learned_swish_slope", lambda: LM(lambda: Block(Attention(), LearnedSwish()))),
+    _entry("mingpt_in_place_ops", lambda: LM(InPlaceBlock, norm="ln"), tokens_only),
+    _entry("instance_norm_style_net", StyleNet, image, expect=("ffn",)),
+    _entry("value_residual", lambda: SharedValueLM("value_residual")),
+    _entry("cross_layer_kv_sharing", lambda: SharedValueLM("cross_layer_kv")),
+    _entry("short_conv_mixer", lambda: LM(lambda: Block(ShortConvMixer(), MLP("gelu"))), tokens_only,
+           expect=("ffn", "residual")),
 ]
 BY_NAME = {e.name: e for e in ZOO}

@@ -79,15 +79,16 @@ def run_isolated(name: str, timeout: float) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    from sweep_architectures import DRAWS, SHAPES, TOLERANCE
+    from sweep_architectures import SHAPES, checker_settings, largest_errors
 
     rows = sorted({r["model"]: r for r in rows}.values(), key=lambda r: r["model"])
     return {
-        "tolerance": TOLERANCE, "draws_per_group": DRAWS, "traced_shape": "x".join(map(str, TRACED)),
+        **checker_settings(), "traced_shape": "x".join(map(str, TRACED)),
         "checked_shapes": [f"{b}x{n}{' padded' if p else ''}" for b, n, p in SHAPES],
         "models": len(rows), "counts": dict(Counter(r["class"] for r in rows)),
         "sound_with_every_expected_motif": sum(r["class"] == "sound" and not r.get("missing") for r in rows),
         "unsound_groups": sum(len(r.get("bad_groups", [])) for r in rows),
+        **largest_errors(rows, "model"),
         "table": {r["model"]: {"class": r["class"], "groups": r.get("groups", {}), "missing": r.get("missing", []),
                                "max_error": r.get("max_error"), **{k: r[k] for k in ("reason", "bad_groups", "where")
                                                                     if k in r}} for r in rows},

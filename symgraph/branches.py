@@ -38,18 +38,30 @@ __all__ = ["check_traced_paths", "parameters_used"]
 log = logging.getLogger(__name__)
 
 
+# Tensor methods and properties that read a tensor's metadata, never its values: a parameter reaching only these is
+# not used (Hugging Face's ``model.dtype`` asks the first parameter ``is_floating_point()`` on every call)
+_METADATA = frozenset(
+    [getattr(torch.Tensor, name) for name in (
+        "is_floating_point", "is_complex", "dim", "ndimension", "size", "numel", "nelement", "element_size",
+        "is_contiguous", "get_device", "stride", "storage_offset", "__len__")]
+    + [getattr(torch.Tensor, name).__get__ for name in (
+        "dtype", "device", "shape", "ndim", "layout", "is_cuda", "is_meta", "requires_grad", "is_leaf", "itemsize",
+        "nbytes")])
+
+
 class _ParameterUse(TorchFunctionMode):
-    """Records the parameters that reach any torch function (F.linear, tensor methods, ...)."""
+    """Records the parameters that reach any torch function (F.linear, tensor methods, ...) but a metadata query."""
 
     def __init__(self, names: dict[int, frozenset[str]]):
         super().__init__()
         self.names, self.used = names, set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        for leaf in tree_flatten((args, kwargs or {}))[0]:
-            names = self.names.get(id(leaf))
-            if names is not None:
-                self.used.add(names)
+        if func not in _METADATA:
+            for leaf in tree_flatten((args, kwargs or {}))[0]:
+                names = self.names.get(id(leaf))
+                if names is not None:
+                    self.used.add(names)
         return func(*args, **(kwargs or {}))
 
 

@@ -80,3 +80,28 @@ def test_a_torch_decoder_mask_without_is_causal_gets_a_hint_that_works():
         symgraph.analyze(TorchDecoder(say_causal=False).eval(), inputs=(x,))
     report = symgraph.analyze(TorchDecoder(say_causal=True).eval(), inputs=(x,))
     assert {"qk", "vo", "ffn"} <= {g.motif for g in report.groups}
+
+
+class AsksItsFirstParameter(torch.nn.Module):
+    """A parameter only a branch the inputs never take reads (XLNet's ``mask_emb``), registered first, so that the
+    dtype query Hugging Face models make on every call (``model.dtype``: the first floating parameter's) touches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask_emb = torch.nn.Parameter(torch.randn(WIDTH))
+        self.up, self.down = torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x, target=None):
+        first = next(self.parameters())
+        x = x.to(first.dtype if first.is_floating_point() and first.dim() == 1 else torch.float32)
+        if target is not None:
+            x = x + self.mask_emb
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_parameter_whose_metadata_alone_is_read_is_not_a_branch():
+    # XLNet was refused ("At input shape 1x17 the model uses transformer.mask_emb, which the graph traced at 2x7
+    # never reads"): is_floating_point() and .dtype counted as uses, at the probe shapes and not in the trace
+    report = symgraph.analyze(AsksItsFirstParameter(), inputs=(torch.randn(2, 7, WIDTH),))
+    assert [g.kind for g in report.groups if g.motif == "ffn"] == ["permutation"]
+    assert "mask_emb" in " ".join(p for s in report.pinned for p in s.params)

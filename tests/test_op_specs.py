@@ -177,6 +177,7 @@ EXAMPLES = {
     "aten.add_.Tensor": lambda h, m: A.add_.Tensor(h.clone(), m.v2),
     "aten.add.Scalar": lambda h, m: A.add.Scalar(h, 1.0),
     "aten.sub.Tensor": lambda h, m: A.sub.Tensor(h, m.v2),
+    "aten.sub_.Tensor": lambda h, m: A.sub_.Tensor(h.clone(), torch.full((D,), 0.5)),
     "aten.sub.Scalar": lambda h, m: A.sub.Scalar(h, 1.0),
     "aten.rsub.Scalar": lambda h, m: A.rsub.Scalar(h, 1.0),
     "aten.mul.Tensor": lambda h, m: A.mul.Tensor(h, m.v),
@@ -190,6 +191,11 @@ EXAMPLES = {
     # normalisation, reductions, softmax
     "aten.layer_norm.default": lambda h, m: A.layer_norm.default(h, [D], m.v, m.v2),
     "aten.native_layer_norm.default": lambda h, m: A.native_layer_norm.default(h, [D], m.v, m.v2, 1e-5)[0],
+    "aten.cumsum.default": lambda h, m: A.cumsum.default(h, 1),
+    "aten.rms_norm.default": lambda h, m: A.rms_norm.default(h, [D], m.v, 1e-6),
+    "aten.instance_norm.default": channels_first(lambda x, m: A.instance_norm.default(
+        x, m.v, m.v2, None, None, True, 0.1, 1e-5, False), dims=2),
+    "aten.group_norm.default": channels_first(lambda x, m: A.group_norm.default(x, 2, m.v, m.v2), dims=2),
     "aten.batch_norm.default": channels_first(
         lambda x, m: A.batch_norm.default(x, m.v, m.v2, m.mean, m.var, False, 0.1, 1e-5, False)),
     "aten._native_batch_norm_legit_no_training.default": channels_first(
@@ -232,6 +238,7 @@ EXAMPLES = {
     "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),
     "aten.where.ScalarSelf": lambda h, m: A.where.ScalarSelf(_rows_mask(h), 0.0, h),
     "aten.masked_fill.Scalar": lambda h, m: A.masked_fill.Scalar(h, _rows_mask(h), 0.0),
+    "aten.masked_fill_.Scalar": lambda h, m: A.masked_fill_.Scalar(h.clone(), _rows_mask(h), 0.0),
     "aten.bitwise_not.default": lambda h, m: A.masked_fill.Scalar(h, A.bitwise_not.default(_rows_mask(h)), 0.0),
     "aten.logical_not.default": lambda h, m: A.masked_fill.Scalar(h, A.logical_not.default(_rows_mask(h)), 0.0),
     "aten.scatter.src": _scattered(lambda zeros, index, top: A.scatter.src(zeros, -1, index, top)),

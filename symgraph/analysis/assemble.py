@@ -365,16 +365,31 @@ class Assembler:
         for h in content:  # parameters tied to the heads themselves (T5 relative-bias columns)
             content[h].update(int(i) for i in self.ids_of(h))
         sharing = self._attach_shared_factors(content, shared, factor_of)
+        same = _first_with_same_content(content)  # one block run twice: its heads read the same rows each time
+        pinned = {same[h] for h in content if cls_pinned[h]}
+        sharing = [{same[h] for h in s} for s in sharing]
         groups = []
-        for heads in union_sets(ops):
-            heads = sorted(heads)
+        parts = union_sets([{same[h] for h in op} for op in ops])  # one op's heads, or ops sharing head classes
+        for joint in union_sets(self._with_content_classes(parts, content)):
+            heads = sorted(h for h in joint if not isinstance(h, tuple))
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
-            if len(heads) < 2 or cls_pinned[heads].any() or cls_pinned[self.cls[ids]].any():
+            if len(heads) < 2 or pinned & set(heads) or cls_pinned[self.cls[ids]].any():
                 continue
             if any(s & set(heads) and not s >= set(heads) for s in sharing):
                 continue  # a factor shared by some of these heads only would have to stay and move at once
-            groups.extend(self._head_permutations(heads, content))
+            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint]))
         return groups
+
+    def _with_content_classes(self, parts: list[set[int]], content) -> list[set]:
+        """Each part's heads with the coordinate classes they use (as ``("class", c)``): parts that share a class
+        are permuted together. A class two attention ops read (the first layer's values added to every later
+        layer's; keys and values one layer computes and another attends to) moves with the heads of both, so the
+        heads of one may not be permuted without the other's."""
+        linked = []
+        for heads in parts:
+            ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
+            linked.append(set(heads) | {("class", int(c)) for c in np.unique(self.cls[ids])})
+        return linked
 
     def _product_factor_components(self):
         """Map ids to every id that moves with them when a head moves.
@@ -433,13 +448,17 @@ class Assembler:
                     sharing.append(heads)
         return sharing
 
-    def _head_permutations(self, heads: list[int], content) -> list[Group]:
+    def _head_permutations(self, heads: list[int], content, parts: list[set[int]]) -> list[Group]:
+        """The permutations of ``heads`` (of several ``parts`` that share coordinates: each part's heads correspond
+        to the others' through the rows they share, and one permutation moves them all; no within-group one)."""
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
                      for g in union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
         kv_groups = sorted((g for g in kv_groups if g), key=lambda g: g[0])
         if len({len(g) for g in kv_groups}) != 1:
             return []
-        rep = len(kv_groups[0])
+        if len(parts) > 1 and len({tuple(len(p.intersection(g)) for p in parts) for g in kv_groups}) != 1:
+            return []  # the parts' heads do not correspond one group to one group
+        rep = len(kv_groups[0]) if len(parts) == 1 else 1
         motif = self.motif_for("heads", np.asarray(heads))
         groups = []
         blocks = self._whole_classes([set().union(*(content[h] for h in g)) for g in kv_groups])
@@ -576,6 +595,12 @@ def _row_partition(cls_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     graph = coo_matrix((np.ones(r.size, np.int8), (r, local.reshape(-1))), shape=(len(classes),) * 2)
     _, part = connected_components(graph, directed=False)
     return classes, part.astype(np.int64)
+
+
+def _first_with_same_content(content: dict[int, set[int]]) -> dict[int, int]:
+    """Each head mapped to the first head whose rows are the same (itself when none is)."""
+    first: dict[frozenset, int] = {}
+    return {h: first.setdefault(frozenset(content[h]), h) for h in sorted(content)}
 
 
 def _kind_of(r: Restriction) -> tuple[str, str | None, bool]:

@@ -420,6 +420,22 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     return Value(chans=chans, shape=out_shape)
 
 
+def rule_scan(w, node: fx.Node, spec) -> Value:
+    """A linear map along one axis, ``dim`` (cumulative sums over positions, as causal linear attention takes):
+    channels that do not vary along it pass, as through any map of the positions; channels that do pin."""
+    args = _schema_args(node)
+    x, out_shape = w.value(args["self"]), _shape_of(node)
+    dim = args["dim"] % len(out_shape)
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if dim in chan_axes(c):
+            _pin_chan(w, node, c, f"summed cumulatively along this axis by {node.target.__name__.split('.')[0]}")
+        else:
+            chans.append(c.broadcast_to(out_shape))
+    return Value(chans=chans, shape=out_shape)
+
+
 def rule_pad(w, node: fx.Node, spec) -> Value:
     """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
     a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
@@ -888,7 +904,11 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     chans = []
     for c in a.chans:
         c = c.broadcast_to(out_shape)
-        if c.mixed or data_varies(coef, chan_axes(c), out_shape):
+        if c.block and not c.mixed and data_varies(coef, chan_axes(c), out_shape):
+            # data that differs per head (RetNet's decay rates) stays when the heads move: no head permutation;
+            # what each head computes from its own coordinates is unchanged
+            w.c.pin(c.ids, "multiplied by data that differs from head to head", node.name)
+        elif c.mixed or data_varies(coef, chan_axes(c), out_shape):
             c = c.scaled(coef.expand(out_shape) if coef.dim() else coef)
         chans.append(c)
     return Value(chans=chans, shape=out_shape)
@@ -959,7 +979,7 @@ def _ids_of(chan: Chan):
 def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     args = _schema_args(node)
     x, normalized = w.value(args["input"]), list(args["normalized_shape"])
-    weight, bias = w.value(args["weight"]), w.value(args["bias"])
+    weight, bias = w.value(args["weight"]), w.value(args.get("bias"))  # rms_norm has no bias
     out_shape = _shape_of(node, 0 if isinstance(node.meta.get("val"), (list, tuple)) else None)  # native: 3 outputs
     rank = len(out_shape)
     norm_axes = frozenset(range(rank - len(normalized), rank))
@@ -968,15 +988,54 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         c = w.resolve(c, node.name)
         axes = chan_axes(c)
         if axes & norm_axes and not c.block:
-            _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=True))
+            _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=spec.centres))
         chans.append(c)
-    if not chans and weight is not None:  # normalising data: the affine part may not be transformed
+    return _with_saved_stats(node, _affine_output(w, node, chans, weight, bias, norm_axes, out_shape))
+
+
+def rule_group_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    """``group_norm(x, G, weight, bias)`` over channel axis 1: the channels split into G consecutive groups, each
+    centred and scaled over its channels and every position; then a weight and a bias per channel. Within a group
+    the channels pass what a LayerNorm over them passes (orthogonal maps fixing the ones vector); groups do not
+    mix."""
+    args = _schema_args(node)
+    x, groups = w.value(args["input"]), args["num_groups"]
+    out_shape = _shape_of(node)
+    if groups == out_shape[1]:  # one channel per group: an instance norm
+        return _per_channel_norm(w, node, x, w.value(args.get("weight")), w.value(args.get("bias")), out_shape)
+    grouped = (out_shape[0], groups, out_shape[1] // groups, *out_shape[2:])
+    spatial = frozenset(range(2, len(out_shape)))
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        axes = chan_axes(c)
+        if axes & (spatial | {1}) and not c.block:  # normalised over the group's channels and the positions
+            normalised = frozenset({2} | {a + 1 for a in axes & spatial})
+            _normalise(w, node, c.map(lambda t: t.reshape(grouped)), normalised,
+                       Restriction(orthogonal=True, fixes_ones=True))
+        chans.append(c)
+    view = [1, -1] + [1] * (len(out_shape) - 2)
+    weight, bias = (_on_channel_axis(w.value(args.get(k)), view) for k in ("weight", "bias"))
+    return _affine_output(w, node, chans, weight, bias, spatial | {1}, out_shape)
+
+
+def _on_channel_axis(param: Value | None, view: list[int]) -> Value | None:
+    """A per-channel vector parameter laid along axis 1 (``view``: its shape for broadcasting there)."""
+    if param is None:
+        return None
+    return Value(chans=[c.map(lambda t: t.reshape(view)) for c in param.chans])
+
+
+def _affine_output(w, node, chans: list[Chan], weight: Value | None, bias: Value | None, norm_axes,
+                   out_shape) -> Value:
+    """A normalisation's output: the normalised input ``chans`` times the affine ``weight``, plus ``bias``.
+    Normalising data (no channel in), the affine part may not be transformed."""
+    if not chans and weight is not None:
         for p in (weight, bias):
             if p is not None:
                 for c in p.chans:
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
-        chans = [c.broadcast_to(out_shape) for c in weight.chans]
-        return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
+        return Value(chans=[c.broadcast_to(out_shape) for c in weight.chans], shape=out_shape)
     chans = [c.broadcast_to(out_shape) for c in chans]
     if weight is not None and _holds_unit(w, node, weight.chans):
         weight = None
@@ -984,7 +1043,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)
     if bias is not None:
         chans = _affine_part(w, node, chans, bias, norm_axes, out_shape, scale=False)
-    return _with_saved_stats(node, Value(chans=chans, shape=out_shape))
+    return Value(chans=chans, shape=out_shape)
 
 
 def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
@@ -1012,15 +1071,43 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     w.c.permute_only.append(var.numpy())
     w.c.restrict(ids, monomial("sign"), "batch norm subtracts a running mean and divides by sqrt(var + eps)",
                  node.name)
+    return _with_saved_stats(node, _per_channel_affine(w, node, ids, weight, bias, out_shape))
+
+
+def rule_instance_norm(w, node: fx.Node, spec) -> Value | list[Value]:
+    """Instance norm: each channel (axis 1) of each sample centred and scaled over its own positions, then a weight
+    and a bias per channel. Channels permute and flip sign (``IN(-x) = -IN(x)``), never mix; with running
+    statistics in use (``use_input_stats`` false: eval with tracked statistics) it is an eval batch norm."""
+    args = _schema_args(node)
+    if not args.get("use_input_stats", True):
+        return rule_batch_norm(w, node, spec)
+    x, weight, bias = w.value(args["input"]), w.value(args.get("weight")), w.value(args.get("bias"))
+    return _per_channel_norm(w, node, x, weight, bias, _shape_of(node))
+
+
+def _per_channel_norm(w, node, x: Value, weight: Value | None, bias: Value | None, out_shape) -> Value:
+    """Each channel of axis 1 normalised by statistics over its own positions (instance norm; a group norm with one
+    channel per group): signed permutations of the channels, the affine part moving with them."""
+    inputs = [ids for ids in (_input_channel_ids(w, node, c) for c in x.chans) if ids is not None]
+    if len(inputs) != len(x.chans) or len(inputs) != 1:
+        for ids in inputs:
+            w.c.pin(ids, "normalised per channel together with other channels it cannot follow", node.name)
+        return _pin_operands(w, node, [weight, bias], "affine part of a per-channel norm of no single channel")
+    w.c.restrict(inputs[0], monomial("sign"), "centred and scaled over its own positions", node.name)
+    return _per_channel_affine(w, node, inputs[0], weight, bias, out_shape)
+
+
+def _per_channel_affine(w, node, ids: torch.Tensor, weight: Value | None, bias: Value | None, out_shape) -> Value:
+    """A normalised channel axis 1 (``ids``) times a weight and plus a bias per channel."""
     view = [1, -1] + [1] * (len(out_shape) - 2)
     out = Chan.clean(ids.reshape(view).expand(out_shape))
     if weight is not None:
         kernel = replace(Chan.clean(_channel_ids(weight, 0).reshape(view).expand(out_shape)), weight=True)
         w.c.permute_only.append(_ids_of(kernel))
-        out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the batch norm weight")
+        out = _product_output(w, node, out, kernel, monomial("nonzero"), "multiplied by the norm weight")
     if bias is not None:
         w.c.tie(out.ids, _channel_ids(bias, 0).reshape(view).expand(out_shape), node=node.name)
-    return _with_saved_stats(node, Value(chans=[out], shape=out_shape))
+    return Value(chans=[out], shape=out_shape)
 
 
 def _with_saved_stats(node: fx.Node, out: Value) -> Value | list[Value]:

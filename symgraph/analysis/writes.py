@@ -4,8 +4,8 @@ torch.export keeps in-place ops (``q.clamp_(-c, c)``, ``buf[..., :8].copy_(x)``)
 per node: a node that reads the written storage under an older name would see stale labels. Two forms are proven
 safe from the graph alone; any other in-place op pins what it touches:
 
-* the op overwrites a fresh tensor (the output of an op that aliases none of its inputs) that nothing else reads:
-  it is its functional twin;
+* the op overwrites a fresh tensor (the output of an op that aliases none of its inputs) that nothing else reads
+  after it (readers before it copied what they read: ``x += attn(norm(x))``): it is its functional twin;
 * the op writes through a chain of views (slice, select, ...) into a fresh tensor, each view read by the next link
   only, the op's own result unused, and every other reader of the tensor comes after the write (or is another such
   write): the tensor's written positions then carry the op's labels (DeepSeek's ``new_empty`` key buffer filled by
@@ -45,12 +45,12 @@ def plan_write(node: fx.Node, order: dict[fx.Node, int], last_write: dict[fx.Nod
     it safe. ``order``: each node's position in the graph; ``last_write``: per base, the position of its latest
     write so far; ``data``: concrete values of data nodes (sizes a view reads)."""
     target = mutated_argument(node)
-    chain = _view_chain(target)
+    chain = _view_chain(target, order)
     if chain is None:
         return None
     base, views = chain
     if not views:
-        return Write() if len(base.users) == 1 else None
+        return Write() if _read_before_only(base, node, order) else None
     if node.users or any(order[v] < last_write.get(base, -1) for v in views):
         return None
     if not all(_sees_the_write(u, order, order[node]) for u in base.users if u is not views[0]):
@@ -89,7 +89,7 @@ def _overwrite(base: Value, j: int, k: int, base_shape, wrote: Value, positions:
     return out.reshape(base_shape)
 
 
-def _view_chain(node: fx.Node | None) -> tuple[fx.Node, list[fx.Node]] | None:
+def _view_chain(node: fx.Node | None, order: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
     """The fresh tensor ``node`` is a view of and the views from it to ``node`` (base first); None when some link
     is not a view op read by the next link only, or the chain starts at a graph input or an aliasing op."""
     views = []
@@ -98,22 +98,28 @@ def _view_chain(node: fx.Node | None) -> tuple[fx.Node, list[fx.Node]] | None:
             return None
         views.append(node)
         node = node.args[0] if isinstance(node.args[0], fx.Node) else None
-    if node is None or not _fresh(node):
+    if node is None or not _fresh(node, order):
         return None
     if views and len(views[0].users) != 1:
         return None
     return node, views[::-1]
 
 
-def _fresh(node: fx.Node) -> bool:
+def _fresh(node: fx.Node, order: dict[fx.Node, int]) -> bool:
     """An op output that shares storage with no other tensor the graph reads: a non-aliasing op, or an in-place op
-    on such an output that nothing else reads (``h.relu_().mul_(v)``)."""
+    on such an output that nothing reads after it (``h.relu_().mul_(v)``; ``x += a; x += b``)."""
     if node.op != "call_function":
         return False
     target = mutated_argument(node)
     if target is not None:
-        return len(target.users) == 1 and _fresh(target)
+        return _read_before_only(target, node, order) and _fresh(target, order)
     return not aliases_input(node)
+
+
+def _read_before_only(base: fx.Node, writer: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether every reader of ``base`` but ``writer`` (an in-place op on it) ran before the write and copied what
+    it read: a later reader, or a view read later, would see the written storage under ``base``'s older labels."""
+    return all(u is writer or (order[u] < order[writer] and not aliases_input(u)) for u in base.users)
 
 
 def _is_view(node: fx.Node) -> bool:
