@@ -85,9 +85,9 @@ def test_bfloat16_products_stay_inside_the_bound():
 
 
 @pytest.mark.parametrize("spread", [0.0, 3.0])
-def test_int8_products_stay_inside_the_measured_bound(spread):
-    """int8 screening: integers on a scale per unit, exact int32 sums; the error measured from the rounding of
-    each unit bounds every entry, and on Gaussian units it is small enough to prove a matching."""
+def test_int8_products_stay_inside_the_bound(spread):
+    """int8 screening: integers on a scale per unit, exact int32 sums; half a step per entry bounds every
+    product, and on Gaussian units the bound is small enough to prove a matching."""
     from symgraph.groups import Member
 
     g = torch.Generator().manual_seed(1)
@@ -96,6 +96,11 @@ def test_int8_products_stay_inside_the_measured_bound(spread):
     x = torch.randn(1, 96, features, generator=g) * ramp  # source units
     y = torch.randn(1, 80, features, generator=g) * ramp.flip(0)  # anchor units
     ws = Workspace({"w": x[0, :80]}, {"w": y[0]})
+    columns = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same units stored as columns (strided)
+    for units in (x, columns):
+        (q, s), bound = screen._quantised(units)
+        error = (x.double() - s.double() * q.double()).pow(2).sum(-1)
+        assert (error <= torch.from_numpy(bound)).all()
     member = Member("w", 0, np.arange(80).reshape(1, 80, 1), "primal")
     part = screen._Part(ws, [member], "int8")
     got = torch.from_numpy(part.rows(slice(0, 80), normalise=False)).double()

@@ -16,10 +16,11 @@ screened cost differs from the working one by at most :math:`E_{ij} = \epsilon\,
 (Cauchy-Schwarz, member by member, then over members), with :math:`\epsilon` the kernel's error plus the working
 products' own rounding (:func:`symgraph.solve.certify.rounding`) and :math:`\tau` for subnormals. The
 ``bfloat16`` error is a priori: the rounding of both inputs and of the output and the float32 accumulation. The
-``int8`` error is measured: with :math:`e_i` unit :math:`i`'s rounding error (its slices minus scale times
-integers, in float64) and :math:`r = \max_i \|e_i\| / \|x_i\|` per model, :math:`|\langle a, b\rangle -
-\langle \hat a, \hat b\rangle| \le \|e_a\|\|b\| + \|\hat a\|\|e_b\|`, so :math:`\epsilon \le r_a + (1 + r_a) r_b`
-plus the float32 rounding of the int32 sums and their scaling. When every row's best entry beats the rest of its
+``int8`` error follows from each unit's scale: with :math:`e_i` unit :math:`i`'s rounding error (its slices minus
+scale times integers: at most half a step per entry, :math:`\|e_i\| \le \tfrac12 s_i \sqrt{f}`) and :math:`r =
+\max_i \|e_i\| / \|x_i\|` per model, :math:`|\langle a, b\rangle - \langle \hat a, \hat b\rangle| \le
+\|e_a\|\|b\| + \|\hat a\|\|e_b\|`, so :math:`\epsilon \le r_a + (1 + r_a) r_b` plus the float32 rounding of the
+int32 sums and their scaling. When every row's best entry beats the rest of its
 row by more than :math:`E_{i\beta_i} + \max_j E_{ij}` and the rows' best columns are distinct, the working costs
 have their row maxima in the same distinct columns, which is exactly what :func:`~symgraph.solve.kernels.hungarian`
 returns (and a signed matching's signs hold where the chosen entry exceeds its own bound). Otherwise nothing is
@@ -36,7 +37,7 @@ import torch
 
 from ..groups import Group, Member
 from . import certify
-from .reduce import CHUNK, row_sums
+from .reduce import CHUNK
 from .sums import layer_of
 
 BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits), rounding to nearest
@@ -46,6 +47,8 @@ FINITE = 1e37  # below float32's largest value (3.4e38) by more than any roundin
 MIN_SIZE = 1024  # smaller groups: the working costs are cheap, screening them saves nothing
 INT8_LEVELS = 127  # integers -127..127: a product of two fits in 2^14, a sum of 2^17 of them in int32
 INT8_MAX_FEATURES = (2 ** 31 - 1) // INT8_LEVELS ** 2  # int32 accumulation stays exact below this
+# |x / scale - q| <= 1/2 + the float32 rounding of x / scale (|x / scale| <= 127 (1 + 2^-23)): 1/2 (1 + 2^-14)
+HALF_STEP = 0.5 * (1 + 2.0 ** -14)
 CHUNK_ENTRIES = 1 << 24  # screened cost entries per chunk of rows (64 MiB of float32)
 
 
@@ -125,7 +128,7 @@ def certified_matching(ws, g: Group, members: list[Member], *, signed: bool, nor
 
 class _Part:
     """One part of the cost (the members that move with signs and scales, or those that only follow the
-    permutation) in the kernel's precision, with its float64 unit norms and, for ``int8``, its measured error."""
+    permutation) in the kernel's precision, with its float64 unit norms and, for ``int8``, its error bound."""
 
     def __init__(self, ws, members: list[Member], kernel_name: str):
         self.kernel, self.ws, self.members = kernel_name, ws, members
@@ -136,7 +139,7 @@ class _Part:
             self.src = [ws.flat("src", m).to(torch.bfloat16) for m in members]
             self.error = None
             return
-        self.anc, anc_err = zip(*(_quantised(ws.flat("anc", m)) for m in members))
+        self.anc, anc_err = zip(*(_quantised(ws.flat("anc", m)) for m in members))  # squared error bounds
         self.src, src_err = zip(*(_quantised(ws.flat("src", m)) for m in members))
         r_anc = _relative(np.sqrt(sum(anc_err)), self.alpha)
         r_src = _relative(np.sqrt(sum(src_err)), self.sigma)
@@ -159,21 +162,25 @@ class _Part:
 
 
 def _quantised(x: torch.Tensor):
-    """``x`` (copies, units, features) as ((integers int8, per-unit scales float32), per-unit squared rounding
-    error float64): each unit's largest magnitude maps to 127; the error is ``x - scale * q`` exactly (a float32
-    scale times an integer of 8 bits is exact in float64)."""
-    top = x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scales = torch.where(top > 0, top / INT8_LEVELS, torch.ones_like(top))
+    """``x`` (copies, units, features) as ((integers int8, per-unit scales float32), per-unit bound on the squared
+    norm of the rounding error ``x - scale * q``, float64): each unit's largest magnitude maps to 127, and each
+    entry is off by at most half a step (:data:`HALF_STEP` scales), so the error of a unit is at most
+    ``features * (HALF_STEP * scale)^2`` (nothing is read again to measure it). Each chunk of units is made
+    contiguous first (a down projection's units are its columns)."""
+    copies, units, features = x.shape
     q = torch.empty(x.shape, dtype=torch.int8)
-    err = np.empty(x.shape[:2])
-    step = max(1, CHUNK // max(x.shape[-1], 1))
-    for c in range(x.shape[0]):
-        for lo in range(0, x.shape[1], step):
-            part, s = x[c, lo:lo + step], scales[c, lo:lo + step]
-            ints = torch.round(part / s.to(part.dtype)).clamp_(-INT8_LEVELS, INT8_LEVELS)
-            q[c, lo:lo + step] = ints.to(torch.int8)
-            err[c, lo:lo + step] = row_sums(part, ints.double().mul_(s.double()), minus=True)
-    return (q, scales), err
+    scales = torch.empty((copies, units, 1), dtype=torch.float32)
+    step = max(1, CHUNK // max(features, 1))
+    for c in range(copies):
+        for lo in range(0, units, step):
+            part = x[c, lo:lo + step].detach().contiguous()
+            low, high = torch.aminmax(part, dim=-1, keepdim=True)
+            top = torch.maximum(-low, high).to(torch.float32)
+            s = torch.where(top > 0, top / INT8_LEVELS, torch.ones_like(top))
+            q[c, lo:lo + step] = torch.div(part, s.to(part.dtype)).round_().clamp_(-INT8_LEVELS, INT8_LEVELS)
+            scales[c, lo:lo + step] = s
+    bound = features * (HALF_STEP * scales.double().squeeze(-1)) ** 2
+    return (q, scales), bound.numpy()
 
 
 def _int8_product(anc, src, rows: slice) -> torch.Tensor:
