@@ -5,11 +5,12 @@
 
 SOURCE is aligned to ANCHOR. Each stage runs in a process of its own, one after the other, so that its peak RSS
 (``wait4``'s ``ru_maxrss``) is its own: ``read`` reads every tensor of both checkpoints once (the floor, as in
-``bench_stream_merge.py``), then one ``symgraph align SOURCE ANCHOR --stream --mode M`` per mode (analysis on the
-meta device, the residual stream from the embeddings and head, each block read, aligned and written, then the
-written model checked against SOURCE in float64 block by block). The time of each stage comes from the run's
-``--stats`` (inside the process: Python start-up left out; the wall time with it is reported too) and is divided
-by the floor. ``--device cuda`` solves each block on the GPU (``align --stream --device cuda``; reads, writes
+``bench_stream_merge.py``), then per mode what ``symgraph align SOURCE ANCHOR --stream --mode M`` runs
+(``symgraph.align_streamed``: analysis on the meta device, the residual stream from the embeddings and head, each
+block read, aligned and written, then the written model checked against SOURCE in float64 block by block), with a
+line on stderr per solve (seconds, stage, group, peak RSS so far). The time of each stage comes from the run's
+stats (inside the process: Python start-up left out; the wall time with it is reported too) and is divided by
+the floor. ``--device cuda`` solves each block on the GPU (``align --stream --device cuda``; reads, writes
 and the float64 check stay on the CPU). With ``--json`` the result is stored under ``--key`` in that file (other
 keys kept), written atomically. The page cache is not dropped: a 24 GB machine cannot cache two 12 GB checkpoints anyway.
 """
@@ -38,8 +39,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=None, help="descent rounds inside each block (default 8)")
     parser.add_argument("--shard-size", default="5GB")
     parser.add_argument("--fold", action="store_true", help="read both models folded (align --stream --fold)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip the float64 check (not offered by the CLI: runs through the Python API)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the float64 check (not offered by the CLI)")
     parser.add_argument("--no-floor", action="store_true", help="do not measure the read floor again")
     parser.add_argument("--json", type=Path, help="store the result in this file under --key")
     parser.add_argument("--key", default=None, help="default: SOURCE-ANCHOR folder names")
@@ -63,24 +63,30 @@ def main(argv=None) -> dict:
     return result
 
 
+# One streamed alignment, as `symgraph align SOURCE ANCHOR -o OUT --stream` runs it, with a line on stderr per
+# solve (seconds since start, stage, group, peak RSS so far): a run that cannot finish shows how far it got.
+ALIGN = """
+import json, resource, sys, time
+import symgraph
+from symgraph.cli import _parse_size as parse_size
+source, anchor, out, mode, rounds, stats, fold, device, verify, shard = sys.argv[1:]
+start = time.perf_counter()
+def log(stage, group, done, total):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{time.perf_counter() - start:9.1f} s  {stage:>12}  {done:3d}/{total:<3d}  {group.id}  peak {rss:.0f} MB",
+          file=sys.stderr, flush=True)
+r = symgraph.align_streamed(source, anchor, out, mode=mode, rounds=None if rounds == "None" else int(rounds),
+                            verify=verify == "True", fold=fold == "True", overwrite=True, device=device,
+                            shard_bytes=parse_size(shard), progress=log)
+open(stats, "w").write(json.dumps(r.to_json()))
+"""
+
+
 def _align(args, mode: str, floor: float | None) -> dict:
     stats_file = args.out.parent / f".{args.out.name}-{mode}-stats.json"
-    if args.no_verify:
-        code = ("import sys, json, symgraph; r = symgraph.align_streamed(sys.argv[1], sys.argv[2], sys.argv[3], "
-                "mode=sys.argv[4], rounds=None if sys.argv[5] == 'None' else int(sys.argv[5]), verify=False, "
-                "fold=sys.argv[7] == 'True', overwrite=True, device=sys.argv[8]); "
-                "open(sys.argv[6], 'w').write(json.dumps(r.to_json()))")
-        command = [sys.executable, "-c", code, args.source, args.anchor, str(args.out), mode, str(args.rounds),
-                   str(stats_file), str(args.fold), args.device]
-    else:
-        command = [sys.executable, "-m", "symgraph", "align", args.source, args.anchor, "-o", str(args.out),
-                   "--stream", "--mode", mode, "--shard-size", args.shard_size, "--overwrite", "--quiet",
-                   "--stats", str(stats_file), "--device", args.device]
-        if args.rounds is not None:
-            command += ["--refine-rounds", str(args.rounds)]
-        if args.fold:
-            command.append("--fold")
-    run = _stage(command)
+    print(f"== {mode}: {args.source} -> {args.anchor}", file=sys.stderr, flush=True)
+    run = _stage([sys.executable, "-c", ALIGN, args.source, args.anchor, str(args.out), mode, str(args.rounds),
+                  str(stats_file), str(args.fold), args.device, str(not args.no_verify), args.shard_size])
     stats = json.loads(stats_file.read_text())
     stats_file.unlink()
     shutil.rmtree(args.out, ignore_errors=True)

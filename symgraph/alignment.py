@@ -656,8 +656,9 @@ class Aligner:
 
     def _next_group(self, todo: list[Group]) -> Group:
         """Coarsest group whose exact members determine it; else the one with the largest exact share. The
-        paper's groups never share a parameter, so there any order is exact."""
-        if self.mode == "paper":
+        paper's groups never share a parameter, so there any order is exact. A last group is next whatever its
+        readiness (a residual stream solved alone need not test its 4096 x 4096 Gram matrix for rank)."""
+        if self.mode == "paper" or len(todo) == 1:
             return todo[0]
         ready = [g for g in todo if self._readiness(g)[0]]
         if ready:

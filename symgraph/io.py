@@ -529,9 +529,22 @@ def check_finite(model: torch.nn.Module, where: str) -> None:
     """NaN or Inf weights are bad input: say which tensor, before any analysis could be blamed for them.
     Every loader calls it; alignment and merging call it again for subjects built by hand."""
     bad = [k for k, v in model.state_dict().items()
-           if v.is_floating_point() and v.device.type != "meta" and not torch.isfinite(v).all()]
+           if v.is_floating_point() and v.device.type != "meta" and not all_finite(v)]
     if bad:
         raise nonfinite_error(where, bad)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``: its smallest and largest entries are finite (``torch.aminmax`` propagates NaN).
+    One pass without temporaries, where ``isfinite(t).all()`` makes four (a 7B bf16 checkpoint read three times in
+    a streamed alignment spent minutes in them); dtypes aminmax does not take fall back to that."""
+    if t.numel() == 0:
+        return True
+    try:
+        lo, hi = torch.aminmax(t)
+    except (RuntimeError, NotImplementedError):
+        return bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def nonfinite_error(where: str, names) -> ModelLoadError:

@@ -62,10 +62,11 @@ class LazyState(Mapping[str, torch.Tensor]):
         except Exception as exc:  # SafetensorError, OSError: the file changed or broke since it was opened
             raise ModelLoadError(f"Cannot read tensor '{name}' from '{file}': {exc}",
                                  hint="the file is damaged or was changed while it was read: re-save it.") from exc
-        if self.finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            from .io import nonfinite_error
+        if self.finite and tensor.is_floating_point():
+            from .io import all_finite, nonfinite_error
 
-            raise nonfinite_error(f"the weights in '{self.folder}'", [name])
+            if not all_finite(tensor):
+                raise nonfinite_error(f"the weights in '{self.folder}'", [name])
         return tensor
 
     def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to find out

@@ -275,6 +275,7 @@ class _Job:
         self.timings = {"blocks": 0.0}
         self._ready: dict[str, dict[str, torch.Tensor]] = {}  # block -> aligned tensors not yet written
         self._outside: dict[str, torch.Tensor] = {}
+        self._inverses: dict = {}  # the fixed elements' inverse transposes, for their dual members in every block
 
     def block_of(self, name: str) -> str | None:
         return next((p for p in self.prefixes if name.startswith(p + ".")), None)
@@ -354,7 +355,8 @@ class _Job:
 
     def _apply_fixed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Move ``tensors`` (working copies) in place by the fixed elements of the groups spanning blocks."""
-        apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None])
+        apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None],
+                       inverses=self._inverses)
 
     def _add_distance(self, before: torch.Tensor, after: torch.Tensor, anchor: torch.Tensor) -> None:
         if not anchor.is_floating_point():

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .errors import MismatchError
+from .io import all_finite, nonfinite_error
 from .lazy_state import LazyState, check_same_tensors
 from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs
 
@@ -127,9 +128,7 @@ def _materialise(model: nn.Module, names: dict[str, str], state: LazyState, fold
     not a difference between the models."""
     for name, key in names.items():
         value = state[key].to(torch.float64)
-        if not torch.isfinite(value).all():
-            from .io import nonfinite_error
-
+        if not all_finite(value):
             raise nonfinite_error(f"the weights in '{folder}'", [key])
         _set_parameter(model, name, value)
 

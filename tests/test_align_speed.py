@@ -113,3 +113,21 @@ def test_chunked_float64_reductions_match_a_float64_copy(monkeypatch, dtype):
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-13 * scale.max())
     assert reduce.squared_distance(x, y) == pytest.approx(float((x64 - y64).pow(2).sum()), rel=1e-14)
     assert reduce.squared_distance(x) == pytest.approx(float(x64.pow(2).sum()), rel=1e-14)
+
+
+def test_a_last_group_is_solved_without_testing_its_readiness(monkeypatch):
+    """The streamed residual stream is one group alone: it is next whatever its Gram matrix says (the rank test
+    of a 4096-wide stream is a 2-TFLOP product and an eigendecomposition), and lands where it did."""
+    from symgraph.alignment import Aligner
+
+    groups, source, anchor = _pair(folded=True)
+    residual = [g for g in groups if g.motif == "residual"]
+    assert len(residual) == 1
+    before = Aligner(residual, source, anchor, mode="full", rescale=True)
+    before.first_pass()
+    monkeypatch.setattr(Aligner, "_determined", lambda *a: pytest.fail("readiness tested for a last group"))
+    after = Aligner(residual, source, anchor, mode="full", rescale=True)
+    after.first_pass()
+    assert [e.group.id for e in after.elements] == [e.group.id for e in before.elements]
+    for k in before.src:
+        assert torch.equal(after.src[k], before.src[k]), k

@@ -110,3 +110,25 @@ def test_in_place_application_matches_apply_and_the_inverse_undoes_it(family, zo
     assert all(torch.allclose(work[k], expected[k], rtol=1e-12, atol=1e-12) for k in state)
     apply_in_place(work, [inverse(e) for e in reversed(elements)])
     assert all(torch.allclose(work[k], state[k], rtol=1e-9, atol=1e-12) for k in state)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "general_linear"])
+def test_kept_inverses_give_the_same_tensors_and_are_computed_once(net, kind, monkeypatch):
+    """apply_in_place with ``inverses`` (streamed alignment: one residual rotation applied block after block):
+    the dual members move by the same numbers as without, and the inverse is computed once per dtype."""
+    from symgraph.elements import apply_in_place
+
+    element = sample(linear_pair_group(kind), np.random.default_rng(0))
+    state = {k: v.detach().float() for k, v in net.state_dict().items()}
+    plain = {k: v.clone() for k, v in state.items()}
+    apply_in_place(plain, [element])
+    calls = []
+    original = torch.linalg.inv
+    monkeypatch.setattr(torch.linalg, "inv", lambda x: calls.append(x.dtype) or original(x))
+    inverses: dict = {}
+    for _ in range(3):  # three "blocks"
+        kept = {k: v.clone() for k, v in state.items()}
+        apply_in_place(kept, [element], inverses=inverses)
+        for k in plain:
+            assert torch.equal(kept[k], plain[k]), k
+    assert calls == [torch.float32]

@@ -586,3 +586,17 @@ def test_state_dict_of_includes_persistent_buffers_only():
     assert set(sd) == {"lin.weight", "lin.bias", "kept"}
     assert all(not v.requires_grad for v in sd.values())
     assert sd["lin.weight"].data_ptr() == net.lin.weight.data_ptr()  # no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_finds_every_nan_and_inf(dtype):
+    """symgraph.io.all_finite (one aminmax pass) says what isfinite(t).all() says, wherever the bad value sits."""
+    from symgraph.io import all_finite
+
+    base = torch.randn(7, 9).to(dtype)
+    assert all_finite(base) and all_finite(base[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in [(0, 0), (3, 4), (6, 8)]:
+            t = base.clone()
+            t[where] = bad
+            assert not all_finite(t) and not torch.isfinite(t).all()

@@ -92,6 +92,24 @@ def test_hungarian_matches_brute_force(n):
         assert S[np.arange(n), hungarian(S)].sum() == pytest.approx(best, abs=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(300, 300), (200, 260)])
+def test_hungarian_negating_in_place_is_scipys_maximisation(shape):
+    """The memory-saving path (the matrix negated in place for scipy, then restored) returns what scipy's own
+    maximisation returns, and leaves the caller's matrix bit for bit as it was; read-only input still works."""
+    from scipy.optimize import linear_sum_assignment
+
+    rng = np.random.default_rng(5)
+    S = rng.standard_normal(shape)  # a hard matching: row maxima collide
+    S[0, 0] = -0.0
+    kept = S.copy()
+    rows, cols = linear_sum_assignment(S, maximize=True)
+    assert np.unique(S.argmax(axis=1)).size < shape[0]
+    np.testing.assert_array_equal(hungarian(S), cols[np.argsort(rows)])
+    assert S.tobytes() == kept.tobytes()
+    S.flags.writeable = False
+    np.testing.assert_array_equal(hungarian(S), cols[np.argsort(rows)])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_signed_hungarian_matches_brute_force(n):
     rng = np.random.default_rng(20 + n)

@@ -196,8 +196,8 @@ def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normali
     """The best (signed) permutation per copy. In descent, where costs are plain inner products, the margins of
     the answer are kept (:mod:`symgraph.solve.certify`), and a later solve that they prove to be the identity
     skips the costs. Not in the first pass: the groups solved after it move the source too far for them to hold.
-    Large single-layer groups are first matched on bfloat16 costs (:mod:`symgraph.solve.screen`), used only when
-    provably the working costs' answer."""
+    Large single-layer groups are first matched on low-precision costs (bfloat16 or int8,
+    :mod:`symgraph.solve.screen`), used only when provably the working costs' answer."""
     signed = signed or g.kind == "signed_permutation"
     certifiable = not normalise and not g.global_sign and ctx.mode != "paper" and not ctx.first_pass
     if certifiable:
@@ -206,7 +206,7 @@ def _matching(ws, g: Group, members, ctx: SolveContext, *, signed: bool, normali
             return certified[0]
     screened = (screen.certified_matching(ws, g, members, signed=signed, normalise=normalise)
                 if screen.pays_off(ws, g, members) else None)
-    if screened is not None:  # provably the working costs' answer, from bfloat16 costs
+    if screened is not None:  # provably the working costs' answer, from low-precision costs
         perms, diags, margin, entries = screened
     else:
         a, b = _similarities(ws, g, members, normalise=normalise)
