@@ -22,7 +22,7 @@ import symgraph
 from symgraph.alignment import align_states
 from symgraph.elements import apply, sample
 
-from group_checks import assert_fuzzed_at_two_shapes, census
+from group_checks import assert_fuzzed_at_two_shapes, census, noisy
 
 D, E, HIDDEN, TOKENS = 8, 3, 6, 6
 
@@ -75,13 +75,6 @@ class ExpertChoice(nn.Module):
             out = out * F.one_hot(rows, flat.shape[0]).sum((0, 1)).to(out.dtype)[:, None]
         return out
 
-
-def noisy(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 def _load(form, dtype=torch.float32):

@@ -18,7 +18,7 @@ import torch
 import symgraph
 
 from cli_runner import run
-from group_checks import assert_fuzzed_at_two_shapes, census
+from group_checks import assert_fuzzed_at_two_shapes, census, noisy
 
 WIDTH, HEADS = 16, 4
 
@@ -69,13 +69,6 @@ class SinkAttention(torch.nn.Module):
         weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         return self.o((weights @ v).transpose(1, 2).reshape(b, n, WIDTH))
 
-
-def noisy(model: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))  # no norm weight 1, no bias 0
-    return model.eval()
 
 
 def make_extra_keys():

@@ -24,17 +24,10 @@ from torch import nn
 import symgraph
 
 from cli_runner import run
-from group_checks import assert_fuzzed_at_two_shapes, census
+from group_checks import assert_fuzzed_at_two_shapes, census, noisy
 
 D, E, HIDDEN, TOKENS = 8, 3, 6, 4
 
-
-def noisy(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))  # no bias 0
-    return model.eval()
 
 
 class ExpertsBlock(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 
 import symgraph
 
-from group_checks import assert_fuzzed_at_two_shapes
+from group_checks import assert_fuzzed_at_two_shapes, noisy
 
 WIDTH, HEADS, VOCAB = 16, 4, 40
 HEAD_DIM = WIDTH // HEADS
@@ -67,13 +67,6 @@ class SharedValues(nn.Module):
             x = x + mlp(x)
         return self.head(x)
 
-
-def noisy(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.mark.parametrize("mode", ["value_residual", "cross_layer_kv"])

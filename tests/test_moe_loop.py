@@ -13,6 +13,7 @@ swap it would have meant changes the function.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import numpy as np
@@ -26,7 +27,7 @@ from symgraph.alignment import align_states
 from symgraph.elements import apply, sample
 
 from cli_runner import run
-from group_checks import assert_fuzzed_at_two_shapes, census
+from group_checks import assert_fuzzed_at_two_shapes, census, noisy as generic_weights
 
 D, E, HIDDEN, TOKENS = 8, 3, 6, 4
 
@@ -125,12 +126,7 @@ class CatMoE(LoopMoE):
         self.mix = nn.Linear(E * D, D)
 
 
-def noisy(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
+noisy = functools.partial(generic_weights, scale=0.3)
 
 
 def _load(model):

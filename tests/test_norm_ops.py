@@ -12,17 +12,10 @@ from torch import nn
 
 import symgraph
 
-from group_checks import assert_fuzzed_at_two_shapes
+from group_checks import assert_fuzzed_at_two_shapes, noisy
 
 WIDTH = 16
 
-
-def noisy(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 class RMSNormMLP(nn.Module):
