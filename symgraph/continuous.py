@@ -13,10 +13,19 @@ from parameters to an element that lies in the group by construction:
 - scales (scale groups and monomial groups with positive or nonzero scales): ``exp`` of a log-scale; signs and
   permutations are discrete and stay where the start put them.
 
+Matrix exponentials are taken on a *base*: a matrix generator ``X`` stands for ``B exp(X)``, where the base ``B``
+(float64, the identity at first) holds every step taken so far. Learning moves the generators by one optimiser
+step and then :meth:`ContinuousElements.absorb` folds them into the bases (``B <- B exp(X)``, ``X <- 0``), so the
+differentiable elements are always evaluated at ``X = 0``. There ``B exp(X)`` and ``B (I + X)`` have the same
+value and the same gradient, and :meth:`ContinuousElements.elements` uses the second: no matrix exponential,
+and above all no backward pass through one, in a learning step (on the wide ViT that backward pass cost more
+than ten times its forward pass). The optimiser's moments live in the Lie algebra at the current point (Adam on
+the right-trivialised gradient ``B^T dL/dB``). Vectors (log-scales, rotary angles) are their own parameters.
+
 :meth:`ContinuousElements.elements` gives elements whose ``matrices`` / ``diag`` are torch tensors, so
 :func:`symgraph.elements.apply` is differentiable in the parameters; :meth:`ContinuousElements.exact` gives
-the same elements in float64 NumPy, computed from the parameters in float64 (orthogonal to rounding), for the
-final state that is then verified like every alignment.
+the same elements in float64 NumPy, ``B exp(X)`` computed in float64 (orthogonal to rounding), for the final
+state that is then verified like every alignment.
 
 Examples
 --------
@@ -51,28 +60,42 @@ def has_continuous_part(group: Group) -> bool:
 
 
 class ContinuousElements:
-    """Parameters (zero: the identity) of the continuous part of every group in ``groups`` that has one."""
+    """Parameters (zero: the identity) of the continuous part of every group in ``groups`` that has one, and the
+    bases their matrix generators act on (module docstring)."""
 
     def __init__(self, groups, dtype=torch.float32):
         self.groups = [g for g in groups if has_continuous_part(g)]
         self.parameters = [_zeros(g, dtype).requires_grad_(True) for g in self.groups]
+        self.bases = [_identity_base(g) for g in self.groups]  # float64; None: the group has no matrix generator
 
     def elements(self) -> list[Element]:
-        """The elements, differentiable in :attr:`parameters` (torch tensors in ``matrices`` or ``diag``)."""
-        return [_element(g, p) for g, p in zip(self.groups, self.parameters)]
+        """The elements, differentiable in :attr:`parameters` (torch tensors in ``matrices`` or ``diag``): exact in
+        value and gradient where the matrix generators are zero (after :meth:`absorb`), first order elsewhere."""
+        return [_element(g, p, _first_order, base) for g, p, base in zip(self.groups, self.parameters, self.bases)]
 
     @torch.no_grad()
     def exact(self) -> list[Element]:
-        """The same elements in float64 NumPy (computed from the parameters in float64)."""
+        """The same elements in float64 NumPy (computed from the bases and parameters in float64)."""
         out = []
-        for g, p in zip(self.groups, self.parameters):
-            e = _element(g, p.detach().to(torch.float64))
+        for g, p, base in zip(self.groups, self.parameters, self.bases):
+            e = _element(g, p.detach().to(torch.float64), _exponential, base)
             out.append(Element(g, matrices=None if e.matrices is None else e.matrices.numpy(),
                                perm=e.perm, diag=None if e.diag is None else e.diag.numpy()))
         return out
 
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Fold the matrix generators into the bases (``B <- B exp(X)``, ``X <- 0``); the elements are unchanged."""
+        for g, p, base in zip(self.groups, self.parameters, self.bases):
+            if base is None:
+                continue
+            generator = _generator(g, p.detach().to(torch.float64))
+            base.copy_(base @ torch.linalg.matrix_exp(generator))
+            _generator_entries(g, p).zero_()
+
     def finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.parameters)
+        return all(bool(torch.isfinite(p).all()) for p in self.parameters) and \
+            all(bool(torch.isfinite(b).all()) for b in self.bases if b is not None)
 
     def learning_rates(self, lr: float) -> list[float]:
         """The learning rate of each tensor in :attr:`parameters` for the width-aware rate ``lr`` (module
@@ -81,15 +104,17 @@ class ContinuousElements:
         return [lr if side is None else lr * math.sqrt(REFERENCE_SIDE / side) for side in sides]
 
     @torch.no_grad()
-    def values(self) -> list[torch.Tensor]:
-        """A copy of the parameters (for :meth:`load`)."""
-        return [p.detach().clone() for p in self.parameters]
+    def values(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A copy of the parameters and bases (for :meth:`load`)."""
+        return [(p.detach().clone(), None if b is None else b.clone()) for p, b in zip(self.parameters, self.bases)]
 
     @torch.no_grad()
-    def load(self, values: list[torch.Tensor]) -> None:
-        """Set the parameters to ``values`` (from :meth:`values`)."""
-        for p, v in zip(self.parameters, values):
-            p.copy_(v)
+    def load(self, values: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Set the parameters and bases to ``values`` (from :meth:`values`)."""
+        for p, b, (pv, bv) in zip(self.parameters, self.bases, values):
+            p.copy_(pv)
+            if b is not None:
+                b.copy_(bv)
 
 
 def _generator_side(g: Group) -> int | None:
@@ -113,32 +138,69 @@ def _zeros(g: Group, dtype) -> torch.Tensor:
     return torch.zeros(c, n, dtype=dtype)
 
 
-def _element(g: Group, p: torch.Tensor) -> Element:
-    if g.kind == "orthogonal":
-        return Element(g, matrices=_orthogonal(g, p))
-    if g.kind == "general_linear":
-        return Element(g, matrices=torch.linalg.matrix_exp(p))
+def _identity_base(g: Group) -> torch.Tensor | None:
+    """The base a group's matrix generator acts on, the identity at first (None: no matrix generator)."""
+    side = _base_side(g)
+    return None if side is None else torch.eye(side, dtype=torch.float64).repeat(g.copies, 1, 1)
+
+
+def _base_side(g: Group) -> int | None:
+    return len(g.passthrough) if g.kind == "rotary" and g.passthrough else _generator_side(g)
+
+
+def _generator_entries(g: Group, p: torch.Tensor) -> torch.Tensor:
+    """The entries of ``p`` that make up the matrix generator (a view: rotary keeps its angles and scales first)."""
+    if g.kind != "rotary":
+        return p
+    return p[:, p.shape[1] - len(g.passthrough) ** 2:]
+
+
+def _generator(g: Group, p: torch.Tensor) -> torch.Tensor:
+    """The matrix generator ``X`` of ``p``: skew for rotations (orthogonal, and rotary without scales)."""
+    x = _generator_entries(g, p)
     if g.kind == "rotary":
-        return Element(g, matrices=_rotary(g, p))
+        side = len(g.passthrough)
+        x = x.reshape(g.copies, side, side)
+    skew = g.kind == "orthogonal" or (g.kind == "rotary" and g.scale != "positive")
+    return x - x.transpose(-1, -2) if skew else x
+
+
+def _exponential(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``B exp(X)``: the element, exactly in the group."""
+    return base.to(x.dtype) @ torch.linalg.matrix_exp(x)
+
+
+def _first_order(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``B (I + X)``: ``B exp(X)`` in value and gradient at ``X = 0``, where learning evaluates it."""
+    b = base.to(x.dtype)
+    return b + b @ x
+
+
+def _element(g: Group, p: torch.Tensor, on_base, base: torch.Tensor | None) -> Element:
+    if g.kind == "orthogonal":
+        return Element(g, matrices=_orthogonal(g, on_base(base, _generator(g, p))))
+    if g.kind == "general_linear":
+        return Element(g, matrices=on_base(base, _generator(g, p)))
+    if g.kind == "rotary":
+        return Element(g, matrices=_rotary(g, p, on_base, base))
     perm = np.tile(np.arange(g.size), (g.copies, 1)) if g.kind == "permutation" else None
     return Element(g, perm=perm, diag=torch.exp(p))
 
 
-def _orthogonal(g: Group, p: torch.Tensor) -> torch.Tensor:
-    rotation = torch.linalg.matrix_exp(p - p.transpose(-1, -2))
+def _orthogonal(g: Group, rotation: torch.Tensor) -> torch.Tensor:
     if not g.fixes_ones:
         return rotation
     from .solve.kernels import ones_basis
 
     n = g.size
-    h = torch.as_tensor(ones_basis(n), dtype=p.dtype)
-    inner = torch.zeros(p.shape[0], n, n, dtype=p.dtype)
+    h = torch.as_tensor(ones_basis(n), dtype=rotation.dtype)
+    inner = torch.zeros(rotation.shape[0], n, n, dtype=rotation.dtype)
     inner[:, 0, 0] = 1.0
     inner[:, 1:, 1:] = rotation
     return h @ inner @ h
 
 
-def _rotary(g: Group, p: torch.Tensor) -> torch.Tensor:
+def _rotary(g: Group, p: torch.Tensor, on_base, base: torch.Tensor | None) -> torch.Tensor:
     c, n, k = g.copies, g.size, len(g.rotary_pairs)
     scaled = g.scale == "positive"
     angle, through_at = p[:, :k], 2 * k if scaled else k
@@ -149,8 +211,6 @@ def _rotary(g: Group, p: torch.Tensor) -> torch.Tensor:
     m[:, i, i], m[:, i, j], m[:, j, i], m[:, j, j] = cos, -sin, sin, cos
     through = list(g.passthrough)
     if through:
-        x = p[:, through_at:].reshape(c, len(through), len(through))
-        x = x if scaled else x - x.transpose(-1, -2)
         idx = torch.as_tensor(through, dtype=torch.long)
-        m[:, idx[:, None], idx[None, :]] = torch.linalg.matrix_exp(x)
+        m[:, idx[:, None], idx[None, :]] = on_base(base, _generator(g, p))
     return m

@@ -118,15 +118,19 @@ def apply(state: dict[str, torch.Tensor], elements: list[Element], *, dtype=torc
     """Return a new state dict with every element applied, computed in ``dtype`` and cast back.
 
     Parameters that no element touches are shared with ``state`` (not copied); touched ones are new tensors.
+    Differentiable in the tensors an element may hold (learned matching passes torch matrices and diagonals): the
+    inverse transpose of each element's matrices is formed once, and a member over a contiguous run of positions
+    (a residual member: the whole axis) is moved as a slice, without an index gather and scatter.
     """
     touched = {p for e in elements for p in e.group.params}
     work = {k: v.detach().to(dtype).clone() for k, v in state.items() if k in touched}
+    inverses = {}  # the inverse transposes of matrix elements, for their dual members (transform_slice)
     for e in elements:
         for m in e.group.members:
             if isinstance(m, TensorMember):
                 swap_tensors(work, m, e)
             else:
-                work[m.param] = _apply_member(work[m.param], m, e)
+                work[m.param] = _apply_member(work[m.param], m, e, inverses)
     out = dict(state)
     for k, v in work.items():
         out[k] = v.to(state[k].dtype)
@@ -185,11 +189,19 @@ def inverse(e: Element) -> Element:
     return Element(e.group, perm=perm, diag=diag)
 
 
-def _apply_member(x: torch.Tensor, m: Member, e: Element) -> torch.Tensor:
+def _apply_member(x: torch.Tensor, m: Member, e: Element, inverses: dict) -> torch.Tensor:
     y = x.movedim(m.axis, 0)
+    run = contiguous_run(m.index)
+    if run is not None:
+        block = y[run]
+        moved = transform_slice(block.reshape(*m.index.shape, *block.shape[1:]), m, e, inverses=inverses)
+        moved = moved.reshape(block.shape)
+        whole = run.start == 0 and run.stop == y.shape[0]
+        y = moved if whole else torch.cat([y[:run.start], moved, y[run.stop:]])
+        return y.movedim(0, m.axis)
     idx = torch.as_tensor(m.index, device=y.device)  # (copies, n, block)
     g = y[idx]  # (copies, n, block, rest...)
-    g = transform_slice(g, m, e)
+    g = transform_slice(g, m, e, inverses=inverses)
     y = y.clone()
     y[idx] = g
     return y.movedim(0, m.axis)

@@ -344,7 +344,10 @@ class _DirectRun(_Run):
         checked is the result)."""
         t, batch = self.sample()
         loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
-        if self.descend(loss, step) and self.check_due(step):
+        if not self.descend(loss, step):
+            return
+        self.elements.absorb()  # the generators back to zero, where the differentiable elements are exact
+        if self.check_due(step):
             exact = self.elements.exact()
             self.current = apply(self.start, exact, dtype=torch.float64)
             if self.checked_better(self.current, step):
