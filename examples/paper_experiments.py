@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 import symgraph
-from symgraph.alignment import free_cost_members, relative_distance, select_groups, weight_matching
-from symgraph.api import tie_aliases
+from symgraph.alignment import (check_same_architecture, free_cost_members, relative_distance, select_groups,
+                                weight_matching)
+from symgraph.api import folded_pair, tie_aliases
 from symgraph.consensus import shared_float_names
 from symgraph.datasets import Dataset, evaluate, load_data
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
@@ -173,14 +174,16 @@ def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
 def textbook_curve(pair: Pair, settings: Settings) -> dict:
     """The reference: B weight-matched to A the textbook way (every permutation group, all its members, from the
     identity in a random order until nothing changes), on the costs permutation mode uses (the free key bias
-    left out), then measured along the path like the modes."""
-    groups = select_groups(pair.b.report.groups, "permutation")
-    free = free_cost_members(pair.b, groups, "permutation")
+    left out), then measured along the path like the modes. The models are folded first where ``barrier`` folds
+    them, so the textbook matches the very models permutation mode matches (like with like)."""
+    b, a, _ = folded_pair(pair.b, pair.a, None, check_same_architecture)
+    groups = select_groups(b.report.groups, "permutation")
+    free = free_cost_members(b, groups, "permutation")
     clock = time.perf_counter()
-    state = weight_matching(groups, pair.b.state_dict(), pair.a.state_dict(), cost_excluded=free).state
+    state = weight_matching(groups, b.state_dict(), a.state_dict(), cost_excluded=free).state
     seconds = time.perf_counter() - clock
-    matched = with_state(pair.b, tie_aliases(pair.b.model, state), f"{pair.b.name} weight-matched")
-    curve = symgraph.barrier(pair.a, matched, pair.test, steps=settings.steps, aligns=("none",),
+    matched = with_state(b, tie_aliases(b.model, state), f"{pair.b.name} weight-matched")
+    curve = symgraph.barrier(a, matched, pair.test, steps=settings.steps, aligns=("none",), fold=False,
                              progress=False).curves["none"]
     return {**curve.to_json(), "mode": TEXTBOOK, "align_seconds": seconds}
 
