@@ -87,11 +87,16 @@ def main() -> None:
     parser.add_argument("--wide-steps", type=int, default=80, help="learning steps on the wide pairs")
     parser.add_argument("--lr", type=float, default=LearnOptions.lr)
     parser.add_argument("--batch-size", type=int, default=LearnOptions.batch_size)
-    parser.add_argument("--t", default=LearnOptions.t, choices=("midpoint", "random"))
+    parser.add_argument("--t", default=LearnOptions.t, choices=symgraph.learn.T_CHOICES)
     parser.add_argument("--method", default=LearnOptions.method, choices=("direct", "ste"))
     parser.add_argument("--no-general-linear", action="store_true", help="direct: keep QK/VO maps orthogonal")
     parser.add_argument("--no-width-aware", action="store_true", help="one learning rate for every parameter")
     parser.add_argument("--backtracks", type=int, default=LearnOptions.backtracks)
+    parser.add_argument("--checks", type=int, default=LearnOptions.checks, help="checks of the path loss")
+    parser.add_argument("--patience", type=int, default=LearnOptions.patience,
+                        help="stop when this many checks gain less than --tolerance of the gain so far (0: never)")
+    parser.add_argument("--tolerance", type=float, default=LearnOptions.tolerance)
+    parser.add_argument("--seconds", type=float, default=LearnOptions.seconds, help="time cap of learning")
     parser.add_argument("--baseline", action="store_true",
                         help="also learn with the previous default (width_aware=False, backtracks=0)")
     parser.add_argument("--points", type=int, default=11, help="points on the path, ends included")
@@ -100,7 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     options = LearnOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, t=args.t, method=args.method,
                            general_linear=not args.no_general_linear, width_aware=not args.no_width_aware,
-                           backtracks=args.backtracks)
+                           backtracks=args.backtracks, checks=args.checks, patience=args.patience,
+                           tolerance=args.tolerance, seconds=args.seconds)
     runs = []
     for pair in args.pairs.split(","):
         steps = args.wide_steps if pair in WIDE_PAIRS else args.steps

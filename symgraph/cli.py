@@ -136,7 +136,20 @@ def _learn_options(command, *, flag: bool = True):
     ``barrier`` (whose learned modes, e.g. ``full+learn``, take the place of the ``--learn`` flag)."""
     options = [
         click.option("--learn-steps", type=click.IntRange(min=1), default=lambda: _learn_default("steps"),
-                     show_default="300", help="Optimiser steps of learned matching."),
+                     show_default="300",
+                     help="Optimiser steps of learned matching: the learning rate anneals over them, and learning "
+                          "stops after them at the latest."),
+        click.option("--learn-patience", type=click.IntRange(min=0), default=lambda: _learn_default("patience"),
+                     show_default="3",
+                     help="Stop learning early when this many checks of the path loss in a row together lowered it "
+                          "by no more than --learn-tolerance of what learning has gained so far (0: never)."),
+        click.option("--learn-tolerance", type=click.FloatRange(min=0), default=lambda: _learn_default("tolerance"),
+                     show_default="0: stop only when the checks gained nothing",
+                     help="See --learn-patience: a fraction of the path loss gained so far."),
+        click.option("--learn-seconds", type=click.FloatRange(min=0, min_open=True),
+                     default=lambda: _learn_default("seconds"), show_default="no cap",
+                     help="A time cap of learning (each time it is learned): the learning rate anneals over the steps "
+                          "that fit in it at the time per step so far, and learning stops there."),
         click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
                      show_default="0.01",
                      help="Learning rate (Adam, cosine-annealed) of learned matching, width-aware: the step of each "
@@ -196,11 +209,13 @@ def _learn_default(name: str):
     return getattr(LearnOptions, name)
 
 
-def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method):
-    """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options`."""
+def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, learn_patience, learn_tolerance,
+              learn_seconds):
+    """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
-    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method)
+    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method,
+                        patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance, residual) -> dict:
@@ -244,9 +259,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
-          data_batch_size, data_groups, learn, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method,
-          learn_data_spec,
-          free_outputs, device, dtype, stream, shard_size):
+          data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype, stream, shard_size,
+          **learning):
     from .alignment import compute_device
     from .api import align as run_align, load
     from .io import save_model
@@ -275,7 +289,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
         result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
                            fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                            data_groups=data_groups, device=device, dtype=dtype,
-                           learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
+                           learn=learn and _learning(**learning),
                            learn_data=learn_data_spec,
                            **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
                                       balance, residual))
@@ -319,9 +333,10 @@ def _learned_note(learned: dict | None) -> str:
     verdict = "kept" if learned["kept"] else "not kept: no better than the start"
     backtracks = len(learned["backtracks"])
     lowered = f", learning rate lowered {backtracks} time{'s' * (backtracks != 1)}" if backtracks else ""
+    stopped = f", stopped early ({learned['stopped']})" if learned["stopped"] else ""
     return (f", learned over {learned['steps']} steps: path loss (t = 1/4, 1/2, 3/4) "
             f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}"
-            f"{lowered}")
+            f"{lowered}{stopped}")
 
 
 def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:
@@ -499,7 +514,7 @@ def demo(out_dir, quick, overwrite):
 @_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, free_outputs, workers, device, dtype):
+          free_outputs, workers, device, dtype, **learning):
     from .alignment import compute_device
     from .merging import merge as run_merge
 
@@ -521,7 +536,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
                        fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
-                       learn=learn and _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
+                       learn=learn and _learning(**learning),
                        device=device, dtype=dtype)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
@@ -559,8 +574,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
             matching_start, general_linear, balance, residual, align_data, data_batches, data_batch_size, data_groups,
-            output, json_path, no_progress, fold, learn_steps, learn_lr, learn_batch_size, learn_t, learn_method,
-            device, dtype):
+            output, json_path, no_progress, fold, device, dtype, **learning):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -572,7 +586,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
-                         learn=_learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method),
+                         learn=_learning(**learning),
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                    general_linear, balance, residual),
                                         **({"align_data": align_data} if align_data else {}),
@@ -584,7 +598,8 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
         click.echo("  both models were folded first (symgraph fold); --no-fold compares them as trained")
     for mode, curve in result.curves.items():
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
-        click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}")
+        click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}"
+                   f"{_learned_note(curve.alignment.get('learned'))}")
     click.echo(f"wrote {output}")
 
 

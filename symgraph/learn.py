@@ -26,7 +26,9 @@ too large), or a step whose loss or parameters stop being finite, is taken as a 
 back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
 (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
 non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
-float64 and verifies the function as for every alignment. Measured on the shipped pairs: examples/RESULTS.md
+float64 and verifies the function as for every alignment. Learning stops early when checks stop finding a better
+point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
+(``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
 
 The direct method's learning rate is *width-aware* (``LearnOptions.width_aware``): a generator of side ``n``
@@ -82,8 +84,11 @@ class LearnOptions:
     generator of side ``n`` steps ``lr * sqrt(64 / n)`` (module docstring); False: every parameter steps ``lr``.
     ``backtracks``: how many times a check no better than the best so far (or a non-finite step) sends learning
     back to the best point checked at ``BACKTRACK`` times the learning rate (0: never; a non-finite step then
-    stops the run). Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes
-    per shipped pair on one CPU core.
+    stops the run). Learning ends before ``steps`` when the last ``patience`` checks (0: not on this ground) together
+    lowered the best path loss by no more than ``tolerance`` times what learning has gained so far, or when ``seconds``
+    (a time cap; None: none) would be passed: with a cap, the learning rate anneals over the steps that fit in it at
+    the time per step so far. Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few
+    minutes per shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -98,6 +103,9 @@ class LearnOptions:
     general_linear: bool = True
     width_aware: bool = True
     backtracks: int = 4
+    patience: int = 3
+    tolerance: float = 0.0
+    seconds: float | None = None
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
@@ -106,7 +114,7 @@ class LearnOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LearnError(f"Learning option {name} must be a whole number >= 1, not {value!r}.",
                                  hint=f"e.g. {name}={getattr(LearnOptions, name)} (the default).")
-        for name in ("project_rounds", "backtracks"):
+        for name in ("project_rounds", "backtracks", "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LearnError(f"Learning option {name} must be a whole number >= 0, not {value!r}.",
@@ -114,6 +122,13 @@ class LearnOptions:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
                              hint=f"e.g. lr={LearnOptions.lr} (the default).")
+        if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < math.inf):
+            raise LearnError(f"Learning option tolerance must be a finite number >= 0, not {self.tolerance!r}.",
+                             hint=f"e.g. tolerance={LearnOptions.tolerance} (the default: stop only when a "
+                                  "stretch of checks gains nothing).")
+        if self.seconds is not None and not (isinstance(self.seconds, (int, float)) and 0 < self.seconds < math.inf):
+            raise LearnError(f"The time cap of learning must be a finite number of seconds > 0, not "
+                             f"{self.seconds!r}.", hint="e.g. seconds=300, or None (no time cap, the default).")
         for name in ("general_linear", "width_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
@@ -140,13 +155,14 @@ class LearnRecord:
     condition: float | None = None  # the largest condition number of a learned general linear map (direct)
     backtracks: list[dict] = field(default_factory=list)
     learning_rates: dict[str, float] = field(default_factory=dict)
+    stopped: str | None = None  # why learning ended before the last step (None: it ran them all)
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
                 "last_loss": self.losses[-1] if self.losses else None, "start_path_loss": self.start_loss,
                 "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
                 "seconds": self.seconds, "largest_condition_number": self.condition,
-                "backtracks": self.backtracks, "learning_rates": self.learning_rates}
+                "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped}
 
 
 def training_data(spec, model, batch_size: int):
@@ -182,12 +198,16 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
            _SteRun(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
-        run.step(step)
+        run.fit_horizon(step, time.perf_counter() - clock)
+        run.step(step, run.check_due(step))
         bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
+        if run.stopped or step + 1 >= run.horizon:
+            break
     bar.close()
     record = run.record
+    record.stopped = run.stopped
     record.kept = run.best is not start.state
     if record.kept and options.method == "direct":
         result, record.condition = _composed(start, run.best_elements, source, anchor), _condition(run.best_elements)
@@ -214,6 +234,9 @@ class _Run:
         self.optimiser = self._adam()
         self.probe = data.batches[:options.eval_batches]
         self.check_every = max(1, options.steps // options.checks)
+        self.horizon = options.steps  # the steps the cosine schedule anneals over (fewer with a time cap)
+        self.stopped: str | None = None  # why learning ended before options.steps (no progress, time cap)
+        self.best_at_checks: list[float] = []  # the best path loss so far, after each check
         self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
         if not math.isfinite(self.record.start_loss):
             raise LearnError(f"The path loss of the start is {self.record.start_loss} on the first "
@@ -236,7 +259,7 @@ class _Run:
         if not torch.isfinite(loss):
             self.backtrack(step, f"the loss is {float(loss.detach())}")
             return False
-        cosine = 0.5 * (1 + math.cos(math.pi * step / self.options.steps))
+        cosine = 0.5 * (1 + math.cos(math.pi * min(step / self.horizon, 1.0)))
         for group, lr in zip(self.optimiser.param_groups, self.learning_rates):
             group["lr"] = lr * self.lr_factor * cosine
         self.optimiser.zero_grad()
@@ -248,15 +271,41 @@ class _Run:
         return True
 
     def check_due(self, step: int) -> bool:
-        return (step + 1) % self.check_every == 0 or step + 1 == self.options.steps
+        return (step + 1) % self.check_every == 0 or step + 1 >= self.horizon
+
+    def fit_horizon(self, step: int, seconds: float) -> None:
+        """With a time cap, before ``step``: the horizon becomes the steps that fit in the cap at the mean time per
+        step so far (at least this one), so the cosine schedule still anneals to its end."""
+        cap = self.options.seconds
+        if cap is None or step == 0:
+            return
+        fit = step + int(max(cap - seconds, 0.0) / (seconds / step))
+        self.horizon = max(step + 1, min(self.options.steps, fit))
+        if self.horizon < self.options.steps and step + 1 == self.horizon:
+            self.stopped = f"the time cap of {cap:g} s"
+
+    def stalled(self) -> None:
+        """Stop (``self.stopped``) when the last ``patience`` checks together lowered the best path loss by no more
+        than ``tolerance`` times what learning has gained so far."""
+        best, patience = self.best_at_checks, self.options.patience
+        if patience and len(best) > patience:
+            recent, gained = best[-1 - patience] - best[-1], self.record.start_loss - best[-1]
+            if recent <= self.options.tolerance * gained:
+                self.stopped = (f"the last {patience} checks found no lower path loss" if recent <= 0 else
+                                f"the last {patience} checks lowered the path loss by {recent:.3g}, no more than "
+                                f"{self.options.tolerance:g} of the {gained:.3g} gained")
 
     def checked_better(self, state: State, step: int) -> bool:
         """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked,
         else backtrack."""
         checked = self.loss_at.evaluate(state, self.probe)
         self.record.checks.append(checked)
-        if checked < self.record.end_loss:
+        better = checked < self.record.end_loss
+        if better:
             self.best, self.record.end_loss = state, checked
+        self.best_at_checks.append(self.record.end_loss)
+        self.stalled()
+        if better:
             return True
         finite = math.isfinite(checked)
         if finite and not self.backtrack_when_worse:
@@ -298,7 +347,7 @@ class _SteRun(_Run):
         self.proxy = {k: start[k].detach().to(torch.float32).clone().requires_grad_(True) for k in loss_at.names}
         super().__init__(start, loss_at, data, options, list(self.proxy.values()), [options.lr] * len(self.proxy))
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, check: bool) -> None:
         """Project, take the straight-through loss on one batch, move the proxy; check the projection now and
         then (the best one checked is the result)."""
         target = {**self.current, **{k: p.detach().to(self.current[k].dtype) for k, p in self.proxy.items()}}
@@ -306,7 +355,7 @@ class _SteRun(_Run):
                                     matching_start=False, cost_excluded=self.cost_excluded).state
         t, batch = self.sample()
         loss = self.loss_at(_straight_through(self.current, self.proxy), t, batch)
-        if self.descend(loss, step) and self.check_due(step):
+        if self.descend(loss, step) and check:
             self.checked_better(self.current, step)
 
     def finite(self) -> bool:
@@ -339,15 +388,15 @@ class _DirectRun(_Run):
         super().__init__(start, loss_at, data, options, self.elements.parameters, rates)
         self.record.learning_rates = {g.id: lr for g, lr in zip(self.elements.groups, rates)}
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, check: bool) -> None:
         """One Adam step on the interpolated loss of one batch; check the elements now and then (the best one
         checked is the result)."""
         t, batch = self.sample()
         loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
         if not self.descend(loss, step):
             return
-        self.elements.absorb()  # the generators back to zero, where the differentiable elements are exact
-        if self.check_due(step):
+        self.elements.absorb()
+        if check:
             exact = self.elements.exact()
             self.current = apply(self.start, exact, dtype=torch.float64)
             if self.checked_better(self.current, step):

@@ -73,6 +73,10 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(general_linear="yes"), "general_linear must be True or False"),
     (LearnOptions(width_aware=1), "width_aware must be True or False"),
     (LearnOptions(backtracks=-1), "backtracks must be a whole number >= 0"),
+    (LearnOptions(patience=-1), "patience must be a whole number >= 0"),
+    (LearnOptions(tolerance=-0.1), "tolerance must be a finite number >= 0"),
+    (LearnOptions(tolerance=math.inf), "tolerance must be a finite number >= 0"),
+    (LearnOptions(seconds=0), "time cap of learning must be a finite number of seconds > 0"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
@@ -165,6 +169,97 @@ def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, bac
         assert back_to_best
     else:
         assert learned["backtracks"] == [] and not back_to_best
+
+
+def _checked_losses(monkeypatch, losses):
+    """The path losses checks find: the start's, then ``losses`` in turn, then the last of them from then on."""
+    losses = iter(losses)
+    last = {}
+
+    def checked(self, other, batches):
+        last["loss"] = next(losses, last.get("loss"))
+        return last["loss"]
+
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", checked)
+
+
+@pytest.mark.parametrize("patience, tolerance, losses, steps, stopped", [
+    # three checks in a row no lower than 0.8: stop after the fourth check (step 4)
+    (3, 0.0, [1.0, 0.8, 0.9, 0.85, 0.95], 4, "the last 3 checks found no lower path loss"),
+    (0, 0.0, [1.0, 0.8, 0.9, 0.85, 0.95], 12, None),  # patience 0: every step
+    (2, 0.0, [1.0, 0.8, 0.9, 0.7, 0.9], 5, "the last 2 checks found no lower path loss"),
+    # gained 0.5 by the first check; the next three gain 0.02 together, no more than 0.1 of 0.52: stop
+    (3, 0.1, [1.0, 0.5, 0.49, 0.485, 0.48, 0.3], 4,
+     "the last 3 checks lowered the path loss by 0.02, no more than 0.1 of the 0.52 gained"),
+    # tolerance 0: those checks did gain something; learning stops once three checks find nothing (after 0.3)
+    (3, 0.0, [1.0, 0.5, 0.49, 0.485, 0.48, 0.3], 8, "the last 3 checks found no lower path loss"),
+])
+def test_learning_stops_when_the_checks_stop_finding_a_lower_path_loss(vit_pair, monkeypatch, patience, tolerance,
+                                                                       losses, steps, stopped):
+    _checked_losses(monkeypatch, losses)
+    a, b = vit_pair
+    options = LearnOptions(steps=12, checks=12, eval_batches=1, patience=patience, tolerance=tolerance)
+    learned = symgraph.align(b, a, learn=options, learn_data="digits").learned
+    assert learned["steps"] == steps and learned["stopped"] == stopped
+    assert learned["end_path_loss"] == min(losses[:steps + 1])
+
+
+class _Clock:
+    """A fake ``time`` module for symgraph.learn whose clock moves one second each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_time_cap_ends_learning_on_a_checked_step_with_the_learning_rate_annealed(vit_pair, monkeypatch):
+    """The fake clock reads one second later at each reading (one before learning, one before each step). Before
+    step 4 (0-based 3) 4 s have passed at 4/3 s a step, and 2.5 s of the 6.5 s cap are left: one more step fits, so
+    step 4 is the last, it is checked, and the schedule has annealed over the 4 steps that fit, not over 50."""
+    monkeypatch.setattr(symgraph.learn, "time", _Clock())
+    rates, descend = [], symgraph.learn._Run.descend
+
+    def descend_and_keep_the_rate(self, loss, step):
+        moved = descend(self, loss, step)
+        rates.append(self.optimiser.param_groups[0]["lr"])
+        return moved
+
+    monkeypatch.setattr(symgraph.learn._Run, "descend", descend_and_keep_the_rate)
+    a, b = vit_pair
+    options = LearnOptions(steps=50, checks=50, eval_batches=1, seconds=6.5, patience=0, backtracks=0)
+    learned = symgraph.align(b, a, learn=options, learn_data="digits").learned
+    assert learned["stopped"] == "the time cap of 6.5 s" and learned["steps"] == 4
+    assert len(learned["checked_path_losses"]) == 4
+    first = learned["learning_rates"][next(iter(learned["learning_rates"]))]
+    assert rates[0] == pytest.approx(first)  # step 0: cosine 1
+    # step 3 of a horizon of 4: 0.5 (1 + cos(3 pi / 4)) = 0.15 (of 50 steps it would be 0.96)
+    assert rates[-1] == pytest.approx(first * 0.5 * (1 + math.cos(3 * math.pi / 4)))
+
+
+def test_cli_learning_options_stop_early_and_say_why(vit_pair, tmp_path, monkeypatch):
+    """--learn-patience / --learn-tolerance / --learn-seconds reach the learning options of align and barrier,
+    and the output line says why learning stopped."""
+    _checked_losses(monkeypatch, [1.0, 0.5, 0.45, 0.44])  # the last 2 checks gain 0.06 of 0.56: stop (tolerance 0.5)
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 8, "--learn-patience", 2, "--learn-tolerance", "0.5",
+                               "--stats", tmp_path / "stats.json", "--quiet")
+    assert code == 0, stderr
+    why = "the last 2 checks lowered the path loss by 0.06, no more than 0.5 of the 0.56 gained"
+    assert "learned over 3 steps" in stdout and f"stopped early ({why})" in stdout
+    learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+    assert learned["steps"] == 3 and learned["stopped"] == why
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+    monkeypatch.setattr(symgraph.learn, "time", _Clock())
+    code, stdout, stderr = run("barrier", a, b, "--data", "digits", "--limit", 32, "--steps", 3,
+                               "--align", "full+learn", "--learn-steps", 40, "--learn-seconds", "3.5",
+                               "--learn-patience", 0, "-o", tmp_path / "b.png", "--no-progress")
+    assert code == 0, stderr
+    # 2 s after step 1 (1 s a step and 1 s before learning): the 1.5 s left do not fit a step of 2 s
+    assert "stopped early (the time cap of 3.5 s)" in stdout and "learned over 2 steps" in stdout
 
 
 @pytest.mark.slow
