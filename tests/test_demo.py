@@ -13,8 +13,13 @@ from cli_runner import run
 
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
+    """One quick demo run, with --overwrite into a folder an earlier run left: a stale file of the demo's own
+    and a file of the user's (one run of the demo serves every test here; it takes most of a minute)."""
     out = tmp_path_factory.mktemp("demo") / "out"
-    code, stdout, stderr = run("demo", "--out", out, "--quick")
+    (out / QUICK_PLAN.pairs[0]).mkdir(parents=True)
+    (out / QUICK_PLAN.pairs[0] / "report.json").write_text("stale")
+    (out / "notes.txt").write_text("mine")
+    code, stdout, stderr = run("demo", "--out", out, "--quick", "--overwrite")
     assert code == 0, stderr
     return out, stdout
 
@@ -63,14 +68,18 @@ def test_quick_demo_says_why_from_scratch_twins_merge_badly(quick_demo):
     assert "why the merges lose" in stdout and "different random initialisations" in stdout
 
 
-def test_demo_refuses_an_out_that_holds_files_unless_overwrite(quick_demo):
-    out, _ = quick_demo
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+def test_demo_refuses_an_out_that_holds_files_unless_overwrite(quick_demo, tmp_path):
+    out = tmp_path / "out"
+    (out / "llama-chars").mkdir(parents=True)
+    (out / "llama-chars" / "report.json").write_text("an earlier run's")
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in out.rglob("*")}
     code, stdout, stderr = run("demo", "--out", out, "--quick")
     assert code == 2 and "already holds files" in stderr and "--overwrite" in stderr and stdout == ""
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
-    code, stdout, _ = run("demo", "--out", out, "--quick", "--overwrite")
-    assert code == 0 and f"everything is in {out}" in stdout
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in out.rglob("*")} == before  # nothing touched
+    done, stdout = quick_demo  # the fixture's run: --overwrite replaced its stale files and kept the user's
+    assert f"everything is in {done}" in stdout and (done / "notes.txt").read_text() == "mine"
+    assert json.loads((done / QUICK_PLAN.pairs[0] / "report.json").read_text())["groups"]
 
 
 def test_demo_refuses_a_file_as_out(tmp_path):
