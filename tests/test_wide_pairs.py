@@ -73,6 +73,9 @@ def test_paper_experiments_wide_run_reports_every_mode_and_the_merge(train_model
     tiny = replace(train_models.WIDE_FAMILIES["llama-wide"], steps=3, batch=2, warmup=1, size=(16, 1))
     monkeypatch.setitem(train_models.WIDE_FAMILIES, "llama-wide", tiny)
     monkeypatch.syspath_prepend(str(EXAMPLES))
+    # imported afresh, so it takes wide_pair from this fixture's train_models (an import left by an earlier
+    # instance of the module fixture on this worker bound the old module, and trained the real pair for minutes)
+    monkeypatch.delitem(sys.modules, "paper_experiments", raising=False)
     import paper_experiments
 
     monkeypatch.setattr(paper_experiments, "WIDE_MERGED", ("llama-chars-wide",))  # the ViT's merge, on this pair
@@ -83,6 +86,7 @@ def test_paper_experiments_wide_run_reports_every_mode_and_the_merge(train_model
     result = wide["pairs"]["llama-chars-wide"]
     assert set(result["barrier"]["modes"]) == set(paper_experiments.COLUMNS)  # every mode and the textbook
     assert set(result["training"]) == {"llama-chars-wide-a", "llama-chars-wide-b"}
+    assert {record["steps"] for record in result["training"].values()} == {tiny.steps}  # the tiny recipe ran
     merge, ends = result["merge"], result["endpoints"]
     aligned = {m: c["loss_barrier"] for m, c in result["barrier"]["modes"].items() if m not in ("none", "textbook")}
     assert merge["align"] == min(aligned, key=aligned.get)
