@@ -151,3 +151,40 @@ def test_per_head_decay_rates_block_head_permutations_only():
     motifs = {g.motif for g in subject.report.groups}
     assert {"qk", "vo"} <= motifs and "heads" not in motifs
     assert_fuzzed_at_two_shapes(subject)
+
+
+class ParameterRotaryRow(nn.Module):
+    """MLCD-style rotary table: the class token's row is cos/sin of a parameter, the other rows come from positions
+    (data). Query and key coordinates times that table are pinned where they meet the data rows, so each head's
+    queries and keys stay where they are: permuting the heads' values and outputs alone changed MLCD's outputs
+    (relative 6e-2 in float64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.attn = Attention()
+        self.class_angle = nn.Parameter(torch.randn(1, HEAD_DIM // 2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        n = x.shape[1]
+        angles = torch.arange(n - 1, dtype=x.dtype)[:, None] * 0.3 ** torch.arange(HEAD_DIM // 2, dtype=x.dtype)
+        angles = torch.cat([self.class_angle, angles]).repeat(1, 2)  # (n, HEAD_DIM)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # broadcast over heads
+
+        def rotate(t):  # (b, n, heads, d)
+            half = torch.cat([-t[..., HEAD_DIM // 2:], t[..., :HEAD_DIM // 2]], -1)
+            return t * cos + half * sin
+
+        a = self.attn
+        q, k = (rotate(p(x).view(*x.shape[:2], HEADS, HEAD_DIM)).transpose(1, 2) for p in (a.q, a.k))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, a.split(a.v(x)))
+        return self.head(x + a.o(out.transpose(1, 2).reshape(x.shape)))
+
+
+def test_heads_whose_queries_meet_per_head_data_are_not_permuted():
+    subject = symgraph.load(noisy(ParameterRotaryRow()), (torch.randint(0, VOCAB, (2, 7)),))
+    assert "heads" not in {g.motif for g in subject.report.groups}
+    assert "vo" in {g.motif for g in subject.report.groups}
+    assert_fuzzed_at_two_shapes(subject)
