@@ -64,7 +64,8 @@ class Selections:
         self.traced = Trace(cap)
         self.model, self.args, self.kwargs = cap.model, cap.args, cap.kwargs
         self.from_inputs = _input_dependent(cap)
-        self._probes: list[tuple[str, Trace]] | None = None
+        self._probes: list | None = None
+        self._traces: dict[str, Trace | None] = {}
 
     def why_not_fixed(self, node: fx.Node, indices: list[fx.Node], axes: frozenset[int]) -> str | None:
         """``None`` when ``indices`` (the index operands of ``node``, reading ``axes`` of its first operand) are a
@@ -73,8 +74,12 @@ class Selections:
             return "the indices are computed from the model's inputs"
         probes = self.probes()
         if not probes:
-            return "no other input shape could be traced to compare them"
-        for summary, probe in probes:
+            return "the model takes no other input shape to compare them at"
+        for inputs in probes:  # traced one at a time: the first difference ends the search
+            summary = shape_summary(inputs)
+            probe = self._trace(inputs)
+            if probe is None:
+                return f"the model could not be traced at input shape ({summary}) to compare them"
             other = probe.by_key.get(self.traced.key_of[node])
             if other is None:
                 return f"the graph traced at ({summary}) has no such node to compare"
@@ -96,28 +101,26 @@ class Selections:
                     return False
         return True
 
-    def probes(self) -> list[tuple[str, Trace]]:
-        """A trace at every probe shape the model takes (each probe as ``shape_summary`` writes it); empty when a
-        probe the model takes cannot be traced (no evidence) or it takes none. A model on the meta device (a
-        config-only or shallow copy) cannot run: a shape it takes is one it can be traced at."""
+    def probes(self) -> list:
+        """The probe inputs (:func:`~symgraph.probes.probe_inputs` without padding) but the traced ones, found
+        once. A model on the meta device (a config-only or shallow copy) cannot run: a shape it takes is one it
+        can be traced at."""
         if self._probes is None:
-            traces: dict[str, Trace | None] = {}
-
-            def traceable(inputs) -> bool:
-                summary = shape_summary(inputs)
-                if summary not in traces:
-                    try:
-                        traces[summary] = Trace(capture(self.model, *inputs))
-                    except CaptureError:
-                        traces[summary] = None
-                return traces[summary] is not None
-
             on_meta = any(p.device.type == "meta" for p in self.model.parameters())
-            probes = probe_inputs(self.model, self.args, self.kwargs, padding=False,
-                                  accepts=traceable if on_meta else None)[1:]
-            ok = all([traceable(p) for p in probes])
-            self._probes = [(shape_summary(p), traces[shape_summary(p)]) for p in probes] if ok else []
+            accepts = (lambda inputs: self._trace(inputs) is not None) if on_meta else None
+            self._probes = probe_inputs(self.model, self.args, self.kwargs, padding=False, accepts=accepts)[1:]
         return self._probes
+
+    def _trace(self, inputs) -> Trace | None:
+        """The trace at ``inputs``' shapes (made once per shape: the indices compared depend on no input value),
+        or ``None`` when torch.export cannot trace the model there."""
+        summary = shape_summary(inputs)
+        if summary not in self._traces:
+            try:
+                self._traces[summary] = Trace(capture(self.model, *inputs))
+            except CaptureError:
+                self._traces[summary] = None
+        return self._traces[summary]
 
 
 def _input_dependent(cap: Capture) -> set[fx.Node]:
