@@ -132,8 +132,11 @@ SHRINK = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 16, "first_k_dense_replace": 1,
 }
+WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed")
+HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
-    "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2), "codegen": dict(rotary_dim=8),
+    "xlnet": dict(d_head=16), "ctrl": dict(dff=128), "prophetnet": dict(ngram=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
     "recurrent_gemma": dict(lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"]),
     "hunyuan_v1_moe": dict(moe_topk=[2, 2]),
@@ -406,11 +409,26 @@ def shrunk(fields: dict, model_type: str) -> dict:
     for key in SPECIAL_TOKENS:  # special ids must fit the tiny vocabulary
         if isinstance(fields.get(key), int) and isinstance(vocab, int) and fields[key] >= vocab:
             out[key] = min(3 + SPECIAL_TOKENS.index(key), vocab - 1)
+    if fields.get("num_experts_per_tok", 0) is None and any(isinstance(out.get(k), int) for k in EXPERT_COUNTS):
+        out["num_experts_per_tok"] = SHRINK["num_experts_per_tok"]  # routed experts need a top-k (DeepSeek-V2)
+    if isinstance(fields.get("rotary_dim"), int):  # the same fraction of the shrunk head (GPT-J, CodeGen)
+        old, new = head_size(fields), head_size({**fields, **out})
+        if old and new:
+            out["rotary_dim"] = max(2, fields["rotary_dim"] * new // old // 2 * 2)
     if "kv_lora_rank" in fields:  # multi-head latent attention: as many key heads as query heads, rotary head dim
         out.update(num_key_value_heads=SHRINK["num_attention_heads"], head_dim=SHRINK["qk_rope_head_dim"])
     if "layer_types" in fields and isinstance(fields["layer_types"], list):
         out["layer_types"] = fields["layer_types"][:2]
     return out
+
+
+def head_size(fields: dict) -> int | None:
+    """The attention head size a config dict implies: its ``head_dim``, else its width over its head count."""
+    if isinstance(fields.get("head_dim"), int):
+        return fields["head_dim"]
+    width = next((fields[k] for k in WIDTHS if isinstance(fields.get(k), int)), None)
+    heads = next((fields[k] for k in HEAD_COUNTS if isinstance(fields.get(k), int)), None)
+    return width // heads if width and heads else None
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):

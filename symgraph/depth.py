@@ -81,6 +81,8 @@ def analyse_by_repeats(subject) -> Analysis | None:
         return None
     try:
         cap = capture(shallow, subject.args, subject.kwargs)
+        if not getattr(subject, "config_only", False):
+            _check_constants_have_values(cap)
         analysis, assembler = assemble_capture(cap, free_outputs=getattr(subject, "free_outputs", False))
         return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
@@ -89,6 +91,17 @@ def analyse_by_repeats(subject) -> Analysis | None:
     except NotReplicable as exc:
         log.info("analysing the full depth: %s", exc)
         return None
+
+
+def _check_constants_have_values(cap) -> None:
+    """Raise :class:`NotReplicable` when the trace made tensor constants on the meta device (Falcon's
+    ``fused_qkv[..., [-2], :]``: the index list becomes a tensor on its operand's device): their values are
+    lost there, so the shallow copy would pin what the model with weights selects by them."""
+    lost = sorted(name for name in cap.buffers.values()
+                  if getattr(cap.program.constants.get(name), "device", None) == torch.device("meta"))
+    if lost:
+        raise NotReplicable(f"tensor constants made while tracing the meta-device copy have no values "
+                            f"({', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''})")
 
 
 # -- the plan and the shallow copy --------------------------------------------------------------------------------

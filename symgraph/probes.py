@@ -34,8 +34,13 @@ Inputs = tuple[tuple, dict]
 Change = Callable[[Inputs, torch.Generator], Inputs]
 
 
-def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0) -> list[Inputs]:
+def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0, *, padding: bool = True,
+                 accepts: Callable[[Inputs], bool] | None = None) -> list[Inputs]:
     """``[(args, kwargs), ...]``: the example inputs first, then the variants the model accepts any change for.
+
+    ``padding=False`` leaves the attention mask out of the changes (shapes change, nothing else does).
+    ``accepts(inputs)`` decides which inputs the model takes (default: it runs on them with finite outputs; a
+    model on the meta device cannot run, so a caller may trace instead).
 
     Examples
     --------
@@ -52,24 +57,25 @@ def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 
     longer = ([_shrink_batch(batch)] if batch > 1 else []) + [
         _grow_size(n) for n in sorted((n for n in sizes if n > 1), reverse=True)]  # a grown size is not regrown
     shorter = [_grow_batch(batch)] + [_shrink_size(n) for n in sorted(n for n in sizes if n > 2)]
-    if "input_ids" in original[1] and "attention_mask" in _parameters(model):
+    if padding and "input_ids" in original[1] and "attention_mask" in _parameters(model):
         shorter.append(_pad)
-    variants = [_variant(model, original, changes, seed) for changes in (longer, shorter)]
+    accepts = accepts or (lambda inputs: _runs(model, inputs))
+    variants = [_variant(accepts, original, changes, seed) for changes in (longer, shorter)]
     return [original] + [v for v in variants if v is not None]
 
 
-def _variant(model, original: Inputs, changes: list[Change], seed: int) -> Inputs | None:
+def _variant(accepts: Callable[[Inputs], bool], original: Inputs, changes: list[Change], seed: int) -> Inputs | None:
     """The inputs with every change the model accepts; ``None`` when it accepts none."""
     if not changes:
         return None
     variant = _apply(changes, original, seed)
-    if _runs(model, variant):
+    if accepts(variant):
         return variant
-    accepted = [c for c in changes if _runs(model, _apply([c], original, seed))]
+    accepted = [c for c in changes if accepts(_apply([c], original, seed))]
     if not accepted:
         return None
     variant = _apply(accepted, original, seed)
-    return variant if _runs(model, variant) else _apply(accepted[:1], original, seed)  # each alone, not together
+    return variant if accepts(variant) else _apply(accepted[:1], original, seed)  # each alone, not together
 
 
 def shape_summary(inputs: Inputs) -> str:

@@ -104,6 +104,7 @@ EXAMPLES = {
     "aten.squeeze.default": lambda h, m: A.squeeze.default(h.unsqueeze(0)),
     "aten.expand.default": lambda h, m: A.expand.default(h.unsqueeze(0), [2, -1, -1, -1]),
     "aten.expand_as.default": lambda h, m: A.expand_as.default(h.unsqueeze(0), torch.zeros(2, *h.shape)),
+    "aten.broadcast_to.default": lambda h, m: A.broadcast_to.default(h.unsqueeze(0), [2, *h.shape]),
     "aten.slice.Tensor": lambda h, m: A.slice.Tensor(h, 1, 0, 3),
     "aten.select.int": lambda h, m: A.select.int(h, 1, 0),
     "aten.narrow.default": lambda h, m: A.narrow.default(h, 1, 0, 2),

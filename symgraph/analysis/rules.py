@@ -15,6 +15,7 @@ from .classes import blocks_kept_by
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
                      unique_rows, varying_axes)
+from .selections import selections_of
 
 NEUTRAL = monomial("one")
 
@@ -80,8 +81,11 @@ def _indexed_by_data(node: fx.Node) -> bool:
 
 
 def _pin_unselected(w, node: fx.Node, operands, results) -> None:
-    """Pin the coordinates that known indices leave out. Indices computed from the input (ProphetNet's relative
-    position buckets) select more of them at another input shape: what this one skips is not free."""
+    """Pin what known indices choose from unless they are a fixed selection (the same at every probe shape, see
+    analysis/selections.py: Falcon's ``fused_qkv[..., [-2], :]``), whose unselected coordinates are simply not
+    read here. Indices computed from the input (ProphetNet's relative position buckets, ``torch.arange(n)``)
+    select other positions at another input shape: what this one skips is not free, and what it selects may be
+    skipped by a shorter input (a permutation of the units a sum reads is then no longer harmless)."""
     kept = [collapse(t.ids).reshape(-1) for c in results if c is not None for t in c.terms]
     given = [collapse(t.ids).reshape(-1) for v in operands if v is not None for c in v.chans for t in c.terms]
     if not given:
@@ -89,9 +93,18 @@ def _pin_unselected(w, node: fx.Node, operands, results) -> None:
     given = torch.unique(torch.cat(given))
     skipped = given[~torch.isin(given, torch.cat(kept))] if kept else given
     skipped = skipped[skipped >= 0]
+    axes = _indexed_axes_of(node, len(_node_shape(_tensor_args(node)[0]) or ()))
+    chosen = [c for v in operands if v is not None for c in v.chans if chan_axes(c) & axes]
+    if not skipped.numel() and not chosen:
+        return
+    why = selections_of(w.cap).why_not_fixed(node, index_operands(node, "movement"), axes)
+    if why is None:
+        return
     if skipped.numel():
-        w.c.pin(skipped, "not selected by indices at the traced input shape; indices computed from another input "
-                         "shape may select it", node.name)
+        w.c.pin(skipped, f"not selected by indices at the traced input shape ({why}); another input shape may "
+                         "select it", node.name)
+    for c in chosen:
+        _pin_chan(w, node, c, f"chosen by indices that may choose other positions at another input shape ({why})")
 
 
 def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
@@ -324,7 +337,12 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     fx.node.map_aggregate((node.args[1:], node.kwargs), visit)
     if not unknown:
         return frozenset()
-    rank = len(_node_shape(_tensor_args(node)[0]) or ())
+    return _indexed_axes_of(node, len(_node_shape(_tensor_args(node)[0]) or ()))
+
+
+def _indexed_axes_of(node: fx.Node, rank: int) -> frozenset[int]:
+    """The axes of ``node``'s first operand (of rank ``rank``) whose positions its indices choose: ``dim`` of
+    gather and index_select, the indexed leading axes of ``index.Tensor``, else every axis."""
     dim = schema_arg(node, "dim")
     if isinstance(dim, int):
         return frozenset({dim % rank})
