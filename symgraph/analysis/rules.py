@@ -2,6 +2,8 @@
 node's :class:`Value` (or a list of them for multi-output ops)."""
 from __future__ import annotations
 
+import itertools
+
 import operator
 from dataclasses import replace
 
@@ -37,18 +39,19 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         if joined is not None:
             return joined
     tensors = [w.value(a) for a in _tensor_args(node)]
-    n_chans = max(len(v.chans) for v in tensors if v is not None)
+    slots = _channel_slots(tensors, len(_node_shape(node) or ()))
+    n_chans = max(len(order) for order in slots.values())
     guessed = _axes_chosen_by_unknown_indices(w, node)
     results = []
     for j in range(n_chans):
-        moved = [v.chans[j] for v in tensors if v is not None and j < len(v.chans)]
+        moved = [c for v in tensors if (c := _slot(v, j, slots)) is not None]
         if any(chan_axes(c) & guessed for c in moved):  # replay would invent positions (MoE routing by top-k)
             for c in moved:
                 for t in c.terms:
                     w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
             continue
         try:
-            results.append(_move_channel(w, node, j, spec))
+            results.append(_move_channel(w, node, j, spec, slots))
         except RuntimeError:  # a run-time size merged with other axes: the stand-in does not fit, never guess
             if not any(_run_time_size(a) for a in node.all_input_nodes):
                 raise
@@ -269,15 +272,51 @@ def _like(node: fx.Node, make):
     return [make(k) for k in range(len(val))] if isinstance(val, (list, tuple)) else make(None)
 
 
-def _move_channel(w, node: fx.Node, j: int, spec):
-    operands = [w.value(a) for a in _tensor_args(node)]
-    n_terms = max(len(v.chans[j].terms) if v is not None and j < len(v.chans) else 1 for v in operands)
-    block = any(v is not None and j < len(v.chans) and v.chans[j].block for v in operands)
-    mixed = any(v is not None and j < len(v.chans) and v.chans[j].mixed for v in operands)
+def _channel_slots(tensors: list[Value | None], out_rank: int) -> dict[int, list[int | None]]:
+    """Which channel of each operand moves in each replay (by ``id`` of the operand's Value): the j-th channels
+    of all operands, unless two of them vary along disjoint axes (aligned right, as broadcasting does). Then each
+    channel joins the channels of the other operands that vary along the same axes, or moves alone: ``cat([x,
+    tokens], 1)`` of activations x (coordinates on axis 2) and a parameter of tokens x coordinates (axes 1 and 2)
+    must carry x's coordinates on with the parameter's axis-2 channel, not with its token channel (GroupViT)."""
+    present = [v for v in tensors if v is not None]
+    axes = {id(v): [frozenset(a + out_rank - len(c.ids.shape) for a in chan_axes(c)) for c in v.chans]
+            for v in present}
+    by_index = {id(v): list(range(len(v.chans))) for v in present}
+    width = max((len(a) for a in axes.values()), default=0)
+    if all(not (x and y) or x & y for j in range(width)
+           for x, y in itertools.combinations([a[j] for a in axes.values() if j < len(a)], 2)):
+        return by_index
+    slots: list[frozenset] = []  # the axes of each replay, in order of first appearance
+    order: dict[int, list[int | None]] = {}
+    for v in present:
+        taken: list[int | None] = []
+        for i, a in enumerate(axes[id(v)]):
+            j = next((j for j, s in enumerate(slots) if s == a and j not in taken), None)
+            if j is None:
+                slots.append(a)
+                j = len(slots) - 1
+            taken.append(j)
+        order[id(v)] = taken
+    return {key: [taken.index(j) if j in taken else None for j in range(len(slots))] for key, taken in order.items()}
+
+
+def _slot(v: Value | None, j: int, slots: dict[int, list[int | None]]) -> Chan | None:
+    """The channel of ``v`` that moves in replay ``j`` (None: ``v`` has none there; its positions get no label)."""
+    if v is None or id(v) not in slots or j >= len(slots[id(v)]) or slots[id(v)][j] is None:
+        return None
+    return v.chans[slots[id(v)][j]]
+
+
+def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | None]]):
+    operands = [_slot(w.value(a), j, slots) for a in _tensor_args(node)]
+    n_terms = max(len(c.terms) if c is not None else 1 for c in operands)
+    block = any(c is not None and c.block for c in operands)
+    mixed = any(c is not None and c.mixed for c in operands)
     terms_out = []
     for k in range(n_terms):
-        ids = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "ids"))
-        coef = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(v, j, k, shape, "coef")) if mixed else None
+        ids = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "ids"))
+        coef = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "coef")) \
+            if mixed else None
         terms_out.append((ids, coef))
     if isinstance(terms_out[0][0], (list, tuple)):
         count = len(terms_out[0][0])
@@ -286,9 +325,9 @@ def _move_channel(w, node: fx.Node, j: int, spec):
     return Chan(tuple(Term(i, c) for i, c in terms_out), block=block)
 
 
-def _term_tensor(v: Value | None, j: int, k: int, shape, what: str) -> torch.Tensor:
-    if v is not None and j < len(v.chans) and k < len(v.chans[j].terms):
-        term = v.chans[j].terms[k]
+def _term_tensor(chan: Chan | None, k: int, shape, what: str) -> torch.Tensor:
+    if chan is not None and k < len(chan.terms):
+        term = chan.terms[k]
         if what == "ids":
             return term.ids
         return torch.ones(term.ids.shape, dtype=torch.float64) if term.coef is None \

@@ -84,8 +84,11 @@ def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> V
 def _overwrite(base: Value, j: int, k: int, base_shape, wrote: Value, positions: torch.Tensor, what: str):
     from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
 
-    out = _term_tensor(base, j, k, base_shape, what).expand(base_shape).reshape(-1).clone()
-    out[positions] = _term_tensor(wrote, j, k, wrote.shape, what).expand(wrote.shape).reshape(-1)
+    def chan(v):
+        return v.chans[j] if j < len(v.chans) else None
+
+    out = _term_tensor(chan(base), k, base_shape, what).expand(base_shape).reshape(-1).clone()
+    out[positions] = _term_tensor(chan(wrote), k, wrote.shape, what).expand(wrote.shape).reshape(-1)
     return out.reshape(base_shape)
 
 
