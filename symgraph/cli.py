@@ -150,6 +150,10 @@ def _learn_options(command, *, flag: bool = True):
                      default=lambda: _learn_default("seconds"), show_default="no cap",
                      help="A time cap of learning (each time it is learned): the learning rate anneals over the steps "
                           "that fit in it at the time per step so far, and learning stops there."),
+        click.option("--learn-max-condition", type=click.FloatRange(min=1),
+                     default=lambda: _learn_default("max_condition"), show_default="100, as the data-free solver",
+                     help="Direct method: the largest condition number a learned general linear map (QK, VO) may "
+                          "reach; a step beyond it is projected back onto it (inf: no bound)."),
         click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
                      show_default="0.01",
                      help="Learning rate (Adam, cosine-annealed) of learned matching, width-aware: the step of each "
@@ -210,12 +214,13 @@ def _learn_default(name: str):
 
 
 def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, learn_patience, learn_tolerance,
-              learn_seconds):
+              learn_seconds, learn_max_condition):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method,
-                        patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds)
+                        patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
+                        max_condition=learn_max_condition)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance, residual) -> dict:
@@ -334,9 +339,12 @@ def _learned_note(learned: dict | None) -> str:
     backtracks = len(learned["backtracks"])
     lowered = f", learning rate lowered {backtracks} time{'s' * (backtracks != 1)}" if backtracks else ""
     stopped = f", stopped early ({learned['stopped']})" if learned["stopped"] else ""
+    projected = learned["condition_projections"]
+    bounded = (f", general linear maps projected back to condition {learned['condition_bound']:g} {projected} "
+               f"time{'s' * (projected != 1)}" if projected else "")
     return (f", learned over {learned['steps']} steps: path loss (t = 1/4, 1/2, 3/4) "
             f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}"
-            f"{lowered}{stopped}")
+            f"{lowered}{bounded}{stopped}")
 
 
 def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:

@@ -6,8 +6,8 @@ from parameters to an element that lies in the group by construction:
 - orthogonal: ``Q = exp(X - X^T)`` (a skew matrix's exponential is orthogonal); for ``{Q : Q 1 = 1}`` (a
   folded LayerNorm stream) the rotation acts on the complement of the ones vector only, ``Q = H diag(1,
   exp(K)) H`` with ``H`` the Householder basis of :func:`symgraph.solve.kernels.ones_basis`;
-- general linear: ``exp(X)`` (always invertible; starts at the identity, so it stays well conditioned for small
-  steps);
+- general linear: ``exp(X)`` (always invertible; any invertible map is in the group, so bounding its condition
+  number keeps it there: see below);
 - rotary: a rotation angle and a log-scale per frequency pair, ``exp`` of a general (or skew, without scales)
   matrix on the pass-through coordinates;
 - scales (scale groups and monomial groups with positive or nonzero scales): ``exp`` of a log-scale; signs and
@@ -21,6 +21,16 @@ value and the same gradient, and :meth:`ContinuousElements.elements` uses the se
 and above all no backward pass through one, in a learning step (on the wide ViT that backward pass cost more
 than ten times its forward pass). The optimiser's moments live in the Lie algebra at the current point (Adam on
 the right-trivialised gradient ``B^T dL/dB``). Vectors (log-scales, rotary angles) are their own parameters.
+
+General linear bases (QK and VO maps, the pass-through block of a rotary group with scales) are kept *well
+conditioned*: after each absorb, a base whose condition number exceeds ``max_condition`` (the solvers' bound,
+:data:`symgraph.solve.kernels.MAX_CONDITION`, by default) is replaced by the nearest one within it
+(:func:`symgraph.solve.kernels.bound_condition`: singular values clipped in log space, singular vectors kept).
+Every invertible matrix is an element of the group, so the projection changes where learning is, never whether
+the result is an exact reparametrisation. Adam's moments are left as they are: the projection moves a base only
+at the boundary, the component of the moments that pushes outward is undone by the next projection (projected
+gradient descent) and the others still point where the loss falls; zeroing them would cost the moments of every
+other copy in the same tensor, or (per copy) leave Adam's bias correction dividing by almost nothing.
 
 :meth:`ContinuousElements.elements` gives elements whose ``matrices`` / ``diag`` are torch tensors, so
 :func:`symgraph.elements.apply` is differentiable in the parameters; :meth:`ContinuousElements.exact` gives
@@ -45,6 +55,7 @@ import torch
 
 from .elements import Element
 from .groups import Group
+from .solve.kernels import MAX_CONDITION, bound_condition
 
 __all__ = ["ContinuousElements", "REFERENCE_SIDE", "has_continuous_part"]
 
@@ -61,9 +72,11 @@ def has_continuous_part(group: Group) -> bool:
 
 class ContinuousElements:
     """Parameters (zero: the identity) of the continuous part of every group in ``groups`` that has one, and the
-    bases their matrix generators act on (module docstring)."""
+    bases their matrix generators act on, the general linear ones kept within ``max_condition`` (module
+    docstring; ``math.inf``: no bound)."""
 
-    def __init__(self, groups, dtype=torch.float32):
+    def __init__(self, groups, dtype=torch.float32, max_condition: float = MAX_CONDITION):
+        self.max_condition = max_condition
         self.groups = [g for g in groups if has_continuous_part(g)]
         self.parameters = [_zeros(g, dtype).requires_grad_(True) for g in self.groups]
         self.bases = [_identity_base(g) for g in self.groups]  # float64; None: the group has no matrix generator
@@ -84,14 +97,22 @@ class ContinuousElements:
         return out
 
     @torch.no_grad()
-    def absorb(self) -> None:
-        """Fold the matrix generators into the bases (``B <- B exp(X)``, ``X <- 0``); the elements are unchanged."""
+    def absorb(self) -> int:
+        """Fold the matrix generators into the bases (``B <- B exp(X)``, ``X <- 0``; the elements are unchanged),
+        then bring every general linear base back within ``max_condition`` (a base that is not finite is left for
+        :meth:`finite` to report). Returns how many bases (copies) that moved."""
+        projected = 0
         for g, p, base in zip(self.groups, self.parameters, self.bases):
             if base is None:
                 continue
             generator = _generator(g, p.detach().to(torch.float64))
             base.copy_(base @ torch.linalg.matrix_exp(generator))
             _generator_entries(g, p).zero_()
+            if not _skew(g) and math.isfinite(self.max_condition) and bool(torch.isfinite(base).all()):
+                bounded, moved = bound_condition(base, self.max_condition)
+                base.copy_(bounded)
+                projected += int(moved.sum())
+        return projected
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.parameters) and \
@@ -161,8 +182,12 @@ def _generator(g: Group, p: torch.Tensor) -> torch.Tensor:
     if g.kind == "rotary":
         side = len(g.passthrough)
         x = x.reshape(g.copies, side, side)
-    skew = g.kind == "orthogonal" or (g.kind == "rotary" and g.scale != "positive")
-    return x - x.transpose(-1, -2) if skew else x
+    return x - x.transpose(-1, -2) if _skew(g) else x
+
+
+def _skew(g: Group) -> bool:
+    """Whether ``g``'s matrix generator is skew (its base a rotation), not general (its base general linear)."""
+    return g.kind == "orthogonal" or (g.kind == "rotary" and g.scale != "positive")
 
 
 def _exponential(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

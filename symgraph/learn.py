@@ -56,6 +56,7 @@ from .alignment import AlignResult, align_states
 from .elements import apply
 from .errors import SymgraphError
 from .progress import progress_bar
+from .solve.kernels import MAX_CONDITION
 
 __all__ = ["LearnError", "LearnOptions", "learn_alignment", "path_loss", "training_data"]
 
@@ -87,8 +88,11 @@ class LearnOptions:
     stops the run). Learning ends before ``steps`` when the last ``patience`` checks (0: not on this ground) together
     lowered the best path loss by no more than ``tolerance`` times what learning has gained so far, or when ``seconds``
     (a time cap; None: none) would be passed: with a cap, the learning rate anneals over the steps that fit in it at
-    the time per step so far. Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few
-    minutes per shipped pair on one CPU core.
+    the time per step so far. ``max_condition`` (direct method): the largest condition number a learned general
+    linear map may reach (QK and VO maps, a rotary group's pass-through block); a step beyond it is projected back
+    (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound; the default is the data-free solver's
+    bound). Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per
+    shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -106,6 +110,7 @@ class LearnOptions:
     patience: int = 3
     tolerance: float = 0.0
     seconds: float | None = None
+    max_condition: float = MAX_CONDITION
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
@@ -129,6 +134,11 @@ class LearnOptions:
         if self.seconds is not None and not (isinstance(self.seconds, (int, float)) and 0 < self.seconds < math.inf):
             raise LearnError(f"The time cap of learning must be a finite number of seconds > 0, not "
                              f"{self.seconds!r}.", hint="e.g. seconds=300, or None (no time cap, the default).")
+        if not (isinstance(self.max_condition, (int, float)) and not isinstance(self.max_condition, bool)
+                and self.max_condition >= 1):
+            raise LearnError(f"The bound on the condition number of learned maps must be a number >= 1 (inf: none), "
+                             f"not {self.max_condition!r}.",
+                             hint=f"e.g. max_condition={MAX_CONDITION:g} (the default).")
         for name in ("general_linear", "width_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
@@ -143,8 +153,10 @@ class LearnOptions:
 class LearnRecord:
     """What the optimisation did: the loss per step, the path loss (t = 1/4, 1/2, 3/4) on the evaluation batches
     at the start, at each check and of the result, whether a learned alignment was kept (it must beat the
-    start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``) and
-    the learning rate of each group of parameters at the start (direct method, before the cosine schedule)."""
+    start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``), the
+    learning rate of each group of parameters at the start (direct method, before the cosine schedule), and
+    (direct method) the largest condition number of a learned general linear map in the result, the bound it was
+    kept within and how many times a map (one head's, one step) was projected back within it."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -153,6 +165,8 @@ class LearnRecord:
     kept: bool = False
     seconds: float = 0.0
     condition: float | None = None  # the largest condition number of a learned general linear map (direct)
+    condition_bound: float | None = None  # LearnOptions.max_condition (direct; None: no bound)
+    projections: int = 0  # general linear maps projected back within condition_bound, summed over steps (direct)
     backtracks: list[dict] = field(default_factory=list)
     learning_rates: dict[str, float] = field(default_factory=dict)
     stopped: str | None = None  # why learning ended before the last step (None: it ran them all)
@@ -162,6 +176,7 @@ class LearnRecord:
                 "last_loss": self.losses[-1] if self.losses else None, "start_path_loss": self.start_loss,
                 "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
                 "seconds": self.seconds, "largest_condition_number": self.condition,
+                "condition_bound": self.condition_bound, "condition_projections": self.projections,
                 "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped}
 
 
@@ -381,12 +396,14 @@ class _DirectRun(_Run):
         from .continuous import ContinuousElements
 
         self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
-        self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups)
+        self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
+                                           max_condition=options.max_condition)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
         super().__init__(start, loss_at, data, options, self.elements.parameters, rates)
         self.record.learning_rates = {g.id: lr for g, lr in zip(self.elements.groups, rates)}
+        self.record.condition_bound = options.max_condition if math.isfinite(options.max_condition) else None
 
     def step(self, step: int, check: bool) -> None:
         """One Adam step on the interpolated loss of one batch; check the elements now and then (the best one
@@ -395,7 +412,7 @@ class _DirectRun(_Run):
         loss = self.loss_at(_moved(self.start, self.elements.elements()), t, batch)
         if not self.descend(loss, step):
             return
-        self.elements.absorb()
+        self.record.projections += self.elements.absorb()
         if check:
             exact = self.elements.exact()
             self.current = apply(self.start, exact, dtype=torch.float64)

@@ -4,6 +4,7 @@ probes), the differentiable and the exact elements agree, and zero parameters ar
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from symgraph import continuous
 from symgraph.continuous import ContinuousElements
 from symgraph.elements import apply
 from symgraph.fold import folded_subject
+from symgraph.solve import kernels
 from symgraph.verify import Evaluator
 
 # llama: O(D) residual, RoPE (rotary with positive scales), GL VO, SwiGLU scales; vit: {Q : Q 1 = 1} residual,
@@ -148,3 +150,54 @@ def test_vector_parameters_keep_the_learning_rate_and_generators_scale_with_thei
     assert rates["scale"] == rates["rotary"] == 0.01  # log-scales and angles: one coordinate each
     head = next(g for g in elements.groups if g.kind == "general_linear")
     assert rates["general_linear"] == pytest.approx(0.01 * (64 / head.size) ** 0.5)
+
+
+def _general_linear_heads(copies=3, n=6, max_condition=kernels.MAX_CONDITION):
+    group = symgraph.Group("h", "vo", "general_linear", n, copies,
+                           (symgraph.Member("w", 0, np.arange(copies * n).reshape(copies, n, 1)),))
+    return ContinuousElements([group], dtype=torch.float64, max_condition=max_condition)
+
+
+def _step_to(elements, generators):
+    with torch.no_grad():
+        elements.parameters[0].copy_(generators)
+    return elements.absorb()
+
+
+def test_a_step_that_would_make_a_learned_map_badly_conditioned_is_projected_back_within_the_bound():
+    """Copy 0 steps to condition e^6 (about 400), copy 1 to e^3 (about 20), copy 2 stays: only copy 0 moves,
+    to condition 100 with the same singular vectors; without a bound it keeps 400."""
+    n = 6
+    big = torch.diag(torch.linspace(-3.0, 3.0, n, dtype=torch.float64))
+    mixing = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(0),
+                                         dtype=torch.float64)).Q
+    generators = torch.stack([mixing @ big @ mixing.T, 0.5 * big, torch.zeros(n, n, dtype=torch.float64)])
+    bounded, unbounded = _general_linear_heads(), _general_linear_heads(max_condition=math.inf)
+    assert _step_to(unbounded, generators) == 0
+    assert _step_to(bounded, generators) == 1
+    free, kept = unbounded.exact()[0].matrices, bounded.exact()[0].matrices
+    conditions = np.linalg.cond(kept)
+    assert np.linalg.cond(free[0]) == pytest.approx(math.exp(6.0))
+    assert conditions[0] == pytest.approx(kernels.MAX_CONDITION) and conditions[0] <= kernels.MAX_CONDITION
+    assert np.array_equal(kept[1:], free[1:])  # within the bound: exactly unchanged
+    assert np.allclose(mixing.T.numpy() @ kept[0] @ mixing.numpy(), np.diag(np.diag(mixing.T.numpy() @ kept[0]
+                                                                                    @ mixing.numpy())), atol=1e-9)
+    # the next step from within the bound projects nothing
+    assert _step_to(bounded, torch.zeros_like(generators)) == 0
+
+
+def test_the_bound_clips_log_singular_values_around_their_least_squares_centre():
+    """Singular values e^(-3, 0, 0, 0, 3): the interval of width log(100) is centred where most values are
+    (0 stays), and the map and its inverse are moved alike."""
+    m = torch.diag(torch.exp(torch.tensor([3.0, 0.0, 0.0, 0.0, -3.0], dtype=torch.float64)))[None]
+    projected, moved = kernels.bound_condition(m, 100.0)
+    half = math.log(100.0) / 2
+    assert bool(moved[0])
+    assert torch.allclose(torch.log(torch.linalg.svdvals(projected[0])),
+                          torch.tensor([half, 0.0, 0.0, 0.0, -half], dtype=torch.float64), atol=1e-9)
+    lopsided, _ = kernels.bound_condition(torch.diag(torch.exp(torch.tensor(
+        [6.0, 6.0, 6.0, 0.0], dtype=torch.float64)))[None], 100.0)
+    # three values at the top, one at the bottom: the bottom one moves up by nearly all the excess
+    assert torch.allclose(torch.log(torch.linalg.svdvals(lopsided[0])),
+                          torch.tensor([6.0 - (6.0 - 2 * half) / 4] * 3 + [6.0 - (6.0 - 2 * half) / 4 - 2 * half],
+                                       dtype=torch.float64), atol=1e-9)

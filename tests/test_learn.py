@@ -77,6 +77,8 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(tolerance=-0.1), "tolerance must be a finite number >= 0"),
     (LearnOptions(tolerance=math.inf), "tolerance must be a finite number >= 0"),
     (LearnOptions(seconds=0), "time cap of learning must be a finite number of seconds > 0"),
+    (LearnOptions(max_condition=0.5), "condition number of learned maps must be a number >= 1"),
+    (LearnOptions(max_condition=math.nan), "condition number of learned maps must be a number >= 1"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
@@ -260,6 +262,43 @@ def test_cli_learning_options_stop_early_and_say_why(vit_pair, tmp_path, monkeyp
     assert code == 0, stderr
     # 2 s after step 1 (1 s a step and 1 s before learning): the 1.5 s left do not fit a step of 2 s
     assert "stopped early (the time cap of 3.5 s)" in stdout and "learned over 2 steps" in stdout
+
+
+def test_learned_general_linear_maps_stay_within_the_condition_bound(vit_pair, monkeypatch):
+    """The same 4 steps from the same start learn QK / VO maps of condition above 1.5 without a bound and stay
+    within a bound of 1.5 with it (projected back many times); the result is still the source's function."""
+    _checked_losses(monkeypatch, [1.0, 0.9, 0.8, 0.7])  # every check better: the learned maps are kept
+    a, b = vit_pair
+    options = LearnOptions(steps=4, checks=2, eval_batches=1, lr=0.05)
+    free = symgraph.align(b, a, learn_data="digits", learn=replace(options, max_condition=math.inf), progress=None)
+    bound = 1.5
+    _checked_losses(monkeypatch, [1.0, 0.9, 0.8, 0.7])
+    result = symgraph.align(b, a, learn_data="digits", learn=replace(options, max_condition=bound), progress=None)
+    assert free.learned["kept"] and result.learned["kept"]
+    assert free.learned["largest_condition_number"] > bound * 1.1 and free.learned["condition_projections"] == 0
+    assert free.learned["condition_bound"] is None
+    learned = result.learned
+    assert 1.0 < learned["largest_condition_number"] <= bound and learned["condition_bound"] == bound
+    assert learned["condition_projections"] > 0
+    assert result.start == "learned" and result.verified_error is not None
+    assert torch.allclose(outputs(b, result.state), outputs(b), atol=1e-4)
+
+
+def test_cli_learn_max_condition_reaches_the_learning_options_and_the_record(vit_pair, tmp_path, monkeypatch):
+    _checked_losses(monkeypatch, [1.0, 0.9, 0.8, 0.7])  # every check better: the learned maps are kept
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 4, "--learn-lr", "0.2", "--learn-max-condition", "1.2",
+                               "--stats", tmp_path / "stats.json", "--quiet")
+    assert code == 0, stderr
+    learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+    assert learned["kept"] and learned["condition_bound"] == 1.2
+    assert 1.0 < learned["largest_condition_number"] <= 1.2
+    assert f"projected back to condition 1.2 {learned['condition_projections']} times" in stdout
+    assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+    code, _, stderr = run("barrier", a, b, "--data", "digits", "--align", "full+learn", "--learn-max-condition",
+                          "0.5", "-o", tmp_path / "b.png")
+    assert code == 2 and "0.5" in stderr and not (tmp_path / "b.png").exists()
 
 
 @pytest.mark.slow

@@ -282,16 +282,13 @@ def _best_linear(ws, g: Group, members, coords, T: np.ndarray) -> Element:
     if dual:  # Z -> S Z with S = T^{-T}: least squares gives S, so the block of T is S^{-T}
         S = _least_squares(sub(ws.cross(dual, g)), sub(ws.gram(dual, g)))
         fills.append(np.linalg.inv(S).swapaxes(-1, -2))
-    fills = [f for f in fills if np.all(np.linalg.cond(f) <= MAX_CONDITION)]  # Procrustes (1) always stays
+    fills = [f for f in fills if np.all(np.linalg.cond(f) <= kernels.MAX_CONDITION)]  # Procrustes (1) always stays
     candidates = []
     for fill in fills:
         full = T.copy()
         full[block] = fill
         candidates.append(Element(g, matrices=full))
     return min(candidates, key=lambda e: _element_cost(ws, members, e))
-
-
-MAX_CONDITION = 100.0  # a general linear map worse conditioned than this makes merged weights blow up: not used
 
 
 def _least_squares(cross: np.ndarray, gram: np.ndarray) -> np.ndarray:

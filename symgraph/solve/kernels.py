@@ -23,6 +23,7 @@ Conventions
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,10 +40,14 @@ __all__ = [
     "joint_rotation_rescale", "qk_objective",
     "rotary_closed_form", "rotation_2x2", "rotary_objective",
     "unit_scales", "unit_scale_objective",
+    "MAX_CONDITION", "bound_condition",
 ]
 
 _GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
 _CHUNK_ELEMENTS = 1 << 23  # float64 entries per batched SVD call in the 1-D searches (64 MiB)
+# A general linear map worse conditioned than this makes merged weights blow up: the solvers do not use one
+# (symgraph.solve.dispatch), learned matching projects onto it (symgraph.continuous).
+MAX_CONDITION = 100.0
 
 
 # -- orthogonal: Procrustes ---------------------------------------------------------------------------------
@@ -125,6 +130,50 @@ def procrustes_fixing_ones(cross: Array) -> np.ndarray:
     rotated[..., 0, 0] = np.where(inner[..., 0, 0] < 0, -1.0, 1.0)
     rotated[..., 1:, 1:] = as_numpy(procrustes(np.ascontiguousarray(inner[..., 1:, 1:])))
     return h @ rotated @ h
+
+
+def bound_condition(matrices: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The nearest matrices of condition number at most ``bound``, batched over leading axes; returns them and a
+    mask of the matrices that changed (the others are returned exactly as they were).
+
+    Nearest in the log-singular values: with :math:`M = U \operatorname{diag}(e^{x}) V^\top`, the logs
+    :math:`x_i` are clipped into :math:`[l, l + \log \kappa]` with :math:`l` minimising
+    :math:`\sum_i (x_i - \operatorname{clip}(x_i))^2`, keeping :math:`U, V`. That distance is the same for
+    :math:`M` and :math:`M^{-1}` (which negates :math:`x`), as it must be for maps acting as :math:`T` on one
+    side of a pair and :math:`T^{-1}` on the other; clipping only from below (or above) would move one side
+    of the pair only, clipping around the geometric mean of the extremes ignores how many values sit at each.
+    :math:`f(l) = \sum_i \operatorname{dist}(l, [x_i - \log \kappa, x_i])^2` is convex and piecewise
+    quadratic: its derivative is piecewise linear between the breakpoints :math:`x_i, x_i - \log \kappa`,
+    so the minimiser is found exactly by interpolating it on the segment where it changes sign.
+
+    >>> m = torch.diag(torch.tensor([1000.0, 1.0, 0.1], dtype=torch.float64))
+    >>> [round(float(v), 4) for v in torch.linalg.svdvals(bound_condition(m, 100.0)[0])]
+    [100.0, 1.0, 1.0]
+    """
+    u, s, vh = torch.linalg.svd(matrices)
+    x = torch.log(s)
+    out = x.amax(-1) - x.amin(-1) > math.log(bound)
+    span = math.log(bound) * (1 - 1e-12)  # a hair inside: the condition measured afterwards stays <= bound
+    if not bool(out.any()):
+        return matrices, out
+    x = x[out]
+    breaks = torch.sort(torch.cat([x, x - span], dim=-1), dim=-1).values
+
+    def slope(at):  # f'(l) / 2 at each breakpoint, batched
+        at = at[..., :, None]
+        low, high = x[..., None, :], x[..., None, :] - span
+        return ((at - low).clamp(min=0) - (high - at).clamp(min=0)).sum(-1)
+
+    d = slope(breaks)  # non-decreasing, <= 0 at the first breakpoint, >= 0 at the last
+    k = torch.clamp((d <= 0).sum(-1, keepdim=True) - 1, 0, breaks.shape[-1] - 2)
+    p0, p1 = breaks.gather(-1, k), breaks.gather(-1, k + 1)
+    d0, d1 = d.gather(-1, k), d.gather(-1, k + 1)
+    rise = d1 - d0
+    lo = torch.where(rise > 0, p0 - d0 * (p1 - p0) / torch.where(rise > 0, rise, 1.0), p0)
+    clipped = torch.exp(torch.minimum(torch.maximum(x, lo), lo + span))
+    result = matrices.clone()
+    result[out] = (u[out] * clipped[..., None, :]) @ vh[out]
+    return result, out
 
 
 def procrustes_value(cross: Array, *, special: bool = False) -> np.ndarray:
