@@ -6,20 +6,28 @@ steps, backtracks and seconds of learning.
     python examples/bench_learn.py --pairs vit-digits --steps 600 --points 11
     python examples/bench_learn.py --pairs llama-chars --method ste --t midpoint --lr 0.003 --aligns full,full+learn
     python examples/bench_learn.py --pairs vit-digits,vit-digits-wide --wide-steps 80 --baseline
+    python examples/bench_learn.py --pairs vit-digits,llama-chars --steps 2400 --seconds 150 --patience 0
+        --aligns none,full+learn --unbounded --json examples/results/learn_condition.json   # (one command)
 
 ``--baseline`` also learns with the previous default (one learning rate for every parameter, no backtracking:
-``width_aware=False, backtracks=0``) at the same steps, in the same run, as ``full+learn (baseline)``. Wide pairs
+``width_aware=False, backtracks=0``) at the same steps, in the same run, as ``full+learn (baseline)``;
+``--unbounded`` also learns with no bound on the condition number of learned general linear maps
+(``max_condition=inf``, the default before the bound), as ``full+learn (unbounded)``. Wide pairs
 (``examples/train_models.py``, cached outside the repository; trained there first when missing) learn for
 ``--wide-steps`` steps (about 2.6 CPU seconds a step at width 256).
 
-Prints one JSON object (and writes it to ``--json``). Barriers come from ``symgraph.barrier`` (B aligned to A;
-foldable pairs folded, as ``barrier`` does by default); learning runs on the pair's training split. Measured:
-examples/results/bench_learn.json (each run with its command).
+Prints one JSON object (and writes it to ``--json``), with the command and the load average before and after.
+Barriers come from ``symgraph.barrier`` (B aligned to A; foldable pairs folded, as ``barrier`` does by default);
+learning runs on the pair's training split. Measured: examples/results/bench_learn.json (each run with its
+command), examples/results/learn_condition.json (the bound on learned general linear maps).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +41,7 @@ from train_models import WIDE_PAIRS, wide_pair
 
 PAIRS = {**SHIPPED_PAIRS, **WIDE_PAIRS}  # pair -> the dataset it was trained on
 BASELINE = {"width_aware": False, "backtracks": 0}  # the default before width-aware rates and backtracking
+UNBOUNDED = {"max_condition": math.inf}  # the default before learned general linear maps were bounded
 LEARNED = "full+learn"
 
 
@@ -51,12 +60,17 @@ def measure(pair: str, variants: dict[str, LearnOptions], points: int, aligns: t
         barriers.update({label(m): c.loss_barrier for m, c in result.curves.items()})
         seconds.update({label(m): c.align_seconds for m, c in result.curves.items()})
         if records:
-            learned[label(LEARNED)] = {"options": options.__dict__, **records[-1].to_json(),
+            learned[label(LEARNED)] = {"options": _plain(options), **records[-1].to_json(),
                                        "barrier_seconds": time.perf_counter() - clock}
     none = barriers.get("none")
     return {"pair": pair, "data": PAIRS[pair], "points": points, "barrier": barriers,
             **({"ratio_to_none": {m: v / none for m, v in barriers.items()}} if none else {}),
             "align_seconds": seconds, "learned": learned}
+
+
+def _plain(options: LearnOptions) -> dict:
+    """``options`` as JSON values (no bound: None, as in the record, not a non-standard Infinity)."""
+    return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in options.__dict__.items()}
 
 
 class _records_kept:
@@ -97,8 +111,13 @@ def main() -> None:
                         help="stop when this many checks gain less than --tolerance of the gain so far (0: never)")
     parser.add_argument("--tolerance", type=float, default=LearnOptions.tolerance)
     parser.add_argument("--seconds", type=float, default=LearnOptions.seconds, help="time cap of learning")
+    parser.add_argument("--seed", type=int, default=LearnOptions.seed, help="seed of batch order and t")
+    parser.add_argument("--max-condition", type=float, default=LearnOptions.max_condition,
+                        help="bound on the condition number of learned general linear maps")
     parser.add_argument("--baseline", action="store_true",
                         help="also learn with the previous default (width_aware=False, backtracks=0)")
+    parser.add_argument("--unbounded", action="store_true",
+                        help="also learn with no bound on the condition number (max_condition=inf)")
     parser.add_argument("--points", type=int, default=11, help="points on the path, ends included")
     parser.add_argument("--aligns", default=f"none,full,{LEARNED}", help="comma-separated barrier modes")
     parser.add_argument("--json", type=Path, help="also write the JSON here")
@@ -106,14 +125,18 @@ def main() -> None:
     options = LearnOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, t=args.t, method=args.method,
                            general_linear=not args.no_general_linear, width_aware=not args.no_width_aware,
                            backtracks=args.backtracks, checks=args.checks, patience=args.patience,
-                           tolerance=args.tolerance, seconds=args.seconds)
-    runs = []
+                           tolerance=args.tolerance, seconds=args.seconds, max_condition=args.max_condition,
+                           seed=args.seed)
+    runs, load_before = [], os.getloadavg()
     for pair in args.pairs.split(","):
         steps = args.wide_steps if pair in WIDE_PAIRS else args.steps
         chosen = replace(options, steps=steps)
-        variants = {"default": chosen, **({"baseline": replace(chosen, **BASELINE)} if args.baseline else {})}
+        variants = {"default": chosen, **({"baseline": replace(chosen, **BASELINE)} if args.baseline else {}),
+                    **({"unbounded": replace(chosen, **UNBOUNDED)} if args.unbounded else {})}
         runs.append(measure(pair, variants, args.points, tuple(args.aligns.split(","))))
-    out = json.dumps({"options": options.__dict__, "wide_steps": args.wide_steps, "runs": runs}, indent=1)
+    out = json.dumps({"command": " ".join(["python", *sys.argv]), "load_average_before_after": [load_before,
+                      os.getloadavg()], "options": _plain(options), "wide_steps": args.wide_steps, "runs": runs},
+                     indent=1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")

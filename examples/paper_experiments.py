@@ -944,6 +944,21 @@ vit-digits-wide 0.820 (not kept) -> 0.518 in 80 steps; the time per step is unch
 back to back). The learned head maps are less well conditioned on the shipped pairs (largest condition number
 8.96 against 4.27 on vit-digits), still under 10. The main tables above use the new default.
 
+**Learned GL maps bounded (issue 9).** Learned QK/VO maps are projected back to condition <= 100 after each step
+(`LearnOptions.max_condition`, `--learn-max-condition`; the data-free solver's constant). Measured with
+`examples/bench_learn.py` (one thread, load 1.8-4.5 on the shared 2-core machine; every command and load in
+`examples/results/learn_condition.json`), test split, 11 points, 2400 steps, patience 0:
+vit-digits (unaligned 3.329) barrier 0.0577 with the bound (largest condition 74.9, 1167 projections over
+24 maps x 2400 steps, 110 s of learning) against 0.0578 without it (condition 435, 105 s), same run. Tighter bounds,
+seed 0: 30 -> 0.0263, 10 -> 0.0247, 3 -> 0.0241; but with seed 1 bound 10 gave 0.0170 and no bound 0.0065
+(condition 53, so 100 would not have acted): the differences between bounds are within the seed-to-seed spread,
+and the bound neither raises nor lowers the barrier measurably. llama-chars (600 steps, no cap): learned maps stay
+under 10 unbounded (7.8), so the default never acts; even a bound of 3 (2162 projections) gives 0.554 against
+0.551. Under a 150 s cap (same first run) llama-chars 0.483 bounded (832 steps) and 0.500 unbounded (601 steps):
+the step count differs with load, not the bound (no projection). A soft penalty was not added: the hard bound
+costs nothing measurable. Unbounded, a learning rate of 1.0 made a map singular in float32 and learning crashed
+with a LinAlgError; with the bound the same run ends normally (not kept).
+
 **Alignment on data chooses by the data (next round).** `full+data` kept the activation-matched alignment always,
 though weight costs gave the lower barrier on bert-topics and vit-digits-wide (1.063 against 0.820 there). With
 data, `align` now computes both and keeps the one whose interpolated model has the lower loss at t = 1/4, 1/2, 3/4
