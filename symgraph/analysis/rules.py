@@ -3,7 +3,6 @@ node's :class:`Value` (or a list of them for multi-output ops)."""
 from __future__ import annotations
 
 import itertools
-
 import operator
 from dataclasses import replace
 
