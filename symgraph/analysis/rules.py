@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from ..pattern import parse_pattern
@@ -151,8 +152,18 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     :func:`_pick_unknown_rows`.)"""
     moved = set(_tensor_args(node))
     others = [a for a in node.all_input_nodes if a not in moved]
+    if _counted_at_run_time(node) and index_operands(node, "movement"):
+        return True
     return any(isinstance(v, Value) and (not v.chans or _integer(a)) and v.data is None  # invariant: unknown too
                and not _run_time_size(a) for v, a in ((w.values.get(a.name), a) for a in others))
+
+
+def _counted_at_run_time(node: fx.Node) -> bool:
+    """A pick whose number of positions torch.export knows only at run time (``x[mask]`` with a mask built from
+    the input ids: HiggsAudio's audio tokens). Even where the analysis knows this input's index values, another
+    input picks other positions, and as many of them as it likes, so they are as unknown as routed rows."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val.shape))
 
 
 def _integer(a: fx.Node) -> bool:
@@ -362,13 +373,15 @@ def _replay(w, node: fx.Node, spec, pick):
 
 def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     """Input axes whose positions an integer index tensor with unknown values selects (``dim`` of gather and
-    index_select, the indexed leading axes of ``index.Tensor``); empty when every index is known data."""
+    index_select, the indexed leading axes of ``index.Tensor``); empty when every index is known data and picks
+    as many positions at every input (see :func:`_counted_at_run_time`)."""
     unknown = []
 
     def visit(a):
         if isinstance(a, fx.Node) and a not in _tensor_args(node):
             val, v = a.meta.get("val"), w.value(a)
-            if isinstance(val, torch.Tensor) and not val.is_floating_point() and (v is None or v.data is None):
+            if isinstance(val, torch.Tensor) and not val.is_floating_point() and (
+                    v is None or v.data is None or _counted_at_run_time(node)):
                 unknown.append(a)
         return a
 
