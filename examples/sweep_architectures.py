@@ -146,6 +146,7 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
                    layer_types=["mamba", "hybrid"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0)),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # the defaults are None
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8),
     "bamba": dict(attn_layer_indices=[1], mamba_d_head=16, mamba_n_heads=8),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
@@ -200,7 +201,7 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
                                                         max_decoder_position_embeddings=64),
     "reformer": dict(), "canine": dict(downsampling_rate=2, num_hash_buckets=8, num_hash_functions=2),
     "fsmt": dict(src_vocab_size=128, tgt_vocab_size=128), "nllb-moe": dict(expert_capacity=16),
-    "pegasus_x": dict(block_size=4, num_global_tokens=2), "esm": dict(pad_token_id=1, mask_token_id=2),
+    "pegasus_x": dict(block_size=4, num_global_tokens=2), "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=2),
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
