@@ -25,9 +25,10 @@ better than the best so far (direct method; the estimator's projections jump, so
 too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
 back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
 (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
-non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
-float64 and verifies the function as for every alignment. Learning stops early when checks stop finding a better
-point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
+non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse, solve or
+SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The caller applies the
+elements in float64 and verifies the function as for every alignment. Learning stops early when checks stop
+finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
 (``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
 
@@ -214,7 +215,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.fit_horizon(step, time.perf_counter() - clock)
-        run.step(step, run.check_due(step))
+        run.guarded_step(step, run.check_due(step))
         bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
@@ -238,7 +239,9 @@ class _Run:
     """What both methods share: Adam (cosine-annealed, one learning rate per tensor of ``parameters``) on the
     batch and ``t`` of each step, the evenly spaced checks on the probe batches, the best state checked (the
     result), and backtracking to it (module docstring). A method supplies ``step``, ``finite``, ``restore``,
-    ``what_moves`` and ``backtrack_when_worse``."""
+    ``what_moves`` and ``backtrack_when_worse``, and may add a ``remedy`` to the advice of a run that stops."""
+
+    remedy = ""  # what to try, besides a lower learning rate, when learning stops on a step too large
 
     def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters,
                  learning_rates: Sequence[float]):
@@ -261,6 +264,16 @@ class _Run:
 
     def _adam(self) -> torch.optim.Adam:
         return torch.optim.Adam([{"params": [p], "lr": lr} for p, lr in zip(self.parameters, self.learning_rates)])
+
+    def guarded_step(self, step: int, check: bool) -> None:
+        """``self.step``; a map that became singular on the way (a ``LinAlgError`` from an inverse, a solve or an
+        SVD: in the forward pass, the check or a projection) is a step too large, as a non-finite one is."""
+        try:
+            self.step(step, check)
+        except (torch.linalg.LinAlgError, np.linalg.LinAlgError) as error:
+            if len(self.record.losses) == step:  # it failed before its loss was known
+                self.record.losses.append(math.nan)
+            self.backtrack(step, f"a learned map became singular ({str(error).split(':')[0]})")
 
     def sample(self):
         """This step's interpolation point and training batch."""
@@ -338,8 +351,8 @@ class _Run:
                 return
             raise LearnError(f"Learned matching stopped at step {step + 1}: {why}"
                              f"{self._after_backtracks()}; nothing was written.",
-                             hint="lower the learning rate (--learn-lr), and check that the data gives finite "
-                                  "losses on both models.")
+                             hint=f"lower the learning rate (--learn-lr){self.remedy}, and check that the data "
+                                  "gives finite losses on both models.")
         self.lr_factor *= BACKTRACK
         self.restore()
         self.optimiser = self._adam()
@@ -390,6 +403,11 @@ class _DirectRun(_Run):
 
     what_moves = "the group elements' parameters"
     backtrack_when_worse = True
+
+    @property
+    def remedy(self) -> str:
+        return "" if math.isfinite(self.options.max_condition) else (
+            f", or keep learned maps within a condition bound (--learn-max-condition, {MAX_CONDITION:g} by default)")
 
     def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
         from .alignment import general_linear_heads

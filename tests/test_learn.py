@@ -132,6 +132,53 @@ def test_nan_that_backtracking_cannot_cure_stops_and_writes_nothing(vit_pair, tm
     assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
 
 
+def _singular(forward, calls):
+    """``forward`` (the state a direct training step runs through), with every general linear map made singular
+    (its first row zeroed) at the calls numbered in ``calls`` (from 1), as a large step with no condition bound
+    can: at --learn-lr 1.0 and --learn-max-condition inf the float32 inverse of a map failed at step 3 on this
+    pair."""
+    count = {"n": 0}
+
+    def singular(start, elements):
+        count["n"] += 1
+        if count["n"] in calls:
+            elements = [replace(e, matrices=e.matrices * _first_row_zeroed(e.matrices))
+                        if e.group.kind == "general_linear" else e for e in elements]
+        return forward(start, elements)
+
+    return singular
+
+
+def _first_row_zeroed(matrices):
+    mask = torch.ones_like(matrices)
+    mask[:, 0] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("calls", [{3}, range(3, 99)])
+def test_a_step_that_makes_a_map_singular_backtracks_and_stops_once_backtracking_cannot_cure_it(
+        vit_pair, tmp_path, monkeypatch, calls):
+    """A singular map (its inverse fails) is a step too large, as a non-finite one: back to the best point at a
+    lower learning rate; when that cannot cure it, learning stops, says why and what to try, and writes nothing."""
+    a, b = vit_pair
+    monkeypatch.setattr(symgraph.learn, "_moved", _singular(symgraph.learn._moved, calls))
+    before = tree_digest(tmp_path)
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 8, "--learn-max-condition", "inf", "--stats", tmp_path / "stats.json")
+    if calls == {3}:
+        assert code == 0, stderr
+        learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+        assert learned["backtracks"] == [{"step": 3, "why": "a learned map became singular (linalg.inv)",
+                                          "lr_factor": symgraph.learn.BACKTRACK}]
+        assert torch.allclose(outputs(tmp_path / "out"), outputs(b), atol=1e-4)
+        return
+    assert code == 2, stderr
+    # steps 3 to 6 backtrack (the default 4 times), step 7 stops
+    assert "stopped at step 7: a learned map became singular (linalg.inv) (after 4 backtracks" in stderr, stderr
+    assert "nothing was written" in stderr and "--learn-lr" in stderr and "--learn-max-condition" in stderr
+    assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("method, forward", [("direct", "_moved"), ("ste", "_straight_through")])
 def test_a_non_finite_step_backtracks_to_the_best_point_at_a_lower_learning_rate(vit_pair, tmp_path, monkeypatch,
                                                                                  method, forward):
