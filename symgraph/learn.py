@@ -89,11 +89,11 @@ class LearnOptions:
     stops the run). Learning ends before ``steps`` when the last ``patience`` checks (0: not on this ground) together
     lowered the best path loss by no more than ``tolerance`` times what learning has gained so far, or when ``seconds``
     (a time cap; None: none) would be passed: with a cap, the learning rate anneals over the steps that fit in it at
-    the time per step so far. ``max_condition`` (direct method): the largest condition number a learned general
-    linear map may reach (QK and VO maps, a rotary group's pass-through block); a step beyond it is projected back
-    (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound; the default is the data-free solver's
-    bound). Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per
-    shipped pair on one CPU core.
+    the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
+    moving the source may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the
+    learned one composed); a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`;
+    ``math.inf``: no bound; the default is the data-free solver's bound). Defaults: measured on the shipped pairs
+    and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -156,8 +156,9 @@ class LearnRecord:
     at the start, at each check and of the result, whether a learned alignment was kept (it must beat the
     start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``), the
     learning rate of each group of parameters at the start (direct method, before the cosine schedule), and
-    (direct method) the largest condition number of a learned general linear map in the result, the bound it was
-    kept within and how many times a map (one head's, one step) was projected back within it."""
+    (direct method) the largest condition number of a general linear map in the result (the start's and the learned
+    map composed, as the bound covers them), the bound it was kept within and how many times a map (one head's, one
+    step) was projected back within it."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -165,7 +166,7 @@ class LearnRecord:
     end_loss: float = math.nan
     kept: bool = False
     seconds: float = 0.0
-    condition: float | None = None  # the largest condition number of a learned general linear map (direct)
+    condition: float | None = None  # the largest condition number of a bounded general linear map (direct)
     condition_bound: float | None = None  # LearnOptions.max_condition (direct; None: no bound)
     projections: int = 0  # general linear maps projected back within condition_bound, summed over steps (direct)
     backtracks: list[dict] = field(default_factory=list)
@@ -210,7 +211,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     options = options.checked()
     clock = time.perf_counter()
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
-    run = (_DirectRun(groups, start.state, loss_at, data, options) if options.method == "direct" else
+    run = (_DirectRun(groups, start, loss_at, data, options) if options.method == "direct" else
            _SteRun(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
@@ -226,7 +227,8 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     record.stopped = run.stopped
     record.kept = run.best is not start.state
     if record.kept and options.method == "direct":
-        result, record.condition = _composed(start, run.best_elements, source, anchor), _condition(run.best_elements)
+        result = _composed(start, run.best_elements, source, anchor)
+        record.condition = run.elements.condition(run.best_elements)
     elif record.kept:
         result = _recovered(groups, source, anchor, run.best, cost_excluded)
     else:
@@ -409,17 +411,17 @@ class _DirectRun(_Run):
         return "" if math.isfinite(self.options.max_condition) else (
             f", or keep learned maps within a condition bound (--learn-max-condition, {MAX_CONDITION:g} by default)")
 
-    def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
+    def __init__(self, groups, start: AlignResult, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
         from .alignment import general_linear_heads
         from .continuous import ContinuousElements
 
-        self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
+        self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.state.items()}
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
-                                           max_condition=options.max_condition)
+                                           max_condition=options.max_condition, after=start.elements)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
-        super().__init__(start, loss_at, data, options, self.elements.parameters, rates)
+        super().__init__(start.state, loss_at, data, options, self.elements.parameters, rates)
         self.record.learning_rates = {g.id: lr for g, lr in zip(self.elements.groups, rates)}
         self.record.condition_bound = options.max_condition if math.isfinite(options.max_condition) else None
 
@@ -504,12 +506,6 @@ def _composed(start: AlignResult, learned: list, source: State, anchor: State) -
     return replace(start, state=state, elements=start.elements + learned,
                    distance_before=relative_distance(source, anchor), distance_after=relative_distance(state, anchor),
                    start="learned")
-
-
-def _condition(elements) -> float | None:
-    """The largest condition number of the general linear maps among ``elements`` (None: there are none)."""
-    maps = [e.matrices for e in elements if e.group.kind == "general_linear"]
-    return max(float(np.linalg.cond(m).max()) for m in maps) if maps else None
 
 
 def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:
