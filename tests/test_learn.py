@@ -140,8 +140,8 @@ def test_nan_that_backtracking_cannot_cure_stops_and_writes_nothing(vit_pair, tm
 def _singular(forward, calls):
     """``forward`` (the state a direct training step runs through), with every general linear map made singular
     (its first row zeroed) at the calls numbered in ``calls`` (from 1), as a large step with no condition bound
-    can: at --learn-lr 1.0 and --learn-max-condition inf the float32 inverse of a map failed at step 3 on this
-    pair."""
+    can: on this pair at lr 1.0, max_condition inf and no backtracks, the float32 inverse of a map failed at
+    step 3 (uncaught before)."""
     count = {"n": 0}
 
     def singular(start, elements):
