@@ -152,8 +152,9 @@ def _learn_options(command, *, flag: bool = True):
                           "that fit in it at the time per step so far, and learning stops there."),
         click.option("--learn-max-condition", type=click.FloatRange(min=1),
                      default=lambda: _learn_default("max_condition"), show_default="100, as the data-free solver",
-                     help="Direct method: the largest condition number a learned general linear map (QK, VO) may "
-                          "reach; a step beyond it is projected back onto it (inf: no bound)."),
+                     help="Direct method: the largest condition number a general linear map (QK, VO) moving the "
+                          "source may reach, the start's map and the learned one composed; a step beyond it is "
+                          "projected back onto it (inf: no bound)."),
         click.option("--learn-lr", type=click.FloatRange(min=0, min_open=True), default=lambda: _learn_default("lr"),
                      show_default="0.01",
                      help="Learning rate (Adam, cosine-annealed) of learned matching, width-aware: the step of each "

@@ -23,14 +23,18 @@ than ten times its forward pass). The optimiser's moments live in the Lie algebr
 the right-trivialised gradient ``B^T dL/dB``). Vectors (log-scales, rotary angles) are their own parameters.
 
 General linear bases (QK and VO maps, the pass-through block of a rotary group with scales) are kept *well
-conditioned*: after each absorb, a base whose condition number exceeds ``max_condition`` (the solvers' bound,
-:data:`symgraph.solve.kernels.MAX_CONDITION`, by default) is replaced by the nearest one within it
-(:func:`symgraph.solve.kernels.bound_condition`: singular values clipped in log space, singular vectors kept).
-Every invertible matrix is an element of the group, so the projection changes where learning is, never whether
-the result is an exact reparametrisation. Adam's moments are left as they are: the projection moves a base only
-at the boundary, the component of the moments that pushes outward is undone by the next projection (projected
-gradient descent) and the others still point where the loss falls; zeroing them would cost the moments of every
-other copy in the same tensor, or (per copy) leave Adam's bias correction dividing by almost nothing.
+conditioned*: after each absorb, where the map applied to the source's coordinates, the base ``B`` composed with the
+map ``S`` that the elements learning starts after already apply to them (``after``: a start's general linear head
+maps or rotary pass-through maps; :func:`symgraph.elements.composed_matrices`), has a condition number above
+``max_condition`` (the solvers' bound, :data:`symgraph.solve.kernels.MAX_CONDITION`, by default), ``B S`` is
+replaced by the nearest map within it (:func:`symgraph.solve.kernels.bound_condition`: singular values clipped in
+log space, singular vectors kept) and ``S`` divided back out. The bound holds for the map that moves the source's
+weights, not for the learned step alone (which could otherwise compound a start of condition 100 to 100 x 100).
+Every invertible matrix is an element of the group, so the projection changes where learning is, never whether the
+result is an exact reparametrisation. Adam's moments are left as they are: the projection moves a base only at the
+boundary, the component of the moments that pushes outward is undone by the next projection (projected gradient
+descent) and the others still point where the loss falls; zeroing them would cost the moments of every other copy in
+the same tensor, or (per copy) leave Adam's bias correction dividing by almost nothing.
 
 :meth:`ContinuousElements.elements` gives elements whose ``matrices`` / ``diag`` are torch tensors, so
 :func:`symgraph.elements.apply` is differentiable in the parameters; :meth:`ContinuousElements.exact` gives
@@ -53,7 +57,7 @@ import math
 import numpy as np
 import torch
 
-from .elements import Element
+from .elements import Element, composed_matrices
 from .groups import Group
 from .solve.kernels import MAX_CONDITION, bound_condition
 
@@ -72,14 +76,18 @@ def has_continuous_part(group: Group) -> bool:
 
 class ContinuousElements:
     """Parameters (zero: the identity) of the continuous part of every group in ``groups`` that has one, and the
-    bases their matrix generators act on, the general linear ones kept within ``max_condition`` (module
+    bases their matrix generators act on, the general linear ones kept within ``max_condition`` together with the
+    maps that the elements ``after`` (those applied before these, as a start's) give the same coordinates (module
     docstring; ``math.inf``: no bound)."""
 
-    def __init__(self, groups, dtype=torch.float32, max_condition: float = MAX_CONDITION):
+    def __init__(self, groups, dtype=torch.float32, max_condition: float = MAX_CONDITION, after=()):
         self.max_condition = max_condition
         self.groups = [g for g in groups if has_continuous_part(g)]
         self.parameters = [_zeros(g, dtype).requires_grad_(True) for g in self.groups]
         self.bases = [_identity_base(g) for g in self.groups]  # float64; None: the group has no matrix generator
+        # the general linear block of the map the elements `after` apply to each bounded group (None: not bounded)
+        self.starts = [torch.as_tensor(_bounded_block(g, composed_matrices(list(after), g))) if _bounded(g)
+                       else None for g in self.groups]
 
     def elements(self) -> list[Element]:
         """The elements, differentiable in :attr:`parameters` (torch tensors in ``matrices`` or ``diag``): exact in
@@ -99,20 +107,29 @@ class ContinuousElements:
     @torch.no_grad()
     def absorb(self) -> int:
         """Fold the matrix generators into the bases (``B <- B exp(X)``, ``X <- 0``; the elements are unchanged),
-        then bring every general linear base back within ``max_condition`` (a base that is not finite is left for
-        :meth:`finite` to report). Returns how many bases (copies) that moved."""
+        then bring every general linear base back within ``max_condition``, composed with the start's map of its
+        coordinates (module docstring; a base that is not finite is left for :meth:`finite` to report). Returns how
+        many bases (copies) that moved."""
         projected = 0
-        for g, p, base in zip(self.groups, self.parameters, self.bases):
+        for g, p, base, start in zip(self.groups, self.parameters, self.bases, self.starts):
             if base is None:
                 continue
             generator = _generator(g, p.detach().to(torch.float64))
             base.copy_(base @ torch.linalg.matrix_exp(generator))
             _generator_entries(g, p).zero_()
-            if not _skew(g) and math.isfinite(self.max_condition) and bool(torch.isfinite(base).all()):
-                bounded, moved = bound_condition(base, self.max_condition)
-                base.copy_(bounded)
+            if start is not None and math.isfinite(self.max_condition) and bool(torch.isfinite(base).all()):
+                bounded, moved = bound_condition(base @ start, self.max_condition)
+                base[moved] = torch.linalg.solve(start[moved], bounded[moved], left=False)  # B = (B S) S^-1
                 projected += int(moved.sum())
         return projected
+
+    def condition(self, elements: list[Element]) -> float | None:
+        """The largest condition number of the maps the bound covers, for ``elements`` (from :meth:`exact`):
+        each general linear block composed with the map of the elements learning starts after, as the source's
+        coordinates are moved by both (None: no group has such a block)."""
+        conditions = [float(torch.linalg.cond(torch.as_tensor(_bounded_block(g, e.matrices)) @ start).max())
+                      for g, e, start in zip(self.groups, elements, self.starts) if start is not None]
+        return max(conditions) if conditions else None
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.parameters) and \
@@ -183,6 +200,20 @@ def _generator(g: Group, p: torch.Tensor) -> torch.Tensor:
         side = len(g.passthrough)
         x = x.reshape(g.copies, side, side)
     return x - x.transpose(-1, -2) if _skew(g) else x
+
+
+def _bounded(g: Group) -> bool:
+    """Whether ``g`` has a general linear base (kept within the condition bound)."""
+    return _base_side(g) is not None and not _skew(g)
+
+
+def _bounded_block(g: Group, matrices: np.ndarray) -> np.ndarray:
+    """The block of ``g``'s element matrices (copies, n, n) that its general linear base makes: all of a general
+    linear group's, a rotary group's pass-through block."""
+    if g.kind != "rotary":
+        return matrices
+    through = list(g.passthrough)
+    return matrices[:, through][:, :, through]
 
 
 def _skew(g: Group) -> bool:

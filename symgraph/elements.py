@@ -8,7 +8,7 @@ Monomial convention: ``(T x)_i = diag_i * x[perm_i]``, so ``T^{-T}`` reads ``x[p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -187,6 +187,26 @@ def inverse(e: Element) -> Element:
     if e.diag is not None:
         diag = 1.0 / (np.take_along_axis(e.diag, perm, axis=1) if perm is not None else e.diag)
     return Element(e.group, perm=perm, diag=diag)
+
+
+def composed_matrices(elements: list[Element], group: Group) -> np.ndarray:
+    """The matrices (copies, size, size) by which ``elements``, applied in turn, move ``group``'s coordinates
+    together (whatever kinds they are: permutations of whole copies, scales, maps): one primal member's positions are
+    given the unit vectors (coordinate ``j`` of every copy holds ``e_j``), moved by the elements acting along that
+    member's axis, and read back. Rows moved from another copy still hold unit vectors: the maps are relative to
+    the coordinates' original values, wherever those were."""
+    probe = next(m for m in group.members if isinstance(m, Member) and m.action == "primal")
+    acting = []
+    for e in elements:
+        members = tuple(replace(m, param="probe", axis=0) for m in e.group.members
+                        if isinstance(m, Member) and (m.param, m.axis) == (probe.param, probe.axis))
+        if members:
+            acting.append(replace(e, group=replace(e.group, members=members)))
+    length = 1 + max(int(m.index.max()) for m in (probe, *(m for e in acting for m in e.group.members)))
+    x = torch.zeros(length, group.size, dtype=torch.float64)
+    x[torch.as_tensor(probe.index)] = torch.eye(group.size, dtype=torch.float64)[None, :, None, :]
+    moved = apply({"probe": x}, acting)["probe"]
+    return moved[torch.as_tensor(probe.index[:, :, 0])].numpy()
 
 
 def _apply_member(x: torch.Tensor, m: Member, e: Element, inverses: dict) -> torch.Tensor:

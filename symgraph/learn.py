@@ -25,9 +25,10 @@ better than the best so far (direct method; the estimator's projections jump, so
 too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
 back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
 (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
-non-finite step stops the run with a :class:`LearnError`). The caller applies the elements in
-float64 and verifies the function as for every alignment. Learning stops early when checks stop finding a better
-point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
+non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse, solve or
+SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The caller applies the
+elements in float64 and verifies the function as for every alignment. Learning stops early when checks stop
+finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
 (``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
 
@@ -88,11 +89,11 @@ class LearnOptions:
     stops the run). Learning ends before ``steps`` when the last ``patience`` checks (0: not on this ground) together
     lowered the best path loss by no more than ``tolerance`` times what learning has gained so far, or when ``seconds``
     (a time cap; None: none) would be passed: with a cap, the learning rate anneals over the steps that fit in it at
-    the time per step so far. ``max_condition`` (direct method): the largest condition number a learned general
-    linear map may reach (QK and VO maps, a rotary group's pass-through block); a step beyond it is projected back
-    (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound; the default is the data-free solver's
-    bound). Defaults: measured on the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per
-    shipped pair on one CPU core.
+    the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
+    moving the source may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the
+    learned one composed); a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`;
+    ``math.inf``: no bound; the default is the data-free solver's bound). Defaults: measured on the shipped pairs
+    and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -155,8 +156,9 @@ class LearnRecord:
     at the start, at each check and of the result, whether a learned alignment was kept (it must beat the
     start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``), the
     learning rate of each group of parameters at the start (direct method, before the cosine schedule), and
-    (direct method) the largest condition number of a learned general linear map in the result, the bound it was
-    kept within and how many times a map (one head's, one step) was projected back within it."""
+    (direct method) the largest condition number of a general linear map in the result (the start's and the learned
+    map composed, as the bound covers them), the bound it was kept within and how many times a map (one head's, one
+    step) was projected back within it."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -164,7 +166,7 @@ class LearnRecord:
     end_loss: float = math.nan
     kept: bool = False
     seconds: float = 0.0
-    condition: float | None = None  # the largest condition number of a learned general linear map (direct)
+    condition: float | None = None  # the largest condition number of a bounded general linear map (direct)
     condition_bound: float | None = None  # LearnOptions.max_condition (direct; None: no bound)
     projections: int = 0  # general linear maps projected back within condition_bound, summed over steps (direct)
     backtracks: list[dict] = field(default_factory=list)
@@ -209,12 +211,12 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     options = options.checked()
     clock = time.perf_counter()
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
-    run = (_DirectRun(groups, start.state, loss_at, data, options) if options.method == "direct" else
+    run = (_DirectRun(groups, start, loss_at, data, options) if options.method == "direct" else
            _SteRun(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.fit_horizon(step, time.perf_counter() - clock)
-        run.step(step, run.check_due(step))
+        run.guarded_step(step, run.check_due(step))
         bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
@@ -225,7 +227,8 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     record.stopped = run.stopped
     record.kept = run.best is not start.state
     if record.kept and options.method == "direct":
-        result, record.condition = _composed(start, run.best_elements, source, anchor), _condition(run.best_elements)
+        result = _composed(start, run.best_elements, source, anchor)
+        record.condition = run.elements.condition(run.best_elements)
     elif record.kept:
         result = _recovered(groups, source, anchor, run.best, cost_excluded)
     else:
@@ -238,7 +241,9 @@ class _Run:
     """What both methods share: Adam (cosine-annealed, one learning rate per tensor of ``parameters``) on the
     batch and ``t`` of each step, the evenly spaced checks on the probe batches, the best state checked (the
     result), and backtracking to it (module docstring). A method supplies ``step``, ``finite``, ``restore``,
-    ``what_moves`` and ``backtrack_when_worse``."""
+    ``what_moves`` and ``backtrack_when_worse``, and may add a ``remedy`` to the advice of a run that stops."""
+
+    remedy = ""  # what to try, besides a lower learning rate, when learning stops on a step too large
 
     def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters,
                  learning_rates: Sequence[float]):
@@ -261,6 +266,16 @@ class _Run:
 
     def _adam(self) -> torch.optim.Adam:
         return torch.optim.Adam([{"params": [p], "lr": lr} for p, lr in zip(self.parameters, self.learning_rates)])
+
+    def guarded_step(self, step: int, check: bool) -> None:
+        """``self.step``; a map that became singular on the way (a ``LinAlgError`` from an inverse, a solve or an
+        SVD: in the forward pass, the check or a projection) is a step too large, as a non-finite one is."""
+        try:
+            self.step(step, check)
+        except (torch.linalg.LinAlgError, np.linalg.LinAlgError) as error:
+            if len(self.record.losses) == step:  # it failed before its loss was known
+                self.record.losses.append(math.nan)
+            self.backtrack(step, f"a learned map became singular ({str(error).split(':')[0]})")
 
     def sample(self):
         """This step's interpolation point and training batch."""
@@ -338,8 +353,8 @@ class _Run:
                 return
             raise LearnError(f"Learned matching stopped at step {step + 1}: {why}"
                              f"{self._after_backtracks()}; nothing was written.",
-                             hint="lower the learning rate (--learn-lr), and check that the data gives finite "
-                                  "losses on both models.")
+                             hint=f"lower the learning rate (--learn-lr){self.remedy}, and check that the data "
+                                  "gives finite losses on both models.")
         self.lr_factor *= BACKTRACK
         self.restore()
         self.optimiser = self._adam()
@@ -391,17 +406,22 @@ class _DirectRun(_Run):
     what_moves = "the group elements' parameters"
     backtrack_when_worse = True
 
-    def __init__(self, groups, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
+    @property
+    def remedy(self) -> str:
+        return "" if math.isfinite(self.options.max_condition) else (
+            f", or keep learned maps within a condition bound (--learn-max-condition, {MAX_CONDITION:g} by default)")
+
+    def __init__(self, groups, start: AlignResult, loss_at: "_InterpolatedLoss", data, options: LearnOptions):
         from .alignment import general_linear_heads
         from .continuous import ContinuousElements
 
-        self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.items()}
+        self.start = {k: v.detach().to(torch.float32) if v.is_floating_point() else v for k, v in start.state.items()}
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
-                                           max_condition=options.max_condition)
+                                           max_condition=options.max_condition, after=start.elements)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
-        super().__init__(start, loss_at, data, options, self.elements.parameters, rates)
+        super().__init__(start.state, loss_at, data, options, self.elements.parameters, rates)
         self.record.learning_rates = {g.id: lr for g, lr in zip(self.elements.groups, rates)}
         self.record.condition_bound = options.max_condition if math.isfinite(options.max_condition) else None
 
@@ -486,12 +506,6 @@ def _composed(start: AlignResult, learned: list, source: State, anchor: State) -
     return replace(start, state=state, elements=start.elements + learned,
                    distance_before=relative_distance(source, anchor), distance_after=relative_distance(state, anchor),
                    start="learned")
-
-
-def _condition(elements) -> float | None:
-    """The largest condition number of the general linear maps among ``elements`` (None: there are none)."""
-    maps = [e.matrices for e in elements if e.group.kind == "general_linear"]
-    return max(float(np.linalg.cond(m).max()) for m in maps) if maps else None
 
 
 def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:

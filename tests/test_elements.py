@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.elements import apply, identity, sample
+from symgraph.elements import Element, apply, composed_matrices, identity, sample
 from symgraph.groups import Group, Member
 
 
@@ -132,3 +132,26 @@ def test_kept_inverses_give_the_same_tensors_and_are_computed_once(net, kind, mo
         for k in plain:
             assert torch.equal(kept[k], plain[k]), k
     assert calls == [torch.float32]
+
+
+def test_composed_matrices_follow_the_coordinates_through_permutations_of_whole_copies(zoo_subject):
+    """GQA LLaMA, value maps of its 2 KV groups: a map, a swap of the two groups, another map. Each group's
+    rows end up moved by the second map times the first map of the group that was swapped in, as the weights say."""
+    from symgraph.alignment import general_linear_heads, select_groups
+
+    subject = zoo_subject("llama")
+    groups = general_linear_heads(select_groups(subject.report.groups, "full"))
+    vo = next(g for g in groups if g.motif == "vo" and g.kind == "general_linear" and g.copies == 2)
+    heads = next(g for g in groups if g.motif == "heads" and g.size == 2 and g.copies == 1 and vo.layer == g.layer)
+    rng = np.random.default_rng(0)
+    first, second = sample(vo, rng), sample(vo, rng)
+    swap = Element(heads, perm=np.array([[1, 0]]), diag=np.ones((1, 2)))
+    maps = composed_matrices([first, swap, second], vo)
+    assert np.allclose(maps, second.matrices @ first.matrices[::-1], atol=1e-12)
+    assert np.allclose(composed_matrices([], vo), np.eye(vo.size))
+    rows = next(m for m in vo.members if m.action == "primal")
+    state = {k: v.double() for k, v in subject.state_dict().items()}
+    before, after = state[rows.param], apply(state, [first, swap, second])[rows.param]
+    for c, source_copy in ((0, 1), (1, 0)):
+        moved = torch.as_tensor(maps[c]) @ before[rows.index[source_copy, :, 0]]
+        assert torch.allclose(after[rows.index[c, :, 0]], moved, atol=1e-12)
