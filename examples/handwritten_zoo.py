@@ -1244,6 +1244,28 @@ class StyleNet(nn.Module):
         return self.out(x)
 
 
+class DualFfnLM(nn.Module):
+    """HiggsAudio's dual FFN: tokens below ``V // 4`` (audio tokens there) take their own norm and MLP, picked by a
+    boolean mask built from the ids (a count torch.export knows only at run time) and written back in place."""
+
+    def __init__(self, depth=2):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.attn = nn.ModuleList(Attention() for _ in range(depth))
+        self.norms = nn.ModuleList(make_norm("rms") for _ in range(3 * depth))
+        self.text = nn.ModuleList(MLP("swiglu") for _ in range(depth))
+        self.special = nn.ModuleList(MLP("swiglu") for _ in range(depth))
+        self.norm, self.head = make_norm("rms"), nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        x, special = self.embed(ids), ids < V // 4
+        for i, (attn, text, other) in enumerate(zip(self.attn, self.text, self.special)):
+            x = x + attn(self.norms[3 * i](x))
+            x = x.clone()
+            x[~special] += text(self.norms[3 * i + 1](x[~special]))
+            x[special] += other(self.norms[3 * i + 2](x[special]))
+        return self.head(self.norm(x))
+
 # -- the zoo --------------------------------------------------------------------------------------------------------
 def _entry(name, build, inputs=tokens, expect=("qk", "vo", "heads", "ffn", "residual")):
     return ZooEntry(name, build, inputs, frozenset(expect))
@@ -1333,6 +1355,7 @@ ZOO = [
     _entry("instance_norm_style_net", StyleNet, image, expect=("ffn",)),
     _entry("value_residual", lambda: SharedValueLM("value_residual")),
     _entry("cross_layer_kv_sharing", lambda: SharedValueLM("cross_layer_kv")),
+    _entry("dual_ffn_by_token_mask", DualFfnLM, tokens_only, expect=ATTN + ("ffn",)),
     _entry("short_conv_mixer", lambda: LM(lambda: Block(ShortConvMixer(), MLP("gelu"))), tokens_only,
            expect=("ffn", "residual")),
 ]
