@@ -1121,13 +1121,16 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     A channel permutation moves weight, bias and both running statistics with the channel. The input may flip
     sign per channel (the running mean flips with it, the output follows) but not scale (``eps`` breaks it);
     the output scale is traded with weight and bias like a norm weight's. Statistics are buffers: they get
-    coordinate ids here. Training mode (batch statistics) and inputs that vary along other axes pin.
+    coordinate ids here. Batch statistics (training mode, no running statistics): :func:`_batch_statistics_norm`.
+    Inputs that vary along other axes pin.
     """
     args = _schema_args(node)
     x, weight, bias = w.value(args["input"]), w.value(args.get("weight")), w.value(args.get("bias"))
     out_shape = tuple(node.meta["val"][0].shape if isinstance(node.meta["val"], (list, tuple))
                       else node.meta["val"].shape)
     stats = [w.cap.buffers.get(getattr(args.get(k), "name", None)) for k in ("running_mean", "running_var")]
+    if args.get("training") and args.get("running_mean") is None and args.get("running_var") is None:
+        return _with_saved_stats(node, _batch_statistics_norm(w, node, x, weight, bias, out_shape))
     inputs = [ids for ids in (_input_channel_ids(w, node, c) for c in x.chans) if ids is not None]
     if args.get("training") or None in stats or len(inputs) != 1:
         _pin_operands(w, node, [x, weight, bias], "batch norm in training mode, or without running statistics, "
@@ -1141,6 +1144,32 @@ def rule_batch_norm(w, node: fx.Node, spec) -> Value | list[Value]:
     w.c.restrict(ids, monomial("sign"), "batch norm subtracts a running mean and divides by sqrt(var + eps)",
                  node.name)
     return _with_saved_stats(node, _per_channel_affine(w, node, ids, weight, bias, out_shape))
+
+
+def _batch_statistics_norm(w, node, x: Value, weight: Value | None, bias: Value | None, out_shape) -> Value:
+    """Batch norm on the statistics of its own input, with no running statistics: each channel of axis 1 centred
+    and scaled over every other axis (BiT's weight standardisation, ``batch_norm(w.reshape(1, out, -1), None, None,
+    training=True)``, normalises each filter over its inputs). A channel along axis 1 alone permutes and flips sign
+    (as in an instance norm); one along the normalised axes only takes the maps a LayerNorm over them passes
+    (orthogonal, fixing the ones vector: a filter's mean and spread over its inputs stay); any other pins."""
+    normalised = frozenset(range(len(out_shape))) - {1}
+    channel, others = None, []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        axes = chan_axes(c)
+        if axes and axes <= normalised and not c.block and not c.mixed and c.degree == 1:
+            _normalise(w, node, c, axes, Restriction(orthogonal=True, fixes_ones=True))
+            others.append(c.broadcast_to(out_shape))
+        elif axes == {1} and channel is None:
+            channel = _input_channel_ids(w, node, c)
+        else:
+            _pin_chan(w, node, c, "normalised on batch statistics together with channels it cannot follow")
+    if channel is None:
+        _pin_operands(w, node, [weight, bias], "affine part of a per-channel norm of no single channel")
+        return Value(chans=others, shape=out_shape)
+    w.c.restrict(channel, monomial("sign"), "centred and scaled over every other axis", node.name)
+    return Value(chans=_per_channel_affine(w, node, channel, weight, bias, out_shape).chans + others,
+                 shape=out_shape)
 
 
 def rule_instance_norm(w, node: fx.Node, spec) -> Value | list[Value]:
