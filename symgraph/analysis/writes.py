@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .labels import Chan, Term, Value, concrete_shape
+from .labels import Chan, Term, Value, concrete_shape, labelled_axes
 
 
 @dataclass(frozen=True)
@@ -63,33 +63,53 @@ def plan_write(node: fx.Node, order: dict[fx.Node, int], last_write: dict[fx.Nod
 
 def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> Value | None:
     """``base`` with the labels of ``wrote`` (the written view's value) at ``positions``; None when a label kind
-    cannot be rewritten position by position (squared channels, index pointers)."""
+    cannot be rewritten position by position (squared channels, index pointers). A channel of ``wrote`` takes the
+    place of the base's channel at its index, unless the two vary along disjoint axes of the base: then it joins
+    the base's channel that varies along the same axes, or stands alone (register tokens, a parameter labelled on
+    its token and coordinate axes, written into a buffer beside activations labelled on the coordinate axis)."""
     if base.points_to is not None or wrote.points_to is not None or wrote.shape is None:
         return None
     values = (base, wrote)
     if any(c.degree != 1 for v in values for c in v.chans):
         return None
+    from .rules import _slot, slots_by_axes
+
+    place = _Placing(tuple(base_shape), wrote.shape, positions)
+    slots = slots_by_axes({id(base): [place.axes(c, None) for c in base.chans],
+                           id(wrote): [place.axes(None, c) for c in wrote.chans]})
     chans = []
-    for j in range(max(len(base.chans), len(wrote.chans))):
-        present = [v.chans[j] for v in values if j < len(v.chans)]
+    for j in range(max((len(s) for s in slots.values()), default=0)):
+        old, new = _slot(base, j, slots), _slot(wrote, j, slots)
+        present = [c for c in (old, new) if c is not None]
         mixed = any(c.mixed for c in present)
-        terms = []
-        for k in range(max(len(c.terms) for c in present)):
-            ids = _overwrite(base, j, k, base_shape, wrote, positions, "ids")
-            terms.append(Term(ids, _overwrite(base, j, k, base_shape, wrote, positions, "coef") if mixed else None))
+        terms = [Term(place.labels(old, new, k, "ids"), place.labels(old, new, k, "coef") if mixed else None)
+                 for k in range(max(len(c.terms) for c in present))]
         chans.append(Chan(tuple(terms), block=any(c.block for c in present)))
     return Value(chans=chans, shape=tuple(base_shape))
 
 
-def _overwrite(base: Value, j: int, k: int, base_shape, wrote: Value, positions: torch.Tensor, what: str):
-    from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
+@dataclass(frozen=True)
+class _Placing:
+    """A write of a view of shape ``wrote_shape`` at ``positions`` (flat indices) of a base of ``base_shape``."""
 
-    def chan(v):
-        return v.chans[j] if j < len(v.chans) else None
+    base_shape: tuple
+    wrote_shape: tuple
+    positions: torch.Tensor
 
-    out = _term_tensor(chan(base), k, base_shape, what).expand(base_shape).reshape(-1).clone()
-    out[positions] = _term_tensor(chan(wrote), k, wrote.shape, what).expand(wrote.shape).reshape(-1)
-    return out.reshape(base_shape)
+    def labels(self, old: Chan | None, new: Chan | None, k: int, what: str) -> torch.Tensor:
+        """Term ``k``'s labels (or coefficients) of ``old`` (a base channel) with ``new``'s (a channel of the
+        written view) at the written positions; -1 (or 0) where either is absent."""
+        from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
+
+        out = _term_tensor(old, k, self.base_shape, what).expand(self.base_shape).reshape(-1).clone()
+        out[self.positions] = _term_tensor(new, k, self.wrote_shape, what).expand(self.wrote_shape).reshape(-1)
+        return out.reshape(self.base_shape)
+
+    def axes(self, old: Chan | None, new: Chan | None) -> frozenset[int]:
+        """The base's axes along which the channel (``old`` where the write leaves it, or ``new`` where it is
+        written) varies where it labels positions."""
+        chan = old if old is not None else new
+        return frozenset().union(*(labelled_axes(self.labels(old, new, k, "ids")) for k in range(len(chan.terms))))
 
 
 def _view_chain(node: fx.Node | None, order: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
