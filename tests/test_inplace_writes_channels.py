@@ -6,11 +6,17 @@ The write rule paired the base's and the written value's channels by their place
 activations' coordinates were joined with the tokens' *token* channel, as the movement rule once did for ``cat``:
 the residual class took in the token axis, and its sign flip changed the outputs (relative 2.7e-1 in float64). The
 channels are now paired by the axes they vary along (the helper the movement rule uses).
+
+Paired right, a table cloned into a buffer whose first ``n`` rows activations overwrite kept its other rows' labels,
+and the rows were permuted: which rows survive depends on ``n``, so the permutation changed the outputs at other
+input lengths (relative 1.8e-2, and on main already with the table stored transposed). What a write leaves along an
+axis it cuts keeps its coordinates only where the write lands at the same place at every probe shape.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import symgraph
 
@@ -51,3 +57,80 @@ def test_tokens_written_beside_activations_keep_their_own_axis(tokens, order, al
     coordinates = {g.id for g in subject.report.groups for m in g.members if m.param == "embed.weight"}
     assert not token_axis & coordinates  # the token axis never moves with the coordinates
     assert census(subject)["ffn permutation 16x1"] == 1  # the token mixer's hidden units still permute
+
+
+class TablePool(nn.Module):
+    """A learned table of ``rows`` x WIDTH cloned into a buffer, its first ``n`` rows overwritten by activations (or
+    its first 3 rows by the first 3 tokens: ``fixed``), then a token-wise MLP and a mean over the tokens."""
+
+    def __init__(self, transposed: bool = False, fixed: bool = False, rows: int = 16):
+        super().__init__()
+        self.transposed, self.fixed = transposed, fixed
+        self.embed = nn.Linear(PATCH, WIDTH)
+        self.table = nn.Parameter(torch.randn(WIDTH, rows) if transposed else torch.randn(rows, WIDTH))
+        self.mix, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        table = self.table.t() if self.transposed else self.table
+        buf = table.expand(x.shape[0], -1, -1).clone()
+        if self.fixed:
+            buf[:, :3] = x[:, :3]
+        else:
+            buf[:, :x.shape[1]] = x
+        return self.head(torch.relu(self.mix(buf)).mean(1))
+
+
+def table_rows(subject, axis: int) -> set[str]:
+    return {g.id for g in subject.report.groups for m in g.members if m.param == "table" and m.axis == axis}
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rows_left_by_a_write_whose_place_follows_the_input_stay_fixed(transposed):
+    subject = symgraph.load(noisy(TablePool(transposed)), (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    assert not table_rows(subject, 1 if transposed else 0)
+    assert any("may land elsewhere at another input shape" in p.reason for p in subject.report.pinned)
+    groups = census(subject)  # the coordinates pass the write: one invertible map on embed rows, table, mix columns
+    assert groups["other general_linear 16x1"] == 1 and groups["ffn permutation/positive 16x1"] == 1, groups
+
+
+def test_rows_left_by_a_write_at_fixed_places_still_permute():
+    subject = symgraph.load(noisy(TablePool(fixed=True)), (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    rows = [g for g in subject.report.groups if table_rows(subject, 0) & {g.id}]
+    assert [(g.kind, g.size) for g in rows] == [("permutation", 13)]  # the 13 rows no input length overwrites
+
+
+class Registers(nn.Module):
+    """Register tokens (a parameter of tokens x coordinates) written into a buffer beside the activations, through
+    ``how``: a slice (``slice``), a transposed view (``transposed``), or one class vector by ``select``."""
+
+    def __init__(self, how: str, registers: int = 3):
+        super().__init__()
+        self.how, self.registers = how, 1 if how == "select" else registers
+        self.embed = nn.Linear(PATCH, WIDTH)
+        self.tokens = nn.Parameter(torch.randn(WIDTH) if how == "select" else torch.randn(registers, WIDTH))
+        self.norm, self.mix, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        buf = x.new_zeros(x.shape[0], x.shape[1] + self.registers, WIDTH)
+        if self.how == "select":
+            buf[:, 0] = self.tokens
+        elif self.how == "transposed":
+            buf.transpose(1, 2)[..., :self.registers] = self.tokens.t()
+        else:
+            buf[:, :self.registers] = self.tokens
+        buf[:, self.registers:] = x
+        buf = buf + self.mix(self.norm(buf))
+        return self.head(buf[:, :self.registers].mean(1) + buf[:, self.registers:].mean(1))
+
+
+@pytest.mark.parametrize("how", ["slice", "transposed", "select"])
+def test_registers_written_into_a_buffer_join_the_residual_stream(how):
+    subject = symgraph.load(noisy(Registers(how)), (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    residual = [g for g in subject.report.groups if g.motif == "residual"]
+    assert [g.size for g in residual] == [WIDTH]
+    assert {"embed.weight", "tokens", "mix.weight", "head.weight"} <= {m.param for m in residual[0].members}

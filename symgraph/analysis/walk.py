@@ -27,7 +27,8 @@ from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets
-from .writes import Write, aliases_input, mutated_argument, plan_write, written
+from .selections import selections_of
+from .writes import Write, aliases_input, mutated_argument, plan_write, shifted, why_write_moves, written
 
 
 class Walker:
@@ -187,8 +188,20 @@ class Walker:
         if updated is None:
             self._unsafe_write(node, [value])
             return
+        self._pin_shifted(node, write, base)
         self.values[write.base.name] = updated
         self._last_write[write.base] = self._order[node]
+
+    def _pin_shifted(self, node: fx.Node, write: Write, base: Value) -> None:
+        """Pin what the base keeps along an axis the write cuts, unless the write lands at the same place at every
+        probe shape (see :func:`~symgraph.analysis.writes.shifted`)."""
+        shape = _shape(write.base)
+        chans = shifted(base, shape, write.positions)
+        why = why_write_moves(node, shape, write.positions, selections_of(self.cap)) if chans else None
+        for c in chans if why is not None else ():
+            for t in c.terms:
+                self.c.pin(t.ids, f"left beside an in-place write that may land elsewhere at another input shape "
+                                  f"({why})", node.name)
 
     def _unsafe_write(self, node: fx.Node, inputs: list[Value]):
         """An in-place op the graph does not prove safe to read as a function (see analysis/writes.py): pin what

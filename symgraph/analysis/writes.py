@@ -13,13 +13,14 @@ safe from the graph alone; any other in-place op pins what it touches:
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from .labels import Chan, Term, Value, concrete_shape, labelled_axes
+from .labels import Chan, Term, Value, concrete_shape, labelled_axes, varying_axes
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,44 @@ class _Placing:
         written) varies where it labels positions."""
         chan = old if old is not None else new
         return frozenset().union(*(labelled_axes(self.labels(old, new, k, "ids")) for k in range(len(chan.terms))))
+
+
+def shifted(base: Value, base_shape, positions: torch.Tensor) -> list[Chan]:
+    """The channels of ``base`` that vary, where a write at ``positions`` leaves them, along an axis the write cuts
+    (a cloned table whose first ``n`` rows activations overwrite): which of their labels survive depends on where
+    the write lands, so they keep their coordinates only if it lands at the same place at every input shape."""
+    place = _Placing(tuple(base_shape), tuple(positions.shape), positions)
+    cut = varying_axes(_mask(base_shape, positions))
+    return [c for c in base.chans if place.axes(c, None) & cut]
+
+
+def why_write_moves(node: fx.Node, base_shape, positions: torch.Tensor, selections) -> str | None:
+    """None when in-place ``node`` (writing ``positions`` of a base of ``base_shape``) writes the same places
+    along the axes it cuts, of axes of the same sizes, in the graph traced at every probe shape of
+    ``selections`` (:class:`~symgraph.analysis.selections.Selections`); otherwise the reason."""
+    mask = _mask(base_shape, positions)
+    cut = varying_axes(mask)
+    line = tuple(slice(None) if a in cut else 0 for a in range(mask.dim()))
+
+    def differs(other: fx.Node, probe) -> str | None:
+        chain = _view_chain(mutated_argument(other), {n: i for i, n in enumerate(other.graph.nodes)})
+        found = _positions(*chain, probe.values) if chain is not None else None
+        if found is None:
+            return "the positions the write reaches cannot be replayed"
+        theirs = _mask(concrete_shape(chain[0].meta["val"].shape), found)
+        if (theirs.dim() != mask.dim() or varying_axes(theirs) != cut
+                or any(theirs.shape[a] != mask.shape[a] for a in cut) or not torch.equal(theirs[line], mask[line])):
+            return "the write lands elsewhere"
+        return None
+
+    return selections.why_differs(node, differs)
+
+
+def _mask(shape, positions: torch.Tensor) -> torch.Tensor:
+    """True at the flat ``positions`` of a tensor of ``shape``."""
+    mask = torch.zeros(math.prod(shape), dtype=torch.bool)
+    mask[positions] = True
+    return mask.reshape(tuple(shape))
 
 
 def _view_chain(node: fx.Node | None, order: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
