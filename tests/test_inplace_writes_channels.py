@@ -134,3 +134,36 @@ def test_registers_written_into_a_buffer_join_the_residual_stream(how):
     residual = [g for g in subject.report.groups if g.motif == "residual"]
     assert [g.size for g in residual] == [WIDTH]
     assert {"embed.weight", "tokens", "mix.weight", "head.weight"} <= {m.param for m in residual[0].members}
+
+
+class ShiftedTokens(nn.Module):
+    """Learned tokens written at rows ``n:n+3`` of a 16-row buffer, then rows ``:6`` overwritten (a write at a fixed
+    place): which tokens survive depends on ``n`` through the earlier write (5 tokens: the last two; 4: the last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.tokens = nn.Linear(PATCH, WIDTH), nn.Parameter(torch.randn(3, WIDTH))
+        self.mix, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        buf = x.new_zeros(x.shape[0], 16, WIDTH)
+        buf[:, x.shape[1]:x.shape[1] + 3] = self.tokens
+        buf[:, :6] = x[:, :1].expand(-1, 6, -1)
+        return self.head(torch.relu(self.mix(buf)).mean(1))
+
+
+def test_a_write_at_a_fixed_place_cuts_what_an_earlier_write_put_elsewhere():
+    model = noisy(ShiftedTokens())
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    assert not {g.id for g in subject.report.groups for m in g.members if m.param == "tokens" and m.axis == 0}
+    assert census(subject)["ffn permutation/positive 16x1"] == 1
+    # the pin is needed: the two tokens that survive at 5 patches are not interchangeable at 4
+    swapped = ShiftedTokens()
+    swapped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        swapped.tokens[[1, 2]] = model.tokens[[2, 1]]
+    x = torch.randn(2, 4, PATCH, dtype=torch.float64)
+    with torch.no_grad():
+        assert (swapped.double()(x) - model.double()(x)).abs().max() > 1e-3
