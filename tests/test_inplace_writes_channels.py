@@ -167,3 +167,37 @@ def test_a_write_at_a_fixed_place_cuts_what_an_earlier_write_put_elsewhere():
     x = torch.randn(2, 4, PATCH, dtype=torch.float64)
     with torch.no_grad():
         assert (swapped.double()(x) - model.double()(x)).abs().max() > 1e-3
+
+
+class RotaryWritten(nn.Module):
+    """Attention with rotary embedding on the first 4 of 8 dimensions per head, the rotated and the passed parts
+    written into an ``empty_like`` buffer (mixed channels written by slice) instead of concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(PATCH, WIDTH)
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.head = nn.Linear(WIDTH, 3)
+
+    @staticmethod
+    def rotary(t):
+        angle = torch.arange(t.shape[2], dtype=t.dtype)[:, None] * torch.tensor([1.0, 0.3, 1.0, 0.3], dtype=t.dtype)
+        half = t[..., :4]
+        buf = torch.empty_like(t)
+        buf[..., :4] = half * angle.cos() + torch.cat([-half[..., 2:], half[..., :2]], -1) * angle.sin()
+        buf[..., 4:] = t[..., 4:]
+        return buf
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        q, k, v = (f(x).unflatten(-1, (2, WIDTH // 2)).transpose(1, 2) for f in (self.q, self.k, self.v))
+        attention = torch.softmax(self.rotary(q) @ self.rotary(k).transpose(-1, -2) / 3, -1)
+        return self.head((x + self.o((attention @ v).transpose(1, 2).flatten(2))).mean(1))
+
+
+def test_rotary_halves_written_into_a_buffer_keep_the_attention_groups():
+    subject = symgraph.load(noisy(RotaryWritten()), (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    groups = census(subject)
+    assert groups["qk rotary/positive 8x2"] == groups["vo orthogonal 8x2"] == groups["heads permutation 2x1"] == 1, \
+        groups
