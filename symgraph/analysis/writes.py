@@ -10,6 +10,10 @@ safe from the graph alone; any other in-place op pins what it touches:
   only, the op's own result unused, and every other reader of the tensor comes after the write (or is another such
   write): the tensor's written positions then carry the op's labels (DeepSeek's ``new_empty`` key buffer filled by
   two ``copy_`` calls is a concatenation).
+
+The written labels join the tensor's channels by the axes they vary along, as a concatenation's operands do. What a
+write leaves along an axis it cuts keeps its coordinates only where every write into the tensor lands at the same
+place at every probe shape: ``buf[:, :n] = x`` over a cloned table leaves rows that depend on ``n``.
 """
 from __future__ import annotations
 
