@@ -201,3 +201,40 @@ def test_rotary_halves_written_into_a_buffer_keep_the_attention_groups():
     groups = census(subject)
     assert groups["qk rotary/positive 8x2"] == groups["vo orthogonal 8x2"] == groups["heads permutation 2x1"] == 1, \
         groups
+
+
+class GroupedQueries(nn.Module):
+    """Grouped-query attention (4 query heads, 2 key/value heads); with ``written`` each key/value head is copied
+    into an empty buffer by two strided writes along the head axis (head h reads key/value head h // 2) instead of
+    ``repeat_interleave``."""
+
+    def __init__(self, written: bool):
+        super().__init__()
+        self.written = written
+        self.embed = nn.Linear(PATCH, WIDTH)
+        self.q, self.o = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.k, self.v = nn.Linear(WIDTH, WIDTH // 2), nn.Linear(WIDTH, WIDTH // 2)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def repeat(self, t):
+        if not self.written:
+            return t.repeat_interleave(2, 1)
+        buf = t.new_empty(t.shape[0], 4, *t.shape[2:])
+        buf[:, 0::2] = t
+        buf[:, 1::2] = t
+        return buf
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        q = self.q(x).unflatten(-1, (4, WIDTH // 4)).transpose(1, 2)
+        k, v = (f(x).unflatten(-1, (2, WIDTH // 4)).transpose(1, 2) for f in (self.k, self.v))
+        attention = torch.softmax(q @ self.repeat(k).transpose(-1, -2) / 2, -1)
+        return self.head((x + self.o((attention @ self.repeat(v)).transpose(1, 2).flatten(2))).mean(1))
+
+
+def test_key_value_heads_written_along_the_head_axis_keep_the_grouped_query_groups():
+    subject = symgraph.load(noisy(GroupedQueries(written=True)), (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    groups = census(subject)
+    assert groups == census(symgraph.load(noisy(GroupedQueries(written=False)), (torch.randn(2, 5, PATCH),)))
+    assert groups["vo orthogonal 4x2"] == 1 and groups["residual general_linear 16x1"] == 1, groups
