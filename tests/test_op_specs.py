@@ -74,12 +74,14 @@ def _complex_rotation(h, m):
     return A.view_as_real.default(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
 
 
-def _filled(h, m):
-    """A buffer from ``new_empty`` written piece by piece through slices (DeepSeek's key states)."""
-    buf = A.new_empty.default(h, list(h.shape))
-    A.copy_.default(A.slice.Tensor(buf, 2, 0, 4), A.slice.Tensor(h, 2, 0, 4))
-    A.copy_.default(A.slice.Tensor(buf, 2, 4, D), A.relu.default(A.slice.Tensor(h, 2, 4, D)))
-    return buf
+def _filled(empty):
+    """A buffer from ``empty(h)`` written piece by piece through slices (DeepSeek's key states)."""
+    def body(h, m):
+        buf = empty(h)
+        A.copy_.default(A.slice.Tensor(buf, 2, 0, 4), A.slice.Tensor(h, 2, 0, 4))
+        A.copy_.default(A.slice.Tensor(buf, 2, 4, D), A.relu.default(A.slice.Tensor(h, 2, 4, D)))
+        return buf
+    return body
 
 
 def _rows_mask(h):
@@ -257,8 +259,9 @@ EXAMPLES = {
     "aten.new_zeros.default": lambda h, m: h + A.new_zeros.default(h, [D]),
     "aten.new_ones.default": lambda h, m: h * A.new_ones.default(h, [D]),
     "aten.new_full.default": lambda h, m: h + A.new_full.default(h, [D], 2.0),
-    "aten.new_empty.default": _filled,
-    "aten.copy_.default": _filled,
+    "aten.new_empty.default": _filled(lambda h: A.new_empty.default(h, list(h.shape))),
+    "aten.empty_like.default": _filled(A.empty_like.default),
+    "aten.copy_.default": _filled(lambda h: A.new_empty.default(h, list(h.shape))),
     "aten.view_as_complex.default": _complex_rotation,
     "aten.view_as_real.default": _complex_rotation,
     "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,

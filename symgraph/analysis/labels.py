@@ -160,6 +160,14 @@ def varying_axes(t: torch.Tensor) -> frozenset[int]:
     return frozenset(out)
 
 
+def labelled_axes(t: torch.Tensor) -> frozenset[int]:
+    """Axes along which ``t`` holds more than one id, :data:`NO_ID` entries skipped: the axes a channel varies
+    along where it labels positions (a buffer's rows written by other tensors carry no id of it)."""
+    small = collapse(t)
+    low = torch.where(small == NO_ID, torch.iinfo(small.dtype).max, small)
+    return frozenset(a for a in range(small.dim()) if small.shape[a] > 1 and bool((small.amax(a) > low.amin(a)).any()))
+
+
 def chan_axes(chan: Chan) -> frozenset[int]:
     axes = set()
     for term in chan.terms:

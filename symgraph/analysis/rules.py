@@ -288,25 +288,29 @@ def _channel_slots(tensors: list[Value | None], out_rank: int) -> dict[int, list
     channel joins the channels of the other operands that vary along the same axes, or moves alone: ``cat([x,
     tokens], 1)`` of activations x (coordinates on axis 2) and a parameter of tokens x coordinates (axes 1 and 2)
     must carry x's coordinates on with the parameter's axis-2 channel, not with its token channel (GroupViT)."""
-    present = [v for v in tensors if v is not None]
-    axes = {id(v): [frozenset(a + out_rank - len(c.ids.shape) for a in chan_axes(c)) for c in v.chans]
-            for v in present}
-    by_index = {id(v): list(range(len(v.chans))) for v in present}
-    width = max((len(a) for a in axes.values()), default=0)
-    if all(not (x and y) or x & y for j in range(width)
+    return slots_by_axes({id(v): [frozenset(a + out_rank - len(c.ids.shape) for a in chan_axes(c)) for c in v.chans]
+                          for v in tensors if v is not None})
+
+
+def slots_by_axes(axes: dict[int, list[frozenset[int]]]) -> dict[int, list[int | None]]:
+    """Which channel of each tensor (keyed by ``id`` of its Value, with the axes each of its channels varies along,
+    in common coordinates) goes into each slot of the result: the j-th channels of all tensors, unless two of them
+    vary along disjoint axes; then each channel joins the channels of the other tensors that vary along the same
+    axes, or takes a slot alone."""
+    if all(not (x and y) or x & y for j in range(max((len(a) for a in axes.values()), default=0))
            for x, y in itertools.combinations([a[j] for a in axes.values() if j < len(a)], 2)):
-        return by_index
-    slots: list[frozenset] = []  # the axes of each replay, in order of first appearance
+        return {key: list(range(len(a))) for key, a in axes.items()}
+    slots: list[frozenset] = []  # the axes of each slot, in order of first appearance
     order: dict[int, list[int | None]] = {}
-    for v in present:
+    for key, chans in axes.items():
         taken: list[int | None] = []
-        for i, a in enumerate(axes[id(v)]):
+        for a in chans:
             j = next((j for j, s in enumerate(slots) if s == a and j not in taken), None)
             if j is None:
                 slots.append(a)
                 j = len(slots) - 1
             taken.append(j)
-        order[id(v)] = taken
+        order[key] = taken
     return {key: [taken.index(j) if j in taken else None for j in range(len(slots))] for key, taken in order.items()}
 
 

@@ -72,6 +72,19 @@ class Selections:
         fixed selection; otherwise the reason they may select other positions at another input shape."""
         if any(a in self.from_inputs for a in indices):
             return "the indices are computed from the model's inputs"
+
+        def differs(other: fx.Node, probe: Trace) -> str | None:
+            if not self._same_indices(node, other, indices, probe):
+                return "their values differ"
+            if not _same_sizes(node.args[0], other.args[0], axes):
+                return "the indexed axis has another size"
+            return None
+
+        return self.why_differs(node, differs)
+
+    def why_differs(self, node: fx.Node, differs) -> str | None:
+        """``None`` when ``node`` is in the graph traced at every probe shape and ``differs(other, probe)`` (that
+        node there, and that trace) finds nothing; otherwise the reason, with the input shape it was found at."""
         probes = self.probes()
         if not probes:
             return "the model takes no other input shape to compare them at"
@@ -83,10 +96,9 @@ class Selections:
             other = probe.by_key.get(self.traced.key_of[node])
             if other is None:
                 return f"the graph traced at ({summary}) has no such node to compare"
-            if not self._same_indices(node, other, indices, probe):
-                return f"their values differ at input shape ({summary})"
-            if not _same_sizes(node.args[0], other.args[0], axes):
-                return f"the indexed axis has another size at input shape ({summary})"
+            why = differs(other, probe)
+            if why is not None:
+                return f"{why} at input shape ({summary})"
         return None
 
     def _same_indices(self, node: fx.Node, other: fx.Node, indices: list[fx.Node], probe: Trace) -> bool:

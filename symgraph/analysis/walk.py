@@ -27,7 +27,8 @@ from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets
-from .writes import Write, aliases_input, mutated_argument, plan_write, written
+from .selections import selections_of
+from .writes import Write, aliases_input, mutated_argument, plan_write, shifted, why_write_moves, written
 
 
 class Walker:
@@ -47,6 +48,7 @@ class Walker:
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
+        self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
         # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
         self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
 
@@ -187,8 +189,28 @@ class Walker:
         if updated is None:
             self._unsafe_write(node, [value])
             return
+        writes = self._writes.setdefault(write.base, [])
+        writes.append((node, write))
+        self._pin_shifted(writes, base)
         self.values[write.base.name] = updated
         self._last_write[write.base] = self._order[node]
+
+    def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
+        """Pin what the base keeps along an axis the last of ``writes`` (those into one tensor so far) cuts, unless
+        every one of them lands at the same place at every probe shape: an earlier write that lands elsewhere puts
+        the labels the last one cuts elsewhere (see :func:`~symgraph.analysis.writes.shifted`)."""
+        node, last = writes[-1]
+        shape = _shape(last.base)
+        chans = shifted(base, shape, last.positions)
+        if not chans:
+            return
+        for n, w in writes:
+            why = why_write_moves(n, shape, w.positions, selections_of(self.cap))
+            if why is not None:
+                for t in (t for c in chans for t in c.terms):
+                    self.c.pin(t.ids, f"left beside an in-place write that may land elsewhere at another input "
+                                      f"shape ({why})", node.name)
+                return
 
     def _unsafe_write(self, node: fx.Node, inputs: list[Value]):
         """An in-place op the graph does not prove safe to read as a function (see analysis/writes.py): pin what

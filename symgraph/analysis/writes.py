@@ -10,16 +10,21 @@ safe from the graph alone; any other in-place op pins what it touches:
   only, the op's own result unused, and every other reader of the tensor comes after the write (or is another such
   write): the tensor's written positions then carry the op's labels (DeepSeek's ``new_empty`` key buffer filled by
   two ``copy_`` calls is a concatenation).
+
+The written labels join the tensor's channels by the axes they vary along, as a concatenation's operands do. What a
+write leaves along an axis it cuts keeps its coordinates only where every write into the tensor lands at the same
+place at every probe shape: ``buf[:, :n] = x`` over a cloned table leaves rows that depend on ``n``.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from .labels import Chan, Term, Value, concrete_shape
+from .labels import Chan, Term, Value, concrete_shape, labelled_axes, varying_axes
 
 
 @dataclass(frozen=True)
@@ -63,33 +68,91 @@ def plan_write(node: fx.Node, order: dict[fx.Node, int], last_write: dict[fx.Nod
 
 def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> Value | None:
     """``base`` with the labels of ``wrote`` (the written view's value) at ``positions``; None when a label kind
-    cannot be rewritten position by position (squared channels, index pointers)."""
+    cannot be rewritten position by position (squared channels, index pointers). A channel of ``wrote`` takes the
+    place of the base's channel at its index, unless the two vary along disjoint axes of the base: then it joins
+    the base's channel that varies along the same axes, or stands alone (register tokens, a parameter labelled on
+    its token and coordinate axes, written into a buffer beside activations labelled on the coordinate axis)."""
     if base.points_to is not None or wrote.points_to is not None or wrote.shape is None:
         return None
     values = (base, wrote)
     if any(c.degree != 1 for v in values for c in v.chans):
         return None
+    from .rules import _slot, slots_by_axes
+
+    place = _Placing(tuple(base_shape), wrote.shape, positions)
+    slots = slots_by_axes({id(base): [place.axes(c, None) for c in base.chans],
+                           id(wrote): [place.axes(None, c) for c in wrote.chans]})
     chans = []
-    for j in range(max(len(base.chans), len(wrote.chans))):
-        present = [v.chans[j] for v in values if j < len(v.chans)]
+    for j in range(max((len(s) for s in slots.values()), default=0)):
+        old, new = _slot(base, j, slots), _slot(wrote, j, slots)
+        present = [c for c in (old, new) if c is not None]
         mixed = any(c.mixed for c in present)
-        terms = []
-        for k in range(max(len(c.terms) for c in present)):
-            ids = _overwrite(base, j, k, base_shape, wrote, positions, "ids")
-            terms.append(Term(ids, _overwrite(base, j, k, base_shape, wrote, positions, "coef") if mixed else None))
+        terms = [Term(place.labels(old, new, k, "ids"), place.labels(old, new, k, "coef") if mixed else None)
+                 for k in range(max(len(c.terms) for c in present))]
         chans.append(Chan(tuple(terms), block=any(c.block for c in present)))
     return Value(chans=chans, shape=tuple(base_shape))
 
 
-def _overwrite(base: Value, j: int, k: int, base_shape, wrote: Value, positions: torch.Tensor, what: str):
-    from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
+@dataclass(frozen=True)
+class _Placing:
+    """A write of a view of shape ``wrote_shape`` at ``positions`` (flat indices) of a base of ``base_shape``."""
 
-    def chan(v):
-        return v.chans[j] if j < len(v.chans) else None
+    base_shape: tuple
+    wrote_shape: tuple
+    positions: torch.Tensor
 
-    out = _term_tensor(chan(base), k, base_shape, what).expand(base_shape).reshape(-1).clone()
-    out[positions] = _term_tensor(chan(wrote), k, wrote.shape, what).expand(wrote.shape).reshape(-1)
-    return out.reshape(base_shape)
+    def labels(self, old: Chan | None, new: Chan | None, k: int, what: str) -> torch.Tensor:
+        """Term ``k``'s labels (or coefficients) of ``old`` (a base channel) with ``new``'s (a channel of the
+        written view) at the written positions; -1 (or 0) where either is absent."""
+        from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
+
+        out = _term_tensor(old, k, self.base_shape, what).expand(self.base_shape).reshape(-1).clone()
+        out[self.positions] = _term_tensor(new, k, self.wrote_shape, what).expand(self.wrote_shape).reshape(-1)
+        return out.reshape(self.base_shape)
+
+    def axes(self, old: Chan | None, new: Chan | None) -> frozenset[int]:
+        """The base's axes along which the channel (``old`` where the write leaves it, or ``new`` where it is
+        written) varies where it labels positions."""
+        chan = old if old is not None else new
+        return frozenset().union(*(labelled_axes(self.labels(old, new, k, "ids")) for k in range(len(chan.terms))))
+
+
+def shifted(base: Value, base_shape, positions: torch.Tensor) -> list[Chan]:
+    """The channels of ``base`` that vary, where a write at ``positions`` leaves them, along an axis the write cuts
+    (a cloned table whose first ``n`` rows activations overwrite): which of their labels survive depends on where
+    the write lands, so they keep their coordinates only if it lands at the same place at every input shape."""
+    place = _Placing(tuple(base_shape), tuple(positions.shape), positions)
+    cut = varying_axes(_mask(base_shape, positions))
+    return [c for c in base.chans if place.axes(c, None) & cut]
+
+
+def why_write_moves(node: fx.Node, base_shape, positions: torch.Tensor, selections) -> str | None:
+    """None when in-place ``node`` (writing ``positions`` of a base of ``base_shape``) writes the same places
+    along the axes it cuts, of axes of the same sizes, in the graph traced at every probe shape of
+    ``selections`` (:class:`~symgraph.analysis.selections.Selections`); otherwise the reason."""
+    mask = _mask(base_shape, positions)
+    cut = varying_axes(mask)
+    line = tuple(slice(None) if a in cut else 0 for a in range(mask.dim()))
+
+    def differs(other: fx.Node, probe) -> str | None:
+        chain = _view_chain(mutated_argument(other), {n: i for i, n in enumerate(other.graph.nodes)})
+        found = _positions(*chain, probe.values) if chain is not None else None
+        if found is None:
+            return "the positions the write reaches cannot be replayed"
+        theirs = _mask(concrete_shape(chain[0].meta["val"].shape), found)
+        if (theirs.dim() != mask.dim() or varying_axes(theirs) != cut
+                or any(theirs.shape[a] != mask.shape[a] for a in cut) or not torch.equal(theirs[line], mask[line])):
+            return "the write lands elsewhere"
+        return None
+
+    return selections.why_differs(node, differs)
+
+
+def _mask(shape, positions: torch.Tensor) -> torch.Tensor:
+    """True at the flat ``positions`` of a tensor of ``shape``."""
+    mask = torch.zeros(math.prod(shape), dtype=torch.bool)
+    mask[positions] = True
+    return mask.reshape(tuple(shape))
 
 
 def _view_chain(node: fx.Node | None, order: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
