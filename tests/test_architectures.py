@@ -236,12 +236,16 @@ EXPECTED = {
     },
     # deepseek-v2: layer 0 is dense (FFN 32 with up/down scale), layer 1 routed experts plus a shared expert;
     # its keys are written piece by piece into a new_empty buffer with copy_ (a concatenation: values and whole
-    # heads keep their groups; no QK group yet: the GL on each head's non-rotary query/key dims is not found).
+    # heads keep their groups). Every query head's rotary half meets the one shared rotary key: those classes form
+    # one rotary block, and each head's non-rotary query/key dims its own (orthogonal, with a scale).
     "deepseek-v2": {
         "experts permutation 4x1": 1,
         "ffn permutation 32x1": 3,
         "ffn scale/nonzero 32x1": 3,
         "heads permutation 4x1": 2,
+        "qk orthogonal 8x4": 2,
+        "qk rotary/positive 8x1": 2,
+        "qk scale/nonzero 1x4": 2,
         "vo orthogonal 16x4": 2,
         "other signed_permutation 16x1": 2,
         "residual signed_permutation 64x1": 1,

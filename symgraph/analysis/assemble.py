@@ -88,7 +88,7 @@ class Assembler:
         cls_is_head[self.cls[self.is_block]] = True
         space = self._spaces(cls_is_head)
         key = space.copy()
-        key = self._refine_by_separations(key)
+        key = _refine(self._refine_by_separations(key), self._passing_signatures())
         restriction = self._class_restrictions()
         role = self._rotary_roles()
         excluded = cls_pinned | cls_is_head | (space < 0)
@@ -164,6 +164,19 @@ class Assembler:
             key[classes] = fresh + new.reshape(-1)
             fresh += int(new.max()) + 1 if len(new) else 0
         return key
+
+    def _passing_signatures(self) -> np.ndarray:
+        """A code per class for the set of matrices its coordinates pass (0: none). Coordinates of one space that
+        pass different matrices (values of heads attended one by one, then joined) may not mix: each set of
+        matrices is a block, so every matrix's coordinates stay an invariant subspace of the map."""
+        code = np.zeros(self.n_cls, np.int64)
+        if self.c.passes:
+            matrices: dict[str, int] = {}
+            classes, sets = _class_sets(np.concatenate([
+                np.stack(np.broadcast_arrays(self.cls[ids], matrices.setdefault(node, len(matrices))), 1)
+                for ids, node in self.c.passes]))
+            code[classes] = 1 + sets
+        return code
 
     def _class_restrictions(self) -> "RestrictionTable":
         """The meet of every restriction on each class, as small integer codes (millions of classes)."""
@@ -587,14 +600,25 @@ def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
 
 
 def _row_partition(cls_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(classes, row label) for the classes in ``cls_rows``; rows that share a class are merged."""
-    uniq = np.unique(cls_rows, axis=0)
-    classes = np.unique(uniq)
-    local = np.searchsorted(classes, uniq)
-    r = np.repeat(local[:, :1], local.shape[1], axis=1).reshape(-1)
-    graph = coo_matrix((np.ones(r.size, np.int8), (r, local.reshape(-1))), shape=(len(classes),) * 2)
-    _, part = connected_components(graph, directed=False)
-    return classes, part.astype(np.int64)
+    """(classes, block label) for the classes in ``cls_rows``: classes in the same set of rows share a block.
+    A class in several rows (a key shared by every query head) is a block of its own, and the rest of each row
+    stays apart from the other rows, so every row remains an invariant subspace."""
+    rows = np.broadcast_to(np.arange(len(cls_rows))[:, None], cls_rows.shape)
+    return _class_sets(np.stack([cls_rows.reshape(-1), rows.reshape(-1)], 1))
+
+
+def _class_sets(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(classes, code) from (class, set) pairs: equal codes for classes found in exactly the same sets."""
+    pairs = np.unique(pairs, axis=0)  # sorted by class, then set
+    classes, start, count = np.unique(pairs[:, 0], return_index=True, return_counts=True)
+    code = np.zeros(len(classes), np.int64)
+    fresh = 0
+    for n in np.unique(count):  # classes in n sets: their sorted set lists as rows of one array
+        which = count == n
+        _, inv = np.unique(pairs[start[which][:, None] + np.arange(n), 1], axis=0, return_inverse=True)
+        code[which] = fresh + inv.reshape(-1)
+        fresh += int(inv.max()) + 1
+    return classes, code
 
 
 def _first_with_same_content(content: dict[int, set[int]]) -> dict[int, int]:

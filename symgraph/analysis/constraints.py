@@ -98,6 +98,9 @@ class Constraints:
     # their permutation; each factor keeps its own scale)
     restricts: list[tuple[np.ndarray, Restriction, str, str, bool]] = field(default_factory=list)
     separates: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (R, K) rows that may not mix
+    # (ids, matrix key): ids multiplied by one matrix or summed by one contraction; coordinates whose sets of keys
+    # differ may not mix (see Constraints.passes_through)
+    passes: list[tuple[np.ndarray, str]] = field(default_factory=list)
     rowlinks: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # block ids (R,), rows (R, K)
     pins: list[tuple[np.ndarray, str, str]] = field(default_factory=list)  # ids, reason, node
     commutes: list[Commute] = field(default_factory=list)
@@ -138,6 +141,15 @@ class Constraints:
         rows = _np(rows)
         if rows.ndim == 2 and rows.shape[0] > 1:
             self.separates.append((rows, node))
+
+    def passes_through(self, ids, node: str) -> None:
+        """``ids`` pass through ``node``, a matrix (a contraction multiplies passing coordinates by its other
+        operand's values: an attention matrix) or a sum (a contraction sums its contracted coordinates into one
+        product). Coordinates of one space that pass different such nodes (heads computed one by one and joined
+        again) meet different matrices or sums: a map mixing them is no symmetry."""
+        ids = _ids(ids)
+        if ids.size:
+            self.passes.append((ids, node))
 
     def centre(self, rows: torch.Tensor | np.ndarray, node: str) -> None:
         self.centred.append((_np(rows).reshape(-1, _np(rows).shape[-1]), node))

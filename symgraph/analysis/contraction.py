@@ -13,6 +13,10 @@ For operands ``A`` and ``B`` written with einsum letters:
   attention pattern), every batch index meets a different linear map, so its coordinates may not mix with those
   of other indices. This holds whether or not the other operand still carries head labels: an unknown op on the
   query/key path loses the labels, not the per-head structure.
+* every passing channel is multiplied by the other operand's values, every contracted pair summed into one
+  product: its coordinates are recorded as passing that matrix or sum
+  (:meth:`~symgraph.analysis.constraints.Constraints.passes_through`), so that coordinates of one space that meet
+  different matrices or sums (heads computed one by one in a loop, then joined) are never mixed.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Operand:
     letters: str
     data: object = None  # the operand's value when it depends on no parameter (None: unknown, may vary anywhere)
     constant_axes: frozenset[int] = frozenset()  # axes along which the values are known not to vary (expanded)
+    source: str | None = None  # the graph node holding these values (None: values known only to this contraction)
 
 
 def expand_ellipsis(pattern: Pattern, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
@@ -69,9 +74,10 @@ def matmul_pattern(ra: int, rb: int) -> Pattern:
 class Contraction:
     """Apply the contraction rule for one node; ``walker`` supplies constraints and id allocation."""
 
-    def __init__(self, walker, node_name: str):
+    def __init__(self, walker, node_name: str, step: int = 0):
         self.w = walker
         self.node = node_name
+        self.step = step  # which pairwise product of the node this is (an einsum of several factors, attention)
 
     def run(self, a: Operand, b: Operand, out_letters: str, out_shape: tuple[int, ...]) -> list[Chan]:
         sizes = _letter_sizes([a, b], out_letters, out_shape)
@@ -113,6 +119,8 @@ class Contraction:
         passed_a, passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch, outs, out_letters, out_shape)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
             self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
+            if not chan.block:
+                self.w.c.passes_through(chan.ids, self._matrix_key(other, op, out_letters))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
                 outs.append(moved)
@@ -171,6 +179,8 @@ class Contraction:
             for x in ra:
                 for y in rb:
                     self.w.c.tie(x, y, dual=True, node=self.node)
+        for c in (ca, cb):  # one sum over these coordinates: no map may mix them with coordinates it leaves out
+            self.w.c.passes_through(c.ids, f"{self.node}[{self.step}]")
         if not fiber:
             return None
         # One block per batch index (head): coordinates of different heads may not mix.
@@ -191,6 +201,18 @@ class Contraction:
         self.w.c.rowlinks.append((blocks.numpy(), first_b.numpy(), self.node))
         view = [sizes[l] if l in fiber else 1 for l in out_letters]
         return Chan.clean(blocks.reshape(view).expand(out_shape), block=True)
+
+    def _matrix_key(self, other: Operand, op: Operand, out_letters: str) -> str:
+        """What ``op``'s passing coordinates are multiplied by: the same graph node's values contracted the same
+        way are the same matrix (``a @ v1`` and ``a @ v2``, linears reading one input); anything else is a matrix
+        of this product alone."""
+        if other.source is None:
+            return f"{self.node}[{self.step}]"
+        rename = {l: string.ascii_letters[i] for i, l in enumerate(dict.fromkeys(other.letters + op.letters
+                                                                                 + out_letters))}
+        spell = "".join
+        return f"{other.source}|{spell(map(rename.get, other.letters))},{spell(map(rename.get, op.letters))}" \
+               f"->{spell(map(rename.get, out_letters))}"
 
     def _separate_batch_indices(self, chan: Chan, op: Operand, letters: set[str]) -> None:
         """Coordinates at different indices of ``letters`` meet different data there: keep them apart."""

@@ -579,7 +579,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
     out_shape = _shape_of(node)
     ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
                    values[i].data if values[i] else operands[i],
-                   values[i].constant_axes if values[i] else frozenset()) for i in range(n_factors)]
+                   values[i].constant_axes if values[i] else frozenset(),
+                   operands[i].name if values[i] and n_factors == 2 else None) for i in range(n_factors)]
     out = Value(chans=_contract_factors(w, node, ops, out_letters, out_shape), shape=out_shape)
     for extra, letter_spec in zip(values[n_factors:], letters[n_factors:]):  # biases: added to the output
         if extra is not None:
@@ -611,7 +612,7 @@ def _contract_factors(w, node: fx.Node, ops: list[Operand], out_letters: str, ou
             later = set("".join(o.letters for o in ops[i:])) | set(out_letters)
             letters = "".join(dict.fromkeys(l for l in acc.letters + op.letters if l in later))
             shape = tuple(sizes[l] for l in letters)
-        acc = Operand(Contraction(w, node.name).run(acc, op, letters, shape), shape, letters)
+        acc = Operand(Contraction(w, node.name, step=i - 2).run(acc, op, letters, shape), shape, letters)
     return acc.chans
 
 
@@ -737,8 +738,8 @@ def rule_attention(w, node: fx.Node, spec) -> Value:
         scores = _add_values(w, node, scores, mask_value, residual=False, out_shape=scores_shape)
     scores = _softmax_value(w, node, scores, len(scores_shape) - 1)
     out_shape = _shape_of(node)
-    chans = Contraction(w, node.name).run(Operand(scores.chans, scores_shape, lead + "hnm"),
-                                          Operand(v.chans, vs, lead + "hmd"), lead + "hnd", out_shape)
+    chans = Contraction(w, node.name, step=1).run(Operand(scores.chans, scores_shape, lead + "hnm"),
+                                                  Operand(v.chans, vs, lead + "hmd"), lead + "hnd", out_shape)
     return Value(chans=chans, shape=out_shape)
 
 
