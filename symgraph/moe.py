@@ -12,18 +12,27 @@ runs on every token, and the router's choice enters as a dense (tokens x experts
 column ``e`` (the expert permutation moves router rows with it) and each expert's FFN through the layer's own
 gate/activation code. Capture uses it; the float64 check runs transformers' own ``eager`` loop instead, so the
 two are independent.
+
+A few experts modules (DBRX's) loop over the experts a batch hits in their own forward, outside that interface;
+``specs/experts.yaml`` says where such a module keeps its weights, and :func:`layout_experts_forward` runs it in
+the same dense form (the module's own loop stays the reference).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import operator
+import types
 from collections.abc import Iterator
 
 import torch
 
 from .groups import Member
+from .spec import ExpertsLayout, load_specs
 
 __all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
-           "note_shared_expert_units", "use_experts_implementation"]
+           "layout_experts_forward", "note_shared_expert_units", "use_experts_implementation"]
 
 DENSE = "symgraph_dense"  # registered in transformers' experts interface on first use
 REFERENCE = "eager"  # transformers' reference loop: runs in any dtype, not traceable
@@ -45,8 +54,7 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     >>> bool(torch.allclose(dense, reference, atol=1e-5))
     True
     """
-    routing = torch.nn.functional.one_hot(top_k_index, self.num_experts).to(top_k_weights.dtype)
-    routing = (routing * top_k_weights.unsqueeze(-1)).sum(-2)  # (tokens, experts): zero where not routed
+    routing = _routing(top_k_index, top_k_weights, self.num_experts)
     up = self.gate_up_proj if self.has_gate else self.up_proj
     hidden = _per_expert(hidden_states, up, self.is_transposed, "td")
     if self.has_bias:
@@ -57,7 +65,36 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         out = out + self.down_proj_bias
     if getattr(self, "has_post_expert_norm", False):  # transformers 5.17 has no post-expert norm
         out = self.post_expert_norm(out)
-    return torch.einsum("ted,te->td", out, routing.to(out.dtype)).to(hidden_states.dtype)
+    return _mix(out, routing, hidden_states.dtype)
+
+
+def layout_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                           *, layout: ExpertsLayout) -> torch.Tensor:
+    """A hand-written experts module (weights where ``layout`` says) on every token, mixed by the routing matrix."""
+    experts = getattr(self, layout.experts)
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    gate, up, down = (_stacked(self, path, experts) for path in (layout.gate, layout.up, layout.down))
+    activation = operator.attrgetter(layout.activation)(self)
+    hidden = activation(_per_expert(tokens, gate, False, "td")) * _per_expert(tokens, up, False, "td")
+    out = _per_expert(hidden, down, layout.down_rows == "units", "tei")
+    return _mix(out, _routing(top_k_index, top_k_weights, experts), hidden_states.dtype).view(hidden_states.shape)
+
+
+def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int) -> torch.Tensor:
+    """The dense (tokens, experts) routing matrix: each token's top-k weights at its experts, zero elsewhere."""
+    routing = torch.nn.functional.one_hot(top_k_index, experts).to(top_k_weights.dtype)
+    return (routing * top_k_weights.unsqueeze(-1)).sum(-2)
+
+
+def _mix(out: torch.Tensor, routing: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every expert's output (tokens, experts, hidden) weighted by its routing column and summed over experts."""
+    return torch.einsum("ted,te->td", out, routing.to(out.dtype)).to(dtype)
+
+
+def _stacked(module: torch.nn.Module, path: str, experts: int) -> torch.Tensor:
+    """Parameter ``path`` of ``module`` with its experts stacked along the rows, as (experts, rows, columns)."""
+    weight = module.get_parameter(path)
+    return weight.view(experts, -1, weight.shape[-1])
 
 
 def _per_expert(x: torch.Tensor, weight: torch.Tensor, transposed: bool, x_letters: str) -> torch.Tensor:
@@ -73,29 +110,64 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "config")]
 
 
+def layout_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ExpertsLayout]]:
+    """Hand-written experts modules of ``model`` with the layout of specs/experts.yaml each matches."""
+    layouts = load_specs().experts.values()
+    found = [(m, next((layout for layout in layouts if _matches(m, layout)), None))
+             for m in model.modules() if _takes_routing(m)]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
+def _takes_routing(module: torch.nn.Module) -> bool:
+    parameters = list(inspect.signature(type(module).forward).parameters)[1:4]
+    return parameters == ["hidden_states", "top_k_index", "top_k_weights"]
+
+
+def _matches(module: torch.nn.Module, layout: ExpertsLayout) -> bool:
+    experts = getattr(module, layout.experts, None)
+    if not isinstance(experts, int) or experts < 1:
+        return False
+    names = dict(module.named_parameters())
+    paths = (layout.gate, layout.up, layout.down)
+    return all(p in names and names[p].dim() == 2 and names[p].shape[0] % experts == 0 for p in paths)
+
+
 @contextlib.contextmanager
 def experts_implementation(model: torch.nn.Module, name: str) -> Iterator[torch.nn.Module]:
     """Run ``model``'s experts with routine ``name`` inside the block; the configs are restored afterwards."""
-    if name == DENSE:
-        _register()
     configs = {id(m.config): m.config for m in experts_modules(model)}
     saved = {key: config._experts_implementation_internal for key, config in configs.items()}
+    forwards = {id(m): (m, m.__dict__.get("forward")) for m, _ in layout_modules(model)}
     try:
-        for config in configs.values():
-            config._experts_implementation_internal = name
+        use_experts_implementation(model, name)
         yield model
     finally:
         for key, config in configs.items():
             config._experts_implementation_internal = saved[key]
+        for module, forward in forwards.values():
+            _set_forward(module, forward)
 
 
 def use_experts_implementation(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """Switch ``model``'s experts to routine ``name`` for good (for copies symgraph owns, never a caller's model)."""
+    """Switch ``model``'s experts to routine ``name`` for good (for copies symgraph owns, never a caller's model).
+
+    Hand-written experts modules (specs/experts.yaml) run densely under ``DENSE`` and their own loop otherwise."""
     if name == DENSE:
         _register()
     for m in experts_modules(model):
         m.config._experts_implementation_internal = name
+    for m, layout in layout_modules(model):
+        dense = types.MethodType(functools.partial(layout_experts_forward, layout=layout), m)
+        _set_forward(m, dense if name == DENSE else None)
     return model
+
+
+def _set_forward(module: torch.nn.Module, forward) -> None:
+    """Give ``module`` its own ``forward`` (``None``: the class's again)."""
+    if forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = forward
 
 
 def note_shared_expert_units(groups: list) -> list:

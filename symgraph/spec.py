@@ -216,11 +216,23 @@ class BranchSpecs(_Frozen):
     reads: dict[str, ReadSpec] = {}
 
 
+class ExpertsLayout(_Frozen):
+    """specs/experts.yaml: where a hand-written experts module keeps each expert's gated FFN weights."""
+
+    experts: str  # attribute holding the number of experts
+    gate: str  # parameter paths, experts stacked along the rows
+    up: str
+    down: str
+    down_rows: Literal["units", "hidden"]  # what each expert's block of ``down`` rows indexes
+    activation: str  # attribute path of the gate's activation
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
     classify: dict[GroupFamily, tuple[str, ...]]  # per group family: motifs by precedence, the last the default
     branches: BranchSpecs = BranchSpecs()
+    experts: dict[str, ExpertsLayout] = {}
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -301,24 +313,26 @@ def _load_yaml(name: str) -> dict:
 
 @functools.cache
 def load_specs() -> Specs:
-    """Load and validate ``specs/ops.yaml`` and ``specs/motifs.yaml`` (cached)."""
+    """Load and validate the files of ``specs/`` (cached)."""
     ops, motifs, branches = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml"), _load_yaml("branches.yaml")
+    experts = _load_yaml("experts.yaml")
     try:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
-                     branches=branches)
+                     branches=branches, experts=experts.get("layouts", {}))
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
-_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml"}
+_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
+         "experts": "experts.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:
     """``specs/ops.yaml: aten.linear.default, field 'pattern' ...`` from a pydantic error, and the file's name."""
     loc = [str(p) for p in error["loc"]]
     msg = error["msg"].removeprefix("Value error, ")
-    if len(loc) >= 2 and loc[0] in ("ops", "motifs", "classify", "branches"):
+    if len(loc) >= 2 and loc[0] in _FILE:
         field = f", field '{loc[-1]}'" if len(loc) > 2 else ""
         return f"Spec entry specs/{_FILE[loc[0]]}: {loc[1]}{field} is invalid: {msg}.", _FILE[loc[0]]
     return f"Spec entry {msg}.", "motifs.yaml" if msg.startswith("specs/motifs.yaml") else "ops.yaml"
