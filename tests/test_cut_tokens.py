@@ -3,7 +3,7 @@
 ``torch.cat([x, tokens], 1)[:, 4:]`` keeps every token when ``x`` has 4 or more rows and cuts token 0 away when it
 has 3: the tokens' place along the axis moves with the input's length, so a slice at fixed bounds keeps other
 tokens at another length. The analysis emitted a permutation of the 3 tokens (fuzz, float64: relative error
-5.6e-1 at length 3). Tokens first and cut ``[:, :3]``, or last and cut ``[:, -3:]``, keep exactly the tokens at
+5.0e-1 to 6.6e-1 at length 3, by seed). Tokens first and cut ``[:, :3]``, or last and cut ``[:, -3:]``, keep exactly the tokens at
 every length, and keep their permutation.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _worst_change(subject, model: CutTokens, lengths) -> float:
 def test_a_cut_that_keeps_other_tokens_at_another_length_pins_the_token_axis():
     model = noisy(CutTokens(tokens_first=False, cut=slice(4, None)))
     subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
-    assert_fuzzed_at_two_shapes(subject)  # length 3 is one of the probe shapes: the fuzz found 5.6e-1 there
+    assert_fuzzed_at_two_shapes(subject)  # length 3 is one of the probe shapes: the fuzz found 5.0e-1 there
     assert not _token_groups(subject)
     assert _worst_change(subject, model, [3, 4, 5, 6, 13]) < 1e-12
     assert any(g.motif == "ffn" for g in subject.report.groups)  # the rest keeps its groups
