@@ -15,6 +15,7 @@ from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .classes import blocks_kept_by
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
+from .cuts import beside_unlabelled, moved_operands, why_cut_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
                      unique_rows, varying_axes)
 from .selections import selections_of
@@ -25,7 +26,7 @@ NEUTRAL = monomial("one")
 # -- movement ---------------------------------------------------------------------------------------------
 def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     """Replay the op on label (and coefficient) tensors; every channel of every operand moves alike."""
-    moved = [w.value(a) for a in _tensor_args(node)]
+    moved = [w.value(a) for a in moved_operands(node)]
     if len(moved) == 1 and moved[0] is not None and moved[0].points_to is not None and not moved[0].chans:
         return _like(node, lambda k: Value(points_to=moved[0].points_to, shape=_shape_of(node, k)))
     if any(v is not None and v.points_to is not None for v in moved):
@@ -38,10 +39,12 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
             return joined
-    tensors = [w.value(a) for a in _tensor_args(node)]
+    tensors = [w.value(a) for a in moved_operands(node)]
     slots = _channel_slots(tensors, len(_node_shape(node) or ()))
     n_chans = max(len(order) for order in slots.values())
     guessed = _axes_chosen_by_unknown_indices(w, node)
+    if spec.cuts:
+        _pin_moving_cut(w, node, tensors[0])
     results = []
     for j in range(n_chans):
         moved = [c for v in tensors if (c := _slot(v, j, slots)) is not None]
@@ -67,6 +70,19 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     return Value(chans=[r for r in results if r is not None], shape=out_shape, constant_axes=constant)
 
 
+def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
+    """Pin the channels of ``x`` that label positions beside unlabelled ones along the axis ``node`` cuts, unless
+    it keeps the same labels at every probe shape (analysis/cuts.py: ``cat([x, tokens], 1)[:, 4:]`` cuts token 0
+    away when ``x`` has 3 rows)."""
+    if x is None or x.shape is None:
+        return
+    dim = schema_arg(node, "dim") % len(x.shape)
+    chans = [c for c in x.chans if beside_unlabelled(c, dim, len(x.shape))]
+    why = why_cut_moves(w, node, chans) if chans else None
+    for c in chans if why is not None else ():
+        _pin_chan(w, node, c, f"cut where labelled positions may move with the input shape ({why})")
+
+
 def _broadcast_axes(in_shape, out_shape) -> frozenset[int]:
     """Output axes an expand fills by repeating the input (new leading axes, and size-1 axes grown)."""
     if in_shape is None or out_shape is None:
@@ -78,7 +94,7 @@ def _broadcast_axes(in_shape, out_shape) -> frozenset[int]:
 
 def _indexed_by_data(node: fx.Node) -> bool:
     """An index operand (gather, index_select, index.Tensor) whose values the analysis knows from the input."""
-    moved = set(_tensor_args(node))
+    moved = set(moved_operands(node))
     return any(isinstance(a.meta.get("val"), torch.Tensor) and not a.meta["val"].is_floating_point()
                for a in node.all_input_nodes if a not in moved)
 
@@ -96,7 +112,7 @@ def _pin_unselected(w, node: fx.Node, operands, results) -> None:
     given = torch.unique(torch.cat(given))
     skipped = given[~torch.isin(given, torch.cat(kept))] if kept else given
     skipped = skipped[skipped >= 0]
-    axes = _indexed_axes_of(node, len(_node_shape(_tensor_args(node)[0]) or ()))
+    axes = _indexed_axes_of(node, len(_node_shape(moved_operands(node)[0]) or ()))
     chosen = [c for v in operands if v is not None for c in v.chans if chan_axes(c) & axes]
     if not skipped.numel() and not chosen:
         return
@@ -113,7 +129,7 @@ def _pin_unselected(w, node: fx.Node, operands, results) -> None:
 def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     """Concatenation along an axis no input channel varies along (a class token in front of patches): the
     pieces carry the same coordinates, so tie them instead of stacking two labellings along a data axis."""
-    values = [w.value(a) for a in _tensor_args(node)]
+    values = [w.value(a) for a in moved_operands(node)]
     out_shape = _shape_of(node)
     dim = schema_arg(node, "dim") % len(out_shape)
     values = [v for v in values if v is None or v.shape is None or not (_empty_piece(v.shape, dim) or _zeros(v))]
@@ -150,7 +166,7 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
     """An index operand whose values the analysis does not know: the labels it picks cannot be replayed. (Its
     own channels, when it has some, are a layout: which coordinate each index belongs to, see
     :func:`_pick_unknown_rows`.)"""
-    moved = set(_tensor_args(node))
+    moved = set(moved_operands(node))
     others = [a for a in node.all_input_nodes if a not in moved]
     if _counted_at_run_time(node) and index_operands(node, "movement"):
         return True
@@ -175,7 +191,7 @@ def index_operands(node: fx.Node, rule: str) -> list[fx.Node]:
     """The integer tensors ``node`` reads as indices under ``rule`` (for movements: every integer operand but the
     moved tensors)."""
     if rule == "movement":
-        moved = set(_tensor_args(node))
+        moved = set(moved_operands(node))
         return [a for a in node.all_input_nodes if a not in moved and _integer(a)]
     names = _INDEX_ARGUMENTS.get(rule, ())
     out = []
@@ -204,10 +220,10 @@ def _pick_unknown_rows(w, node: fx.Node) -> Value:
     channels that vary there (or mix with coefficients that may), pickings laid out otherwise than in place or in
     front (``index_select``, ``x[rows]``), and indices that point into a labelled axis pin."""
     picked = _axes_chosen_by_unknown_indices(w, node)
-    x, out_shape = w.value(_tensor_args(node)[0]), _shape_of(node)
+    x, out_shape = w.value(moved_operands(node)[0]), _shape_of(node)
     relabel = None
     pointing = any(v is not None and v.points_to is not None for v in map(w.value, node.all_input_nodes))
-    if (len(_tensor_args(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked
+    if (len(moved_operands(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked
             and not pointing):  # indices into a labelled axis picking another tensor's positions: pin both
         rank, kept = len(x.shape), [a for a in range(len(x.shape)) if a not in picked]
         if len(out_shape) == rank and all(x.shape[a] == out_shape[a] for a in kept):  # index_select, gather
@@ -322,7 +338,7 @@ def _slot(v: Value | None, j: int, slots: dict[int, list[int | None]]) -> Chan |
 
 
 def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | None]]):
-    operands = [_slot(w.value(a), j, slots) for a in _tensor_args(node)]
+    operands = [_slot(w.value(a), j, slots) for a in moved_operands(node)]
     n_terms = max(len(c.terms) if c is not None else 1 for c in operands)
     block = any(c is not None and c.block for c in operands)
     mixed = any(c is not None and c.mixed for c in operands)
@@ -382,7 +398,7 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     unknown = []
 
     def visit(a):
-        if isinstance(a, fx.Node) and a not in _tensor_args(node):
+        if isinstance(a, fx.Node) and a not in moved_operands(node):
             val, v = a.meta.get("val"), w.value(a)
             if isinstance(val, torch.Tensor) and not val.is_floating_point() and (
                     v is None or v.data is None or _counted_at_run_time(node)):
@@ -392,7 +408,7 @@ def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     fx.node.map_aggregate((node.args[1:], node.kwargs), visit)
     if not unknown:
         return frozenset()
-    return _indexed_axes_of(node, len(_node_shape(_tensor_args(node)[0]) or ()))
+    return _indexed_axes_of(node, len(_node_shape(moved_operands(node)[0]) or ()))
 
 
 def _indexed_axes_of(node: fx.Node, rank: int) -> frozenset[int]:
@@ -428,9 +444,6 @@ def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
     return arg is first
 
 
-def _tensor_args(node: fx.Node) -> list[fx.Node]:
-    first = node.args[0]
-    return [a for a in first if isinstance(a, fx.Node)] if isinstance(first, (list, tuple)) else [first]
 
 
 # -- identity, activations -------------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""Cuts (slice, select, narrow, split) of an axis where labelled positions sit beside unlabelled ones.
+
+``torch.cat([x, tokens], 1)[:, 4:]`` of activations ``x`` of run-time length ``n`` and three learned tokens keeps
+every token at ``n >= 4`` and cuts token 0 away at ``n = 3``: the positions of the tokens along the axis move with
+the input's length, so a cut at fixed bounds keeps other tokens at another input shape, and a permutation of the
+tokens is no symmetry. ``cat([tokens, x], 1)[:, :3]`` and ``cat([x, tokens], 1)[:, -3:]`` keep exactly the tokens
+at every length. Which one a model does is read from the probe traces
+(:meth:`~symgraph.analysis.selections.Selections.why_differs`): the movement ops that lead to the cut are replayed
+there on *origin* tensors (which element of which tensor outside those ops each position came from; a tensor's
+elements are told apart only along the axes its labels vary along, so an activation's rows are one origin), and
+the labels the cut keeps at every probe shape must be the ones it keeps at the traced shape.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from ..spec import aten_op
+from .labels import NO_ID, Chan, collapse, concrete_shape, labelled_axes, varying_axes
+from .selections import Trace, selections_of
+
+
+def moved_operands(node: fx.Node) -> list[fx.Node]:
+    """The tensors a movement op moves: its first argument, or the tensors of a list there (cat, stack)."""
+    first = node.args[0]
+    return [a for a in first if isinstance(a, fx.Node)] if isinstance(first, (list, tuple)) else [first]
+
+
+def beside_unlabelled(chan: Chan, axis: int, rank: int) -> bool:
+    """Whether ``chan`` (of a tensor of ``rank`` axes) labels positions along ``axis`` with more than one id and
+    leaves others unlabelled (tokens beside activations): where each id sits may depend on the input's shape. (A
+    channel with one id along the axis, such as the tokens' coordinates beside rows written by activations, reads
+    the same coordinates at whichever of those positions a cut keeps.)"""
+    return any(axis - rank + t.ids.dim() in labelled_axes(t.ids) and bool((collapse(t.ids) == NO_ID).any())
+               for t in chan.terms)
+
+
+def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
+    """None when movement op ``node`` keeps the same labels of ``chans`` (channels of its first operand) in the
+    graph traced at every probe shape; otherwise the reason."""
+    offsets: dict[str, int] = {}
+    traced = _Origins(w, w.data, lambda n: n, offsets)
+    source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
+    if source is None or kept is None:
+        return "the positions it keeps cannot be replayed"
+    lookups = [_Lookup(source, t.ids) for c in chans for t in c.terms]
+    if any(lk.conflicting for lk in lookups):
+        return "one position carries two labels"
+    expected = [lk.kept(kept) for lk in lookups]
+    selections = selections_of(w.cap)
+
+    def differs(other: fx.Node, probe: Trace) -> str | None:
+        origins = _Origins(w, probe.values, lambda n: selections.traced.by_key.get(probe.key_of[n]), offsets)
+        found = origins.of(other)
+        if found is None:
+            return "the positions it keeps cannot be replayed"
+        theirs = [lk.kept(found) for lk in lookups]
+        if any(t is None for t in theirs):
+            return "it keeps positions that the traced shape does not have there"
+        if theirs != expected:
+            return "it keeps other labelled positions"
+        return None
+
+    return selections.why_differs(node, differs)
+
+
+class _Lookup:
+    """The labels of one term at each origin of the cut's operand (origins sorted, for ``searchsorted``)."""
+
+    def __init__(self, origins: torch.Tensor, ids: torch.Tensor):
+        pairs = torch.unique(torch.stack([t.reshape(-1) for t in torch.broadcast_tensors(origins, ids)]), dim=1)
+        self.origins, self.ids = pairs[0].contiguous(), pairs[1]
+        self.conflicting = bool((self.origins[1:] == self.origins[:-1]).any())
+
+    def kept(self, kept) -> frozenset[int] | None:
+        """The labels at origins ``kept`` (a tensor, or the list a split returns); None when one is unknown."""
+        flat = torch.cat([k.reshape(-1) for k in kept]) if isinstance(kept, (list, tuple)) else kept.reshape(-1)
+        flat = torch.unique(flat)
+        if not len(self.origins):
+            return None if len(flat) else frozenset()
+        at = torch.searchsorted(self.origins, flat).clamp(max=len(self.origins) - 1)
+        if not bool((self.origins[at] == flat).all()):
+            return None
+        return frozenset(int(i) for i in self.ids[at] if i != NO_ID)
+
+
+class _Origins:
+    """Origin tensors of the nodes of one trace (the traced graph or a probe's): movement ops are replayed, any
+    other node is a source whose elements are told apart along the axes its labels vary along at the traced shape
+    (``traced_of`` maps a node to its counterpart in the traced graph; ``offsets``, the first origin of each source
+    by its traced name and the next free one under ``""``, is shared by the traces, so the same source gets the
+    same origins in all of them)."""
+
+    def __init__(self, w, data: dict, traced_of, offsets: dict[str, int]):
+        self.w, self.data, self.traced_of, self.offsets = w, data, traced_of, offsets
+        self.done: dict[fx.Node, object] = {}
+
+    def of(self, node: fx.Node):
+        if node not in self.done:
+            self.done[node] = self._replay(node) if self._moves(node) else self._source(node)
+        return self.done[node]
+
+    def _moves(self, node: fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            return self._moves(node.args[0])
+        spec = self.w.spec(node)
+        return spec is not None and spec.rule == "movement"
+
+    def _replay(self, node: fx.Node):
+        if node.target is operator.getitem:
+            container = self.of(node.args[0])
+            return None if container is None else container[node.args[1]]
+        moved, missing = set(moved_operands(node)), []
+
+        def load(a):
+            if not isinstance(a, fx.Node):
+                return a
+            value = self.of(a) if a in moved else self.data.get(a.name)
+            if value is None:
+                missing.append(a)
+            return value
+
+        args, kwargs = fx.node.map_aggregate(node.args, load), fx.node.map_aggregate(node.kwargs, load)
+        if missing:
+            return None
+        try:
+            return node.target(*args, **kwargs)
+        except RuntimeError:
+            spec = self.w.spec(node)
+            return aten_op(spec.replay_as)(*args, **kwargs) if spec.replay_as else None
+
+    def _source(self, node: fx.Node) -> torch.Tensor | None:
+        val, traced = node.meta.get("val"), self.traced_of(node)
+        value = self.w.value(traced) if traced is not None else None
+        if not isinstance(val, torch.Tensor) or value is None or value.shape is None:
+            return None
+        shape = concrete_shape(val.shape)
+        axes = sorted({a for c in value.chans for t in c.terms for a in varying_axes(t.ids.expand(value.shape))})
+        if len(shape) != len(value.shape) or any(shape[a] != value.shape[a] for a in axes):
+            return None  # labels vary along an axis of another size here: no evidence
+        view = [shape[a] if a in axes else 1 for a in range(len(shape))]
+        if traced.name not in self.offsets:  # after every origin given out so far, in either trace
+            self.offsets[traced.name] = self.offsets.get("", 0)
+            self.offsets[""] = self.offsets[traced.name] + math.prod(view)
+        start = self.offsets[traced.name]
+        return (torch.arange(math.prod(view), dtype=torch.int64) + start).reshape(view).expand(shape)

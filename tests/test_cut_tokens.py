@@ -1,0 +1,79 @@
+"""Fixed cuts of an axis where learned tokens sit beside activations of run-time length.
+
+``torch.cat([x, tokens], 1)[:, 4:]`` keeps every token when ``x`` has 4 or more rows and cuts token 0 away when it
+has 3: the tokens' place along the axis moves with the input's length, so a slice at fixed bounds keeps other
+tokens at another length. The analysis emitted a permutation of the 3 tokens (fuzz, float64: relative error
+5.0e-1 to 6.6e-1 at length 3, by seed). Tokens first and cut ``[:, :3]``, or last and cut ``[:, -3:]``, keep exactly the tokens at
+every length, and keep their permutation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+from symgraph.elements import apply, sample
+
+from group_checks import assert_fuzzed_at_two_shapes, noisy
+
+WIDTH, PATCH, TOKENS = 16, 8, 3
+
+
+class CutTokens(nn.Module):
+    """Activations and learned tokens concatenated along the token axis, then cut at fixed bounds; what is kept
+    goes through a per-token MLP and a mean over tokens (which any order of the tokens leaves alone)."""
+
+    def __init__(self, tokens_first: bool, cut: slice):
+        super().__init__()
+        self.tokens_first, self.cut = tokens_first, cut
+        self.embed, self.tokens = nn.Linear(PATCH, WIDTH), nn.Parameter(torch.randn(TOKENS, WIDTH))
+        self.mix, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        tokens = self.tokens.expand(x.shape[0], -1, -1)
+        both = torch.cat([tokens, x] if self.tokens_first else [x, tokens], 1)[:, self.cut]
+        return self.head(torch.relu(self.mix(both)).mean(1))
+
+
+def _token_groups(subject) -> list:
+    return [g for g in subject.report.groups if any(m.param == "tokens" and m.axis == 0 for m in g.members)]
+
+
+def _worst_change(subject, model: CutTokens, lengths) -> float:
+    """The largest relative change of the outputs, over random elements of every group and inputs of ``lengths``
+    rows, in float64."""
+    state = {k: v.double() for k, v in subject.state_dict().items()}
+    model = model.double()
+    worst = 0.0
+    for group in subject.report.groups:
+        for seed in range(3):
+            moved = CutTokens(model.tokens_first, model.cut).double()
+            moved.load_state_dict(apply(state, [sample(group, np.random.default_rng(seed))]))
+            for n in lengths:
+                x = torch.randn(2, n, PATCH, dtype=torch.float64)
+                with torch.no_grad():
+                    a, b = model(x), moved(x)
+                worst = max(worst, float((a - b).norm() / a.norm()))
+    return worst
+
+
+def test_a_cut_that_keeps_other_tokens_at_another_length_pins_the_token_axis():
+    model = noisy(CutTokens(tokens_first=False, cut=slice(4, None)))
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)  # length 3 is one of the probe shapes: the fuzz found 5.0e-1 there
+    assert not _token_groups(subject)
+    assert _worst_change(subject, model, [3, 4, 5, 6, 13]) < 1e-12
+    assert any(g.motif == "ffn" for g in subject.report.groups)  # the rest keeps its groups
+
+
+@pytest.mark.parametrize("tokens_first, cut", [(True, slice(None, TOKENS)), (False, slice(-TOKENS, None))],
+                         ids=["tokens-first-head", "tokens-last-tail"])
+def test_a_cut_that_keeps_exactly_the_tokens_at_every_length_keeps_their_permutation(tokens_first, cut):
+    model = noisy(CutTokens(tokens_first, cut))
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert_fuzzed_at_two_shapes(subject)
+    assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", TOKENS)]
+    assert _worst_change(subject, model, [1, 2, 3, 4, 5, 13]) < 1e-12
