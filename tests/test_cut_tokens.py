@@ -77,3 +77,23 @@ def test_a_cut_that_keeps_exactly_the_tokens_at_every_length_keeps_their_permuta
     assert_fuzzed_at_two_shapes(subject)
     assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", TOKENS)]
     assert _worst_change(subject, model, [1, 2, 3, 4, 5, 13]) < 1e-12
+
+
+class TableCutByLength(nn.Module):
+    """``table[:n]`` read without regard to order: at n = 5 rows 0..4 may be permuted, at n = 3 rows 3 and 4 are
+    cut away, so no permutation of the rows the traced shape keeps is a symmetry."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+        self.up, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)).mean(1) + torch.tanh(self.table[:x.shape[1]]).mean(0))
+
+
+def test_rows_a_slice_by_length_keeps_are_pinned_with_those_it_cuts():
+    subject = symgraph.load(noisy(TableCutByLength()), (torch.randn(2, 5, 4),))
+    assert not any(m.param == "table" and m.axis == 0 for g in subject.report.groups for m in g.members)
+    assert any(g.motif == "ffn" and g.size == 8 for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject)

@@ -64,6 +64,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                 for k in range(len(results[0]))]
     if _indexed_by_data(node):
         _pin_unselected(w, node, tensors, results)
+    if spec.cuts:
+        w.note_cut(tensors[0], [r for r in results if r is not None])
     out_shape = _shape_of(node)
     constant = _broadcast_axes(tensors[0].shape, out_shape) if spec.broadcasts and tensors[0] is not None \
         else frozenset()

@@ -46,6 +46,7 @@ class Walker:
         self._buffer_ids: dict[str, torch.Tensor] = {}
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
+        self._cut: set[int] = set()  # ids a cut (slice, select, split: spec flag cuts) dropped
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
@@ -292,11 +293,26 @@ class Walker:
                     ids = collapse(t.ids).reshape(-1).numpy()
                     self._read[ids[ids >= 0]] = True
 
+    def note_cut(self, x: Value | None, kept: list[Chan]) -> None:
+        """Record the ids of ``x`` that a cut dropped (none of ``kept``, its result's channels, has them)."""
+        if x is None:
+            return
+        given = [collapse(t.ids).reshape(-1) for c in x.chans for t in c.terms]
+        if not given:
+            return
+        left = [collapse(t.ids).reshape(-1) for c in kept for t in c.terms]
+        given = torch.unique(torch.cat(given))
+        dropped = given[~torch.isin(given, torch.cat(left))] if left else given
+        self._cut.update(int(i) for i in dropped[dropped >= 0])
+
     def _pin_unread(self) -> None:
-        """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away).
+        """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
+        them the rest of their axis when a cut dropped them.
 
         They are not free: the probe input reads a slice whose bounds may follow its shape (a position table
-        sliced by sequence length), so a longer or larger input reads coordinates this one never saw.
+        sliced by sequence length), so a longer or larger input reads coordinates this one never saw, and a
+        shorter one cuts some of those this one kept (``table[:n].sum(0)`` at n = 5 reads rows 0..4 in any order,
+        at n = 3 only rows 0..2: a permutation of the five is no symmetry).
         """
         read = np.concatenate([self._read, np.zeros(self.ids.next - len(self._read), dtype=bool)])
         pinned = np.zeros(self.ids.next, dtype=bool)
@@ -308,8 +324,13 @@ class Walker:
                 unread = ids[~read[ids] & ~pinned[ids]]
                 if unread.size:
                     users = list(self.param_nodes[name].users)
+                    where = users[0].name if users else self.param_nodes[name].name
                     self.c.pin(unread, "cut away by a slice at the traced input shape; another input shape may "
-                                       "read it", users[0].name if users else self.param_nodes[name].name)
+                                       "read it", where)
+                    kept = ids[read[ids] & ~pinned[ids]]
+                    if kept.size and self._cut.intersection(unread.tolist()):
+                        self.c.pin(kept, "kept by a slice that cut other coordinates of this axis away; another "
+                                         "input shape may cut these", where)
 
     # -- helpers shared by rules -------------------------------------------------------------------------
     def buffer_ids(self, name: str, size: int) -> torch.Tensor:
