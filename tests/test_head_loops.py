@@ -101,11 +101,13 @@ class GroupedLoop(nn.Module):
         return self.head(x.mean(1))
 
 
-class OneMatrixTwoSlices(nn.Module):
-    """One attention matrix applied to each half of the values: both halves meet the same matrix."""
+class SlicedValues(nn.Module):
+    """One attention matrix applied to the first half of the values; the second half attended by the same matrix
+    (``attend_both``: both halves meet one matrix) or passed on as it is (the halves meet different matrices)."""
 
-    def __init__(self):
+    def __init__(self, attend_both: bool):
         super().__init__()
+        self.attend_both = attend_both
         self.embed = nn.Linear(POINTS, WIDTH)
         self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
         self.head = nn.Linear(WIDTH, 3)
@@ -114,24 +116,8 @@ class OneMatrixTwoSlices(nn.Module):
         x = self.embed(p)
         v = self.v(x)
         a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) * 0.25, -1)
-        x = x + self.o(torch.cat([a @ v[..., :HEAD_DIM], a @ v[..., HEAD_DIM:]], -1))
-        return self.head(x.mean(1))
-
-
-class HalfAttended(nn.Module):
-    """Half the value width attended, the other half passed on as it is: the halves meet different matrices."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(POINTS, WIDTH)
-        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.head = nn.Linear(WIDTH, 3)
-
-    def forward(self, p):
-        x = self.embed(p)
-        v = self.v(x)
-        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) * 0.25, -1)
-        x = x + self.o(torch.cat([a @ v[..., :HEAD_DIM], v[..., HEAD_DIM:]], -1))
+        second = a @ v[..., HEAD_DIM:] if self.attend_both else v[..., HEAD_DIM:]
+        x = x + self.o(torch.cat([a @ v[..., :HEAD_DIM], second], -1))
         return self.head(x.mean(1))
 
 
@@ -167,14 +153,14 @@ def test_grouped_query_heads_in_a_loop_keep_kv_groups_apart():
 
 
 def test_one_matrix_on_two_value_slices_lets_them_mix():
-    s = _load(OneMatrixTwoSlices())
+    s = _load(SlicedValues(attend_both=True))
     assert_fuzzed_at_two_shapes(s)  # first: the error a wrong group makes is what fails
     members = {g.size: {m.param for m in g.members} for g in s.report.groups if g.motif != "residual"}
     assert {"v.weight", "o.weight"} <= members.get(WIDTH, set()), census(s)
 
 
 def test_values_half_attended_keep_their_halves_apart():
-    s = _load(HalfAttended())
+    s = _load(SlicedValues(attend_both=False))
     assert_fuzzed_at_two_shapes(s)  # first: the error a wrong group makes is what fails
     v_groups = [g for g in s.report.groups if g.motif != "residual" and "v.weight" in {m.param for m in g.members}]
     assert v_groups and all(g.size <= HEAD_DIM for g in v_groups), census(s)

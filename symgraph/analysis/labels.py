@@ -141,6 +141,17 @@ def collapse(t: torch.Tensor, keep: frozenset[int] = frozenset()) -> torch.Tenso
     return t[index]
 
 
+def dropped_ids(given: list[Chan], kept: list[Chan]) -> torch.Tensor:
+    """The ids the channels ``given`` carry that none of ``kept`` (a movement's result channels) still carries."""
+    ids = [collapse(t.ids).reshape(-1) for c in given for t in c.terms]
+    if not ids:
+        return torch.empty(0, dtype=torch.int64)
+    left = [collapse(t.ids).reshape(-1) for c in kept for t in c.terms]
+    ids = torch.unique(torch.cat(ids))
+    dropped = ids[~torch.isin(ids, torch.cat(left))] if left else ids
+    return dropped[dropped >= 0]
+
+
 def collapse_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Broadcast ``a`` and ``b`` together, then cut the axes along which both are broadcasts."""
     a, b = torch.broadcast_tensors(a, b)

@@ -17,7 +17,7 @@ from .classes import blocks_kept_by
 from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     unique_rows, varying_axes)
+                     dropped_ids, unique_rows, varying_axes)
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -107,13 +107,10 @@ def _pin_unselected(w, node: fx.Node, operands, results) -> None:
     read here. Indices computed from the input (ProphetNet's relative position buckets, ``torch.arange(n)``)
     select other positions at another input shape: what this one skips is not free, and what it selects may be
     skipped by a shorter input (a permutation of the units a sum reads is then no longer harmless)."""
-    kept = [collapse(t.ids).reshape(-1) for c in results if c is not None for t in c.terms]
-    given = [collapse(t.ids).reshape(-1) for v in operands if v is not None for c in v.chans for t in c.terms]
-    if not given:
+    given = [c for v in operands if v is not None for c in v.chans]
+    if not any(c.terms for c in given):
         return
-    given = torch.unique(torch.cat(given))
-    skipped = given[~torch.isin(given, torch.cat(kept))] if kept else given
-    skipped = skipped[skipped >= 0]
+    skipped = dropped_ids(given, [c for c in results if c is not None])
     axes = _indexed_axes_of(node, len(_node_shape(moved_operands(node)[0]) or ()))
     chosen = [c for v in operands if v is not None for c in v.chans if chan_axes(c) & axes]
     if not skipped.numel() and not chosen:

@@ -24,7 +24,7 @@ from ..outputs import output_names, virtual_name
 from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .experts import BranchReads
-from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, param_channels
+from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets
 from .selections import selections_of
@@ -295,15 +295,8 @@ class Walker:
 
     def note_cut(self, x: Value | None, kept: list[Chan]) -> None:
         """Record the ids of ``x`` that a cut dropped (none of ``kept``, its result's channels, has them)."""
-        if x is None:
-            return
-        given = [collapse(t.ids).reshape(-1) for c in x.chans for t in c.terms]
-        if not given:
-            return
-        left = [collapse(t.ids).reshape(-1) for c in kept for t in c.terms]
-        given = torch.unique(torch.cat(given))
-        dropped = given[~torch.isin(given, torch.cat(left))] if left else given
-        self._cut.update(int(i) for i in dropped[dropped >= 0])
+        if x is not None:
+            self._cut.update(dropped_ids(x.chans, kept).tolist())
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
