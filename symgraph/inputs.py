@@ -7,12 +7,17 @@ config has                                   inputs built
 ===========================================  ==================================================================
 ``encoder`` and ``decoder`` sub-configs      the encoder's inputs, plus ``decoder_input_ids`` from the decoder
 ``text_config`` and ``vision_config``        ``input_ids`` (text) and ``pixel_values`` (vision), CLIP-like
-``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like
-``conv_kernel`` and ``conv_stride``          ``input_values`` (batch, samples), wav2vec2-like raw audio
+``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like; when
+                                             ``forward`` takes ``input_values`` instead, a spectrogram (batch,
+                                             ``max_length`` frames, mel bins), AST-like
+``input_feat_per_channel``                   ``input_features`` (batch, frames, features), Speech2Text-like
+``conv_kernel`` and ``conv_stride``          ``input_values`` (batch, samples), wav2vec2-like raw audio; also
+                                             when ``forward`` takes ``input_values`` and no token ids (Moonshine)
 ``image_size`` or ``num_channels``           ``pixel_values`` (batch, channels, height, width) when the config has
                                              no ``vocab_size`` or ``forward`` takes pixels and no token ids
                                              (BEiT); 32 x 32 when there is no ``image_size`` (ResNet)
-``vocab_size``                               ``input_ids``
+``vocab_size``                               ``input_ids``; printable code points when ``forward`` takes token
+                                             ids but the config has no vocabulary (CANINE reads characters)
 ``is_encoder_decoder``                       ``decoder_input_ids`` in addition
 ===========================================  ==================================================================
 
@@ -34,6 +39,9 @@ from .errors import ModelLoadError
 __all__ = ["example_inputs", "forward_kwargs", "with_attention_mask"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
+_SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
+_SAMPLES_PER_FRAME = 400  # raw audio per position (25 ms at 16 kHz) where the config does not describe the stem
+_PRINTABLE = (32, 127)  # code points of printable ASCII, for models that read characters instead of tokens
 _IMAGE_TOKEN_ATTRS = ("image_token_index", "image_token_id")
 _SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + (
     "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
@@ -61,7 +69,9 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
         Add an all-ones ``attention_mask`` beside ``input_ids``.
     forward_params
         Names of the model's ``forward`` parameters, when known: they settle what a config with both a vocabulary
-        and an image size takes (BEiT's ``vocab_size`` is for masked-image pretraining; it takes pixels).
+        and an image size takes (BEiT's ``vocab_size`` is for masked-image pretraining; it takes pixels), which
+        audio layout a model takes (AST's spectrogram as ``input_values``, Moonshine's raw audio beside a
+        decoder's vocabulary), and that a config without a vocabulary reads characters (CANINE).
 
     Examples
     --------
@@ -146,6 +156,13 @@ class _Maker:
             ids[:, :prefix] = prefix_id
         return ids.to(self.device)
 
+    def characters(self) -> torch.Tensor:
+        """Printable ASCII code points, for a model that reads characters and has no vocabulary (CANINE)."""
+        shape = (self.batch, self.seq)
+        if self.meta:
+            return torch.empty(shape, dtype=torch.long, device="meta")
+        return torch.randint(*_PRINTABLE, shape, generator=self.generator).to(self.device)
+
     def floats(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.meta:
             return torch.empty(shape, dtype=self.dtype, device="meta")
@@ -161,17 +178,30 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         image_token, count = _image_tokens(config)
         return {"input_ids": maker.token_ids(text, avoid=config, prefix=count, prefix_id=image_token),
                 "pixel_values": _pixels(vision, maker)}
-    if getattr(config, "num_mel_bins", None) is not None:
+    takes = set(forward_params) if forward_params is not None else set()
+    mel_bins = getattr(config, "num_mel_bins", None)
+    if mel_bins is not None and "input_values" in takes and "input_features" not in takes:
+        frames = getattr(config, "max_length", None) or maker.seq  # AST: its position table fixes the frame count
+        return {"input_values": maker.floats((maker.batch, int(frames), int(mel_bins)))}
+    if mel_bins is not None:
         return {"input_features": _mel_features(config, maker)}
+    if getattr(config, "input_feat_per_channel", None) is not None:
+        features = int(config.input_feat_per_channel) * int(getattr(config, "input_channels", 1))
+        return {"input_features": maker.floats((maker.batch, _SUBSAMPLING * maker.seq, features))}
     if getattr(config, "conv_kernel", None) is not None and getattr(config, "conv_stride", None) is not None:
         return {"input_values": maker.floats((maker.batch, _raw_audio_length(config, maker.seq)))}
+    if "input_values" in takes and "input_ids" not in takes:  # raw audio into a stem the config does not describe
+        return {"input_values": maker.floats((maker.batch, _SAMPLES_PER_FRAME * maker.seq))}
     if _takes_pixels(config, forward_params):
         return {"pixel_values": _pixels(config, maker)}
     if getattr(config, "vocab_size", None) is not None:
         return {"input_ids": maker.token_ids(config)}
+    if "input_ids" in takes:
+        return {"input_ids": maker.characters()}
     raise ModelLoadError(
         f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, num_channels, "
-        f"num_mel_bins or conv_kernel, nor text/vision or encoder/decoder sub-configs.",
+        f"num_mel_bins, input_feat_per_channel or conv_kernel, nor text/vision or encoder/decoder sub-configs, "
+        f"and forward() takes neither input_ids nor input_values.",
         hint="pass example inputs (inputs=... in Python), or load a 'module:factory' that returns (model, args).")
 
 

@@ -15,7 +15,7 @@ Sizes the model rejects (feature widths, fixed image sizes, mel bins) stay as th
 original as a prefix; new integer entries are drawn from the values the original holds (token ids stay clear of
 special tokens, a mask of ones stays ones), new float entries from its mean and spread. Which changes a model
 accepts is found by running it: all of a variant's changes at once first, and one at a time only when that
-fails; a change it rejects (an error, or outputs that are not finite) is left out.
+fails; a change it rejects (an error, or no finite output at all) is left out.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 
     """``[(args, kwargs), ...]``: the example inputs first, then the variants the model accepts any change for.
 
     ``padding=False`` leaves the attention mask out of the changes (shapes change, nothing else does).
-    ``accepts(inputs)`` decides which inputs the model takes (default: it runs on them with finite outputs; a
+    ``accepts(inputs)`` decides which inputs the model takes (default: it runs on them with some finite output; a
     model on the meta device cannot run, so a caller may trace instead).
 
     Examples
@@ -165,7 +165,8 @@ def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> 
 
 
 def _runs(model, inputs: Inputs) -> bool:
-    """Whether the model takes ``inputs`` and gives finite outputs (NaN would fail every comparison)."""
+    """Whether the model takes ``inputs`` and gives some finite output: entries masked with -inf are compared as
+    a pattern (:func:`symgraph.verify.relative_change`), but outputs with no finite value can check nothing."""
     args, kwargs = inputs
     try:
         with torch.no_grad():
@@ -174,7 +175,8 @@ def _runs(model, inputs: Inputs) -> bool:
         log.debug("probe shape rejected by %s: %s", type(model).__name__, exc)
         return False
     leaves = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
-    return all(bool(t.isfinite().all()) for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return all(bool(t.isfinite().any()) for t in floats if t.numel())
 
 
 def _parameters(model) -> set[str]:

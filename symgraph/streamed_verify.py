@@ -29,7 +29,7 @@ from torch import nn
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
 from .lazy_state import LazyState, check_same_tensors
-from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs
+from .verify import TOLERANCE, Outcome, _LowestFloat, _to64, flat_outputs, relative_change
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
@@ -48,7 +48,7 @@ def verify_streamed(source, other, inputs=None) -> Outcome:
                             f"{outputs.numel()} values).", hint="compare models of one architecture.")
     stored = {info.dtype for path in (source, other) for info in LazyState(path).infos()}
     tolerance = max(TOLERANCE[seen.lowest], *(TOLERANCE[d] for d in stored if d in TOLERANCE))
-    return Outcome(float((outputs - reference).norm() / reference.norm().clamp_min(1e-30)), tolerance)
+    return Outcome(relative_change(outputs, reference), tolerance)
 
 
 def check_one_architecture(source, other) -> None:

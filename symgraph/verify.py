@@ -52,6 +52,16 @@ class Evaluator:
         with _LowestFloat() as seen:
             self.references = self.outputs(self.state)
         self.tolerance = TOLERANCE[seen.lowest]
+        for (args, kwargs), ref in zip(self.probes, self.references):
+            if not bool(ref.isfinite().any()):
+                from .errors import InvarianceError
+                from .probes import shape_summary
+
+                raise InvarianceError(
+                    f"{type(model).__name__} cannot be checked: in float64 every output it gives on inputs "
+                    f"{shape_summary((args, kwargs))} is NaN or infinite, so no transformation of it can be "
+                    f"verified (its code may add float64's lowest number to itself in an attention mask).",
+                    hint="fix the model's float64 path; in Python, verify=False skips the check at your own risk.")
 
     @classmethod
     def of(cls, subject, **kwargs) -> "Evaluator":
@@ -81,10 +91,19 @@ class Evaluator:
         from .outputs import output_transforms
 
         transforms = output_transforms(self.free_outputs, elements) if self.free_outputs else None
-        err = max(float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-                  for out, ref in zip(self.outputs(state, transforms), self.references))
+        err = max(relative_change(out, ref) for out, ref in zip(self.outputs(state, transforms), self.references))
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         return Outcome(err, max([self.tolerance, *stored]))
+
+
+def relative_change(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` over the reference's finite entries; infinite unless ``out`` is NaN, +inf and
+    -inf exactly where ``ref`` is (logits a model masks with -inf stay masked under any symmetry)."""
+    finite = ref.isfinite()
+    if not (torch.equal(finite, out.isfinite()) and torch.equal(ref.isnan(), out.isnan())
+            and torch.equal(ref[~finite & ~ref.isnan()], out[~finite & ~ref.isnan()])):
+        return float("inf")
+    return float((out[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
 
 
 def flat_outputs(out, free_outputs=(), transforms=None) -> torch.Tensor:

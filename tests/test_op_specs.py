@@ -163,6 +163,13 @@ EXAMPLES = {
     "aten.matmul.default": lambda h, m: A.matmul.default(h, m.w),
     "aten.baddbmm.default": lambda h, m: A.baddbmm.default(m.v2, h, m.w.expand(h.shape[0], D, D)),
     "aten.einsum.default": lambda h, m: A.einsum.default("btd,ed->bte", [h, m.w]),
+    "aten.mv.default": lambda h, m: h + A.mv.default(m.w, h.mean((0, 1))),
+    "aten.addmv.default": lambda h, m: h + A.addmv.default(m.v2, m.w, h.mean((0, 1))),
+    "aten.addbmm.default": lambda h, m: h @ A.addbmm.default(m.w, h.transpose(1, 2), h),
+    "aten.dot.default": lambda h, m: h * A.dot.default(h.mean((0, 1)), m.v2),
+    "aten.vdot.default": lambda h, m: h * A.vdot.default(h.mean((0, 1)), m.v2),
+    "aten.outer.default": lambda h, m: h @ A.outer.default(m.v2, h.mean((0, 1))),
+    "aten.addr.default": lambda h, m: h @ A.addr.default(m.w, m.v2, h.mean((0, 1))),
     "aten.conv1d.default": channels_first(lambda x, m: A.conv1d.default(x, m.k1, m.v2)),
     "aten.conv2d.default": channels_first(lambda x, m: A.conv2d.default(x, m.k2, m.v2), 2),
     "aten.conv3d.default": channels_first(lambda x, m: A.conv3d.default(x, m.k3, m.v2), 3),
@@ -234,6 +241,10 @@ EXAMPLES = {
     "aten._softmax.default": lambda h, m: A._softmax.default(h, -1, False),
     "aten.log_softmax.int": lambda h, m: A.log_softmax.int(h, -1),
     "aten.embedding.default": lambda h, m: h + A.embedding.default(m.table, torch.zeros(1, 1, dtype=torch.long)),
+    "aten.embedding_bag.default": lambda h, m: h * A.embedding_bag.default(
+        m.table, torch.tensor([1, 4, 2, 7]), torch.tensor([0, 2]), False, 2)[0].sum(0),  # mode 2: max
+    "aten.embedding_bag.padding_idx": lambda h, m: h + A.embedding_bag.padding_idx(
+        m.table, torch.tensor([1, 4, 2, 7]), torch.tensor([0, 3]), False, 1, False, None, False, 4)[0].sum(0),
     "aten.topk.default": _routed,
     "aten.max.dim": lambda h, m: A.one_hot.default(A.max.dim(A.linear.default(h, m.w), -1)[1], D) * h,
     "aten.one_hot.default": _routed,

@@ -9,7 +9,7 @@ import transformers
 from transformers import AutoConfig
 
 import symgraph
-from symgraph.errors import CaptureError, ModelLoadError
+from symgraph.errors import CaptureError, InvarianceError, ModelLoadError
 from symgraph.fuzz import fuzz
 from symgraph.inputs import example_inputs, forward_kwargs
 
@@ -41,7 +41,26 @@ CASES = {
     # Funnel: pooling leaves coordinates that no parameter carries (assemble took min() of nothing).
     "funnel": ("AutoModelForMaskedLM", dict(vocab_size=100, d_model=32, n_head=4, d_head=8, d_inner=64,
                                             block_sizes=[1, 1, 1], num_decoder_layers=1)),
+    # Audio and characters: what forward() takes settles the layout the config leaves open.
+    # AST: mel bins, but a spectrogram of max_length frames as input_values (not Whisper's input_features).
+    "audio-spectrogram-transformer": ("AutoModelForAudioClassification", dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_mel_bins=16,
+        max_length=32, patch_size=8, frequency_stride=8, time_stride=8, num_labels=3)),
+    # Speech2Text: filterbank features (frames, features per channel), subsampled by two stride-2 convs.
+    "speech_to_text": ("AutoModel", dict(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, input_feat_per_channel=16,
+        conv_channels=32, max_source_positions=64, max_target_positions=64)),
+    # Moonshine: raw audio into a conv stem the config does not describe, beside a decoder's vocabulary.
+    "moonshine": ("AutoModel", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+        max_position_embeddings=64)),
 }
+# CANINE: no vocabulary at all; it reads Unicode code points. In float64 its attention mask overflows (NaN outputs).
+CANINE = ("AutoModelForSequenceClassification", dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_labels=3,
+    max_position_embeddings=64, num_hash_buckets=64, local_transformer_stride=4))
 
 
 def build(model_type: str, head: str, config: dict) -> torch.nn.Module:
@@ -106,3 +125,26 @@ def test_no_inputs_can_be_built_is_a_load_error():
     with pytest.raises(ModelLoadError, match="Cannot build example inputs") as caught:
         example_inputs(object())
     assert "inputs=" in caught.value.hint
+
+
+@pytest.mark.parametrize("model_type, key, shape", [
+    ("audio-spectrogram-transformer", "input_values", (2, 32, 16)),
+    ("speech_to_text", "input_features", (2, 28, 16)),
+    ("moonshine", "input_values", (2, 2800)),
+    ("canine", "input_ids", (2, 7))])
+def test_audio_layouts_and_characters_follow_what_forward_takes(model_type, key, shape):
+    model = build(model_type, *(CANINE if model_type == "canine" else CASES[model_type]))
+    kwargs = symgraph.load(model).kwargs
+    assert tuple(kwargs[key].shape) == shape
+    with torch.no_grad():
+        model(**kwargs)  # the model runs on them
+    if model_type == "canine":
+        assert 32 <= int(kwargs[key].min()) and int(kwargs[key].max()) < 127  # printable code points
+
+
+def test_a_model_whose_float64_outputs_are_all_nan_cannot_be_checked():
+    subject = symgraph.load(build("canine", *CANINE))
+    assert subject.report.groups  # the analysis needs no float64 run
+    with pytest.raises(InvarianceError, match="cannot be checked: in float64 every output") as caught:
+        fuzz(subject, samples=1)
+    assert "verify=False" in caught.value.hint

@@ -233,7 +233,7 @@ class Contraction:
         index = tuple(slice(None) if l in out_letters else 0 for l in op.letters)
         ids = ids[index]
         kept = [l for l in op.letters if l in out_letters]
-        ids = ids.permute(*[kept.index(l) for l in sorted(kept, key=out_letters.index)])
+        ids = ids.permute([kept.index(l) for l in sorted(kept, key=out_letters.index)])  # a list: 0-d ids too
         kept = sorted(kept, key=out_letters.index)
         view = [ids.shape[kept.index(l)] if l in kept else 1 for l in out_letters]
         ids = ids.reshape(view) if ids.is_contiguous() else ids.contiguous().reshape(view)

@@ -200,7 +200,7 @@ def index_operands(node: fx.Node, rule: str) -> list[fx.Node]:
 
 
 _INDEX_ARGUMENTS = {"gather": ("index",), "scatter": ("index",), "index_add": ("index",), "index_put": ("indices",),
-                    "embedding": ("indices",), "one_hot": ("self",)}
+                    "embedding": ("indices", "offsets"), "one_hot": ("self",)}
 
 
 def _pin_value(w, node: fx.Node, v: Value | None, why: str) -> None:
@@ -1340,18 +1340,34 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     return out
 
 
-def rule_embedding(w, node: fx.Node, spec) -> Value:
+_BAG_MAX = 2  # embedding_bag's ``mode``: 0 sum, 1 mean, 2 max
+
+
+def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
+    """Rows of the table picked by input ids; the column axis carries the table's channels to the output's last
+    axis. ``embedding_bag`` (a tuple: the bags, then index bookkeeping) sums, averages (any linear map of columns
+    passes) or takes the largest (permutations and positive scales pass) of each bag's rows, optionally weighted
+    per sample."""
     table = w.value(schema_arg(node, "weight"))
-    out_shape = _shape_of(node)
+    val = node.meta.get("val")
+    bag = isinstance(val, (list, tuple))
+    out_shape = concrete_shape(val[0].shape) if bag else _shape_of(node)
     chans = []
     for c in table.chans:
         if 0 in chan_axes(c):
             w.c.pin(c.ids, "embedding rows are selected by input ids", node.name)
-        else:
-            ids = c.ids[0]  # (D,)
-            view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
-            chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
-    return Value(chans=chans, shape=out_shape)
+            continue
+        ids = c.ids[0]  # (D,)
+        view = [1] * (len(out_shape) - 1) + [ids.shape[0]]
+        chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
+        if bag and schema_arg(node, "mode") == _BAG_MAX:
+            w.c.restrict(ids, monomial("positive"), "the largest of each bag's rows, per column", node.name)
+    if not bag:
+        return Value(chans=chans, shape=out_shape)
+    weights = schema_arg(node, "per_sample_weights")
+    _pin_value(w, node, w.value(weights) if isinstance(weights, fx.Node) else None,
+               "per-sample weights of an embedding bag")
+    return [Value(chans=chans, shape=out_shape)] + [Value(shape=concrete_shape(v.shape)) for v in val[1:]]
 
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------

@@ -128,7 +128,7 @@ class Walker:
                     for t in c.terms:
                         self.c.pin(t.ids, f"complex values reach {node.target}, whose rule reads real ones only",
                                    node.name)
-            return _like_output(node, lambda: Value(shape=_shape(node)))
+            return _like_output(node, lambda shape: Value(shape=shape))
         if pointers and spec.rule not in _FOLLOWS_INDICES:  # the op loses track of which coordinate was chosen
             for ids in pointers:
                 self.c.pin(ids, f"indices into this axis reach {node.target}, which does not follow them", node.name)
@@ -160,12 +160,12 @@ class Walker:
 
     def _data_node(self, node: fx.Node, inputs: list[Value]):
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
-            return _like_output(node, lambda: Value(shape=_shape(node)))
+            return _like_output(node, lambda shape: Value(shape=shape))
         if any(v.invariant for v in inputs):
             spec = self.specs.op(str(node.target))
             follows = _elementwise_follows(node, inputs) if spec is not None and spec.rule in _ELEMENTWISE else None
             classes = passed_classes(node, spec, inputs)
-            return _like_output(node, lambda: Value(invariant=True, shape=_shape(node), follows=follows,
+            return _like_output(node, lambda shape: Value(invariant=True, shape=shape, follows=follows,
                                                     classes=classes))
         data = self.data.get(node.name)
         if isinstance(data, (list, tuple)):
@@ -181,7 +181,7 @@ class Walker:
             for c in v.chans:
                 for t in c.terms:
                     self.c.pin(t.ids, f"consumed by {target}, which no spec describes", node.name)
-        return _like_output(node, lambda: Value(shape=_shape(node)))
+        return _like_output(node, lambda shape: Value(shape=shape))
 
     def _write_back(self, node: fx.Node, write: Write, value: Value) -> None:
         """The base of a write through views now carries ``value``'s labels at the written positions."""
@@ -227,7 +227,7 @@ class Walker:
             for c in v.chans:
                 for t in c.terms:
                     self.c.pin(t.ids, why, node.name)
-        return _like_output(node, lambda: Value(shape=_shape(node)))
+        return _like_output(node, lambda shape: Value(shape=shape))
 
     def _output(self, node: fx.Node) -> None:
         self.mark_read(_flat_values(node, self.values))
@@ -421,7 +421,9 @@ def _elementwise_follows(node: fx.Node, inputs: list) -> torch.Tensor | None:
 
 
 def _like_output(node: fx.Node, make):
+    """``make(shape)`` for the node's output, or for each of its outputs (a tuple: embedding_bag, var_mean), each
+    with its own shape, so a rule reading one of them knows its shape."""
     val = node.meta.get("val")
     if isinstance(val, (list, tuple)):
-        return [make() for _ in val]
-    return make()
+        return [make(concrete_shape(v.shape) if isinstance(v, torch.Tensor) else None) for v in val]
+    return make(_shape(node))

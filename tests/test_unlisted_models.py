@@ -1,0 +1,146 @@
+"""Patterns found by trying models outside the zoo: nn.EmbeddingBag (a tuple-valued lookup that sums, averages or
+takes the largest of each bag), ops no spec describes that return tuples (their outputs keep their shapes, so what
+reads them is analysed as usual), outputs a model masks with -inf (verification compares them where they are
+finite and requires the mask unchanged), and hyper-connections (an einsum with a selected row of a parameter,
+whose coordinates the contraction sums away: it crashed the analysis)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import symgraph
+from symgraph.verify import relative_change
+from symgraph.zoo import _perturb
+
+from group_checks import assert_fuzzed_at_two_shapes
+
+V = 30
+
+
+def token_ids(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(1, V, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
+
+
+class Bags(nn.Module):
+    """EmbeddingBag over each row of ids, a linear between, a ReLU MLP head."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, 12, mode=mode, padding_idx=0)
+        self.mix = nn.Linear(12, 12)
+        self.up, self.head = nn.Linear(12, 16), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(F.relu(self.up(self.mix(self.bag(ids)))))
+
+
+def subject_of(model: nn.Module):
+    torch.manual_seed(0)
+    model = model.eval()
+    _perturb(model, torch.Generator().manual_seed(1))
+    return symgraph.load(model, (token_ids(2, 7),))
+
+
+def kinds(subject) -> dict[str, str]:
+    return {g.id: g.kind for g in subject.report.groups}
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_columns_move_with_the_linear_that_reads_them(mode):
+    subject = subject_of(Bags(mode))
+    assert "aten.embedding_bag.padding_idx" not in subject.report.unknown_ops
+    on_columns = [g for g in subject.report.groups if "bag.weight" in g.params]
+    assert len(on_columns) == 1
+    # sums and averages pass any linear map of the columns; the largest of a bag only permutations and scales > 0
+    assert on_columns[0].kind == ("permutation" if mode == "max" else "general_linear")
+    assert any(g.kind == "permutation" and "up.weight" in g.params and "bag.weight" not in g.params
+               for g in subject.report.groups)  # the MLP's hidden units
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+class SortedTokens(nn.Module):
+    """Tokens sorted per channel along the sequence (``sort``, which no spec describes, returns a tuple), then an
+    MLP whose hidden units are free whatever happened before."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.up, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(F.relu(self.up(self.emb(ids).sort(dim=1).values)))
+
+
+def test_an_unknown_op_with_several_outputs_keeps_their_shapes():
+    subject = subject_of(SortedTokens())
+    assert "aten.sort.default" in subject.report.unknown_ops
+    hidden = [g for g in subject.report.groups if "up.weight" in g.params and "head.weight" in g.params]
+    assert hidden and hidden[0].kind == "permutation", [p.reason for p in subject.report.pinned]
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+class MaskedLogits(nn.Module):
+    """A language-model head whose logits of some tokens are always -inf (a banned part of the vocabulary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.up, self.down, self.head = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, V)
+        self.register_buffer("banned", torch.arange(V) % 5 == 0)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + self.down(F.gelu(self.up(x)))
+        return self.head(x).masked_fill(self.banned, float("-inf"))
+
+
+def test_outputs_masked_with_minus_infinity_are_checked_where_finite():
+    subject = subject_of(MaskedLogits())
+    assert any(g.motif == "ffn" for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject, samples=3)  # inf - inf made every check NaN before
+    new, outcome = symgraph.api.transformed(subject)
+    assert outcome.ok and outcome.relative_error < 1e-6  # weights rounded back to float32
+
+
+def test_a_changed_mask_or_a_nan_is_a_change():
+    ref = torch.tensor([1.0, float("-inf"), 2.0, float("nan")])
+    assert relative_change(ref.clone(), ref) == 0.0
+    assert relative_change(torch.tensor([1.0, 5.0, 2.0, float("nan")]), ref) == float("inf")  # unmasked
+    assert relative_change(torch.tensor([1.0, float("inf"), 2.0, float("nan")]), ref) == float("inf")  # sign
+    assert relative_change(torch.tensor([1.0, float("-inf"), 2.0, 0.0]), ref) == float("inf")  # NaN gone
+    assert relative_change(torch.tensor([1.0, float("-inf"), 2.0 + 1e-3, float("nan")]), ref) == pytest.approx(
+        1e-3 / 5 ** 0.5, rel=1e-3)  # float32
+
+
+class HyperConnections(nn.Module):
+    """Three residual streams, read by a learned mix (``alpha[i]``, one row per layer) and rewritten by a learned
+    stream-mixing matrix plus the layer's output spread by ``gamma[i]`` (Zhu et al., hyper-connections)."""
+
+    def __init__(self, streams: int = 3, layers: int = 2):
+        super().__init__()
+        self.streams = streams
+        self.emb = nn.Embedding(V, 8)
+        self.alpha, self.gamma = nn.Parameter(torch.rand(layers, streams)), nn.Parameter(torch.rand(layers, streams))
+        self.beta = nn.Parameter(torch.eye(streams).repeat(layers, 1, 1) + 0.1 * torch.randn(layers, streams, streams))
+        self.up = nn.ModuleList(nn.Linear(8, 16) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(16, 8) for _ in range(layers))
+        self.norm = nn.ModuleList(nn.RMSNorm(8) for _ in range(layers))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, :, None].expand(-1, -1, self.streams, -1)
+        for i in range(len(self.up)):
+            h = torch.einsum("s,bnsd->bnd", self.alpha[i], x)
+            out = self.down[i](F.gelu(self.up[i](self.norm[i](h))))
+            x = torch.einsum("st,bntd->bnsd", self.beta[i], x) + out[:, :, None] * self.gamma[i][None, None, :, None]
+        return self.head(x.sum(2))
+
+
+def test_hyper_connections_keep_one_residual_map_for_every_stream():
+    subject = subject_of(HyperConnections())
+    residual = [g for g in subject.report.groups if g.motif == "residual"]
+    assert len(residual) == 1 and {"emb.weight", "head.weight"} <= set(residual[0].params)
+    assert sum(g.motif == "ffn" for g in subject.report.groups) == 2
+    assert_fuzzed_at_two_shapes(subject, samples=3)
