@@ -1,8 +1,9 @@
 """Patterns found by trying models outside the zoo: nn.EmbeddingBag (a tuple-valued lookup that sums, averages or
 takes the largest of each bag), ops no spec describes that return tuples (their outputs keep their shapes, so what
 reads them is analysed as usual), outputs a model masks with -inf (verification compares them where they are
-finite and requires the mask unchanged), and hyper-connections (an einsum with a selected row of a parameter,
-whose coordinates the contraction sums away: it crashed the analysis)."""
+finite and requires the mask unchanged), hyper-connections (an einsum with a selected row of a parameter,
+whose coordinates the contraction sums away: it crashed the analysis), and expert weights gathered per token by the
+routed ids."""
 from __future__ import annotations
 
 import pytest
@@ -143,4 +144,33 @@ def test_hyper_connections_keep_one_residual_map_for_every_stream():
     residual = [g for g in subject.report.groups if g.motif == "residual"]
     assert len(residual) == 1 and {"emb.weight", "head.weight"} <= set(residual[0].params)
     assert sum(g.motif == "ffn" for g in subject.report.groups) == 2
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+class GatheredExperts(nn.Module):
+    """Each token's top-2 experts' weights gathered by the routed ids (``w1[idx]``), then einsums."""
+
+    def __init__(self, experts: int = 4, hidden: int = 12):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.gate = nn.Linear(8, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, 8) / 3)
+        self.w2 = nn.Parameter(torch.randn(experts, 8, hidden) / 3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        weight, idx = self.gate(x).softmax(-1).topk(2, -1)
+        h = F.silu(torch.einsum("bnd,bnkfd->bnkf", x, self.w1[idx]))
+        y = torch.einsum("bnkf,bnkdf->bnkd", h, self.w2[idx])
+        return self.head(x + (y * weight[..., None]).sum(2))
+
+
+def test_expert_weights_gathered_by_routed_ids_keep_what_the_pick_does_not_choose():
+    """Which expert a token's ids pick must not move (the router's expert axis is pinned), but the hidden units
+    every expert shares a position for, and the residual stream, are free (everything was pinned before)."""
+    subject = subject_of(GatheredExperts())
+    kinds_by_motif = {(g.motif, g.kind) for g in subject.report.groups}
+    assert ("ffn", "permutation") in kinds_by_motif and ("residual", "general_linear") in kinds_by_motif
+    assert any("gate.weight" in p.params and "pick another tensor" in p.reason for p in subject.report.pinned)
     assert_fuzzed_at_two_shapes(subject, samples=3)

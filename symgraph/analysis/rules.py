@@ -216,14 +216,16 @@ def _run_time_size(a: fx.Node) -> bool:
 def _pick_unknown_rows(w, node: fx.Node) -> Value:
     """Positions picked by indices whose values depend on the weights (the tokens routed to one expert). A channel
     that does not vary along the picked axes carries the same labels at every picked position, so it keeps them;
-    channels that vary there (or mix with coefficients that may), pickings laid out otherwise than in place or in
-    front (``index_select``, ``x[rows]``), and indices that point into a labelled axis pin."""
+    channels that vary there (or mix with coefficients that may), and pickings laid out otherwise than in place or
+    in front (``index_select``, ``x[rows]``) pin. Indices that point into a labelled axis (the router's experts
+    picking each token's expert weights, ``w[idx]``) pin that axis: which expert they pick must not move."""
     picked = _axes_chosen_by_unknown_indices(w, node)
     x, out_shape = w.value(moved_operands(node)[0]), _shape_of(node)
     relabel = None
-    pointing = any(v is not None and v.points_to is not None for v in map(w.value, node.all_input_nodes))
-    if (len(moved_operands(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked
-            and not pointing):  # indices into a labelled axis picking another tensor's positions: pin both
+    for v in map(w.value, node.all_input_nodes):  # routed ids of one axis picking another tensor's positions (an
+        if v is not None and v.points_to is not None:  # expert's weights by the router's choice): the router's
+            w.c.pin(v.points_to, "its indices pick another tensor's positions", node.name)  # axis stays
+    if len(moved_operands(node)) == 1 and x is not None and x.shape is not None and out_shape is not None and picked:
         rank, kept = len(x.shape), [a for a in range(len(x.shape)) if a not in picked]
         if len(out_shape) == rank and all(x.shape[a] == out_shape[a] for a in kept):  # index_select, gather
             relabel = lambda t: _first_along(t, picked, out_shape)  # noqa: E731
