@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import InvarianceError
 from .moe import REFERENCE, use_experts_implementation
 
 FLOAT64_TOL = 1e-9
@@ -39,7 +40,7 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True,
                  free_outputs: tuple = ()):
-        from .probes import probe_inputs
+        from .probes import probe_inputs, shape_summary
 
         self.free_outputs = tuple(free_outputs or ())
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
@@ -49,19 +50,33 @@ class Evaluator:
             self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
-        with _LowestFloat() as seen:
-            self.references = self.outputs(self.state)
-        self.tolerance = TOLERANCE[seen.lowest]
+        self.references, self.tolerance = self._references(model)
         for (args, kwargs), ref in zip(self.probes, self.references):
             if not bool(ref.isfinite().any()):
-                from .errors import InvarianceError
-                from .probes import shape_summary
-
                 raise InvarianceError(
                     f"{type(model).__name__} cannot be checked: in float64 every output it gives on inputs "
                     f"{shape_summary((args, kwargs))} is NaN or infinite, so no transformation of it can be "
                     f"verified (its code may add float64's lowest number to itself in an attention mask).",
                     hint="fix the model's float64 path; in Python, verify=False skips the check at your own risk.")
+
+    def _references(self, model) -> tuple[list[torch.Tensor], float]:
+        """The outputs with the model's own weights, and the tolerance for the lowest precision computed. A
+        higher-order operator (``torch.cond``) cannot run under the dispatch mode that records it: then the
+        precision is unknown, and float32's tolerance is assumed (the model's code may cast)."""
+        try:
+            with _LowestFloat() as seen:
+                return self.outputs(self.state), TOLERANCE[seen.lowest]
+        except Exception:  # noqa: BLE001 -- rerun without the recorder; the model's own error is raised below
+            pass
+        try:
+            return self.outputs(self.state), TOLERANCE[torch.float32]
+        except Exception as exc:
+            raise InvarianceError(
+                f"{type(model).__name__} cannot be checked: it does not run in float64, in which symgraph checks "
+                f"every transformation ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
+                hint="a kernel without float64 support (flex attention on CPU) can be swapped for another "
+                     "implementation with the same symmetries (model.set_attn_implementation('sdpa')); in Python, "
+                     "verify=False skips the check at your own risk.") from exc
 
     @classmethod
     def of(cls, subject, **kwargs) -> "Evaluator":

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import symgraph
+from symgraph.errors import InvarianceError
+from symgraph.fuzz import fuzz
 from symgraph.verify import relative_change
 from symgraph.zoo import _perturb
 
@@ -174,3 +176,25 @@ def test_expert_weights_gathered_by_routed_ids_keep_what_the_pick_does_not_choos
     assert ("ffn", "permutation") in kinds_by_motif and ("residual", "general_linear") in kinds_by_motif
     assert any("gate.weight" in p.params and "pick another tensor" in p.reason for p in subject.report.pinned)
     assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+class BranchOnData(nn.Module):
+    """``torch.cond`` on the activations' sign: a higher-order operator, which cannot run in float64 here."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.up, self.down, self.head = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+        return self.head(x + self.down(F.relu(self.up(x))))
+
+
+def test_a_model_that_cannot_run_in_float64_is_refused_with_the_reason():
+    subject = subject_of(BranchOnData())
+    assert "cond" in subject.report.unknown_ops and subject.report.groups  # analysed: the MLP's hidden units
+    with pytest.raises(InvarianceError, match="cannot be checked: it does not run in float64") as caught:
+        fuzz(subject, samples=1)
+    assert "set_attn_implementation" in caught.value.hint
