@@ -39,8 +39,13 @@ class _Equivariant(_Frozen):
 class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
-    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "reduce", "scan", "softmax",
+    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan", "softmax",
                   "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy"]
+
+
+class ReduceSpec(_Equivariant):
+    rule: Literal["reduce"]
+    norm: bool = False  # a vector norm (its `ord` read from the call): 2 passes orthogonal maps, others signed permutations
 
 
 class NormSpec(_Frozen):
@@ -145,7 +150,7 @@ class PowSpec(_Frozen):
     exponent: float | None = None  # fixed by the op (square); else read from the call
 
 
-_RULE_MODELS = (PlainSpec, NormSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec,
+_RULE_MODELS = (PlainSpec, NormSpec, ReduceSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec,
                 FillSpec, ComplexViewSpec)
 OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
 RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))

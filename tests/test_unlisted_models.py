@@ -198,3 +198,40 @@ def test_a_model_that_cannot_run_in_float64_is_refused_with_the_reason():
     with pytest.raises(InvarianceError, match="cannot be checked: it does not run in float64") as caught:
         fuzz(subject, samples=1)
     assert "set_attn_implementation" in caught.value.hint
+
+
+
+class NormalisedStream(nn.Module):
+    """``F.normalize`` where LayerNorms would be (a norm, ``clamp_min``, ``expand_as``, a division): before the MLP
+    and before the head, and on each head's queries and keys (cosine attention) with a learned temperature."""
+
+    def __init__(self, p: float = 2.0):
+        super().__init__()
+        self.p = p
+        self.emb = nn.Embedding(V, 8)
+        self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, n, _ = x.shape
+        q, k, v = self.qkv(F.normalize(x, p=self.p, dim=-1)).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        q, k = F.normalize(q, p=self.p, dim=-1), F.normalize(k, p=self.p, dim=-1)
+        a = torch.softmax(5.0 * q @ k.transpose(-1, -2), -1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, 8))
+        x = x + self.down(F.gelu(self.up(F.normalize(x, p=self.p, dim=-1))))
+        return self.head(F.normalize(x, p=self.p, dim=-1))
+
+
+@pytest.mark.parametrize("p, kind", [(2.0, "orthogonal"), (1.0, "signed_permutation")])
+def test_vector_norms_pass_what_keeps_the_norm(p, kind):
+    """An L2 norm keeps orthogonal maps, any other norm signed permutations: the residual stream and each head's
+    queries and keys get them. linalg_vector_norm and clamp_min had no spec, and the expanded norm was no longer
+    known to be invariant: everything they touched was pinned."""
+    subject = subject_of(NormalisedStream(p))
+    assert not subject.report.unknown_ops
+    stream = [g for g in subject.report.groups if g.motif == "residual"]
+    assert len(stream) == 1 and stream[0].kind == kind
+    assert any(g.motif == "qk" and g.kind == kind for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject, samples=3)

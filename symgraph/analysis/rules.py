@@ -29,6 +29,12 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     moved = [w.value(a) for a in moved_operands(node)]
     if len(moved) == 1 and moved[0] is not None and moved[0].points_to is not None and not moved[0].chans:
         return _like(node, lambda k: Value(points_to=moved[0].points_to, shape=_shape_of(node, k)))
+    if spec.broadcasts and len(moved) == 1 and moved[0] is not None and moved[0].invariant and not moved[0].chans:
+        # a norm expanded to its input's shape (F.normalize: expand_as, then divide): still invariant, and known
+        # not to vary along the axes the expand repeats it
+        x, out_shape = moved[0], _shape_of(node)
+        return Value(invariant=True, shape=out_shape, follows=x.follows,
+                     constant_axes=_broadcast_axes(x.shape, out_shape))
     if any(v is not None and v.points_to is not None for v in moved):
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
@@ -963,11 +969,12 @@ def _moves_alike(c: Chan, v: Value, out_shape) -> bool:
 
 
 def _varying_axes(v: Value, out_shape) -> frozenset[int]:
-    """Axes of the broadcast output along which ``v``'s values may vary (all but its size-1 axes)."""
+    """Axes of the broadcast output along which ``v``'s values may vary (all but its size-1 axes and the axes an
+    expand repeated it along)."""
     if v.shape is None:
         return frozenset(range(len(out_shape)))
     shift = len(out_shape) - len(v.shape)
-    return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1)
+    return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1 and a not in v.constant_axes)
 
 
 def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
@@ -1265,8 +1272,12 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
 
 
 def rule_reduce(w, node: fx.Node, spec) -> Value:
+    """Sums and means over axes; with the spec's ``norm``, a vector norm over them, whose coordinates count as
+    squared where its ``ord`` is 2 (orthogonal maps pass, as through a sum of squares) and which passes signed
+    permutations for any other ``ord``."""
     args = _schema_args(node)
     x, dims = w.value(args["self"]), args.get("dim")  # sum.default and mean.default have no dim: every axis
+    euclidean = spec.norm and args.get("ord", 2) == 2
     rank = len(x.shape)
     axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
     keepdim = bool(args.get("keepdim", False))
@@ -1282,8 +1293,12 @@ def rule_reduce(w, node: fx.Node, spec) -> Value:
         if c.block:
             invariant = True  # a sum over heads does not see their order
             continue
-        if c.degree == 2:
+        if spec.norm and (c.mixed or c.degree != 1):
+            _pin_chan(w, node, c, "a vector norm of products or squares")
+        elif c.degree == 2 or euclidean:
             _normalise(w, node, c, axes & caxes, ORTHOGONAL)
+        elif spec.norm:
+            _normalise(w, node, c, axes & caxes, monomial("sign"))
         else:
             w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
             w.c.restrict(c.ids, NEUTRAL, "summed over this axis", node.name)
