@@ -111,6 +111,7 @@ EXAMPLES = {
     "aten.select.int": lambda h, m: A.select.int(h, 1, 0),
     "aten.narrow.default": lambda h, m: A.narrow.default(h, 1, 0, 2),
     "aten.cat.default": lambda h, m: A.cat.default([h, h], 1),
+    "aten.concatenate.default": lambda h, m: A.concatenate.default([h, h], 1),
     "aten.concat.default": lambda h, m: A.concat.default([h, h], 1),
     "aten.stack.default": lambda h, m: A.stack.default([h, h], 0),
     "aten.split.Tensor": lambda h, m: A.split.Tensor(h, 1, 1)[0],
@@ -137,6 +138,7 @@ EXAMPLES = {
     "aten.take_along_dim.default": lambda h, m: A.take_along_dim.default(h, torch.zeros(1, 1, 1, dtype=torch.long), 1),
     # identity
     "aten.dropout.default": lambda h, m: A.dropout.default(h, 0.1, False),
+    "aten.dropout_.default": lambda h, m: A.dropout_.default(h.clone(), 0.1, False),
     "aten.feature_dropout.default": lambda h, m: A.feature_dropout.default(h, 0.1, False),
     "aten.to.dtype": lambda h, m: A.to.dtype(h, h.dtype),
     "aten.to.dtype_layout": lambda h, m: A.to.dtype_layout(h, dtype=h.dtype),
@@ -153,6 +155,7 @@ EXAMPLES = {
     "aten.clamp_.default": lambda h, m: A.clamp_.default(h.clone(), -1.0, 1.0),
     "aten.hardtanh_.default": lambda h, m: A.hardtanh_.default(h.clone()),
     "aten.relu_.default": lambda h, m: A.relu_.default(h.clone()),
+    "aten.log_sigmoid.default": lambda h, m: A.log_sigmoid.default(h),
     **{f"aten.{name}.default": (lambda op: lambda h, m: op(torch.exp(h)))(getattr(A, name).default)
        for name in ("log", "sqrt", "rsqrt", "reciprocal")},
     # contractions
@@ -194,6 +197,7 @@ EXAMPLES = {
     "aten.sub.Scalar": lambda h, m: A.sub.Scalar(h, 1.0),
     "aten.rsub.Scalar": lambda h, m: A.rsub.Scalar(h, 1.0),
     "aten.mul.Tensor": lambda h, m: A.mul.Tensor(h, m.v),
+    "aten.multiply.Tensor": lambda h, m: A.multiply.Tensor(h, m.v),
     "aten.mul.Scalar": lambda h, m: A.mul.Scalar(h, 2.0),
     "aten.mul_.Tensor": lambda h, m: A.mul_.Tensor(h.clone(), m.v),
     "aten.div.Tensor": lambda h, m: A.div.Tensor(h, torch.full((D,), 2.0)),
