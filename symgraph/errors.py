@@ -39,6 +39,11 @@ class InvarianceError(SymgraphError):
     exit_code = 1
 
 
+class UnverifiableError(SymgraphError):
+    """The model's function cannot be checked in float64 (it does not run there, or gives no finite output), so no
+    transformation of it can be verified. Not a violation: exit status 2, like other input it cannot take."""
+
+
 class MismatchError(SymgraphError):
     """Two models that must share an architecture (or shapes, or groups) do not."""
 

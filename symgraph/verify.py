@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import InvarianceError
+from .errors import UnverifiableError
 from .moe import REFERENCE, use_experts_implementation
 
 FLOAT64_TOL = 1e-9
@@ -53,7 +53,7 @@ class Evaluator:
         self.references, self.tolerance = self._references(model)
         for (args, kwargs), ref in zip(self.probes, self.references):
             if not bool(ref.isfinite().any()):
-                raise InvarianceError(
+                raise UnverifiableError(
                     f"{type(model).__name__} cannot be checked: in float64 every output it gives on inputs "
                     f"{shape_summary((args, kwargs))} is NaN or infinite, so no transformation of it can be "
                     f"verified (its code may add float64's lowest number to itself in an attention mask).",
@@ -71,7 +71,7 @@ class Evaluator:
         try:
             return self.outputs(self.state), TOLERANCE[torch.float32]
         except Exception as exc:
-            raise InvarianceError(
+            raise UnverifiableError(
                 f"{type(model).__name__} cannot be checked: it does not run in float64, in which symgraph checks "
                 f"every transformation ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
                 hint="a kernel without float64 support (flex attention on CPU) can be swapped for another "

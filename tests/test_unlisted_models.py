@@ -2,8 +2,8 @@
 takes the largest of each bag), ops no spec describes that return tuples (their outputs keep their shapes, so what
 reads them is analysed as usual), outputs a model masks with -inf (verification compares them where they are
 finite and requires the mask unchanged), hyper-connections (an einsum with a selected row of a parameter,
-whose coordinates the contraction sums away: it crashed the analysis), and expert weights gathered per token by the
-routed ids."""
+whose coordinates the contraction sums away: it crashed the analysis), expert weights gathered per token by the
+routed ids, vector norms, and models that cannot run in float64 (refused as unverifiable, exit status 2)."""
 from __future__ import annotations
 
 import pytest
@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import symgraph
-from symgraph.errors import InvarianceError
+from symgraph.errors import UnverifiableError
 from symgraph.fuzz import fuzz
 from symgraph.verify import relative_change
 from symgraph.zoo import _perturb
 
+from cli_runner import run
 from group_checks import assert_fuzzed_at_two_shapes
 
 V = 30
@@ -178,26 +179,43 @@ def test_expert_weights_gathered_by_routed_ids_keep_what_the_pick_does_not_choos
     assert_fuzzed_at_two_shapes(subject, samples=3)
 
 
-class BranchOnData(nn.Module):
-    """``torch.cond`` on the activations' sign: a higher-order operator, which cannot run in float64 here."""
+FLOAT32_ONLY = """
+import torch
+from torch import nn
+
+
+class Float32Kernel(nn.Module):
+    \"\"\"An MLP around a kernel with no float64 implementation (as flex attention on CPU, or torch.cond run
+    eagerly under a dispatch mode): symgraph analyses it, but cannot run it in float64 to check anything.\"\"\"
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(V, 8)
-        self.up, self.down, self.head = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 3)
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
 
-    def forward(self, ids):
-        x = self.emb(ids)
-        x = torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
-        return self.head(x + self.down(F.relu(self.up(x))))
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise NotImplementedError("this kernel supports float32 only")
+        return self.down(torch.relu(self.up(x)))
 
 
-def test_a_model_that_cannot_run_in_float64_is_refused_with_the_reason():
-    subject = subject_of(BranchOnData())
-    assert "cond" in subject.report.unknown_ops and subject.report.groups  # analysed: the MLP's hidden units
-    with pytest.raises(InvarianceError, match="cannot be checked: it does not run in float64") as caught:
+def build():
+    return Float32Kernel(), (torch.randn(2, 3, 4),)
+"""
+
+
+@pytest.fixture
+def float32_only(tmp_path):
+    path = tmp_path / "float32_only.py"
+    path.write_text(FLOAT32_ONLY)
+    return path
+
+
+def test_a_model_that_cannot_run_in_float64_is_refused_with_the_reason(float32_only):
+    subject = symgraph.load(f"{float32_only}:build")
+    assert subject.report.groups  # analysed: the MLP's hidden units
+    with pytest.raises(UnverifiableError, match="cannot be checked: it does not run in float64") as caught:
         fuzz(subject, samples=1)
-    assert "set_attn_implementation" in caught.value.hint
+    assert "float32 only" in caught.value.message and "set_attn_implementation" in caught.value.hint
 
 
 
@@ -235,3 +253,10 @@ def test_vector_norms_pass_what_keeps_the_norm(p, kind):
     assert len(stream) == 1 and stream[0].kind == kind
     assert any(g.motif == "qk" and g.kind == kind for g in subject.report.groups)
     assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+def test_the_cli_says_a_model_cannot_be_checked_and_exits_2_not_1(float32_only):
+    """Exit status 1 means a violation was found; a model that cannot run in float64 is input it cannot take."""
+    code, out, err = run("fuzz", f"{float32_only}:build", "--samples", "1")
+    assert code == 2, (out, err)
+    assert "cannot be checked: it does not run in float64" in out + err
