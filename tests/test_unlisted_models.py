@@ -223,9 +223,9 @@ class NormalisedStream(nn.Module):
     """``F.normalize`` where LayerNorms would be (a norm, ``clamp_min``, ``expand_as``, a division): before the MLP
     and before the head, and on each head's queries and keys (cosine attention) with a learned temperature."""
 
-    def __init__(self, p: float = 2.0):
+    def __init__(self, p: float = 2.0, expand: bool = False):
         super().__init__()
-        self.p = p
+        self.p, self.expand = p, expand
         self.emb = nn.Embedding(V, 8)
         self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
@@ -238,16 +238,23 @@ class NormalisedStream(nn.Module):
         q, k = F.normalize(q, p=self.p, dim=-1), F.normalize(k, p=self.p, dim=-1)
         a = torch.softmax(5.0 * q @ k.transpose(-1, -2), -1) @ v
         x = x + self.o(a.transpose(1, 2).reshape(b, n, 8))
-        x = x + self.down(F.gelu(self.up(F.normalize(x, p=self.p, dim=-1))))
-        return self.head(F.normalize(x, p=self.p, dim=-1))
+        x = x + self.down(F.gelu(self.up(self.normalize(x))))
+        return self.head(self.normalize(x))
+
+    def normalize(self, x):
+        """F.normalize (``expand_as(x)``: x carries channels), or by hand with ``expand(x.shape)`` (the norm alone)."""
+        if not self.expand:
+            return F.normalize(x, p=self.p, dim=-1)
+        return x / torch.linalg.vector_norm(x, self.p, -1, True).clamp_min(1e-12).expand(x.shape)
 
 
-@pytest.mark.parametrize("p, kind", [(2.0, "orthogonal"), (1.0, "signed_permutation")])
-def test_vector_norms_pass_what_keeps_the_norm(p, kind):
+@pytest.mark.parametrize("p, kind, expand", [(2.0, "orthogonal", False), (1.0, "signed_permutation", False),
+                                             (2.0, "orthogonal", True)])
+def test_vector_norms_pass_what_keeps_the_norm(p, kind, expand):
     """An L2 norm keeps orthogonal maps, any other norm signed permutations: the residual stream and each head's
     queries and keys get them. linalg_vector_norm and clamp_min had no spec, and the expanded norm was no longer
     known to be invariant: everything they touched was pinned."""
-    subject = subject_of(NormalisedStream(p))
+    subject = subject_of(NormalisedStream(p, expand))
     assert not subject.report.unknown_ops
     stream = [g for g in subject.report.groups if g.motif == "residual"]
     assert len(stream) == 1 and stream[0].kind == kind

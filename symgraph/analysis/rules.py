@@ -32,9 +32,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if spec.broadcasts and len(moved) == 1 and moved[0] is not None and moved[0].invariant and not moved[0].chans:
         # a norm expanded to its input's shape (F.normalize: expand_as, then divide): still invariant, and known
         # not to vary along the axes the expand repeats it
-        x, out_shape = moved[0], _shape_of(node)
-        return Value(invariant=True, shape=out_shape, follows=x.follows,
-                     constant_axes=_broadcast_axes(x.shape, out_shape))
+        return Value(invariant=True, shape=_shape_of(node), follows=moved[0].follows,
+                     constant_axes=repeated_axes(node, spec, moved[0]))
     if any(v is not None and v.points_to is not None for v in moved):
         return _pin_moved(w, node, "indices moved together with other tensors")
     if _indexed_by_unknown(w, node):
@@ -72,10 +71,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         _pin_unselected(w, node, tensors, results)
     if spec.cuts:
         w.note_cut(tensors[0], [r for r in results if r is not None])
-    out_shape = _shape_of(node)
-    constant = _broadcast_axes(tensors[0].shape, out_shape) if spec.broadcasts and tensors[0] is not None \
-        else frozenset()
-    return Value(chans=[r for r in results if r is not None], shape=out_shape, constant_axes=constant)
+    return Value(chans=[r for r in results if r is not None], shape=_shape_of(node),
+                 constant_axes=repeated_axes(node, spec, tensors[0]))
 
 
 def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
@@ -89,6 +86,14 @@ def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
     why = why_cut_moves(w, node, chans) if chans else None
     for c in chans if why is not None else ():
         _pin_chan(w, node, c, f"cut where labelled positions may move with the input shape ({why})")
+
+
+def repeated_axes(node: fx.Node, spec, x: Value | None) -> frozenset[int]:
+    """Output axes along which a broadcasting movement (expand, expand_as) repeats its input ``x``, so its values
+    are known not to vary there; none for any other op."""
+    if not getattr(spec, "broadcasts", False) or x is None:
+        return frozenset()
+    return _broadcast_axes(x.shape, _shape_of(node))
 
 
 def _broadcast_axes(in_shape, out_shape) -> frozenset[int]:

@@ -165,8 +165,10 @@ class Walker:
             spec = self.specs.op(str(node.target))
             follows = _elementwise_follows(node, inputs) if spec is not None and spec.rule in _ELEMENTWISE else None
             classes = passed_classes(node, spec, inputs)
+            moved = self.value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+            constant = rules.repeated_axes(node, spec, moved)  # a norm expanded to its input's shape
             return _like_output(node, lambda shape: Value(invariant=True, shape=shape, follows=follows,
-                                                    classes=classes))
+                                                    classes=classes, constant_axes=constant))
         data = self.data.get(node.name)
         if isinstance(data, (list, tuple)):
             return [Value(data=d, shape=tuple(getattr(d, "shape", ()))) for d in data]
