@@ -83,8 +83,20 @@ class RMSNormByHand(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class LayerNormByHand(nn.Module):
+    """The Annotated Transformer's: unbiased standard deviation, eps outside the root."""
+
+    def __init__(self, dim: int = D, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.zeros(dim)), eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        return self.weight * (x - mean) / (x.std(-1, keepdim=True) + self.eps) + self.bias
+
+
 def make_norm(kind: str) -> nn.Module:
-    return {"rms": RMSNormByHand, "ln": lambda: nn.LayerNorm(D),
+    return {"rms": RMSNormByHand, "ln_by_hand": LayerNormByHand, "ln": lambda: nn.LayerNorm(D),
             "ln_plain": lambda: nn.LayerNorm(D, elementwise_affine=False)}[kind]()
 
 
@@ -214,7 +226,7 @@ class MLP(nn.Module):
     def __init__(self, kind="gelu"):
         super().__init__()
         self.kind = kind
-        if kind in ("swiglu_fused", "geglu_fused"):
+        if kind in ("swiglu_fused", "geglu_fused", "glu"):
             self.gate_up = nn.Linear(D, 2 * FF)
         elif kind in ("reglu", "swiglu"):
             self.gate, self.up = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
@@ -223,6 +235,8 @@ class MLP(nn.Module):
         self.down = nn.Linear(FF, D)
 
     def forward(self, x):
+        if self.kind == "glu":  # F.glu: the first half times the sigmoid of the second
+            return self.down(F.glu(self.gate_up(x), -1))
         if self.kind in ("swiglu_fused", "geglu_fused"):
             gate, up = self.gate_up(x).chunk(2, -1)
             act = F.silu if self.kind == "swiglu_fused" else F.gelu
@@ -1336,8 +1350,10 @@ ZOO = [
     _entry("unet_skip_concat_groupnorm", UNet, image, expect=("ffn",)),
     _entry("seq2seq_tied_scaled_embeddings", TiedSeq2Seq, tokens_only),
     _entry("logit_softcap", SoftcapLM),
-    _entry("gru", lambda: Recurrent("gru"), tokens_only, expect=()),
-    _entry("lstm", lambda: Recurrent("lstm"), tokens_only, expect=()),
+    _entry("gru", lambda: Recurrent("gru"), tokens_only, expect=("ffn",)),
+    _entry("lstm", lambda: Recurrent("lstm"), tokens_only, expect=("ffn",)),
+    _entry("layernorm_by_hand_std", lm_with_attention(Attention, norm="ln_by_hand")),
+    _entry("glu_mlp", lm_with_attention(Attention, mlp="glu")),
     _entry("relative_bias_per_head", lm_with_attention(RelativeBiasAttention)),
     _entry("cosine_attention_logit_scale", lm_with_attention(CosineAttention, norm="ln")),
     _entry("gated_attention_output", lm_with_attention(GatedAttention)),

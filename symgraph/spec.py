@@ -40,12 +40,14 @@ class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
     rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan", "softmax",
-                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy"]
+                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
+                  "glu"]
 
 
 class ReduceSpec(_Equivariant):
     rule: Literal["reduce"]
     norm: bool = False  # a vector norm (its `ord` read from the call): 2 passes orthogonal maps, others signed permutations
+    order_free: bool = False  # a symmetric function of the entries but no sum (var, max, logsumexp): permutations only
 
 
 class NormSpec(_Frozen):
@@ -145,13 +147,18 @@ class FillSpec(_Frozen):
         return () if self.value is not None or self.unset else ("fill_value",)
 
 
+class RecurrentSpec(_Frozen):
+    rule: Literal["recurrent"]
+    gates: int  # blocks of rows per weight, one per gate: 1 (RNN), 3 (GRU), 4 (LSTM)
+
+
 class PowSpec(_Frozen):
     rule: Literal["pow"]
     exponent: float | None = None  # fixed by the op (square); else read from the call
 
 
 _RULE_MODELS = (PlainSpec, NormSpec, ReduceSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec,
-                FillSpec, ComplexViewSpec)
+                FillSpec, ComplexViewSpec, RecurrentSpec)
 OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
 RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))
 

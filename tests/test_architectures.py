@@ -252,10 +252,13 @@ EXPECTED = {
         "scale_free scale/nonzero 16x1": 2,
         "scale_free scale/nonzero 64x1": 5,
     },
-    # gpt-oss: expert and router biases move with the experts; attention sinks (aten.max) pin the heads.
+    # gpt-oss: expert and router biases move with the experts; the attention sinks (one logit per head, joined to
+    # the scores before their row max) move with their heads.
     "gpt-oss": {
         "experts permutation 4x1": 2,
         "ffn permutation 32x1": 2,
+        "heads permutation 2x1": 2,
+        "heads permutation 2x2": 2,
         "qk rotary/positive 16x2": 2,
         "residual signed_permutation 64x1": 1,
         "scale_free scale/nonzero 64x1": 5,

@@ -36,6 +36,7 @@ class Body(nn.Module):
         self.table = nn.Parameter(torch.randn(10, D))
         self.register_buffer("mean", torch.randn(D))
         self.register_buffer("var", torch.rand(D) + 0.5)
+        self.rnn, self.gru, self.lstm = nn.RNN(D, D), nn.GRU(D, D), nn.LSTM(D, D)
 
     def forward(self, x):
         return self.b(self.body(self.a(x), self))
@@ -82,6 +83,11 @@ def _filled(empty):
         A.copy_.default(A.slice.Tensor(buf, 2, 4, D), A.relu.default(A.slice.Tensor(h, 2, 4, D)))
         return buf
     return body
+
+
+def _weights(rnn: nn.RNNBase) -> list[torch.Tensor]:
+    """A recurrent module's weights, read as its parameters (its ``_flat_weights`` list would export as constants)."""
+    return [getattr(rnn, name) for name in rnn._flat_weights_names]
 
 
 def _rows_mask(h):
@@ -169,6 +175,26 @@ EXAMPLES = {
     "aten.clamp_min.default": lambda h, m: A.clamp_min.default(h, -0.2),
     "aten.clamp_max.default": lambda h, m: A.clamp_max.default(h, 0.3),
     "aten.linalg_vector_norm.default": lambda h, m: h / A.linalg_vector_norm.default(h, 2, [-1], True),
+    "aten.var.dim": lambda h, m: (h - h.mean(-1, keepdim=True)) / (A.var.dim(h, [-1], False, True) + 1e-5).sqrt(),
+    "aten.var.correction": lambda h, m: h / (A.var.correction(h, [-1], correction=0, keepdim=True) + 1).sqrt(),
+    "aten.std.dim": lambda h, m: (h - h.mean(-1, keepdim=True)) / (A.std.dim(h, [-1], True, True) + 1e-5),
+    "aten.std.correction": lambda h, m: h / (A.std.correction(h, [-1], correction=1, keepdim=True) + 1),
+    "aten.var_mean.dim": lambda h, m: (h - A.var_mean.dim(h, [-1], True, True)[1]) * m.v,
+    "aten.var_mean.correction": lambda h, m: h * A.var_mean.correction(h, [-1], correction=0, keepdim=True)[0],
+    "aten.std_mean.dim": lambda h, m: h - A.std_mean.dim(h, [-1], True, True)[0],
+    "aten.std_mean.correction": lambda h, m: h * A.std_mean.correction(h, [-1], correction=1, keepdim=True)[1],
+    "aten.amax.default": lambda h, m: h / (A.amax.default(h.abs(), [-1], True) + 1),
+    "aten.amin.default": lambda h, m: h - A.amin.default(h, [-1], True),
+    "aten.logsumexp.default": lambda h, m: h - A.logsumexp.default(h, [-1], True),
+    "aten.glu.default": lambda h, m: A.glu.default(A.cat.default([h, A.linear.default(h, m.w)], -1), -1),
+    "aten.rnn_tanh.input": lambda h, m: A.rnn_tanh.input(h, h.new_zeros(1, h.shape[0], D), _weights(m.rnn),
+                                                         True, 1, 0.0, False, False, True)[0],
+    "aten.rnn_relu.input": lambda h, m: A.rnn_relu.input(h, h.new_zeros(1, h.shape[0], D), _weights(m.rnn),
+                                                         True, 1, 0.0, False, False, True)[0],
+    "aten.gru.input": lambda h, m: A.gru.input(h, h.new_zeros(1, h.shape[0], D), _weights(m.gru),
+                                               True, 1, 0.0, False, False, True)[0],
+    "aten.lstm.input": lambda h, m: A.lstm.input(h, [h.new_zeros(1, h.shape[0], D)] * 2, _weights(m.lstm),
+                                                 True, 1, 0.0, False, False, True)[0],
     "aten.mv.default": lambda h, m: h + A.mv.default(m.w, h.mean((0, 1))),
     "aten.addmv.default": lambda h, m: h + A.addmv.default(m.v2, m.w, h.mean((0, 1))),
     "aten.addbmm.default": lambda h, m: h @ A.addbmm.default(m.w, h.transpose(1, 2), h),
@@ -254,6 +280,7 @@ EXAMPLES = {
         m.table, torch.tensor([1, 4, 2, 7]), torch.tensor([0, 3]), False, 1, False, None, False, 4)[0].sum(0),
     "aten.topk.default": _routed,
     "aten.max.dim": lambda h, m: A.one_hot.default(A.max.dim(A.linear.default(h, m.w), -1)[1], D) * h,
+    "aten.min.dim": lambda h, m: A.one_hot.default(A.min.dim(A.linear.default(h, m.w), -1)[1], D) * h,
     "aten.one_hot.default": _routed,
     "aten.where.self": lambda h, m: A.where.self(_rows_mask(h), h, m.v2),
     "aten.where.ScalarOther": lambda h, m: A.where.ScalarOther(_rows_mask(h), h, 0.0),
@@ -286,9 +313,7 @@ EXAMPLES = {
 }
 
 # Examples whose groups the analysis does not find yet (sound, but short of the exact group).
-NO_GROUPS_YET = {
-    "aten.sub.Tensor": "h - b for a parameter vector b: the -1 coefficient makes a mixed channel, which pins",
-}
+NO_GROUPS_YET: dict[str, str] = {}
 
 NOT_RECORDED = {
     "aten._assert_scalar.default": "asserts on symbolic sizes: only exports with dynamic shapes record it",

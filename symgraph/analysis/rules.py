@@ -18,6 +18,7 @@ from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
                      dropped_ids, unique_rows, varying_axes)
+from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -487,12 +488,50 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     for c in coordinates:
         w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
     # the activation's units: its one channel, or among several those along the last axis, where a linear layer
-    # writes them (a token-mixing MLP activates (batch, stream, units): the stream only rides along)
+    # writes them (a token-mixing MLP activates (batch, stream, units): the stream only rides along). Coordinates
+    # only reduced away into a statistic (x.abs().amax(-1) scaling the stream) are no units: the stream keeps its name
     last = len(v.shape) - 1 if v.shape else None
     for c in coordinates:
-        if len(coordinates) == 1 or last in chan_axes(c):
+        if (len(coordinates) == 1 or last in chan_axes(c)) and not _only_reduced_away(w, node, chan_axes(c)):
             w.c.tag("activation", c.ids)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def _only_reduced_away(w, node: fx.Node, axes) -> bool:
+    """Every reader of ``node`` is a reduction over some of ``axes``."""
+    rank = len(_shape_of(node) or ())
+
+    def reduced(user) -> frozenset[int]:
+        spec = w.spec(user) if user.op == "call_function" else None
+        if spec is None or spec.rule != "reduce":
+            return frozenset()
+        dims = _schema_args(user).get("dim")
+        return frozenset(range(rank)) if not dims else frozenset(d % rank for d in dims)
+
+    return bool(node.users) and all(reduced(u) & axes for u in node.users)
+
+
+def rule_glu(w, node: fx.Node, spec) -> Value:
+    """``glu(x, dim)``: unit i of ``dim``'s first half times the sigmoid of unit i of its second half. The halves'
+    units pair up and permute together (the sigmoid passes nothing else); the product's units are the
+    activation's, labelled afresh as for any product of two activations. A channel that does not label ``dim``
+    would meet itself inside the sigmoid: pinned."""
+    x = w.value(schema_arg(node, "self"))
+    axis = schema_arg(node, "dim", -1) % len(x.shape)
+    half, out_shape = x.shape[axis] // 2, _shape_of(node)
+    chans = []
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if c.block or c.mixed or axis not in chan_axes(c):
+            _pin_chan(w, node, c, "gated linear unit over an axis this channel does not label alone")
+            continue
+        value = replace(c.map(lambda t: t.narrow(axis, 0, half)), degree=1, weight=False, unit=False)
+        gate = replace(c.map(lambda t: t.narrow(axis, half, half)), degree=1, weight=False, unit=False)
+        w.c.restrict(gate.ids, NEUTRAL, "sigmoid gate of a gated linear unit", node.name)
+        out = _product_output(w, node, value, gate, NEUTRAL, "gated linear unit: a value times its gate")
+        w.c.tag("activation", out.ids)
+        chans.append(out)
+    return Value(chans=chans, shape=out_shape)
 
 
 def _opposite_numbers(low, high) -> bool:
@@ -788,8 +827,9 @@ def rule_sub(w, node: fx.Node, spec) -> Value:
     a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
-    if isinstance(b, Value):
-        b = Value(chans=[c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape, invariant=b.invariant)
+    if isinstance(b, Value):  # head blocks only say which head is which: a sign does not mix them
+        b = Value(chans=[c if c.block else c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape,
+                  invariant=b.invariant)
     return _add_values(w, node, a, b, residual=True)
 
 
@@ -821,12 +861,21 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
-    if ca.mixed or cb.mixed:  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
+    if not (_uniform(ca) and _uniform(cb)):  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
         return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
     w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
         w.c.tag("residual", ca.ids)
     return ca
+
+
+def _uniform(c: Chan) -> bool:
+    """One term whose coefficient, if any, is one number everywhere (the -1 of ``a - b``, an ``alpha``): any map
+    of the coordinates commutes with it, so the sum moves like both operands, tied."""
+    if len(c.terms) != 1 or c.terms[0].coef is None:
+        return len(c.terms) == 1
+    coef = c.terms[0].coef
+    return bool((coef == coef.reshape(-1)[0]).all())
 
 
 def _as_mixed(c: Chan) -> tuple[Term, ...]:
@@ -907,19 +956,17 @@ def rule_div(w, node: fx.Node, spec) -> Value:
 def _product(w, node, a, b, divide: bool) -> Value:
     out_shape = _shape_of(node)
     a, b = _as_value(a), _as_value(b)
+    ratio = divide and bool(b.chans)
+    if ratio:  # a / b = a * (1 / b), and a coordinate's reciprocal passes its permutations only
+        b, divide = replace(b, chans=[_reciprocal(w, node, c) for c in b.chans]), False
     if b.chans and not a.chans and not divide:
         a, b = b, a
     if not b.chans:
         return _scale_by(w, node, a, b, divide, out_shape)
-    if divide:
-        for v in (a, b):
-            for c in v.chans:
-                w.c.pin(w.resolve(c, node.name).ids, "divided by another channel", node.name)
-        return Value(shape=out_shape)
     a_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in a.chans]
     b_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in b.chans]
     pairs, alone = _pair_by_axes(a_chans, b_chans)
-    chans = [_multiply_channels(w, node, ca, cb, out_shape) for ca, cb in pairs]
+    chans = [_multiply_channels(w, node, ca, cb, out_shape, ratio) for ca, cb in pairs]
     for c, from_a in alone:
         other = b if from_a else a
         if chan_axes(c) & _varying_axes(other, out_shape):
@@ -1014,11 +1061,23 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
     return Value(chans=chans, shape=out_shape)
 
 
-def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape) -> Chan:
+def _reciprocal(w, node, c: Chan) -> Chan:
+    """``1 / c``, read as a factor: a head block stays one; coordinates keep their permutations only."""
+    c = w.resolve(c, node.name)
+    if not c.block:
+        w.c.restrict(c.ids, NEUTRAL, "divided by this coordinate", node.name)
+    return replace(c, degree=1, weight=False, unit=False)
+
+
+def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape, ratio: bool = False) -> Chan:
+    """``a * b`` coordinate-wise; ``ratio``: ``b`` is the reciprocal of a divisor (:func:`_reciprocal`)."""
     ca, cb = ca.broadcast_to(out_shape), cb.broadcast_to(out_shape)
     if ca.block or cb.block:
         w.c.tie(ca.ids, cb.ids, node=node.name)
         return ca
+    if torch.equal(ca.ids, cb.ids) and ratio:  # x / f(x): coordinate-wise, no square
+        w.c.restrict(ca.ids, NEUTRAL, "divided by a value of the same coordinate", node.name)
+        return replace(ca, degree=1)
     if torch.equal(ca.ids, cb.ids):
         return replace(ca, degree=2)
     weight = next((c for c in (ca, cb) if c.weight), None)
@@ -1276,17 +1335,20 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
     w.c.restrict(ids, restriction, "normalised over this axis", node.name)
 
 
-def rule_reduce(w, node: fx.Node, spec) -> Value:
+def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     """Sums and means over axes; with the spec's ``norm``, a vector norm over them, whose coordinates count as
     squared where its ``ord`` is 2 (orthogonal maps pass, as through a sum of squares) and which passes signed
-    permutations for any other ``ord``."""
+    permutations for any other ``ord``; with ``order_free``, another statistic blind to the order of the entries
+    (variance, maximum, logsumexp), which only permutations leave unchanged, squared coordinates included.
+    Statistics returned together (``var_mean``) are alike: one value per result."""
     args = _schema_args(node)
     x, dims = w.value(args["self"]), args.get("dim")  # sum.default and mean.default have no dim: every axis
     euclidean = spec.norm and args.get("ord", 2) == 2
     rank = len(x.shape)
-    axes = frozenset(range(rank)) if dims is None else frozenset(d % rank for d in dims)
+    axes = frozenset(range(rank)) if not dims else frozenset(d % rank for d in dims)  # dim=[]: every axis too
     keepdim = bool(args.get("keepdim", False))
-    out_shape = _shape_of(node)
+    results = len(node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else 0
+    out_shape = _shape_of(node, 0 if results else None)
     passed, invariant, rows = [], False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -1300,17 +1362,18 @@ def rule_reduce(w, node: fx.Node, spec) -> Value:
             continue
         if spec.norm and (c.mixed or c.degree != 1):
             _pin_chan(w, node, c, "a vector norm of products or squares")
-        elif c.degree == 2 or euclidean:
+        elif (c.degree == 2 or euclidean) and not spec.order_free:
             _normalise(w, node, c, axes & caxes, ORTHOGONAL)
         elif spec.norm:
             _normalise(w, node, c, axes & caxes, monomial("sign"))
         else:
             w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
-            w.c.restrict(c.ids, NEUTRAL, "summed over this axis", node.name)
+            w.c.restrict(c.ids, NEUTRAL, "reduced over this axis", node.name)
         invariant = True
     follows = rows[0] if len(rows) == 1 and varying_axes(rows[0]) else None
-    return Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
-                 follows=follows if invariant and not passed else None)
+    value = Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
+                  follows=follows if invariant and not passed else None)
+    return [value] * results if results else value
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
@@ -1420,8 +1483,8 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within rows of this axis", node.name)
             w.c.separate(_disjoint_rows(c.ids, dim), node.name)
             by_rows = True
-        elif not c.block and not c.mixed and chan_axes(c) and dim not in chan_axes(c):
-            rows.append(c)  # a coordinate per row, ranked within it (experts choosing their tokens)
+        elif not c.mixed and chan_axes(c) and dim not in chan_axes(c):
+            rows.append(c)  # a coordinate (or head) per row, ranked within it (experts choosing their tokens)
         else:
             for t in c.terms:
                 w.c.pin(t.ids, "top-k over another axis of this channel", node.name)
@@ -1432,7 +1495,8 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     shapes = _shape_of(node, 0), _shape_of(node, 1)
     if rows:  # both results are laid out like the rows: the values, and the indices (into an unlabelled axis)
         for c in rows:
-            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
+            if not c.block:
+                w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
         laid = [[c.map(lambda t, s=s: t.narrow(dim, 0, 1).expand(s)) for c in rows] for s in shapes]
         return [Value(chans=laid[0], shape=shapes[0]), Value(chans=laid[1], shape=shapes[1])]
     if pointed is None:
