@@ -41,7 +41,7 @@ class PlainSpec(_Equivariant):
 
     rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan", "softmax",
                   "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
-                  "glu"]
+                  "glu", "weight_norm"]
 
 
 class ReduceSpec(_Equivariant):

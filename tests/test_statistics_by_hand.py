@@ -194,3 +194,76 @@ def test_statistics_of_squares_pass_permutations_only(statistic):
     on_units = [g for g in subject.report.groups if "up.weight" in g.params]
     assert [g.kind for g in on_units] == ["permutation"]
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Piecewise(nn.Module):
+    """An FFN whose activation is chosen per element by a comparison: of the unit's own value (a leaky ReLU or a
+    ReLU by hand), or of something that differs per unit (a learned threshold per unit, another activation)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(V, D)
+        self.up, self.gate, self.down = nn.Linear(D, FF), nn.Linear(D, FF), nn.Linear(FF, D)
+        self.threshold = nn.Parameter(torch.randn(FF) * 0.1)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = self.up(x)
+        if self.kind == "leaky":
+            u = torch.where(h > 0, h, 0.01 * h)
+        elif self.kind == "masked":
+            u = h.masked_fill(h < 0, 0.0)
+        elif self.kind == "threshold":  # the bound differs per unit: it would have to move with them
+            u = torch.maximum(h, self.threshold)
+        else:  # the larger of two activations
+            u = torch.maximum(h, self.gate(x))
+        return self.head(x + self.down(u))
+
+
+@pytest.mark.parametrize("kind", ["leaky", "masked"])
+def test_an_activation_chosen_by_its_own_value_keeps_its_unit_permutation(kind):
+    subject = subject_of(Piecewise(kind))
+    assert not subject.report.unknown_ops
+    ffn = [g for g in subject.report.groups if g.motif == "ffn"]
+    assert [(g.kind, g.size) for g in ffn] == [("permutation", FF)]
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("kind", ["threshold", "other"])
+def test_a_bound_that_differs_per_unit_pins_the_units(kind):
+    subject = subject_of(Piecewise(kind))
+    assert not any(m.param == "up.weight" and m.axis == 0 for g in subject.report.groups for m in g.members)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class WeightNormed(nn.Module):
+    """nn.utils weight norm on a linear (one g per output row) and on a convolution over positions (one g per tap,
+    as wav2vec2's positional convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+        self.emb = nn.Embedding(V, D)
+        self.up = weight_norm(nn.Linear(D, FF), dim=0)
+        self.down = nn.Linear(FF, D)
+        self.conv = weight_norm(nn.Conv1d(D, D, 3, padding=1), dim=2)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + F.gelu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def test_weight_norm_rows_move_with_their_scales():
+    subject = subject_of(WeightNormed())
+    assert not subject.report.unknown_ops
+    v, g_ = "up.parametrizations.weight.original1", "up.parametrizations.weight.original0"
+    units = [g for g in subject.report.groups if any(m.param == v and m.axis == 0 for m in g.members)]
+    assert len(units) == 1 and units[0].kind == "permutation" and units[0].size == FF
+    assert {v, g_} <= set(units[0].params)
+    # the convolution's channels (the stream) stay free too: normalised per tap, they pass permutations
+    assert any(any("conv.parametrizations" in p for p in g.params) for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject)

@@ -483,6 +483,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     limit = from_group_name(spec.group, spec.scale)
     if spec.bounds and not _opposite_numbers(*(schema_arg(node, b) for b in spec.bounds)):
         limit = limit & NEUTRAL  # clamp(-x, a, b) = -clamp(x, -b, -a): sign flips need b = -a
+    if _bounded_by_varying_tensor(w, node, v):  # max(x, t): t must not differ between x's coordinates
+        return _pin_operands(w, node, [v] + [w.value(a) for a in node.args[1:] if isinstance(a, fx.Node)],
+                             "elementwise bound by a tensor that differs per coordinate")
     chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
     coordinates = [c for c in chans if not c.block]
     for c in coordinates:
@@ -495,6 +498,21 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
         if (len(coordinates) == 1 or last in chan_axes(c)) and not _only_reduced_away(w, node, chan_axes(c)):
             w.c.tag("activation", c.ids)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def _bounded_by_varying_tensor(w, node: fx.Node, x: Value) -> bool:
+    """A second tensor operand (``max(x, t)``, ``clamp(x, t)``) that carries channels, or data that varies along
+    an axis where ``x`` carries one: permuting x's coordinates would need it permuted too."""
+    out_shape = _shape_of(node)
+    axes = frozenset().union(*(chan_axes(c) for c in x.chans)) if x.chans else frozenset()
+    for a in node.args[1:]:
+        t = w.value(a) if isinstance(a, fx.Node) else None
+        if t is None:
+            continue
+        if t.chans or (not t.invariant and data_varies(t.data, axes, out_shape)) or \
+                (t.invariant and axes & _varying_axes(t, out_shape)):
+            return True
+    return False
 
 
 def _only_reduced_away(w, node: fx.Node, axes) -> bool:
@@ -1335,6 +1353,39 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
     w.c.restrict(ids, restriction, "normalised over this axis", node.name)
 
 
+def rule_weight_norm(w, node: fx.Node, spec) -> Value:
+    """``_weight_norm(v, g, dim)`` = ``v * g / ||v||`` (nn.utils weight norm), the norm taken over every axis but
+    ``dim`` (over all of them for dim -1). Along ``dim`` each slice of v is scaled to its entry of g: v's and g's
+    coordinates there move together, permutations only (v's own scale vanishes in the norm, g's does not). The
+    normalised axes keep v's coordinates, and orthogonal maps of each pass, as through any sum of squares."""
+    args = _schema_args(node)
+    v, g = w.value(args["v"]), w.value(args["g"])
+    rank, dim = len(v.shape), args.get("dim", 0)
+    dim = None if dim == -1 else dim % rank
+    chans = []
+    for c in v.chans:
+        c = w.resolve(c, node.name)
+        axes = chan_axes(c)
+        if c.block or c.mixed or len(axes) != 1:
+            _pin_chan(w, node, c, "weight norm of a tensor this rule cannot follow")
+        elif axes == {dim}:
+            scales = [s for s in g.chans if chan_axes(s) == {dim} and not s.mixed]
+            if len(scales) != 1:
+                _pin_chan(w, node, c, "weight norm whose scales this rule cannot follow")
+                continue
+            along = tuple(slice(None) if a == dim else 0 for a in range(rank))
+            w.c.tie(c.ids[along], scales[0].ids[along], node=node.name)
+            w.c.restrict(c.ids, NEUTRAL, "rows of a weight norm, each scaled to its own g", node.name)
+            chans.append(c)
+        else:
+            w.c.restrict(c.ids, ORTHOGONAL, "normalised by a weight norm", node.name)
+            chans.append(c)
+    for s in g.chans:
+        if chan_axes(s) != {dim}:
+            _pin_chan(w, node, s, "weight norm scale along an axis of size one")
+    return Value(chans=chans, shape=_shape_of(node))
+
+
 def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     """Sums and means over axes; with the spec's ``norm``, a vector norm over them, whose coordinates count as
     squared where its ``ord`` is 2 (orthogonal maps pass, as through a sum of squares) and which passes signed
@@ -1412,6 +1463,13 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     out_shape = _shape_of(node)
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
     out = _add_values(w, node, _operand(w, x), _operand(w, y), residual=False, out_shape=out_shape)
+    own = _condition_on_own_coordinate(w, node, cond_value, out.chans, out_shape)
+    if own is not None:  # where(x > 0, f(x), g(x)): a piecewise activation, permutations only
+        if not own.block:
+            w.c.restrict(own.ids, NEUTRAL, "chosen by a condition on the coordinate's own value", node.name)
+        return out
+    if cond_value is not None:
+        _pin_value(w, node, cond_value, "a condition that differs per coordinate")
     for c in out.chans:
         if cond_value is not None and not cond_value.chans and cond_value.data is None and cond_value.invariant \
                 and cond_value.classes is not None and not c.mixed:
@@ -1423,6 +1481,17 @@ def rule_where(w, node: fx.Node, spec) -> Value:
             for t in c.terms:
                 w.c.pin(t.ids, "selected per coordinate by a condition", node.name)
     return out
+
+
+def _condition_on_own_coordinate(w, node, cond: Value | None, chans: list[Chan], out_shape) -> Chan | None:
+    """The one chosen channel when the condition carries exactly its labels (computed elementwise from the same
+    coordinate: each output element is chosen by its own coordinate's value, whichever way coordinates move)."""
+    if cond is None or len(cond.chans) != 1 or len(chans) != 1:
+        return None
+    c, k = chans[0], w.resolve(cond.chans[0], node.name)
+    if c.mixed or k.mixed or c.block != k.block:
+        return None
+    return c if torch.equal(c.ids.expand(out_shape), k.ids.expand(out_shape)) else None
 
 
 _BAG_MAX = 2  # embedding_bag's ``mode``: 0 sum, 1 mean, 2 max
