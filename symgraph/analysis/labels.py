@@ -196,6 +196,11 @@ def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
     return torch.unique(rows, dim=0) if rows.shape[0] > 1 else rows
 
 
+def ids_along(ids: torch.Tensor, axis: int) -> torch.Tensor:
+    """The labels along ``axis`` (at index 0 of every other axis)."""
+    return ids[tuple(slice(None) if a == axis else 0 for a in range(ids.dim()))]
+
+
 def data_varies(value, axes: frozenset[int], out_shape) -> bool:
     """Whether a data operand varies along any of ``axes`` of the broadcast output (unknown data: yes)."""
     if value is None:

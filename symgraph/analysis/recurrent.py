@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .constraints import monomial
-from .labels import Chan, Value, chan_axes, concrete_shape
-
-NEUTRAL = monomial("one")
+from .contraction import NEUTRAL
+from .labels import Chan, Value, chan_axes, concrete_shape, ids_along
 
 
 def rule_recurrent(w, node: fx.Node, spec) -> list[Value]:
@@ -33,14 +31,15 @@ def rule_recurrent(w, node: fx.Node, spec) -> list[Value]:
     feature_axis = len(x.shape) - 1
     if any(c.block or c.mixed or chan_axes(c) != {feature_axis} for c in x.chans):
         return _pin_moved(w, node, "recurrent layer over an input whose channels are not its features")
-    if not all(_one_space_per_axis(w.value(p)) for p in params):
+    ids = [_ids_per_axis(w.value(p)) for p in params]
+    if any(i is None for i in ids):
         return _pin_moved(w, node, "recurrent layer whose weights are computed, not parameters read as they are")
     hidden_size = outputs[1][-1]
     units: list[torch.Tensor] = []  # one id vector per (layer, direction)
     for layer in range(layers):
         for direction in range(directions):
             first = (layer * directions + direction) * per_layer
-            weights = [_axis_ids(w, params[first + k]) for k in range(per_layer)]
+            weights = ids[first:first + per_layer]
             hidden = w.ids.allocate(hidden_size)  # the state's units, as an activation
             for rows in [weights[0][0], weights[1][0], *[b[0] for b in weights[2:]]]:
                 for gate in range(spec.gates):
@@ -49,7 +48,7 @@ def rule_recurrent(w, node: fx.Node, spec) -> list[Value]:
             inputs = weights[0][1]
             if layer == 0:
                 for c in x.chans:
-                    w.c.tie(c.ids[(0,) * feature_axis], inputs, dual=True, node=node.name)
+                    w.c.tie(ids_along(c.ids, feature_axis), inputs, dual=True, node=node.name)
             else:
                 previous = torch.cat(units[(layer - 1) * directions:layer * directions])
                 w.c.tie(previous, inputs, dual=True, node=node.name)
@@ -65,21 +64,12 @@ def rule_recurrent(w, node: fx.Node, spec) -> list[Value]:
     return values
 
 
-def _one_space_per_axis(v: Value | None) -> bool:
-    if v is None or v.shape is None or len(v.chans) != len(v.shape):
-        return False
-    axes = [chan_axes(c) for c in v.chans]
-    return all(not (c.block or c.mixed) for c in v.chans) and sorted(a for s in axes if len(s) == 1 for a in s) == \
-        list(range(len(v.shape)))
-
-
-def _axis_ids(w, param: fx.Node) -> dict[int, torch.Tensor]:
-    """The ids along each axis of a parameter: {axis: 1-D ids}."""
-    ids = {}
-    for c in w.value(param).chans:
-        (axis,) = chan_axes(c)
-        ids[axis] = c.ids[tuple(slice(None) if a == axis else 0 for a in range(c.ids.dim()))]
-    return ids
+def _ids_per_axis(v: Value | None) -> dict[int, torch.Tensor] | None:
+    """A parameter read as it is: one clean channel along each axis, as {axis: 1-D ids}; else None."""
+    if v is None or v.shape is None or any(c.block or c.mixed or len(chan_axes(c)) != 1 for c in v.chans):
+        return None
+    ids = {a: ids_along(c.ids, a) for c in v.chans for a in chan_axes(c)}
+    return ids if sorted(ids) == list(range(len(v.shape))) and len(v.chans) == len(v.shape) else None
 
 
 def _initial_state(w, node: fx.Node, hx, units: list[torch.Tensor]) -> None:

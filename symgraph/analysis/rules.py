@@ -14,14 +14,12 @@ from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .classes import blocks_kept_by
-from .contraction import Contraction, Operand, expand_ellipsis, matmul_pattern
+from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, unique_rows, varying_axes)
+                     dropped_ids, ids_along, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
-
-NEUTRAL = monomial("one")
 
 
 # -- movement ---------------------------------------------------------------------------------------------
@@ -771,7 +769,7 @@ def _channel_ids(weight: Value, axis: int) -> torch.Tensor | None:
     """The kernel's ids along ``axis`` (None when the axis has size 1 and so carries none)."""
     for c in weight.chans:
         if chan_axes(c) == {axis}:
-            return _along(c.ids, axis)
+            return ids_along(c.ids, axis)
     return None
 
 
@@ -779,17 +777,12 @@ def _input_channel_ids(w, node, chan: Chan) -> torch.Tensor | None:
     """The ids along channel axis 1 of a convolution, norm or pooling input. A channel that varies along any
     other axis (or a head block, a mix, channels partly made of data) has no per-channel meaning here: pinned."""
     chan = w.resolve(chan, node.name)
-    ids = _along(chan.ids, 1)
+    ids = ids_along(chan.ids, 1)
     if chan_axes(chan) != {1} or chan.block or chan.mixed or bool((ids < 0).any()):
         for t in chan.terms:
             w.c.pin(t.ids, "channel axis input that varies along other axes or is partly data", node.name)
         return None
     return ids
-
-
-def _along(ids: torch.Tensor, axis: int) -> torch.Tensor:
-    """The labels along ``axis`` (at index 0 of every other axis)."""
-    return ids[tuple(slice(None) if a == axis else 0 for a in range(ids.dim()))]
 
 
 def _pin_operands(w, node, values, why: str) -> Value:
@@ -1093,11 +1086,11 @@ def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape, ratio: bool = Fal
     if ca.block or cb.block:
         w.c.tie(ca.ids, cb.ids, node=node.name)
         return ca
-    if torch.equal(ca.ids, cb.ids) and ratio:  # x / f(x): coordinate-wise, no square
-        w.c.restrict(ca.ids, NEUTRAL, "divided by a value of the same coordinate", node.name)
-        return replace(ca, degree=1)
     if torch.equal(ca.ids, cb.ids):
-        return replace(ca, degree=2)
+        if not ratio:
+            return replace(ca, degree=2)
+        w.c.restrict(ca.ids, NEUTRAL, "divided by a value of the same coordinate", node.name)
+        return replace(ca, degree=1)  # x / f(x): coordinate-wise, no square
     weight = next((c for c in (ca, cb) if c.weight), None)
     if weight is not None and _holds_unit(w, node, [weight]):
         return cb if weight is ca else ca
@@ -1373,8 +1366,7 @@ def rule_weight_norm(w, node: fx.Node, spec) -> Value:
             if len(scales) != 1:
                 _pin_chan(w, node, c, "weight norm whose scales this rule cannot follow")
                 continue
-            along = tuple(slice(None) if a == dim else 0 for a in range(rank))
-            w.c.tie(c.ids[along], scales[0].ids[along], node=node.name)
+            w.c.tie(ids_along(c.ids, dim), ids_along(scales[0].ids, dim), node=node.name)
             w.c.restrict(c.ids, NEUTRAL, "rows of a weight norm, each scaled to its own g", node.name)
             chans.append(c)
         else:
@@ -1547,7 +1539,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
         c = w.resolve(c, node.name)
         if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
-            pointed = c.ids[tuple(slice(None) if a == dim else 0 for a in range(rank))]
+            pointed = ids_along(c.ids, dim)
         elif followable and not c.block and dim in chan_axes(c) and _disjoint_rows(c.ids, dim) is not None:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within rows of this axis", node.name)
             w.c.separate(_disjoint_rows(c.ids, dim), node.name)
@@ -1656,7 +1648,7 @@ def rule_gather(w, node: fx.Node, spec) -> Value:
     rank = len(x.shape)
     along = [c for c in x.chans if chan_axes(c) == {dim} and not c.mixed and not c.block]
     if len(x.chans) == 1 and along and torch.equal(
-            along[0].ids[tuple(slice(None) if a == dim else 0 for a in range(rank))], index.points_to):
+            ids_along(along[0].ids, dim), index.points_to):
         return Value(invariant=True, shape=_shape_of(node))
     return _pin_moved(w, node, "gathered by indices into a different axis")
 
@@ -1722,7 +1714,7 @@ def _entries_summed(w, node: fx.Node, index: Value | None, source: Value, dim: i
         if lay.mixed or lay.block or lay.degree != 1 or match is None or chan_axes(lay) - {0}:
             _pin_chan(w, node, lay, "indices laid out along coordinates that the added values do not follow")
             continue
-        along = match.ids[tuple(slice(None) if a == dim else 0 for a in range(match.ids.dim()))]
+        along = ids_along(match.ids, dim)
         w.c.tie(lay.ids.reshape(-1), along, node=node.name)
         for c in (lay, match):
             w.c.restrict(c.ids, NEUTRAL, "entries added in any order, moved with their indices", node.name)
