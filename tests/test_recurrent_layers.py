@@ -4,6 +4,8 @@ the recurrent weights' columns, the next layer's input columns, an encoder's fin
 fuzzed in float64 at two input shapes; what the rule does not describe (projections) pins."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch import nn
 import symgraph
 from symgraph.zoo import _perturb
 
+from cli_runner import run
 from group_checks import assert_fuzzed_at_two_shapes
 
 V, E, H = 30, 12, 10
@@ -91,3 +94,39 @@ def test_an_lstm_with_projections_pins_its_weights():
     subject = subject_of(RecurrentLM("lstm", proj_size=6))
     assert not unit_groups(subject)
     assert any(p.startswith("rnn.weight_hr") for pin in subject.report.pinned for p in pin.params)
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 12)
+        self.rnn = nn.LSTM(12, 10, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(20, 5)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.emb(ids))[0])
+
+
+def build():
+    torch.manual_seed(0)
+    return Tagger(), (torch.randint(0, 30, (2, 7)),)
+'''
+
+
+def test_the_cli_reports_and_fuzzes_an_lstm(tmp_path):
+    path = tmp_path / "tagger.py"
+    path.write_text(FACTORY)
+    res = run("report", f"{path}:build", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["summary"]["unknown_ops"] == {}
+    units = [g for g in data["groups"] if any("weight_hh" in m["param"] for m in g["members"])]
+    assert sorted((g["kind"], g["size"]) for g in units) == [("permutation", H)] * 4
+    fuzzed = run("fuzz", f"{path}:build", "--samples", "3", "--json", tmp_path / "f.json")
+    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
+    assert json.loads((tmp_path / "f.json").read_text())["ok"]
