@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["probe_inputs", "shape_summary"]
+__all__ = ["probe_inputs", "shape_summary", "shortest_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,25 @@ def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 
     accepts = accepts or (lambda inputs: _runs(model, inputs))
     variants = [_variant(accepts, original, changes, seed) for changes in (longer, shorter)]
     return [original] + [v for v in variants if v is not None]
+
+
+def shortest_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0, *,
+                    accepts: Callable[[Inputs], bool] | None = None) -> list[Inputs]:
+    """The inputs with every axis but the batch cut to length 1, and to length 2 (prefixes), for each that the
+    model accepts (sizes it rejects stay). Where the model's structure depends on a length affinely (a cut at a
+    fixed place beside activations of that length, a chunk in halves), what holds at one long and one short
+    probe may still fail at the shortest lengths, where the place crosses into learned tokens.
+
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    >>> [tuple(a[0].shape) for a, _ in shortest_inputs(mlp, (torch.randn(2, 7, 4),), {})]
+    [(2, 1, 4), (2, 2, 4)]
+    """
+    original = (tuple(args), dict(kwargs))
+    sizes = {n for t in _tensors(original) for n in t.shape[1:]}
+    accepts = accepts or (lambda inputs: _runs(model, inputs))
+    variants = [_variant(accepts, original, [_shrink_size(n, to=length) for n in sorted(sizes) if n > length], seed)
+                for length in (1, 2)]
+    return [v for v in variants if v is not None]
 
 
 def _variant(accepts: Callable[[Inputs], bool], original: Inputs, changes: list[Change], seed: int) -> Inputs | None:
@@ -128,12 +147,12 @@ def _shrink_batch(batch: int) -> Change:
     return change
 
 
-def _shrink_size(size: int) -> Change:
+def _shrink_size(size: int, to: int | None = None) -> Change:
     def shrunk(t):
         if isinstance(t, torch.Tensor):
             for axis in range(1, t.dim()):
                 if t.shape[axis] == size:
-                    t = t.narrow(axis, 0, size // 2 + 1)
+                    t = t.narrow(axis, 0, size // 2 + 1 if to is None else to)
         return t
 
     return lambda inputs, generator: tree_map(shrunk, inputs)

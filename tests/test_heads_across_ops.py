@@ -188,3 +188,64 @@ def test_heads_whose_queries_meet_per_head_data_are_not_permuted():
     assert "heads" not in {g.motif for g in subject.report.groups}
     assert "vo" in {g.motif for g in subject.report.groups}
     assert_fuzzed_at_two_shapes(subject)
+
+
+class TableRotaryLayers(nn.Module):
+    """RoFormer-style rotary: one cos/sin table, read from a parameter, rotates the queries and keys of every layer
+    (``mode="values_too"``: and the values, which every later layer averages with the first layer's, as above;
+    ``mode="head_zero_gate"``: the first layer's head 0 output scales every head's queries of the later layers)."""
+
+    def __init__(self, mode: str = "plain"):
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.table = nn.Parameter(torch.randn(32, HEAD_DIM))  # cos in the first half, sin in the second
+        self.attn = nn.ModuleList(Attention() for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def rotate(self, t):  # (b, heads, n, d)
+        half = HEAD_DIM // 2
+        cos, sin = (self.table[:t.shape[2], part].repeat_interleave(2, -1) for part in (slice(half), slice(half, None)))
+        return t * cos + torch.stack([-t[..., 1::2], t[..., 0::2]], -1).reshape_as(t) * sin
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        first_v = first_out = None
+        for attn in self.attn:
+            q, k, v = (attn.split(p(x)) for p in (attn.q, attn.k, attn.v))
+            q, k = self.rotate(q), self.rotate(k)
+            if self.mode == "values_too":
+                v = self.rotate(v)
+                first_v = v if first_v is None else first_v
+                v = 0.5 * (v + first_v)
+            if self.mode == "head_zero_gate" and first_out is not None:
+                q = q * first_out[:, :1]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            first_out = out if first_out is None else first_out
+            x = x + attn.o(out.transpose(1, 2).reshape(x.shape))
+        return self.head(x)
+
+
+def _moved_layers(group) -> set[str]:
+    return {m.param.split(".")[1] for m in group.members if m.param.startswith("attn.")}
+
+
+def test_a_rotary_table_every_layer_reads_leaves_each_layers_heads_their_own_permutation():
+    # the table's entries scale the same coordinate of every head of every layer and stay where they are when heads
+    # move; following them as links between attention ops joined all layers into one set that the head matching
+    # could not pair up, and RoFormer had no head group at all
+    subject = symgraph.load(noisy(TableRotaryLayers()), (torch.randint(0, VOCAB, (2, 7)),))
+    heads = [g for g in subject.report.groups if g.motif == "heads"]
+    assert sorted(_moved_layers(g).pop() for g in heads) == ["0", "1", "2"]
+    assert all(len(_moved_layers(g)) == 1 and g.size == HEADS for g in heads)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("mode", ["values_too", "head_zero_gate"])
+def test_layers_joined_by_data_as_well_as_a_rotary_table_are_not_permuted_apart(mode):
+    # guards: a value residual still ties the layers whose values it shares (no layer's heads move alone), and
+    # heads whose output another layer reads by index stay where they are
+    subject = symgraph.load(noisy(TableRotaryLayers(mode)), (torch.randint(0, VOCAB, (2, 7)),))
+    for group in (g for g in subject.report.groups if g.motif == "heads"):
+        assert "0" not in _moved_layers(group) or _moved_layers(group) == {"0", "1", "2"}
+    assert_fuzzed_at_two_shapes(subject)

@@ -206,6 +206,7 @@ class Piecewise(nn.Module):
         self.emb = nn.Embedding(V, D)
         self.up, self.gate, self.down = nn.Linear(D, FF), nn.Linear(D, FF), nn.Linear(FF, D)
         self.threshold = nn.Parameter(torch.randn(FF) * 0.1)
+        self.alpha = nn.Parameter(torch.tensor([0.8]))  # xIELU's learned coefficients: one number for every unit
         self.head = nn.Linear(D, V)
 
     def forward(self, ids):
@@ -213,6 +214,12 @@ class Piecewise(nn.Module):
         h = self.up(x)
         if self.kind == "leaky":
             u = torch.where(h > 0, h, 0.01 * h)
+        elif self.kind == "xielu":  # transformers' XIELUActivation (Apertus), its Python form
+            a = F.softplus(self.alpha)
+            negative = (torch.expm1(torch.min(h, torch.tensor(-1e-6))) - h) * a + 0.5 * h
+            u = torch.where(h > 0, a * h * h + 0.5 * h, negative)
+        elif self.kind == "gated":  # chosen by another unit's sign: the two must move together
+            u = torch.where(self.gate(x) > 0, h, 0.0)
         elif self.kind == "masked":
             u = h.masked_fill(h < 0, 0.0)
         elif self.kind == "threshold":  # the bound differs per unit: it would have to move with them
@@ -222,12 +229,17 @@ class Piecewise(nn.Module):
         return self.head(x + self.down(u))
 
 
-@pytest.mark.parametrize("kind", ["leaky", "masked"])
-def test_an_activation_chosen_by_its_own_value_keeps_its_unit_permutation(kind):
+@pytest.mark.parametrize("kind", ["leaky", "masked", "xielu", "gated"])
+def test_an_activation_chosen_by_a_units_value_keeps_its_unit_permutation(kind):
+    # xielu: the branches' products with a parameter give the chosen values labels of their own, and the condition
+    # was read as one on other coordinates, which pinned the units (Apertus had no FFN group); gated: the gate's
+    # units now move with the ones they choose
     subject = subject_of(Piecewise(kind))
     assert not subject.report.unknown_ops
     ffn = [g for g in subject.report.groups if g.motif == "ffn"]
     assert [(g.kind, g.size) for g in ffn] == [("permutation", FF)]
+    moved = {m.param for m in ffn[0].members if m.axis == 0}
+    assert {"up.weight"} <= moved and ("gate.weight" in moved) == (kind == "gated")
     assert_fuzzed_at_two_shapes(subject)
 
 

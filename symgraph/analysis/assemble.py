@@ -398,11 +398,26 @@ class Assembler:
         are permuted together. A class two attention ops read (the first layer's values added to every later
         layer's; keys and values one layer computes and another attends to) moves with the heads of both, so the
         heads of one may not be permuted without the other's."""
+        cls = self._link_classes()
         linked = []
         for heads in parts:
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
-            linked.append(set(heads) | {("class", int(c)) for c in np.unique(self.cls[ids])})
+            linked.append(set(heads) | {("class", int(c)) for c in np.unique(cls[ids])})
         return linked
+
+    def _link_classes(self) -> np.ndarray:
+        """Classes through which one op's head coordinates reach another's: every tie but the elementwise products
+        with a factor entry that scales several coordinates. Such a factor (a RoPE table read from a parameter, a
+        weight shared by every head) stays where it is when heads move (``_attach_shared_factors``), so it carries
+        nothing from one op's heads to another's; followed, it would join every layer that reads it (RoFormer's
+        sinusoidal table: no head group at all)."""
+        ties = []
+        for a, b, dual, product in self.c.ties:
+            if product:
+                own = _own_factors(b)
+                a, b = a[own], b[own]
+            ties.append((a, b, dual, product))
+        return parity_classes(self.n, ties)[0]
 
     def _product_factor_components(self):
         """Map ids to every id that moves with them when a head moves.
@@ -417,8 +432,7 @@ class Assembler:
         edges, shared = [], []
         for a, b, dual, product in self.c.ties:
             if product:  # (output, factor) pairs: a factor entry that scales several outputs is resolved later
-                factors, count = np.unique(b, return_counts=True)
-                own = np.isin(b, factors[count == 1])
+                own = _own_factors(b)
                 edges.append((a[own], b[own]))
                 shared.append((a[~own], b[~own]))
             elif not dual:
@@ -619,6 +633,12 @@ def _class_sets(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         code[which] = fresh + inv.reshape(-1)
         fresh += int(inv.max()) + 1
     return classes, code
+
+
+def _own_factors(factors: np.ndarray) -> np.ndarray:
+    """Which (output, factor) pairs of a product tie have a factor entry that scales that one output only."""
+    unique, count = np.unique(factors, return_counts=True)
+    return np.isin(factors, unique[count == 1])
 
 
 def _first_with_same_content(content: dict[int, set[int]]) -> dict[int, int]:

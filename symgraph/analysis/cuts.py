@@ -8,7 +8,9 @@ at every length. Which one a model does is read from the probe traces
 (:meth:`~symgraph.analysis.selections.Selections.why_differs`): the movement ops that lead to the cut are replayed
 there on *origin* tensors (which element of which tensor outside those ops each position came from; a tensor's
 elements are told apart only along the axes its labels vary along, so an activation's rows are one origin), and
-the labels the cut keeps at every probe shape must be the ones it keeps at the traced shape.
+the labels the cut keeps at every probe shape, and at the shortest lengths the model takes (1 and 2: a chunk in
+halves of ``cat([x, tokens])`` keeps every token in its second half until ``x`` is shorter than the tokens), must be
+the ones it keeps at the traced shape, piece by piece for a split.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def beside_unlabelled(chan: Chan, axis: int, rank: int) -> bool:
 
 def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
     """None when movement op ``node`` keeps the same labels of ``chans`` (channels of its first operand) in the
-    graph traced at every probe shape; otherwise the reason."""
+    graph traced at every probe shape and at the shortest lengths; otherwise the reason."""
     offsets: dict[str, int] = {}
     traced = _Origins(w, w.data, lambda n: n, offsets)
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
@@ -64,7 +66,7 @@ def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
             return "it keeps other labelled positions"
         return None
 
-    return selections.why_differs(node, differs)
+    return selections.why_differs(node, differs, shortest=True)
 
 
 class _Lookup:
@@ -75,10 +77,13 @@ class _Lookup:
         self.origins, self.ids = pairs[0].contiguous(), pairs[1]
         self.conflicting = bool((self.origins[1:] == self.origins[:-1]).any())
 
-    def kept(self, kept) -> frozenset[int] | None:
-        """The labels at origins ``kept`` (a tensor, or the list a split returns); None when one is unknown."""
-        flat = torch.cat([k.reshape(-1) for k in kept]) if isinstance(kept, (list, tuple)) else kept.reshape(-1)
-        flat = torch.unique(flat)
+    def kept(self, kept) -> frozenset[int] | tuple | None:
+        """The labels at origins ``kept`` (a tensor), or per piece of the list a split returns (a chunk in halves
+        keeps every label, but in which half each is depends on the length); None when one is unknown."""
+        if isinstance(kept, (list, tuple)):
+            pieces = tuple(self.kept(k) for k in kept)
+            return None if any(p is None for p in pieces) else pieces
+        flat = torch.unique(kept.reshape(-1))
         if not len(self.origins):
             return None if len(flat) else frozenset()
         at = torch.searchsorted(self.origins, flat).clamp(max=len(self.origins) - 1)

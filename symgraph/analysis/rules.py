@@ -1476,14 +1476,23 @@ def rule_where(w, node: fx.Node, spec) -> Value:
 
 
 def _condition_on_own_coordinate(w, node, cond: Value | None, chans: list[Chan], out_shape) -> Chan | None:
-    """The one chosen channel when the condition carries exactly its labels (computed elementwise from the same
-    coordinate: each output element is chosen by its own coordinate's value, whichever way coordinates move)."""
+    """The one chosen channel when the condition carries one channel along the same axes (computed elementwise
+    from a coordinate: each output element is chosen by that coordinate's value, whichever way coordinates move).
+    The two are tied: the same labels already (``where(h > 0, h, 0.01 * h)``), or labels the branches' products
+    renamed (xIELU: ``where(h > 0, a * h * h + b * h, ...)`` with a parameter ``a``), or another coordinate that
+    must then move with the chosen one."""
     if cond is None or len(cond.chans) != 1 or len(chans) != 1:
         return None
     c, k = chans[0], w.resolve(cond.chans[0], node.name)
     if c.mixed or k.mixed or c.block != k.block:
         return None
-    return c if torch.equal(c.ids.expand(out_shape), k.ids.expand(out_shape)) else None
+    chosen, condition = c.ids.expand(out_shape), k.ids.expand(out_shape)
+    if torch.equal(chosen, condition):
+        return c
+    if c.block or chan_axes(c) != chan_axes(k) or bool((chosen < 0).any() or (condition < 0).any()):
+        return None
+    w.c.tie(chosen, condition, node=node.name)
+    return c
 
 
 _BAG_MAX = 2  # embedding_bag's ``mode``: 0 sum, 1 mean, 2 max

@@ -27,7 +27,7 @@ from torch import fx
 
 from ..capture import Capture, capture, data_values
 from ..errors import CaptureError
-from ..probes import probe_inputs, shape_summary
+from ..probes import probe_inputs, shape_summary, shortest_inputs
 
 _BY_PROGRAM: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -65,6 +65,7 @@ class Selections:
         self.model, self.args, self.kwargs = cap.model, cap.args, cap.kwargs
         self.from_inputs = _input_dependent(cap)
         self._probes: list | None = None
+        self._shortest: list | None = None
         self._traces: dict[str, Trace | None] = {}
 
     def why_not_fixed(self, node: fx.Node, indices: list[fx.Node], axes: frozenset[int]) -> str | None:
@@ -82,10 +83,11 @@ class Selections:
 
         return self.why_differs(node, differs)
 
-    def why_differs(self, node: fx.Node, differs) -> str | None:
+    def why_differs(self, node: fx.Node, differs, shortest: bool = False) -> str | None:
         """``None`` when ``node`` is in the graph traced at every probe shape and ``differs(other, probe)`` (that
-        node there, and that trace) finds nothing; otherwise the reason, with the input shape it was found at."""
-        probes = self.probes()
+        node there, and that trace) finds nothing; otherwise the reason, with the input shape it was found at.
+        ``shortest``: at the shortest lengths the model takes as well (:func:`~symgraph.probes.shortest_inputs`)."""
+        probes = self.probes() + (self.shortest() if shortest else [])
         if not probes:
             return "the model takes no other input shape to compare them at"
         for inputs in probes:  # traced one at a time: the first difference ends the search
@@ -118,10 +120,19 @@ class Selections:
         once. A model on the meta device (a config-only or shallow copy) cannot run: a shape it takes is one it
         can be traced at."""
         if self._probes is None:
-            on_meta = any(p.device.type == "meta" for p in self.model.parameters())
-            accepts = (lambda inputs: self._trace(inputs) is not None) if on_meta else None
-            self._probes = probe_inputs(self.model, self.args, self.kwargs, padding=False, accepts=accepts)[1:]
+            self._probes = probe_inputs(self.model, self.args, self.kwargs, padding=False,
+                                        accepts=self._accepts())[1:]
         return self._probes
+
+    def shortest(self) -> list:
+        """The inputs cut to lengths 1 and 2 that the model takes (found once; traced only when asked for)."""
+        if self._shortest is None:
+            self._shortest = shortest_inputs(self.model, self.args, self.kwargs, accepts=self._accepts())
+        return self._shortest
+
+    def _accepts(self):
+        on_meta = any(p.device.type == "meta" for p in self.model.parameters())
+        return (lambda inputs: self._trace(inputs) is not None) if on_meta else None
 
     def _trace(self, inputs) -> Trace | None:
         """The trace at ``inputs``' shapes (made once per shape: the indices compared depend on no input value),
