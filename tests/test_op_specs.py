@@ -173,6 +173,7 @@ EXAMPLES = {
     "aten.baddbmm.default": lambda h, m: A.baddbmm.default(m.v2, h, m.w.expand(h.shape[0], D, D)),
     "aten.einsum.default": lambda h, m: A.einsum.default("btd,ed->bte", [h, m.w]),
     "aten.clamp_min.default": lambda h, m: A.clamp_min.default(h, -0.2),
+    "aten.clamp.Tensor": lambda h, m: A.clamp.Tensor(h, torch.tensor(-0.5), torch.tensor(0.5)),
     "aten.clamp_max.default": lambda h, m: A.clamp_max.default(h, 0.3),
     "aten.linalg_vector_norm.default": lambda h, m: h / A.linalg_vector_norm.default(h, 2, [-1], True),
     "aten.var.dim": lambda h, m: (h - h.mean(-1, keepdim=True)) / (A.var.dim(h, [-1], False, True) + 1e-5).sqrt(),

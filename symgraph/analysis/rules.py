@@ -503,7 +503,7 @@ def _bounded_by_varying_tensor(w, node: fx.Node, x: Value) -> bool:
     an axis where ``x`` carries one: permuting x's coordinates would need it permuted too."""
     out_shape = _shape_of(node)
     axes = frozenset().union(*(chan_axes(c) for c in x.chans)) if x.chans else frozenset()
-    for a in node.args[1:]:
+    for a in (*node.args[1:], *node.kwargs.values()):
         t = w.value(a) if isinstance(a, fx.Node) else None
         if t is None:
             continue
