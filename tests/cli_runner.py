@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,6 +27,21 @@ def run(*args) -> Result:
         except SystemExit as exc:
             code = exc.code or 0
     return Result(code, out.getvalue(), err.getvalue())
+
+
+def report_json(target) -> dict:
+    """``symgraph report TARGET --format json`` (a factory ``file.py:function``), which must succeed, parsed."""
+    res = run("report", target, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def assert_fuzzed(target, tmp_path: Path, samples: int = 3) -> None:
+    """``symgraph fuzz TARGET --json``: exit 0 and every group invariant."""
+    out = tmp_path / "fuzz.json"
+    res = run("fuzz", target, "--samples", samples, "--json", out)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(out.read_text())["ok"]
 
 
 def tree_digest(folder: Path) -> str:

@@ -135,15 +135,11 @@ def cnn():
 
 
 def test_cli_reports_and_fuzzes_a_cnn_with_batch_norm_and_depthwise_conv(tmp_path):
-    import json
-
-    from cli_runner import run
+    from cli_runner import report_json, run
 
     factory = tmp_path / "cnn.py"
     factory.write_text(CNN_FACTORY)
-    res = run("report", f"{factory}:cnn", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    report = report_json(f"{factory}:cnn")
     members = {m["param"] for g in report["groups"] for m in g["members"]}
     assert {"1.running_mean", "1.running_var", "4.weight", "5.running_mean"} <= members
     assert not report["summary"]["unknown_ops"]

@@ -10,14 +10,13 @@ from the heads' own rows (a per-head q/k norm, Qwen3), must not.
 from __future__ import annotations
 
 import inspect
-import json
 
 import pytest
 import torch
 
 import symgraph
 
-from cli_runner import run
+from cli_runner import assert_fuzzed, report_json
 from group_checks import assert_fuzzed_at_two_shapes
 
 HEADS, WIDTH = 4, 16
@@ -112,10 +111,6 @@ def test_cli_report_and_fuzz_leave_the_heads_of_a_residual_gate_in_place(tmp_pat
     factory.write_text(f"import torch\n\nHEADS, WIDTH = {HEADS}, {WIDTH}\n\n\n{inspect.getsource(GatedBiasAttention)}"
                        "\n\ndef gated():\n    torch.manual_seed(0)\n"
                        "    return GatedBiasAttention('mul', 'residual').eval(), (torch.randn(2, 5, WIDTH),)\n")
-    res = run("report", f"{factory}:gated", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    motifs = [g["motif"] for g in json.loads(res.stdout)["groups"]]
+    motifs = [g["motif"] for g in report_json(f"{factory}:gated")["groups"]]
     assert "vo" in motifs and "heads" not in motifs, motifs
-    fuzzed = run("fuzz", f"{factory}:gated", "--samples", "3", "--json", tmp_path / "f.json")
-    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
-    assert json.loads((tmp_path / "f.json").read_text())["ok"]
+    assert_fuzzed(f"{factory}:gated", tmp_path)

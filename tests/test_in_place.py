@@ -2,8 +2,6 @@
 pinned otherwise; clamps keep sign flips only between opposite bounds."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,7 @@ from symgraph.api import check_transformed
 from symgraph.elements import apply, sample
 from symgraph.zoo import _perturb
 
-from cli_runner import run
+from cli_runner import assert_fuzzed, report_json
 from group_checks import assert_fuzzed_at_two_shapes, census
 from test_config_variants import tiny
 
@@ -240,10 +238,6 @@ def filled():
 def test_cli_reports_and_fuzzes_in_place_models(factory, kind, tmp_path):
     path = tmp_path / "in_place_factories.py"
     path.write_text(FACTORY)
-    res = run("report", f"{path}:{factory}", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = report_json(f"{path}:{factory}")
     assert not data["summary"]["unknown_ops"] and kind in {g["kind"] for g in data["groups"]}
-    fuzzed = run("fuzz", f"{path}:{factory}", "--samples", "3", "--json", tmp_path / "f.json")
-    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
-    assert json.loads((tmp_path / "f.json").read_text())["ok"]
+    assert_fuzzed(f"{path}:{factory}", tmp_path)

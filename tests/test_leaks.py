@@ -5,8 +5,6 @@ independently of the analysis: every reported group, sampled at random, must lea
 at input lengths other than the traced one."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ from symgraph.elements import apply, sample
 from symgraph.fuzz import fuzz
 from symgraph.verify import Evaluator
 
-from cli_runner import run
+from cli_runner import assert_fuzzed, report_json
 
 BASE = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, vocab_size=60,
             pad_token_id=0, eos_token_id=1, bos_token_id=2, max_position_embeddings=64)
@@ -291,16 +289,12 @@ def factory(tmp_path):
 
 
 def test_cli_reports_values_per_head_after_an_unknown_score_op(factory, tmp_path):
-    res = run("report", f"{factory}:clamped", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = report_json(f"{factory}:clamped")
     assert data["summary"]["unknown_ops"] == {"aten.asinh.default": 1}
     value_groups = [g for g in data["groups"] if any(m["param"] == "v.weight" for m in g["members"])]
     assert [(g["motif"], g["size"], g["copies"]) for g in value_groups] == [("vo", 4, 4)]
     assert not any(g["motif"] == "heads" for g in data["groups"])  # the unknown op pins the heads' order
-    fuzzed = run("fuzz", f"{factory}:clamped", "--samples", "5", "--json", tmp_path / "f.json")
-    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
-    assert json.loads((tmp_path / "f.json").read_text())["ok"]
+    assert_fuzzed(f"{factory}:clamped", tmp_path, samples=5)
 
 
 @pytest.mark.parametrize("name", ["clamped", "sub_layer_norm", "qk_layer_norm", "empty_piece"])

@@ -3,8 +3,6 @@ permutation within each routing group (analysis/classes.py); scores ranked withi
 (groups, experts per group) view) keep it within the groups too."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from torch import nn
 import symgraph
 from symgraph.verify import Evaluator
 
-from cli_runner import run
+from cli_runner import assert_fuzzed, report_json
 from group_checks import assert_fuzzed_at_two_shapes, census
 from test_config_variants import tiny
 
@@ -158,11 +156,7 @@ def routed():
 def test_cli_reports_and_fuzzes_group_limited_routing(tmp_path):
     path = tmp_path / "routing_factories.py"
     path.write_text(FACTORY)
-    res = run("report", f"{path}:routed", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    groups = json.loads(res.stdout)["groups"]
+    groups = report_json(f"{path}:routed")["groups"]
     assert [(g["kind"], g["size"]) for g in groups if any(m["param"] == "router.weight" for m in g["members"])] \
         == [("permutation", 4)]
-    fuzzed = run("fuzz", f"{path}:routed", "--samples", "3", "--json", tmp_path / "f.json")
-    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
-    assert json.loads((tmp_path / "f.json").read_text())["ok"]
+    assert_fuzzed(f"{path}:routed", tmp_path)

@@ -4,8 +4,6 @@ the recurrent weights' columns, the next layer's input columns, an encoder's fin
 fuzzed in float64 at two input shapes; what the rule does not describe (projections) pins."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -13,7 +11,7 @@ from torch import nn
 import symgraph
 from symgraph.zoo import _perturb
 
-from cli_runner import run
+from cli_runner import assert_fuzzed, report_json
 from group_checks import assert_fuzzed_at_two_shapes
 
 V, E, H = 30, 12, 10
@@ -121,12 +119,8 @@ def build():
 def test_the_cli_reports_and_fuzzes_an_lstm(tmp_path):
     path = tmp_path / "tagger.py"
     path.write_text(FACTORY)
-    res = run("report", f"{path}:build", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = report_json(f"{path}:build")
     assert data["summary"]["unknown_ops"] == {}
     units = [g for g in data["groups"] if any("weight_hh" in m["param"] for m in g["members"])]
     assert sorted((g["kind"], g["size"]) for g in units) == [("permutation", H)] * 4
-    fuzzed = run("fuzz", f"{path}:build", "--samples", "3", "--json", tmp_path / "f.json")
-    assert fuzzed.returncode == 0, fuzzed.stdout + fuzzed.stderr
-    assert json.loads((tmp_path / "f.json").read_text())["ok"]
+    assert_fuzzed(f"{path}:build", tmp_path)
