@@ -1,6 +1,6 @@
 """What checking at several input shapes costs: the float64 check and the fuzz of tiny zoo models, with the probe
-variants (``symgraph.probes``: the traced shape, a grown and a shrunk one) and without them (the traced shape
-only), back to back in one process. Prints one JSON object to stdout.
+variants (``symgraph.probes``: the traced shape, a grown and a shrunk one, lengths 1 and 2) and without them (the
+traced shape only), back to back in one process. Prints one JSON object to stdout.
 
 Per family: ``probes`` (the shapes checked), ``check_ms`` (one ``Evaluator.check`` of a transformed state, best
 of ``--repeats``), ``setup_s`` (building the evaluator: the float64 copy, and with probes, the forward passes that

@@ -72,9 +72,9 @@ class Subject:
             notes = ("captured with meta parameters: no weight memory was allocated",) if self.config_only else ()
             if not self.config_only:  # meta weights cannot run; a config's model has no shape branches we know of
                 from .branches import check_traced_paths
-                from .probes import probe_inputs
+                from .probes import every_probe
 
-                check_traced_paths(self.capture, probe_inputs(self.model, self.args, self.kwargs))
+                check_traced_paths(self.capture, every_probe(self.model, self.args, self.kwargs))
             repeats = None if self.full_depth else analyse_by_repeats(self)
             analysis = repeats or analyse_capture(self.capture, free_outputs=self.free_outputs)
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)

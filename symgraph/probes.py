@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["probe_inputs", "shape_summary", "shortest_inputs"]
+__all__ = ["every_probe", "probe_inputs", "shape_summary", "shortest_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,13 @@ def shortest_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int
     variants = [_variant(accepts, original, [_shrink_size(n, to=length) for n in sorted(sizes) if n > length], seed)
                 for length in (1, 2)]
     return [v for v in variants if v is not None]
+
+
+def every_probe(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[Inputs]:
+    """The inputs every float64 check and the branch check run at: :func:`probe_inputs`, then
+    :func:`shortest_inputs` (a fast path for one token, or a cut that crosses into learned tokens, shows only
+    there)."""
+    return probe_inputs(model, args, kwargs) + shortest_inputs(model, args, kwargs)
 
 
 def _variant(accepts: Callable[[Inputs], bool], original: Inputs, changes: list[Change], seed: int) -> Inputs | None:
@@ -185,7 +192,8 @@ def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> 
 
 def _runs(model, inputs: Inputs) -> bool:
     """Whether the model takes ``inputs`` and gives some finite output: entries masked with -inf are compared as
-    a pattern (:func:`symgraph.verify.relative_change`), but outputs with no finite value can check nothing."""
+    a pattern (:func:`symgraph.verify.relative_change`), but outputs with no finite value, or no value at all,
+    can check nothing."""
     args, kwargs = inputs
     try:
         with torch.no_grad():
@@ -194,8 +202,8 @@ def _runs(model, inputs: Inputs) -> bool:
         log.debug("probe shape rejected by %s: %s", type(model).__name__, exc)
         return False
     leaves = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
-    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return all(bool(t.isfinite().any()) for t in floats if t.numel())
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return bool(floats) and all(bool(t.isfinite().any()) for t in floats)  # all empty (length 1 split off): none
 
 
 def _parameters(model) -> set[str]:

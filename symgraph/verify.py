@@ -2,10 +2,11 @@
 
 Models are evaluated in float64 with ``torch.func.functional_call`` on a float64 copy, so nothing the caller holds
 is modified. Every check runs the example inputs and variants of other shapes (a grown one: larger batch, longer
-sequences, a padding mask; a shrunk one: batch size 1, shorter sequences; :func:`symgraph.probes.probe_inputs`),
-because the graph was traced at one shape only. The relative error ``||f(g.theta) - f(theta)|| / ||f(theta)||``
-is compared with a tolerance that reflects the dtype actually computed (HF RMSNorm and eager softmax upcast to
-fp32 internally).
+sequences, a padding mask; a shrunk one: batch size 1, shorter sequences) and the shortest lengths the model
+takes, 1 and 2 (a one-token fast path, or a cut at a fixed place that crosses into learned tokens, shows only
+there; :func:`symgraph.probes.every_probe`), because the graph was traced at one shape only. The relative error
+``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that reflects the dtype actually computed
+(HF RMSNorm and eager softmax upcast to fp32 internally).
 """
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, shapes: bool = True,
                  free_outputs: tuple = ()):
-        from .probes import probe_inputs, shape_summary
+        from .probes import every_probe, shape_summary
 
         self.free_outputs = tuple(free_outputs or ())
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
         with float64_default():
-            self.probes = probe_inputs(self.model, args, kwargs) if shapes else [(args, kwargs)]
+            self.probes = every_probe(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
         self.references, self.tolerance = self._references(model)

@@ -140,4 +140,4 @@ def test_grouped_conv_groups_survive_random_elements(seed):
     assert census(subject) == {"ffn signed_permutation 2x1": 1, "ffn signed_permutation 2x4": 1}
     elements = symgraph.sample_elements(subject.report, seed=seed)
     evaluator = Evaluator(subject.model, subject.args)
-    assert len(evaluator.probes) == 3 and evaluator.check(apply(subject.state_dict(), elements)).ok
+    assert len(evaluator.probes) == 5 and evaluator.check(apply(subject.state_dict(), elements)).ok

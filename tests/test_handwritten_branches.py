@@ -54,6 +54,25 @@ def test_a_branch_no_probe_takes_does_not_stop_the_report():
     assert any(g.motif == "ffn" for g in report.groups)
 
 
+class OneTokenPath(torch.nn.Module):
+    """A decode-style fast path: ``single`` runs only for sequences of length 1, which no probe of the traced
+    length 7 reaches but the shortest probe does."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.single, self.head = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x):
+        if x.shape[1] == 1:
+            x = x + self.single(x)
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def test_a_branch_for_one_token_only_is_refused():
+    with pytest.raises(CaptureError, match=r"1x8.*single\.bias, single\.weight.*never reads"):
+        symgraph.analyze(OneTokenPath(), inputs=(torch.randn(2, 7, WIDTH),))
+
+
 def test_the_command_line_says_what_to_do():
     out = run("report", f"{__file__}:make_long_only")
     assert out.returncode == 2

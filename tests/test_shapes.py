@@ -94,36 +94,42 @@ def test_fuzz_catches_a_group_that_only_breaks_longer_inputs():
     model, inputs = sliced_positions()
     result = fuzz(symgraph.load(model, inputs), groups=[rows_group("positions", range(5, 16))], samples=3)
     assert not result.ok and result.failures[0].group_id == "trap"
-    assert result.shapes == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8"]
+    # 2x1x1: a feature width of 1 broadcasts against the table, so the model takes it
+    assert result.shapes == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8", "arg0 2x1x1", "arg0 2x2x8"]
 
 
 class ShortAndSingleRowPaths(nn.Module):
     """Takes another path for short inputs and for a single row (as padding-free or unbatched fast paths do): the
-    traced (2, 5) shape runs neither ``short`` nor ``single``; each probe variant runs one of them."""
+    traced (2, 5) shape runs none of ``short``, ``shortest`` and ``single``; each probe variant runs one of them
+    (the decode path of a language model, taken for one token only, is the ``shortest`` kind)."""
 
     def __init__(self):
         super().__init__()
-        self.long, self.short, self.single = nn.Linear(8, 3), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.long, self.short, self.shortest, self.single = (nn.Linear(8, 3) for _ in range(4))
 
     def forward(self, x):
         if x.shape[0] == 1:
             return self.single(x)
+        if x.shape[1] == 1:
+            return self.shortest(x)
         return self.long(x) if x.shape[1] >= 5 else self.short(x)
 
 
-@pytest.mark.parametrize("param,catching_probe", [("single.weight", 1), ("short.weight", 2)])
-def test_a_group_on_a_path_only_small_inputs_take_is_caught(param, catching_probe):
-    """A group on weights the traced shape never reads: invisible there, caught by the probe that reads them
-    (batch size 1, or a shorter input with more than one row)."""
+@pytest.mark.parametrize("param,catching_probes", [("single.weight", [1]), ("short.weight", [2, 4]),
+                                                   ("shortest.weight", [3])])
+def test_a_group_on_a_path_only_small_inputs_take_is_caught(param, catching_probes):
+    """A group on weights the traced shape never reads: invisible there, caught by the probes that read them
+    (batch size 1, a shorter input with more than one row, a length of 1)."""
     torch.manual_seed(0)
     model, inputs = ShortAndSingleRowPaths().eval(), (torch.randn(2, 5, 8),)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     moved = apply(state, [sample(rows_group(param, range(3)), np.random.default_rng(0))])
     evaluator = Evaluator(model, inputs)
-    assert [tuple(a[0].shape) for a, _ in evaluator.probes] == [(2, 5, 8), (1, 13, 8), (3, 3, 8)]
+    assert [tuple(a[0].shape) for a, _ in evaluator.probes] == [(2, 5, 8), (1, 13, 8), (3, 3, 8), (2, 1, 8),
+                                                                 (2, 2, 8)]
     errors = [float((out - ref).norm() / ref.norm()) for out, ref in zip(evaluator.outputs(moved),
                                                                          evaluator.references)]
-    assert [i for i, e in enumerate(errors) if e > 1e-3] == [catching_probe] and errors[0] == 0.0
+    assert [i for i, e in enumerate(errors) if e > 1e-3] == catching_probes and errors[0] == 0.0
     assert not evaluator.check(moved).ok
     result = fuzz(symgraph.load(model, inputs), groups=[rows_group(param, range(3))], samples=3)
     assert not result.ok and result.failures[0].group_id == "trap"
@@ -159,7 +165,8 @@ def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
     assert axis_groups(whisper.report, table, 0) == []
     assert any(table in p.params and unread_at_this_shape(p.reason) for p in whisper.report.pinned)
     evaluator = Evaluator(whisper.model, whisper.args, whisper.kwargs)
-    assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (1, 17), (3, 4)]
+    assert [tuple(kw["decoder_input_ids"].shape) for _, kw in evaluator.probes] == [(2, 7), (1, 17), (3, 4), (2, 1),
+                                                                                   (2, 2)]
     moved = apply(whisper.state_dict(), [sample(rows_group(table, range(7, 64)), np.random.default_rng(0))])
     assert not evaluator.check(moved).ok
 
@@ -167,7 +174,7 @@ def test_whisper_decoder_positions_beyond_the_probe_are_pinned(whisper):
 def test_whisper_groups_are_invariant_at_every_probe_shape(whisper):
     result = fuzz(whisper, samples=3)
     assert result.ok, [v.counterexample for v in result.failures]
-    assert len(result.shapes) == 3 and {v.motif for v in result.verdicts} >= {"qk", "vo", "ffn", "heads"}
+    assert len(result.shapes) == 5 and {v.motif for v in result.verdicts} >= {"qk", "vo", "ffn", "heads"}
 
 
 def test_probe_inputs_grow_batch_and_length_and_pad_token_models(zoo_subject):
@@ -197,8 +204,9 @@ def test_fuzz_cli_reports_the_probe_shapes(tmp_path):
                        + "\n".join(_source(SlicedPositions, sliced_positions)))
     res = run("fuzz", f"{factory}:sliced_positions", "--samples", "2", "--json", tmp_path / "f.json")
     assert res.returncode == 0, res.stderr
-    assert "input shapes: arg0 2x5x8 | arg0 1x13x8 | arg0 3x3x8" in res.stdout
-    assert json.loads((tmp_path / "f.json").read_text())["shapes"] == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8"]
+    assert "input shapes: arg0 2x5x8 | arg0 1x13x8 | arg0 3x3x8 | arg0 2x1x1 | arg0 2x2x8" in res.stdout
+    assert json.loads((tmp_path / "f.json").read_text())["shapes"] == ["arg0 2x5x8", "arg0 1x13x8", "arg0 3x3x8",
+                                                                      "arg0 2x1x1", "arg0 2x2x8"]
 
 
 def _source(*objects) -> list[str]:
@@ -269,5 +277,5 @@ def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
     spec.loader.exec_module(bench)
     bench.main(["--families", "torch-relu-mlp", "--samples", "2", "--repeats", "1"])
     result = json.loads(capsys.readouterr().out)["torch-relu-mlp"]
-    assert len(result["one_shape"]["probes"]) == 1 and len(result["every_shape"]["probes"]) == 3
+    assert len(result["one_shape"]["probes"]) == 1 and len(result["every_shape"]["probes"]) == 5
     assert result["every_shape"]["all_invariant"] and result["ratio"]["check_ms"] > 0
