@@ -5,11 +5,11 @@ heads, experts, vocabulary, image and patch size, ...), the model is built with 
 parameter gets noise so no norm weight is 1 and no bias 0. symgraph then reports the model from its own example
 inputs, and each reported group is checked *independently of symgraph's verification*: random elements
 (``symgraph.elements.sample``, never the identity) are applied, and the float64 outputs are compared with the
-original's at input shapes other than the traced one (batch 1 and 3, lengths 5, 11 and 19, a padding mask where
-``forward`` takes one), with transformers' own reference experts loop for mixtures of experts. The model runs in
-float64 throughout (its own float32 casts kept in float64 where it computes alike that way), and a group fails
-when it changes the outputs by more than 10^4 times the model's floor (the change one rounding of every state
-entry makes; at most 1e-5, at least 1e-12). ``symgraph.transform`` runs too, so a group the report lists but the
+original's at input shapes other than the traced one (batch 1, 2 and 3, lengths 1, 2, 5, 11 and 19, a padding
+mask where ``forward`` takes one), with transformers' own reference experts loop for mixtures of experts. The model
+runs in float64 throughout (its own float32 casts kept in float64 where it computes alike that way), and a group
+fails when it changes the outputs by more than 10^4 times the model's floor (the change one rounding of every
+state entry makes; at most 1e-5, at least 1e-12). ``symgraph.transform`` runs too, so a group the report lists but the
 transform's own check refuses shows up.
 
 Each type runs in its own subprocess with a time limit. Classes:
@@ -386,7 +386,9 @@ SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start
                   "cls_token_id", "mask_token_id", "unk_token_id")
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
          "AutoModelForImageClassification", "AutoModelForAudioClassification", "AutoModel")
-SHAPES = ((1, 5, False), (3, 11, True), (1, 19, False))  # (batch, length, padding mask): none is the traced (2, 7)
+# (batch, length, padding mask): none is the traced (2, 7); lengths 1 and 2 catch one-token paths and cuts that
+# cross into learned tokens only there
+SHAPES = ((1, 5, False), (3, 11, True), (1, 19, False), (2, 1, False), (2, 2, False))
 DRAWS = 2  # random elements per group, none the identity
 TOLERANCE = 1e-5  # relative; float64 end to end gives ~1e-15, HF's fp32 upcasts ~1e-7, a wrong group >= 1e-3
 # Each model is checked against its own floor (Checker._floor: the output change of a one-rounding move of every

@@ -60,6 +60,7 @@ class MovementSpec(_Equivariant):
     concatenates: bool = False  # pieces joined along `dim`: pieces carrying the same coordinates are tied
     broadcasts: bool = False  # repeats the input along axes where it has size 1 (expand): values constant there
     cuts: bool = False  # keeps part of the input along `dim` (slice, select, split): checked at other input shapes
+    regroups: bool = False  # may split an axis into rows of positions (reshape, unfold): checked at other shapes
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
 
     @field_validator("replay_as")

@@ -4,7 +4,8 @@ Strategies are plural nouns that return values composable with ``.map`` / ``.fla
 
 * :func:`group_elements` - elements of one :class:`~symgraph.groups.Group`, including edge cases (near the
   identity, extreme scale ratios, reflections where the group has them). Every element is built from a seed and
-  a few magnitudes, so hypothesis shrinks a counterexample towards the identity.
+  a few magnitudes, so hypothesis shrinks a counterexample towards the identity (a permutation towards one swap:
+  a permutation is never the identity, which would check nothing).
 * :func:`element_lists` - one element per group of a report.
 * :func:`equivalent_variants` - state dicts that compute exactly what a model computes.
 * :func:`architectures` - names of the tiny model families in :mod:`symgraph.zoo`.
@@ -142,7 +143,7 @@ def _rotary(group: Group):
 def _monomial(group: Group):
     @st.composite
     def draw(draw_):
-        seed, swaps = draw_(_SEEDS), draw_(st.integers(0, max(1, 2 * group.size)))
+        seed, swaps = draw_(_SEEDS), draw_(st.integers(1, max(1, 2 * group.size)))
         rng = np.random.default_rng(seed)
         perm = np.stack([_swapped(group.size, swaps, rng) for _ in range(group.copies)])
         diag = draw_(_diagonals(group, rng))
@@ -198,8 +199,14 @@ def _reflection(n: int, rng) -> np.ndarray:
 
 
 def _swapped(n: int, swaps: int, rng) -> np.ndarray:
+    """A product of ``swaps`` random transpositions, never the identity where ``n > 1``: an even number of swaps
+    can undo itself, and a permutation of two coordinates would then be the identity half the time (a check of
+    nothing; the fewest swaps, one, is where shrinking ends)."""
     perm = np.arange(n)
     for _ in range(swaps if n > 1 else 0):
+        i, j = rng.choice(n, size=2, replace=False)
+        perm[[i, j]] = perm[[j, i]]
+    if n > 1 and np.array_equal(perm, np.arange(n)):
         i, j = rng.choice(n, size=2, replace=False)
         perm[[i, j]] = perm[[j, i]]
     return perm

@@ -3,8 +3,9 @@
 ``torch.cat([x, tokens], 1)[:, 4:]`` keeps every token when ``x`` has 4 or more rows and cuts token 0 away when it
 has 3: the tokens' place along the axis moves with the input's length, so a slice at fixed bounds keeps other
 tokens at another length. The analysis emitted a permutation of the 3 tokens (fuzz, float64: relative error
-5.0e-1 to 6.6e-1 at length 3, by seed). Tokens first and cut ``[:, :3]``, or last and cut ``[:, -3:]``, keep exactly the tokens at
-every length, and keep their permutation.
+5.0e-1 to 6.6e-1 at length 3, by seed). Tokens first and cut ``[:, :3]``, or last and cut ``[:, -3:]``, keep
+exactly the tokens at every length, and keep their permutation. A reshape of that axis into pairs or windows is
+checked the same way: which tokens share a pair must not change with the length.
 """
 from __future__ import annotations
 
@@ -123,3 +124,42 @@ def test_a_cut_that_moves_only_at_the_shortest_lengths_pins_the_token_axis(model
     assert not _token_groups(subject)
     assert _worst_change(subject, model, [1, 2, 3, 4, 5, 13]) < 1e-12
     assert any(g.motif == "ffn" for g in subject.report.groups)
+
+
+class PairedTokens(CutTokens):
+    """The tokens beside the activations, every two positions summed (a reshape into pairs, or unfold into windows
+    of two, either dropping an odd last position): a sum of two tokens is the same in either order, so a
+    permutation of the tokens that share a pair looked free. Which tokens share a pair moves with the length when
+    they come last (tokens 1 and 2 at an odd length of activations, tokens 0 and 1 at an even one), not when they
+    come first (tokens 0 and 1 always)."""
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        tokens = self.tokens.expand(x.shape[0], -1, -1)
+        both = torch.cat([tokens, x] if self.tokens_first else [x, tokens], 1)
+        if self.cut == "unfold":
+            pairs = both.unfold(1, 2, 2).sum(-1)
+        else:
+            pairs = both[:, : both.shape[1] // 2 * 2].unflatten(1, (-1, 2)).sum(2)
+        return self.head(torch.relu(self.mix(pairs)).mean(1))
+
+
+@pytest.mark.parametrize("windows", ["unfold", "unflatten"])
+def test_a_reshape_that_pairs_other_tokens_at_another_length_pins_them(windows):
+    # traced at length 5, tokens 1 and 2 share a pair; at length 4 tokens 0 and 1 do, and swapping 1 and 2 changed
+    # the outputs by 0.2-0.3 at every even length (float64); fuzz drew only the identity of that pair at 3 samples
+    model = noisy(PairedTokens(tokens_first=False, cut=windows))
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert not _token_groups(subject)
+    assert _worst_change(subject, model, [1, 2, 3, 4, 5, 6, 13]) < 1e-12
+    assert any(g.motif == "ffn" for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("windows", ["unfold", "unflatten"])
+def test_a_reshape_that_pairs_the_same_tokens_at_every_length_keeps_their_permutation(windows):
+    model = noisy(PairedTokens(tokens_first=True, cut=windows))
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", 2)]
+    assert _worst_change(subject, model, [1, 2, 3, 4, 5, 6, 13]) < 1e-12
+    assert_fuzzed_at_two_shapes(subject)

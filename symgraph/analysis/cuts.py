@@ -1,4 +1,5 @@
-"""Cuts (slice, select, narrow, split) of an axis where labelled positions sit beside unlabelled ones.
+"""Cuts (slice, select, narrow, split) and regroupings (a reshape that splits the axis, unfold) of an axis where
+labelled positions sit beside unlabelled ones.
 
 ``torch.cat([x, tokens], 1)[:, 4:]`` of activations ``x`` of run-time length ``n`` and three learned tokens keeps
 every token at ``n >= 4`` and cuts token 0 away at ``n = 3``: the positions of the tokens along the axis move with
@@ -10,7 +11,8 @@ there on *origin* tensors (which element of which tensor outside those ops each 
 elements are told apart only along the axes its labels vary along, so an activation's rows are one origin), and
 the labels the cut keeps at every probe shape, and at the shortest lengths the model takes (1 and 2: a chunk in
 halves of ``cat([x, tokens])`` keeps every token in its second half until ``x`` is shorter than the tokens), must be
-the ones it keeps at the traced shape, piece by piece for a split.
+the ones it keeps at the traced shape, piece by piece for a split. A reshape that splits such an axis into rows
+(pairs, windows) must likewise put the same labels in one row, at the same places, at every shape.
 """
 from __future__ import annotations
 
@@ -43,6 +45,21 @@ def beside_unlabelled(chan: Chan, axis: int, rank: int) -> bool:
 def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
     """None when movement op ``node`` keeps the same labels of ``chans`` (channels of its first operand) in the
     graph traced at every probe shape and at the shortest lengths; otherwise the reason."""
+    return _why_positions_move(w, node, chans, _Lookup.kept, "it keeps other labelled positions")
+
+
+def why_regroup_moves(w, node: fx.Node, chans: list[Chan], outer: int, inner: tuple[int, ...]) -> str | None:
+    """None when reshape ``node``, which splits an axis into output axes ``outer`` and ``inner`` (pairs of
+    positions, windows), groups the labels of ``chans`` alike in the graph traced at every probe shape and at the
+    shortest lengths: ``cat([x, tokens], 1).unflatten(1, (-1, 2))`` pairs tokens 1 and 2 when ``x`` has an odd
+    length and tokens 0 and 1 when it has an even one; otherwise the reason."""
+    return _why_positions_move(w, node, chans, lambda lookup, kept: lookup.arrangement(kept, outer, inner),
+                               "it groups other labelled positions together")
+
+
+def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str) -> str | None:
+    """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same in every
+    probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
     offsets: dict[str, int] = {}
     traced = _Origins(w, w.data, lambda n: n, offsets)
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
@@ -51,7 +68,7 @@ def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
     lookups = [_Lookup(source, t.ids) for c in chans for t in c.terms]
     if any(lk.conflicting for lk in lookups):
         return "one position carries two labels"
-    expected = [lk.kept(kept) for lk in lookups]
+    expected = [seen(lk, kept) for lk in lookups]
     selections = selections_of(w.cap)
 
     def differs(other: fx.Node, probe: Trace) -> str | None:
@@ -59,11 +76,11 @@ def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
         found = origins.of(other)
         if found is None:
             return "the positions it keeps cannot be replayed"
-        theirs = [lk.kept(found) for lk in lookups]
+        theirs = [seen(lk, found) for lk in lookups]
         if any(t is None for t in theirs):
             return "it keeps positions that the traced shape does not have there"
         if theirs != expected:
-            return "it keeps other labelled positions"
+            return change
         return None
 
     return selections.why_differs(node, differs, shortest=True)
@@ -86,10 +103,32 @@ class _Lookup:
         flat = torch.unique(kept.reshape(-1))
         if not len(self.origins):
             return None if len(flat) else frozenset()
-        at = torch.searchsorted(self.origins, flat).clamp(max=len(self.origins) - 1)
-        if not bool((self.origins[at] == flat).all()):
+        labels = self.labels(flat)
+        return None if labels is None else frozenset(int(i) for i in labels if i != NO_ID)
+
+    def labels(self, origins: torch.Tensor) -> torch.Tensor | None:
+        """The label at each of ``origins`` (same shape); None when one is unknown."""
+        if not len(self.origins):
             return None
-        return frozenset(int(i) for i in self.ids[at] if i != NO_ID)
+        at = torch.searchsorted(self.origins, origins.contiguous()).clamp(max=len(self.origins) - 1)
+        return self.ids[at] if bool((self.origins[at] == origins).all()) else None
+
+    def arrangement(self, kept, outer: int, inner: tuple[int, ...]) -> frozenset | None:
+        """Which labels share a position along output axis ``outer``, and where each sits along ``inner``: a set
+        of rows, each the (label, position along ``inner``) pairs at one position along ``outer`` (unordered:
+        the rows themselves shift with the input's length); None when a label is unknown."""
+        labels = self.labels(kept) if isinstance(kept, torch.Tensor) else None
+        if labels is None:
+            return None
+        rest = [a for a in range(labels.dim()) if a != outer and a not in inner]
+        grid = labels.permute(outer, *inner, *rest)
+        grid = grid.reshape(*grid.shape[:1 + len(inner)], -1)
+        where = (grid != NO_ID).nonzero()
+        entries = torch.unique(torch.cat([where[:, :-1], grid[tuple(where.T)][:, None]], 1), dim=0).tolist()
+        rows: dict[int, set] = {}
+        for row, *place, label in entries:
+            rows.setdefault(row, set()).add((label, tuple(place)))
+        return frozenset(frozenset(r) for r in rows.values())
 
 
 class _Origins:

@@ -15,7 +15,7 @@ from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
 from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
-from .cuts import beside_unlabelled, moved_operands, why_cut_moves
+from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
                      dropped_ids, ids_along, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
@@ -49,6 +49,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     guessed = _axes_chosen_by_unknown_indices(w, node)
     if spec.cuts:
         _pin_moving_cut(w, node, tensors[0])
+    if spec.regroups:
+        _pin_moving_regroup(w, node, tensors[0])
     results = []
     for j in range(n_chans):
         moved = [c for v in tensors if (c := _slot(v, j, slots)) is not None]
@@ -85,6 +87,48 @@ def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
     why = why_cut_moves(w, node, chans) if chans else None
     for c in chans if why is not None else ():
         _pin_chan(w, node, c, f"cut where labelled positions may move with the input shape ({why})")
+
+
+def _pin_moving_regroup(w, node: fx.Node, x: Value | None) -> None:
+    """Pin the channels of ``x`` that label positions beside unlabelled ones along an axis ``node`` splits into
+    rows (a reshape into pairs or windows, unfold), unless the same labels share a row, at the same places, at
+    every probe shape (analysis/cuts.py: ``cat([x, tokens], 1).unflatten(1, (-1, 2))`` pairs other tokens when
+    the length of ``x`` changes parity)."""
+    out_shape = _shape_of(node)
+    if x is None or x.shape is None or out_shape is None:
+        return
+    for axis, outer, inner in _split_axes(node, tuple(x.shape), out_shape):
+        chans = [c for c in x.chans if beside_unlabelled(c, axis, len(x.shape))]
+        why = why_regroup_moves(w, node, chans, outer, inner) if chans else None
+        for c in chans if why is not None else ():
+            _pin_chan(w, node, c, f"split into rows where labelled positions may move with the input shape ({why})")
+
+
+def _split_axes(node: fx.Node, in_shape: tuple, out_shape: tuple) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(input axis, outer output axis, inner output axes)`` for each input axis that ``node`` splits into more
+    than one output axis of size above 1: unfold's windows (the dimension, and the window axis it appends), or a
+    reshape's runs of axes with equal products (an axis merged and split at once counts as split)."""
+    if node.target == aten_op("aten.unfold.default"):
+        dim = node.args[1] % max(len(in_shape), 1)
+        return [(dim, dim, (len(out_shape) - 1,))]
+    splits, i, j = [], 0, 0
+    while i < len(in_shape) and j < len(out_shape):
+        ins, outs, p, q = [i], [j], in_shape[i], out_shape[j]
+        while p != q and p and q:
+            if p < q and i + 1 < len(in_shape):
+                i += 1
+                ins.append(i)
+                p *= in_shape[i]
+            elif j + 1 < len(out_shape):
+                j += 1
+                outs.append(j)
+                q *= out_shape[j]
+            else:
+                break
+        i, j = i + 1, j + 1
+        rows = [o for o in outs if out_shape[o] > 1]
+        splits += [(a, rows[0], tuple(rows[1:])) for a in ins if in_shape[a] > 1] if len(rows) > 1 else []
+    return splits
 
 
 def repeated_axes(node: fx.Node, spec, x: Value | None) -> frozenset[int]:
