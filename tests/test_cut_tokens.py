@@ -163,3 +163,23 @@ def test_a_reshape_that_pairs_the_same_tokens_at_every_length_keeps_their_permut
     assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", 2)]
     assert _worst_change(subject, model, [1, 2, 3, 4, 5, 6, 13]) < 1e-12
     assert_fuzzed_at_two_shapes(subject)
+
+
+class TokensThroughFlatBatch(CutTokens):
+    """The tokens after the activations, batch and token axes flattened and viewed back (as mixtures of experts
+    route ``hidden.view(-1, d)``): the view splits the flat axis into batch and tokens, each batch row holds every
+    token, and where a token sits along the token axis moves with the length as it did before the reshape."""
+
+    def forward(self, patches):
+        x = self.embed(patches)
+        both = torch.cat([x, self.tokens.expand(x.shape[0], -1, -1)], 1)
+        back = both.reshape(-1, WIDTH).view(both.shape[0], -1, WIDTH)
+        return self.head(torch.relu(self.mix(back)).mean(1))
+
+
+def test_a_view_back_from_flattened_batch_and_tokens_keeps_the_token_permutation():
+    model = noisy(TokensThroughFlatBatch(tokens_first=False, cut=None))
+    subject = symgraph.load(model, (torch.randn(2, 5, PATCH),))
+    assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", TOKENS)]
+    assert _worst_change(subject, model, [1, 2, 3, 4, 5, 6, 13]) < 1e-12
+    assert_fuzzed_at_two_shapes(subject)

@@ -54,12 +54,26 @@ def why_regroup_moves(w, node: fx.Node, chans: list[Chan], outer: int, inner: tu
     shortest lengths: ``cat([x, tokens], 1).unflatten(1, (-1, 2))`` pairs tokens 1 and 2 when ``x`` has an odd
     length and tokens 0 and 1 when it has an even one; otherwise the reason."""
     return _why_positions_move(w, node, chans, lambda lookup, kept: lookup.arrangement(kept, outer, inner),
-                               "it groups other labelled positions together")
+                               "it groups other labelled positions together", _same_arrangement)
 
 
-def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str) -> str | None:
-    """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same in every
-    probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
+def _same_arrangement(a: tuple, b: tuple) -> bool:
+    """Whether two :meth:`_Lookup.arrangement` results group the labels alike. Places along an inner axis count
+    only where it has the same size in both: an inner axis whose size follows the input's length (``(B * n, D)``
+    viewed back as ``(B, n, D)``) is the labelled axis itself, and where a token sits along it moves with ``n``
+    before any reshape (cuts along it are checked as cuts)."""
+    (sizes_a, rows_a), (sizes_b, rows_b) = a, b
+    fixed = [k for k, (m, n) in enumerate(zip(sizes_a, sizes_b)) if m == n]
+
+    def rows(found):
+        return frozenset(frozenset((label, tuple(place[k] for k in fixed)) for label, place in r) for r in found)
+
+    return len(sizes_a) == len(sizes_b) and rows(rows_a) == rows(rows_b)
+
+
+def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, same=operator.eq) -> str | None:
+    """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same (``same``)
+    in every probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
     offsets: dict[str, int] = {}
     traced = _Origins(w, w.data, lambda n: n, offsets)
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
@@ -79,7 +93,7 @@ def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str) 
         theirs = [seen(lk, found) for lk in lookups]
         if any(t is None for t in theirs):
             return "it keeps positions that the traced shape does not have there"
-        if theirs != expected:
+        if not all(same(t, e) for t, e in zip(theirs, expected)):
             return change
         return None
 
@@ -113,10 +127,11 @@ class _Lookup:
         at = torch.searchsorted(self.origins, origins.contiguous()).clamp(max=len(self.origins) - 1)
         return self.ids[at] if bool((self.origins[at] == origins).all()) else None
 
-    def arrangement(self, kept, outer: int, inner: tuple[int, ...]) -> frozenset | None:
-        """Which labels share a position along output axis ``outer``, and where each sits along ``inner``: a set
-        of rows, each the (label, position along ``inner``) pairs at one position along ``outer`` (unordered:
-        the rows themselves shift with the input's length); None when a label is unknown."""
+    def arrangement(self, kept, outer: int, inner: tuple[int, ...]) -> tuple | None:
+        """Which labels share a position along output axis ``outer``, and where each sits along ``inner``: the
+        sizes of ``inner``, and a set of rows, each the (label, position along ``inner``) pairs at one position
+        along ``outer`` (unordered: the rows themselves shift with the input's length); None when a label is
+        unknown."""
         labels = self.labels(kept) if isinstance(kept, torch.Tensor) else None
         if labels is None:
             return None
@@ -128,7 +143,7 @@ class _Lookup:
         rows: dict[int, set] = {}
         for row, *place, label in entries:
             rows.setdefault(row, set()).add((label, tuple(place)))
-        return frozenset(frozenset(r) for r in rows.values())
+        return tuple(labels.shape[a] for a in inner), frozenset(frozenset(r) for r in rows.values())
 
 
 class _Origins:
