@@ -183,3 +183,27 @@ def test_a_view_back_from_flattened_batch_and_tokens_keeps_the_token_permutation
     assert [(g.kind, g.size) for g in _token_groups(subject)] == [("permutation", TOKENS)]
     assert _worst_change(subject, model, [1, 2, 3, 4, 5, 6, 13]) < 1e-12
     assert_fuzzed_at_two_shapes(subject)
+
+
+class CutAtValue(nn.Module):
+    """A cut at bounds computed from values (``.item()``: torch.export knows them only at run time): the hidden
+    unit that the argmax of a learned vector picks, read beside the usual output."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.pick = nn.Linear(PATCH, WIDTH), nn.Linear(WIDTH, 3), nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, patches):
+        h = torch.relu(self.up(patches))
+        unit = self.pick.argmax().item()
+        return self.down(h).mean(1) + h[..., unit:unit + 1].mean(1)
+
+
+def test_a_cut_at_bounds_known_only_at_run_time_pins_what_it_picks():
+    # the analysis failed on this graph (AnalysisError: a stand-in for the bounds cut the labels to nothing); the
+    # cut picks its unit by values, like indices of unknown values, so the hidden units are pinned
+    subject = symgraph.load(noisy(CutAtValue()), (torch.randn(2, 5, PATCH),))
+    assert not any(m.param == "up.weight" and m.axis == 0 for g in subject.report.groups for m in g.members)
+    assert any("indices that depend on the weights" in p.reason and "up.weight" in p.params
+               for p in subject.report.pinned)
+    assert_fuzzed_at_two_shapes(subject)

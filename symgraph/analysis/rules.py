@@ -35,7 +35,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                      constant_axes=repeated_axes(node, spec, moved[0]))
     if any(v is not None and v.points_to is not None for v in moved):
         return _pin_moved(w, node, "indices moved together with other tensors")
-    if _indexed_by_unknown(w, node):
+    if _indexed_by_unknown(w, node) or (spec.cuts and _cut_at_run_time(node)):
         return _pick_unknown_rows(w, node)
     for a in index_operands(node, "movement"):  # known indices laid out along coordinates: not followed here
         _pin_value(w, node, w.value(a), "indices laid out along coordinates, read by an op that does not follow them")
@@ -233,6 +233,25 @@ def _counted_at_run_time(node: fx.Node) -> bool:
     input picks other positions, and as many of them as it likes, so they are as unknown as routed rows."""
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val.shape))
+
+
+def _cut_at_run_time(node: fx.Node) -> bool:
+    """A cut into one tensor at bounds torch.export knows only at run time (``h[..., i:i + 1]`` with ``i`` from
+    ``argmax().item()``): which positions it keeps depends on values, as with indices of unknown values."""
+    return isinstance(node.meta.get("val"), torch.Tensor) and any(map(_unbacked, _operand_nodes(node)))
+
+
+def _operand_nodes(node: fx.Node) -> list[fx.Node]:
+    """The graph nodes among ``node``'s arguments after the first (indices, bounds, sizes)."""
+    found: list[fx.Node] = []
+    fx.node.map_aggregate((node.args[1:], node.kwargs), lambda a: found.append(a) if isinstance(a, fx.Node) else a)
+    return found
+
+
+def _unbacked(a: fx.Node) -> bool:
+    """A scalar whose value torch.export knows only at run time (computed from tensor values by ``.item()``)."""
+    val = a.meta.get("val")
+    return isinstance(val, torch.SymInt) and bool(free_unbacked_symbols(val))
 
 
 def _integer(a: fx.Node) -> bool:
@@ -449,14 +468,15 @@ def _replay(w, node: fx.Node, spec, pick):
 def _axes_chosen_by_unknown_indices(w, node: fx.Node) -> frozenset[int]:
     """Input axes whose positions an integer index tensor with unknown values selects (``dim`` of gather and
     index_select, the indexed leading axes of ``index.Tensor``); empty when every index is known data and picks
-    as many positions at every input (see :func:`_counted_at_run_time`)."""
-    unknown = []
+    as many positions at every input (see :func:`_counted_at_run_time`); for a cut, ``dim`` when its bounds are
+    known only at run time (a view's run-time sizes are routed rows, along which labels do not vary)."""
+    unknown, cut = [], getattr(w.spec(node), "cuts", False)
 
     def visit(a):
         if isinstance(a, fx.Node) and a not in moved_operands(node):
             val, v = a.meta.get("val"), w.value(a)
             if isinstance(val, torch.Tensor) and not val.is_floating_point() and (
-                    v is None or v.data is None or _counted_at_run_time(node)):
+                    v is None or v.data is None or _counted_at_run_time(node)) or (cut and _unbacked(a)):
                 unknown.append(a)
         return a
 
