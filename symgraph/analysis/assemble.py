@@ -88,9 +88,9 @@ class Assembler:
         cls_is_head[self.cls[self.is_block]] = True
         space = self._spaces(cls_is_head)
         key = space.copy()
-        key = _refine(self._refine_by_separations(key), self._passing_signatures())
-        restriction = self._class_restrictions()
         role = self._rotary_roles()
+        key = _refine(self._refine_by_separations(key, role["kind"] > 0), self._passing_signatures())
+        restriction = self._class_restrictions()
         excluded = cls_pinned | cls_is_head | (space < 0)
         separated = key
         key = _refine(_refine(separated, restriction.code), role["kind"])
@@ -149,16 +149,20 @@ class Assembler:
         comp[cls_is_head] = -1
         return comp
 
-    def _refine_by_separations(self, key: np.ndarray) -> np.ndarray:
-        """Give the classes of each separated row a key of their own; untouched classes keep theirs.
+    def _refine_by_separations(self, key: np.ndarray, rotary: np.ndarray) -> np.ndarray:
+        """Give the classes of each separated row a key of their own; untouched classes keep theirs. Pieces
+        joined after different ops (``self.c.pieces``) leave rotary classes (``rotary``) alone: rotate_half's
+        halves are paired coordinates, which the rotary roles keep apart as pairs.
 
         Costs O(classes touched) per separation, so it scales with the model rather than with layers x model.
         """
         key = key.copy()
         fresh = int(key.max()) + 1 if len(key) else 0
-        for rows, _node in self.c.separates:
-            classes, part = _row_partition(self.cls[rows])
+        for rows, _node in self.c.separates + self.c.pieces:
+            classes, part = _row_partition([self.cls[r] for r in rows] if isinstance(rows, list) else self.cls[rows])
             live = key[classes] >= 0
+            if isinstance(rows, list):
+                live &= ~rotary[classes]
             classes, part = classes[live], part[live]
             _, new = np.unique(np.stack([key[classes], part], 1), axis=0, return_inverse=True)
             key[classes] = fresh + new.reshape(-1)
@@ -390,8 +394,21 @@ class Assembler:
                 continue
             if any(s & set(heads) and not s >= set(heads) for s in sharing):
                 continue  # a factor shared by some of these heads only would have to stay and move at once
+            if self._split_by_pieces(heads, content):
+                continue  # some heads went through other ops than the rest (rotary on half of them)
             groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint]))
         return groups
+
+    def _split_by_pieces(self, heads: list[int], content) -> bool:
+        """Whether the pieces of one tensor that different ops joined again (``self.c.pieces``) put these heads'
+        rows in different pieces: a head permutation would move a head into the other ops."""
+        for pieces, _node in self.c.pieces:
+            owner = {int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
+            seen = {frozenset(owner.get(int(c)) for c in np.unique(self.cls[np.fromiter(content[h], dtype=np.int64)]))
+                    - {None} for h in heads}
+            if len(seen) > 1:  # (every head in every piece, as rotate_half's halves of each head, moves alike)
+                return True
+        return False
 
     def _with_content_classes(self, parts: list[set[int]], content) -> list[set]:
         """Each part's heads with the coordinate classes they use (as ``("class", c)``): parts that share a class
@@ -613,10 +630,14 @@ def _refine(key: np.ndarray, sub: np.ndarray) -> np.ndarray:
     return out
 
 
-def _row_partition(cls_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(classes, block label) for the classes in ``cls_rows``: classes in the same set of rows share a block.
-    A class in several rows (a key shared by every query head) is a block of its own, and the rest of each row
-    stays apart from the other rows, so every row remains an invariant subspace."""
+def _row_partition(cls_rows) -> tuple[np.ndarray, np.ndarray]:
+    """(classes, block label) for the classes in ``cls_rows`` (an array of rows, or a list of rows of any
+    lengths): classes in the same set of rows share a block. A class in several rows (a key shared by every query
+    head) is a block of its own, and the rest of each row stays apart from the other rows, so every row remains
+    an invariant subspace."""
+    if isinstance(cls_rows, list):
+        return _class_sets(np.concatenate([np.stack([r.reshape(-1), np.full(r.size, k)], 1)
+                                           for k, r in enumerate(cls_rows)]))
     rows = np.broadcast_to(np.arange(len(cls_rows))[:, None], cls_rows.shape)
     return _class_sets(np.stack([cls_rows.reshape(-1), rows.reshape(-1)], 1))
 

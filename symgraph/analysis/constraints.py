@@ -98,6 +98,9 @@ class Constraints:
     # their permutation; each factor keeps its own scale)
     restricts: list[tuple[np.ndarray, Restriction, str, str, bool]] = field(default_factory=list)
     separates: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (R, K) rows that may not mix
+    # ids of the pieces of one tensor, cut apart and joined again after different ops: no piece's coordinates
+    # (or heads) may mix with another's (see rules._separate_unlike_pieces)
+    pieces: list[tuple[list[np.ndarray], str]] = field(default_factory=list)
     # (ids, matrix key): ids multiplied by one matrix or summed by one contraction; coordinates whose sets of keys
     # differ may not mix (see Constraints.passes_through)
     passes: list[tuple[np.ndarray, str]] = field(default_factory=list)
@@ -141,6 +144,11 @@ class Constraints:
         rows = _np(rows)
         if rows.ndim == 2 and rows.shape[0] > 1:
             self.separates.append((rows, node))
+
+    def separate_pieces(self, pieces: list, node: str) -> None:
+        pieces = [p for p in (_ids(p) for p in pieces) if p.size]
+        if len(pieces) > 1:
+            self.pieces.append((pieces, node))
 
     def passes_through(self, ids, node: str) -> None:
         """``ids`` pass through ``node``, a matrix (a contraction multiplies passing coordinates by its other

@@ -6,6 +6,7 @@ import itertools
 import operator
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -43,6 +44,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
             return joined
+        _separate_unlike_pieces(w, node)
     tensors = [w.value(a) for a in moved_operands(node)]
     slots = _channel_slots(tensors, len(_node_shape(node) or ()))
     n_chans = max(len(order) for order in slots.values())
@@ -201,6 +203,62 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _separate_unlike_pieces(w, node: fx.Node) -> None:
+    """Pieces of one tensor cut apart along a coordinate axis and joined again by ``node`` after different ops
+    (``cat([h[..., :8] * 2, h[..., 8:]])``, rotary on some heads only) hold coordinates that no permutation may
+    mix: a unit moved into the other piece would meet the other ops. Each op that treats a whole piece alike (a
+    scalar factor) is equivariant there, so nothing else tells the pieces apart. Pieces computed by the same ops
+    from their cuts are left alone."""
+    pieces = moved_operands(node)
+    dim = schema_arg(node, "dim")
+    values = [w.value(p) for p in pieces]
+    if len(pieces) < 2 or any(v is None or v.shape is None for v in values):
+        return
+    dim %= len(values[0].shape)
+    memo: dict = {}
+    shapes = [_piece_shape(w, p, memo) for p in pieces]
+    cut_from = [set(s[1]) for s in shapes]
+    if len({s[0] for s in shapes}) == 1 or not set.intersection(*cut_from):
+        return  # the same ops on every piece, or pieces that are not cut from one tensor
+    ids = [np.unique(np.concatenate([collapse(t.ids).reshape(-1).numpy() for c in v.chans for t in c.terms
+                                     if dim in chan_axes(c)] or [np.zeros(0, np.int64)])) for v in values]
+    w.c.separate_pieces([i[i >= 0] for i in ids], node.name)
+
+
+_PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
+
+
+def _piece_shape(w, node: fx.Node, memo: dict, depth: int = 0) -> tuple:
+    """(structure, cut sources): the ops that compute ``node`` back to the cuts it reads, with their constant
+    arguments and every other input by name, the bounds of each cut left out; and the tensors cut."""
+    if node in memo:
+        return memo[node]
+    if depth > _PIECE_DEPTH:
+        return (("deep", node.name), ())
+    base = node.args[0] if node.target is operator.getitem else None
+    target = base if isinstance(base, fx.Node) else node
+    spec = w.spec(target) if target.op == "call_function" else None
+    if getattr(spec, "cuts", False) and isinstance(target.args[0], fx.Node):
+        result = (("cut", target.args[0].name), (target.args[0].name,))
+    elif node.op != "call_function":
+        result = (("leaf", node.name), ())
+    else:
+        sources: list[str] = []
+
+        def shape_of(a):
+            if isinstance(a, fx.Node):
+                structure, cut = _piece_shape(w, a, memo, depth + 1)
+                sources.extend(cut)
+                return structure
+            return a
+
+        structure = (str(node.target), repr(fx.node.map_aggregate(node.args, shape_of)),
+                     repr(fx.node.map_aggregate(node.kwargs, shape_of)))
+        result = (structure, tuple(sources))
+    memo[node] = result
+    return result
 
 
 def _empty_piece(shape: tuple, dim: int) -> bool:
