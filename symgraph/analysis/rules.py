@@ -217,10 +217,9 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
     if len(pieces) < 2 or any(v is None or v.shape is None for v in values):
         return
     dim %= len(values[0].shape)
-    memo: dict = {}
-    shapes = [_piece_shape(w, p, memo) for p in pieces]
-    cut_from = [set(s[1]) for s in shapes]
-    if len({s[0] for s in shapes}) == 1 or not set.intersection(*cut_from):
+    memo, numbers = {}, {}
+    shapes = [_piece_shape(w, p, memo, numbers) for p in pieces]
+    if len({s[0] for s in shapes}) == 1 or not frozenset.intersection(*(s[1] for s in shapes)):
         return  # the same ops on every piece, or pieces that are not cut from one tensor
     ids = [np.unique(np.concatenate([collapse(t.ids).reshape(-1).numpy() for c in v.chans for t in c.terms
                                      if dim in chan_axes(c)] or [np.zeros(0, np.int64)])) for v in values]
@@ -230,35 +229,37 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
 
 
-def _piece_shape(w, node: fx.Node, memo: dict, depth: int = 0) -> tuple:
-    """(structure, cut sources): the ops that compute ``node`` back to the cuts it reads, with their constant
-    arguments and every other input by name, the bounds of each cut left out; and the tensors cut."""
+def _piece_shape(w, node: fx.Node, memo: dict, numbers: dict, depth: int = 0) -> tuple[int, frozenset]:
+    """(structure, cut sources): a number for the ops that compute ``node`` back to the cuts it reads, with their
+    constant arguments and every other input by name, the bounds of each cut left out (equal numbers, equal
+    computations: each distinct structure is numbered once in ``numbers``, and each node visited once in
+    ``memo``, so shared inputs cost nothing twice); and the names of the tensors cut."""
     if node in memo:
         return memo[node]
-    if depth > _PIECE_DEPTH:
-        return (("deep", node.name), ())
     base = node.args[0] if node.target is operator.getitem else None
     target = base if isinstance(base, fx.Node) else node
     spec = w.spec(target) if target.op == "call_function" else None
-    if getattr(spec, "cuts", False) and isinstance(target.args[0], fx.Node):
-        result = (("cut", target.args[0].name), (target.args[0].name,))
+    if depth > _PIECE_DEPTH:
+        structure, sources = ("deep", node.name), frozenset()
+    elif getattr(spec, "cuts", False) and isinstance(target.args[0], fx.Node):
+        structure, sources = ("cut", target.args[0].name), frozenset({target.args[0].name})
     elif node.op != "call_function":
-        result = (("leaf", node.name), ())
+        structure, sources = ("leaf", node.name), frozenset()
     else:
-        sources: list[str] = []
+        found: list[frozenset] = []
 
-        def shape_of(a):
+        def number(a):
             if isinstance(a, fx.Node):
-                structure, cut = _piece_shape(w, a, memo, depth + 1)
-                sources.extend(cut)
-                return structure
+                sid, cut = _piece_shape(w, a, memo, numbers, depth + 1)
+                found.append(cut)
+                return ("node", sid)
             return a
 
-        structure = (str(node.target), repr(fx.node.map_aggregate(node.args, shape_of)),
-                     repr(fx.node.map_aggregate(node.kwargs, shape_of)))
-        result = (structure, tuple(sources))
-    memo[node] = result
-    return result
+        structure = (str(node.target), repr(fx.node.map_aggregate(node.args, number)),
+                     repr(fx.node.map_aggregate(node.kwargs, number)))
+        sources = frozenset().union(*found)
+    memo[node] = (numbers.setdefault(structure, len(numbers)), sources)
+    return memo[node]
 
 
 def _empty_piece(shape: tuple, dim: int) -> bool:
