@@ -208,9 +208,12 @@ def test_deepseek_key_buffer_keeps_value_and_head_groups():
     assert_fuzzed_at_two_shapes(subject, samples=2)
 
 
-@pytest.mark.parametrize("model", [Clamped(-0.3, 0.3), Filled()], ids=["clamp_", "copy_"])
-def test_new_groups_are_applied_and_recovered_end_to_end(model):
-    subject = subject_of(model)
+@pytest.mark.parametrize("make", [lambda: Clamped(-0.3, 0.3), Filled], ids=["clamp_", "copy_"])
+def test_new_groups_are_applied_and_recovered_end_to_end(make):
+    # built here with a seed: built at collection, the weights depended on what other modules drew before, and
+    # one draw left the float32 GL(4) recovery at 2.9e-5 (seeds 0-11 give 7e-8 to 1.7e-6)
+    torch.manual_seed(0)
+    subject = subject_of(make())
     anchor = subject.state_dict()
     source = apply(anchor, [sample(g, np.random.default_rng(3)) for g in subject.report.groups])
     check_transformed(subject, source)  # float64 at several input shapes; raises if the function moved
