@@ -202,11 +202,9 @@ def _swapped(n: int, swaps: int, rng) -> np.ndarray:
     """A product of ``swaps`` random transpositions, never the identity where ``n > 1``: an even number of swaps
     can undo itself, and a permutation of two coordinates would then be the identity half the time (a check of
     nothing; the fewest swaps, one, is where shrinking ends)."""
-    perm = np.arange(n)
-    for _ in range(swaps if n > 1 else 0):
+    perm, done = np.arange(n), 0
+    while n > 1 and (done < swaps or np.array_equal(perm, np.arange(n))):
         i, j = rng.choice(n, size=2, replace=False)
         perm[[i, j]] = perm[[j, i]]
-    if n > 1 and np.array_equal(perm, np.arange(n)):
-        i, j = rng.choice(n, size=2, replace=False)
-        perm[[i, j]] = perm[[j, i]]
+        done += 1
     return perm

@@ -158,11 +158,13 @@ class Assembler:
         """
         key = key.copy()
         fresh = int(key.max()) + 1 if len(key) else 0
-        for rows, _node in self.c.separates + self.c.pieces:
-            classes, part = _row_partition([self.cls[r] for r in rows] if isinstance(rows, list) else self.cls[rows])
+        rows = [(self.cls[r], None) for r, _node in self.c.separates]
+        rows += [([self.cls[p] for p in pieces], rotary) for pieces, _node in self.c.pieces]
+        for cls_rows, kept_apart in rows:
+            classes, part = _row_partition(cls_rows)
             live = key[classes] >= 0
-            if isinstance(rows, list):
-                live &= ~rotary[classes]
+            if kept_apart is not None:
+                live &= ~kept_apart[classes]
             classes, part = classes[live], part[live]
             _, new = np.unique(np.stack([key[classes], part], 1), axis=0, return_inverse=True)
             key[classes] = fresh + new.reshape(-1)
@@ -386,6 +388,8 @@ class Assembler:
         pinned = {same[h] for h in content if cls_pinned[h]}
         sharing = [{same[h] for h in s} for s in sharing]
         groups = []
+        piece_of = [{int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
+                    for pieces, _node in self.c.pieces]  # each piece's classes, by the piece they lie in
         parts = union_sets([{same[h] for h in op} for op in ops])  # one op's heads, or ops sharing head classes
         for joint in union_sets(self._with_content_classes(parts, content)):
             heads = sorted(h for h in joint if not isinstance(h, tuple))
@@ -394,18 +398,18 @@ class Assembler:
                 continue
             if any(s & set(heads) and not s >= set(heads) for s in sharing):
                 continue  # a factor shared by some of these heads only would have to stay and move at once
-            if self._split_by_pieces(heads, content):
+            if self._split_by_pieces(heads, content, piece_of):
                 continue  # some heads went through other ops than the rest (rotary on half of them)
             groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint]))
         return groups
 
-    def _split_by_pieces(self, heads: list[int], content) -> bool:
-        """Whether the pieces of one tensor that different ops joined again (``self.c.pieces``) put these heads'
-        rows in different pieces: a head permutation would move a head into the other ops."""
-        for pieces, _node in self.c.pieces:
-            owner = {int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
-            seen = {frozenset(owner.get(int(c)) for c in np.unique(self.cls[np.fromiter(content[h], dtype=np.int64)]))
-                    - {None} for h in heads}
+    def _split_by_pieces(self, heads: list[int], content, piece_of: list[dict[int, int]]) -> bool:
+        """Whether the pieces of one tensor that different ops joined again (``self.c.pieces``; ``piece_of``: the
+        piece of each of their classes) put these heads' rows in different pieces: a head permutation would move
+        a head into the other ops."""
+        classes = [np.unique(self.cls[np.fromiter(content[h], dtype=np.int64)]) for h in heads]
+        for owner in piece_of:
+            seen = {frozenset(owner.get(int(c)) for c in cs) - {None} for cs in classes}
             if len(seen) > 1:  # (every head in every piece, as rotate_half's halves of each head, moves alike)
                 return True
         return False

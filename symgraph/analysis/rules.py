@@ -6,7 +6,6 @@ import itertools
 import operator
 from dataclasses import replace
 
-import numpy as np
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -221,9 +220,9 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
     shapes = [_piece_shape(w, p, memo, numbers) for p in pieces]
     if len({s[0] for s in shapes}) == 1 or not frozenset.intersection(*(s[1] for s in shapes)):
         return  # the same ops on every piece, or pieces that are not cut from one tensor
-    ids = [np.unique(np.concatenate([collapse(t.ids).reshape(-1).numpy() for c in v.chans for t in c.terms
-                                     if dim in chan_axes(c)] or [np.zeros(0, np.int64)])) for v in values]
-    w.c.separate_pieces([i[i >= 0] for i in ids], node.name)
+    w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans if dim in chan_axes(c)
+                                    for t in c.terms] or [torch.zeros(0, dtype=torch.int64)]) for v in values],
+                        node.name)
 
 
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
@@ -297,14 +296,7 @@ def _counted_at_run_time(node: fx.Node) -> bool:
 def _cut_at_run_time(node: fx.Node) -> bool:
     """A cut into one tensor at bounds torch.export knows only at run time (``h[..., i:i + 1]`` with ``i`` from
     ``argmax().item()``): which positions it keeps depends on values, as with indices of unknown values."""
-    return isinstance(node.meta.get("val"), torch.Tensor) and any(map(_unbacked, _operand_nodes(node)))
-
-
-def _operand_nodes(node: fx.Node) -> list[fx.Node]:
-    """The graph nodes among ``node``'s arguments after the first (indices, bounds, sizes)."""
-    found: list[fx.Node] = []
-    fx.node.map_aggregate((node.args[1:], node.kwargs), lambda a: found.append(a) if isinstance(a, fx.Node) else a)
-    return found
+    return isinstance(node.meta.get("val"), torch.Tensor) and any(map(_unbacked, node.all_input_nodes))
 
 
 def _unbacked(a: fx.Node) -> bool:
