@@ -56,8 +56,18 @@ def sample(group: Group, rng: np.random.Generator, spread: float = 0.3) -> Eleme
         return Element(group, matrices=np.stack([random_general_linear(n, rng, spread) for _ in range(c)]))
     if kind == "rotary":
         return Element(group, matrices=np.stack([_rotary_matrix(group, rng, spread) for _ in range(c)]))
-    perm = np.stack([rng.permutation(n) for _ in range(c)]) if kind != "scale" else None
+    perm = np.stack([_moving_permutation(n, rng) for _ in range(c)]) if kind != "scale" else None
     return Element(group, perm=perm, diag=_diagonal(group, rng, spread))
+
+
+def _moving_permutation(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A uniform permutation other than the identity where ``n > 1``: of two coordinates, a uniform draw would
+    leave them in place half the time, and a check of that element (the fuzz's joint check, a transform) would
+    check nothing there."""
+    while True:
+        perm = rng.permutation(n)
+        if n < 2 or not np.array_equal(perm, np.arange(n)):
+            return perm
 
 
 def random_orthogonal(n: int, rng: np.random.Generator) -> np.ndarray:

@@ -76,6 +76,17 @@ def test_global_sign_is_one_sign_for_all_coordinates():
         assert np.all(np.abs(d) == 1) and len(np.unique(d)) == 1
 
 
+def test_sampled_permutations_of_two_always_swap():
+    """A uniform permutation of two coordinates is the identity half the time: a fuzz's joint check or a
+    transform would then move nothing there."""
+    idx = np.arange(2).reshape(1, 2, 1)
+    group = Group(id="pair", motif="other", kind="permutation", size=2, copies=3,
+                  members=(Member("w", 0, np.stack([idx[0]] * 3), "primal"),))
+    for seed in range(16):
+        perm = sample(group, np.random.default_rng(seed)).perm
+        assert perm.tolist() == [[1, 0]] * 3
+
+
 def test_rotary_elements_rotate_pairs_and_keep_passthrough_separate():
     group = Group(id="r", motif="qk", kind="rotary", size=4, copies=1, members=(), scale="positive",
                   rotary_pairs=((0, 2),), passthrough=(1, 3))
