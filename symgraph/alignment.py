@@ -176,7 +176,9 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     descent re-solves every permutation), skipped when the first start already removed 90% of the distance
     (:func:`_found_share`). An exact recovery always skips it. In ``full`` mode both starts descend
     :data:`PROBE_ROUNDS` rounds and only the closer one descends on to the end (``result.starts``: each start's
-    distance when the closer was chosen); in ``permutation`` mode both descend to the end.
+    distance when the closer was chosen); ``permutation`` mode keeps the weight-matching start whenever it runs
+    (between independent models it is then textbook weight matching: kept by distance, the closer first start
+    had the higher loss barrier on both trained ViT pairs and the lower on both LLaMA pairs, examples/RESULTS.md).
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
     slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
     Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast), or in
@@ -208,7 +210,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     first = kept = Aligner(groups, source, anchor, mode=mode, **options)
     matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
     two_starts = matching_start and mode != "paper" and bool(matching)
-    probe = min(PROBE_ROUNDS, rounds) if two_starts and mode == "full" else rounds
+    # Permutation mode keeps the matching start unless the first pass alone recovers the source: no probe rounds.
+    probe = rounds if not two_starts else min(PROBE_ROUNDS, rounds) if mode == "full" else 0
     _descend(first, probe, tolerance, progress, timings)
     starts = {"recovery": first.distance()}
     other = None
@@ -217,7 +220,11 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
         other = _matching_start(groups, matching, source, anchor, mode, probe, tolerance, progress, options)
         starts["matching"] = other.distance()
         timings["matching_start"] = time.perf_counter() - clock
-        if starts["matching"] < starts["recovery"] * (1 - 1e-6):  # a tie (one optimum, reached twice): the first
+        # Permutation mode keeps textbook weight matching unless the first pass recovered the source exactly: the
+        # first start's optimum can be closer and far worse to merge (vit-digits-wide: distance 0.797 against
+        # 0.799, loss barrier 4.44 against 2.40). Full mode keeps the closer start (no weight-space measure tried
+        # ranks its two starts' barriers); on a tie (one optimum, reached twice), the first.
+        if mode == "permutation" or starts["matching"] < starts["recovery"] * (1 - 1e-6):
             kept = other
     if two_starts and not kept.converged and kept.rounds_run < rounds:  # the kept start descends on to the end
         clock = time.perf_counter()
@@ -282,7 +289,7 @@ def balanced_weights(anchor: dict) -> dict[str, float]:
 # shipped pairs: the start closer after 2 rounds is the start closer at the end on every pair (bert-topics: the
 # first pass leads after 0 and 1 rounds, 0.5934 against 0.5994, weight matching after 2, 0.5884 against 0.5904,
 # and ends closer, 0.5879 against 0.5904), and descending the other start to the end cost a third to a half of
-# full mode's time. Permutation mode descends both to the end (cheap; its first start can overtake late).
+# full mode's time.
 PROBE_ROUNDS = 2
 
 

@@ -220,7 +220,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     residual stream is orthogonal: :func:`symgraph.alignment.default_rounds`) and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (the default; full and permutation modes), unless the first pass recovers the source exactly, a second
-    descent starts from textbook weight matching of the permutations and the closer result is kept.
+    descent starts from textbook weight matching of the permutations: full mode keeps the closer result,
+    permutation mode the weight-matched one (:func:`symgraph.alignment.align_states`).
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the

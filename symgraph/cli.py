@@ -112,7 +112,8 @@ def _descent_options(command):
         click.option("--matching-start/--no-matching-start", default=True, show_default=True,
                      help="Full and permutation modes: descend also from weight matching of the permutations "
                           "(textbook, to convergence, in permutation mode; one round in full mode, skipped once "
-                          "the first start removed 90% of the distance) and keep the closer result."),
+                          "the first start removed 90% of the distance); full mode keeps the closer result, "
+                          "permutation mode the weight-matched one unless the first pass recovered the source."),
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),

@@ -147,8 +147,11 @@ def test_permutation_mode_is_never_farther_than_textbook_weight_matching(family)
     recovery_only = align_states(perm_groups, source, anchor, mode="permutation", matching_start=False)
     assert textbook.distance_after < textbook.distance_before
     assert ours.distance_after <= textbook.distance_after * (1 + 1e-9), (ours.starts, textbook.distance_after)
-    assert ours.distance_after <= recovery_only.distance_after * (1 + 1e-9)
-    assert set(ours.starts) == {"recovery", "matching"}
+    # between independent models permutation mode is the textbook, even where its first pass ends closer
+    # (that closer optimum had the higher loss barrier on both trained ViT pairs: examples/RESULTS.md)
+    assert set(ours.starts) == {"recovery", "matching"} and ours.start == "matching"
+    assert ours.distance_after == pytest.approx(textbook.distance_after, rel=1e-9)
+    assert recovery_only.start == "recovery" and list(recovery_only.starts) == ["recovery"]
     replayed = apply(source, ours.elements)  # still a reparametrisation of the source: its own elements replay it
     assert all(torch.allclose(replayed[k], ours.state[k], rtol=0, atol=1e-12) for k in anchor)
 
@@ -298,7 +301,7 @@ def test_cli_align_modes_and_ablations_run(tmp_path):
     assert json.loads((tmp_path / "s5.json").read_text())["starts"].keys() == {"recovery"}  # recovered: one start
 
 
-def test_cli_permutation_mode_keeps_the_closer_start_unless_told_not_to(tmp_path):
+def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
     for name, extra in (("both", ()), ("first", ("--no-matching-start",))):
         res = run("align", source, anchor, "-o", tmp_path / name, "--mode", "permutation", "--quiet",
@@ -306,7 +309,9 @@ def test_cli_permutation_mode_keeps_the_closer_start_unless_told_not_to(tmp_path
         assert res.returncode == 0, res.stderr
     both, first = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("both", "first"))
     assert both["starts"].keys() == {"recovery", "matching"} and first["starts"].keys() == {"recovery"}
-    assert both["distance_after"] <= first["distance_after"] < first["distance_before"]
+    assert both["start"] == "matching" and first["start"] == "recovery"
+    assert both["distance_after"] < both["distance_before"] and first["distance_after"] < first["distance_before"]
+    assert both["distance_after"] != first["distance_after"]  # two different alignments, the textbook's kept
 
 
 def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):
