@@ -9,14 +9,14 @@ which sets both the initialisation and the order of the training data:
   Python help text documents ("pydoc-topics")
 
 and two wide pairs, not shipped but cached outside the repository (``$SYMGRAPH_WIDE_MODELS``, by default
-~/.cache/symgraph/wide-v3, a new folder per recipe version; ``wide_pair`` trains a missing pair there first):
+~/.cache/symgraph/wide-v4, a new folder per recipe version; ``wide_pair`` trains a missing pair there first):
 
 - ``vit-digits-wide-{a,b}``   the ViT at width 256 with 6 layers
 - ``llama-chars-wide-{a,b}``  the LLaMA at width 256 with 4 layers
 
     python examples/train_models.py                      # all six, into symgraph/data/models
     python examples/train_models.py --only vit --out /tmp/models
-    python examples/train_models.py --wide               # the wide pairs, into ~/.cache/symgraph/wide-v3
+    python examples/train_models.py --wide               # the wide pairs, into ~/.cache/symgraph/wide-v4
     python examples/train_models.py --extract-corpus     # rewrite the shipped text from this Python's pydoc_data
     python examples/train_models.py --tokenizers-only    # rewrite the char models' tokenizer files only
 
@@ -227,9 +227,14 @@ FAMILIES = {
 # twice version 2's steps (600 of 16, ~0.75 s a step). Training the ViT as long as the shipped one (3000 steps of
 # 64 at 2e-3) made it worse, not better (test loss 1.094 / 1.162, accuracy 0.617 / 0.608, against 0.795 / 0.810
 # and 0.744 / 0.731): at width 256 that rate is too high; a longer run at a lower rate did not fit the round.
-WIDE_VERSION = 3
+# Version 4 trains the ViT at 5e-4 for 3000 steps of 64 with 200 warm-up steps: test accuracy 0.986 (loss 0.051)
+# for seed 0, against 0.744 for version 3 and 0.969 at 1e-3 (one thread, 0.23 s a step on an idle 2-core machine;
+# version 3's 3 s a step was a loaded machine). The LLaMA keeps version 3's recipe: 1200 steps of 32 (4x its
+# characters, 12 passes over the 175k training characters by step 500) brought the training loss to 0.89 by step
+# 500 against a test loss of 1.35 for version 3: memorising, not converging (stopped there).
+WIDE_VERSION = 4
 WIDE_FAMILIES = {
-    "vit-wide": Family("vit-wide", "digits", steps=1000, lr=1.5e-3, batch=64, warmup=100, kind="vit",
+    "vit-wide": Family("vit-wide", "digits", steps=3000, lr=5e-4, batch=64, warmup=200, kind="vit",
                        size=(256, 6)),
     "llama-wide": Family("llama-wide", "pydoc-chars", steps=600, lr=2e-3, batch=16, warmup=60, kind="llama",
                          size=(256, 4)),
@@ -402,7 +407,7 @@ def unigram_loss() -> float:
 README = """# Trained model pairs
 
 Written by `python examples/train_models.py` (the shipped pairs; `--only vit|llama|bert` for one family; `--wide`
-for the wide pairs, which are not shipped but cached, by default in ~/.cache/symgraph/wide-v3). Each pair
+for the wide pairs, which are not shipped but cached, by default in ~/.cache/symgraph/wide-v4). Each pair
 differs only in its seed: `-a` is seed 0, `-b` seed 1; the seed sets the initialisation and the order of the
 training data. Hyper-parameters, data and step counts are the same within a pair. Training is deterministic
 (`torch.use_deterministic_algorithms(True)`, one CPU thread); figures below were measured by that run (Python
