@@ -164,9 +164,11 @@ def _learn_options(command, *, flag: bool = True):
                           "Lowered (backtracking) when a check finds the path loss no better."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
-        click.option("--learn-t", type=click.Choice(["midpoint", "random"]), default=lambda: _learn_default("t"),
-                     show_default="random",
-                     help="Where on the path the loss is taken: the midpoint, or a random point each step."),
+        click.option("--learn-t", type=click.Choice(["auto", "midpoint", "random"]),
+                     default=lambda: _learn_default("t"), show_default="auto",
+                     help="Where on the path the loss is taken: the midpoint, or a random point each step; auto: "
+                          "the midpoint in a simple merge of two models of equal weight (the merged model is "
+                          "that point), random points everywhere else."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "

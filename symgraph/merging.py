@@ -204,7 +204,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    learner = _learner(subjects[0], data, learn, exclude, progress) if learn else None
+    learner = _learner(subjects[0], data, _merge_learning(learn, method, w), exclude, progress) if learn else None
     tried = []
     for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None or on_data):
         moved = _aligned_on_activations(subjects, datasets, reference, device, dtype) if on_data else subjects
@@ -706,6 +706,16 @@ def _group_keys(subject: Subject, exclude: frozenset[str]) -> list:
 def _json_member_params(member: dict) -> set[str]:
     """The tensors a member of a report's JSON names (a tensor member: every slot's)."""
     return {p for row in member["tensors"] for p in row} if "tensors" in member else {member["param"]}
+
+
+def _merge_learning(learn, method: str, weights) -> LearnOptions:
+    """The options learned matching runs with in this merge: ``t="auto"`` is the midpoint for a simple merge of
+    two models of equal weight (the merged model is that point of the path), the whole path otherwise."""
+    from .learn import LearnOptions, resolved_t
+
+    options = learn if isinstance(learn, LearnOptions) else LearnOptions()
+    midpoint = method == "simple" and len(weights) == 2 and abs(weights[0] - weights[1]) < 1e-12
+    return resolved_t(options, merged_midpoint=midpoint)
 
 
 def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool):

@@ -460,6 +460,29 @@ def test_barrier_refuses_unknown_learned_modes(vit_pair):
         barrier(a, b, "digits", aligns=("none", "rotation+learn"), progress=False)
 
 
+@pytest.mark.parametrize("method, weights, learn, t", [
+    ("simple", None, True, "midpoint"),  # the merged model is the path's midpoint: learned there
+    ("simple", [1, 3], True, "random"),  # another point of the path for each frame: the whole path
+    ("fisher", None, True, "random"),  # no point of the path at all
+    ("simple", None, LearnOptions(t="random"), "random"),  # a point asked for is kept
+])
+def test_merge_learns_where_its_result_lies_on_the_path(vit_pair, monkeypatch, method, weights, learn, t):
+    import symgraph.api
+
+    seen = []
+    monkeypatch.setattr(symgraph.api, "learned", lambda subject, groups, state, anchor, start, data, options, *rest:
+                        seen.append(options.t) or start)  # the alignment left as it started
+    symgraph.merge(list(vit_pair), method=method, weights=weights, data="digits", limit=16, learn=learn,
+                   progress=False)
+    assert seen and set(seen) == {t}
+
+
+def test_auto_t_learns_along_the_whole_path_outside_merges():
+    assert symgraph.learn.resolved_t(LearnOptions()).t == "random" and LearnOptions().t == "auto"
+    assert symgraph.learn.resolved_t(LearnOptions(), merged_midpoint=True).t == "midpoint"
+    assert symgraph.learn.resolved_t(LearnOptions(t="random"), merged_midpoint=True).t == "random"
+
+
 @pytest.mark.slow
 def test_cli_barrier_and_merge_take_learned_matching(vit_pair, tmp_path):
     a, b = vit_pair
