@@ -641,9 +641,12 @@ WIDE_NOTES = """\
   (plain distance, the mean, RMS and median of per-tensor relative distances, matrices only) prefers the first
   start on all four pairs (`/tmp` scratch), so full mode still keeps the closer start.
 - **The merge.** `merge --method simple` after full+learn (300 steps), the frame chosen on the training split
-  (onto B): loss 0.216, accuracy 0.933, 3.52x the mean endpoint loss 0.061 (bar 1.20x: missed). The bar is a
-  ratio of losses and the converged endpoints' losses are small: the merged model gives up 5 points of accuracy
-  (endpoints 0.986 / 0.978); version 3's merge was 1.90x at accuracy 0.481 (endpoints 0.744 / 0.731).
+  (onto B): loss 0.105, accuracy 0.961, 1.71x the mean endpoint loss 0.061 (bar 1.20x: missed). Learning now takes
+  its loss at the midpoint in such a merge (`--learn-t auto`: a simple merge of two equally weighted models is the
+  path's midpoint); learned at random points along the path, as before, the same merge scored 0.216, accuracy
+  0.933, 3.52x. The bar is a ratio of losses and the converged endpoints' are small (0.051, 0.071): the merged
+  model gives up 1.7-2.5 points of accuracy (endpoints 0.986 / 0.978). Version 3's merge: 1.90x at accuracy 0.481
+  (endpoints 0.744 / 0.731).
 """
 
 
