@@ -210,8 +210,12 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     first = kept = Aligner(groups, source, anchor, mode=mode, **options)
     matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
     two_starts = matching_start and mode != "paper" and bool(matching)
-    # Permutation mode keeps the matching start unless the first pass alone recovers the source: no probe rounds.
-    probe = rounds if not two_starts else min(PROBE_ROUNDS, rounds) if mode == "full" else 0
+    if not two_starts:
+        probe = rounds
+    elif mode == "full":
+        probe = min(PROBE_ROUNDS, rounds)
+    else:  # permutation mode keeps the matching start unless the first pass alone recovers the source
+        probe = 0
     _descend(first, probe, tolerance, progress, timings)
     starts = {"recovery": first.distance()}
     other = None

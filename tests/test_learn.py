@@ -477,6 +477,19 @@ def test_merge_learns_where_its_result_lies_on_the_path(vit_pair, monkeypatch, m
     assert seen and set(seen) == {t}
 
 
+@pytest.mark.parametrize("extra, t", [((), "midpoint"), (("--learn-t", "random"), "random")])
+def test_cli_merge_learns_at_the_midpoint_unless_told_otherwise(vit_pair, tmp_path, monkeypatch, extra, t):
+    import symgraph.api
+
+    seen = []
+    monkeypatch.setattr(symgraph.api, "learned", lambda subject, groups, state, anchor, start, data, options, *rest:
+                        seen.append(options.t) or start)
+    code, _, stderr = run("merge", *vit_pair, "-o", tmp_path / "merged", "--data", "digits", "--limit", 16,
+                          "--learn", "--no-progress", *extra)
+    assert code == 0, stderr
+    assert seen and set(seen) == {t}
+
+
 def test_auto_t_learns_along_the_whole_path_outside_merges():
     assert symgraph.learn.resolved_t(LearnOptions()).t == "random" and LearnOptions().t == "auto"
     assert symgraph.learn.resolved_t(LearnOptions(), merged_midpoint=True).t == "midpoint"
