@@ -285,7 +285,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings = {}
     clock = time.perf_counter()
     src, anc = load(source, inputs, free_outputs=free_outputs), load(anchor, inputs, free_outputs=free_outputs)
-    dataset = _alignment_data(data, src, data_batch_size)
+    dataset = _alignment_data(data, src, data_batch_size, learn)
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
@@ -377,7 +377,7 @@ def learned(subject: Subject, groups, state, anchor_state, start, data, learn, f
     from .learn import LearnOptions, learn_alignment, training_data
 
     options = (learn if isinstance(learn, LearnOptions) else LearnOptions()).checked()
-    dataset = training_data(data, subject, options.batch_size)
+    dataset = training_data(data, subject, options, (state, anchor_state))
     result, record = learn_alignment(groups, state, anchor_state, start, model=subject.model, data=dataset,
                                      names=shared_float_names(anchor_state, exclude), options=options,
                                      cost_excluded=free, progress=progress)
@@ -401,12 +401,15 @@ def check_learn(learn, data) -> None:
         raise LearnError(f"learn must be True, False or a LearnOptions, not {learn!r}.")
 
 
-def _alignment_data(data, subject: Subject, batch_size: int):
+def _alignment_data(data, subject: Subject, batch_size: int, learn=False):
     """The data activation costs are computed on (None without data): shipped specs default to their train split,
-    so alignment never sees the examples a barrier is measured on."""
-    if data is None:
-        return None
+    so alignment never sees the examples a barrier is measured on. Synthetic data serves learning only: with
+    ``learn`` it is left to it (None here); without, loading it says so."""
     from .datasets import load_data
+    from .synthetic import is_synthetic
+
+    if data is None or (learn and is_synthetic(data)):
+        return None
 
     return load_data(data, model=subject, batch_size=batch_size, split="train")
 

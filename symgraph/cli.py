@@ -256,7 +256,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @_learn_options
 @click.option("--learn-data", "learn_data_spec",
               help="With --learn: learn on this data (its train split) instead of --data; without --data, learning "
-                   "then starts from the weight-matched alignment.")
+                   "then starts from the weight-matched alignment. 'synthetic': no data, inputs the models make "
+                   "(a causal LM's samples) or their config describes, labelled by both models together.")
 @_FREE_OUTPUTS
 @_compute_options("the alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise; OUT keeps SOURCE's")
@@ -575,6 +576,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                    "+learn to a mode (e.g. full+learn) for learned matching on the training split of --data.")
 @_descent_options
 @click.option("--align-data", help="Data for full+data's activation costs (default: --data, train split).")
+@click.option("--learn-data", "learn_data_spec",
+              help="What the learned modes (e.g. full+learn) learn on (its train split; default --data); "
+                   "'synthetic': no data, inputs the models make or their config describes, labelled by both.")
 @_data_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Plot file (.png, .pdf, .svg, ...); replaced atomically.")
@@ -585,8 +589,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, balance, residual, align_data, data_batches, data_batch_size, data_groups,
-            output, json_path, no_progress, fold, device, dtype, **learning):
+            matching_start, general_linear, balance, residual, align_data, learn_data_spec, data_batches,
+            data_batch_size, data_groups, output, json_path, no_progress, fold, device, dtype, **learning):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -598,7 +602,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
-                         learn=_learning(**learning),
+                         learn=_learning(**learning), learn_data=learn_data_spec,
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
                                                    general_linear, balance, residual),
                                         **({"align_data": align_data} if align_data else {}),

@@ -64,11 +64,14 @@ class Batch:
     """Keyword inputs of one forward call and their labels.
 
     ``labels``: ``(B,)`` class ids for classification; ``(B, T)`` token ids for causal LM (the input ids, with
-    ``-100`` where the position is padding); ``None`` for unlabelled data.
+    ``-100`` where the position is padding); ``None`` for unlabelled data. ``targets``: soft labels, which the
+    loss then takes instead: ``(probabilities, ids)`` of each example's (each position's next token's) likeliest
+    classes, ``(B, k)`` or ``(B, T, k)`` each, probabilities summing to 1 (:mod:`symgraph.synthetic`).
     """
 
     inputs: dict[str, torch.Tensor]
     labels: torch.Tensor | None = None
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -268,6 +271,10 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
         raise DataError(f"Cannot read data from {spec!r:.80}.", hint=_FORMS_HINT)
     spec = spec.strip()
     name, _, suffix = spec.partition(":")
+    if name == "synthetic":
+        from .synthetic import learning_only
+
+        raise learning_only()
     if name in DATASETS:
         return DATASETS[name](_split_of(name, suffix or split), target, batch_size, limit)
     path = Path(spec).expanduser()
@@ -683,8 +690,21 @@ def _forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return logits_of(model(**inputs, **extra))
 
 
+def _soft_loss_sum(logits: torch.Tensor, probabilities: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int,
+                                                                                                  int]:
+    """:func:`_loss_sum` against soft targets: every example (every position of a causal LM, whose target is the
+    distribution of the token after it) counts, and the top logit is right where it names the likeliest class."""
+    ids = ids.to(logits.device)
+    log_probabilities = logits.float().log_softmax(-1).gather(-1, ids)
+    total = -(probabilities.to(log_probabilities) * log_probabilities).sum()
+    right = int((logits.argmax(-1) == ids[..., 0]).sum())
+    return total, probabilities[..., 0].numel(), right
+
+
 def _loss_sum(logits: torch.Tensor, batch: Batch, task: str) -> tuple[torch.Tensor, int, int]:
     """Summed cross-entropy, the number of terms, and how many of them the top logit predicts correctly."""
+    if batch.targets is not None:
+        return _soft_loss_sum(logits, *batch.targets)
     if task == "causal_lm":
         labels = batch.labels if batch.labels is not None else _lm_labels(
             batch.inputs["input_ids"], batch.inputs.get("attention_mask"))

@@ -94,8 +94,9 @@ class LearnOptions:
     the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
     moving the source may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the
     learned one composed); a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`;
-    ``math.inf``: no bound; the default is the data-free solver's bound). Defaults: measured on the shipped pairs
-    and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
+    ``math.inf``: no bound; the default is the data-free solver's bound). ``synthetic_examples``: how many
+    examples learning on the data SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on
+    the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
     steps: int = 300
@@ -114,10 +115,11 @@ class LearnOptions:
     tolerance: float = 0.0
     seconds: float | None = None
     max_condition: float = MAX_CONDITION
+    synthetic_examples: int = 1600
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
-        for name in ("steps", "batch_size", "eval_batches", "checks"):
+        for name in ("steps", "batch_size", "eval_batches", "checks", "synthetic_examples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LearnError(f"Learning option {name} must be a whole number >= 1, not {value!r}.",
@@ -194,12 +196,18 @@ class LearnRecord:
                 "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped}
 
 
-def training_data(spec, model, batch_size: int):
-    """The data learning runs on: a SPEC's training split (a ``:split`` suffix on the name wins), or a
-    :class:`~symgraph.datasets.Dataset` as it is."""
+def training_data(spec, model, options: LearnOptions, endpoints: Sequence[State]):
+    """The data learning runs on: a SPEC's training split (a ``:split`` suffix on the name wins), a
+    :class:`~symgraph.datasets.Dataset` as it is, or for the SPEC ``synthetic``, ``options.synthetic_examples``
+    examples made from ``model`` carrying each of ``endpoints`` (the source and anchor states;
+    :mod:`symgraph.synthetic`). ``model``: a :class:`symgraph.Subject` or a module."""
     from .datasets import load_data
+    from .synthetic import is_synthetic, synthetic_data
 
-    return load_data(spec, model=model, batch_size=batch_size, split="train")
+    if is_synthetic(spec):
+        return synthetic_data(getattr(model, "model", model), endpoints, examples=options.synthetic_examples,
+                              batch_size=options.batch_size, seed=options.seed)
+    return load_data(spec, model=model, batch_size=options.batch_size, split="train")
 
 
 def path_loss(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str], data,

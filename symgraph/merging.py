@@ -45,6 +45,7 @@ from .errors import DataError, MismatchError, ModelLoadError, SymgraphError
 from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
+from .synthetic import is_synthetic, learning_only
 
 __all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters",
            "StreamedMerge", "merge_streamed"]
@@ -201,7 +202,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     inputs = tuple(s.path for s in subjects if s.path is not None)  # before folding, which makes new subjects
     exclude = head_parameters(subjects[head_from], head) if head_from is not None else frozenset()
     on_data = align == DATA_ALIGN
-    datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None else []
+    # synthetic data serves learning alone (checked in _check_options): statistics and frames go without data
+    datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None and not is_synthetic(
+        data) else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
     learner = _learner(subjects[0], data, _merge_learning(learn, method, w), exclude, progress) if learn else None
@@ -734,6 +737,8 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
     from .api import check_learn
 
     check_learn(learn, data)
+    if is_synthetic(data) and (not learn or method != "simple" or align == DATA_ALIGN):
+        raise learning_only()
     if frame not in FRAMES:
         raise SymgraphError(f"Unknown frame {frame!r}.", hint=f"choose one of {', '.join(FRAMES)}.")
     if learn and align == "none":

@@ -1,0 +1,130 @@
+"""Synthetic data for learned matching without a dataset (symgraph.synthetic): what it is made of, how it is
+labelled, where it is refused, and learning on it through the API and the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import symgraph
+from symgraph import zoo
+from symgraph.datasets import Batch, batch_loss, load_data
+from symgraph.demo import shipped_pair
+from symgraph.errors import DataError
+from symgraph.learn import LearnError, LearnOptions
+from symgraph.synthetic import TOP, synthetic_data
+
+from cli_runner import run
+
+
+def _mean_probabilities(models, inputs):
+    with torch.no_grad():
+        return sum(m(**inputs).logits.softmax(-1) for m in models) / len(models)
+
+
+def test_a_causal_lm_learns_on_samples_of_both_models_labelled_by_their_mean_prediction():
+    a, b = zoo.build("llama", seed=0).eval(), zoo.build("llama", seed=1).eval()
+    before = torch.get_rng_state()
+    data = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=3)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's random state is left alone
+    assert data.task == "causal_lm" and len(data) == 10 and "sampled" in data.name
+    ids = torch.cat([batch.inputs["input_ids"] for batch in data.batches])
+    assert ids.shape == (10, a.config.max_position_embeddings)  # 128 tokens, fewer where positions run out
+    # even rows were sampled from a, odd rows from b: each half is likelier under the model that wrote it
+    with torch.no_grad():
+        likelihood = [m(input_ids=ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean((1, 2))
+                      for m in (a, b)]
+    assert (likelihood[0] - likelihood[1])[0::2].mean() > 0 > (likelihood[0] - likelihood[1])[1::2].mean()
+    for batch in data.batches:  # the target at each position is the mean prediction there, its top token the label
+        mean = _mean_probabilities((a, b), batch.inputs)
+        assert torch.equal(batch.labels[:, 1:], mean.argmax(-1)[:, :-1])
+        probabilities, ids = batch.targets
+        assert ids.shape == (*batch.inputs["input_ids"].shape, TOP) and torch.equal(ids[..., 0], mean.argmax(-1))
+        kept = mean.gather(-1, ids)
+        assert torch.allclose(probabilities, kept / kept.sum(-1, keepdim=True))
+        assert (kept.min(-1).values >= mean.topk(TOP + 1, -1).values[..., -1] - 1e-7).all()  # the likeliest
+    again = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=3)
+    other = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=4)
+    assert all(torch.equal(x.inputs["input_ids"], y.inputs["input_ids"]) for x, y in zip(data.batches, again.batches))
+    assert not torch.equal(ids, torch.cat([batch.inputs["input_ids"] for batch in other.batches]))
+
+
+def test_a_classifier_learns_on_random_inputs_of_its_config_labelled_by_both_models():
+    a, b = zoo.build("vit", seed=0).eval(), zoo.build("vit", seed=1).eval()
+    data = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=6, batch_size=4)
+    assert data.task == "classification" and [batch.size for batch in data.batches] == [4, 2]
+    config = a.config
+    for batch in data.batches:
+        assert batch.inputs["pixel_values"].shape[1:] == (config.num_channels, config.image_size, config.image_size)
+        mean = _mean_probabilities((a, b), batch.inputs)
+        assert torch.equal(batch.labels, mean.argmax(-1))
+        probabilities, ids = batch.targets  # fewer classes than TOP: the whole distribution
+        assert torch.allclose(probabilities, mean.gather(-1, ids)) and torch.equal(ids.sort(-1).values,
+                                                                                   torch.arange(3).expand(len(ids), 3))
+
+
+@pytest.mark.parametrize("task, shape", [("classification", (4, 3)), ("causal_lm", (4, 5, 7))])
+def test_the_loss_on_soft_targets_is_their_cross_entropy_over_every_example_and_position(task, shape):
+    logits = torch.randn(shape, dtype=torch.float64)
+    probabilities, ids = torch.rand((*shape[:-1], 2)).softmax(-1), torch.randint(shape[-1], (*shape[:-1], 2))
+    batch = Batch({"x": torch.zeros(shape[0])}, targets=(probabilities, ids))
+
+    class Fixed(torch.nn.Module):  # the loss reads the logits alone
+        def forward(self, **inputs):
+            return logits
+
+    model = Fixed()
+    expected = -(probabilities * logits.log_softmax(-1).gather(-1, ids)).sum() / probabilities[..., 0].numel()
+    assert torch.allclose(batch_loss(model, batch, task).double(), expected, atol=1e-6)
+
+
+def test_models_without_a_task_synthetic_data_serves_are_refused():
+    base = transformers.BertModel(zoo.tiny_config("bert"))  # hidden states, no logits
+    with pytest.raises(DataError, match="classifiers and causal language models"):
+        synthetic_data(base, [base.state_dict()] * 2, examples=4, batch_size=2)
+    plain = torch.nn.Linear(3, 2)
+    with pytest.raises(DataError, match="config"):
+        synthetic_data(plain, [plain.state_dict()] * 2, examples=4, batch_size=2)
+
+
+def test_synthetic_data_serves_learned_matching_only():
+    with pytest.raises(DataError, match="learned matching only"):
+        load_data("synthetic")
+    a, b = (str(p) for p in shipped_pair("vit-digits"))
+    with pytest.raises(DataError, match="learned matching only"):  # activation costs need real data
+        symgraph.align(b, a, data="synthetic")
+    with pytest.raises(LearnError, match="synthetic_examples"):
+        symgraph.align(b, a, data="synthetic", learn=LearnOptions(synthetic_examples=0))
+
+
+@pytest.mark.slow
+def test_learning_on_synthetic_data_lowers_the_path_loss_and_keeps_the_source_function():
+    a, b = (str(p) for p in shipped_pair("llama-chars"))
+    options = LearnOptions(steps=12, eval_batches=2, synthetic_examples=128)
+    result = symgraph.align(b, a, data="synthetic", learn=options, fold=True)
+    learned = result.learned
+    assert learned["steps"] == 12 and learned["kept"] and learned["end_path_loss"] < learned["start_path_loss"]
+    assert result.start == "learned" and result.verified_error is not None  # still the source's function
+
+
+@pytest.mark.slow
+def test_cli_barrier_align_and_merge_learn_on_synthetic_data(tmp_path):
+    a, b = (str(p) for p in shipped_pair("vit-digits"))
+    code, stdout, stderr = run("barrier", a, b, "--data", "digits", "--limit", 64, "--steps", 3,
+                               "--align", "full,full+learn", "--learn-data", "synthetic", "--learn-steps", 6,
+                               "-o", tmp_path / "b.png", "--json", tmp_path / "b.json", "--no-progress")
+    assert code == 0, stderr
+    learned = json.loads((tmp_path / "b.json").read_text())["modes"]["full+learn"]["alignment"]["learned"]
+    assert learned["steps"] == 6
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "synthetic",
+                               "--learn-steps", 3, "--quiet")
+    assert code == 0, stderr
+    assert "learned over 3 steps" in stdout and "outputs checked" in stdout
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "merged", "--data", "synthetic", "--learn",
+                               "--learn-steps", 3, "--no-progress")
+    assert code == 0, stderr
+    assert "learned matching" in stdout
+    code, _, stderr = run("merge", a, b, "-o", tmp_path / "fisher", "--method", "fisher", "--data", "synthetic")
+    assert code == 2 and "learned matching only" in stderr and not (tmp_path / "fisher").exists()
