@@ -14,6 +14,7 @@ trained models the first pass's evidence can be thin. ``paper`` mode solves each
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import defaultdict
@@ -165,7 +166,7 @@ def default_rounds(groups) -> int:
 def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", rescale: bool = True,
                  rounds: int | None = None, tolerance: float = 1e-4, matching_start: bool = True, progress=None,
                  cost_excluded=(), device="cpu", dtype=None, balance: bool = False,
-                 residual: str = "orthogonal") -> AlignResult:
+                 residual: str = "orthogonal", judge=None) -> AlignResult:
     """Align ``source`` to ``anchor`` (state dicts of one architecture) within ``groups``.
 
     After the first pass, at most ``rounds`` rounds (default: :func:`default_rounds`) of coordinate descent run;
@@ -192,7 +193,11 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     ``orthogonal`` (the default here: learned matching's projections and the common frame keep the whole group),
     the whole group; ``permutation``, its permutations (:func:`monomial_subgroup`); ``auto`` (the default of
     :func:`symgraph.align`, ``merge`` and ``barrier``), :func:`residual_group`'s choice (``result.residual`` says
-    which was used).
+    which was used). ``judge(state)`` (lower is better), when given, chooses between the two starts by what
+    the aligned source computes on the path rather than by distance (:func:`symgraph.api.start_judge`: the path loss
+    on synthetic data; ``result.path_losses`` holds each start's): in ``full`` mode after :data:`PROBE_ROUNDS`
+    rounds of each, in ``permutation`` mode after the first start's whole descent, among the starts no farther
+    than textbook weight matching (so the mode stays no farther than the textbook).
     """
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0):
         raise SymgraphError(f"Refinement rounds must be a whole number >= 0, not {rounds!r}.",
@@ -210,10 +215,13 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     first = kept = Aligner(groups, source, anchor, mode=mode, **options)
     matching = [g for g in groups if g.kind in PERMUTATION_KINDS]
     two_starts = matching_start and mode != "paper" and bool(matching)
+    path_losses: dict[str, float] = {}
     if not two_starts:
         probe = rounds
     elif mode == "full":
         probe = min(PROBE_ROUNDS, rounds)
+    elif judge is not None:  # permutation mode: the first start descends to its end to be judged
+        probe = rounds
     else:  # permutation mode keeps the matching start unless the first pass alone recovers the source
         probe = 0
     _descend(first, probe, tolerance, progress, timings)
@@ -224,12 +232,10 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
         other = _matching_start(groups, matching, source, anchor, mode, probe, tolerance, progress, options)
         starts["matching"] = other.distance()
         timings["matching_start"] = time.perf_counter() - clock
-        # Permutation mode keeps textbook weight matching unless the first pass recovered the source exactly: the
-        # first start's optimum can be closer and far worse to merge (vit-digits-wide: distance 0.797 against
-        # 0.799, loss barrier 4.44 against 2.40). Full mode keeps the closer start (no weight-space measure tried
-        # ranks its two starts' barriers); on a tie (one optimum, reached twice), the first.
-        if mode == "permutation" or starts["matching"] < starts["recovery"] * (1 - 1e-6):
-            kept = other
+        clock = time.perf_counter()
+        kept, path_losses = _kept_start(first, other, mode, starts, source, judge)
+        if judge is not None:
+            timings["judge_starts"] = time.perf_counter() - clock
     if two_starts and not kept.converged and kept.rounds_run < rounds:  # the kept start descends on to the end
         clock = time.perf_counter()
         kept.refine(rounds - kept.rounds_run, tolerance, progress)
@@ -237,7 +243,36 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     timings["solvers"] = sum(s.seconds for a in (first, other) if a is not None for s in a.stats)
     result = _result(kept, source, anchor, timings, starts, "matching" if kept is not first else "recovery")
     result.residual = narrowed
+    result.path_losses = path_losses
     return result
+
+
+def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, source: dict,
+                judge) -> tuple["Aligner", dict[str, float]]:
+    """The start that descends on (:func:`align_states`), and each judged start's path loss.
+
+    Without a judge, permutation mode keeps textbook weight matching: the first start's optimum can be closer and
+    far worse to merge (vit-digits-wide: distance 0.797 against 0.799, loss barrier 4.44 against 2.40), and full
+    mode the closer start (no weight-space measure tried ranks its two starts' barriers); on a tie (one optimum,
+    reached twice), the first. A judge that cannot judge (it returns None: no synthetic data for this model)
+    leaves the choice to those rules. The judge's path loss on synthetic data ranked full mode's two starts by
+    barrier on all four trained pairs, where distance got one wrong (examples/RESULTS.md)."""
+    candidates = {"recovery": first, "matching": other}
+    if mode == "permutation" and starts["recovery"] > starts["matching"]:  # never farther than the textbook
+        del candidates["recovery"]
+    losses: dict[str, float] = {}
+    if judge is not None and len(candidates) > 1:
+        for label, aligner in candidates.items():
+            loss = judge({**source, **aligner.state()})
+            if loss is None:
+                losses = {}
+                break
+            losses[label] = float(loss)
+    if not losses:
+        closer = starts["matching"] < starts["recovery"] * (1 - 1e-6)
+        return (other if mode == "permutation" or closer else first), {}
+    best = min(losses, key=lambda label: losses[label] if math.isfinite(losses[label]) else math.inf)
+    return candidates[best], losses
 
 
 def residual_group(groups, source: dict, anchor: dict, **options) -> str:

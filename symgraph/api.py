@@ -209,7 +209,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           matching_start: bool = True, fold: bool | None = False, general_linear: bool = False,
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, learn_data=None,
-          free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto"):
+          free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto",
+          judge_starts: bool = True):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -220,8 +221,12 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     residual stream is orthogonal: :func:`symgraph.alignment.default_rounds`) and stops once a round lowers
     the distance by less than ``tolerance`` of itself (``paper`` mode never refines). With ``matching_start``
     (the default; full and permutation modes), unless the first pass recovers the source exactly, a second
-    descent starts from textbook weight matching of the permutations: full mode keeps the closer result,
-    permutation mode the weight-matched one (:func:`symgraph.alignment.align_states`).
+    descent starts from textbook weight matching of the permutations. Without ``data``, and with
+    ``judge_starts`` (the default), the start whose aligned source has the lower loss along the path on a little
+    synthetic data (:func:`symgraph.synthetic.path_judge`; classifiers and causal LMs with a Hugging Face config)
+    is kept, in permutation mode among the starts no farther than the textbook; otherwise full mode keeps the closer
+    result and permutation mode the weight-matched one (:func:`symgraph.alignment.align_states`;
+    ``result.path_losses`` holds each judged start's loss).
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the
@@ -272,6 +277,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     """
     from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
                             free_cost_members, relative_distance, select_groups)
+    from .synthetic import path_judge
     from .verify import Evaluator
 
     if learn_data is not None and not learn:
@@ -303,8 +309,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
                    matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype,
                    balance=balance, residual=residual)
-    if dataset is None:
-        result = align_states(groups, state, anchor_state, **options)
+    if dataset is None:  # the starts are judged by their path loss on synthetic data where it can be made
+        result = align_states(groups, state, anchor_state, **options,
+                              judge=path_judge(src.model, state, anchor_state) if judge_starts else None)
     else:
         from .activations import align_on_activations, data_cost_groups, record
 

@@ -112,8 +112,14 @@ def _descent_options(command):
         click.option("--matching-start/--no-matching-start", default=True, show_default=True,
                      help="Full and permutation modes: descend also from weight matching of the permutations "
                           "(textbook, to convergence, in permutation mode; one round in full mode, skipped once "
-                          "the first start removed 90% of the distance); full mode keeps the closer result, "
-                          "permutation mode the weight-matched one unless the first pass recovered the source."),
+                          "the first start removed 90% of the distance); without data, the start whose aligned "
+                          "model has the lower loss along the path on synthetic data is kept (see "
+                          "--judge-starts)."),
+        click.option("--judge-starts/--no-judge-starts", default=True, show_default=True,
+                     help="Without data: choose between the two starts by the loss along the path on 64 synthetic "
+                          "examples labelled by both models (classifiers and causal LMs); otherwise full mode keeps "
+                          "the closer start and permutation mode the textbook one. Permutation mode stays no "
+                          "farther than textbook weight matching either way."),
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
@@ -227,10 +233,12 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, le
                         max_condition=learn_max_condition)
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear, balance, residual) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, general_linear, balance,
+             residual) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start, general_linear=general_linear, balance=balance, residual=residual)
+                matching_start=matching_start, judge_starts=judge_starts, general_linear=general_linear,
+                balance=balance, residual=residual)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -268,7 +276,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, general_linea
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
+          judge_starts, general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
           data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype, stream, shard_size,
           **learning):
     from .alignment import compute_device
@@ -301,8 +309,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                            data_groups=data_groups, device=device, dtype=dtype,
                            learn=learn and _learning(**learning),
                            learn_data=learn_data_spec,
-                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, general_linear,
-                                      balance, residual))
+                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
+                                      general_linear, balance, residual))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -589,7 +597,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, general_linear, balance, residual, align_data, learn_data_spec, data_batches,
+            matching_start, judge_starts, general_linear, balance, residual, align_data, learn_data_spec, data_batches,
             data_batch_size, data_groups, output, json_path, no_progress, fold, device, dtype, **learning):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
@@ -603,7 +611,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
                          learn=_learning(**learning), learn_data=learn_data_spec,
-                         align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start,
+                         align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
                                                    general_linear, balance, residual),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,

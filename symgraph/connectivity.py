@@ -117,8 +117,8 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start``, ``general_linear``, ``balance`` (the ablations, the descent's length,
-        GL heads, costs in units of each tensor's scale),
+        ``tolerance``, ``matching_start``, ``judge_starts``, ``general_linear``, ``balance`` (the ablations, the
+        descent's length, the choice of start, GL heads, costs in units of each tensor's scale),
         and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
         ``data_batch_size`` and ``data_groups``.
     fold
@@ -362,8 +362,8 @@ def _save_figure(figure, path: Path) -> Path:
 
 
 DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
-ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "general_linear",
-                 "balance", "residual", *DATA_OPTIONS)
+ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "judge_starts",
+                 "general_linear", "balance", "residual", *DATA_OPTIONS)
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:

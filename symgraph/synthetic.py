@@ -17,20 +17,24 @@ with the top class. examples/RESULTS.md has every pair.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Sequence
 
 import torch
 
 from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
+from .inputs import example_inputs
 
-__all__ = ["SPEC", "is_synthetic", "learning_only", "synthetic_data"]
+__all__ = ["SPEC", "is_synthetic", "learning_only", "path_judge", "synthetic_data"]
 
 SPEC = "synthetic"
 LENGTH = 128  # tokens per sampled sequence (fewer where the model's positions run out)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
+JUDGE_EXAMPLES = 64  # synthetic examples a path judge scores candidate alignments on
 
 State = dict[str, torch.Tensor]
+_log = logging.getLogger(__name__)
 
 
 def is_synthetic(spec) -> bool:
@@ -59,35 +63,40 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
                         f"{type(model).__name__} has none.",
                         hint="pass real data (--data SPEC) to learned matching for this model.")
-    copies = [_carrying(model, state) for state in endpoints]
+    twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
     sizes = [min(batch_size, examples - start) for start in range(0, examples, batch_size)]
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(seed)
-        task = _task(copies[0], config, seed)
-        batches = tuple(_labelled(copies, inputs, task) for inputs in _inputs(copies, config, task, sizes, seed))
-    return Dataset(f"{SPEC} ({examples} examples, {'sampled' if _samples(copies[0], task) else 'random'} inputs)",
-                   task, batches)
+        task = _task(twin, endpoints[0], config, seed)
+        sampled = _samples(twin, task)
+        inputs = _sampled_inputs(twin, endpoints, config, sizes, seed) if sampled else [
+            example_inputs(config, batch=size, seq=_length(config), seed=seed + index)
+            for index, size in enumerate(sizes)]
+        batches = tuple(_labelled(twin, endpoints, batch, task) for batch in inputs)
+    return Dataset(f"{SPEC} ({examples} examples, {'sampled' if sampled else 'random'} inputs)", task, batches)
 
 
-def _carrying(model: torch.nn.Module, state: State) -> torch.nn.Module:
-    """A private copy of ``model`` in eval mode with ``state`` loaded (tied names may be missing from it)."""
-    twin = copy.deepcopy(model).eval()
-    twin.load_state_dict(state, strict=False)
-    return twin
+def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of ``model`` carrying ``state`` (entries missing from it as the model has them; a tied
+    embedding's copies share one tensor in the model, so only the first name of each tie is passed)."""
+    from .verify import _aliases
+
+    tied = {name for names in _aliases(model) for name in names[1:]}
+    state = {k: v for k, v in state.items() if k not in tied}
+    return logits_of(torch.func.functional_call(model, state, (), inputs, strict=False))
 
 
-def _task(model: torch.nn.Module, config, seed: int) -> str:
+def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     """``causal_lm`` for a model reading token ids that predicts a distribution per position, ``classification``
     for one that predicts one per example; anything else is refused."""
-    from .inputs import example_inputs
-
     inputs = example_inputs(config, batch=2, seq=8, seed=seed)
     try:
-        logits = logits_of(model(**inputs))
+        logits = _run(model, state, inputs)
     except DataError:
         logits = None
     ids = inputs.get("input_ids")
-    if (logits is not None and logits.dim() == 3 and ids is not None and logits.shape[:2] == ids.shape
+    # a causal LM reads token ids alone (an encoder-decoder's decoder ids would need their own samples)
+    if (logits is not None and logits.dim() == 3 and set(inputs) == {"input_ids"} and logits.shape[:2] == ids.shape
             and logits.shape[-1] == getattr(config, "vocab_size", None)):
         return "causal_lm"
     if logits is not None and logits.dim() == 2 and logits.shape[0] == 2:
@@ -104,20 +113,22 @@ def _samples(model: torch.nn.Module, task: str) -> bool:
     return task == "causal_lm" and callable(can_generate) and bool(can_generate())
 
 
-def _inputs(copies, config, task: str, sizes: list[int], seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    from .inputs import example_inputs
-
-    length = _length(config)
+def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, sizes: list[int],
+                    seed: int) -> list[dict[str, torch.Tensor]]:
+    """Batches of ``sizes`` sequences, each sampled from one endpoint in turn (even rows from the first, odd ones
+    from the second...: inputs the models themselves find likely) after a random first token."""
+    length, count = _length(config), len(endpoints)
+    firsts = [example_inputs(config, batch=size, seq=1, seed=seed + index)["input_ids"]
+              for index, size in enumerate(sizes)]
+    parts = []
+    for which, state in enumerate(endpoints):  # one endpoint's state at a time in the private copy
+        model.load_state_dict(state, strict=False)
+        parts.append([_sampled(model, first[which::count], length, config) for first in firsts])
+    batches = []
     for index, size in enumerate(sizes):
-        drawn = example_inputs(config, batch=size, seq=length, seed=seed + index)
-        if not _samples(copies[0], task):
-            yield drawn
-            continue
-        first = drawn["input_ids"][:, :1]
-        # half the batch sampled from each endpoint: inputs the models themselves find likely
-        parts = [_sampled(m, first[half::len(copies)], length, config) for half, m in enumerate(copies)]
-        order = torch.argsort(torch.cat([torch.arange(half, size, len(copies)) for half in range(len(copies))]))
-        yield {"input_ids": torch.cat(parts)[order]}
+        order = torch.argsort(torch.cat([torch.arange(which, size, count) for which in range(count)]))
+        batches.append({"input_ids": torch.cat([part[index] for part in parts])[order]})
+    return batches
 
 
 def _length(config) -> int:
@@ -136,10 +147,11 @@ def _sampled(model: torch.nn.Module, first: torch.Tensor, length: int, config) -
                           min_length=length, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=pad)[:, :length]
 
 
-def _labelled(copies, inputs: dict[str, torch.Tensor], task: str) -> Batch:
+def _labelled(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[str, torch.Tensor],
+              task: str) -> Batch:
     """``inputs`` with the endpoints' mean predicted distribution as soft targets (its :data:`TOP` likeliest
     classes, renormalised) and its top class (next token) as labels."""
-    mean = sum(logits_of(m(**inputs)).float().softmax(-1) for m in copies) / len(copies)
+    mean = sum(_run(model, state, inputs).float().softmax(-1) for state in endpoints) / len(endpoints)
     probabilities, ids = mean.topk(min(TOP, mean.shape[-1]), dim=-1)
     targets = (probabilities / probabilities.sum(-1, keepdim=True), ids)
     top = ids[..., 0]
@@ -148,3 +160,27 @@ def _labelled(copies, inputs: dict[str, torch.Tensor], task: str) -> Batch:
     tokens = inputs["input_ids"]
     # causal LM labels are the ids the loss shifts by one: position t + 1 holds the guess made at position t
     return Batch(inputs, torch.cat([tokens[:, :1], top[:, :-1]], dim=1), targets)
+
+
+def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples: int = JUDGE_EXAMPLES):
+    """A judge of alignments of ``source`` to ``anchor`` (:func:`symgraph.alignment.align_states`): the loss along
+    the path (t = 1/4, 1/2, 3/4; :func:`symgraph.learn.path_loss`) from ``anchor`` to an aligned source, on
+    ``examples`` synthetic examples made on the first call. It returns None when synthetic data cannot be made
+    for ``model`` (no config, neither a classifier nor a causal LM): the caller then decides without it."""
+    from .consensus import shared_float_names
+    from .learn import path_loss
+
+    made: list[Dataset | None] = []
+
+    def judge(aligned: State) -> float | None:
+        if not made:
+            try:
+                made.append(synthetic_data(model, (source, anchor), examples=examples, batch_size=32))
+            except DataError as error:  # not a classifier or causal LM: no judge, and say why once
+                _log.info("the starts are not judged on synthetic data: %s", error)
+                made.append(None)
+        if made[0] is None:
+            return None
+        return path_loss(model, anchor, aligned, shared_float_names(anchor, frozenset()), made[0],
+                         len(made[0].batches))
+    return judge

@@ -18,6 +18,7 @@ from symgraph.elements import Element, apply, sample
 from symgraph.errors import InvarianceError, MismatchError, ModelLoadError, SymgraphError
 from symgraph.solve import dispatch
 from symgraph.solve.workspace import Workspace
+from symgraph.synthetic import path_judge
 from symgraph.verify import Evaluator, free_members
 
 from cli_runner import run, tree_digest
@@ -154,6 +155,52 @@ def test_permutation_mode_is_never_farther_than_textbook_weight_matching(family)
     assert recovery_only.start == "recovery" and list(recovery_only.starts) == ["recovery"]
     replayed = apply(source, ours.elements)  # still a reparametrisation of the source: its own elements replay it
     assert all(torch.allclose(replayed[k], ours.state[k], rtol=0, atol=1e-12) for k in anchor)
+
+
+def test_a_judge_chooses_full_modes_start_by_its_score_not_by_distance():
+    groups, source, anchor = twins("vit")
+    plain = align_states(groups, source, anchor)
+    closer = align_states(groups, source, anchor, judge=lambda state: relative_distance(state, anchor))
+    farther = align_states(groups, source, anchor, judge=lambda state: -relative_distance(state, anchor))
+    assert plain.path_losses == {} and set(closer.path_losses) == set(farther.path_losses) == {"recovery", "matching"}
+    assert closer.start == plain.start == "matching" and farther.start == "recovery"  # the twins' closer: matching
+    assert farther.path_losses["recovery"] < farther.path_losses["matching"]
+    assert closer.distance_after == plain.distance_after < farther.distance_after
+    unable = align_states(groups, source, anchor, judge=lambda state: None)  # a judge that cannot judge
+    assert unable.start == plain.start and unable.path_losses == {} and unable.distance_after == plain.distance_after
+
+
+@pytest.mark.parametrize("family, judged", [("llama", True), ("vit", False)])
+def test_a_judge_chooses_permutation_modes_start_only_among_those_no_farther_than_the_textbook(family, judged):
+    groups, source, anchor = twins(family)
+    groups = select_groups(groups, "permutation")
+    textbook = weight_matching(groups, source, anchor)
+    calls = []
+
+    def prefer_recovery(state):
+        calls.append(1)
+        return relative_distance(state, anchor)
+
+    result = align_states(groups, source, anchor, mode="permutation", judge=prefer_recovery)
+    assert result.distance_after <= textbook.distance_after * (1 + 1e-9)
+    # measured: the llama twins' first start (descended to its end) is closer than the textbook, the ViT twins' not
+    assert (result.starts["recovery"] <= result.starts["matching"]) == judged
+    assert bool(calls) == judged and set(result.path_losses) == ({"recovery", "matching"} if judged else set())
+    assert result.start == ("recovery" if judged else "matching")
+    replayed = apply(source, result.elements)
+    assert all(torch.allclose(replayed[k], result.state[k], rtol=0, atol=1e-12) for k in anchor)
+
+
+def test_api_align_judges_the_starts_on_synthetic_data_unless_told_not_to():
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+    judged = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    assert set(judged.path_losses) == {"recovery", "matching"}
+    assert judged.start == min(judged.path_losses, key=judged.path_losses.get)
+    unjudged = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), judge_starts=False)
+    assert unjudged.path_losses == {} and unjudged.start == min(unjudged.starts, key=unjudged.starts.get)
+    plain = torch.nn.Linear(2, 2)  # no config, no synthetic data: the judge abstains
+    assert path_judge(plain, plain.state_dict(), plain.state_dict())(plain.state_dict()) is None
 
 
 @pytest.mark.parametrize("name", ["vit-digits", "bert-topics", "llama-chars"])
@@ -312,6 +359,18 @@ def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to
     assert both["start"] == "matching" and first["start"] == "recovery"
     assert both["distance_after"] < both["distance_before"] and first["distance_after"] < first["distance_before"]
     assert both["distance_after"] != first["distance_after"]  # two different alignments, the textbook's kept
+
+
+def test_cli_align_judges_the_starts_on_synthetic_data_unless_told_not_to(tmp_path):
+    anchor, source = shipped_pair("vit-digits")
+    for name, extra in (("judged", ()), ("unjudged", ("--no-judge-starts",))):
+        res = run("align", source, anchor, "-o", tmp_path / name, "--quiet", "--stats", tmp_path / f"{name}.json",
+                  *extra)
+        assert res.returncode == 0, res.stderr
+    judged, unjudged = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("judged", "unjudged"))
+    assert judged["path_losses"].keys() == {"recovery", "matching"} and "path_losses" not in unjudged
+    assert judged["start"] == min(judged["path_losses"], key=judged["path_losses"].get)
+    assert unjudged["start"] == min(unjudged["starts"], key=unjudged["starts"].get)  # full mode: the closer start
 
 
 def test_cli_align_refuses_bad_input_and_leaves_nothing(tmp_path):

@@ -212,7 +212,7 @@ def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, bac
         [e.matrices.detach().clone() for e in elements if e.matrices is not None]) or moved(start, elements))
     a, b = vit_pair
     result = symgraph.align(b, a, learn=LearnOptions(steps=4, checks=4, eval_batches=1, backtracks=backtracks),
-                            learn_data="digits")
+                            learn_data="digits", judge_starts=False)  # no path loss checked before learning
     learned = result.learned
     assert learned["end_path_loss"] == 0.7 and learned["kept"]
     back_to_best = all(torch.equal(x, y) for x, y in zip(seen[1], seen[2]))  # step 3 starts where step 2 did
@@ -253,7 +253,7 @@ def test_learning_stops_when_the_checks_stop_finding_a_lower_path_loss(vit_pair,
     _checked_losses(monkeypatch, losses)
     a, b = vit_pair
     options = LearnOptions(steps=12, checks=12, eval_batches=1, patience=patience, tolerance=tolerance)
-    learned = symgraph.align(b, a, learn=options, learn_data="digits").learned
+    learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
     assert learned["steps"] == steps and learned["stopped"] == stopped
     assert learned["end_path_loss"] == min(losses[:steps + 1])
 
@@ -300,7 +300,7 @@ def test_cli_learning_options_stop_early_and_say_why(vit_pair, tmp_path, monkeyp
     a, b = vit_pair
     code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
                                "--learn-steps", 8, "--learn-patience", 2, "--learn-tolerance", "0.5",
-                               "--stats", tmp_path / "stats.json", "--quiet")
+                               "--stats", tmp_path / "stats.json", "--quiet", "--no-judge-starts")
     assert code == 0, stderr
     why = "the last 2 checks lowered the path loss by 0.06, no more than 0.5 of the 0.56 gained"
     assert "learned over 3 steps" in stdout and f"stopped early ({why})" in stdout
@@ -310,7 +310,7 @@ def test_cli_learning_options_stop_early_and_say_why(vit_pair, tmp_path, monkeyp
     monkeypatch.setattr(symgraph.learn, "time", _Clock())
     code, stdout, stderr = run("barrier", a, b, "--data", "digits", "--limit", 32, "--steps", 3,
                                "--align", "full+learn", "--learn-steps", 40, "--learn-seconds", "3.5",
-                               "--learn-patience", 0, "-o", tmp_path / "b.png", "--no-progress")
+                               "--learn-patience", 0, "-o", tmp_path / "b.png", "--no-progress", "--no-judge-starts")
     assert code == 0, stderr
     # 2 s after step 1 (1 s a step and 1 s before learning): the 1.5 s left do not fit a step of 2 s
     assert "stopped early (the time cap of 3.5 s)" in stdout and "learned over 2 steps" in stdout

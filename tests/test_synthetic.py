@@ -80,6 +80,21 @@ def test_the_loss_on_soft_targets_is_their_cross_entropy_over_every_example_and_
     assert torch.allclose(batch_loss(model, batch, task).double(), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("family, task", [("gpt2", "causal_lm"), ("llama-tied", "causal_lm"),
+                                          ("bert", "classification"), ("t5", None)])
+def test_tied_embeddings_and_encoder_decoders(family, task):
+    a, b = zoo.build(family, seed=0).eval(), zoo.build(family, seed=1).eval()
+    if task is None:  # an encoder-decoder reads decoder ids the samples would need too: refused
+        with pytest.raises(DataError, match="classifiers and causal language models"):
+            synthetic_data(a, [a.state_dict(), b.state_dict()], examples=4, batch_size=2)
+        return
+    data = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=4, batch_size=2)
+    assert data.task == task
+    for batch in data.batches:  # tied names carry one tensor: the labels are still both models' mean prediction
+        assert torch.equal(batch.labels if task == "classification" else batch.targets[1][..., 0],
+                           _mean_probabilities((a, b), batch.inputs).argmax(-1))
+
+
 def test_models_without_a_task_synthetic_data_serves_are_refused():
     base = transformers.BertModel(zoo.tiny_config("bert"))  # hidden states, no logits
     with pytest.raises(DataError, match="classifiers and causal language models"):
