@@ -63,11 +63,11 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
                         f"{type(model).__name__} has none.",
                         hint="pass real data (--data SPEC) to learned matching for this model.")
-    twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
     sizes = [min(batch_size, examples - start) for start in range(0, examples, batch_size)]
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(seed)
-        task = _task(twin, endpoints[0], config, seed)
+        task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
+        twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
         sampled = _samples(twin, task)
         inputs = _sampled_inputs(twin, endpoints, config, sizes, seed) if sampled else [
             example_inputs(config, batch=size, seq=_length(config), seed=seed + index)
