@@ -176,10 +176,11 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     so the mode is never farther from the anchor than the textbook; in ``full`` mode one round of it (the
     descent re-solves every permutation), skipped when the first start already removed 90% of the distance
     (:func:`_found_share`). An exact recovery always skips it. In ``full`` mode both starts descend
-    :data:`PROBE_ROUNDS` rounds and only the closer one descends on to the end (``result.starts``: each start's
-    distance when the closer was chosen); ``permutation`` mode keeps the weight-matching start whenever it runs
-    (between independent models it is then textbook weight matching: kept by distance, the closer first start
-    had the higher loss barrier on both trained ViT pairs and the lower on both LLaMA pairs, examples/RESULTS.md).
+    :data:`PROBE_ROUNDS` rounds and only the kept one descends on to the end (``result.starts``: each start's
+    distance when the choice was made); without a ``judge`` (below) full mode keeps the closer one and
+    ``permutation`` mode the weight-matching start whenever it runs (it is then textbook weight matching; kept by
+    distance, the closer first start had the higher loss barrier on both trained ViT pairs and the lower on both
+    LLaMA pairs, examples/RESULTS.md).
     ``progress(stage, group, done, total)`` is called after every solve. ``cost_excluded`` lists members whose
     slices the model ignores (they move with their groups but never enter a cost). Neither input is modified.
     Work happens in float64 for float64 models and in float32 otherwise (fp16/bf16 weights are upcast), or in
