@@ -471,12 +471,12 @@ class _InterpolatedLoss:
     on a private copy of the model; the anchor's entries outside ``names`` are used as they are)."""
 
     def __init__(self, model: torch.nn.Module, anchor: State, names: Sequence[str], task: str):
-        from .verify import _aliases
+        from .verify import tied_copies
 
         self.module = _Functional(copy.deepcopy(model).eval())
         self.anchor, self.names, self.task = anchor, list(names), task
         # tied names share one tensor in the module: passing one of them is enough
-        self.skip = {n for group in _aliases(model) for n in group[1:]}
+        self.skip = tied_copies(model)
 
     def __call__(self, other: State, t: float, batch) -> torch.Tensor:
         from .datasets import batch_loss

@@ -79,9 +79,9 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits of ``model`` carrying ``state`` (entries missing from it as the model has them; a tied
     embedding's copies share one tensor in the model, so only the first name of each tie is passed)."""
-    from .verify import _aliases
+    from .verify import tied_copies
 
-    tied = {name for names in _aliases(model) for name in names[1:]}
+    tied = tied_copies(model)
     state = {k: v for k, v in state.items() if k not in tied}
     return logits_of(torch.func.functional_call(model, state, (), inputs, strict=False))
 

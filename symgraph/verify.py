@@ -162,6 +162,12 @@ def _aliases(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
+def tied_copies(model: torch.nn.Module) -> set[str]:
+    """Every name of a tie but its first: a functional call (torch.func.functional_call) on ``model`` takes one
+    name of each tie, the others sharing its tensor."""
+    return {name for names in _aliases(model) for name in names[1:]}
+
+
 # Relative tolerance by the lowest float precision seen during the forward pass: float64 end to end gives ~1e-15;
 # models that cast to fp32 inside (HF RMSNorm, eager softmax) give ~1e-7 even when fed float64.
 TOLERANCE = {torch.float64: FLOAT64_TOL, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
