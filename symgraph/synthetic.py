@@ -3,21 +3,23 @@
 Learned matching (:mod:`symgraph.learn`) lowers the loss of the interpolated model on data. With no data at hand,
 the path can still be taught to compute what its two endpoints compute together: on inputs the models make
 themselves (a causal LM's own samples, half drawn from each endpoint, from a random first token) or, for a model
-that cannot generate, on random inputs of the shapes its config describes (Gaussian pixels, uniform token ids,
-:func:`symgraph.inputs.example_inputs`), each with the endpoints' mean predicted distribution as its soft target
-(its :data:`TOP` likeliest classes; the likeliest is the label). The data SPEC ``synthetic`` asks for it; it serves
-learned matching only, since its labels come from the very models being aligned (evaluation, activation costs and
-Fisher/RegMean statistics need real data).
+that cannot generate, on random inputs of the shapes its config describes (:func:`symgraph.inputs.example_inputs`):
+a classifier's pixels (or audio) are inverted, moved by a few steps of Adam until the endpoints together assign
+each to a class drawn for it; token ids stay uniform. Each example's soft target is the endpoints' mean predicted
+distribution (its :data:`TOP` likeliest classes; the likeliest is the label). The data SPEC ``synthetic`` asks for
+it; it serves learned matching only, since its labels come from the very models being aligned (evaluation,
+activation costs and Fisher/RegMean statistics need real data).
 
-Measured on llama-chars (loss barrier on the real test split, 11 points; data-free full mode 1.930): 300 steps on
-the models' own samples reach 0.539 with soft targets, 0.746 with the top token alone, and 1.298 (1000 steps) on
-uniform random tokens with the top token; on vit-digits (3.262) Gaussian noise images reach 1.385 soft and 1.406
-with the top class. examples/RESULTS.md has every pair.
+Measured (loss barrier on the real test split, 11 points, 300 steps): llama-chars, data-free full mode 1.930,
+reaches 0.539 on the models' own samples with soft targets, 0.746 with the top token alone, and 1.298 (1000 steps)
+on uniform random tokens; vit-digits, full mode 3.262, reaches 0.887 on inverted images and 1.385 on the Gaussian
+noise they start from. examples/RESULTS.md has every pair.
 """
 from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +34,8 @@ SPEC = "synthetic"
 LENGTH = 128  # tokens per sampled sequence (fewer where the model's positions run out)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
 JUDGE_EXAMPLES = 64  # synthetic examples a path judge scores candidate alignments on
+# model inversion of a classifier's random pixels (or audio): steps, Adam's rate, the weight of the L2 prior
+INVERSION_STEPS, INVERSION_LR, INVERSION_PRIOR = 30, 0.1, 1e-3
 
 State = dict[str, torch.Tensor]
 _log = logging.getLogger(__name__)
@@ -53,11 +57,11 @@ def learning_only() -> DataError:
 
 
 def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, examples: int, batch_size: int,
-                   seed: int = 0) -> Dataset:
+                   seed: int = 0, invert: bool = True) -> Dataset:
     """``examples`` synthetic training examples (module docstring) in batches of ``batch_size``, labelled by the
     mean prediction of ``model`` carrying each state of ``endpoints`` (the source and the anchor of a learned
-    alignment: one architecture, ``model``'s). ``seed`` fixes every draw; the global random state is left as it
-    was."""
+    alignment: one architecture, ``model``'s); a classifier's inputs inverted unless ``invert`` is False. ``seed``
+    fixes every draw; the global random state is left as it was."""
     config = getattr(model, "config", None)
     if config is None:
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
@@ -68,12 +72,19 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         torch.manual_seed(seed)
         task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
         twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
+        twin.requires_grad_(False)  # inversion differentiates the inputs only
         sampled = _samples(twin, task)
-        inputs = _sampled_inputs(twin, endpoints, config, sizes, seed) if sampled else [
-            example_inputs(config, batch=size, seq=_length(config), seed=seed + index)
-            for index, size in enumerate(sizes)]
+        if sampled:
+            inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, seed), "sampled"
+        else:
+            inputs = [example_inputs(config, batch=size, seq=_length(config), seed=seed + index)
+                      for index, size in enumerate(sizes)]
+            kind = "inverted" if invert and task == "classification" and any(map(torch.is_floating_point,
+                                                                                 inputs[0].values())) else "random"
+            if kind == "inverted":
+                inputs = [_inverted(twin, endpoints, batch) for batch in inputs]
         batches = tuple(_labelled(twin, endpoints, batch, task) for batch in inputs)
-    return Dataset(f"{SPEC} ({examples} examples, {'sampled' if sampled else 'random'} inputs)", task, batches)
+    return Dataset(f"{SPEC} ({examples} examples, {kind} inputs)", task, batches)
 
 
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,6 +142,29 @@ def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, 
     return batches
 
 
+def _inverted(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+    """``inputs`` with their floating-point tensors (pixels, audio) moved by :data:`INVERSION_STEPS` steps of Adam
+    towards examples the endpoints together assign to a class drawn at random for each (model inversion, with a
+    small L2 prior): random inputs a classifier is sure of, not noise it is indifferent to. Token ids stay as
+    they are."""
+    moving = {k: v.clone().requires_grad_(True) for k, v in inputs.items() if v.is_floating_point()}
+    with torch.enable_grad():
+        classes = _run(model, endpoints[0], inputs).shape[-1]
+        wanted = torch.randint(classes, (next(iter(moving.values())).shape[0],))
+        optimiser = torch.optim.Adam(moving.values(), lr=INVERSION_LR)
+        for _ in range(INVERSION_STEPS):
+            current = {**inputs, **moving}
+            log_mean = torch.stack([_run(model, state, current).float().log_softmax(-1) for state in endpoints])
+            log_mean = log_mean.logsumexp(0) - math.log(len(endpoints))  # log of the mean probability
+            prior = sum(v.pow(2).mean() for v in moving.values())
+            loss = torch.nn.functional.nll_loss(log_mean, wanted) + INVERSION_PRIOR * prior
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    return {**inputs, **{k: v.detach() for k, v in moving.items()}}
+
+
 def _length(config) -> int:
     positions = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")]
     known = [int(p) for p in positions if isinstance(p, int) and p > 1]
@@ -165,8 +199,9 @@ def _labelled(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[s
 def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples: int = JUDGE_EXAMPLES):
     """A judge of alignments of ``source`` to ``anchor`` (:func:`symgraph.alignment.align_states`): the loss along
     the path (t = 1/4, 1/2, 3/4; :func:`symgraph.learn.path_loss`) from ``anchor`` to an aligned source, on
-    ``examples`` synthetic examples made on the first call. It returns None when synthetic data cannot be made
-    for ``model`` (no config, neither a classifier nor a causal LM): the caller then decides without it."""
+    ``examples`` synthetic examples made on the first call (a classifier's not inverted). It returns None when
+    synthetic data cannot be made for ``model`` (no config, neither a classifier nor a causal LM): the caller then
+    decides without it."""
     from .consensus import shared_float_names
     from .learn import path_loss
 
@@ -175,7 +210,9 @@ def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples
     def judge(aligned: State) -> float | None:
         if not made:
             try:
-                made.append(synthetic_data(model, (source, anchor), examples=examples, batch_size=32))
+                # the inputs as drawn: judging the starts on them needs no inversion (they ranked the trained
+                # pairs' starts right, examples/RESULTS.md) and inversion would cost more than the alignment
+                made.append(synthetic_data(model, (source, anchor), examples=examples, batch_size=32, invert=False))
             except DataError as error:  # not a classifier or causal LM: no judge, and say why once
                 _log.info("the starts are not judged on synthetic data: %s", error)
                 made.append(None)
