@@ -195,8 +195,8 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     the whole group; ``permutation``, its permutations (:func:`monomial_subgroup`); ``auto`` (the default of
     :func:`symgraph.align`, ``merge`` and ``barrier``), :func:`residual_group`'s choice (``result.residual`` says
     which was used). ``judge(state)`` (lower is better), when given, chooses between the two starts by what
-    the aligned source computes on the path rather than by distance (:func:`symgraph.api.start_judge`: the path loss
-    on synthetic data; ``result.path_losses`` holds each start's): in ``full`` mode after :data:`PROBE_ROUNDS`
+    the aligned source computes on the path rather than by distance (:func:`symgraph.synthetic.path_judge`: the path
+    loss on synthetic data; ``result.path_losses`` holds each start's): in ``full`` mode after :data:`PROBE_ROUNDS`
     rounds of each, in ``permutation`` mode after the first start's whole descent, among the starts no farther
     than textbook weight matching (so the mode stays no farther than the textbook).
     """
