@@ -67,6 +67,10 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
                         f"{type(model).__name__} has none.",
                         hint="pass real data (--data SPEC) to learned matching for this model.")
+    from .verify import tied_copies
+
+    tied = tied_copies(model)  # a functional call takes one name of each tie: the others are dropped once, here
+    endpoints = [{k: v for k, v in state.items() if k not in tied} for state in endpoints]
     sizes = [min(batch_size, examples - start) for start in range(0, examples, batch_size)]
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(seed)
@@ -88,12 +92,8 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
 
 
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits of ``model`` carrying ``state`` (entries missing from it as the model has them; a tied
-    embedding's copies share one tensor in the model, so only the first name of each tie is passed)."""
-    from .verify import tied_copies
-
-    tied = tied_copies(model)
-    state = {k: v for k, v in state.items() if k not in tied}
+    """The logits of ``model`` carrying ``state`` (one name of each tie; entries missing from it as the model has
+    them)."""
     return logits_of(torch.func.functional_call(model, state, (), inputs, strict=False))
 
 
