@@ -90,7 +90,7 @@ QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3)
 # steps. The LLaMA reads 128-character windows, so it evaluates fewer test windows at fewer points and learns for
 # fewer steps.
 WIDE = {"vit-digits-wide": Settings(steps=11, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps),
-        "llama-chars-wide": Settings(steps=7, test_limit=64, stats_limit=64, learn_steps=100)}
+        "llama-chars-wide": Settings(steps=7, test_limit=64, stats_limit=64, learn_steps=300)}
 WIDE_MERGED = ("vit-digits-wide",)
 WIDE_BAR = {"full": 0.35, "with data": 0.10, "merge": 1.20}  # issue 9: barrier / unaligned; merged / endpoint loss
 _START = time.perf_counter()

@@ -143,7 +143,7 @@ def _learn_options(command, *, flag: bool = True):
     ``barrier`` (whose learned modes, e.g. ``full+learn``, take the place of the ``--learn`` flag)."""
     options = [
         click.option("--learn-steps", type=click.IntRange(min=1), default=lambda: _learn_default("steps"),
-                     show_default="300",
+                     show_default="1000",
                      help="Optimiser steps of learned matching: the learning rate anneals over them, and learning "
                           "stops after them at the latest."),
         click.option("--learn-patience", type=click.IntRange(min=0), default=lambda: _learn_default("patience"),

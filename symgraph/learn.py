@@ -99,7 +99,7 @@ class LearnOptions:
     the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
-    steps: int = 300
+    steps: int = 1000
     lr: float = 1e-2
     batch_size: int = 32
     t: str = "auto"
