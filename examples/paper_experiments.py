@@ -85,10 +85,9 @@ class Settings:
 FULL = Settings(steps=21, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps)
 QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3)
 # The wide pairs get the barrier in every mode, not the whole study: one alignment of a 3M-parameter pair takes
-# tens of seconds; the ViT (the issue's merge bar) also one merge. Learned matching takes about 0.27 s a step on
-# the wide ViT on an idle machine (one thread; 2.6 s was measured on a loaded one), so it gets the default 300
-# steps. The LLaMA reads 128-character windows, so it evaluates fewer test windows at fewer points and learns for
-# fewer steps.
+# tens of seconds; the ViT (the issue's merge bar) also one merge. Learned matching takes about 0.3 s a step on
+# the wide ViT on an idle machine (one thread), so it gets the default 1000 steps. The LLaMA reads 128-character
+# windows (about 1.2 s a step), so it evaluates fewer test windows at fewer points and learns for 300 steps.
 WIDE = {"vit-digits-wide": Settings(steps=11, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps),
         "llama-chars-wide": Settings(steps=7, test_limit=64, stats_limit=64, learn_steps=300)}
 WIDE_MERGED = ("vit-digits-wide",)
@@ -521,7 +520,8 @@ def render(results: dict, settings: Settings, command: str, seconds: float, wide
         "changes nothing; `symgraph.alignment.weight_matching`). `full+data` aligns on activations of the train split "
         "(the residual stream; `symgraph.activations`) and keeps the weight-matched alignment instead where its "
         "loss along the path on those batches is lower; `full+learn` tunes the weight-matched alignment by "
-        "learned matching on the train split (`symgraph.learn`, 300 steps), and `full+learn (synthetic)` the "
+        "learned matching on the train split (`symgraph.learn`, "
+        f"{settings.learn_steps} steps), and `full+learn (synthetic)` the "
         "same on 1600 synthetic examples instead (`--learn-data synthetic`, `symgraph.synthetic`: the models' "
         "mean prediction as soft targets; no data at all). Evaluation uses each dataset's "
         f"fixed test split ({test}); Fisher and RegMean statistics use the first {settings.stats_limit} examples "
