@@ -511,3 +511,21 @@ def test_cli_barrier_and_merge_take_learned_matching(vit_pair, tmp_path):
     assert "learned matching" in stdout
     data = load_data("digits", limit=64)
     assert math.isfinite(evaluate(symgraph.load(str(tmp_path / "merged")).model, data).loss)
+
+
+@pytest.mark.parametrize("command", ["align", "merge", "barrier"])
+def test_cli_learning_defaults_shown_in_help_are_the_options_defaults(command):
+    """Each --learn-* option whose help shows a plain value shows LearnOptions' own default (the help text is
+    written by hand, the default read lazily: the two must not drift apart, as when the steps went 300 -> 1000)."""
+    from symgraph.cli import cli
+
+    shown = {}
+    for param in cli.commands[command].params:
+        name = param.name.removeprefix("learn_")
+        if param.name.startswith("learn_") and isinstance(param.show_default, str) and hasattr(LearnOptions, name):
+            shown[name] = param.show_default
+    assert {"steps", "lr", "batch_size", "patience", "t"} <= set(shown)
+    for name, text in shown.items():
+        value = getattr(LearnOptions, name)
+        if isinstance(value, str) or text.replace(".", "", 1).isdigit():
+            assert text == str(value), f"--learn-{name.replace('_', '-')} shows {text}, LearnOptions has {value}"
