@@ -149,14 +149,15 @@ def _inverted(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[s
     small L2 prior): random inputs a classifier is sure of, not noise it is indifferent to. Token ids stay as
     they are."""
     moving = {k: v.clone().requires_grad_(True) for k, v in inputs.items() if v.is_floating_point()}
+    wanted = None  # a class per example, drawn once the first step's logits show how many classes there are
     with torch.enable_grad():
-        classes = _run(model, endpoints[0], inputs).shape[-1]
-        wanted = torch.randint(classes, (next(iter(moving.values())).shape[0],))
         optimiser = torch.optim.Adam(moving.values(), lr=INVERSION_LR)
         for _ in range(INVERSION_STEPS):
             current = {**inputs, **moving}
             log_mean = torch.stack([_run(model, state, current).float().log_softmax(-1) for state in endpoints])
             log_mean = log_mean.logsumexp(0) - math.log(len(endpoints))  # log of the mean probability
+            if wanted is None:
+                wanted = torch.randint(log_mean.shape[-1], log_mean.shape[:1])
             prior = sum(v.pow(2).mean() for v in moving.values())
             loss = torch.nn.functional.nll_loss(log_mean, wanted) + INVERSION_PRIOR * prior
             optimiser.zero_grad()
