@@ -245,6 +245,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     ``device`` (``cpu`` or ``cuda``) and ``dtype`` (``float32`` or ``float64``) say where and in what the alignment
     computes (:func:`symgraph.alignment.align_states`); a device this machine lacks or another dtype is refused
     before anything is loaded.
+    ``progress``: True shows a bar per stage (and one for learning) on stderr, only on a terminal; None (the
+    default) or False, none; a callable is called as ``progress(stage, group, done, total)`` after every solve.
 
     With ``data`` (a data SPEC, train split unless it names one, or a :class:`~symgraph.datasets.Dataset`),
     costs come from activations (:mod:`symgraph.activations`): ``data_batches`` batches of ``data_batch_size``
@@ -277,6 +279,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     """
     from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
                             free_cost_members, relative_distance, select_groups)
+    from .progress import StageBars, stage_callback
     from .synthetic import path_judge
     from .verify import Evaluator
 
@@ -285,6 +288,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
 
         raise LearnError("learn_data is what learned matching learns on, and learning was not asked for.",
                          hint="pass --learn (learn=True) with --learn-data, or leave --learn-data out.")
+    bars = StageBars()
+    report = stage_callback(progress, bars)
     learn_data = data if learn_data is None else learn_data
     check_learn(learn, learn_data)
     device, dtype = compute_device(device), compute_dtype(dtype)
@@ -306,34 +311,35 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
-    options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
-                   matching_start=matching_start, progress=progress, cost_excluded=free, device=device, dtype=dtype,
-                   balance=balance, residual=residual)
-    if dataset is None:  # the starts are judged by their path loss on synthetic data where it can be made
-        result = align_states(groups, state, anchor_state, **options,
-                              judge=path_judge(src.model, state, anchor_state) if judge_starts else None)
-    else:
-        from .activations import align_on_activations, data_cost_groups, record
+    with bars:
+        options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
+                       matching_start=matching_start, progress=report, cost_excluded=free, device=device, dtype=dtype,
+                       balance=balance, residual=residual)
+        if dataset is None:  # the starts are judged by their path loss on synthetic data where it can be made
+            result = align_states(groups, state, anchor_state, **options,
+                                  judge=path_judge(src.model, state, anchor_state) if judge_starts else None)
+        else:
+            from .activations import align_on_activations, data_cost_groups, record
 
-        clock = time.perf_counter()
-        recording = record(src, anc, groups, dataset, batches=data_batches,
-                           use={g.id for g in data_cost_groups(groups, data_groups)})
-        timings["record_activations"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        on_activations = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups,
-                                              **{**options, "residual": "orthogonal" if residual == "auto"
-                                                 else residual})
-        timings["align_on_activations"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        on_weights = align_states(groups, state, anchor_state, **options)
-        on_weights.costs = {g.id: "weights" for g in groups}
-        timings["align_on_weights"] = time.perf_counter() - clock
-        result = lowest_path_loss({"activations": on_activations, "weights": on_weights}, src.model, anchor_state,
-                                  dataset, data_batches)
-    if learn:
-        clock = time.perf_counter()
-        result = learned(src, groups, state, anchor_state, result, learn_data, learn, free, progress is not None)
-        timings["learn"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            recording = record(src, anc, groups, dataset, batches=data_batches,
+                               use={g.id for g in data_cost_groups(groups, data_groups)})
+            timings["record_activations"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            on_activations = align_on_activations(groups, state, anchor_state, recording, data_groups=data_groups,
+                                                  **{**options, "residual": "orthogonal" if residual == "auto"
+                                                     else residual})
+            timings["align_on_activations"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            on_weights = align_states(groups, state, anchor_state, **options)
+            on_weights.costs = {g.id: "weights" for g in groups}
+            timings["align_on_weights"] = time.perf_counter() - clock
+            result = lowest_path_loss({"activations": on_activations, "weights": on_weights}, src.model, anchor_state,
+                                      dataset, data_batches)
+        if learn:
+            clock = time.perf_counter()
+            result = learned(src, groups, state, anchor_state, result, learn_data, learn, free, bool(report))
+            timings["learn"] = time.perf_counter() - clock
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]

@@ -303,14 +303,13 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     clock = time.perf_counter()
     subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
-    with _ProgressBar(disable=quiet) as bar:
-        result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=bar.update,
-                           fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
-                           data_groups=data_groups, device=device, dtype=dtype,
-                           learn=learn and _learning(**learning),
-                           learn_data=learn_data_spec,
-                           **_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
-                                      general_linear, balance, residual))
+    result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=not quiet,
+                       fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
+                       data_groups=data_groups, device=device, dtype=dtype,
+                       learn=learn and _learning(**learning),
+                       learn_data=learn_data_spec,
+                       **_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
+                                  general_linear, balance, residual))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -327,11 +326,12 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
 
 def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, shard_bytes,
                     overwrite, stats_path, quiet, device, dtype) -> None:
+    from .progress import StageBars
     from .streamed_align import align_streamed
 
     done = {}
     with _side_file(stats_path, lambda: json.dumps(done["result"].to_json() if done else {}, indent=1)), \
-            _ProgressBar(disable=quiet) as bar:
+            StageBars(enabled=not quiet) as bar:
         done["result"] = result = align_streamed(source, anchor, output, mode=mode, rescale=not no_rescale,
                                                  layers=span, rounds=refine_rounds, tolerance=tolerance,
                                                  fold=fold, shard_bytes=shard_bytes, overwrite=overwrite,
@@ -385,33 +385,6 @@ def _free_note(subject) -> str:
         return ""
     return (f"; free outputs {', '.join(f.name for f in free)} compared after undoing the residual stream's "
             f"element, so the written model returns them in a moved basis")
-
-
-class _ProgressBar:
-    """A bar per alignment stage (:func:`symgraph.progress.progress_bar`: on stderr, only on a terminal)."""
-
-    def __init__(self, disable: bool = False):
-        self.enabled = not disable
-        self.bar, self.stage = None, None
-
-    def update(self, stage, group, done, total) -> None:
-        from .progress import progress_bar
-
-        if stage != self.stage:
-            self.close()
-            self.bar, self.stage = progress_bar(desc=stage, total=total, enabled=self.enabled), stage
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _parse_layers(text):

@@ -96,6 +96,20 @@ def test_api_align_checks_the_function_and_reports_stages():
     assert stats["groups"] and all(g["after"] <= g["before"] + 1e-12 for g in stats["groups"].values())
 
 
+def test_api_align_takes_progress_as_merge_does_or_as_a_callback_and_refuses_anything_else():
+    subject, source = reparametrised("gpt2", noise=0.01)
+    model = zoo.build("gpt2", seed=0, dtype=torch.float64)
+    model.load_state_dict(source)
+    moved = symgraph.load(model, (subject.args, subject.kwargs))
+    calls = []
+    results = [symgraph.align(moved, subject, progress=p, judge_starts=False)
+               for p in (False, True, lambda *call: calls.append(call))]
+    assert len({round(r.distance_after, 12) for r in results}) == 1
+    assert calls and {len(call) for call in calls} == {4} and all(done <= total for *_, done, total in calls)
+    with pytest.raises(TypeError, match="progress must be True"):
+        symgraph.align(moved, subject, progress="yes")
+
+
 def twins(family):
     """(groups, source, anchor): two independent float64 initialisations of one tiny zoo model."""
     a, b = (zoo.build(family, seed=s, dtype=torch.float64) for s in (0, 1))
