@@ -85,11 +85,11 @@ class Settings:
 FULL = Settings(steps=21, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps)
 QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3)
 # The wide pairs get the barrier in every mode, not the whole study: one alignment of a 3M-parameter pair takes
-# tens of seconds; the ViT (the issue's merge bar) also one merge. Learned matching takes about 0.3 s a step on
-# the wide ViT on an idle machine (one thread), so it gets the default 1000 steps. The LLaMA reads 128-character
-# windows (about 1.2 s a step), so it evaluates fewer test windows at fewer points and learns for 300 steps.
+# tens of seconds; the ViT (the issue's merge bar) also one merge. Both learn the default 1000 steps (about 0.3 s a
+# step on the wide ViT on an idle machine, one thread). The LLaMA reads 128-character windows (about 1 s a step), so
+# it evaluates fewer test windows at fewer points.
 WIDE = {"vit-digits-wide": Settings(steps=11, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps),
-        "llama-chars-wide": Settings(steps=7, test_limit=64, stats_limit=64, learn_steps=300)}
+        "llama-chars-wide": Settings(steps=7, test_limit=64, stats_limit=64, learn_steps=LearnOptions.steps)}
 WIDE_MERGED = ("vit-digits-wide",)
 WIDE_BAR = {"full": 0.35, "with data": 0.10, "merge": 1.20}  # issue 9: barrier / unaligned; merged / endpoint loss
 _START = time.perf_counter()

@@ -167,7 +167,13 @@ def _learn_options(command, *, flag: bool = True):
                      help="Learning rate (Adam, cosine-annealed) of learned matching, width-aware: the step of each "
                           "entry of a 64 x 64 generator and of every log-scale or angle; a generator of side n "
                           "steps lr * sqrt(64 / n), so the weights move about as far per step at every width. "
-                          "Lowered (backtracking) when a check finds the path loss no better."),
+                          "Lowered (backtracking) when a check finds the path loss worse than the best so far "
+                          "(see --learn-backtrack-margin)."),
+        click.option("--learn-backtrack-margin", type=click.FloatRange(min=0),
+                     default=lambda: _learn_default("backtrack_margin"), show_default="0.5",
+                     help="A check of the path loss sends learning back to the best point so far at a lower "
+                          "learning rate only when it is worse than the best by more than this fraction of the "
+                          "path loss gained so far (0: whenever it is no better)."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
         click.option("--learn-t", type=click.Choice(["auto", "midpoint", "random"]),
@@ -224,13 +230,13 @@ def _learn_default(name: str):
 
 
 def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, learn_patience, learn_tolerance,
-              learn_seconds, learn_max_condition):
+              learn_seconds, learn_max_condition, learn_backtrack_margin):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method,
                         patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
-                        max_condition=learn_max_condition)
+                        max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, general_linear, balance,

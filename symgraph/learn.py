@@ -20,9 +20,10 @@ least squares, closed forms), warm-started with a few descent rounds, and the lo
 projection kept (an exact recovery, as for any reparametrised copy).
 
 Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
-training batches; the best one checked is the result, and only if it is below the start's. A check that is no
-better than the best so far (direct method; the estimator's projections jump, so a worse one is no sign of a step
-too large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
+training batches; the best one checked is the result, and only if it is below the start's. A check worse than the
+best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has gained (any worse check
+while nothing is gained; direct method: the estimator's projections jump, so a worse one is no sign of a step too
+large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
 back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
 (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
 non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse, solve or
@@ -86,12 +87,14 @@ class LearnOptions:
     training batches (the best one, if better than the start, is the result), and the ``seed`` of batch order
     and ``t``. ``width_aware`` (direct method): ``lr`` is the per-entry step of a generator of side 64, and a
     generator of side ``n`` steps ``lr * sqrt(64 / n)`` (module docstring); False: every parameter steps ``lr``.
-    ``backtracks``: how many times a check no better than the best so far (or a non-finite step) sends learning
-    back to the best point checked at ``BACKTRACK`` times the learning rate (0: never; a non-finite step then
-    stops the run). Learning ends before ``steps`` when the last ``patience`` checks (0: not on this ground) together
-    lowered the best path loss by no more than ``tolerance`` times what learning has gained so far, or when ``seconds``
-    (a time cap; None: none) would be passed: with a cap, the learning rate anneals over the steps that fit in it at
-    the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
+    ``backtracks``: how many times a check worse than the best so far by more than ``backtrack_margin`` times the
+    path loss gained (or a non-finite step) sends learning back to the best point checked at ``BACKTRACK`` times
+    the learning rate (0: never; a non-finite step then stops the run). The margin lets learning ride out the
+    ups and downs of stochastic steps at full rate: a check a little worse than the best is not a step too large
+    (0: every check no better than the best backtracks). Learning ends before ``steps`` when the last ``patience``
+    checks (0: not on this ground) together lowered the best path loss by no more than ``tolerance`` times what
+    learning has gained so far, or when ``seconds`` (a time cap; None: none) would be passed: with a cap, the
+    learning rate anneals over the steps that fit in it at the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
     moving the source may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the
     learned one composed); a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`;
     ``math.inf``: no bound; the default is the data-free solver's bound). ``synthetic_examples``: how many
@@ -111,6 +114,7 @@ class LearnOptions:
     general_linear: bool = True
     width_aware: bool = True
     backtracks: int = 4
+    backtrack_margin: float = 0.5
     patience: int = 3
     tolerance: float = 0.0
     seconds: float | None = None
@@ -132,6 +136,11 @@ class LearnOptions:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise LearnError(f"The learning rate must be a finite number > 0, not {self.lr!r}.",
                              hint=f"e.g. lr={LearnOptions.lr} (the default).")
+        if not (isinstance(self.backtrack_margin, (int, float)) and 0 <= self.backtrack_margin < math.inf):
+            raise LearnError(f"Learning option backtrack_margin must be a finite number >= 0, not "
+                             f"{self.backtrack_margin!r}.",
+                             hint=f"e.g. backtrack_margin={LearnOptions.backtrack_margin} (the default: a check "
+                                  "worse than the best by more than this fraction of the gain backtracks).")
         if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < math.inf):
             raise LearnError(f"Learning option tolerance must be a finite number >= 0, not {self.tolerance!r}.",
                              hint=f"e.g. tolerance={LearnOptions.tolerance} (the default: stop only when a "
@@ -347,21 +356,25 @@ class _Run:
 
     def checked_better(self, state: State, step: int) -> bool:
         """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked,
-        else backtrack."""
+        else backtrack when it is worse by more than the margin (module docstring)."""
         checked = self.loss_at.evaluate(state, self.probe)
         self.record.checks.append(checked)
-        better = checked < self.record.end_loss
-        if better:
+        best = self.record.end_loss
+        if checked < best:
             self.best, self.record.end_loss = state, checked
         self.best_at_checks.append(self.record.end_loss)
         self.stalled()
-        if better:
+        if checked < best:
             return True
-        finite = math.isfinite(checked)
-        if finite and not self.backtrack_when_worse:
-            return False
-        self.backtrack(step, "no better than the best checked" if finite else f"the checked path loss is {checked}",
-                       finite=finite)
+        if not math.isfinite(checked):
+            self.backtrack(step, f"the checked path loss is {checked}")
+        elif self.backtrack_when_worse:
+            gained, margin = self.record.start_loss - best, self.options.backtrack_margin
+            if gained <= 0:
+                self.backtrack(step, "no better than the best checked", finite=True)
+            elif checked - best > margin * gained:
+                self.backtrack(step, f"worse than the best checked by {checked - best:.3g}, more than {margin:g} "
+                                     f"of the {gained:.3g} gained", finite=True)
         return False
 
     def backtrack(self, step: int, why: str, *, finite: bool = False) -> None:

@@ -78,6 +78,8 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(general_linear="yes"), "general_linear must be True or False"),
     (LearnOptions(width_aware=1), "width_aware must be True or False"),
     (LearnOptions(backtracks=-1), "backtracks must be a whole number >= 0"),
+    (LearnOptions(backtrack_margin=-0.1), "backtrack_margin must be a finite number >= 0"),
+    (LearnOptions(backtrack_margin=math.inf), "backtrack_margin must be a finite number >= 0"),
     (LearnOptions(patience=-1), "patience must be a whole number >= 0"),
     (LearnOptions(tolerance=-0.1), "tolerance must be a finite number >= 0"),
     (LearnOptions(tolerance=math.inf), "tolerance must be a finite number >= 0"),
@@ -202,9 +204,10 @@ def test_a_non_finite_step_backtracks_to_the_best_point_at_a_lower_learning_rate
 
 @pytest.mark.parametrize("backtracks", [2, 0])
 def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, backtracks):
-    """Path losses start 1.0, then 0.8 (best), 0.9 (worse: back to step 1's elements, lr x BACKTRACK), 0.7 (best),
-    0.95 (worse again); with backtracks=0 learning goes on from the worse point, as before backtracking."""
-    checked = iter([1.0, 0.8, 0.9, 0.7, 0.95])
+    """Path losses start 1.0, then 0.8 (best), 0.95 (worse by 0.15, more than half the 0.2 gained: back to step 1's
+    elements, lr x BACKTRACK), 0.7 (best), 1.0 (worse again); with backtracks=0 learning goes on from the worse
+    point, as before backtracking."""
+    checked = iter([1.0, 0.8, 0.95, 0.7, 1.0])
     monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: next(checked))
     seen = []
     moved = symgraph.learn._moved
@@ -218,11 +221,30 @@ def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, bac
     back_to_best = all(torch.equal(x, y) for x, y in zip(seen[1], seen[2]))  # step 3 starts where step 2 did
     if backtracks:
         assert [(e["step"], e["why"]) for e in learned["backtracks"]] == \
-            [(2, "no better than the best checked"), (4, "no better than the best checked")]
+            [(2, "worse than the best checked by 0.15, more than 0.5 of the 0.2 gained"),
+             (4, "worse than the best checked by 0.3, more than 0.5 of the 0.3 gained")]
         assert learned["backtracks"][1]["lr_factor"] == pytest.approx(symgraph.learn.BACKTRACK ** 2)
         assert back_to_best
     else:
         assert learned["backtracks"] == [] and not back_to_best
+
+
+@pytest.mark.parametrize("margin, backtracked", [(LearnOptions.backtrack_margin, []), (0.0, [2])])
+def test_a_check_a_little_worse_than_the_best_goes_on_at_full_rate_unless_the_margin_is_zero(
+        vit_pair, monkeypatch, margin, backtracked):
+    """Path losses 1.0 (start), 0.8, 0.81 (worse by 0.01: within the default margin of the 0.2 gained), 0.7, 0.6:
+    only a zero margin takes 0.81 as a step too large; a check worse than the start (nothing gained) always does."""
+    checked = iter([1.0, 0.8, 0.81, 0.7, 0.6])
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: next(checked))
+    a, b = vit_pair
+    options = LearnOptions(steps=4, checks=4, eval_batches=1, backtrack_margin=margin)
+    learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
+    assert [e["step"] for e in learned["backtracks"]] == backtracked and learned["end_path_loss"] == 0.6
+    if backtracked:
+        assert learned["backtracks"][0]["why"] == "worse than the best checked by 0.01, more than 0 of the 0.2 gained"
+    checked = iter([1.0, 1.05, 0.9, 0.8, 0.7])  # the patched evaluate reads this name
+    learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
+    assert [(e["step"], e["why"]) for e in learned["backtracks"]] == [(1, "no better than the best checked")]
 
 
 def _checked_losses(monkeypatch, losses):
@@ -394,6 +416,20 @@ def test_cli_learn_max_condition_reaches_the_learning_options_and_the_record(vit
     code, _, stderr = run("barrier", a, b, "--data", "digits", "--align", "full+learn", "--learn-max-condition",
                           "0.5", "-o", tmp_path / "b.png")
     assert code == 2 and "0.5" in stderr and not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("margin, lowered", [(None, 0), ("0", 1)])
+def test_cli_learn_backtrack_margin_reaches_the_learning_options(vit_pair, tmp_path, monkeypatch, margin, lowered):
+    _checked_losses(monkeypatch, [1.0, 0.8, 0.81, 0.7])  # 0.81: worse by 0.01, within half the 0.2 gained
+    a, b = vit_pair
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                               "--learn-steps", 4, "--stats", tmp_path / "stats.json", "--quiet",
+                               "--no-judge-starts",  # the judge would read the first path losses
+                               *(("--learn-backtrack-margin", margin) if margin else ()))
+    assert code == 0, stderr
+    learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+    assert len(learned["backtracks"]) == lowered, learned
+    assert ("learning rate lowered 1 time" in stdout) == bool(lowered), stdout
 
 
 @pytest.mark.slow
