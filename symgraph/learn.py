@@ -22,13 +22,14 @@ projection kept (an exact recovery, as for any reparametrised copy).
 Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
 training batches; the best one checked is the result, and only if it is below the start's. A check worse than the
 best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has gained (any worse check
-while nothing is gained; direct method: the estimator's projections jump, so a worse one is no sign of a step too
-large), or a step whose loss or parameters stop being finite, is taken as a step too large: learning goes
-back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the learning rate
-(*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going from, and a
-non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse, solve or
-SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The caller applies the
-elements in float64 and verifies the function as for every alignment. Learning stops early when checks stop
+while nothing is gained), a second check in a row no better than the best (one within the margin may be the noise
+of stochastic steps), all before the last step and with the direct method (the estimator's projections jump, so a
+worse one is no sign of a step too large), or a step whose loss or parameters stop being finite, is taken as a step
+too large: learning goes back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the
+learning rate (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going
+from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse,
+solve or SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The caller
+applies the elements in float64 and verifies the function as for every alignment. Learning stops early when checks stop
 finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
 (``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
@@ -88,18 +89,19 @@ class LearnOptions:
     and ``t``. ``width_aware`` (direct method): ``lr`` is the per-entry step of a generator of side 64, and a
     generator of side ``n`` steps ``lr * sqrt(64 / n)`` (module docstring); False: every parameter steps ``lr``.
     ``backtracks``: how many times a check worse than the best so far by more than ``backtrack_margin`` times the
-    path loss gained (or a non-finite step) sends learning back to the best point checked at ``BACKTRACK`` times
-    the learning rate (0: never; a non-finite step then stops the run). The margin lets learning ride out the
-    ups and downs of stochastic steps at full rate: a check a little worse than the best is not a step too large
-    (0: every check no better than the best backtracks). Learning ends before ``steps`` when the last ``patience``
-    checks (0: not on this ground) together lowered the best path loss by no more than ``tolerance`` times what
-    learning has gained so far, or when ``seconds`` (a time cap; None: none) would be passed: with a cap, the
-    learning rate anneals over the steps that fit in it at the time per step so far. ``max_condition`` (direct method): the largest condition number a general linear map
-    moving the source may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the
-    learned one composed); a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`;
-    ``math.inf``: no bound; the default is the data-free solver's bound). ``synthetic_examples``: how many
-    examples learning on the data SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on
-    the shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
+    path loss gained, a second check in a row no better than the best, or a non-finite step sends learning back to
+    the best point checked at ``BACKTRACK`` times the learning rate (0: never; a non-finite step then stops the
+    run). The margin lets learning ride out the ups and downs of stochastic steps at full rate: one check a little
+    worse than the best is not a step too large (0: every check no better than the best backtracks). Learning ends
+    before ``steps`` when the last ``patience`` checks (0: not on this ground) together lowered the best path loss by
+    no more than ``tolerance`` times what learning has gained so far, or when ``seconds`` (a time cap; None: none)
+    would be passed: with a cap, the learning rate anneals over the steps that fit in it at the time per step so
+    far. ``max_condition`` (direct method): the largest condition number a general linear map moving the source may reach (QK and VO maps, a
+    rotary group's pass-through block: the start's map and the learned one composed); a step beyond it is
+    projected back (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound; the default is the
+    data-free solver's bound). ``synthetic_examples``: how many examples learning on the data SPEC ``synthetic``
+    makes (:mod:`symgraph.synthetic`). Defaults: measured on the shipped pairs and the wide ViT
+    (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
     steps: int = 1000
@@ -286,6 +288,7 @@ class _Run:
         self.horizon = options.steps  # the steps the cosine schedule anneals over (fewer with a time cap)
         self.stopped: str | None = None  # why learning ended before options.steps (no progress, time cap)
         self.best_at_checks: list[float] = []  # the best path loss so far, after each check
+        self.forgiven = False  # the last check was no better than the best, within the backtracking margin
         self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
         if not math.isfinite(self.record.start_loss):
             raise LearnError(f"The path loss of the start is {self.record.start_loss} on the first "
@@ -355,8 +358,8 @@ class _Run:
                                 f"{self.options.tolerance:g} of the {gained:.3g} gained")
 
     def checked_better(self, state: State, step: int) -> bool:
-        """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked,
-        else backtrack when it is worse by more than the margin (module docstring)."""
+        """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked, else
+        backtrack when it is a step too large (module docstring); stop when learning has stalled."""
         checked = self.loss_at.evaluate(state, self.probe)
         self.record.checks.append(checked)
         best = self.record.end_loss
@@ -364,17 +367,27 @@ class _Run:
             self.best, self.record.end_loss = state, checked
         self.best_at_checks.append(self.record.end_loss)
         self.stalled()
+        return self.judged(checked, best, step)
+
+    def judged(self, checked: float, best: float, step: int) -> bool:
+        """Whether ``checked`` beats the ``best`` path loss before it; if not, backtrack when it is a step too large
+        (module docstring)."""
+        forgiven, self.forgiven = self.forgiven, False
         if checked < best:
             return True
         if not math.isfinite(checked):
             self.backtrack(step, f"the checked path loss is {checked}")
-        elif self.backtrack_when_worse:
+        elif self.backtrack_when_worse and step + 1 < self.horizon:  # after the last step the best is the result
             gained, margin = self.record.start_loss - best, self.options.backtrack_margin
             if gained <= 0:
                 self.backtrack(step, "no better than the best checked", finite=True)
             elif checked - best > margin * gained:
                 self.backtrack(step, f"worse than the best checked by {checked - best:.3g}, more than {margin:g} "
                                      f"of the {gained:.3g} gained", finite=True)
+            elif forgiven:
+                self.backtrack(step, "no better than the best checked, twice in a row", finite=True)
+            else:  # one check a little worse may be the noise of stochastic steps
+                self.forgiven = True
         return False
 
     def backtrack(self, step: int, why: str, *, finite: bool = False) -> None:
