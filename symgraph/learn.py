@@ -96,11 +96,11 @@ class LearnOptions:
     before ``steps`` when the last ``patience`` checks (0: not on this ground) together lowered the best path loss by
     no more than ``tolerance`` times what learning has gained so far, or when ``seconds`` (a time cap; None: none)
     would be passed: with a cap, the learning rate anneals over the steps that fit in it at the time per step so
-    far. ``max_condition`` (direct method): the largest condition number a general linear map moving the source may reach (QK and VO maps, a
-    rotary group's pass-through block: the start's map and the learned one composed); a step beyond it is
-    projected back (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound; the default is the
-    data-free solver's bound). ``synthetic_examples``: how many examples learning on the data SPEC ``synthetic``
-    makes (:mod:`symgraph.synthetic`). Defaults: measured on the shipped pairs and the wide ViT
+    far. ``max_condition`` (direct method): the largest condition number a general linear map moving the source
+    may reach (QK and VO maps, a rotary group's pass-through block: the start's map and the learned one composed);
+    a step beyond it is projected back (:class:`symgraph.continuous.ContinuousElements`; ``math.inf``: no bound;
+    the default is the data-free solver's bound). ``synthetic_examples``: how many examples learning on the data
+    SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on the shipped pairs and the wide ViT
     (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
