@@ -172,8 +172,9 @@ def _learn_options(command, *, flag: bool = True):
         click.option("--learn-backtrack-margin", type=click.FloatRange(min=0),
                      default=lambda: _learn_default("backtrack_margin"), show_default="0.5",
                      help="A check of the path loss sends learning back to the best point so far at a lower "
-                          "learning rate only when it is worse than the best by more than this fraction of the "
-                          "path loss gained so far (0: whenever it is no better)."),
+                          "learning rate when it is worse than the best by more than this fraction of the path "
+                          "loss gained so far, or is the second check in a row no better than the best (0: "
+                          "whenever it is no better)."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
         click.option("--learn-t", type=click.Choice(["auto", "midpoint", "random"]),
