@@ -362,18 +362,13 @@ class _Run:
         backtrack when it is a step too large (module docstring); stop when learning has stalled."""
         checked = self.loss_at.evaluate(state, self.probe)
         self.record.checks.append(checked)
-        best = self.record.end_loss
-        if checked < best:
+        best, forgiven, self.forgiven = self.record.end_loss, self.forgiven, False
+        better = checked < best
+        if better:
             self.best, self.record.end_loss = state, checked
         self.best_at_checks.append(self.record.end_loss)
         self.stalled()
-        return self.judged(checked, best, step)
-
-    def judged(self, checked: float, best: float, step: int) -> bool:
-        """Whether ``checked`` beats the ``best`` path loss before it; if not, backtrack when it is a step too large
-        (module docstring)."""
-        forgiven, self.forgiven = self.forgiven, False
-        if checked < best:
+        if better:
             return True
         if not math.isfinite(checked):
             self.backtrack(step, f"the checked path loss is {checked}")
