@@ -362,7 +362,8 @@ def _learned_note(learned: dict | None) -> str:
     projected = learned["condition_projections"]
     bounded = (f", general linear maps projected back to condition {learned['condition_bound']:g} {projected} "
                f"time{'s' * (projected != 1)}" if projected else "")
-    return (f", learned over {learned['steps']} steps: path loss (t = 1/4, 1/2, 3/4) "
+    points = ", ".join(f"{t:g}" for t in learned["checked_t"])
+    return (f", learned over {learned['steps']} steps: path loss (t = {points}) "
             f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}"
             f"{lowered}{bounded}{stopped}")
 

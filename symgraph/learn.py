@@ -19,19 +19,20 @@ least squares, closed forms), warm-started with a few descent rounds, and the lo
 ``(1 - t) A + t (B' + P - stopgrad(P))`` moves ``P``. Its group elements are found by aligning the source to the
 projection kept (an exact recovery, as for any reparametrised copy).
 
-Either way the candidate is checked at evenly spaced steps by its mean loss at ``t`` = 1/4, 1/2, 3/4 on a few
-training batches; the best one checked is the result, and only if it is below the start's. A check worse than the
-best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has gained (any worse check
-while nothing is gained), a second check in a row no better than the best (one within the margin may be the noise
-of stochastic steps), all before the last step and with the direct method (the estimator's projections jump, so a
-worse one is no sign of a step too large), or a step whose loss or parameters stop being finite, is taken as a step
-too large: learning goes back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the
+Either way the candidate is checked at evenly spaced steps by its mean loss where learning aims
+(:func:`checked_points`: ``t`` = 1/4, 1/2, 3/4 for the whole path, ``t = 1/2`` alone when learning the midpoint) on
+a few training batches; the best one checked is the result, and only if it is below the start's. A check worse than
+the best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has gained (any worse
+check while nothing is gained), a second check in a row no better than the best (one within the margin may be the
+noise of stochastic steps), all before the last step and with the direct method (the estimator's projections jump,
+so a worse one is no sign of a step too large), or a step whose loss or parameters stop being finite, is taken as a
+step too large: learning goes back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the
 learning rate (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going
-from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an inverse,
-solve or SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The caller
-applies the elements in float64 and verifies the function as for every alignment. Learning stops early when checks stop
-finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the record says why
-(``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
+from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an
+inverse, solve or SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The
+caller applies the elements in float64 and verifies the function as for every alignment. Learning stops early when
+checks stop finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the
+record says why (``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
 (remedies) and examples/results/learn.json.
 
 The direct method's learning rate is *width-aware* (``LearnOptions.width_aware``): a generator of side ``n``
@@ -66,7 +67,7 @@ __all__ = ["LearnError", "LearnOptions", "learn_alignment", "path_loss", "traini
 State = dict[str, torch.Tensor]
 T_CHOICES = ("auto", "midpoint", "random")
 METHODS = ("direct", "ste")
-CHECKED_T = (0.25, 0.5, 0.75)  # where the path loss of a candidate alignment is checked
+CHECKED_T = (0.25, 0.5, 0.75)  # where the path loss of a candidate alignment is checked (learning the whole path)
 BACKTRACK = 0.3  # the learning rate after a backtrack, relative to before it
 
 
@@ -175,15 +176,22 @@ def resolved_t(options: LearnOptions, *, merged_midpoint: bool = False) -> Learn
     return replace(options, t="midpoint" if merged_midpoint else "random")
 
 
+def checked_points(options: LearnOptions) -> tuple[float, ...]:
+    """Where a candidate is scored: where learning aims. The midpoint alone when it learns the midpoint (a simple
+    merge's point: checking its neighbours too rejected the midpoint's gains, since they rise as it falls), the
+    interior points ``CHECKED_T`` when it learns the whole path. Measured on the wide ViT (examples/RESULTS.md)."""
+    return (0.5,) if options.t == "midpoint" else CHECKED_T
+
+
 @dataclass
 class LearnRecord:
-    """What the optimisation did: the loss per step, the path loss (t = 1/4, 1/2, 3/4) on the evaluation batches
-    at the start, at each check and of the result, whether a learned alignment was kept (it must beat the
-    start), each backtrack (the step, why, and the learning rate after it: a fraction of ``LearnOptions.lr``), the
-    learning rate of each group of parameters at the start (direct method, before the cosine schedule), and
-    (direct method) the largest condition number of a general linear map in the result (the start's and the learned
-    map composed, as the bound covers them), the bound it was kept within and how many times a map (one head's, one
-    step) was projected back within it."""
+    """What the optimisation did: the loss per step, the path loss (at :func:`checked_points`, ``checked_t``) on
+    the evaluation batches at the start, at each check and of the result, whether a learned alignment was kept (it
+    must beat the start), each backtrack (the step, why, and the learning rate after it: a fraction of
+    ``LearnOptions.lr``), the learning rate of each group of parameters at the start (direct method, before the
+    cosine schedule), and (direct method) the largest condition number of a general linear map in the result (the
+    start's and the learned map composed, as the bound covers them), the bound it was kept within and how many
+    times a map (one head's, one step) was projected back within it."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[float] = field(default_factory=list)
@@ -197,6 +205,7 @@ class LearnRecord:
     backtracks: list[dict] = field(default_factory=list)
     learning_rates: dict[str, float] = field(default_factory=dict)
     stopped: str | None = None  # why learning ended before the last step (None: it ran them all)
+    checked_t: tuple[float, ...] = CHECKED_T  # where the path loss is checked (checked_points)
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
@@ -204,7 +213,8 @@ class LearnRecord:
                 "checked_path_losses": self.checks, "end_path_loss": self.end_loss, "kept": self.kept,
                 "seconds": self.seconds, "largest_condition_number": self.condition,
                 "condition_bound": self.condition_bound, "condition_projections": self.projections,
-                "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped}
+                "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped,
+                "checked_t": list(self.checked_t)}
 
 
 def training_data(spec, model, options: LearnOptions, endpoints: Sequence[State]):
@@ -284,12 +294,14 @@ class _Run:
         self.parameters, self.learning_rates, self.lr_factor = list(parameters), list(learning_rates), 1.0
         self.optimiser = self._adam()
         self.probe = data.batches[:options.eval_batches]
+        self.checked_t = checked_points(options)
         self.check_every = max(1, options.steps // options.checks)
         self.horizon = options.steps  # the steps the cosine schedule anneals over (fewer with a time cap)
         self.stopped: str | None = None  # why learning ended before options.steps (no progress, time cap)
         self.best_at_checks: list[float] = []  # the best path loss so far, after each check
         self.forgiven = False  # the last check was no better than the best, within the backtracking margin
-        self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe))
+        self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe, self.checked_t),
+                                  checked_t=self.checked_t)
         if not math.isfinite(self.record.start_loss):
             raise LearnError(f"The path loss of the start is {self.record.start_loss} on the first "
                              f"{len(self.probe)} training batches; nothing was written.",
@@ -360,7 +372,7 @@ class _Run:
     def checked_better(self, state: State, step: int) -> bool:
         """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked, else
         backtrack when it is a step too large (module docstring); stop when learning has stalled."""
-        checked = self.loss_at.evaluate(state, self.probe)
+        checked = self.loss_at.evaluate(state, self.probe, self.checked_t)
         self.record.checks.append(checked)
         best, forgiven, self.forgiven = self.record.end_loss, self.forgiven, False
         better = checked < best
@@ -510,10 +522,11 @@ class _InterpolatedLoss:
         return batch_loss(self.module, batch, self.task)
 
     @torch.no_grad()
-    def evaluate(self, other: State, batches) -> float:
-        """Mean loss over ``batches`` at the interior points ``CHECKED_T`` (a midpoint alone is the wrong target:
-        learning at t = 1/2 only lowers the midpoint and raises its neighbours)."""
-        return float(np.mean([float(self(other, t, b)) for t in CHECKED_T for b in batches]))
+    def evaluate(self, other: State, batches, points: Sequence[float] = CHECKED_T) -> float:
+        """Mean loss over ``batches`` at the interpolation ``points`` (by default the interior points
+        ``CHECKED_T``, for a whole path: a midpoint alone is the wrong target there, as learning at t = 1/2 only
+        lowers the midpoint and raises its neighbours)."""
+        return float(np.mean([float(self(other, t, b)) for t in points for b in batches]))
 
 
 class _Functional(torch.nn.Module):
