@@ -61,7 +61,7 @@ def test_learning_lowers_the_path_loss_and_keeps_the_source_function(vit_pair, m
 
 def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monkeypatch):
     a, b = vit_pair
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: 1.0)
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches, *points: 1.0)
     start = symgraph.align(b, a, data="digits")  # with data, learning starts from the activation-matched alignment
     result = symgraph.align(b, a, data="digits", learn=LearnOptions(steps=2, eval_batches=1))
     assert not result.learned["kept"] and result.start != "learned"
@@ -208,7 +208,8 @@ def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, bac
     elements, lr x BACKTRACK), 0.7 (best), 1.0 (worse again), 0.6 (the last check: no backtrack could follow it);
     with backtracks=0 learning goes on from the worse point, as before backtracking."""
     checked = iter([1.0, 0.8, 0.95, 0.7, 1.0, 0.6])
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: next(checked))
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate",
+                        lambda self, other, batches, *points: next(checked))
     seen = []
     moved = symgraph.learn._moved
     monkeypatch.setattr(symgraph.learn, "_moved", lambda start, elements: seen.append(
@@ -243,7 +244,8 @@ def test_one_check_a_little_worse_than_the_best_goes_on_at_full_rate(vit_pair, m
     0.8, of 0.2 gained) goes on at full rate, unless the margin is 0; a second check in a row no better than the
     best, or any worse check while nothing is gained, backtracks."""
     checked = iter([1.0, *losses])
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches: next(checked))
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate",
+                        lambda self, other, batches, *points: next(checked))
     a, b = vit_pair
     options = LearnOptions(steps=5, checks=5, eval_batches=1, backtrack_margin=margin)
     learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
@@ -256,7 +258,7 @@ def _checked_losses(monkeypatch, losses):
     losses = iter(losses)
     last = {}
 
-    def checked(self, other, batches):
+    def checked(self, other, batches, *points):
         last["loss"] = next(losses, last.get("loss"))
         return last["loss"]
 
@@ -528,6 +530,29 @@ def test_cli_merge_learns_at_the_midpoint_unless_told_otherwise(vit_pair, tmp_pa
                           "--learn", "--no-progress", *extra)
     assert code == 0, stderr
     assert seen and set(seen) == {t}
+
+
+@pytest.mark.parametrize("t, points", [("midpoint", (0.5,)), ("random", symgraph.learn.CHECKED_T)])
+def test_checks_score_the_candidates_where_learning_aims(vit_pair, tmp_path, monkeypatch, t, points):
+    """Learning the midpoint (a simple merge's point) is checked at the midpoint alone: checked at t = 1/4 and 3/4
+    too, the candidates were judged by neighbours that rise as the midpoint falls (wide ViT merge 1.35x -> 1.03x
+    the endpoints' loss). The record and the summary say where."""
+    seen, evaluate = [], symgraph.learn._InterpolatedLoss.evaluate
+
+    def spied(self, other, batches, points=symgraph.learn.CHECKED_T):
+        seen.append(tuple(points))
+        return evaluate(self, other, batches, points)
+
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", spied)
+    code, stdout, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / "out", "--data", "digits",
+                               "--learn", "--learn-steps", 2, "--learn-t", t,
+                               "--stats", tmp_path / "stats.json")
+    assert code == 0, stderr
+    checks = [p for p in seen if p != symgraph.learn.CHECKED_T or t == "random"]
+    assert len(checks) >= 3 and set(checks) == {points}  # the start, and a check at each of the 2 steps
+    learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+    assert learned["checked_t"] == list(points)
+    assert f"path loss (t = {', '.join(f'{p:g}' for p in points)})" in stdout
 
 
 def test_auto_t_learns_along_the_whole_path_outside_merges():
