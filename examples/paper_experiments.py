@@ -684,25 +684,27 @@ WIDE_NOTES = """\
   against 0.570 for its labels (300 steps): the gain is the samples with soft targets together.
 - **The merge: checked where it lies (this round).** `merge --method simple` after full+learn (the default 1000
   steps, learned at the midpoint; the frame chosen by the merged loss on the training split, onto A): loss 0.0632,
-  accuracy 0.986, **1.03x the mean endpoint loss 0.061 (bar 1.20x: met at the default)**, 650 s for both frames on
-  one thread. Until this round the candidates of midpoint learning were checked, like those of the whole path, at
-  t = 1/4, 1/2, 3/4, whose losses rise as the midpoint's falls: the checks judged the merge by points it never uses,
-  and the default stopped at 0.0828 (1.35x). They are now checked at the midpoint alone
-  (`symgraph.learn.checked_points`; the record's `checked_t`). Scratch runs of each frame alone (1000 steps, one
-  thread, test split): onto A 1.35x -> 1.03x, onto B 2.57x -> 1.84x; with the old checks a learning rate of 0.02
-  gave 1.21x onto A and 1.13x onto B, 0.03 gave 2.19x onto B, and 2000 steps (last round) 0.89x onto B. On the
-  shipped pairs the same merge with learning (`merge --learn`, not in the tables) moves little: vit-digits 1.025x ->
-  1.014x, llama-chars 1.273x -> 1.264x, bert-topics 0.988x -> 0.989x (scratch runs of the same call, one thread
-  each, test split). An earlier round had measured midpoint checks at 300 steps: 0.113 (1.84x), which is also
-  what onto B alone gives now; the frame matters as much as the checks, and `--frame best` learns both.
+  accuracy 0.986, **1.03x the mean endpoint loss 0.061 (bar 1.20x: met at the default)**, 887 s for both frames on
+  one thread beside the test suite (650 s in a scratch run). The pair's barriers above are last round's: they learn
+  along the whole path, whose checks did not change, so only this merge was rerun (`best_alignment_merge`). Until
+  this round the candidates of midpoint learning were checked, like those of the whole path, at t = 1/4, 1/2, 3/4,
+  whose losses rise as the midpoint's falls: the checks judged the merge by points it never uses, and the default
+  stopped at 0.0828 (1.35x). They are now checked at the midpoint alone (`symgraph.learn.checked_points`; the
+  record's `checked_t`). Scratch runs of each frame alone (1000 steps, one thread, test split): onto A 1.35x ->
+  1.03x, onto B 2.57x -> 1.84x; with the old checks a learning rate of 0.02 gave 1.21x onto A and 1.13x onto B,
+  0.03 gave 2.19x onto B, and 2000 steps (last round) 0.89x onto B. On the shipped pairs the same merge with
+  learning (`merge --learn`, not in the tables) moves little: vit-digits 1.025x -> 1.014x, llama-chars 1.273x ->
+  1.264x, bert-topics 0.988x -> 0.989x (scratch runs of the same call, one thread each, test split). An earlier
+  round had measured midpoint checks at 300 steps: 0.113 (1.84x), which is also what onto B alone gives now; the
+  frame matters as much as the checks, and `--frame best` learns both.
 - **Permutations learned by the loss do not lower llama-chars (this round).** Its barrier flattens near 0.15x
-  (0.478) where the wide LLaMA reaches 0.093x; the direct method cannot move the start's FFN and head
-  permutations. Learned on top of full+learn with a Sinkhorn relaxation (each layer's 176 FFN units mixed by a
-  doubly stochastic matrix of learned logits, 30 log-domain iterations, the interpolated loss at random t, Adam on
-  the logits for 300 steps, then rounded by the Hungarian method; the result is an exact reparametrisation): from
-  logits 5 I at rate 0.5, 73 units moved over the 3 layers and the barrier rose to 0.571; from 10 I at rate 1.0,
-  with the head permutations too, 2 units moved and it stayed at 0.479 (test split, 11 points; baseline 0.4776 in
-  the same script). With last round's straight-through permutations (every move raised the barrier) this says the
+  (0.478) where the wide LLaMA reaches 0.093x; the direct method cannot move the start's FFN and head permutations.
+  Learned on top of full+learn with a Sinkhorn relaxation (each layer's 176 FFN units mixed by a doubly stochastic
+  matrix of learned logits, 30 log-domain iterations, the interpolated loss at random t, Adam on the logits for 300
+  steps, then rounded by the Hungarian method; the result is an exact reparametrisation): from logits 5 I at rate
+  0.5, 73 units moved over the 3 layers and the barrier rose to 0.571; from 10 I at rate 1.0, with the head
+  permutations too, 2 units moved and it stayed at 0.479 (test split, 11 points; baseline 0.4776 in the same
+  script). With an earlier round's straight-through permutations (every move raised the barrier) this says the
   start's permutations are not what holds the small LLaMA up.
 """
 

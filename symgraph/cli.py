@@ -181,7 +181,8 @@ def _learn_options(command, *, flag: bool = True):
                      default=lambda: _learn_default("t"), show_default="auto",
                      help="Where on the path the loss is taken: the midpoint, or a random point each step; auto: "
                           "the midpoint in a simple merge of two models of equal weight (the merged model is "
-                          "that point), random points everywhere else."),
+                          "that point), random points everywhere else. Candidates are checked there too: at the "
+                          "midpoint, or at t = 1/4, 1/2, 3/4."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "
