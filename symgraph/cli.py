@@ -549,6 +549,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     where = "" if align_mode == "none" else f"; frame: {result.frame} ({result.frame_note})"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
                f"each model to the merge: {distances}{where}")
+    for i, learned in enumerate(result.learned):
+        if learned is not None:  # the reference does not move
+            click.echo(f"model {i + 1} ({result.models[i]}){_learned_note(learned)}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "

@@ -65,7 +65,9 @@ class MergeResult:
 
     ``distances`` are each model's relative L2 distance to the consensus (the weighted mean of the aligned
     models) and ``distances_before`` the same before alignment; ``simple_averaged`` lists parameters the method had no
-    statistics for (non-linear parameters for RegMean; buffers), which were averaged simply.
+    statistics for (non-linear parameters for RegMean; buffers), which were averaged simply. With learned matching,
+    ``learned`` holds per model, in the frame kept, what learning did (:class:`symgraph.learn.LearnRecord` as JSON;
+    None for the reference, which does not move).
     """
 
     state: State
@@ -85,6 +87,7 @@ class MergeResult:
     frame_note: str = ""  # ... and why that one
     frames: dict[str, float] = field(default_factory=dict)  # the score of every frame tried (lower is better)
     inputs: tuple[Path, ...] = ()  # the folders the models were read from: save never writes over one
+    learned: tuple[dict | None, ...] = ()  # per model, what learned matching did in the frame kept (with learn)
 
     @property
     def distances(self) -> list[float]:
@@ -99,7 +102,7 @@ class MergeResult:
                 "weights": list(self.weights), "data": list(self.data), "head_from": self.head_from,
                 "head": list(self.head), "simple_averaged": len(self.simple_averaged),
                 "consensus": self.consensus.to_json(), "frame": self.frame, "frame_note": self.frame_note,
-                "frames": self.frames, "timings_s": self.timings}
+                "frames": self.frames, "learned": list(self.learned), "timings_s": self.timings}
 
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
@@ -207,9 +210,11 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         data) else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    learner = _learner(subjects[0], data, _merge_learning(learn, method, w), exclude, progress) if learn else None
+    learning = _merge_learning(learn, method, w) if learn else None
     tried = []
-    for label, reference, common in _frames(frame, subjects, w, exclude, align, learner is not None or on_data):
+    for label, reference, common in _frames(frame, subjects, w, exclude, align, learning is not None or on_data):
+        records: list[dict] = []  # what learning did, model by model, in this frame
+        learner = _learner(subjects[0], data, learning, exclude, progress, records) if learn else None
         moved = _aligned_on_activations(subjects, datasets, reference, device, dtype) if on_data else subjects
         consensus = align_to_consensus(moved, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
                                        progress=progress, learner=learner, reference=reference, common=common,
@@ -219,14 +224,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
                                     (device, dtype or torch.float64))
         state = _finished_state(merged, moved, consensus, head_from, exclude)
         tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
-                                                                      head_from)))
+                                                                      head_from), records))
     clock.lap("align_and_combine")
-    label, consensus, state, averaged, _ = _best_frame(tried)
+    label, consensus, state, averaged, _, records = _best_frame(tried)
     source = subjects[head_from if head_from is not None else consensus.reference]
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
                        clock.laps(), source.config, source.path, label, _frame_note(tried, label, datasets),
-                       {t[0]: t[4] for t in tried}, inputs)
+                       {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference))
 
 
 FRAMES = ("best", "reference", "common")
@@ -721,16 +726,30 @@ def _merge_learning(learn, method: str, weights) -> LearnOptions:
     return resolved_t(options, merged_midpoint=midpoint)
 
 
-def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool):
+def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool, records: list):
     """Learned matching (:func:`symgraph.api.learned`) of one model's alignment to the reference, as an
-    :attr:`symgraph.consensus.AlignmentPlan.learner`."""
+    :attr:`symgraph.consensus.AlignmentPlan.learner`; each run's record is appended to ``records``."""
     from .api import learned
 
     spec = data[0] if isinstance(data, (list, tuple)) else data
 
     def learner(groups, source, target, start, free):
-        return learned(subject, groups, source, target, start, spec, learn, free, progress, exclude)
+        result = learned(subject, groups, source, target, start, spec, learn, free, progress, exclude)
+        records.append(result.learned)
+        return result
     return learner
+
+
+def _per_model(records: list, count: int, reference: int) -> tuple[dict | None, ...]:
+    """Learning records in model order, None for the reference. With a learner the consensus runs one job per
+    other model, in model order, and no rounds (:func:`symgraph.consensus.align_to_consensus`)."""
+    if not records:
+        return ()
+    others = [i for i in range(count) if i != reference]
+    if len(records) != len(others):
+        raise AssertionError(f"{len(records)} learning records for {len(others)} aligned models")
+    by_model = dict(zip(others, records))
+    return tuple(by_model.get(i) for i in range(count))
 
 
 def _check_options(count, method, align, data, alpha, rounds, head_from, head, learn, frame) -> None:

@@ -555,6 +555,22 @@ def test_checks_score_the_candidates_where_learning_aims(vit_pair, tmp_path, mon
     assert f"path loss (t = {', '.join(f'{p:g}' for p in points)})" in stdout
 
 
+def test_merge_reports_what_learning_did_for_each_model_in_the_frame_kept(vit_pair, tmp_path):
+    code, stdout, stderr = run("merge", *vit_pair, "-o", tmp_path / "merged", "--data", "digits", "--limit", 16,
+                               "--learn", "--learn-steps", 2, "--no-progress", "--json", tmp_path / "merge.json")
+    assert code == 0, stderr
+    report = json.loads((tmp_path / "merge.json").read_text())
+    reference, learned = report["consensus"]["reference"], report["learned"]
+    assert len(report["frames"]) == 2 and len(learned) == 2  # both frames learned; the kept one's records
+    assert learned[reference] is None  # the reference does not move
+    moved = learned[1 - reference]
+    assert moved["steps"] == 2 and moved["checked_t"] == [0.5] and math.isfinite(moved["end_path_loss"])
+    line = next(x for x in stdout.splitlines() if x.startswith(f"model {2 - reference} ("))
+    assert "learned over 2 steps: path loss (t = 0.5)" in line
+    without = symgraph.merge(list(vit_pair), align="full", progress=False)
+    assert without.learned == () and without.to_json()["learned"] == []
+
+
 def test_auto_t_learns_along_the_whole_path_outside_merges():
     assert symgraph.learn.resolved_t(LearnOptions()).t == "random" and LearnOptions().t == "auto"
     assert symgraph.learn.resolved_t(LearnOptions(), merged_midpoint=True).t == "midpoint"
