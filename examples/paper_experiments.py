@@ -696,7 +696,13 @@ WIDE_NOTES = """\
   learning (`merge --learn`, not in the tables) moves little: vit-digits 1.025x -> 1.014x, llama-chars 1.273x ->
   1.264x, bert-topics 0.988x -> 0.989x (scratch runs of the same call, one thread each, test split). An earlier
   round had measured midpoint checks at 300 steps: 0.113 (1.84x), which is also what onto B alone gives now; the
-  frame matters as much as the checks, and `--frame best` learns both.
+  frame matters as much as the checks, and `--frame best` learns both. **Weighted merges learn at their own point
+  (this round).** A simple merge of two models with weights w_A, w_B is the point t = w_B of the path from A to B'
+  (in the frame of A), but `auto` learned such merges along the whole path. It now learns and checks at that point
+  (`--learn-t` also takes a number). Merged test loss over the endpoints' weighted mean loss, `--frame reference`,
+  the default 1000 steps, whole path -> the merge's point (scratch runs; the committed code gives the vit-digits
+  figures to every digit): vit-digits 1:3 0.801x -> 0.749x and 2:1 1.056x -> 0.827x, llama-chars 1:3 1.113x ->
+  1.047x, bert-topics 1:3 1.016x -> 0.982x.
 - **Permutations learned by the loss do not lower llama-chars (this round).** Its barrier flattens near 0.15x
   (0.478) where the wide LLaMA reaches 0.093x; the direct method cannot move the start's FFN and head permutations.
   Learned on top of full+learn with a Sinkhorn relaxation (each layer's 176 FFN units mixed by a doubly stochastic

@@ -138,6 +138,26 @@ def _descent_options(command):
     return command
 
 
+class _PathPoint(click.ParamType):
+    """--learn-t: auto, midpoint, random, or a number strictly between 0 and 1 (a point of the path)."""
+
+    name = "[auto|midpoint|random|T]"
+
+    def convert(self, value, param, ctx):
+        from .learn import T_CHOICES
+
+        if not isinstance(value, str) or value in T_CHOICES:
+            return value
+        try:
+            point = float(value)
+        except ValueError:
+            point = None
+        if point is None or not 0 < point < 1:
+            self.fail(f"{value!r} is not one of {', '.join(T_CHOICES)} or a number strictly between 0 and 1.",
+                      param, ctx)
+        return point
+
+
 def _learn_options(command, *, flag: bool = True):
     """Learned matching's options (:class:`symgraph.learn.LearnOptions`), shared by ``align``, ``merge`` and
     ``barrier`` (whose learned modes, e.g. ``full+learn``, take the place of the ``--learn`` flag)."""
@@ -177,12 +197,12 @@ def _learn_options(command, *, flag: bool = True):
                           "whenever it is no better)."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
-        click.option("--learn-t", type=click.Choice(["auto", "midpoint", "random"]),
-                     default=lambda: _learn_default("t"), show_default="auto",
-                     help="Where on the path the loss is taken: the midpoint, or a random point each step; auto: "
-                          "the midpoint in a simple merge of two models of equal weight (the merged model is "
-                          "that point), random points everywhere else. Candidates are checked there too: at the "
-                          "midpoint, or at t = 1/4, 1/2, 3/4."),
+        click.option("--learn-t", type=_PathPoint(), default=lambda: _learn_default("t"), show_default="auto",
+                     help="Where on the path the loss is taken: the midpoint, a number strictly between 0 and 1, "
+                          "or a random point each step; auto: in a simple merge of two models the point the merged "
+                          "model is (the other model's share of the weights: the midpoint for equal weights), "
+                          "random points everywhere else. Candidates are checked there too: at that point, or at "
+                          "t = 1/4, 1/2, 3/4."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "

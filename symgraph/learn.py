@@ -3,7 +3,7 @@
 Both methods start from the start solution (the weight-matched alignment, or any
 :class:`~symgraph.alignment.AlignResult` handed in, such as an activation-matched one, applied to the source:
 ``B'``) and minimise the loss of ``(1 - t) A + t B'`` on batches of training data, at ``t`` uniform in [0, 1]
-each step (or ``t = 1/2``), with Adam (cosine-annealed learning rate).
+each step (or at one point, ``LearnOptions.t``: a merge's), with Adam (cosine-annealed learning rate).
 
 ``direct`` (the default): the continuous part of every group (orthogonal maps as exponentials of skew matrices,
 general linear maps as exponentials, rotary angles and scales, positive scales as exponentials of log-scales:
@@ -20,20 +20,20 @@ least squares, closed forms), warm-started with a few descent rounds, and the lo
 projection kept (an exact recovery, as for any reparametrised copy).
 
 Either way the candidate is checked at evenly spaced steps by its mean loss where learning aims
-(:func:`checked_points`: ``t`` = 1/4, 1/2, 3/4 for the whole path, ``t = 1/2`` alone when learning the midpoint) on
-a few training batches; the best one checked is the result, and only if it is below the start's. A check worse than
-the best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has gained (any worse
-check while nothing is gained), a second check in a row no better than the best (one within the margin may be the
-noise of stochastic steps), all before the last step and with the direct method (the estimator's projections jump,
-so a worse one is no sign of a step too large), or a step whose loss or parameters stop being finite, is taken as a
-step too large: learning goes back to the best point checked, with fresh Adam moments, at ``BACKTRACK`` times the
-learning rate (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a worse check is kept going
-from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes a map singular (an
-inverse, solve or SVD fails: with no condition bound and a large learning rate) counts as a non-finite one. The
-caller applies the elements in float64 and verifies the function as for every alignment. Learning stops early when
-checks stop finding a better point (``LearnOptions.patience``) or at a time cap (``LearnOptions.seconds``); the
-record says why (``LearnRecord.stopped``). Measured on the shipped pairs: examples/RESULTS.md
-(remedies) and examples/results/learn.json.
+(:func:`checked_points`: ``t`` = 1/4, 1/2, 3/4 for the whole path, that point alone when learning one point, as a
+merge does) on a few training batches; the best one checked is the result, and only if it is below the start's. A
+check worse than the best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has
+gained (any worse check while nothing is gained), a second check in a row no better than the best (one within the
+margin may be the noise of stochastic steps), all before the last step and with the direct method (the estimator's
+projections jump, so a worse one is no sign of a step too large), or a step whose loss or parameters stop being
+finite, is taken as a step too large: learning goes back to the best point checked, with fresh Adam moments, at
+``BACKTRACK`` times the learning rate (*backtracking*, at most ``LearnOptions.backtracks`` times; after that a
+worse check is kept going from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes
+a map singular (an inverse, solve or SVD fails: with no condition bound and a large learning rate) counts as a
+non-finite one. The caller applies the elements in float64 and verifies the function as for every alignment.
+Learning stops early when checks stop finding a better point (``LearnOptions.patience``) or at a time cap
+(``LearnOptions.seconds``); the record says why (``LearnRecord.stopped``). Measured on the shipped pairs:
+examples/RESULTS.md (remedies) and examples/results/learn.json.
 
 The direct method's learning rate is *width-aware* (``LearnOptions.width_aware``): a generator of side ``n``
 steps ``lr * sqrt(64 / n)`` per entry, so the weights move about as far per step at every width
@@ -80,9 +80,10 @@ class LearnOptions:
     """How the alignment is learned.
 
     ``steps`` optimiser steps of Adam at learning rate ``lr`` (cosine-annealed to 0) on batches of ``batch_size``
-    training examples, the interpolation point ``t`` (``random``, uniform in [0, 1] each step; ``midpoint``;
-    ``auto``, the default: the midpoint for a simple merge of two models of equal weight, whose result is the
-    path's midpoint, and ``random`` everywhere else, :func:`resolved_t`),
+    training examples, the interpolation point ``t`` (``random``, uniform in [0, 1] each step; ``midpoint``; a
+    number strictly between 0 and 1, that point; ``auto``, the default: in a simple merge of two models the point
+    of the path the merged model is, the source's share of the weights, and ``random`` everywhere else,
+    :func:`resolved_t`),
     the ``method`` (``direct`` or ``ste``: module docstring), for ``direct`` whether QK/VO maps are learned in
     GL(d_head) (``general_linear``), for ``ste`` the ``project_rounds`` coordinate-descent rounds per
     projection, ``checks`` evenly spaced evaluations of the candidate's path loss on the first ``eval_batches``
@@ -108,7 +109,7 @@ class LearnOptions:
     steps: int = 1000
     lr: float = 1e-2
     batch_size: int = 32
-    t: str = "auto"
+    t: str | float = "auto"
     project_rounds: int = 2
     eval_batches: int = 4
     checks: int = 10
@@ -161,26 +162,39 @@ class LearnOptions:
                 raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
         if self.method not in METHODS:
             raise LearnError(f"Unknown learning method {self.method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
-        if self.t not in T_CHOICES:
-            raise LearnError(f"Unknown interpolation point {self.t!r}.", hint=f"choose one of {', '.join(T_CHOICES)}.")
+        if isinstance(self.t, bool) or (self.t not in T_CHOICES and not (
+                isinstance(self.t, (int, float)) and 0 < self.t < 1)):
+            raise LearnError(f"Unknown interpolation point {self.t!r}.",
+                             hint=f"choose one of {', '.join(T_CHOICES)}, or a number strictly between 0 and 1.")
         return self
 
 
-def resolved_t(options: LearnOptions, *, merged_midpoint: bool = False) -> LearnOptions:
-    """``options`` with ``t="auto"`` made concrete: ``midpoint`` where the result is used at the midpoint only
-    (``merged_midpoint``: a simple merge of two models of equal weight), ``random`` otherwise (alignment and
-    barriers use the whole path). Measured on the converged wide ViT (examples/RESULTS.md): a simple merge after
-    300 learned steps scores 0.105 learned at the midpoint against 0.216 learned at random points."""
+def resolved_t(options: LearnOptions, *, merged_at: float | None = None) -> LearnOptions:
+    """``options`` with ``t="auto"`` made concrete: ``merged_at`` where the result is used at that point of the
+    path only (a simple merge of two models: the source's share of the weights, 1/2 for equal weights), ``random``
+    otherwise (alignment and barriers use the whole path). Measured (examples/RESULTS.md): on the converged wide ViT
+    a simple merge after 300 learned steps scores 0.105 learned at the midpoint against 0.216 learned at random
+    points; merges of the shipped pairs with weights 1:3 or 2:1 come 3-22% closer to their endpoints' loss learned at
+    their point."""
     if options.t != "auto":
         return options
-    return replace(options, t="midpoint" if merged_midpoint else "random")
+    return replace(options, t="random" if merged_at is None else float(merged_at))
+
+
+def learned_point(options: LearnOptions) -> float | None:
+    """The one point of the path learning aims at (``midpoint``: 1/2; a number: itself), None for the whole path
+    (``random``)."""
+    if options.t == "random":
+        return None
+    return 0.5 if options.t == "midpoint" else float(options.t)
 
 
 def checked_points(options: LearnOptions) -> tuple[float, ...]:
-    """Where a candidate is scored: where learning aims. The midpoint alone when it learns the midpoint (a simple
-    merge's point: checking its neighbours too rejected the midpoint's gains, since they rise as it falls), the
-    interior points ``CHECKED_T`` when it learns the whole path. Measured on the wide ViT (examples/RESULTS.md)."""
-    return (0.5,) if options.t == "midpoint" else CHECKED_T
+    """Where a candidate is scored: where learning aims. That point alone when it learns one point (a simple
+    merge's: checking its neighbours too rejected the midpoint's gains, since they rise as it falls), the interior
+    points ``CHECKED_T`` when it learns the whole path. Measured on the wide ViT (examples/RESULTS.md)."""
+    point = learned_point(options)
+    return CHECKED_T if point is None else (point,)
 
 
 @dataclass
@@ -294,7 +308,7 @@ class _Run:
         self.parameters, self.learning_rates, self.lr_factor = list(parameters), list(learning_rates), 1.0
         self.optimiser = self._adam()
         self.probe = data.batches[:options.eval_batches]
-        self.checked_t = checked_points(options)
+        self.point, self.checked_t = learned_point(options), checked_points(options)
         self.check_every = max(1, options.steps // options.checks)
         self.horizon = options.steps  # the steps the cosine schedule anneals over (fewer with a time cap)
         self.stopped: str | None = None  # why learning ended before options.steps (no progress, time cap)
@@ -323,7 +337,7 @@ class _Run:
 
     def sample(self):
         """This step's interpolation point and training batch."""
-        t = 0.5 if self.options.t == "midpoint" else float(self.rng.uniform())
+        t = self.point if self.point is not None else float(self.rng.uniform())
         return t, self.data.batches[int(self.rng.integers(len(self.data.batches)))]
 
     def descend(self, loss: torch.Tensor, step: int) -> bool:

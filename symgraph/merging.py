@@ -157,7 +157,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
-        learned matching on the training split of ``data`` (the first, if one per model); needs ``data``.
+        learned matching on the training split of ``data`` (the first, if one per model); needs ``data``. In a
+        simple merge of two models it learns, by default, at the point of the path the merged model is.
     frame
         Which frame the models are merged in. ``reference``: every model aligned onto the reference (the model
         with the largest weight; :func:`symgraph.consensus.reference_index`). ``common``: then every model,
@@ -210,11 +211,11 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         data) else []
     subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
     clock.lap("load")
-    learning = _merge_learning(learn, method, w) if learn else None
     tried = []
-    for label, reference, common in _frames(frame, subjects, w, exclude, align, learning is not None or on_data):
+    for label, reference, common in _frames(frame, subjects, w, exclude, align, bool(learn) or on_data):
         records: list[dict] = []  # what learning did, model by model, in this frame
-        learner = _learner(subjects[0], data, learning, exclude, progress, records) if learn else None
+        learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
+                           records) if learn else None
         moved = _aligned_on_activations(subjects, datasets, reference, device, dtype) if on_data else subjects
         consensus = align_to_consensus(moved, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
                                        progress=progress, learner=learner, reference=reference, common=common,
@@ -716,14 +717,15 @@ def _json_member_params(member: dict) -> set[str]:
     return {p for row in member["tensors"] for p in row} if "tensors" in member else {member["param"]}
 
 
-def _merge_learning(learn, method: str, weights) -> LearnOptions:
-    """The options learned matching runs with in this merge: ``t="auto"`` is the midpoint for a simple merge of
-    two models of equal weight (the merged model is that point of the path), the whole path otherwise."""
+def _merge_learning(learn, method: str, weights, reference: int) -> LearnOptions:
+    """The options learned matching runs with in this merge, in the frame of ``reference``: ``t="auto"`` is, for a
+    simple merge of two models, the point of the path from the reference to the other model that the merged model
+    is (the other's share of the weights: 1/2 for equal weights), and the whole path otherwise."""
     from .learn import LearnOptions, resolved_t
 
     options = learn if isinstance(learn, LearnOptions) else LearnOptions()
-    midpoint = method == "simple" and len(weights) == 2 and abs(weights[0] - weights[1]) < 1e-12
-    return resolved_t(options, merged_midpoint=midpoint)
+    point = float(weights[1 - reference] / np.sum(weights)) if method == "simple" and len(weights) == 2 else None
+    return resolved_t(options, merged_at=point)
 
 
 def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: bool, records: list):

@@ -73,6 +73,10 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(lr=math.nan), "learning rate must be a finite number > 0"),
     (LearnOptions(lr=-1.0), "learning rate must be a finite number > 0"),
     (LearnOptions(t="end"), "Unknown interpolation point"),
+    (LearnOptions(t=0.0), "Unknown interpolation point"),  # an end of the path: the alignment changes nothing there
+    (LearnOptions(t=1.5), "Unknown interpolation point"),
+    (LearnOptions(t=math.nan), "Unknown interpolation point"),
+    (LearnOptions(t=True), "Unknown interpolation point"),
     (LearnOptions(project_rounds=-1), "project_rounds must be a whole number >= 0"),
     (LearnOptions(method="sinkhorn"), "Unknown learning method"),
     (LearnOptions(general_linear="yes"), "general_linear must be True or False"),
@@ -503,10 +507,11 @@ def test_barrier_refuses_unknown_learned_modes(vit_pair):
 
 
 @pytest.mark.parametrize("method, weights, learn, t", [
-    ("simple", None, True, "midpoint"),  # the merged model is the path's midpoint: learned there
-    ("simple", [1, 3], True, "random"),  # another point of the path for each frame: the whole path
-    ("fisher", None, True, "random"),  # no point of the path at all
-    ("simple", None, LearnOptions(t="random"), "random"),  # a point asked for is kept
+    ("simple", None, True, {0.5}),  # the merged model is the path's midpoint: learned there
+    ("simple", [1, 3], True, {0.25, 0.75}),  # in each frame the other model's share of the weights
+    ("fisher", None, True, {"random"}),  # no point of the path at all
+    ("simple", None, LearnOptions(t="random"), {"random"}),  # a point asked for is kept
+    ("simple", [1, 3], LearnOptions(t=0.4), {0.4}),
 ])
 def test_merge_learns_where_its_result_lies_on_the_path(vit_pair, monkeypatch, method, weights, learn, t):
     import symgraph.api
@@ -516,10 +521,10 @@ def test_merge_learns_where_its_result_lies_on_the_path(vit_pair, monkeypatch, m
                         seen.append(options.t) or start)  # the alignment left as it started
     symgraph.merge(list(vit_pair), method=method, weights=weights, data="digits", limit=16, learn=learn,
                    progress=False)
-    assert seen and set(seen) == {t}
+    assert seen and set(seen) == t
 
 
-@pytest.mark.parametrize("extra, t", [((), "midpoint"), (("--learn-t", "random"), "random")])
+@pytest.mark.parametrize("extra, t", [((), 0.5), (("--learn-t", "random"), "random"), (("--learn-t", "0.3"), 0.3)])
 def test_cli_merge_learns_at_the_midpoint_unless_told_otherwise(vit_pair, tmp_path, monkeypatch, extra, t):
     import symgraph.api
 
@@ -532,7 +537,7 @@ def test_cli_merge_learns_at_the_midpoint_unless_told_otherwise(vit_pair, tmp_pa
     assert seen and set(seen) == {t}
 
 
-@pytest.mark.parametrize("t, points", [("midpoint", (0.5,)), ("random", symgraph.learn.CHECKED_T)])
+@pytest.mark.parametrize("t, points", [("midpoint", (0.5,)), ("0.3", (0.3,)), ("random", symgraph.learn.CHECKED_T)])
 def test_checks_score_the_candidates_where_learning_aims(vit_pair, tmp_path, monkeypatch, t, points):
     """Learning the midpoint (a simple merge's point) is checked at the midpoint alone: checked at t = 1/4 and 3/4
     too, the candidates were judged by neighbours that rise as the midpoint falls (wide ViT merge 1.35x -> 1.03x
@@ -573,8 +578,16 @@ def test_merge_reports_what_learning_did_for_each_model_in_the_frame_kept(vit_pa
 
 def test_auto_t_learns_along_the_whole_path_outside_merges():
     assert symgraph.learn.resolved_t(LearnOptions()).t == "random" and LearnOptions().t == "auto"
-    assert symgraph.learn.resolved_t(LearnOptions(), merged_midpoint=True).t == "midpoint"
-    assert symgraph.learn.resolved_t(LearnOptions(t="random"), merged_midpoint=True).t == "random"
+    assert symgraph.learn.resolved_t(LearnOptions(), merged_at=0.25).t == 0.25
+    assert symgraph.learn.resolved_t(LearnOptions(t="random"), merged_at=0.5).t == "random"
+    assert symgraph.learn.resolved_t(LearnOptions(t="midpoint"), merged_at=0.25).t == "midpoint"
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "1", "nan", "end"])
+def test_cli_learn_t_outside_the_open_path_is_refused(vit_pair, tmp_path, value):
+    code, _, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / "out", "--data", "digits", "--learn",
+                          "--learn-t", value)
+    assert code == 2 and "strictly between 0 and 1" in stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
