@@ -162,7 +162,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     frame
         Which frame the models are merged in. ``reference``: every model aligned onto the reference (the model
         with the largest weight; :func:`symgraph.consensus.reference_index`). ``common``: then every model,
-        the reference too, aligned to their weighted mean (:func:`symgraph.consensus.align_to_consensus`).
+        the reference too, aligned to their weighted mean (:func:`symgraph.consensus.align_to_consensus`; not
+        with ``learn``, which tunes alignments to the reference).
         ``best`` (the default): each model's frame in turn and the common one (not with ``learn``), keeping the
         merge with the lowest loss on ``data`` when there is data, else the one whose aligned models lie
         closest to their mean; ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A
@@ -765,6 +766,10 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
     if learn and align == "none":
         raise SymgraphError("Learned matching tunes an alignment, and --align none asks for none.",
                             hint="use --align full (or permutation, paper) with --learn.")
+    if learn and frame == "common":  # the common frame's rounds align by distance and would undo what was learned
+        raise SymgraphError("Learned matching tunes each model's alignment to the reference model, so it cannot "
+                            "merge in the common frame.",
+                            hint="use --frame best (every model's frame tried) or --frame reference with --learn.")
     if count < 2:
         raise SymgraphError(f"Merging needs at least two models, got {count}.", hint="pass two or more models.")
     if method not in METHODS:
