@@ -144,7 +144,7 @@ class _PathPoint(click.ParamType):
     name = "[auto|midpoint|random|T]"
 
     def convert(self, value, param, ctx):
-        from .learn import T_CHOICES
+        from .learn import T_CHOICES, is_path_point
 
         if not isinstance(value, str) or value in T_CHOICES:
             return value
@@ -152,7 +152,7 @@ class _PathPoint(click.ParamType):
             point = float(value)
         except ValueError:
             point = None
-        if point is None or not 0 < point < 1:
+        if not is_path_point(point):
             self.fail(f"{value!r} is not one of {', '.join(T_CHOICES)} or a number strictly between 0 and 1.",
                       param, ctx)
         return point

@@ -162,11 +162,16 @@ class LearnOptions:
                 raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
         if self.method not in METHODS:
             raise LearnError(f"Unknown learning method {self.method!r}.", hint=f"choose one of {', '.join(METHODS)}.")
-        if isinstance(self.t, bool) or (self.t not in T_CHOICES and not (
-                isinstance(self.t, (int, float)) and 0 < self.t < 1)):
+        if not (self.t in T_CHOICES or is_path_point(self.t)):
             raise LearnError(f"Unknown interpolation point {self.t!r}.",
                              hint=f"choose one of {', '.join(T_CHOICES)}, or a number strictly between 0 and 1.")
         return self
+
+
+def is_path_point(t) -> bool:
+    """Whether ``t`` is a number strictly between 0 and 1, a point learning can aim at (at an end of the path the
+    alignment changes nothing)."""
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1
 
 
 def resolved_t(options: LearnOptions, *, merged_at: float | None = None) -> LearnOptions:
