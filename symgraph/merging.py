@@ -746,9 +746,11 @@ def _learner(subject: Subject, data, learn, exclude: frozenset[str], progress: b
 def _per_model(records: list, count: int, reference: int) -> tuple[dict | None, ...]:
     """Learning records in model order, None for the reference. With a learner the consensus runs one job per
     other model, in model order, and no rounds (:func:`symgraph.consensus.align_to_consensus`)."""
+    from .consensus import _others  # the order the consensus runs its jobs in
+
     if not records:
         return ()
-    others = [i for i in range(count) if i != reference]
+    others = _others(count, reference)
     if len(records) != len(others):
         raise AssertionError(f"{len(records)} learning records for {len(others)} aligned models")
     by_model = dict(zip(others, records))
