@@ -576,12 +576,15 @@ def test_merge_reports_what_learning_did_for_each_model_in_the_frame_kept(vit_pa
     assert without.learned == () and without.to_json()["learned"] == []
 
 
-def test_merge_refuses_learning_in_the_common_frame_before_any_work(vit_pair, monkeypatch):
+def test_merge_refuses_learning_in_the_common_frame_before_any_work(vit_pair, tmp_path, monkeypatch):
     """Learning tunes alignments to the reference; the common frame's rounds would undo it (with learning they were
     skipped, and the merge was labelled common while made onto the reference)."""
     monkeypatch.setattr(symgraph.merging, "load", lambda *a, **k: pytest.fail("a model was read"))
     with pytest.raises(symgraph.errors.SymgraphError, match="cannot merge in the common frame"):
         symgraph.merge(list(vit_pair), data="digits", learn=True, frame="common", progress=False)
+    code, _, stderr = run("merge", *vit_pair, "-o", tmp_path / "merged", "--data", "digits", "--learn", "--frame",
+                          "common", "--no-progress")
+    assert code != 0 and "cannot merge in the common frame" in stderr and not (tmp_path / "merged").exists()
 
 
 def test_auto_t_learns_along_the_whole_path_outside_merges():
