@@ -323,3 +323,38 @@ def test_cli_merge_errors_exit_2_and_write_nothing(folders, tmp_path, second, ex
     assert code == 2, stderr
     assert message in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin_a, self.lin_b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.lin_b(torch.relu(self.lin_a(x))))
+
+
+class _Chain(torch.nn.Module):
+    """Blocks in a row with no residual: the units between blocks 0-1 and between 1-2 make groups of one name."""
+
+    def __init__(self, width: int = 6, depth: int = 3):
+        super().__init__()
+        self.layer = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.layer:
+            x = block(x)
+        return x
+
+
+def test_groups_whose_names_coincide_each_move_their_own_tensors():
+    torch.manual_seed(0)
+    model, inputs = _Chain(), (torch.randn(4, 6),)
+    subject = symgraph.load(model, inputs)
+    ids = [g.id for g in subject.report.groups]
+    assert len(set(ids)) == len(ids) == 5 and "ffn:layer:lin_a+lin_b#2" in ids
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(symgraph.transform(subject, seed=1))
+    merged = merge([subject, symgraph.load(twin, inputs)], progress=False)
+    assert max(merged.distances) < 1e-5 < min(merged.distances_before)
+    assert relative_error(subject, merged.state) < 1e-5

@@ -22,7 +22,7 @@ from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction, monomial
 from .experts import with_expert_groups
 from .labels import IdSpace
-from .naming import common_prefix, short_members
+from .naming import common_prefix, short_members, unique_ids
 from .partition import parity_classes, union_sets
 from .scales import scale_groups
 from .walk import source_line
@@ -101,7 +101,7 @@ class Assembler:
             blocks[int(key[k])].append(int(k))
         groups = self._coordinate_groups(blocks, restriction, role)
         groups += scale_groups(self, restriction, cls_is_head | (space < 0), role["kind"] > 0)
-        groups += self._head_groups(cls_pinned)
+        groups = unique_ids(groups + self._head_groups(cls_pinned))
         pinned = self._pinned_report(cls_pinned)
         return Analysis(groups, pinned, dict(self.w.unknown_ops), dict(self.w.cap.shapes))
 
