@@ -203,6 +203,10 @@ def _learn_options(command, *, flag: bool = True):
                           "model is (the other model's share of the weights: the midpoint for equal weights), "
                           "random points everywhere else. Candidates are checked there too: at that point, or at "
                           "t = 1/4, 1/2, 3/4."),
+        click.option("--learn-t-concentration", type=click.FloatRange(min=0, min_open=True),
+                     default=lambda: _learn_default("t_concentration"), show_default="4.0",
+                     help="Random points (--learn-t random) are drawn from Beta(c, c) with this c: large values keep "
+                          "them near the midpoint, where loss barriers peak; 1: uniform along the path."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "
@@ -251,12 +255,13 @@ def _learn_default(name: str):
     return getattr(LearnOptions, name)
 
 
-def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_method, learn_patience, learn_tolerance,
-              learn_seconds, learn_max_condition, learn_backtrack_margin):
+def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentration, learn_method, learn_patience,
+              learn_tolerance, learn_seconds, learn_max_condition, learn_backtrack_margin):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
-    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t, method=learn_method,
+    return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t,
+                        t_concentration=learn_t_concentration, method=learn_method,
                         patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
                         max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin)
 
