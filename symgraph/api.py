@@ -28,6 +28,7 @@ from .elements import Element, apply, sample
 from .errors import CaptureError, InvarianceError, ModelLoadError
 from .inputs import with_attention_mask
 from .report import Report
+from .verify import tie_aliases
 
 Inputs = tuple | dict | None
 
@@ -169,19 +170,6 @@ def check_transformed(subject: Subject, state: dict[str, torch.Tensor], elements
             f"tolerance {outcome.tolerance:.1e}); nothing was written.",
             hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
     return outcome
-
-
-def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Make names that share storage in ``model`` (tied weights) agree with whichever one was transformed."""
-    from .verify import _aliases
-
-    original = model.state_dict()
-    out = dict(state)
-    for names in _aliases(model):
-        changed = [n for n in names if not torch.equal(state[n], original[n].to(state[n].dtype))]
-        for n in names:
-            out[n] = state[changed[0] if changed else names[0]]
-    return out
 
 
 def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
@@ -472,7 +460,7 @@ def _verify_alignment(evaluator, state, result) -> None:
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):
         mine = [e for e in result.elements if e.group.id == gid]
-        alone = evaluator.check(apply(state, mine), mine)
+        alone = evaluator.check(tie_aliases(evaluator.model, apply(state, mine)), mine)
         if not alone.ok:
             culprits.append(f"{gid} (error {alone.relative_error:.1e})")
     raise InvarianceError(

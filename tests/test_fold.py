@@ -16,11 +16,12 @@ import symgraph
 from symgraph import zoo
 from symgraph.alignment import align_states, select_groups
 from symgraph.elements import apply, sample
+from symgraph.errors import InvarianceError
 from symgraph.fold import FoldError, fold, folded_subject, pays_off
 from symgraph.fuzz import fuzz
 from symgraph.io import save_model
 from symgraph.solve import kernels
-from symgraph.verify import Evaluator
+from symgraph.verify import Evaluator, tie_aliases
 
 from cli_runner import run, tree_digest
 
@@ -232,3 +233,20 @@ def test_a_layernorm_without_weights_gives_the_constrained_group_and_it_is_sound
     assert g.kind == "orthogonal" and g.fixes_ones and g.dof == 7 * 6 // 2
     for x in (torch.randn(4, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)):
         assert fuzz(symgraph.load(model, (x,)), groups=[g], samples=8).ok
+
+
+# -- tied tensors: fold, its check, and merge's default ------------------------------------------------------------
+def test_the_check_refuses_a_state_whose_tied_names_differ():
+    """A model ties the names to one tensor: a state giving them different values cannot be loaded faithfully.
+    Before, the check ran the first name's tensor for both, whichever was changed."""
+    model = zoo.build("llama-tied", seed=0)
+    evaluator = Evaluator(model, *zoo.example_inputs_for("llama-tied", model))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] += 0.5
+    with pytest.raises(InvarianceError, match="tied names different values: model.embed_tokens.weight differs from "
+                                              "lm_head.weight"):
+        evaluator.check(state)
+    with pytest.raises(InvarianceError, match="tied names"):  # changed differently: no one name speaks for both
+        tie_aliases(model, {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] - 0.5})
+    tied = tie_aliases(model, state)  # one name changed: the other follows, and the check sees the change
+    assert tied["model.embed_tokens.weight"] is tied["lm_head.weight"] and not evaluator.check(tied).ok
