@@ -8,7 +8,8 @@ RMSNorm models and {Q in O(D) : Q 1 = +-1} for LayerNorm models (:mod:`symgraph.
 For LayerNorm models every parameter that writes into the residual stream (embeddings, position embeddings, class
 token, patch embedding, attention output and FFN down projections with their biases) is also centred over the
 stream's coordinates: every reader of the stream is a LayerNorm, which subtracts the mean anyway, so each norm now
-sees mean-free inputs and computes what an RMSNorm would.
+sees mean-free inputs and computes what an RMSNorm would. A tensor is centred only when every use of it, under any of
+its tied names, writes into the stream (an embedding that is also the LM head is refused).
 
 What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an
 RMSNorm: a parameter vector multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Anything that would make the
@@ -33,6 +34,7 @@ from torch import fx
 
 from .errors import InvarianceError, SymgraphError
 from .spec import load_specs
+from .verify import _aliases, tie_aliases
 
 
 class FoldError(SymgraphError):
@@ -93,7 +95,8 @@ def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
     folded = {**state, **_folded_params(state, norms)}
     centred = residual_writers(cap, norms) if all(n.centres for n in norms) else []
     folded.update(_centred(folded, centred))
-    result = FoldResult(folded, norms, sorted({name for name, _ in centred}))
+    # a tied name follows the one the graph reads: every use of that tensor was checked above
+    result = FoldResult(tie_aliases(subject.model, folded), norms, sorted({name for name, _ in centred}))
     if verify:
         _verify(subject, result)
     return result
@@ -243,8 +246,7 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tupl
                             if post_ln else "align without --fold.")
         weight = _param(user.args[1], cap.params)
         bias = _param(user.args[2], cap.params) if len(user.args) > 2 else None
-        shared = [n for n in tied.get(weight, ()) if n != weight] or \
-            [u.name for u in placeholders[weight].users if u is not user]
+        shared = _ties(tied, weight) or [u.name for u in placeholders[weight].users if u is not user]
         if shared:
             raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
@@ -273,7 +275,7 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
     along that axis. Refuses when anything but a LayerNorm reads the stream (centring would change its input)."""
     nodes = {n.name: n for n in cap.graph.nodes}
     todo = [nodes[n.node].args[0] for n in norms]
-    stream, targets = set(), []
+    stream, writes = set(), []
     while todo:
         node = todo.pop()
         if node.name in stream:
@@ -289,8 +291,31 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
         elif node.op == "call_function" and _same_value(node):
             todo.append(node.args[0])
         else:
-            targets.extend(_writer_params(cap, node, node.meta["val"].dim() - 1))
-    return list(dict.fromkeys(targets))
+            writes.extend(_writer_params(cap, node, node.meta["val"].dim() - 1))
+    _check_only_writes(cap, writes)
+    return list(dict.fromkeys((name, axis) for name, axis, _ in writes))
+
+
+def _check_only_writes(cap, writes: list[tuple[str, int, fx.Node]]) -> None:
+    """Centring a parameter changes every use of it: each must be one of its residual writes, all along one axis.
+    Tied names are one graph input, so a tied head (the embedding as the LM head's decoder) shows up here."""
+    placeholders, tied = _placeholders(cap), _tied_names(cap)
+    for name in dict.fromkeys(name for name, _, _ in writes):
+        mine = [(axis, reader) for n, axis, reader in writes if n == name]
+        others = [u for u in placeholders[name].users if u not in {reader for _, reader in mine}]
+        if others or len({axis for axis, _ in mine}) > 1:
+            _refuse_centring(name, _ties(tied, name), mine[0][1], others)
+
+
+def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[fx.Node]) -> None:
+    tensor = f"{name} (tied: the same tensor as {', '.join(ties)})" if ties else name
+    readers = ", ".join(f"{u.target} (graph node {u.name}{_module_of(u)})" for u in others)
+    why = (f"also read by {readers}, whose result centring would change" if others
+           else "written into it along different axes, which one centring cannot serve")
+    raise FoldError(f"Cannot centre the residual stream: {tensor} is written into it by graph node {writer.name}"
+                    f"{_module_of(writer)}, and {why}.",
+                    hint="untie the weights (e.g. tie_word_embeddings=false), or align without --fold." if ties
+                    else "align without --fold.")
 
 
 def _check_stream_readers(node: fx.Node) -> None:
@@ -305,8 +330,9 @@ def _check_stream_readers(node: fx.Node) -> None:
                         f"change what that reader sees.", hint="align without --fold.")
 
 
-def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int]]:
-    """The parameters (and their axis) whose values make up ``node``'s coordinates along ``axis``."""
+def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Node]]:
+    """The parameters (and their axis) whose values make up ``node``'s coordinates along ``axis``, each with the
+    graph node that reads it there (a parameter written directly: its readers, which are the stream's)."""
     target = str(node.target)
     rank = node.meta["val"].dim()
     if node.op == "placeholder":
@@ -314,13 +340,13 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int]]:
         if name is None:
             raise FoldError(f"Cannot centre the residual stream: the input or buffer {node.name} is written into it "
                             f"directly, and only parameters can be centred.", hint="align without --fold.")
-        return [(name, axis)]
+        return [(name, axis, user) for user in node.users]
     if target == "aten.linear.default" and axis == rank - 1:
-        return [(p, 0) for p in (_param(a, cap.params) for a in node.args[1:3]) if p is not None]
+        return _read_by(cap, node, node.args[1:3], 0)
     if target in ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default") and axis == 1:
-        return [(p, 0) for p in (_param(a, cap.params) for a in node.args[1:3]) if p is not None]
+        return _read_by(cap, node, node.args[1:3], 0)
     if target == "aten.embedding.default" and axis == rank - 1:
-        return [(_param(node.args[0], cap.params), 1)] if _param(node.args[0], cap.params) else []
+        return _read_by(cap, node, node.args[:1], 1)
     inner = _movement_source(node, axis)
     if inner is None:
         raise FoldError(f"Cannot centre the residual stream: it is written by {target} (graph node {node.name}"
@@ -333,6 +359,10 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int]]:
                             f"read elsewhere.", hint="align without --fold.")
         out.extend(_writer_params(cap, arg, arg_axis))
     return out
+
+
+def _read_by(cap, node: fx.Node, args, axis: int) -> list[tuple[str, int, fx.Node]]:
+    return [(p, axis, node) for p in (_param(a, cap.params) for a in args) if p is not None]
 
 
 def _movement_source(node: fx.Node, axis: int):
@@ -407,9 +437,12 @@ def _other_users(placeholder: fx.Node, node: fx.Node) -> str:
     return ", ".join(f"{u.target} (graph node {u.name})" for u in placeholder.users if u is not node)
 
 
-def _tied_names(cap) -> dict[str, list[str]]:
-    from .verify import _aliases
+def _ties(tied: dict[str, list[str]], name: str) -> list[str]:
+    """The other names of the tensor ``name`` (tied weights), which the graph reads as ``name``."""
+    return [n for n in tied.get(name, ()) if n != name]
 
+
+def _tied_names(cap) -> dict[str, list[str]]:
     return {n: names for names in _aliases(cap.model) for n in names}
 
 

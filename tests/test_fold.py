@@ -4,8 +4,10 @@ float64 at two input shapes; the unconstrained O(D) is caught on LayerNorm), the
 recovery on folded models, refusals that name the norm, and the command line."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import importlib
 import json
 
 import numpy as np
@@ -236,6 +238,60 @@ def test_a_layernorm_without_weights_gives_the_constrained_group_and_it_is_sound
 
 
 # -- tied tensors: fold, its check, and merge's default ------------------------------------------------------------
+@functools.cache
+def _xlmr_xl(seed: int) -> torch.nn.Module:
+    """A tiny XLMRobertaXLForCausalLM: its word embedding (a residual writer) is also the LM head's decoder, which
+    reads the head's own LayerNorm, not the stream; norms and biases perturbed so nothing is trivially 1 or 0."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("xlm-roberta-xl", vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                               num_attention_heads=2, intermediate_size=32,
+                                               max_position_embeddings=40, is_decoder=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    generator = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((0.02 if p.dim() >= 2 else 0.1) * torch.randn(p.shape, generator=generator))
+    assert model.lm_head.decoder.weight is model.roberta.embeddings.word_embeddings.weight
+    return model
+
+
+def _difference(subject, state) -> float:
+    """Relative float64 output change of ``subject``'s model when ``state`` is loaded into a fresh copy of it (as a
+    user would: one tensor per tie, whichever name load_state_dict writes last)."""
+    other = copy.deepcopy(subject.model).double()
+    other.load_state_dict(state)
+    reference = copy.deepcopy(subject.model).double()
+    with torch.no_grad():
+        out, ref = (m(*subject.args, **subject.kwargs).logits for m in (other, reference))
+    return float((out - ref).norm() / ref.norm())
+
+
+def test_a_tied_embedding_read_by_the_head_is_not_centred():
+    """The centring path refuses a tied tensor with a use that is no residual write (before, fold centred the
+    decoder's name alone and its check ran the unchanged embedding for both: 1.8e-2 on xlm-roberta-xl)."""
+    model = _xlmr_xl(0)
+    subject = symgraph.load(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        result = fold(subject)
+    except FoldError as exc:
+        assert "tied" in exc.message and "word_embeddings.weight" in exc.message and "decoder" in exc.message
+    else:  # folding it is fine too, as long as the model a user loads computes the same
+        assert _difference(subject, result.state) < 1e-9
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_fold_check_sees_a_centred_tied_head(monkeypatch):
+    """Without the refusal, fold's own float64 check catches the change: the tied names hold the centred tensor
+    both, as a loaded model would."""
+    model = _xlmr_xl(0)
+    monkeypatch.setattr(importlib.import_module("symgraph.fold"), "_check_only_writes", lambda cap, writes: None)
+    with pytest.raises(InvarianceError, match="folded model differs"):
+        fold(symgraph.load(model))
+
+
 def test_the_check_refuses_a_state_whose_tied_names_differ():
     """A model ties the names to one tensor: a state giving them different values cannot be loaded faithfully.
     Before, the check ran the first name's tensor for both, whichever was changed."""
@@ -250,3 +306,36 @@ def test_the_check_refuses_a_state_whose_tied_names_differ():
         tie_aliases(model, {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] - 0.5})
     tied = tie_aliases(model, state)  # one name changed: the other follows, and the check sees the change
     assert tied["model.embed_tokens.weight"] is tied["lm_head.weight"] and not evaluator.check(tied).ok
+
+
+class _SharedEmbedding(torch.nn.Module):
+    """A pre-LN stack whose inputs are two lookups in one embedding table under two names (tied): every use of it
+    writes into the residual stream, so it can be centred, under both names."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.pairs = torch.nn.Embedding(20, 8), torch.nn.Embedding(20, 8)
+        self.pairs.weight = self.tokens.weight
+        self.ln1, self.ln2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.fc, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, ids, other):
+        h = self.tokens(ids) + self.pairs(other)
+        h = h + self.fc(self.ln1(h))
+        return self.head(self.ln2(h))
+
+
+def test_a_tied_tensor_used_only_as_residual_writes_is_centred_under_every_name():
+    torch.manual_seed(0)
+    model = _SharedEmbedding().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype))
+    inputs = (torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5)))
+    result = fold(symgraph.load(model, inputs))
+    assert torch.equal(result.state["tokens.weight"], result.state["pairs.weight"])
+    assert float(result.state["tokens.weight"].mean(-1).abs().max()) < 1e-12
+    loaded = copy.deepcopy(model)
+    loaded.load_state_dict(result.state)
+    with torch.no_grad():
+        assert torch.allclose(loaded(*inputs), model(*inputs), rtol=1e-9, atol=1e-9)
