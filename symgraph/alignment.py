@@ -67,6 +67,7 @@ class AlignResult:
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept
     folded: bool = False  # both models were folded first (symgraph.fold)
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
     learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
     costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
     residual: str | None = None  # full mode on an orthogonal residual stream: the group it was aligned in
@@ -85,6 +86,7 @@ class AlignResult:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
+                **({"fold_note": self.fold_note} if self.fold_note else {}),
                 **({"costs": self.costs} if self.costs else {}),
                 **({"residual_group": self.residual} if self.residual else {}),
                 **({"path_losses": self.path_losses} if self.path_losses else {}),

@@ -219,8 +219,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the
     folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
-    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`); ``result.folded`` says what was
-    done. With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
+    off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`), and where the norms cannot be folded
+    after all leaves both models unfolded; ``result.folded`` says what was done, ``result.fold_note`` why not.
+    With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup. With ``balance`` (full mode) each parameter's cost is counted in units
     of its anchor's RMS (:func:`symgraph.alignment.balanced_weights`: lower barriers on folded pairs but one,
@@ -288,7 +289,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
-    src, anc, folded = folded_pair(src, anc, fold, check_same_architecture)
+    src, anc, folded, fold_note = folded_pair(src, anc, fold, check_same_architecture)
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
     _check_layers(layers, src.report.groups)
@@ -331,7 +332,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.state = tie_aliases(src.model, result.state)
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
-    result.folded = folded
+    result.folded, result.fold_note = folded, fold_note
     if verify:
         clock = time.perf_counter()
         _verify_alignment(evaluator, state, result)
@@ -415,20 +416,16 @@ def _alignment_data(data, subject: Subject, batch_size: int, learn=False):
     return load_data(data, model=subject, batch_size=batch_size, split="train")
 
 
-def folded_pair(first: Subject, second: Subject, fold: bool | None, check) -> tuple[Subject, Subject, bool]:
-    """Both subjects folded when ``fold`` is True, or None and folding pays off for ``first``; else unchanged.
+def folded_pair(first: Subject, second: Subject, fold: bool | None,
+                check) -> tuple[Subject, Subject, bool, str]:
+    """Both subjects folded when ``fold`` is True, or None and folding pays off; the note says why not when None
+    fell back (:func:`symgraph.fold.folded_where_asked`). ``check(first, second, groups=...)`` refuses models
+    that do not match."""
+    from .fold import folded_where_asked
 
-    ``check(first, second, groups=...)`` refuses models that do not match: before folding without comparing
-    groups (a folded model and an unfolded one have different groups until both are folded), after it with them.
-    """
-    from .fold import folded_subject, pays_off
-
-    fold = pays_off(first) if fold is None else fold
-    check(first, second, groups=not fold)
-    if fold:
-        first, second = folded_subject(first), folded_subject(second)
-        check(first, second, groups=True)
-    return first, second, fold
+    (first, second), folded, note = folded_where_asked([first, second], fold,
+                                                       lambda pair, groups: check(*pair, groups=groups))
+    return first, second, folded, note
 
 
 def _check_layers(layers: tuple[int, int] | None, groups) -> None:

@@ -574,6 +574,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     where = "" if align_mode == "none" else f"; frame: {result.frame} ({result.frame_note})"
     click.echo(f"wrote {output}: {method} merge of {len(models)} models (align {align_mode}{folded}); distance of "
                f"each model to the merge: {distances}{where}")
+    if result.fold_note:
+        click.echo(f"  {result.fold_note}")
     for i, learned in enumerate(result.learned):
         if learned is not None:  # the reference does not move
             click.echo(f"model {i + 1} ({result.models[i]}){_learned_note(learned)}")
@@ -630,6 +632,8 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
         result.plot(output)
     if any(n.endswith("(folded)") for n in result.models):
         click.echo("  both models were folded first (symgraph fold); --no-fold compares them as trained")
+    if result.fold_note:
+        click.echo(f"  {result.fold_note}")
     for mode, curve in result.curves.items():
         accuracy = "" if curve.accuracy_barrier is None else f", accuracy drop {curve.accuracy_barrier:.3g}"
         click.echo(f"  {mode:<12} loss barrier {curve.loss_barrier:.4g}{accuracy}, distance {curve.distance:.3g}"

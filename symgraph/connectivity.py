@@ -81,10 +81,12 @@ class BarrierResult:
     ts: list[float]
     curves: dict[str, BarrierCurve]
     seconds: float = 0.0
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
 
     def to_json(self) -> dict:
         return {"models": list(self.models), "data": self.data, "task": self.task, "ts": self.ts,
-                "seconds": self.seconds, "modes": {m: c.to_json() for m, c in self.curves.items()}}
+                "seconds": self.seconds, "modes": {m: c.to_json() for m, c in self.curves.items()},
+                **({"fold_note": self.fold_note} if self.fold_note else {})}
 
     def plot(self, path) -> Path:
         """Write the figure (format from the suffix: png, pdf, svg, ...); see :func:`plot_barrier`."""
@@ -124,7 +126,8 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     fold
         Fold both models first (:func:`symgraph.fold`): the path then runs between the folded models (the same
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
-        off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
+        off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose norms cannot
+        be folded after all are compared unfolded, and ``result.fold_note`` says why.
     learn
         The :class:`symgraph.learn.LearnOptions` of the learned modes (None: the defaults). ``limit`` and
         ``split`` apply to the evaluation only.
@@ -158,13 +161,13 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
     options = _with_alignment_data({**(align_options or {}), **compute}, aligns, data, first)
-    second, first, _ = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
+    second, first, _, fold_note = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
     learning = {"data": data if learn_data is None else learn_data, "learn": learn or True, "progress": progress}
     curves = {mode: _curve(mode, first, second, path, options, learning) for mode in aligns}
     return BarrierResult((first.name, second.name), dataset.name, dataset.task, ts, curves,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, fold_note)
 
 
 def barrier_height(ts: Sequence[float], values: Sequence[float]) -> float:

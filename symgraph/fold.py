@@ -117,6 +117,28 @@ def pays_off(subject) -> bool:
     return bool(norms)
 
 
+def folded_where_asked(subjects: list, fold: bool | None, check) -> tuple[list, bool, str]:
+    """``(subjects, folded, note)``: every subject folded (:func:`folded_subject`) when ``fold`` is True, or None
+    and folding pays off for the first; else unchanged. ``fold`` None was not a request: where folding is refused
+    after all (:func:`pays_off` finds the norms, not what centring needs) every subject stays unfolded, and
+    ``note`` says why. ``check(subjects, groups)`` refuses models that do not match: before folding without
+    comparing groups (a folded model and an unfolded one have different groups until both are folded), after
+    it with them."""
+    wanted = pays_off(subjects[0]) if fold is None else fold
+    check(subjects, not wanted)
+    if not wanted:
+        return subjects, False, ""
+    try:
+        folded = [folded_subject(s) for s in subjects]
+    except FoldError as exc:
+        if fold:
+            raise
+        check(subjects, True)
+        return subjects, False, f"norms not folded: {exc.message}"
+    check(folded, True)
+    return folded, True, ""
+
+
 def folded_subject(subject, inputs=None):
     """A :class:`~symgraph.api.Subject` of the folded model: a copy of ``subject``'s module holding the folded
     weights, with the same example inputs, config and source folder."""

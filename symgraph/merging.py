@@ -88,6 +88,7 @@ class MergeResult:
     frames: dict[str, float] = field(default_factory=dict)  # the score of every frame tried (lower is better)
     inputs: tuple[Path, ...] = ()  # the folders the models were read from: save never writes over one
     learned: tuple[dict | None, ...] = ()  # per model, what learned matching did in the frame kept (with learn)
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
 
     @property
     def distances(self) -> list[float]:
@@ -102,7 +103,8 @@ class MergeResult:
                 "weights": list(self.weights), "data": list(self.data), "head_from": self.head_from,
                 "head": list(self.head), "simple_averaged": len(self.simple_averaged),
                 "consensus": self.consensus.to_json(), "frame": self.frame, "frame_note": self.frame_note,
-                "frames": self.frames, "learned": list(self.learned), "timings_s": self.timings}
+                "frames": self.frames, "learned": list(self.learned), "timings_s": self.timings,
+                **({"fold_note": self.fold_note} if self.fold_note else {})}
 
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
@@ -154,7 +156,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     fold
         Fold every model first (:func:`symgraph.fold`): alignment then uses the orthogonal residual group, and
         the merge averages folded weights (norm weights folded into the linears that read them). ``None``: where
-        it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)".
+        it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose
+        norms cannot be folded after all are merged unfolded, and ``result.fold_note`` says why.
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
         learned matching on the training split of ``data`` (the first, if one per model); needs ``data``. In a
@@ -210,7 +213,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     # synthetic data serves learning alone (checked in _check_options): statistics and frames go without data
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None and not is_synthetic(
         data) else []
-    subjects = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: capturing is slower
+    subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: slower
     clock.lap("load")
     tried = []
     for label, reference, common in _frames(frame, subjects, w, exclude, align, bool(learn) or on_data):
@@ -233,7 +236,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
                        clock.laps(), source.config, source.path, label, _frame_note(tried, label, datasets),
-                       {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference))
+                       {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference),
+                       fold_note)
 
 
 FRAMES = ("best", "reference", "common")
@@ -286,18 +290,17 @@ def _frame_note(tried: list, label: str, datasets) -> str:
     return f"chosen for the {what}: {scores}"
 
 
-def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool) -> list:
-    """Every subject folded (:func:`symgraph.fold`) when ``fold``, or when None and it pays off for the first;
-    checked to match (:func:`check_compatible`) before folding, and their groups after it."""
-    from .fold import folded_subject, pays_off
+def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool) -> tuple[list, str]:
+    """``(subjects, note)``: every subject folded when ``fold``, or when None and it pays off, checked to match
+    (:func:`check_compatible`, their groups too with ``groups``); the note says why not when None fell back
+    (:func:`symgraph.fold.folded_where_asked`)."""
+    from .fold import folded_where_asked
 
-    fold = pays_off(subjects[0]) if fold is None else fold
-    check_compatible(subjects, exclude, groups=groups and not fold)
-    if not fold:
-        return subjects
-    subjects = [folded_subject(s) for s in subjects]
-    check_compatible(subjects, exclude, groups=groups)
-    return subjects
+    def check(models, groups_now):
+        check_compatible(models, exclude, groups=groups and groups_now)
+
+    subjects, _, note = folded_where_asked(subjects, fold, check)
+    return subjects, note
 
 
 

@@ -339,3 +339,19 @@ def test_a_tied_tensor_used_only_as_residual_writes_is_centred_under_every_name(
     loaded.load_state_dict(result.state)
     with torch.no_grad():
         assert torch.allclose(loaded(*inputs), model(*inputs), rtol=1e-9, atol=1e-9)
+
+
+def test_default_fold_falls_back_on_a_model_whose_norms_cannot_be_folded():
+    """pays_off finds the norms; centring is refused only when fold runs: fold=None (not asked) then merges and
+    aligns unfolded, saying why, while fold=True still refuses."""
+    a, b = (symgraph.load(_xlmr_xl(s)) for s in (0, 1))
+    assert pays_off(a)
+    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)
+    assert not any(name.endswith("(folded)") for name in result.models)
+    assert "norms not folded" in result.fold_note and "tied" in result.fold_note
+    assert result.to_json()["fold_note"] == result.fold_note
+    assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
+    aligned = symgraph.align(b, a, mode="permutation", fold=None)
+    assert not aligned.folded and "tied" in aligned.fold_note
+    with pytest.raises(FoldError, match="tied"):
+        symgraph.merge([a, b], align="none", fold=True, progress=False)
