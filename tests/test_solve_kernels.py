@@ -348,6 +348,21 @@ def test_unit_scales_match_per_unit_numpy_roots():
         assert batched[i] == pytest.approx(r[np.argmin(f)], rel=1e-9)
 
 
+@pytest.mark.parametrize("powers", [(1, -2), (2, -1), (1, 2, -1, -3), (3, -1, -2)])
+def test_power_sums_are_minimised_exactly_and_never_above_the_identity(powers):
+    from symgraph.solve.polyroots import minimize_power_sum, power_sum_objective
+    rng = np.random.default_rng(93)
+    terms = {e: (rng.uniform(0.1, 5, 40), rng.normal(0, 2, 40)) for e in powers}
+    for positive in (True, False):
+        c = minimize_power_sum(terms, positive=positive)
+        grid = np.geomspace(1e-2, 1e2, 40001)
+        grid = grid if positive else np.concatenate([-grid[::-1], grid])
+        on_grid = power_sum_objective(grid[:, None], terms).min(0)
+        assert np.all(power_sum_objective(c, terms) <= np.minimum(on_grid, power_sum_objective(1.0, terms)) + 1e-9)
+    A, B, C, D = rng.uniform(0.1, 5, (4, 40))
+    assert np.array_equal(minimize_scale(A, B, C, D, power=2), minimize_power_sum({1: (A, B), -2: (C, D)}))
+
+
 def test_polynomial_roots_batch_handles_vanishing_leading_coefficient():
     from symgraph.solve import polynomial_roots
     roots = polynomial_roots(np.array([[1.0, -3.0, 2.0], [0.0, 2.0, -4.0], [0.0, 0.0, 0.0]]))
