@@ -117,6 +117,20 @@ def test_relu_squared_with_one_over_c_out_breaks_it():
     assert not Evaluator(subject.model, subject.args).check(scaled).ok
 
 
+@pytest.mark.parametrize("how", sorted(SQUARES))
+def test_relu_squared_alignment_counts_the_output_side_and_never_moves_farther(how):
+    """The scale solve used to fit the input side alone and then divide the output side by d^2: the scale
+    group's distance grew fivefold (3.08 -> 16.5) and the aligned model ended farther from the anchor than it began
+    (1.39 -> 6.09)."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 5, 8),)
+    anchor, source = (load(SquaredReLU(SQUARES[how]).double(), inputs, seed) for seed in (0, 5))
+    result = symgraph.align(source, anchor, refine_rounds=0, matching_start=False)
+    scales = [s for s in result.stats if s.kind == "scale"]
+    assert scales and all(s.after <= s.before for s in scales)
+    assert result.distance_after < result.distance_before
+
+
 CNN_FACTORY = '''
 import torch
 from torch import nn

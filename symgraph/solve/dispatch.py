@@ -18,7 +18,7 @@ from ..groups import Group, Member
 from . import certify, kernels, screen
 from .experts import expert_similarity
 from .heads import invariant_head_similarity, rotation_head_similarity
-from .polyroots import minimize_scale
+from .polyroots import minimize_power_sum
 from .workspace import Workspace
 
 
@@ -351,17 +351,19 @@ def _assign(a: np.ndarray, b: np.ndarray | None, g: Group, *, signed: bool):
 
 
 def _unit_scales(ws: Workspace, g: Group, members, *, positive: bool) -> np.ndarray:
-    """Closed-form per-coordinate scale from the exponent-1 members (the others keep scale 1): the quartic of
-    :func:`kernels.unit_scales` from each side's float64 norms and inner products, summed member by member."""
-    stats = {side: [np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))] for side in ("primal", "dual")}
-    used = False
+    """Closed-form per-coordinate scale: each member counts with its exponent (a primal one moves by d^e, a dual
+    one by d^-e; ReLU^2 scales its output side by 1/d^2), :func:`minimize_power_sum` of each power's float64
+    norms and inner products, summed member by member. A fractional exponent has no polynomial: scale 1."""
+    terms: dict[int, list[np.ndarray]] = {}
     for m in members:
-        if m.action == "permute" or m.exponent != 1:
+        if m.action == "permute":
             continue
-        side = stats["primal" if m.action == "primal" else "dual"]
-        side[0] += ws.unit_sums(m, "src")
-        side[1] += ws.unit_sums(m, "src", "anc")
-        used = True
-    if not used:
+        if not float(m.exponent).is_integer():
+            return np.ones((g.copies, g.size))
+        power = int(m.exponent) if m.action == "primal" else -int(m.exponent)
+        sums = terms.setdefault(power, [np.zeros((g.copies, g.size)), np.zeros((g.copies, g.size))])
+        sums[0] += ws.unit_sums(m, "src")
+        sums[1] += ws.unit_sums(m, "src", "anc")
+    if not terms:
         return np.ones((g.copies, g.size))
-    return minimize_scale(*stats["primal"], *stats["dual"], power=1, positive=positive)
+    return minimize_power_sum(terms, positive=positive)
