@@ -259,7 +259,8 @@ def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, sou
     mode the closer start (no weight-space measure tried ranks its two starts' barriers); on a tie (one optimum,
     reached twice), the first. A judge that cannot judge (it returns None: no synthetic data for this model)
     leaves the choice to those rules. The judge's path loss on synthetic data ranked full mode's two starts by
-    barrier on all four trained pairs, where distance got one wrong (examples/RESULTS.md)."""
+    barrier on all four trained pairs, where distance got one wrong (examples/RESULTS.md); path losses equal up
+    to rounding (:func:`tied_lowest`) say nothing, and the closer of those starts is kept."""
     candidates = {"recovery": first, "matching": other}
     if mode == "permutation" and starts["recovery"] > starts["matching"]:  # never farther than the textbook
         del candidates["recovery"]
@@ -274,8 +275,21 @@ def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, sou
     if not losses:
         closer = starts["matching"] < starts["recovery"] * (1 - 1e-6)
         return (other if mode == "permutation" or closer else first), {}
-    best = min(losses, key=lambda label: losses[label] if math.isfinite(losses[label]) else math.inf)
-    return candidates[best], losses
+    return candidates[min(tied_lowest(losses), key=starts.get)], losses
+
+
+PATH_LOSS_TIE = 1e-5  # relative: path losses closer than this are equal (one function, rounded differently)
+
+
+def tied_lowest(losses: dict[str, float]) -> list[str]:
+    """The labels whose loss is the lowest finite one up to :data:`PATH_LOSS_TIE` (relative), in their order;
+    every label when none is finite. The tie rule of every choice by path loss (:func:`_kept_start`,
+    :func:`symgraph.api.lowest_path_loss`)."""
+    finite = [loss for loss in losses.values() if math.isfinite(loss)]
+    if not finite:
+        return list(losses)
+    low = min(finite)
+    return [label for label, loss in losses.items() if math.isfinite(loss) and loss <= low + PATH_LOSS_TIE * abs(low)]
 
 
 def residual_group(groups, source: dict, anchor: dict, **options) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -341,15 +340,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     return result
 
 
-_PATH_LOSS_TIE = 1e-5  # relative: path losses closer than this are equal (one function, rounded differently)
-
-
 def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int):
     """The candidate alignment (name -> AlignResult) whose interpolated model has the lowest mean loss at t = 1/4,
     1/2, 3/4 on the first ``batches`` batches of ``data`` (:func:`symgraph.learn.path_loss`), every candidate's
     loss in its ``path_losses``. Activation costs and weight costs each win on some pairs (examples/RESULTS.md:
     activations on vit-digits and llama-chars, weights on bert-topics and vit-digits-wide), and distance does not
     rank barriers, so with data at hand the data decides; the first candidate wins a tie (and any non-finite loss)."""
+    from .alignment import tied_lowest
     from .consensus import shared_float_names
     from .learn import path_loss
 
@@ -362,11 +359,7 @@ def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int):
         warnings.warn(f"The data gives no {data.task} loss on this model ({err}); the {first} alignment is kept "
                       f"without comparing it with the others ({', '.join(list(candidates)[1:])}).", stacklevel=2)
         return candidates[first]
-    best = next(iter(losses))
-    for name, loss in losses.items():  # a later one must be lower by more than float rounding (equal merges)
-        if math.isfinite(loss) and not loss >= losses[best] - _PATH_LOSS_TIE * abs(losses[best]):
-            best = name
-    result = candidates[best]
+    result = candidates[tied_lowest(losses)[0]]  # a later one must be lower by more than rounding (equal merges)
     result.path_losses = losses
     return result
 

@@ -184,6 +184,28 @@ def test_a_judge_chooses_full_modes_start_by_its_score_not_by_distance():
     assert unable.start == plain.start and unable.path_losses == {} and unable.distance_after == plain.distance_after
 
 
+class _Start:
+    """A descent start as :func:`alignment._kept_start` reads it: where alignment began, and a state to judge."""
+
+    def __init__(self, start=1.0, label=None):
+        self.start, self.label = start, label
+
+    def state(self):
+        return {"label": self.label}
+
+
+@pytest.mark.parametrize("gap, kept", [(0.5 * alignment.PATH_LOSS_TIE, "matching"),
+                                       (2 * alignment.PATH_LOSS_TIE, "recovery")])
+def test_path_losses_equal_up_to_the_tie_rule_keep_the_closer_start(gap, kept):
+    """vaultgemma, nomic_bert: the two starts' judged losses differed by 2.3e-6 and 7.6e-7 of themselves, and the
+    strictly lower one, which had ended farther from the anchor, was kept."""
+    first, other = _Start(label="recovery"), _Start(label="matching")
+    losses = {"recovery": 2.0, "matching": 2.0 * (1 + gap)}
+    chosen, judged = alignment._kept_start(first, other, "full", {"recovery": 0.5, "matching": 0.4}, {},
+                                           lambda state: losses[state["label"]])
+    assert judged == losses and chosen is {"recovery": first, "matching": other}[kept]
+
+
 @pytest.mark.parametrize("family, judged", [("llama", True), ("vit", False)])
 def test_a_judge_chooses_permutation_modes_start_only_among_those_no_farther_than_the_textbook(family, judged):
     groups, source, anchor = twins(family)
