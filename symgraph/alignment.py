@@ -65,7 +65,7 @@ class AlignResult:
     verified_tolerance: float | None = None  # the tolerance it was checked against (wider for fp16/bf16 weights)
     refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
-    start: str = "recovery"  # the start kept
+    start: str = "recovery"  # the start kept ("none": full mode left the source as it was, align_states)
     folded: bool = False  # both models were folded first (symgraph.fold)
     fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
     learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
@@ -200,7 +200,11 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     the aligned source computes on the path rather than by distance (:func:`symgraph.synthetic.path_judge`: the path
     loss on synthetic data; ``result.path_losses`` holds each start's): in ``full`` mode after :data:`PROBE_ROUNDS`
     rounds of each, in ``permutation`` mode after the first start's whole descent, among the starts no farther
-    than textbook weight matching (so the mode stays no farther than the textbook).
+    than textbook weight matching (so the mode stays no farther than the textbook). Full mode minimises the
+    distance to the anchor, so it never ends farther than the source began: a start that ended farther is not kept
+    while another did not, and where every start did (the first pass keeps each solve, and between independent
+    models it can move the source away; olmo2 0.407 -> 0.416), the source is returned unmoved (no elements,
+    ``result.start`` ``none``; ``result.starts`` still says where each start ended).
     """
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0):
         raise SymgraphError(f"Refinement rounds must be a whole number >= 0, not {rounds!r}.",
@@ -244,7 +248,10 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
         kept.refine(rounds - kept.rounds_run, tolerance, progress)
         timings["refine"] = timings.get("refine", 0.0) + time.perf_counter() - clock
     timings["solvers"] = sum(s.seconds for a in (first, other) if a is not None for s in a.stats)
-    result = _result(kept, source, anchor, timings, starts, "matching" if kept is not first else "recovery")
+    if mode == "full" and kept.distance() > first.start:  # every start moved the source away: leave it alone
+        result = _unmoved(source, anchor, timings, starts)
+    else:
+        result = _result(kept, source, anchor, timings, starts, "matching" if kept is not first else "recovery")
     result.residual = narrowed
     result.path_losses = path_losses
     return result
@@ -260,10 +267,13 @@ def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, sou
     reached twice), the first. A judge that cannot judge (it returns None: no synthetic data for this model)
     leaves the choice to those rules. The judge's path loss on synthetic data ranked full mode's two starts by
     barrier on all four trained pairs, where distance got one wrong (examples/RESULTS.md); path losses equal up
-    to rounding (:func:`tied_lowest`) say nothing, and the closer of those starts is kept."""
+    to rounding (:func:`tied_lowest`) say nothing, and the closer of those starts is kept. Full mode takes no start
+    that ended farther from the anchor than the source began while the other did not (:func:`align_states`)."""
     candidates = {"recovery": first, "matching": other}
     if mode == "permutation" and starts["recovery"] > starts["matching"]:  # never farther than the textbook
         del candidates["recovery"]
+    if mode == "full":  # a start that ended farther from the anchor than the source began moved it away
+        candidates = {label: a for label, a in candidates.items() if starts[label] <= first.start} or candidates
     losses: dict[str, float] = {}
     if judge is not None and len(candidates) > 1:
         for label, aligner in candidates.items():
@@ -273,7 +283,7 @@ def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, sou
                 break
             losses[label] = float(loss)
     if not losses:
-        closer = starts["matching"] < starts["recovery"] * (1 - 1e-6)
+        closer = "recovery" not in candidates or starts["matching"] < starts["recovery"] * (1 - 1e-6)
         return (other if mode == "permutation" or closer else first), {}
     return candidates[min(tied_lowest(losses), key=starts.get)], losses
 
@@ -411,6 +421,12 @@ def _result(aligner: "Aligner", source: dict, anchor: dict, timings: dict, start
     return AlignResult(out, aligner.elements, aligner.stats, relative_distance(source, anchor),
                        relative_distance(out, anchor), timings, refine_rounds=aligner.rounds_run,
                        starts=starts, start=start)
+
+
+def _unmoved(source: dict, anchor: dict, timings: dict, starts: dict) -> AlignResult:
+    """The source itself as the result: no element applied, no solve kept."""
+    distance = relative_distance(source, anchor)
+    return AlignResult(dict(source), [], [], distance, distance, timings, starts=starts, start="none")
 
 
 def _descend(aligner: "Aligner", rounds: int, tolerance: float, progress, timings: dict,

@@ -213,7 +213,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     synthetic data (:func:`symgraph.synthetic.path_judge`; classifiers and causal LMs with a Hugging Face config)
     is kept, in permutation mode among the starts no farther than the textbook; otherwise full mode keeps the closer
     result and permutation mode the weight-matched one (:func:`symgraph.alignment.align_states`;
-    ``result.path_losses`` holds each judged start's loss).
+    ``result.path_losses`` holds each judged start's loss). Without ``data``, full mode never returns a source
+    farther from the anchor than it was: where every start ends farther, the source is returned unmoved
+    (``result.start`` is then ``none``).
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the

@@ -206,6 +206,26 @@ def test_path_losses_equal_up_to_the_tie_rule_keep_the_closer_start(gap, kept):
     assert judged == losses and chosen is {"recovery": first, "matching": other}[kept]
 
 
+def test_full_mode_keeps_no_start_that_ended_farther_than_the_source_began():
+    """olmo2's first-pass start ended at 0.416 from 0.407 and was judged better; weight matching's, 0.402, is kept."""
+    first, other = _Start(label="recovery"), _Start(label="matching")
+    chosen, judged = alignment._kept_start(first, other, "full", {"recovery": 1.1, "matching": 0.9}, {},
+                                           lambda state: {"recovery": 1.0, "matching": 2.0}[state["label"]])
+    assert chosen is other and judged == {}
+
+
+def test_full_mode_returns_the_source_unmoved_when_every_start_moves_it_away(monkeypatch):
+    groups, source, anchor = twins("bert")
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(alignment, "solve", lambda ws, g, *rest: [sample(g, rng)])  # every solve a random move
+    monkeypatch.setattr(alignment, "solve_orthogonal_together", lambda ws, items: [[sample(g, rng)] for g, *_ in items])
+    result = align_states(groups, source, anchor, rounds=0)
+    assert set(result.starts) == {"recovery", "matching"}
+    assert result.start == "none" and result.elements == [] and result.stats == []
+    assert result.distance_after == result.distance_before
+    assert all(result.state[k] is source[k] for k in source)
+
+
 @pytest.mark.parametrize("family, judged", [("llama", True), ("vit", False)])
 def test_a_judge_chooses_permutation_modes_start_only_among_those_no_farther_than_the_textbook(family, judged):
     groups, source, anchor = twins(family)
@@ -301,8 +321,11 @@ def test_a_solver_that_breaks_the_function_is_named_and_nothing_is_returned(monk
     honest = dispatch.SOLVERS["permutation"]
 
     def sign_flipping(ws, g, members, ctx):  # GELU units commute with neither a sign flip nor a scale (and a
-        # second solve must not undo the first: both descent starts go through it)
-        return [Element(e.group, perm=e.perm, diag=-2 * e.diag) for e in honest.fn(ws, g, members, ctx)]
+        # second solve must not undo the first: both descent starts go through it); one unit, so that the
+        # alignment still ends closer to the anchor than the source began (full mode keeps none that does not)
+        elements = honest.fn(ws, g, members, ctx)
+        return [Element(e.group, perm=e.perm, diag=e.diag * np.where(np.arange(g.size) == 0, -2.0, 1.0))
+                for e in elements]
 
     monkeypatch.setitem(dispatch.SOLVERS, "permutation", dispatch.Solver("permutation", "broken", "", sign_flipping))
     with pytest.raises(InvarianceError, match=r"Group\(s\) at fault: ffn:"):
