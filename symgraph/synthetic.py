@@ -32,6 +32,9 @@ __all__ = ["SPEC", "is_synthetic", "learning_only", "path_judge", "synthetic_dat
 
 SPEC = "synthetic"
 LENGTH = 128  # tokens per sampled sequence (fewer where the model's positions run out)
+TASK_LENGTH = 8  # tokens the task is found at
+# what a model raises at a length it cannot take (a position table too short, a shape check): it makes no data there
+CANNOT_RUN = (IndexError, RuntimeError, ValueError)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
 JUDGE_EXAMPLES = 64  # synthetic examples a path judge scores candidate alignments on
 # model inversion of a classifier's random pixels (or audio): steps, Adam's rate, the weight of the L2 prior
@@ -77,11 +80,12 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
         twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
         twin.requires_grad_(False)  # inversion differentiates the inputs only
+        length = _length(twin, endpoints[0], config, seed)
         sampled = _samples(twin, task)
         if sampled:
-            inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, seed), "sampled"
+            inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, length, seed), "sampled"
         else:
-            inputs = [example_inputs(config, batch=size, seq=_length(config), seed=seed + index)
+            inputs = [example_inputs(config, batch=size, seq=length, seed=seed + index)
                       for index, size in enumerate(sizes)]
             kind = "inverted" if invert and task == "classification" and any(map(torch.is_floating_point,
                                                                                  inputs[0].values())) else "random"
@@ -100,7 +104,7 @@ def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) 
 def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     """``causal_lm`` for a model reading token ids that predicts a distribution per position, ``classification``
     for one that predicts one per example; anything else is refused."""
-    inputs = example_inputs(config, batch=2, seq=8, seed=seed)
+    inputs = example_inputs(config, batch=2, seq=TASK_LENGTH, seed=seed)
     try:
         logits = _run(model, state, inputs)
     except DataError:
@@ -124,11 +128,12 @@ def _samples(model: torch.nn.Module, task: str) -> bool:
     return task == "causal_lm" and callable(can_generate) and bool(can_generate())
 
 
-def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, sizes: list[int],
+def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, sizes: list[int], length: int,
                     seed: int) -> list[dict[str, torch.Tensor]]:
-    """Batches of ``sizes`` sequences, each sampled from one endpoint in turn (even rows from the first, odd ones
-    from the second...: inputs the models themselves find likely) after a random first token."""
-    length, count = _length(config), len(endpoints)
+    """Batches of ``sizes`` sequences of ``length`` tokens, each sampled from one endpoint in turn (even rows from
+    the first, odd ones from the second...: inputs the models themselves find likely) after a random first
+    token."""
+    count = len(endpoints)
     firsts = [example_inputs(config, batch=size, seq=1, seed=seed + index)["input_ids"]
               for index, size in enumerate(sizes)]
     parts = []
@@ -166,10 +171,29 @@ def _inverted(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[s
     return {**inputs, **{k: v.detach() for k, v in moving.items()}}
 
 
-def _length(config) -> int:
+def _length(model: torch.nn.Module, state: State, config, seed: int) -> int:
+    """The longest sequence, up to :data:`LENGTH` and the config's position count, that ``model`` carrying
+    ``state`` runs on (bisected down from there to :data:`TASK_LENGTH`, which :func:`_task` ran): a position
+    table may hold fewer usable rows than its size (RoBERTa's positions start after the padding index)."""
     positions = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")]
-    known = [int(p) for p in positions if isinstance(p, int) and p > 1]
-    return min([LENGTH, *known])
+    high = min([LENGTH, *(int(p) for p in positions if isinstance(p, int) and p > 1)])
+    low = min(TASK_LENGTH, high)
+    if _runs_at(model, state, config, high, seed):
+        return high
+    while high - low > 1:  # it runs at low, not at high
+        middle = (low + high) // 2
+        low, high = (middle, high) if _runs_at(model, state, config, middle, seed) else (low, middle)
+    return low
+
+
+def _runs_at(model: torch.nn.Module, state: State, config, length: int, seed: int) -> bool:
+    """Whether ``model`` carrying ``state`` runs on one example of ``length`` tokens (frames)."""
+    try:
+        _run(model, state, example_inputs(config, batch=1, seq=length, seed=seed))
+    except CANNOT_RUN as error:
+        _log.debug("%s does not run at length %d: %s", type(model).__name__, length, error)
+        return False
+    return True
 
 
 def _sampled(model: torch.nn.Module, first: torch.Tensor, length: int, config) -> torch.Tensor:
@@ -178,8 +202,13 @@ def _sampled(model: torch.nn.Module, first: torch.Tensor, length: int, config) -
         return first.new_zeros((0, length))
     pad = next((v for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
                 if isinstance(v, int)), 0)
-    return model.generate(first, attention_mask=torch.ones_like(first), do_sample=True, max_length=length,
-                          min_length=length, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=pad)[:, :length]
+    try:
+        return model.generate(first, attention_mask=torch.ones_like(first), do_sample=True, max_length=length,
+                              min_length=length, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=pad)[:, :length]
+    except CANNOT_RUN as error:
+        raise DataError(f"Synthetic data cannot be sampled from {type(model).__name__}: its generate() fails on "
+                        f"{length} tokens ({type(error).__name__}: {error}).",
+                        hint="pass real data (--data SPEC) to learned matching for this model.") from error
 
 
 def _labelled(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[str, torch.Tensor],
@@ -201,8 +230,8 @@ def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples
     """A judge of alignments of ``source`` to ``anchor`` (:func:`symgraph.alignment.align_states`): the loss along
     the path (t = 1/4, 1/2, 3/4; :func:`symgraph.learn.path_loss`) from ``anchor`` to an aligned source, on
     ``examples`` synthetic examples made on the first call (a classifier's not inverted). It returns None when
-    synthetic data cannot be made for ``model`` (no config, neither a classifier nor a causal LM): the caller then
-    decides without it."""
+    synthetic data cannot be made for ``model`` (no config, neither a classifier nor a causal LM, a generate() that
+    fails): the caller then decides without it."""
     from .consensus import shared_float_names
     from .learn import path_loss
 
@@ -214,7 +243,7 @@ def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples
                 # the inputs as drawn: judging the starts on them needs no inversion (they ranked the trained
                 # pairs' starts right, examples/RESULTS.md) and inversion would cost more than the alignment
                 made.append(synthetic_data(model, (source, anchor), examples=examples, batch_size=32, invert=False))
-            except DataError as error:  # not a classifier or causal LM: no judge, and say why once
+            except DataError as error:  # no data this model can make: no judge, and say why once
                 _log.info("the starts are not judged on synthetic data: %s", error)
                 made.append(None)
         if made[0] is None:

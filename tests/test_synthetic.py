@@ -15,7 +15,7 @@ from symgraph.demo import shipped_pair
 from symgraph.errors import DataError
 from symgraph.inputs import example_inputs
 from symgraph.learn import LearnError, LearnOptions
-from symgraph.synthetic import TOP, synthetic_data
+from symgraph.synthetic import TOP, path_judge, synthetic_data
 
 from cli_runner import run
 
@@ -100,6 +100,32 @@ def test_tied_embeddings_and_encoder_decoders(family, task):
     for batch in data.batches:  # tied names carry one tensor: the labels are still both models' mean prediction
         assert torch.equal(batch.labels if task == "classification" else batch.targets[1][..., 0],
                            _mean_probabilities((a, b), batch.inputs).argmax(-1))
+
+
+@pytest.mark.parametrize("head, kind", [("AutoModelForMaskedLM", "random"), ("AutoModelForCausalLM", "sampled")])
+def test_sequences_fit_positions_that_start_after_the_padding_index(head, kind):
+    """Before: a RoBERTa whose 20 positions start after its padding index (1) ran out of them at 19 and 20 tokens
+    (IndexError); the sequences are now as long as the model runs (18)."""
+    config = zoo.tiny_config("roberta", max_position_embeddings=20, is_decoder=head == "AutoModelForCausalLM")
+    a, b = (getattr(transformers, head).from_config(config).eval() for _ in range(2))
+    data = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=4, batch_size=2)
+    assert kind in data.name and [tuple(batch.inputs["input_ids"].shape) for batch in data.batches] == [(2, 18)] * 2
+
+
+def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
+    """Before: generate()'s failure (ProphetNet's positions ran out) ended the alignment that judged its starts."""
+    model = zoo.build("llama")
+
+    def fails(*args, **kwargs):
+        raise IndexError("index out of range in self")
+
+    model.generate = fails
+    state = model.state_dict()
+    with pytest.raises(DataError, match="cannot be sampled from LlamaForCausalLM"):
+        synthetic_data(model, [state, state], examples=2, batch_size=2)
+    with caplog.at_level("INFO", logger="symgraph.synthetic"):
+        assert path_judge(model, state, state, examples=2)(state) is None
+    assert "not judged on synthetic data" in caplog.text and "generate() fails" in caplog.text
 
 
 def test_models_without_a_task_synthetic_data_serves_are_refused():
