@@ -27,6 +27,7 @@ import torch
 from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
 from .inputs import example_inputs
+from .moe import REFERENCE, experts_implementation, use_experts_implementation
 
 __all__ = ["SPEC", "is_synthetic", "learning_only", "path_judge", "synthetic_data"]
 
@@ -77,8 +78,11 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
     sizes = [min(batch_size, examples - start) for start in range(0, examples, batch_size)]
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(seed)
-        task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
-        twin = copy.deepcopy(model).eval()  # one private copy: the endpoints' states are swapped into it
+        # the states may be float64 (a consensus's): experts run transformers' reference loop, which has its kernels
+        with experts_implementation(model, REFERENCE):
+            task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
+        # one private copy: the endpoints' states are swapped into it
+        twin = use_experts_implementation(copy.deepcopy(model), REFERENCE).eval()
         twin.requires_grad_(False)  # inversion differentiates the inputs only
         length = _length(twin, endpoints[0], config, seed)
         sampled = _samples(twin, task)

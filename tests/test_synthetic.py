@@ -128,6 +128,17 @@ def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
     assert "not judged on synthetic data" in caplog.text and "generate() fails" in caplog.text
 
 
+def test_experts_without_float64_kernels_label_float64_states():
+    """Before: learning on synthetic data from float64 states (a consensus's) ended in grouped_mm's "Expected
+    mat_a to be Float32 ... got Double"; the experts run transformers' reference loop there, as in the checks."""
+    a, b = (transformers.AutoModelForCausalLM.from_config(zoo.tiny_config("mixtral"),
+                                                          experts_implementation="grouped_mm").eval()
+            for _ in range(2))
+    states = [{k: v.double() for k, v in m.state_dict().items()} for m in (a, b)]
+    data = synthetic_data(a, states, examples=2, batch_size=2)
+    assert data.task == "causal_lm" and a.config._experts_implementation == "grouped_mm"  # the caller's kept
+
+
 def test_models_without_a_task_synthetic_data_serves_are_refused():
     base = transformers.BertModel(zoo.tiny_config("bert"))  # hidden states, no logits
     with pytest.raises(DataError, match="classifiers and causal language models"):
