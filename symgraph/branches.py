@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from .capture import Capture
 from .errors import CaptureError
+from .module_state import attributes_kept
 
 __all__ = ["check_traced_paths", "parameters_used"]
 
@@ -71,7 +72,7 @@ def parameters_used(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[fr
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), set()).add(name)
     mode = _ParameterUse({k: frozenset(v) for k, v in names.items()})
-    with torch.no_grad(), mode:
+    with torch.no_grad(), mode, attributes_kept(model):  # the run at a probe shape leaves the model as it was
         model(*args, **kwargs)
     return mode.used
 

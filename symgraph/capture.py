@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_map
 
 from .errors import CaptureError
-from .module_state import eval_mode, tensors_kept
+from .module_state import attributes_kept, eval_mode
 from .moe import DENSE, experts_implementation
 
 
@@ -60,7 +60,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     traced_args, traced_kwargs = _on_meta(args, kwargs) if on_meta else (tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
         with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE), \
-                tensors_kept(model):
+                attributes_kept(model):
             real = _module_tensors_to_meta(model) if on_meta else {}
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
@@ -94,7 +94,7 @@ def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _module_tensors_to_meta(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Move every buffer and tensor attribute of a meta-parameter model to the meta device for the trace (a
     rotary table indexed by meta positions, as GPT-J's is, must be meta too), and return the real values by
-    qualified name. The caller restores the modules (:func:`~symgraph.module_state.tensors_kept`)."""
+    qualified name. The caller restores the modules (:func:`~symgraph.module_state.attributes_kept`)."""
     real, moves = {}, {}
     for prefix, module in model.named_modules(remove_duplicate=False):  # a shared module: every name it has
         for name, value in [*module._buffers.items(), *vars(module).items()]:

@@ -4,7 +4,8 @@ symgraph needs a module in eval mode (dropout off, norms on their running statis
 parameter requiring grad (Fisher statistics). It never flips those switches on the caller's object:
 :func:`private_tree` gives it a module tree of its own that shares the caller's tensors (no weight memory), and
 :func:`eval_mode` / :func:`gradients_on` put back every flag they changed, module by module and tensor by tensor;
-:func:`tensors_kept` puts back the tensors a traced ``forward`` cached on its modules.
+:func:`attributes_kept` puts back what a ``forward`` changed on its modules (a traced one's cached tensors, a
+probe's shape-dependent settings).
 
 Examples
 --------
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["private_tree", "eval_mode", "gradients_on", "tensors_kept"]
+__all__ = ["attributes_kept", "private_tree", "eval_mode", "gradients_on"]
 
 #: Per-module dicts a module tree of its own must not share with the caller's (the rest of ``__dict__`` is
 #: shared by a shallow copy: the config, plain attributes; tensors stay the caller's).
@@ -91,22 +92,17 @@ def gradients_on(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tensors_kept(model: torch.nn.Module) -> Iterator[None]:
-    """Put every module's buffers and tensor attributes back as they were. Export runs ``forward`` on fake
-    tensors, and code that caches tensors on its module while it runs (transformers' long-context rotary
-    embeddings: ``self.long_inv_freq = ...``, ``register_buffer("inv_freq", ...)``) would otherwise leave fake
-    tensors on the caller's model, which then can neither run nor be copied."""
-    saved = [(m, dict(m._buffers), set(m._non_persistent_buffers_set),
-              {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}) for m in model.modules()]
+def attributes_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put every module's attributes back as they were: plain ones, buffers, submodules, hooks (the bindings: a
+    tensor written into in place stays written). Code that changes its module while it runs would otherwise leave
+    the change behind: export runs ``forward`` on fake tensors, and transformers' long-context rotary embeddings
+    cache tensors on their module (``self.long_inv_freq = ...``, ``register_buffer("inv_freq", ...)``), leaving
+    fake tensors the model can neither run nor be copied with; Swin's layers shrink ``window_size`` for good on
+    an image smaller than a window, so one probe at a small shape would break every later run."""
+    saved = [(m, {k: copy.copy(v) if k in _OWN_DICTS else v for k, v in vars(m).items()}) for m in model.modules()]
     try:
         yield
     finally:
-        for module, buffers, non_persistent, tensors in saved:
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(non_persistent)
-            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in tensors]:
-                delattr(module, name)
-            for name, value in tensors.items():
-                setattr(module, name, value)
+        for module, attributes in saved:
+            vars(module).clear()
+            vars(module).update(attributes)

@@ -15,7 +15,8 @@ Sizes the model rejects (feature widths, fixed image sizes, mel bins) stay as th
 original as a prefix; new integer entries are drawn from the values the original holds (token ids stay clear of
 special tokens, a mask of ones stays ones), new float entries from its mean and spread. Which changes a model
 accepts is found by running it: all of a variant's changes at once first, and one at a time only when that
-fails; a change it rejects (an error, or no finite output at all) is left out.
+fails; a change it rejects (an error, or no finite output at all) is left out. Whatever a run changes on the
+model's modules (an attribute set from the input's shape) is put back after it.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .module_state import attributes_kept
 
 __all__ = ["every_probe", "probe_inputs", "shape_summary", "shortest_inputs"]
 
@@ -196,7 +199,7 @@ def _runs(model, inputs: Inputs) -> bool:
     can check nothing."""
     args, kwargs = inputs
     try:
-        with torch.no_grad():
+        with torch.no_grad(), attributes_kept(model):  # a probe leaves no setting it made behind (Swin's window)
             out = model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 -- any failure means "not a shape this model takes"
         log.debug("probe shape rejected by %s: %s", type(model).__name__, exc)

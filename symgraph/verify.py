@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import InvarianceError, UnverifiableError
+from .module_state import attributes_kept
 from .moe import REFERENCE, use_experts_implementation
 
 FLOAT64_TOL = 1e-9
@@ -47,7 +48,8 @@ class Evaluator:
         self.free_outputs = tuple(free_outputs or ())
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
-        args, kwargs = tuple(_to64(a) for a in args), {k: _to64(v) for k, v in (kwargs or {}).items()}
+        args = tuple(_cast(a, torch.float64) for a in args)
+        kwargs = {k: _cast(v, torch.float64) for k, v in (kwargs or {}).items()}
         with float64_default():
             self.probes = every_probe(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
@@ -73,12 +75,7 @@ class Evaluator:
         try:
             return self.outputs(self.state), TOLERANCE[torch.float32]
         except Exception as exc:
-            raise UnverifiableError(
-                f"{type(model).__name__} cannot be checked: it does not run in float64, in which symgraph checks "
-                f"every transformation ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
-                hint="a kernel without float64 support (flex attention on CPU) can be swapped for another "
-                     "implementation with the same symmetries (model.set_attn_implementation('sdpa')); in Python, "
-                     "verify=False skips the check at your own risk.") from exc
+            raise _refusal(type(model).__name__, self.model, self.probes, exc) from exc
 
     @classmethod
     def of(cls, subject, **kwargs) -> "Evaluator":
@@ -95,7 +92,7 @@ class Evaluator:
         return [self._run(state, args, kwargs, transforms) for args, kwargs in self.probes]
 
     def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
-        with torch.no_grad(), float64_default():
+        with torch.no_grad(), float64_default(), attributes_kept(self.model):  # a run at one shape sets nothing
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         return flat_outputs(out, self.free_outputs, transforms)
 
@@ -145,9 +142,38 @@ def float64_default():
         torch.set_default_dtype(previous)
 
 
-def _to64(x):
+def _refusal(name: str, model64: torch.nn.Module, probes: list, exc: Exception) -> UnverifiableError:
+    """Why the float64 copy ``model64`` gave no reference outputs: float64 only when a float32 copy of it runs on
+    every probe; where that fails too, the model's own code is at fault (it may change itself as it runs)."""
+    from .probes import shape_summary
+
+    model32 = copy.deepcopy(model64).to(torch.float32)
+    for args, kwargs in probes:
+        try:
+            with torch.no_grad(), attributes_kept(model32):
+                model32(*(_cast(a, torch.float32) for a in args), **{k: _cast(v, torch.float32)
+                                                                      for k, v in kwargs.items()})
+        except Exception as other:  # noqa: BLE001 -- any failure in float32 clears float64 of the blame
+            return UnverifiableError(
+                f"{name} cannot be checked: it fails on inputs {shape_summary((args, kwargs))} in float32 as well "
+                f"as in float64, so float64 is not the cause ({_first_line(other)}).",
+                hint="symgraph runs the model at several input shapes (symgraph.probes): its code may fail at one of "
+                     "them, or change the model as it runs; in Python, verify=False skips the check at your own risk.")
+    return UnverifiableError(
+        f"{name} cannot be checked: it does not run in float64, in which symgraph checks every transformation "
+        f"({_first_line(exc)}).",
+        hint="a kernel without float64 support (flex attention on CPU) can be swapped for another implementation "
+             "with the same symmetries (model.set_attn_implementation('sdpa')); in Python, verify=False skips the "
+             "check at your own risk.")
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _cast(x, dtype: torch.dtype):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.to(torch.float64)
+        return x.to(dtype)
     return x
 
 

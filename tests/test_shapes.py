@@ -14,7 +14,8 @@ import symgraph
 from symgraph.elements import apply, sample
 from symgraph.fuzz import fuzz
 from symgraph.groups import Group, Member
-from symgraph.probes import probe_inputs
+from symgraph.errors import UnverifiableError
+from symgraph.probes import every_probe, probe_inputs
 from symgraph.verify import Evaluator
 
 from cli_runner import run
@@ -264,6 +265,44 @@ class NanBeyondSeven(nn.Module):
 def test_probe_inputs_skip_shapes_with_non_finite_outputs():
     probes = probe_inputs(NanBeyondSeven(), (torch.randn(2, 7, 4),), {})
     assert [tuple(args[0].shape) for args, _ in probes] == [(2, 7, 4), (1, 7, 4), (3, 4, 4)]
+
+
+class ShrinksItsWindow(nn.Module):
+    """Swin's pattern: an input shorter than the window shrinks the window for good, and the weights made for two
+    windows of the traced length (8) then no longer fit it. ``in_place`` keeps the window in a buffer written in
+    place, which no probe can put back."""
+
+    def __init__(self, in_place: bool = False):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.per_window = nn.Parameter(torch.randn(2, 4))
+        self.in_place = in_place
+        self.window = 4
+        self.register_buffer("window_buffer", torch.tensor(4))
+
+    def forward(self, x):
+        if self.in_place and x.shape[1] < self.window_buffer:
+            self.window_buffer.fill_(x.shape[1])
+        elif x.shape[1] < self.window:
+            self.window = x.shape[1]
+        window = int(self.window_buffer) if self.in_place else self.window
+        return self.linear(x).unflatten(1, (-1, window)).sum(2) * self.per_window
+
+
+def test_probes_and_checks_leave_a_model_that_changes_itself_as_it_was():
+    """Before: the probe at length 1 shrank the float64 copy's window for good, and the check refused the model
+    as one that "does not run in float64"."""
+    model, x = ShrinksItsWindow(), torch.randn(2, 8, 4)
+    probes = every_probe(model, (x,), {})
+    assert model.window == 4 and (2, 2, 4) in [tuple(a[0].shape) for a, _ in probes]  # it ran at length 2
+    evaluator = Evaluator(model, (x,))
+    assert evaluator.check(evaluator.state).ok and evaluator.check(evaluator.state).ok  # checked twice: all shapes
+    assert torch.allclose(evaluator.references[0], model(x).double().flatten())
+
+
+def test_a_model_that_fails_in_float32_too_is_not_blamed_on_float64():
+    with pytest.raises(UnverifiableError, match="in float32 as well as in float64, so float64 is not the cause"):
+        Evaluator(ShrinksItsWindow(in_place=True), (torch.randn(2, 8, 4),))
 
 
 def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
