@@ -68,7 +68,7 @@ def main() -> None:
     torch.manual_seed(0)
     clock = time.perf_counter()
     a, b = (str(p) for p in shipped_pair(args.pair))
-    source, anchor, _ = folded_pair(load(b, None), load(a, None), True, check_same_architecture)
+    source, anchor, _, _ = folded_pair(load(b, None), load(a, None), True, check_same_architecture)
     spec = SHIPPED_PAIRS[args.pair]
     start = symgraph.align(source, anchor, learn=LearnOptions(), learn_data=spec, progress=False).state
     anchor_state = anchor.state_dict()

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--restarts-only", action="store_true")
     args = parser.parse_args()
     a, b = (str(p) for p in shipped_pair(args.pair))
-    source, anchor, _ = folded_pair(load(b, None), load(a, None), True, check_same_architecture)
+    source, anchor, _, _ = folded_pair(load(b, None), load(a, None), True, check_same_architecture)
     groups = select_groups(source.report.groups, "full")
     state, anchor_state = source.state_dict(), anchor.state_dict()
     ts = [i / 10 for i in range(11)]

@@ -180,7 +180,7 @@ def textbook_curve(pair: Pair, settings: Settings) -> dict:
     identity in a random order until nothing changes), on the costs permutation mode uses (the free key bias
     left out), then measured along the path like the modes. The models are folded first where ``barrier`` folds
     them, so the textbook matches the very models permutation mode matches (like with like)."""
-    b, a, _ = folded_pair(pair.b, pair.a, None, check_same_architecture)
+    b, a, _, _ = folded_pair(pair.b, pair.a, None, check_same_architecture)
     groups = select_groups(b.report.groups, "permutation")
     free = free_cost_members(b, groups, "permutation")
     clock = time.perf_counter()

@@ -6,8 +6,8 @@ sequences, a padding mask; a shrunk one: batch size 1, shorter sequences) and th
 takes, 1 and 2 (a one-token fast path, or a cut at a fixed place that crosses into learned tokens, shows only
 there; :func:`symgraph.probes.every_probe`), because the graph was traced at one shape only. The relative error
 ``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that reflects the dtype actually computed
-(HF RMSNorm and eager softmax upcast to fp32 internally). A state must give tied names one value: a model holds
-one tensor for them, so a state that does not cannot be loaded as it was checked, and is refused.
+(HF RMSNorm and eager softmax upcast to fp32 internally). Tied names are one tensor in a model: the name whose value
+a state changed speaks for all of them (:func:`tie_aliases`), and a state changing them differently is refused.
 """
 from __future__ import annotations
 
@@ -87,8 +87,7 @@ class Evaluator:
         """The model's flattened float outputs on each probe input; ``transforms`` (output index -> matrix, from
         :func:`symgraph.outputs.output_transforms`) are undone on the free outputs first."""
         state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
-        for names in self.aliases:
-            _check_tie_kept(names, state, "The state to check")
+        state = _tied(self.aliases, state, self.state, "The state to check")
         return [self._run(state, args, kwargs, transforms) for args, kwargs in self.probes]
 
     def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
@@ -190,27 +189,28 @@ def _aliases(model: torch.nn.Module) -> list[list[str]]:
 def tie_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Make names that share storage in ``model`` (tied weights) agree with whichever one was transformed (a
     transformation changes the one name the graph reads); refuses names transformed differently."""
-    original = model.state_dict()
+    return _tied(_aliases(model), state, model.state_dict(), "The transformed state")
+
+
+def _tied(aliases: list[list[str]], state: dict[str, torch.Tensor], original: dict[str, torch.Tensor],
+          what: str) -> dict[str, torch.Tensor]:
+    """``state`` with each tie's names given the value of the one whose value differs from ``original`` (compared
+    by value: a state copied to float64 holds new tensors under every name). A model holds one tensor for them,
+    so names changed to different values cannot be loaded as checked: refused, nothing is written."""
     out = dict(state)
-    for names in _aliases(model):
+    for names in aliases:
         changed = [n for n in names if not torch.equal(state[n], original[n].to(state[n].dtype))]
-        _check_tie_kept(changed, state, "The transformed state")
+        differ = [n for n in changed[1:] if not torch.equal(state[n], state[changed[0]])]
+        if differ:
+            raise InvarianceError(
+                f"{what} gives tied names different values: {changed[0]} differs from {', '.join(differ)}, which "
+                f"the model ties to it (one tensor); a model loading it would keep only one of them, so what it "
+                f"computes cannot be verified; nothing was written.",
+                hint="give every tied name the same tensor (symgraph.verify.tie_aliases); if symgraph made this "
+                     "state, report it as a bug.")
         for n in names:
             out[n] = state[changed[0] if changed else names[0]]
     return out
-
-
-def _check_tie_kept(names: list[str], state: dict[str, torch.Tensor], what: str) -> None:
-    """Tied names are one tensor in the model: a state giving them different values cannot be loaded faithfully
-    (a model keeps one of them, whichever it loads last), so it is neither checked nor written."""
-    differ = [n for n in names[1:] if not torch.equal(state[n], state[names[0]])]
-    if differ:
-        raise InvarianceError(
-            f"{what} gives tied names different values: {names[0]} differs from {', '.join(differ)}, which the "
-            f"model ties to it (one tensor); a model loading it would keep only one of them, so what it computes "
-            f"cannot be verified; nothing was written.",
-            hint="give every tied name the same tensor (symgraph.verify.tie_aliases); if symgraph made this state, "
-                 "report it as a bug.")
 
 
 def tied_copies(model: torch.nn.Module) -> set[str]:

@@ -292,20 +292,24 @@ def test_the_fold_check_sees_a_centred_tied_head(monkeypatch):
         fold(symgraph.load(model))
 
 
-def test_the_check_refuses_a_state_whose_tied_names_differ():
-    """A model ties the names to one tensor: a state giving them different values cannot be loaded faithfully.
-    Before, the check ran the first name's tensor for both, whichever was changed."""
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_the_check_runs_the_changed_name_of_a_tie_and_refuses_names_changed_differently(name):
+    """A model ties the names to one tensor: the name a state changed speaks for both. Before, once a float32 state
+    was copied to float64 the check ran the first name's tensor for both, whichever was changed, and missed a change
+    made under the second."""
     model = zoo.build("llama-tied", seed=0)
     evaluator = Evaluator(model, *zoo.example_inputs_for("llama-tied", model))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    state["lm_head.weight"] += 0.5
-    with pytest.raises(InvarianceError, match="tied names different values: model.embed_tokens.weight differs from "
-                                              "lm_head.weight"):
-        evaluator.check(state)
-    with pytest.raises(InvarianceError, match="tied names"):  # changed differently: no one name speaks for both
-        tie_aliases(model, {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] - 0.5})
-    tied = tie_aliases(model, state)  # one name changed: the other follows, and the check sees the change
-    assert tied["model.embed_tokens.weight"] is tied["lm_head.weight"] and not evaluator.check(tied).ok
+    state[name] += 0.5
+    assert not evaluator.check(state).ok
+    other = "model.embed_tokens.weight" if name == "lm_head.weight" else "lm_head.weight"
+    differently = {**state, other: state[other] - 0.5}
+    with pytest.raises(InvarianceError, match="tied names different values"):
+        evaluator.check(differently)
+    with pytest.raises(InvarianceError, match="tied names different values"):
+        tie_aliases(model, differently)
+    tied = tie_aliases(model, state)  # one name changed: the other follows
+    assert tied[other] is tied[name] and not evaluator.check(tied).ok
 
 
 class _SharedEmbedding(torch.nn.Module):
