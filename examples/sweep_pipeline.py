@@ -1,0 +1,414 @@
+"""The user's whole flow over Hugging Face model types, end to end. Prints one JSON object.
+
+Where ``examples/sweep_architectures.py`` checks the engine (each reported group, one model), this sweep checks
+what a user runs on two models: for each model type two tiny models are built from the same shrunk config
+(``sweep_architectures.tiny_config``, first Auto class of ``HEADS`` that builds it) but initialised independently
+(seeds 0 and 1), each with ``perturb``'s noise and noise of its own (so their norms differ too), in float32. Then,
+each a *stage* timed and caught on its own:
+
+* ``fold``: ``symgraph.fold(B)``; the folded state, loaded into a copy of B, must compute B's function;
+* ``align``: ``symgraph.align(B, A)``; the aligned state must compute B's function and must not end farther from
+  A than B began (``alignment.relative_distance``);
+* ``merge``: ``symgraph.merge([A, B])``; the merged state must have A's keys, shapes and dtypes, leave integer
+  tensors as they were, and give finite outputs (two independent models have no function to keep);
+* ``self_merge``: ``symgraph.merge([A, copy of A])`` must compute A's function;
+* with ``--learn`` instead: ``merge`` and ``align`` with learned matching on synthetic data (``data="synthetic"``,
+  a few steps of :class:`symgraph.learn.LearnOptions`): the learned merge checked as ``merge``, the learned
+  alignment as ``align`` but for the distance (learning lowers the loss along the path, not the distance: it may
+  end farther from A, as examples/RESULTS.md's ``full+learn (synthetic)`` column shows).
+
+A function is checked *independently of symgraph's own verification*, with ``sweep_architectures.Checker``: the
+state is loaded into a copy of the model with ``load_state_dict`` (so tied weights hold what loading left in them),
+run in float64 at the checker's shapes (none the traced one) and compared with the original's outputs. The
+tolerance is 100 times the model's float32 floor (the relative output change one float32 rounding of every state
+entry makes), at least 1e-6 (1e-5 for the self-merge). Neither input model may change in place.
+
+Each type runs in its own subprocess with a time limit. A stage's class is ``ok``, ``wrong`` (a check above
+failed: ``max_rel_err`` over ``tol``, or ``problems`` listed), ``refused`` (symgraph stopped with its own
+:class:`symgraph.errors.SymgraphError`) or ``crash`` (any other exception; the last frames are kept). A type's
+class is its worst stage's (``wrong`` < ``crash`` < ``refused`` < ``ok``), where fold refusing is no failure
+(most norms cannot be folded: a bias, an offset, a centring that does not pay); besides ``timeout`` (over the
+limit) and ``skipped`` (transformers could not build or run the tiny model). Rows are keyed by ``name``: the type,
+or ``TYPE+learn`` with ``--learn`` (``--types`` takes such names too). Run in chunks under load; rows accumulate
+in ``--jsonl`` (the last line per name wins)::
+
+    python examples/sweep_pipeline.py --types gpt_neo,deit --timeout 300 --jsonl /tmp/pipeline.jsonl
+    python examples/sweep_pipeline.py --types qwen3_moe --learn --jsonl /tmp/pipeline.jsonl
+    python examples/sweep_pipeline.py --summarize --jsonl /tmp/pipeline.jsonl -o examples/results/sweep_pipeline.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import traceback
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sweep_architectures import (HEADS, NAMED, TYPES, Checker, first_line, perturb, report_summary,  # noqa: E402
+                                 run_all, run_script_isolated, tied_names, tiny_config)
+
+# Where the shared shrink leaves a type too large to sweep in time (flaubert keeps emb_dim 2048: a 300 s timeout)
+OVERRIDES = {"flaubert": dict(emb_dim=64)}
+SEEDS = (0, 1)  # model A, model B
+OWN_NOISE = 0.01  # each model's own noise on matrices (vectors: 0.1), after perturb's shared seed
+FUNCTION_TOL = 1e-6  # the least tolerance of a kept function (relative, float64 run of a float32 state)
+SELF_MERGE_TOL = 1e-5
+FLOOR_FACTOR = 100  # tolerance: this many float32 floors
+LEARN = dict(steps=5, checks=2, batch_size=8, eval_batches=1, synthetic_examples=64)
+ORDER = ("wrong", "crash", "refused", "ok")  # a type's class is its worst stage's
+
+
+# -- the two models ------------------------------------------------------------------------------------------
+def build_seeded(model_type: str, seed: int):
+    """The tiny model of ``model_type`` initialised from ``seed``: perturb's noise, then noise of its own."""
+    import torch
+    import transformers
+
+    config = tiny_config(model_type, OVERRIDES.get(model_type))
+    config.architectures = config.architectures or []  # Auto classes with two candidates (DeiT) iterate it
+    for head in HEADS:
+        auto = getattr(transformers, head)
+        if type(config) in auto._model_mapping:
+            model = from_config(auto, config, seed)
+            perturb(model)
+            own_noise(model, seed)
+            return model.float().eval(), head
+    raise LookupError(f"no Auto class of {', '.join(HEADS)} builds {type(config).__name__}")
+
+
+def from_config(auto, config, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    try:
+        return auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        torch.manual_seed(seed)
+        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
+
+
+def own_noise(model, seed: int) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                scale = OWN_NOISE if p.dim() >= 2 else 0.1
+                p.add_(scale * torch.randn(p.shape, generator=generator).to(p.dtype))
+
+
+class Pair:
+    """Models A and B, their float64 checkers, states as built, and the tolerance of each one's function."""
+
+    def __init__(self, model_type: str):
+        (self.a, self.head), (self.b, _) = (build_seeded(model_type, seed) for seed in SEEDS)
+        self.checker_a, self.checker_b = Checker(self.a), Checker(self.b)
+        self.state_a, self.state_b = snapshot(self.a), snapshot(self.b)
+        self.floor_b = float32_floor(self.checker_b) if self.checker_b.inputs else None
+
+    def tolerance(self, checker, least: float = FUNCTION_TOL) -> float:
+        floor = self.floor_b if checker is self.checker_b else float32_floor(checker)
+        return max(least, FLOOR_FACTOR * floor)
+
+    def untouched(self) -> bool:
+        return same(self.a, self.state_a) and same(self.b, self.state_b)
+
+
+def snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(model, state: dict) -> bool:
+    import torch
+
+    return all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def float32_floor(checker) -> float:
+    """The relative output change (float64 run) when every floating state entry gets one float32 rounding."""
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    state = {k: torch.where(v.isfinite(), v * (1 + 2.0 ** -24 * torch.randn(
+        v.shape, generator=generator, dtype=v.dtype)), v) if v.is_floating_point() else v
+             for k, v in checker.state.items()}
+    return checker.error(state)
+
+
+# -- the checks ----------------------------------------------------------------------------------------------
+def loaded(model, state):
+    """A copy of ``model`` with ``state`` loaded strictly, as a user would load a saved result."""
+    out = copy.deepcopy(model)
+    out.load_state_dict(state, strict=True)
+    return out
+
+
+def error_of(checker, model) -> float:
+    """The worst relative output change of ``model``'s state (float64, the checker's code and shapes) from the
+    checker's reference outputs."""
+    import torch
+
+    state = {k: v.detach().to(torch.float64) if v.is_floating_point() else v.detach()
+             for k, v in model.state_dict(keep_vars=True).items()}
+    return max(float((checker.run(state, kw) - ref).norm() / ref.norm().clamp_min(1e-30))
+               for (_, _, _, kw), ref in zip(checker.inputs, checker.refs))
+
+
+def key_problems(reference: dict, state: dict) -> list[str]:
+    """What ``state`` gets wrong against ``reference``: missing or extra keys, shapes, dtypes, non-finite
+    entries, integer tensors changed."""
+    problems = [f"extra keys {sorted(set(state) - set(reference))[:5]}"] if set(state) - set(reference) else []
+    for key, ref in reference.items():
+        problems += [f"{p} {key}" for p in tensor_problems(ref, state[key])] if key in state else [f"missing {key}"]
+    return problems
+
+
+def tensor_problems(ref, new) -> list[str]:
+    import torch
+
+    if tuple(new.shape) != tuple(ref.shape):
+        return [f"shape {tuple(ref.shape)}->{tuple(new.shape)}"]
+    problems = [f"dtype {ref.dtype}->{new.dtype}"] if new.dtype != ref.dtype else []
+    if new.is_floating_point() and not bool(new.isfinite().all()):
+        problems.append("non-finite")
+    if not ref.is_floating_point() and not torch.equal(new, ref):
+        problems.append("integer tensor changed")
+    return problems
+
+
+def untied(model, state: dict) -> list[str]:
+    """The tied names of ``model`` that ``state`` gives different values."""
+    import torch
+
+    return [",".join(names) for names in tied_names(model)
+            if any(not torch.equal(state[names[0]], state[n]) for n in names[1:] if n in state)]
+
+
+def function_kept(out: dict, state: dict, model, checker, tol: float) -> dict:
+    """``out`` with the function check of ``state`` loaded into ``model``: its error, tolerance and class."""
+    problems = key_problems(model.state_dict(), state)
+    out.update(max_rel_err=error_of(checker, loaded(model, state)), tol=tol)
+    if untied_names := untied(model, state):
+        out["tied_inconsistent"] = untied_names
+    if problems or not out["max_rel_err"] <= tol:
+        out.update({"class": "wrong"}, **({"problems": problems[:10]} if problems else {}))
+    return out
+
+
+def merged_sound(out: dict, state: dict, pair: Pair) -> dict:
+    """``out`` with the checks a merge of two independent models allows: A's keys, finite outputs."""
+    import torch
+
+    problems = key_problems(pair.a.state_dict(), state)
+    model = loaded(pair.a, state)
+    state64 = {k: v.double() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    outputs = pair.checker_a.run(state64, pair.checker_a.inputs[0][3])
+    out["outputs_finite"] = bool(torch.isfinite(outputs).all())
+    if problems or not out["outputs_finite"]:
+        out.update({"class": "wrong"}, **({"problems": problems[:10]} if problems else {}))
+    return out
+
+
+# -- the stages ----------------------------------------------------------------------------------------------
+def fold_stage(pair: Pair) -> dict:
+    import symgraph
+
+    result = symgraph.fold(pair.b)
+    out = {"norms": len(result.norms), "centred": len(result.centred), "verified_error": result.verified_error}
+    return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
+
+
+def align_stage(pair: Pair, learn=None) -> dict:
+    import symgraph
+    from symgraph.alignment import relative_distance
+
+    data = dict(data="synthetic", learn=learn) if learn else {}
+    result = symgraph.align(pair.b, pair.a, **data)
+    out = {"distance_before": result.distance_before, "distance_after": result.distance_after,
+           "verified_error": result.verified_error, "folded": result.folded, "start": result.start}
+    if result.fold_note:
+        out["fold_note"] = result.fold_note[:300]
+    out = function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
+    before, after = relative_distance(pair.state_b, pair.state_a), relative_distance(result.state, pair.state_a)
+    out.update(my_before=before, my_after=after)
+    if after > before * (1 + 1e-9) and not learn:  # learning lowers the loss along the path, not the distance
+        out.update({"class": "wrong"}, problems=out.get("problems", []) + ["farther from A after alignment"])
+    return out
+
+
+def merge_stage(pair: Pair, learn=None) -> dict:
+    import symgraph
+
+    data = dict(data="synthetic", learn=learn) if learn else {}
+    result = symgraph.merge([pair.a, pair.b], progress=False, **data)
+    out = {"frame": result.frame, "distances": result.distances, "distances_before": result.distances_before}
+    if result.fold_note:
+        out["fold_note"] = result.fold_note[:300]
+    if learn:
+        out["learned"] = [bool(x) for x in result.learned]
+    return merged_sound(out, result.state, pair)
+
+
+def self_merge_stage(pair: Pair) -> dict:
+    import symgraph
+
+    result = symgraph.merge([pair.a, copy.deepcopy(pair.a)], progress=False)
+    out = {"frame": result.frame, "distances": result.distances}
+    return function_kept(out, result.state, pair.a, pair.checker_a, pair.tolerance(pair.checker_a, SELF_MERGE_TOL))
+
+
+def learn_options():
+    from symgraph.learn import LearnOptions
+
+    return LearnOptions(**LEARN)
+
+
+STAGES = {
+    "base": {"fold": fold_stage, "align": align_stage, "merge": merge_stage, "self_merge": self_merge_stage},
+    "learn": {"learn_merge": lambda pair: merge_stage(pair, learn_options()),
+              "learn_align": lambda pair: align_stage(pair, learn_options())},
+}
+
+
+def stage(pair: Pair, run) -> dict:
+    """``run(pair)``'s fields, timed, with class ``ok`` unless a check set it; symgraph's own error ``refused``,
+    any other ``crash``."""
+    from symgraph.errors import SymgraphError
+
+    clock = time.perf_counter()
+    try:
+        out = {"class": "ok", **run(pair)}
+    except SymgraphError as exc:
+        out = {"class": "refused", "error": type(exc).__name__, "message": str(exc)[:600]}
+    except Exception as exc:  # noqa: BLE001
+        out = {"class": "crash", "error": first_line(exc), "frames": frames(exc)}
+    return {**out, "seconds": round(time.perf_counter() - clock, 1)}
+
+
+def frames(exc: BaseException) -> list[str]:
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-6:]]
+
+
+def type_class(stages: dict) -> str:
+    """The worst class of ``stages`` (``ORDER``), fold's refusal left out: most norms cannot be folded."""
+    classes = [s["class"] for name, s in stages.items() if not (name == "fold" and s["class"] == "refused")]
+    return min(classes, key=ORDER.index) if classes else "ok"
+
+
+def failed_stages(stages: dict) -> list[str]:
+    return [name for name, s in stages.items() if s["class"] != "ok" and not (name == "fold" and
+                                                                              s["class"] == "refused")]
+
+
+# -- one type ------------------------------------------------------------------------------------------------
+def name_of(model_type: str, mode: str) -> str:
+    return model_type if mode == "base" else f"{model_type}+{mode}"
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    model_type, _, mode = name.partition("+")
+    return model_type, mode or "base"
+
+
+def sweep_one(name: str) -> dict:
+    """One row: the stages of ``name``'s mode on its type's pair of tiny models, and the type's class."""
+    model_type, mode = parse_name(name)
+    row = {"name": name, "type": model_type, "mode": mode, "named": model_type in NAMED,
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    clock = time.perf_counter()
+    try:
+        pair = Pair(model_type)
+    except Exception as exc:  # noqa: BLE001 -- transformers could not build or run the tiny model
+        return {**row, "class": "skipped", "reason": first_line(exc)}
+    if not pair.checker_b.inputs or not pair.checker_a.inputs:
+        return {**row, "class": "skipped", "reason": "runs at no sweep shape: " + "; ".join(pair.checker_b.rejected)}
+    row.update(head=pair.head, params=sum(p.numel() for p in pair.a.parameters()), float32_floor_b=pair.floor_b,
+               shapes=[f"{b}x{n}{' padded' if p else ''}" for b, n, p, _ in pair.checker_b.inputs],
+               float64_casts=pair.checker_b.forced, **({"learn_options": LEARN} if mode == "learn" else {}))
+    stages = {name: stage(pair, run) for name, run in STAGES[mode].items()}
+    if not pair.untouched():
+        stages["inputs"] = {"class": "wrong", "problems": ["A or B changed in place"]}
+    return {**row, "class": type_class(stages), "failed": failed_stages(stages), "stages": stages,
+            "seconds": round(time.perf_counter() - clock, 1)}
+
+
+# -- driver --------------------------------------------------------------------------------------------------
+def run_isolated(name: str, timeout: float) -> dict:
+    model_type, mode = parse_name(name)
+    identity = {"name": name, "type": model_type, "mode": mode, "named": model_type in NAMED}
+    clock = time.perf_counter()
+    row = run_script_isolated(__file__, name, timeout, identity)
+    return {**row, "wall": round(time.perf_counter() - clock, 1)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Counts of type classes and of each stage's classes, every row not ok with its failed stages' errors, and
+    the rows (the last per name)."""
+    rows = sorted({r["name"]: r for r in rows}.values(), key=lambda r: r["name"])
+    stage_counts: dict[str, Counter] = {}
+    for row in rows:
+        for name, s in row.get("stages", {}).items():
+            stage_counts.setdefault(name, Counter())[s["class"]] += 1
+    return {
+        "function_tolerance": f"max({FUNCTION_TOL:g}, {FLOOR_FACTOR} x the model's float32 floor); self-merge "
+                              f"at least {SELF_MERGE_TOL:g}",
+        "learn_options": LEARN,
+        "names": len(rows), "counts": dict(Counter(r["class"] for r in rows)),
+        "stage_counts": {name: dict(c) for name, c in stage_counts.items()},
+        "classes": {r["name"]: r["class"] for r in rows},
+        "seconds": round(sum(r.get("wall", r.get("seconds", 0)) for r in rows), 1),
+        "failures": {r["name"]: failure(r) for r in rows if r["class"] not in ("ok",)},
+        "rows": rows,
+    }
+
+
+def failure(row: dict) -> dict:
+    """What a row that is not ok says: its reason, or its failed stages' errors, problems and errors."""
+    if "stages" not in row:
+        return {"class": row["class"], "reason": row.get("reason")}
+    keys = ("class", "error", "message", "problems", "max_rel_err", "tol", "frames")
+    return {name: {k: s[k] for k in keys if k in s} for name, s in row["stages"].items() if name in row["failed"]}
+
+
+def names_of(args) -> list[str]:
+    types = args.types.split(",") if args.types else TYPES
+    return [t if "+" in t else name_of(t, "learn" if args.learn else "base") for t in types]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", help="run one name (TYPE or TYPE+learn) in this process and print its JSON line")
+    parser.add_argument("--types", help="comma-separated model types, or names TYPE+learn (default: "
+                                        "sweep_architectures' whole list)")
+    parser.add_argument("--learn", action="store_true", help="run the learned stages (synthetic data) instead")
+    parser.add_argument("--skip-done", action="store_true", help="leave out names already in --jsonl")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
+    parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
+    parser.add_argument("--summarize", action="store_true", help="only summarize --jsonl")
+    parser.add_argument("-o", "--output", type=Path, help="also write the summary JSON here (atomically)")
+    args = parser.parse_args(argv)
+    if args.one:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        print(json.dumps(sweep_one(args.one), default=str))
+        return
+    rows = [json.loads(ln) for ln in args.jsonl.read_text().splitlines()] if args.jsonl and args.jsonl.exists() else []
+    if not args.summarize:
+        done = {r["name"] for r in rows} if args.skip_done else set()
+        rows += run_all([n for n in names_of(args) if n not in done], lambda n: run_isolated(n, args.timeout),
+                        ("name", "class", "failed", "reason", "wall"), args.jsonl)
+    command = " ".join(["python", *(sys.argv if argv is None else [__file__, *argv])])
+    run = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    report_summary(rows, lambda rs: {**run, **summarize(rs)}, "name", [], args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""examples/sweep_pipeline.py: how a type's stages make its class, the summary, and one tiny type end to end."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("sweep_pipeline")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def stages(**classes):
+    return {name: {"class": c, "seconds": 0.1} for name, c in classes.items()}
+
+
+@pytest.mark.parametrize("classes, expected, failed", [
+    (dict(fold="refused", align="ok", merge="ok"), "ok", []),  # fold refusing is no failure
+    (dict(fold="wrong", align="ok"), "wrong", ["fold"]),
+    (dict(fold="ok", align="refused", merge="crash"), "crash", ["align", "merge"]),
+    (dict(learn_merge="ok", learn_align="wrong"), "wrong", ["learn_align"]),
+])
+def test_a_type_takes_its_worst_stages_class(pipeline, classes, expected, failed):
+    assert pipeline.type_class(stages(**classes)) == expected
+    assert pipeline.failed_stages(stages(**classes)) == failed
+
+
+def test_names_carry_the_mode(pipeline):
+    assert pipeline.parse_name("olmo") == ("olmo", "base")
+    assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "learn")) == ("qwen3_moe", "learn")
+
+
+def test_summary_keeps_the_last_row_per_name_and_lists_failures(pipeline):
+    rows = [{"name": "olmo", "class": "refused", "failed": ["merge"], "wall": 5.0,
+             "stages": {**stages(fold="refused", align="ok"), "merge": {"class": "refused", "message": "no"}}},
+            {"name": "olmo", "class": "ok", "failed": [], "wall": 6.0, "stages": stages(align="ok", merge="ok")},
+            {"name": "swin", "class": "timeout", "reason": ">300 s", "wall": 300.0}]
+    summary = pipeline.summarize(rows)
+    assert summary["classes"] == {"olmo": "ok", "swin": "timeout"}
+    assert summary["failures"] == {"swin": {"class": "timeout", "reason": ">300 s"}}
+    assert summary["stage_counts"] == {"align": {"ok": 1}, "merge": {"ok": 1}}
+    assert summary["seconds"] == 306.0
+
+
+@pytest.mark.slow
+def test_one_tiny_type_runs_every_stage():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_pipeline.py"), "--one", "deit"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
+    assert row["class"] == "ok", row["stages"]
