@@ -17,7 +17,7 @@ from hypothesis.errors import NoSuchExample
 from .elements import Element, apply, sample
 from .probes import shape_summary
 from .testing import group_elements
-from .verify import Evaluator, tie_aliases
+from .verify import Evaluator
 
 
 @dataclass
@@ -78,7 +78,7 @@ def fuzz(source, *, samples: int = 20, seed: int = 0, inputs=None, groups=None, 
     rng = np.random.default_rng(seed)
     if groups:
         elements = [sample(g, rng) for g in groups]
-        result.joint_error = evaluator.check(_applied(evaluator, state, elements), elements).relative_error
+        result.joint_error = evaluator.check(apply(state, elements), elements).relative_error
     return result
 
 
@@ -86,7 +86,7 @@ def check_group(evaluator: Evaluator, state, group, *, samples: int, seed: int) 
     errors = []
 
     def violates(element: Element) -> bool:
-        outcome = evaluator.check(_applied(evaluator, state, [element]), [element])
+        outcome = evaluator.check(apply(state, [element]), [element])
         errors.append(outcome.relative_error)
         return not outcome.ok
 
@@ -96,13 +96,8 @@ def check_group(evaluator: Evaluator, state, group, *, samples: int, seed: int) 
         bad = find(group_elements(group), violates, settings=config, random=random.Random(seed))
     except NoSuchExample:
         return GroupVerdict(group.id, group.motif, group.kind, len(errors), max(errors, default=0.0))
-    error = evaluator.check(_applied(evaluator, state, [bad]), [bad]).relative_error
+    error = evaluator.check(apply(state, [bad]), [bad]).relative_error
     return GroupVerdict(group.id, group.motif, group.kind, len(errors), max(errors), describe(bad, error))
-
-
-def _applied(evaluator: Evaluator, state, elements) -> dict:
-    """``elements`` applied to ``state``, tied names following the one the graph reads."""
-    return tie_aliases(evaluator.model, apply(state, elements))
 
 
 def describe(element: Element, error: float) -> str:

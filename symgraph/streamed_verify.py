@@ -29,7 +29,7 @@ from torch import nn
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
 from .lazy_state import LazyState, check_same_tensors
-from .verify import TOLERANCE, Outcome, _cast, _LowestFloat, flat_outputs, relative_change
+from .verify import TOLERANCE, Outcome, _cast_inputs, _LowestFloat, flat_outputs, relative_change
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
@@ -94,8 +94,8 @@ def streamed_outputs(folder, inputs=None) -> torch.Tensor:
             own = {n: names[n] for n in names if n.startswith(f"{prefix}.")}
             hooks.enter_context(_streamed_block(model, block, own, state))
         with torch.no_grad():
-            return flat_outputs(model(*(_cast(a, torch.float64) for a in args),
-                                      **{k: _cast(v, torch.float64) for k, v in kwargs.items()}))
+            args, kwargs = _cast_inputs(args, kwargs, torch.float64)
+            return flat_outputs(model(*args, **kwargs))
 
 
 def _checkpoint_names(model: nn.Module, state: LazyState, folder) -> dict[str, str]:
