@@ -1,22 +1,15 @@
 """examples/barrier_sources.py: which family each parameter is mixed with (the study's rows)."""
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from example_scripts import example_module
 
 
 @pytest.fixture(scope="module")
 def sources():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("barrier_sources")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    with example_module("barrier_sources") as module:
+        yield module
 
 
 @pytest.mark.parametrize("name, expected", [

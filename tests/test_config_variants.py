@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import symgraph
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from example_scripts import example_module
 BASE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
             vocab_size=60, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
@@ -45,11 +43,8 @@ def test_long_context_rotary_leaves_no_fake_tensor_on_the_model():
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("sweep_architectures")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    with example_module("sweep_architectures") as module:
+        yield module
 
 
 def test_every_variant_flips_an_option_its_config_has(sweep):

@@ -1,25 +1,19 @@
 """examples/sweep_pipeline.py: how a type's stages make its class, the summary, and one tiny type end to end."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from example_scripts import EXAMPLES, example_module
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("sweep_pipeline")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    with example_module("sweep_pipeline") as module:
+        yield module
 
 
 def stages(**classes):
