@@ -359,3 +359,15 @@ def test_default_fold_falls_back_on_a_model_whose_norms_cannot_be_folded():
     assert not aligned.folded and "tied" in aligned.fold_note
     with pytest.raises(FoldError, match="tied"):
         symgraph.merge([a, b], align="none", fold=True, progress=False)
+
+
+def test_cli_merge_says_why_it_did_not_fold(tmp_path):
+    """The fallback reaches the CLI: merge writes the unfolded merge, prints why and puts the note in --json."""
+    for seed, name in ((0, "a"), (1, "b")):
+        _xlmr_xl(seed).save_pretrained(tmp_path / name)
+    code, stdout, stderr = run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--align", "none",
+                               "--json", tmp_path / "merge.json")
+    assert code == 0, stderr
+    assert "norms not folded" in stdout and "tied" in stdout
+    assert "norms not folded" in json.loads((tmp_path / "merge.json").read_text())["fold_note"]
+    assert (tmp_path / "out" / "config.json").exists()
