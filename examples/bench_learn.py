@@ -112,6 +112,9 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=LearnOptions.tolerance)
     parser.add_argument("--seconds", type=float, default=LearnOptions.seconds, help="time cap of learning")
     parser.add_argument("--seed", type=int, default=LearnOptions.seed, help="seed of batch order and t")
+    parser.add_argument("--t-concentration", type=float, default=LearnOptions.t_concentration,
+                        help="random t drawn from Beta(c, c) (1: uniform)")
+    parser.add_argument("--backtrack-margin", type=float, default=LearnOptions.backtrack_margin)
     parser.add_argument("--max-condition", type=float, default=LearnOptions.max_condition,
                         help="bound on the condition number of learned general linear maps")
     parser.add_argument("--baseline", action="store_true",
@@ -126,7 +129,8 @@ def main() -> None:
                            general_linear=not args.no_general_linear, width_aware=not args.no_width_aware,
                            backtracks=args.backtracks, checks=args.checks, patience=args.patience,
                            tolerance=args.tolerance, seconds=args.seconds, max_condition=args.max_condition,
-                           seed=args.seed)
+                           seed=args.seed, t_concentration=args.t_concentration,
+                           backtrack_margin=args.backtrack_margin)
     runs, load_before = [], os.getloadavg()
     for pair in args.pairs.split(","):
         steps = args.wide_steps if pair in WIDE_PAIRS else args.steps
