@@ -130,7 +130,7 @@ def folded_where_asked(subjects: list, fold: bool | None, check) -> tuple[list, 
         return subjects, False, ""
     try:
         folded = [folded_subject(s) for s in subjects]
-    except FoldError as exc:
+    except (FoldError, InvarianceError) as exc:  # the latter: the fold's own float64 check found it unsound
         if fold:
             raise
         check(subjects, True)
@@ -281,12 +281,13 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tupl
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes that consume ``node``'s value with its last axis intact (through casts, dropout, row slices)."""
+    """The nodes that consume ``node``'s value with its last axis intact (through casts, dropout, row slices),
+    leaving out those that read only its metadata."""
     out = []
     for user in node.users:
         if _passes_last_axis(user, node):
             out.extend(_readers(user))
-        else:
+        elif not _reads_metadata_only(user, node):
             out.append(user)
     return out
 
@@ -303,7 +304,7 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
         if node.name in stream:
             continue
         stream.add(node.name)
-        _check_stream_readers(node)
+        _check_stream_readers(node, todo)
         if str(node.target) == "aten.add.Tensor":
             for arg in node.args[:2]:
                 if not isinstance(arg, fx.Node):
@@ -340,16 +341,33 @@ def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[f
                     else "align without --fold.")
 
 
-def _check_stream_readers(node: fx.Node) -> None:
+def _check_stream_readers(node: fx.Node, todo: list[fx.Node]) -> None:
+    """Everything that reads the stream's value at ``node`` must see it through a LayerNorm, which centring leaves
+    unchanged: a LayerNorm; an addition, whose sum is the stream further on (added to ``todo``, so its other
+    terms are centred and its own readers checked); a pass-through (a cast, a reshape, a slice of rows) whose
+    readers pass this check in turn; or an op that reads only the value's metadata (a shape assert, the dtype
+    ``type_as`` takes from its second argument)."""
     for user in node.users:
         if _is_layer_norm(user) and user.args[0] is node:
             continue
-        if str(user.target) == "aten.add.Tensor" or _passes_last_axis(user, node):
-            continue
-        what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
-        raise FoldError(f"Cannot centre the residual stream: its value at graph node {node.name}"
-                        f"{_source_line(node)} is read by {what} without a LayerNorm in between; centring would "
-                        f"change what that reader sees.", hint="align without --fold.")
+        if str(user.target) == "aten.add.Tensor":
+            todo.append(user)
+        elif _passes_last_axis(user, node):
+            _check_stream_readers(user, todo)
+        elif not _reads_metadata_only(user, node):
+            what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
+            raise FoldError(f"Cannot centre the residual stream: its value at graph node {node.name}"
+                            f"{_source_line(node)} is read by {what} without a LayerNorm in between; centring "
+                            f"would change what that reader sees.", hint="align without --fold.")
+
+
+def _reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
+    """Does ``user`` read only ``node``'s shape or dtype: an op of rule ``ignore`` (specs/ops.yaml: asserts, sizes),
+    or an ``identity`` op given ``node`` beyond its first argument (its output is the first argument's values)?"""
+    spec = load_specs().op(str(user.target)) if user.op == "call_function" else None
+    if spec is None:
+        return False
+    return spec.rule == "ignore" or (spec.rule == "identity" and bool(user.args) and user.args[0] is not node)
 
 
 def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Node]]:
