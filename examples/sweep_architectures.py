@@ -442,25 +442,32 @@ def tiny_config(model_type: str, overrides: dict | None = None):
     return cls(**{**shrunk(fields, model_type), **EXTRA.get(model_type, {}), **(overrides or {})})
 
 
-def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS):
-    """The tiny model with the first Auto class of ``heads`` that builds it, noise on every parameter."""
-    import torch
+def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS, seed: int = 0):
+    """The tiny model with the first Auto class of ``heads`` that builds it, initialised from ``seed``, noise on
+    every parameter."""
     import transformers
 
     config = tiny_config(model_type, overrides)
     config.architectures = config.architectures or []  # Auto classes with two candidates (DeiT) iterate it
     for head in heads:
         auto = getattr(transformers, head)
-        if type(config) not in auto._model_mapping:
-            continue
-        torch.manual_seed(0)
-        try:
-            model = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-        except (ValueError, ImportError):
-            model = auto.from_config(copy.deepcopy(config), attn_implementation="eager")
-        perturb(model)
-        return model.eval(), head
+        if type(config) in auto._model_mapping:
+            model = from_config(auto, config, seed)
+            perturb(model)
+            return model.eval(), head
     raise LookupError(f"no Auto class of {', '.join(heads)} builds {type(config).__name__}")
+
+
+def from_config(auto, config, seed: int):
+    """``auto``'s model of ``config`` initialised from ``seed``, with SDPA attention where it has it."""
+    import torch
+
+    torch.manual_seed(seed)
+    try:
+        return auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        torch.manual_seed(seed)
+        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
 
 
 def perturb(model) -> None:

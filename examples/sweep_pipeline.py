@@ -35,6 +35,17 @@ in ``--jsonl`` (the last line per name wins)::
     python examples/sweep_pipeline.py --types gpt_neo,deit --timeout 300 --jsonl /tmp/pipeline.jsonl
     python examples/sweep_pipeline.py --types qwen3_moe --learn --jsonl /tmp/pipeline.jsonl
     python examples/sweep_pipeline.py --summarize --jsonl /tmp/pipeline.jsonl -o examples/results/sweep_pipeline.json
+
+``--variants`` runs the flow on config variants instead (``sweep_architectures.VARIANTS``: the shrunk default config
+with options flipped, built with the variant's heads, its floating buffers given that sweep's noise too); rows are
+keyed by the variant's name (``NAME+learn`` with ``--learn``). Bare, it takes every variant (of ``--types``' types
+where given); followed by names, those (quoted: names hold spaces)::
+
+    python examples/sweep_pipeline.py --variants --types llama,qwen3 --jsonl /tmp/variants.jsonl
+    python examples/sweep_pipeline.py --variants --skip-done --jsonl /tmp/variants.jsonl
+    python examples/sweep_pipeline.py --variants "llama tie_word_embeddings=true" --learn --jsonl /tmp/variants.jsonl
+    python examples/sweep_pipeline.py --summarize --jsonl /tmp/variants.jsonl \
+        -o examples/results/sweep_pipeline_variants.json
 """
 from __future__ import annotations
 
@@ -50,8 +61,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sweep_architectures import (HEADS, NAMED, TYPES, Checker, first_line, perturb, report_summary,  # noqa: E402
-                                 run_all, run_script_isolated, tied_names, tiny_config)
+from sweep_architectures import (HEADS, NAMED, TYPES, VARIANT_BY_NAME, Checker, build, first_line,  # noqa: E402
+                                 perturb_buffers, report_summary, run_all, run_script_isolated, tied_names,
+                                 variant_heads)
 
 # Where the shared shrink leaves a type too large to sweep in time (flaubert keeps emb_dim 2048: a 300 s timeout)
 OVERRIDES = {"flaubert": dict(emb_dim=64)}
@@ -65,32 +77,23 @@ ORDER = ("wrong", "crash", "refused", "ok")  # a type's class is its worst stage
 
 
 # -- the two models ------------------------------------------------------------------------------------------
-def build_seeded(model_type: str, seed: int):
-    """The tiny model of ``model_type`` initialised from ``seed``: perturb's noise, then noise of its own."""
-    import torch
-    import transformers
-
-    config = tiny_config(model_type, OVERRIDES.get(model_type))
-    config.architectures = config.architectures or []  # Auto classes with two candidates (DeiT) iterate it
-    for head in HEADS:
-        auto = getattr(transformers, head)
-        if type(config) in auto._model_mapping:
-            model = from_config(auto, config, seed)
-            perturb(model)
-            own_noise(model, seed)
-            return model.float().eval(), head
-    raise LookupError(f"no Auto class of {', '.join(HEADS)} builds {type(config).__name__}")
+def recipe(subject: str) -> tuple[str, dict, tuple[str, ...]]:
+    """The model type, config overrides and Auto classes of ``subject``: a model type, or the name of a variant
+    (an entry of ``sweep_architectures.VARIANTS``)."""
+    variant = VARIANT_BY_NAME.get(subject)
+    model_type = variant[0] if variant else subject
+    overrides = {**OVERRIDES.get(model_type, {}), **(variant[1] if variant else {})}
+    return model_type, overrides, variant_heads(variant) if variant else HEADS
 
 
-def from_config(auto, config, seed: int):
-    import torch
-
-    torch.manual_seed(seed)
-    try:
-        return auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-    except (ValueError, ImportError):
-        torch.manual_seed(seed)
-        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
+def build_seeded(subject: str, seed: int):
+    """The tiny model of ``subject`` initialised from ``seed``: perturb's noise (a variant's floating buffers get
+    the variants sweep's noise too), then noise of its own."""
+    model, head = build(*recipe(subject), seed=seed)
+    if subject in VARIANT_BY_NAME:
+        perturb_buffers(model)
+    own_noise(model, seed)
+    return model.float().eval(), head
 
 
 def own_noise(model, seed: int) -> None:
@@ -107,8 +110,8 @@ def own_noise(model, seed: int) -> None:
 class Pair:
     """Models A and B, their float64 checkers, states as built, and the tolerance of each one's function."""
 
-    def __init__(self, model_type: str):
-        (self.a, self.head), (self.b, _) = (build_seeded(model_type, seed) for seed in SEEDS)
+    def __init__(self, subject: str):
+        (self.a, self.head), (self.b, _) = (build_seeded(subject, seed) for seed in SEEDS)
         self.checker_a, self.checker_b = Checker(self.a), Checker(self.b)
         self.state_a, self.state_b = snapshot(self.a), snapshot(self.b)
         self.floor_b = float32_floor(self.checker_b) if self.checker_b.inputs else None
@@ -308,23 +311,33 @@ def failed_stages(stages: dict) -> list[str]:
 
 
 # -- one type ------------------------------------------------------------------------------------------------
-def name_of(model_type: str, mode: str) -> str:
-    return model_type if mode == "base" else f"{model_type}+{mode}"
+def name_of(subject: str, mode: str) -> str:
+    return subject if mode == "base" else f"{subject}+{mode}"
 
 
 def parse_name(name: str) -> tuple[str, str]:
-    model_type, _, mode = name.partition("+")
-    return model_type, mode or "base"
+    """The subject (a model type or a variant's name) and the mode of a row's name."""
+    subject, _, mode = name.partition("+")
+    return subject, mode or "base"
+
+
+def identity(name: str) -> dict:
+    """The fields that say what a row is: its name, type, mode, and its variant's name and overrides if any."""
+    subject, mode = parse_name(name)
+    model_type = recipe(subject)[0]
+    row = {"name": name, "type": model_type, "mode": mode, "named": model_type in NAMED}
+    if subject in VARIANT_BY_NAME:
+        row.update(variant=subject, overrides=VARIANT_BY_NAME[subject][1])
+    return row
 
 
 def sweep_one(name: str) -> dict:
-    """One row: the stages of ``name``'s mode on its type's pair of tiny models, and the type's class."""
-    model_type, mode = parse_name(name)
-    row = {"name": name, "type": model_type, "mode": mode, "named": model_type in NAMED,
-           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    """One row: the stages of ``name``'s mode on its subject's pair of tiny models, and the subject's class."""
+    subject, mode = parse_name(name)
+    row = {**identity(name), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     clock = time.perf_counter()
     try:
-        pair = Pair(model_type)
+        pair = Pair(subject)
     except Exception as exc:  # noqa: BLE001 -- transformers could not build or run the tiny model
         return {**row, "class": "skipped", "reason": first_line(exc)}
     if not pair.checker_b.inputs or not pair.checker_a.inputs:
@@ -341,10 +354,8 @@ def sweep_one(name: str) -> dict:
 
 # -- driver --------------------------------------------------------------------------------------------------
 def run_isolated(name: str, timeout: float) -> dict:
-    model_type, mode = parse_name(name)
-    identity = {"name": name, "type": model_type, "mode": mode, "named": model_type in NAMED}
     clock = time.perf_counter()
-    row = run_script_isolated(__file__, name, timeout, identity)
+    row = run_script_isolated(__file__, name, timeout, identity(name))
     return {**row, "wall": round(time.perf_counter() - clock, 1)}
 
 
@@ -378,8 +389,14 @@ def failure(row: dict) -> dict:
 
 
 def names_of(args) -> list[str]:
-    types = args.types.split(",") if args.types else TYPES
-    return [t if "+" in t else name_of(t, "learn" if args.learn else "base") for t in types]
+    """The names to run: ``--variants``' (those named, else every variant of ``--types``' types), else
+    ``--types``' (else every type), in ``--learn``'s mode where a name gives none."""
+    types = args.types.split(",") if args.types else None
+    if args.variants is not None:
+        subjects = args.variants or [n for n, v in VARIANT_BY_NAME.items() if types is None or v[0] in types]
+    else:
+        subjects = types or TYPES
+    return [s if "+" in s else name_of(s, "learn" if args.learn else "base") for s in subjects]
 
 
 def main(argv=None) -> None:
@@ -387,6 +404,10 @@ def main(argv=None) -> None:
     parser.add_argument("--one", help="run one name (TYPE or TYPE+learn) in this process and print its JSON line")
     parser.add_argument("--types", help="comma-separated model types, or names TYPE+learn (default: "
                                         "sweep_architectures' whole list)")
+    parser.add_argument("--variants", nargs="*", metavar="NAME",
+                        help="sweep config variants (sweep_architectures' VARIANTS) instead of default configs: "
+                             "those NAMEs (variant names, or NAME+learn), else every variant of --types' types, "
+                             "else all")
     parser.add_argument("--learn", action="store_true", help="run the learned stages (synthetic data) instead")
     parser.add_argument("--skip-done", action="store_true", help="leave out names already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
@@ -401,6 +422,9 @@ def main(argv=None) -> None:
         print(json.dumps(sweep_one(args.one), default=str))
         return
     rows = [json.loads(ln) for ln in args.jsonl.read_text().splitlines()] if args.jsonl and args.jsonl.exists() else []
+    unknown = [n for n in args.variants or [] if parse_name(n)[0] not in VARIANT_BY_NAME]
+    if unknown:
+        parser.error(f"not a variant of sweep_architectures.VARIANTS: {unknown}")
     if not args.summarize:
         done = {r["name"] for r in rows} if args.skip_done else set()
         rows += run_all([n for n in names_of(args) if n not in done], lambda n: run_isolated(n, args.timeout),
