@@ -1,10 +1,12 @@
 """examples/sweep_pipeline.py: how a type's stages make its class, the summary, and one tiny type end to end."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+
 import pytest
 
 from example_scripts import EXAMPLES, example_module
@@ -36,6 +38,19 @@ def test_names_carry_the_mode(pipeline):
     assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "learn")) == ("qwen3_moe", "learn")
 
 
+def test_variants_are_named_and_built_by_their_variant(pipeline):
+    args = argparse.Namespace(types="falcon", variants=[], learn=True)
+    names = pipeline.names_of(args)
+    variants = [n for n, v in pipeline.VARIANT_BY_NAME.items() if v[0] == "falcon"]
+    assert names == [pipeline.name_of(n, "learn") for n in variants] and len(names) > 1
+    row = pipeline.identity(names[0])
+    assert (row["type"], row["mode"], row["variant"]) == ("falcon", "learn", variants[0])
+    assert row["overrides"] == pipeline.VARIANT_BY_NAME[variants[0]][1]
+    model_type, overrides, heads = pipeline.recipe("gpt2 @TokenClassification")
+    assert (model_type, overrides, heads) == ("gpt2", {}, ("AutoModelForTokenClassification",))
+    assert "variant" not in pipeline.identity("gpt2")
+
+
 def test_summary_keeps_the_last_row_per_name_and_lists_failures(pipeline):
     rows = [{"name": "olmo", "class": "refused", "failed": ["merge"], "wall": 5.0,
              "stages": {**stages(fold="refused", align="ok"), "merge": {"class": "refused", "message": "no"}}},
@@ -54,5 +69,19 @@ def test_one_tiny_type_runs_every_stage():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(proc.stdout.splitlines()[-1])
+    assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
+    assert row["class"] == "ok", row["stages"]
+
+
+@pytest.mark.slow
+def test_one_variant_runs_every_stage():
+    # a variant with batch norms: their running statistics get the variants sweep's noise and must move with
+    # their channels through every stage
+    name = 'resnet hidden_sizes=[16,32] depths=[1,1] embedding_size=16 @base'
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_pipeline.py"), "--one", name],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert (row["name"], row["variant"], row["type"], row["head"]) == (name, name, "resnet", "AutoModel")
     assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
     assert row["class"] == "ok", row["stages"]
