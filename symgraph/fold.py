@@ -257,7 +257,7 @@ def _check_used_once(placeholders, node, site: NormSite) -> None:
 
 def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
     readers = []
-    for user in _readers(node):
+    for user, _ in _readers(node):
         if str(user.target) != "aten.linear.default" or _param(user.args[1], cap.params) is None:
             what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
             post_ln = str(user.target) == "aten.add.Tensor"
@@ -280,15 +280,16 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tupl
     return tuple(readers)
 
 
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes that consume ``node``'s value with its last axis intact (through casts, dropout, row slices),
-    leaving out those that read only its metadata."""
+def _readers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(reader, the value it reads) for the nodes that consume ``node``'s value with its last axis intact (through
+    casts, dropout, row slices: the value is then the last of them), leaving out those that read only its
+    metadata."""
     out = []
     for user in node.users:
         if _passes_last_axis(user, node):
             out.extend(_readers(user))
         elif not _reads_metadata_only(user, node):
-            out.append(user)
+            out.append((user, node))
     return out
 
 
@@ -342,23 +343,20 @@ def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[f
 
 
 def _check_stream_readers(node: fx.Node, todo: list[fx.Node]) -> None:
-    """Everything that reads the stream's value at ``node`` must see it through a LayerNorm, which centring leaves
-    unchanged: a LayerNorm; an addition, whose sum is the stream further on (added to ``todo``, so its other
-    terms are centred and its own readers checked); a pass-through (a cast, a reshape, a slice of rows) whose
-    readers pass this check in turn; or an op that reads only the value's metadata (a shape assert, the dtype
-    ``type_as`` takes from its second argument)."""
-    for user in node.users:
-        if _is_layer_norm(user) and user.args[0] is node:
+    """Everything that reads the stream's value at ``node`` (:func:`_readers`: through casts, reshapes and slices
+    of rows; reads of its metadata alone, a shape assert or the dtype ``type_as`` takes, are none) must see it
+    through a LayerNorm, which centring leaves unchanged: a LayerNorm, or an addition, whose sum is the stream
+    further on (added to ``todo``, so its other terms are centred and its own readers checked)."""
+    for user, value in _readers(node):
+        if _is_layer_norm(user) and user.args[0] is value:
             continue
         if str(user.target) == "aten.add.Tensor":
             todo.append(user)
-        elif _passes_last_axis(user, node):
-            _check_stream_readers(user, todo)
-        elif not _reads_metadata_only(user, node):
-            what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
-            raise FoldError(f"Cannot centre the residual stream: its value at graph node {node.name}"
-                            f"{_source_line(node)} is read by {what} without a LayerNorm in between; centring "
-                            f"would change what that reader sees.", hint="align without --fold.")
+            continue
+        what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
+        raise FoldError(f"Cannot centre the residual stream: its value at graph node {value.name}"
+                        f"{_source_line(value)} is read by {what} without a LayerNorm in between; centring "
+                        f"would change what that reader sees.", hint="align without --fold.")
 
 
 def _reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
