@@ -115,6 +115,11 @@ def main() -> None:
     parser.add_argument("--t-concentration", type=float, default=LearnOptions.t_concentration,
                         help="random t drawn from Beta(c, c) (1: uniform)")
     parser.add_argument("--backtrack-margin", type=float, default=LearnOptions.backtrack_margin)
+    parser.add_argument("--eval-batches", type=int, default=LearnOptions.eval_batches,
+                        help="batches each candidate is checked on")
+    parser.add_argument("--holdout", action="store_true", help="check on batches held out of the steps")
+    parser.add_argument("--mixup", type=float, default=LearnOptions.mixup,
+                        help="weight of distillation on mixed inputs (classifiers with float inputs; 0: none)")
     parser.add_argument("--max-condition", type=float, default=LearnOptions.max_condition,
                         help="bound on the condition number of learned general linear maps")
     parser.add_argument("--baseline", action="store_true",
@@ -129,6 +134,7 @@ def main() -> None:
                            general_linear=not args.no_general_linear, width_aware=not args.no_width_aware,
                            backtracks=args.backtracks, checks=args.checks, patience=args.patience,
                            tolerance=args.tolerance, seconds=args.seconds, max_condition=args.max_condition,
+                           eval_batches=args.eval_batches, holdout=args.holdout, mixup=args.mixup,
                            seed=args.seed, t_concentration=args.t_concentration,
                            backtrack_margin=args.backtrack_margin)
     runs, load_before = [], os.getloadavg()

@@ -207,6 +207,20 @@ def _learn_options(command, *, flag: bool = True):
                      default=lambda: _learn_default("t_concentration"), show_default="4.0",
                      help="Random points (--learn-t random) are drawn from Beta(c, c) with this c: large values keep "
                           "them near the midpoint, where loss barriers peak; 1: uniform along the path."),
+        click.option("--learn-mixup", type=click.FloatRange(min=0), default=lambda: _learn_default("mixup"),
+                     show_default="1.0",
+                     help="Classifiers whose inputs are all floating point (pixels, audio): weight of a second term "
+                          "of each step's loss, on each example mixed with another of its batch, teaching the "
+                          "interpolated model there the endpoints' probabilities mixed as the path mixes them (they "
+                          "have memorised the training examples, not these; 0: none)."),
+        click.option("--learn-eval-batches", type=click.IntRange(min=1),
+                     default=lambda: _learn_default("eval_batches"), show_default="4",
+                     help="Batches of the data each candidate alignment is checked on (the best one checked is the "
+                          "result)."),
+        click.option("--learn-holdout/--learn-no-holdout", default=lambda: _learn_default("holdout"),
+                     show_default="no holdout",
+                     help="Hold the checked batches out of the steps, where the data has at least twice as many "
+                          "(learning fits the batches it steps on far better than unseen examples)."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "
@@ -256,14 +270,16 @@ def _learn_default(name: str):
 
 
 def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentration, learn_method, learn_patience,
-              learn_tolerance, learn_seconds, learn_max_condition, learn_backtrack_margin):
+              learn_tolerance, learn_seconds, learn_max_condition, learn_backtrack_margin, learn_eval_batches,
+              learn_holdout, learn_mixup):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
     return LearnOptions(steps=learn_steps, lr=learn_lr, batch_size=learn_batch_size, t=learn_t,
                         t_concentration=learn_t_concentration, method=learn_method,
                         patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
-                        max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin)
+                        max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin,
+                        eval_batches=learn_eval_batches, holdout=learn_holdout, mixup=learn_mixup)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, general_linear, balance,

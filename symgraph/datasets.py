@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from .errors import DataError
 from .module_state import eval_mode
 
-__all__ = ["Batch", "Dataset", "Metrics", "DATASETS", "TOPIC_CLASSES", "batch_loss", "char_tokenizer",
-           "char_vocabulary", "corpus_lines", "evaluate", "load_data", "logits_of"]
+__all__ = ["Batch", "Dataset", "Metrics", "DATASETS", "TOPIC_CLASSES", "batch_logits", "batch_loss",
+           "char_tokenizer", "char_vocabulary", "corpus_lines", "evaluate", "load_data", "logits_of"]
 
 TASKS = ("classification", "causal_lm")
 IGNORE = -100  # the label Hugging Face's losses skip (padding)
@@ -169,7 +169,7 @@ def batch_loss(model: torch.nn.Module, batch: Batch, task: str) -> torch.Tensor:
     >>> round(batch_loss(model, batch, "classification").item(), 2) > 0
     True
     """
-    logits = _forward(model, batch)
+    logits = batch_logits(model, batch)
     total, count, _ = _loss_sum(logits, batch, task)
     return total / max(count, 1)
 
@@ -190,7 +190,7 @@ def evaluate(model: torch.nn.Module, data: Dataset) -> Metrics:
     with eval_mode(model):
         loss = correct = count = 0.0
         for batch in data.batches:
-            total, n, right = _loss_sum(_forward(model, batch), batch, data.task)
+            total, n, right = _loss_sum(batch_logits(model, batch), batch, data.task)
             loss, correct, count = loss + float(total), correct + right, count + n
     return Metrics(loss=loss / max(count, 1), accuracy=correct / count if data.labelled and count else None,
                    examples=len(data))
@@ -683,7 +683,8 @@ def _as_batch(item: Any, spec: str) -> Batch:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def batch_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``model``'s logits on ``batch``'s inputs (on the model's device; a model with a cache runs without it)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
     extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}

@@ -168,7 +168,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         the reference too, aligned to their weighted mean (:func:`symgraph.consensus.align_to_consensus`; not
         with ``learn``, which tunes alignments to the reference).
         ``best`` (the default): each model's frame in turn and the common one (not with ``learn``), keeping the
-        merge with the lowest loss on ``data`` when there is data, else the one whose aligned models lie
+        merge with the lowest loss on ``data`` when there is data (with ``learn``: the learned alignments' loss
+        on the batches learning held out of its steps), else the one whose aligned models lie
         closest to their mean; ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A
         and A onto B give different merges; ``best`` costs one alignment and one merge per frame tried.
     progress
@@ -229,7 +230,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
                                     (device, dtype or torch.float64))
         state = _finished_state(merged, moved, consensus, head_from, exclude)
         tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
-                                                                      head_from), records))
+                                                                      head_from, records), records))
     clock.lap("align_and_combine")
     label, consensus, state, averaged, _, records = _best_frame(tried)
     source = subjects[head_from if head_from is not None else consensus.reference]
@@ -260,15 +261,25 @@ def _frames(frame: str, subjects, w, exclude, align: str, learned: bool) -> list
     return onto + ([] if learned else common)
 
 
-def _frame_score(state, subjects, consensus, w, datasets, head_from) -> float:
-    """The merged model's mean loss on ``datasets``, or without data the weighted mean distance of the aligned
-    models to their mean (lower is better)."""
+def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict]) -> float:
+    """Lower is better: with learned matching whose checks were held out of its steps (``learned``: its records),
+    their mean path loss where learning aimed (in a simple merge of two models, the merged model's loss) on those
+    held-out batches, since on the batches it stepped on learning fits every frame alike
+    (:func:`symgraph.learn.held_out`); otherwise the merged model's mean loss on ``datasets``, or without data the
+    weighted mean distance of the aligned models to their mean."""
+    if _checked_on_held_out(learned):
+        return float(np.mean([r["end_path_loss"] for r in learned]))
     if not datasets:
         return float(np.dot(consensus.distances, w) / np.sum(w))
     from .datasets import evaluate
 
     model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
     return float(np.mean([evaluate(model, d).loss for d in datasets]))
+
+
+def _checked_on_held_out(learned: list) -> bool:
+    """Whether every learning record of a frame checked its candidates on batches held out of its steps."""
+    return bool(learned) and all(r is not None and r.get("checked_on_held_out") for r in learned)
 
 
 def _best_frame(tried: list) -> tuple:
@@ -281,11 +292,15 @@ def _best_frame(tried: list) -> tuple:
 
 
 def _frame_note(tried: list, label: str, datasets) -> str:
-    """Which frame the merge was made in, and why."""
+    """Which frame the merge was made in, and why (:func:`_frame_score`)."""
     if len(tried) == 1:
         return "the frame asked for"
-    what = (f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}" if datasets else
-            "smallest mean distance of the aligned models to their merge (no data to score the merges on)")
+    if _checked_on_held_out(tried[0][5]):
+        what = "lowest loss of the learned alignments on the batches learning held out"
+    elif datasets:
+        what = f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}"
+    else:
+        what = "smallest mean distance of the aligned models to their merge (no data to score the merges on)"
     scores = ", ".join(f"{t[0]}: {t[4]:.4g}" for t in tried)
     return f"chosen for the {what}: {scores}"
 

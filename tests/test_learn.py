@@ -94,6 +94,10 @@ def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monk
     (LearnOptions(t_concentration=math.inf), "t_concentration must be a finite number > 0"),
     (LearnOptions(t_concentration=math.nan), "t_concentration must be a finite number > 0"),
     (LearnOptions(t_concentration=True), "t_concentration must be a finite number > 0"),
+    (LearnOptions(mixup=-0.5), "mixup must be a finite number >= 0"),
+    (LearnOptions(mixup=math.nan), "mixup must be a finite number >= 0"),
+    (LearnOptions(mixup=True), "mixup must be a finite number >= 0"),
+    (LearnOptions(holdout="yes"), "holdout must be True or False"),
 ])
 def test_bad_options_are_refused_before_any_work(options, match, vit_pair):
     a, b = vit_pair
@@ -659,3 +663,108 @@ def test_random_points_gather_near_the_midpoint_as_concentrated(vit_pair, tmp_pa
     assert code == 0, stderr
     assert len(drawn) == 40 and all(0 < t < 1 for t in drawn)
     assert spread[0] < float(np.std(drawn)) < spread[1]  # Beta(4, 4): 0.167; Beta(16, 16): 0.087; uniform: 0.289
+
+
+def test_checked_batches_are_held_out_spread_over_the_data_where_it_has_enough():
+    held_out = symgraph.learn.held_out
+    batches = tuple(range(20))
+    stepped, checked, held = held_out(batches, LearnOptions(eval_batches=4, holdout=True))
+    assert held and checked == (0, 6, 13, 19)  # spread: neighbouring text windows are alike
+    assert sorted(stepped + checked) == list(batches) and not set(stepped) & set(checked)
+    stepped, checked, held = held_out(batches[:7], LearnOptions(eval_batches=4, holdout=True))  # too few
+    assert not held and stepped == batches[:7] and checked == batches[:4]
+    stepped, checked, held = held_out(batches, LearnOptions(eval_batches=4))  # the default: no holdout
+    assert not held and stepped == batches and checked == batches[:4]
+
+
+@pytest.mark.parametrize("flag, held", [(("--learn-holdout",), True), ((), False)])
+def test_learning_with_holdout_never_steps_on_the_batches_it_checks(vit_pair, tmp_path, monkeypatch, flag, held):
+    """Learning fits the batches it steps on (the wide ViT's midpoint: 0.002 there, 0.08 on the test split); with
+    --learn-holdout candidates are scored on batches held out of the steps."""
+    stepped, checked = [], []
+    sample, evaluate_ = symgraph.learn._Run.sample, symgraph.learn._InterpolatedLoss.evaluate
+
+    def spied_sample(self):
+        t, batch = sample(self)
+        stepped.append(id(batch))
+        return t, batch
+
+    def spied_evaluate(self, other, batches, *points):
+        checked.extend(id(b) for b in batches)
+        return evaluate_(self, other, batches, *points)
+
+    monkeypatch.setattr(symgraph.learn._Run, "sample", spied_sample)
+    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", spied_evaluate)
+    code, _, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                          "--learn-steps", 30, "--learn-eval-batches", 3, "--learn-patience", 0, "--no-judge-starts",
+                          "--quiet", "--stats", tmp_path / "stats.json", *flag)
+    assert code == 0, stderr
+    assert len(stepped) == 30 and len(set(checked)) == 3
+    if held:
+        assert not set(stepped) & set(checked)
+    assert json.loads((tmp_path / "stats.json").read_text())["learned"]["checked_on_held_out"] is held
+
+
+@pytest.mark.parametrize("holdout", [True, False])
+def test_merge_with_learning_held_out_keeps_the_frame_whose_held_out_loss_is_lowest(vit_pair, holdout):
+    """On the batches learning stepped on every frame's merge fits alike; held-out checks tell them apart. Without
+    holdout the merged models are scored on the data, as every merge with data is."""
+    result = symgraph.merge(list(vit_pair), data="digits", limit=16,
+                            learn=LearnOptions(steps=3, eval_batches=2, holdout=holdout), progress=False)
+    moved = result.learned[1 - result.consensus.reference]
+    assert moved["checked_on_held_out"] is holdout
+    assert result.frames[result.frame] == min(result.frames.values())
+    if holdout:
+        assert "batches learning held out" in result.frame_note
+        assert result.frames[result.frame] == moved["end_path_loss"]
+    else:
+        assert "lowest merged loss on digits" in result.frame_note
+
+
+def test_distillation_on_mixed_inputs_teaches_the_endpoints_mixed_probabilities():
+    """The term's target is ``(1 - t) p_A + t p_B`` on inputs mixed within the batch: with B = A it is p_A, and the
+    loss is then p_A's entropy on those inputs (recomputed here from the same mixing draws)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batch = Batch({"input": torch.randn(6, 1, 4, 4)}, torch.arange(6) % 5)
+    data = Dataset("tiny", "classification", (batch,))
+    loss_at = symgraph.learn._InterpolatedLoss(model, state, list(state), "classification")
+    distill = symgraph.learn._MixedDistillation.of(loss_at, data, LearnOptions(seed=3))
+    got = distill(state, 0.3, batch)
+    draws = torch.Generator().manual_seed(3)
+    share, partner = torch.rand(6, generator=draws), torch.randperm(6, generator=draws)
+    x = batch.inputs["input"]
+    mixed = share.reshape(-1, 1, 1, 1) * x + (1 - share.reshape(-1, 1, 1, 1)) * x[partner]
+    p = model(mixed).softmax(-1)
+    assert torch.allclose(got, -(p * p.log()).sum(-1).mean(), atol=1e-6)
+    other = {k: v + 0.1 * torch.randn_like(v) for k, v in state.items()}  # another model: the target moves with t
+    assert not torch.allclose(distill(other, 0.0, batch), distill(other, 1.0, batch))
+
+
+def test_distillation_on_mixed_inputs_only_where_inputs_can_be_mixed():
+    """Pixels mix; token ids do not (a causal LM, a token classifier), and synthetic data, soft targets from the
+    endpoints, is their distillation already: there learning takes the task loss alone (the record says which)."""
+    tokens = Batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, torch.zeros(2, dtype=torch.long))
+    pixels = Batch({"input": torch.zeros(2, 1, 4, 4)}, torch.zeros(2, dtype=torch.long))
+    of = symgraph.learn._MixedDistillation.of
+    assert of(None, Dataset("p", "classification", (pixels,)), LearnOptions()) is not None
+    assert of(None, Dataset("p", "classification", (pixels,)), LearnOptions(mixup=0)) is None
+    assert of(None, Dataset("t", "classification", (tokens,)), LearnOptions()) is None
+    assert of(None, Dataset("t", "causal_lm", (tokens,)), LearnOptions()) is None
+    soft = Batch(pixels.inputs, targets=(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long)))
+    assert of(None, Dataset("synthetic", "classification", (pixels, soft)), LearnOptions()) is None
+
+
+@pytest.mark.parametrize("mixup, recorded", [(None, 1.0), ("0", 0.0)])
+def test_cli_learn_mixup_reaches_the_steps_and_the_record(vit_pair, tmp_path, monkeypatch, mixup, recorded):
+    calls = []
+    call = symgraph.learn._MixedDistillation.__call__
+    monkeypatch.setattr(symgraph.learn._MixedDistillation, "__call__",
+                        lambda self, *args: calls.append(1) or call(self, *args))
+    code, _, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
+                          "--learn-steps", 3, "--no-judge-starts", "--quiet", "--stats", tmp_path / "stats.json",
+                          *(("--learn-mixup", mixup) if mixup else ()))
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "stats.json").read_text())["learned"]["mixup"] == recorded
+    assert len(calls) == (3 if recorded else 0)
