@@ -27,6 +27,7 @@ import torch
 import symgraph
 import symgraph.learn
 from symgraph.datasets import batch_logits, evaluate, load_data
+from symgraph.files import write_text_atomic
 from symgraph.learn import LearnOptions
 # examples/: the wide pairs are trained, not shipped
 from train_models import wide_pair
@@ -87,12 +88,12 @@ def main() -> None:
         out["runs"].append({"seed": seed, "options": asdict(options), "checks": checks, "kept_test_midpoint": midpoint,
                             "ratio": None if midpoint is None else midpoint / mean, "stopped": record["stopped"],
                             "backtracks": len(record["backtracks"]), "seconds": time.perf_counter() - clock})
-        print(f"seed {seed}: merged test loss {midpoint} ({out['runs'][-1]['ratio']}x)", file=sys.stderr)
+        print(f"seed {seed}: " + ("no check beat the start" if midpoint is None else
+                                  f"merged test loss {midpoint:.4f} ({midpoint / mean:.2f}x)"), file=sys.stderr)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":
