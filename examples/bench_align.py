@@ -226,6 +226,7 @@ def main(argv=None) -> None:
     parser.add_argument("--build", nargs=3, help=argparse.SUPPRESS)  # child: PAIR KIND FOLDER
     parser.add_argument("--run", nargs=4, help=argparse.SUPPRESS)  # child: PAIR FOLDER MODE DEVICE
     args = parser.parse_args(argv)
+    from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
     if args.build:
         pair, kind, folder = args.build
         print(json.dumps(build_pair(pair, kind, args.layers, Path(folder))))
@@ -243,7 +244,7 @@ def main(argv=None) -> None:
             if pair in TRAINED:
                 results["pairs"][f"{pair}/trained"] = run_trained(pair, args)
                 if args.out:
-                    args.out.write_text(json.dumps(results, indent=1))
+                    write_text_atomic(args.out, json.dumps(results, indent=1))
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 log(f"{pair}/{kind}: building")
@@ -254,12 +255,12 @@ def main(argv=None) -> None:
                     log(f"{pair}/{kind}: {key}")
                     entry["modes"][key] = _child("--run", pair, tmp, mode, device)
                     if args.out:  # partial figures survive an interrupted run
-                        args.out.write_text(json.dumps(results, indent=1))
+                        write_text_atomic(args.out, json.dumps(results, indent=1))
                 entry.update(time_ratios(entry["modes"]))
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

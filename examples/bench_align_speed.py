@@ -89,7 +89,8 @@ def main(argv=None) -> None:
                 "distance_relative_difference": abs(new["distance_after"] - old["distance_after"])
                 / old["distance_after"]}
             if args.out:
-                args.out.write_text(json.dumps(results, indent=1))
+                from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+                write_text_atomic(args.out, json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
 
 

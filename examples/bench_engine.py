@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=1)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+        write_text_atomic(args.out, text + "\n")
     print(text, flush=True)
     return 0 if result["ok"] else 1
 

@@ -64,7 +64,8 @@ def main(argv=None) -> None:
     out = {"load_average": os.getloadavg()[0], "threads": 1, "rows": rows}
     text = json.dumps(out, indent=1)
     if args.json:
-        args.json.write_text(text + "\n")
+        from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+        write_text_atomic(args.json, text + "\n")
     print(text)
 
 

@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from symgraph.files import write_text_atomic
+
 WIDTHS = (4096, 8192, 11008, 14336)
 RANK = 1024
 TOLERANCE = 1e-12
@@ -179,8 +181,7 @@ def main(argv=None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_text_atomic(args.out, text + "\n")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 import symgraph
 import symgraph.learn
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
+from symgraph.files import write_text_atomic
 from symgraph.learn import LearnOptions
 # examples/: the wide pairs are trained, not shipped
 from train_models import WIDE_PAIRS, wide_pair
@@ -120,6 +121,8 @@ def main() -> None:
     parser.add_argument("--holdout", action="store_true", help="check on batches held out of the steps")
     parser.add_argument("--mixup", type=float, default=LearnOptions.mixup,
                         help="weight of distillation on mixed inputs (classifiers with float inputs; 0: none)")
+    parser.add_argument("--no-rate-trial", action="store_true",
+                        help="direct: no trial of 0.3x the learning rate after the first check")
     parser.add_argument("--max-condition", type=float, default=LearnOptions.max_condition,
                         help="bound on the condition number of learned general linear maps")
     parser.add_argument("--baseline", action="store_true",
@@ -135,7 +138,7 @@ def main() -> None:
                            backtracks=args.backtracks, checks=args.checks, patience=args.patience,
                            tolerance=args.tolerance, seconds=args.seconds, max_condition=args.max_condition,
                            eval_batches=args.eval_batches, holdout=args.holdout, mixup=args.mixup,
-                           seed=args.seed, t_concentration=args.t_concentration,
+                           rate_trial=not args.no_rate_trial, seed=args.seed, t_concentration=args.t_concentration,
                            backtrack_margin=args.backtrack_margin)
     runs, load_before = [], os.getloadavg()
     for pair in args.pairs.split(","):
@@ -149,9 +152,7 @@ def main() -> None:
                      indent=1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(out)
-        tmp.replace(args.json)
+        write_text_atomic(args.json, out)
     print(out)
 
 

@@ -52,7 +52,8 @@ def main() -> None:
     out = json.dumps({"command": " ".join(sys.argv), "base": str(args.base.resolve()), "runs": runs}, indent=1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(out)
+        from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+        write_text_atomic(args.json, out)
     print(out)
 
 

@@ -96,7 +96,8 @@ def main(argv=None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+        write_text_atomic(args.out, text + "\n")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def main(argv=None) -> None:
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        from symgraph.files import write_text_atomic  # late: symgraph is imported where it is used
+        write_text_atomic(args.out, text + "\n")
 
 
 def symgraph_state(path: Path) -> dict:

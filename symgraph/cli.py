@@ -221,6 +221,10 @@ def _learn_options(command, *, flag: bool = True):
                      show_default="no holdout",
                      help="Hold the checked batches out of the steps, where the data has at least twice as many "
                           "(learning fits the batches it steps on far better than unseen examples)."),
+        click.option("--learn-rate-trial/--learn-no-rate-trial", default=lambda: _learn_default("rate_trial"),
+                     show_default="trial",
+                     help="Direct method: when the first check beats the start, go back and try 0.3 times the "
+                          "learning rate for as many steps, and go on at whichever rate checked lower."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "
@@ -271,7 +275,7 @@ def _learn_default(name: str):
 
 def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentration, learn_method, learn_patience,
               learn_tolerance, learn_seconds, learn_max_condition, learn_backtrack_margin, learn_eval_batches,
-              learn_holdout, learn_mixup):
+              learn_holdout, learn_mixup, learn_rate_trial):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
@@ -279,7 +283,8 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentr
                         t_concentration=learn_t_concentration, method=learn_method,
                         patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
                         max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin,
-                        eval_batches=learn_eval_batches, holdout=learn_holdout, mixup=learn_mixup)
+                        eval_batches=learn_eval_batches, holdout=learn_holdout, mixup=learn_mixup,
+                        rate_trial=learn_rate_trial)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, general_linear, balance,
@@ -401,13 +406,17 @@ def _learned_note(learned: dict | None) -> str:
     backtracks = len(learned["backtracks"])
     lowered = f", learning rate lowered {backtracks} time{'s' * (backtracks != 1)}" if backtracks else ""
     stopped = f", stopped early ({learned['stopped']})" if learned["stopped"] else ""
+    trial = learned.get("rate_trial")
+    tried = (f", rate {trial['kept']:.2g} kept after a trial of {trial['rates'][0]:.2g} and {trial['rates'][1]:.2g}"
+             if trial else "")
     projected = learned["condition_projections"]
     bounded = (f", general linear maps projected back to condition {learned['condition_bound']:g} {projected} "
                f"time{'s' * (projected != 1)}" if projected else "")
     points = ", ".join(f"{t:g}" for t in learned["checked_t"])
-    return (f", learned over {learned['steps']} steps: path loss (t = {points}) "
+    distilled = f" plus {learned['mixup']:g} x distillation on mixed inputs" if learned.get("mixup") else ""
+    return (f", learned over {learned['steps']} steps: path loss (t = {points}){distilled} "
             f"{learned['start_path_loss']:.4g} -> {learned['end_path_loss']:.4g} on training batches, {verdict}"
-            f"{lowered}{bounded}{stopped}")
+            f"{tried}{lowered}{bounded}{stopped}")
 
 
 def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:

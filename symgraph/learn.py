@@ -22,8 +22,10 @@ projection kept (an exact recovery, as for any reparametrised copy).
 
 Either way the candidate is checked at evenly spaced steps by its mean loss where learning aims
 (:func:`checked_points`: ``t`` = 1/4, 1/2, 3/4 for the whole path, that point alone when learning one point, as a
-merge does) on a few training batches, held out of the steps with ``LearnOptions.holdout`` (:func:`held_out`);
-the best one checked is the result, and only if it is below the start's. A
+merge does) on a few training batches, held out of the steps with ``LearnOptions.holdout`` (:func:`held_out`),
+plus with distillation on mixed inputs (``LearnOptions.mixup``) that term on those batches, mixed alike for every
+candidate (the objective the steps descend: :meth:`_Run.checked_loss`); the best one checked is the result, and
+only if it is below the start's. A
 check worse than the best so far by more than ``LearnOptions.backtrack_margin`` times the path loss learning has
 gained (any worse check while nothing is gained), a second check in a row no better than the best (one within the
 margin may be the noise of stochastic steps), all before the last step and with the direct method (the estimator's
@@ -33,6 +35,9 @@ finite, is taken as a step too large: learning goes back to the best point check
 worse check is kept going from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes
 a map singular (an inverse, solve or SVD fails: with no condition bound and a large learning rate) counts as a
 non-finite one. The caller applies the elements in float64 and verifies the function as for every alignment.
+With the direct method, a first check that beats the start is followed by a *trial* of ``BACKTRACK`` times the
+rate from the start for as many steps, and learning goes on from whichever rate checked lower
+(``LearnOptions.rate_trial``; a first check that does not beat the start backtracks to it at that rate anyway).
 Learning stops early when checks stop finding a better point (``LearnOptions.patience``) or at a time cap
 (``LearnOptions.seconds``); the record says why (``LearnRecord.stopped``). Measured on the shipped pairs:
 examples/RESULTS.md (remedies) and examples/results/learn.json.
@@ -75,7 +80,8 @@ BACKTRACK = 0.3  # the learning rate after a backtrack, relative to before it
 # 0.002) whatever the alignment, so the task loss stops telling alignments apart; on mixed inputs the endpoints are
 # unsure, and their mixed probabilities keep teaching (:class:`_MixedDistillation`). Wide ViT, merged at the
 # midpoint, test loss over seeds 0-4: 1.36x the endpoints' mean on average without, 1.03x with weight 1
-# (examples/results/wide_merge_seeds.json); vit-digits' path barrier 0.016 against 0.015 over three seeds.
+# (examples/results/wide_merge_seeds.json); vit-digits' path barrier 0.016 against 0.015 over three seeds. Checks
+# score the term too (_Run.checked_loss): the task loss they scored alone is the one that stopped telling apart.
 MIXUP = 1.0
 # Learning the whole path draws t from Beta(c, c): barriers peak inside the path, and its ends are low already.
 # Barriers after 1000 steps (test split, seeds 0 / 1; examples/RESULTS.md): c = 1 (uniform) llama-chars 0.478 /
@@ -120,7 +126,9 @@ class LearnOptions:
     (pixels, audio) on data without soft targets (not synthetic), the weight of a second term of each step's loss:
     each example mixed with another of its batch
     (a share drawn uniformly), the interpolated model taught there the endpoints' probabilities mixed as the path
-    mixes them (:class:`_MixedDistillation`; 0: none). ``synthetic_examples``: how many examples learning on the data
+    mixes them (:class:`_MixedDistillation`; 0: none). ``rate_trial`` (direct method): when the first check beats
+    the start, go back to it and take as many steps at ``BACKTRACK`` times the rate, then go on from whichever rate
+    checked lower (:meth:`_DirectRun.try_lower_rate`). ``synthetic_examples``: how many examples learning on the data
     SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on the shipped pairs and the wide ViT
     (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
@@ -146,6 +154,7 @@ class LearnOptions:
     t_concentration: float = T_CONCENTRATION
     holdout: bool = False
     mixup: float = MIXUP
+    rate_trial: bool = True
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
@@ -188,7 +197,7 @@ class LearnOptions:
             raise LearnError(f"The bound on the condition number of learned maps must be a number >= 1 (inf: none), "
                              f"not {self.max_condition!r}.",
                              hint=f"e.g. max_condition={MAX_CONDITION:g} (the default).")
-        for name in ("general_linear", "width_aware", "holdout"):
+        for name in ("general_linear", "width_aware", "holdout", "rate_trial"):
             if not isinstance(getattr(self, name), bool):
                 raise LearnError(f"Learning option {name} must be True or False, not {getattr(self, name)!r}.")
         if self.method not in METHODS:
@@ -253,7 +262,8 @@ def checked_points(options: LearnOptions) -> tuple[float, ...]:
 
 @dataclass
 class LearnRecord:
-    """What the optimisation did: the loss per step, the path loss (at :func:`checked_points`, ``checked_t``) on
+    """What the optimisation did: the loss per step, the path loss (at :func:`checked_points`, ``checked_t``; with
+    ``mixup``, plus that weight times the distillation on the checked batches mixed: :meth:`_Run.checked_loss`) on
     the checked batches (``held_out``: whether learning never stepped on them, :func:`held_out`) at the start, at
     each check and of the result, whether a learned alignment was kept (it
     must beat the start), each backtrack (the step, why, and the learning rate after it: a fraction of
@@ -277,6 +287,7 @@ class LearnRecord:
     checked_t: tuple[float, ...] = CHECKED_T  # where the path loss is checked (checked_points)
     held_out: bool = False  # the checked batches were held out of the steps (held_out)
     mixup: float = 0.0  # the weight of distillation on mixed inputs in the steps' loss (0: none; _MixedDistillation)
+    rate_trial: dict | None = None  # the trial of a lower rate (direct; _DirectRun.try_lower_rate), when it ran
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
@@ -285,7 +296,8 @@ class LearnRecord:
                 "seconds": self.seconds, "largest_condition_number": self.condition,
                 "condition_bound": self.condition_bound, "condition_projections": self.projections,
                 "backtracks": self.backtracks, "learning_rates": self.learning_rates, "stopped": self.stopped,
-                "checked_t": list(self.checked_t), "checked_on_held_out": self.held_out, "mixup": self.mixup}
+                "checked_t": list(self.checked_t), "checked_on_held_out": self.held_out, "mixup": self.mixup,
+                "rate_trial": self.rate_trial}
 
 
 def training_data(spec, model, options: LearnOptions, endpoints: Sequence[State]):
@@ -328,7 +340,10 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
     for step in bar:
         run.fit_horizon(step, time.perf_counter() - clock)
-        run.guarded_step(step, run.check_due(step))
+        check = run.check_due(step)
+        run.guarded_step(step, check)
+        if check:
+            run.try_lower_rate(step)
         bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
@@ -357,6 +372,9 @@ class _Run:
 
     remedy = ""  # what to try, besides a lower learning rate, when learning stops on a step too large
 
+    def try_lower_rate(self, step: int) -> None:
+        """After each check: a method may try the lower rate at the first one (:meth:`_DirectRun.try_lower_rate`)."""
+
     def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters,
                  learning_rates: Sequence[float]):
         self.loss_at, self.options = loss_at, options
@@ -372,9 +390,8 @@ class _Run:
         self.best_at_checks: list[float] = []  # the best path loss so far, after each check
         self.forgiven = False  # the last check was no better than the best, within the backtracking margin
         self.distill = _MixedDistillation.of(loss_at, data, options)
-        self.record = LearnRecord(start_loss=loss_at.evaluate(start, self.probe, self.checked_t),
-                                  checked_t=self.checked_t, held_out=held,
-                                  mixup=options.mixup if self.distill else 0.0)
+        self.record = LearnRecord(checked_t=self.checked_t, held_out=held, mixup=options.mixup if self.distill else 0.0)
+        self.record.start_loss = self.checked_loss(start)
         if not math.isfinite(self.record.start_loss):
             raise LearnError(f"The path loss of the start is {self.record.start_loss} on the "
                              f"{len(self.probe)} checked training batches; nothing was written.",
@@ -405,6 +422,15 @@ class _Run:
         (``options.mixup``) that on mixed inputs."""
         loss = self.loss_at(other, t, batch)
         return loss if self.distill is None else loss + self.options.mixup * self.distill(other, t, batch)
+
+    def checked_loss(self, state: State) -> float:
+        """What a check scores: the path loss on the probe batches, plus with distillation that on the probe
+        batches mixed the same way for every candidate (:meth:`_MixedDistillation.evaluate`): the objective the
+        steps descend, where the task loss alone is spent once the training examples are fitted."""
+        loss = self.loss_at.evaluate(state, self.probe, self.checked_t)
+        if self.distill is None:
+            return loss
+        return loss + self.options.mixup * self.distill.evaluate(state, self.probe, self.checked_t)
 
     def descend(self, loss: torch.Tensor, step: int) -> bool:
         """One Adam step at this step's learning rates (cosine-annealed from the start's, times the backtracking
@@ -452,7 +478,7 @@ class _Run:
     def checked_better(self, state: State, step: int) -> bool:
         """Check ``state`` on the probe batches; True (and kept as the best) if it beats every state checked, else
         backtrack when it is a step too large (module docstring); stop when learning has stalled."""
-        checked = self.loss_at.evaluate(state, self.probe, self.checked_t)
+        checked = self.checked_loss(state)
         self.record.checks.append(checked)
         best, forgiven, self.forgiven = self.record.end_loss, self.forgiven, False
         better = checked < best
@@ -552,6 +578,8 @@ class _DirectRun(_Run):
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
                                            max_condition=options.max_condition, after=start.elements)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
+        self.origin = (start.state, self.best_elements, self.best_values)  # the start, for the trial of a lower rate
+        self.trial: tuple | None = None  # the full rate's first check and state, while the lower rate is tried
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
         super().__init__(start.state, loss_at, data, options, self.elements.parameters, rates)
@@ -574,6 +602,41 @@ class _DirectRun(_Run):
 
     def finite(self) -> bool:
         return self.elements.finite()
+
+    def try_lower_rate(self, step: int) -> None:
+        """The trial of a lower rate (``LearnOptions.rate_trial``): when the first check beat the start at the full
+        rate (one that did not went back to the start at ``BACKTRACK`` times the rate already), learning goes back
+        to the start and takes as many steps at ``BACKTRACK`` times the rate; at the next check it goes on from
+        whichever rate checked lower, with that rate's moments. Why: a rate too large for a model can still beat
+        the start at the first check, from a point worse than a smaller rate reaches, and backtracking returns to
+        that point (the wide ViT's merge, seeds 0 and 4: 1.16x and 1.26x the endpoints' test loss at rate 0.01,
+        0.84x and 0.77x at 0.003; examples/results/wide_merge_seeds.json)."""
+        checks, options = self.record.checks, self.options
+        if self.trial is None:
+            if (options.rate_trial and len(checks) == 1 and self.best is not self.origin[0]
+                    and step + 1 + self.check_every < self.horizon):
+                self.trial = (checks[-1], self.best, self.best_elements, self.best_values,
+                              copy.deepcopy(self.optimiser.state_dict()), self.lr_factor)
+                self.best, self.best_elements, self.best_values = self.origin
+                self.record.end_loss, self.best_at_checks[-1] = self.record.start_loss, self.record.start_loss
+                self.lr_factor *= BACKTRACK
+                self.restore()
+                self.optimiser = self._adam()
+            return
+        if self.record.rate_trial:
+            return
+        full, best, elements, values, moments, factor = self.trial
+        lower = self.lr_factor * options.lr
+        self.record.rate_trial = {"step": step + 1, "rates": [factor * options.lr, lower],
+                                  "checked": [full, checks[-1]], "kept": lower}
+        if checks[-1] <= full:
+            return
+        self.record.rate_trial["kept"] = factor * options.lr
+        self.best, self.best_elements, self.best_values, self.lr_factor = best, elements, values, factor
+        self.record.end_loss, self.best_at_checks[-1] = full, full
+        self.restore()
+        self.optimiser = self._adam()
+        self.optimiser.load_state_dict(moments)
 
     def restore(self) -> None:
         self.elements.load(self.best_values)
@@ -626,7 +689,7 @@ class _MixedDistillation:
     inputs, so the term keeps teaching after the task loss on the training examples is spent (:data:`MIXUP`)."""
 
     def __init__(self, loss_at: "_InterpolatedLoss", seed: int):
-        self.loss_at = loss_at
+        self.loss_at, self.seed = loss_at, seed
         self.generator = torch.Generator().manual_seed(seed)
 
     @classmethod
@@ -638,17 +701,26 @@ class _MixedDistillation:
             b.targets is None and all(v.is_floating_point() for v in b.inputs.values()) for b in data.batches)
         return cls(loss_at, options.seed) if options.mixup > 0 and applies else None
 
-    def __call__(self, other: State, t: float, batch) -> torch.Tensor:
+    def __call__(self, other: State, t: float, batch, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The term on ``batch`` mixed by ``generator`` (by default the run's, a new mix each step)."""
         from .datasets import Batch
 
+        generator = self.generator if generator is None else generator
         size = next(iter(batch.inputs.values())).shape[0]
-        share = torch.rand(size, generator=self.generator)
-        partner = torch.randperm(size, generator=self.generator)
+        share = torch.rand(size, generator=generator)
+        partner = torch.randperm(size, generator=generator)
         mixed = Batch({k: _mixed(v, share, partner) for k, v in batch.inputs.items()})
         with torch.no_grad():
             target = ((1 - t) * self.loss_at.logits(other, 0.0, mixed).softmax(-1)
                       + t * self.loss_at.logits(other, 1.0, mixed).softmax(-1))
         return -(target * self.loss_at.logits(other, t, mixed).log_softmax(-1)).sum(-1).mean()
+
+    @torch.no_grad()
+    def evaluate(self, other: State, batches, points: Sequence[float]) -> float:
+        """The mean term over ``batches`` at ``points``, each batch mixed as at every other call (a generator
+        seeded afresh per batch), so that checks compare candidates on the same inputs."""
+        return float(np.mean([float(self(other, t, b, torch.Generator().manual_seed(self.seed + 1 + i)))
+                              for t in points for i, b in enumerate(batches)]))
 
 
 def _mixed(x: torch.Tensor, share: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:

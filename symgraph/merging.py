@@ -262,12 +262,12 @@ def _frames(frame: str, subjects, w, exclude, align: str, learned: bool) -> list
 
 
 def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict]) -> float:
-    """Lower is better: with learned matching whose checks were held out of its steps (``learned``: its records),
-    their mean path loss where learning aimed (in a simple merge of two models, the merged model's loss) on those
-    held-out batches, since on the batches it stepped on learning fits every frame alike
-    (:func:`symgraph.learn.held_out`); otherwise the merged model's mean loss on ``datasets``, or without data the
-    weighted mean distance of the aligned models to their mean."""
-    if _checked_on_held_out(learned):
+    """Lower is better: where learning scored its candidates on more than the task loss of the batches it stepped
+    on (``learned``: its records; :func:`_learned_objective`), the mean of what it kept scored there (in a simple
+    merge of two models, the merged model's), since on those batches learning fits every frame alike; otherwise the
+    merged model's mean loss on ``datasets``, or without data the weighted mean distance of the aligned models to
+    their mean."""
+    if _learned_objective(learned):
         return float(np.mean([r["end_path_loss"] for r in learned]))
     if not datasets:
         return float(np.dot(consensus.distances, w) / np.sum(w))
@@ -277,9 +277,19 @@ def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: li
     return float(np.mean([evaluate(model, d).loss for d in datasets]))
 
 
-def _checked_on_held_out(learned: list) -> bool:
-    """Whether every learning record of a frame checked its candidates on batches held out of its steps."""
-    return bool(learned) and all(r is not None and r.get("checked_on_held_out") for r in learned)
+def _learned_objective(learned: list) -> str | None:
+    """What every learning record of a frame checked its candidates on, when that ranks frames better than the
+    merged loss on the training split: batches held out of its steps (:func:`symgraph.learn.held_out`), or the
+    task loss plus distillation on mixed inputs (``mixup``: the endpoints have not memorised those); else None.
+    Wide ViT, where both endpoints fit the training split: the merged training loss kept the frame whose test loss
+    was 1.50x the endpoints' (examples/results/wide_merge_seeds.json)."""
+    if not learned or any(r is None for r in learned):
+        return None
+    if all(r.get("checked_on_held_out") for r in learned):
+        return "loss of the learned alignments on the batches learning held out"
+    if all(r.get("mixup") for r in learned):
+        return "loss plus distillation on mixed training inputs of the learned alignments"
+    return None
 
 
 def _best_frame(tried: list) -> tuple:
@@ -295,8 +305,8 @@ def _frame_note(tried: list, label: str, datasets) -> str:
     """Which frame the merge was made in, and why (:func:`_frame_score`)."""
     if len(tried) == 1:
         return "the frame asked for"
-    if _checked_on_held_out(tried[0][5]):
-        what = "lowest loss of the learned alignments on the batches learning held out"
+    if _learned_objective(tried[0][5]):
+        what = f"lowest {_learned_objective(tried[0][5])}"
     elif datasets:
         what = f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}"
     else:

@@ -61,7 +61,7 @@ def test_learning_lowers_the_path_loss_and_keeps_the_source_function(vit_pair, m
 
 def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monkeypatch):
     a, b = vit_pair
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", lambda self, other, batches, *points: 1.0)
+    monkeypatch.setattr(symgraph.learn._Run, "checked_loss", lambda self, state: 1.0)
     start = symgraph.align(b, a, data="digits")  # with data, learning starts from the activation-matched alignment
     result = symgraph.align(b, a, data="digits", learn=LearnOptions(steps=2, eval_batches=1))
     assert not result.learned["kept"] and result.start != "learned"
@@ -219,15 +219,14 @@ def test_a_worse_check_goes_back_to_the_best_elements(vit_pair, monkeypatch, bac
     """Path losses start 1.0, then 0.8 (best), 0.95 (worse by 0.15, more than half the 0.2 gained: back to step 1's
     elements, lr x BACKTRACK), 0.7 (best), 1.0 (worse again), 0.6 (the last check: no backtrack could follow it);
     with backtracks=0 learning goes on from the worse point, as before backtracking."""
-    checked = iter([1.0, 0.8, 0.95, 0.7, 1.0, 0.6])
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate",
-                        lambda self, other, batches, *points: next(checked))
+    _checked_losses(monkeypatch, [1.0, 0.8, 0.95, 0.7, 1.0, 0.6])
     seen = []
     moved = symgraph.learn._moved
     monkeypatch.setattr(symgraph.learn, "_moved", lambda start, elements: seen.append(
         [e.matrices.detach().clone() for e in elements if e.matrices is not None]) or moved(start, elements))
     a, b = vit_pair
-    result = symgraph.align(b, a, learn=LearnOptions(steps=5, checks=5, eval_batches=1, backtracks=backtracks),
+    result = symgraph.align(b, a, learn=LearnOptions(steps=5, checks=5, eval_batches=1, backtracks=backtracks,
+                                                     rate_trial=False),
                             learn_data="digits", judge_starts=False)  # no path loss checked before learning
     learned = result.learned
     assert learned["end_path_loss"] == 0.6 and learned["kept"]
@@ -255,26 +254,25 @@ def test_one_check_a_little_worse_than_the_best_goes_on_at_full_rate(vit_pair, m
     """From a path loss of 1.0: a check worse than the best by less than the margin times the gain (0.81 after
     0.8, of 0.2 gained) goes on at full rate, unless the margin is 0; a second check in a row no better than the
     best, or any worse check while nothing is gained, backtracks."""
-    checked = iter([1.0, *losses])
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate",
-                        lambda self, other, batches, *points: next(checked))
+    _checked_losses(monkeypatch, [1.0, *losses])
     a, b = vit_pair
-    options = LearnOptions(steps=5, checks=5, eval_batches=1, backtrack_margin=margin)
+    options = LearnOptions(steps=5, checks=5, eval_batches=1, backtrack_margin=margin, rate_trial=False)
     learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
     assert [(e["step"], e["why"]) for e in learned["backtracks"]] == backtracked
     assert learned["end_path_loss"] == min(losses)
 
 
 def _checked_losses(monkeypatch, losses):
-    """The path losses checks find: the start's, then ``losses`` in turn, then the last of them from then on."""
+    """The path losses checks find (what ``_Run.checked_loss`` scores): the start's, then ``losses`` in turn, then
+    the last of them from then on."""
     losses = iter(losses)
     last = {}
 
-    def checked(self, other, batches, *points):
+    def checked(self, state):
         last["loss"] = next(losses, last.get("loss"))
         return last["loss"]
 
-    monkeypatch.setattr(symgraph.learn._InterpolatedLoss, "evaluate", checked)
+    monkeypatch.setattr(symgraph.learn._Run, "checked_loss", checked)
 
 
 @pytest.mark.parametrize("patience, tolerance, losses, steps, stopped", [
@@ -292,7 +290,8 @@ def test_learning_stops_when_the_checks_stop_finding_a_lower_path_loss(vit_pair,
                                                                        losses, steps, stopped):
     _checked_losses(monkeypatch, losses)
     a, b = vit_pair
-    options = LearnOptions(steps=12, checks=12, eval_batches=1, patience=patience, tolerance=tolerance)
+    options = LearnOptions(steps=12, checks=12, eval_batches=1, patience=patience, tolerance=tolerance,
+                           rate_trial=False)
     learned = symgraph.align(b, a, learn=options, learn_data="digits", judge_starts=False).learned
     assert learned["steps"] == steps and learned["stopped"] == stopped
     assert learned["end_path_loss"] == min(losses[:steps + 1])
@@ -340,7 +339,8 @@ def test_cli_learning_options_stop_early_and_say_why(vit_pair, tmp_path, monkeyp
     a, b = vit_pair
     code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
                                "--learn-steps", 8, "--learn-patience", 2, "--learn-tolerance", "0.5",
-                               "--stats", tmp_path / "stats.json", "--quiet", "--no-judge-starts")
+                               "--stats", tmp_path / "stats.json", "--quiet", "--no-judge-starts",
+                               "--learn-no-rate-trial")
     assert code == 0, stderr
     why = "the last 2 checks lowered the path loss by 0.06, no more than 0.5 of the 0.56 gained"
     assert "learned over 3 steps" in stdout and f"stopped early ({why})" in stdout
@@ -361,7 +361,7 @@ def test_learned_general_linear_maps_stay_within_the_condition_bound(vit_pair, m
     within a bound of 1.5 with it (projected back many times); the result is still the source's function."""
     _checked_losses(monkeypatch, [1.0, 0.9, 0.8, 0.7])  # every check better: the learned maps are kept
     a, b = vit_pair
-    options = LearnOptions(steps=4, checks=2, eval_batches=1, lr=0.05)
+    options = LearnOptions(steps=4, checks=2, eval_batches=1, lr=0.05, rate_trial=False)
     free = symgraph.align(b, a, learn_data="digits", learn=replace(options, max_condition=math.inf), progress=None)
     bound = 1.5
     _checked_losses(monkeypatch, [1.0, 0.9, 0.8, 0.7])
@@ -443,6 +443,7 @@ def test_cli_learn_backtrack_margin_reaches_the_learning_options(vit_pair, tmp_p
     code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
                                "--learn-steps", 4, "--stats", tmp_path / "stats.json", "--quiet",
                                "--no-judge-starts",  # the judge would read the first path losses
+                               "--learn-no-rate-trial",
                                *(("--learn-backtrack-margin", margin) if margin else ()))
     assert code == 0, stderr
     learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
@@ -579,7 +580,7 @@ def test_merge_reports_what_learning_did_for_each_model_in_the_frame_kept(vit_pa
     moved = learned[1 - reference]
     assert moved["steps"] == 2 and moved["checked_t"] == [0.5] and math.isfinite(moved["end_path_loss"])
     line = next(x for x in stdout.splitlines() if x.startswith(f"model {2 - reference} ("))
-    assert "learned over 2 steps: path loss (t = 0.5)" in line
+    assert "learned over 2 steps: path loss (t = 0.5) plus 1 x distillation on mixed inputs" in line
     without = symgraph.merge(list(vit_pair), align="full", progress=False)
     assert without.learned == () and without.to_json()["learned"] == []
 
@@ -705,20 +706,23 @@ def test_learning_with_holdout_never_steps_on_the_batches_it_checks(vit_pair, tm
     assert json.loads((tmp_path / "stats.json").read_text())["learned"]["checked_on_held_out"] is held
 
 
-@pytest.mark.parametrize("holdout", [True, False])
-def test_merge_with_learning_held_out_keeps_the_frame_whose_held_out_loss_is_lowest(vit_pair, holdout):
-    """On the batches learning stepped on every frame's merge fits alike; held-out checks tell them apart. Without
-    holdout the merged models are scored on the data, as every merge with data is."""
+@pytest.mark.parametrize("holdout, mixup, why", [(True, 0.0, "batches learning held out"),
+                                                 (False, 1.0, "distillation on mixed training inputs"),
+                                                 (False, 0.0, "lowest merged loss on digits")])
+def test_merge_with_learning_keeps_the_frame_by_what_learning_checked(vit_pair, holdout, mixup, why):
+    """On the batches learning stepped on every frame's merge fits alike: held-out checks, or checks that add the
+    distillation on mixed inputs, tell them apart and score the frames. With neither the merged models are scored on
+    the data, as every merge with data is."""
     result = symgraph.merge(list(vit_pair), data="digits", limit=16,
-                            learn=LearnOptions(steps=3, eval_batches=2, holdout=holdout), progress=False)
+                            learn=LearnOptions(steps=3, eval_batches=2, holdout=holdout, mixup=mixup), progress=False)
     moved = result.learned[1 - result.consensus.reference]
     assert moved["checked_on_held_out"] is holdout
     assert result.frames[result.frame] == min(result.frames.values())
-    if holdout:
-        assert "batches learning held out" in result.frame_note
+    assert why in result.frame_note
+    if holdout or mixup:
         assert result.frames[result.frame] == moved["end_path_loss"]
     else:
-        assert "lowest merged loss on digits" in result.frame_note
+        assert result.frames[result.frame] != moved["end_path_loss"]
 
 
 def test_distillation_on_mixed_inputs_teaches_the_endpoints_mixed_probabilities():
@@ -756,15 +760,109 @@ def test_distillation_on_mixed_inputs_only_where_inputs_can_be_mixed():
     assert of(None, Dataset("synthetic", "classification", (pixels, soft)), LearnOptions()) is None
 
 
+def test_distillation_checks_mix_every_candidates_batches_alike():
+    """A check compares candidates on the same mixed inputs whatever the steps drew in between: the generator is
+    seeded afresh per batch (seed + 1 + the batch's index)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = tuple(Batch({"input": torch.randn(6, 1, 4, 4)}, torch.arange(6) % 5) for _ in range(2))
+    loss_at = symgraph.learn._InterpolatedLoss(model, state, list(state), "classification")
+    distill = symgraph.learn._MixedDistillation.of(loss_at, Dataset("tiny", "classification", batches),
+                                                   LearnOptions(seed=3))
+    other = {k: v + 0.1 * torch.randn_like(v) for k, v in state.items()}
+    first = distill.evaluate(other, batches, (0.5,))
+    distill(other, 0.5, batches[0])  # a step's draw moves the run's generator, not the checks'
+    assert distill.evaluate(other, batches, (0.5,)) == first
+    expected = np.mean([float(distill(other, 0.5, b, torch.Generator().manual_seed(3 + 1 + i)))
+                        for i, b in enumerate(batches)])
+    assert first == pytest.approx(expected, rel=1e-6)
+    assert first != pytest.approx(float(distill(other, 0.5, batches[0])), rel=1e-3)
+
+
+def test_checks_score_the_task_loss_plus_the_weighted_distillation(vit_pair):
+    """With mixup the start's path loss (and every check) is the task loss plus ``mixup`` times the distillation
+    on the checked batches, mixed alike: linear in the weight, the task loss alone at 0."""
+    def start(mixup):
+        result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
+                                learn=LearnOptions(steps=1, checks=1, eval_batches=2, mixup=mixup), progress=False)
+        return result.learned["start_path_loss"]
+
+    task, half, one = start(0.0), start(0.5), start(1.0)
+    assert one - task > 0.01
+    assert half - task == pytest.approx((one - task) / 2, rel=1e-4)
+
+
 @pytest.mark.parametrize("mixup, recorded", [(None, 1.0), ("0", 0.0)])
 def test_cli_learn_mixup_reaches_the_steps_and_the_record(vit_pair, tmp_path, monkeypatch, mixup, recorded):
     calls = []
     call = symgraph.learn._MixedDistillation.__call__
-    monkeypatch.setattr(symgraph.learn._MixedDistillation, "__call__",
-                        lambda self, *args: calls.append(1) or call(self, *args))
+    monkeypatch.setattr(symgraph.learn._MixedDistillation, "__call__",  # the steps' calls: a new mix each
+                        lambda self, other, t, batch, generator=None: (generator is None and calls.append(1))
+                        or call(self, other, t, batch, generator))
     code, _, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / "out", "--learn", "--learn-data", "digits",
                           "--learn-steps", 3, "--no-judge-starts", "--quiet", "--stats", tmp_path / "stats.json",
                           *(("--learn-mixup", mixup) if mixup else ()))
     assert code == 0, stderr
     assert json.loads((tmp_path / "stats.json").read_text())["learned"]["mixup"] == recorded
     assert len(calls) == (3 if recorded else 0)
+
+
+def _scripted_checks(monkeypatch, losses):
+    """The checks find ``losses`` (:func:`_checked_losses`); after each, record the learning rate factor and the
+    elements' values (what the next steps start from)."""
+    _checked_losses(monkeypatch, losses)
+    seen, original = [], symgraph.learn._DirectRun.try_lower_rate
+
+    def spied(self, step):
+        original(self, step)
+        seen.append({"step": step + 1, "lr_factor": self.lr_factor, "values": self.elements.values(),
+                     "trial": self.trial, "origin": self.origin[2]})
+
+    monkeypatch.setattr(symgraph.learn._DirectRun, "try_lower_rate", spied)
+    return seen
+
+
+def _same_values(a, b) -> bool:
+    return all(torch.equal(p, q) and (c is None or torch.equal(c, d)) for (p, c), (q, d) in zip(a, b))
+
+
+@pytest.mark.parametrize("lower_check, kept", [(6.0, 1.0), (4.0, 0.3)])
+def test_rate_trial_goes_on_from_the_rate_that_checked_lower(vit_pair, monkeypatch, lower_check, kept):
+    """The first check beats the start: learning goes back to the start at 0.3x the rate for as many steps, then
+    goes on from whichever rate checked lower (the full rate's point and moments, or where the lower rate got)."""
+    seen = _scripted_checks(monkeypatch, [10.0, 5.0, lower_check, 3.0, 2.0])  # the start, then 4 checks
+    result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
+                            learn=LearnOptions(steps=12, checks=4, eval_batches=1), progress=False)
+    trial = result.learned["rate_trial"]
+    assert trial == {"step": 6, "rates": [0.01, pytest.approx(0.003)], "checked": [5.0, lower_check],
+                     "kept": pytest.approx(0.01 * kept)}
+    first, second = seen[0], seen[1]
+    assert first["lr_factor"] == pytest.approx(0.3) and _same_values(first["values"], first["origin"])
+    assert second["lr_factor"] == pytest.approx(kept)
+    full_values = first["trial"][3]
+    assert _same_values(second["values"], full_values) is (kept == 1.0)
+    assert result.learned["end_path_loss"] == 2.0 and result.learned["kept"]  # the last of the 4 checks
+
+
+@pytest.mark.parametrize("losses, options", [([10.0, 12.0, 9.0, 8.0, 7.0], {}),  # backtracked to the start already
+                                             ([10.0, 5.0, 4.0, 3.0, 2.0], {"rate_trial": False})])
+def test_no_rate_trial_after_a_backtrack_or_when_turned_off(vit_pair, monkeypatch, losses, options):
+    seen = _scripted_checks(monkeypatch, losses)
+    result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
+                            learn=LearnOptions(steps=12, checks=4, eval_batches=1, **options), progress=False)
+    assert result.learned["rate_trial"] is None and all(s["trial"] is None for s in seen)
+    assert len(result.learned["backtracks"]) == (1 if not options else 0)
+
+
+def test_cli_learn_no_rate_trial_reaches_the_record(vit_pair, tmp_path, monkeypatch):
+    checks = [10.0, 5.0, 6.0, *np.linspace(3, 1, 12)]  # the start, then a check per step (12 steps, 10 checks)
+    _scripted_checks(monkeypatch, checks)
+    for flag, trial in (("--learn-rate-trial", True), ("--learn-no-rate-trial", False)):
+        code, stdout, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / flag, "--data", "digits",
+                                   "--learn", "--learn-steps", 12, "--stats", tmp_path / "stats.json", flag)
+        assert code == 0, stderr
+        learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
+        assert (learned["rate_trial"] is not None) is trial
+        assert ("kept after a trial of 0.01 and 0.003" in stdout) is trial
+        _scripted_checks(monkeypatch, checks)
