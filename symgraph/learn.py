@@ -605,12 +605,13 @@ class _DirectRun(_Run):
 
     def try_lower_rate(self, step: int) -> None:
         """The trial of a lower rate (``LearnOptions.rate_trial``): when the first check beat the start at the full
-        rate (one that did not went back to the start at ``BACKTRACK`` times the rate already), learning goes back
-        to the start and takes as many steps at ``BACKTRACK`` times the rate; at the next check it goes on from
-        whichever rate checked lower, with that rate's moments. Why: a rate too large for a model can still beat
-        the start at the first check, from a point worse than a smaller rate reaches, and backtracking returns to
-        that point (the wide ViT's merge, seeds 0 and 4: 1.16x and 1.26x the endpoints' test loss at rate 0.01,
-        0.84x and 0.77x at 0.003; examples/results/wide_merge_seeds.json)."""
+        rate (a first check that did not has sent learning back to the start at ``BACKTRACK`` times the rate
+        already), learning goes back to the start and takes as many steps at ``BACKTRACK`` times the rate; at the
+        next check it goes on from whichever rate checked lower, with that rate's moments. Why: a rate too large
+        for a model can still beat the start at the first check, from a point worse than a smaller rate reaches,
+        and backtracking returns to that point (the wide ViT's merge, seeds 0 and 4: 1.16x and 1.26x the
+        endpoints' test loss at rate 0.01, 0.84x and 0.77x at 0.003, 0.89x and 1.18x with the trial; on
+        vit-digits the trial keeps 0.003 where 0.01 ends lower: examples/RESULTS.md, the wide pairs' notes)."""
         checks, options = self.record.checks, self.options
         if self.trial is None:
             if (options.rate_trial and len(checks) == 1 and self.best is not self.origin[0]
