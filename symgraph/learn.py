@@ -515,9 +515,13 @@ class _Run:
                              hint=f"lower the learning rate (--learn-lr){self.remedy}, and check that the data "
                                   "gives finite losses on both models.")
         self.lr_factor *= BACKTRACK
+        self.restart()
+        self.record.backtracks.append({"step": step + 1, "why": why, "lr_factor": self.lr_factor})
+
+    def restart(self) -> None:
+        """Back to the best point with fresh Adam moments (a backtrack, or the trial of a lower rate)."""
         self.restore()
         self.optimiser = self._adam()
-        self.record.backtracks.append({"step": step + 1, "why": why, "lr_factor": self.lr_factor})
 
     def _after_backtracks(self) -> str:
         n = len(self.record.backtracks)
@@ -621,8 +625,7 @@ class _DirectRun(_Run):
                 self.best, self.best_elements, self.best_values = self.origin
                 self.record.end_loss, self.best_at_checks[-1] = self.record.start_loss, self.record.start_loss
                 self.lr_factor *= BACKTRACK
-                self.restore()
-                self.optimiser = self._adam()
+                self.restart()
             return
         if self.record.rate_trial:
             return
@@ -635,8 +638,7 @@ class _DirectRun(_Run):
         self.record.rate_trial["kept"] = factor * options.lr
         self.best, self.best_elements, self.best_values, self.lr_factor = best, elements, values, factor
         self.record.end_loss, self.best_at_checks[-1] = full, full
-        self.restore()
-        self.optimiser = self._adam()
+        self.restart()
         self.optimiser.load_state_dict(moments)
 
     def restore(self) -> None:

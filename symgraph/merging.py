@@ -305,8 +305,9 @@ def _frame_note(tried: list, label: str, datasets) -> str:
     """Which frame the merge was made in, and why (:func:`_frame_score`)."""
     if len(tried) == 1:
         return "the frame asked for"
-    if _learned_objective(tried[0][5]):
-        what = f"lowest {_learned_objective(tried[0][5])}"
+    objective = _learned_objective(tried[0][5])
+    if objective:
+        what = f"lowest {objective}"
     elif datasets:
         what = f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}"
     else:
