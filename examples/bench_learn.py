@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--mixup", type=float, default=LearnOptions.mixup,
                         help="weight of distillation on mixed inputs (classifiers with float inputs; 0: none)")
     parser.add_argument("--no-rate-trial", action="store_true",
-                        help="direct: no trial of 0.3x the learning rate after the first check")
+                        help="direct: no trial of 0.3x the rate from the start at a first backtrack to the "
+                             "first check's point")
     parser.add_argument("--max-condition", type=float, default=LearnOptions.max_condition,
                         help="bound on the condition number of learned general linear maps")
     parser.add_argument("--baseline", action="store_true",

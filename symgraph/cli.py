@@ -223,8 +223,9 @@ def _learn_options(command, *, flag: bool = True):
                           "(learning fits the batches it steps on far better than unseen examples)."),
         click.option("--learn-rate-trial/--learn-no-rate-trial", default=lambda: _learn_default("rate_trial"),
                      show_default="trial",
-                     help="Direct method: when the first check beats the start, go back and try 0.3 times the "
-                          "learning rate for as many steps, and go on at whichever rate checked lower."),
+                     help="Direct method: a first backtrack to the first check's point goes back to the start "
+                          "instead, for one check's steps at the lowered rate, and learning goes on from whichever "
+                          "point checked lower."),
         click.option("--learn-method", type=click.Choice(["direct", "ste"]), default=lambda: _learn_default("method"),
                      show_default="direct",
                      help="direct: gradient descent on the continuous group elements (exponential maps), "
@@ -407,8 +408,12 @@ def _learned_note(learned: dict | None) -> str:
     lowered = f", learning rate lowered {backtracks} time{'s' * (backtracks != 1)}" if backtracks else ""
     stopped = f", stopped early ({learned['stopped']})" if learned["stopped"] else ""
     trial = learned.get("rate_trial")
-    tried = (f", rate {trial['kept']:.2g} kept after a trial of {trial['rates'][0]:.2g} and {trial['rates'][1]:.2g}"
-             if trial else "")
+    tried = ""
+    if trial:  # the first backtrack's trial of the lower rate from the start
+        full, lower = trial["rates"]
+        whose = "its" if trial["kept"] == lower else f"rate {full:.2g}'s"
+        tried = (f", the first backtrack tried rate {lower:.2g} from the start and went on from {whose} point "
+                 f"(checked {trial['checked'][1]:.4g} against {trial['checked'][0]:.4g})")
     projected = learned["condition_projections"]
     bounded = (f", general linear maps projected back to condition {learned['condition_bound']:g} {projected} "
                f"time{'s' * (projected != 1)}" if projected else "")

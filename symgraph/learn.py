@@ -35,9 +35,10 @@ finite, is taken as a step too large: learning goes back to the best point check
 worse check is kept going from, and a non-finite step stops the run with a :class:`LearnError`). A step that makes
 a map singular (an inverse, solve or SVD fails: with no condition bound and a large learning rate) counts as a
 non-finite one. The caller applies the elements in float64 and verifies the function as for every alignment.
-With the direct method, a first check that beats the start is followed by a *trial* of ``BACKTRACK`` times the
-rate from the start for as many steps, and learning goes on from whichever rate checked lower
-(``LearnOptions.rate_trial``; a first check that does not beat the start backtracks to it at that rate anyway).
+With the direct method, the first backtrack to the first check's point (the full rate gained once, then went
+wrong) goes back to the start instead: a *trial* of the lower rate from there for one check's steps, after which
+learning goes on at the lower rate from whichever point checked lower, the trial's or the full rate's
+(``LearnOptions.rate_trial``).
 Learning stops early when checks stop finding a better point (``LearnOptions.patience``) or at a time cap
 (``LearnOptions.seconds``); the record says why (``LearnRecord.stopped``). Measured on the shipped pairs:
 examples/RESULTS.md (remedies) and examples/results/learn.json.
@@ -126,11 +127,11 @@ class LearnOptions:
     (pixels, audio) on data without soft targets (not synthetic), the weight of a second term of each step's loss:
     each example mixed with another of its batch
     (a share drawn uniformly), the interpolated model taught there the endpoints' probabilities mixed as the path
-    mixes them (:class:`_MixedDistillation`; 0: none). ``rate_trial`` (direct method): when the first check beats
-    the start, go back to it and take as many steps at ``BACKTRACK`` times the rate, then go on from whichever rate
-    checked lower (:meth:`_DirectRun.try_lower_rate`). ``synthetic_examples``: how many examples learning on the data
-    SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on the shipped pairs and the wide ViT
-    (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
+    mixes them (:class:`_MixedDistillation`; 0: none). ``rate_trial`` (direct method): the first backtrack to the
+    first check's point goes back to the start instead, for one check's steps at the lower rate, then on from
+    whichever point checked lower (:meth:`_DirectRun.try_lower_rate_from_start`). ``synthetic_examples``: how many
+    examples learning on the data SPEC ``synthetic`` makes (:mod:`symgraph.synthetic`). Defaults: measured on the
+    shipped pairs and the wide ViT (examples/RESULTS.md), a few minutes per shipped pair on one CPU core.
     """
 
     steps: int = 1000
@@ -287,7 +288,7 @@ class LearnRecord:
     checked_t: tuple[float, ...] = CHECKED_T  # where the path loss is checked (checked_points)
     held_out: bool = False  # the checked batches were held out of the steps (held_out)
     mixup: float = 0.0  # the weight of distillation on mixed inputs in the steps' loss (0: none; _MixedDistillation)
-    rate_trial: dict | None = None  # the trial of a lower rate (direct; _DirectRun.try_lower_rate), when it ran
+    rate_trial: dict | None = None  # the trial of the lower rate from the start (direct), when it ran
 
     def to_json(self) -> dict:
         return {"steps": len(self.losses), "first_loss": self.losses[0] if self.losses else None,
@@ -342,8 +343,6 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
         run.fit_horizon(step, time.perf_counter() - clock)
         check = run.check_due(step)
         run.guarded_step(step, check)
-        if check:
-            run.try_lower_rate(step)
         bar.set_postfix(loss=f"{run.record.losses[-1]:.4f}",
                         best=f"{run.record.end_loss:.4f}", lr=f"{run.lr_factor * options.lr:.2g}",
                         backtracks=len(run.record.backtracks))
@@ -372,8 +371,14 @@ class _Run:
 
     remedy = ""  # what to try, besides a lower learning rate, when learning stops on a step too large
 
-    def try_lower_rate(self, step: int) -> None:
-        """After each check: a method may try the lower rate at the first one (:meth:`_DirectRun.try_lower_rate`)."""
+    def try_lower_rate_from_start(self, step: int) -> bool:
+        """At a backtrack on a worse check: a method may go back to the start instead of the best point (True;
+        :meth:`_DirectRun.try_lower_rate_from_start`)."""
+        return False
+
+    def trial_ended(self, checked: float, better: bool) -> bool:
+        """At a check: True when it ended a trial of the lower rate, which then decided where learning goes on."""
+        return False
 
     def __init__(self, start: State, loss_at: "_InterpolatedLoss", data, options: LearnOptions, parameters,
                  learning_rates: Sequence[float]):
@@ -486,8 +491,8 @@ class _Run:
             self.best, self.record.end_loss = state, checked
         self.best_at_checks.append(self.record.end_loss)
         self.stalled()
-        if better:
-            return True
+        if self.trial_ended(checked, better) or better:
+            return better
         if not math.isfinite(checked):
             self.backtrack(step, f"the checked path loss is {checked}")
         elif self.backtrack_when_worse and step + 1 < self.horizon:  # after the last step the best is the result
@@ -515,11 +520,12 @@ class _Run:
                              hint=f"lower the learning rate (--learn-lr){self.remedy}, and check that the data "
                                   "gives finite losses on both models.")
         self.lr_factor *= BACKTRACK
-        self.restart()
+        if not (finite and self.try_lower_rate_from_start(step)):
+            self.restart()
         self.record.backtracks.append({"step": step + 1, "why": why, "lr_factor": self.lr_factor})
 
     def restart(self) -> None:
-        """Back to the best point with fresh Adam moments (a backtrack, or the trial of a lower rate)."""
+        """Back to the best point with fresh Adam moments (a backtrack, or the end of a trial the lower rate lost)."""
         self.restore()
         self.optimiser = self._adam()
 
@@ -582,8 +588,8 @@ class _DirectRun(_Run):
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
                                            max_condition=options.max_condition, after=start.elements)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
-        self.origin = (start.state, self.best_elements, self.best_values)  # the start, for the trial of a lower rate
-        self.trial: tuple | None = None  # the full rate's first check and state, while the lower rate is tried
+        self.start_values = self.best_values  # where the trial of the lower rate begins
+        self.trial: dict | None = None  # while the lower rate is tried: its record so far (LearnRecord.rate_trial)
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
         super().__init__(start.state, loss_at, data, options, self.elements.parameters, rates)
@@ -607,39 +613,43 @@ class _DirectRun(_Run):
     def finite(self) -> bool:
         return self.elements.finite()
 
-    def try_lower_rate(self, step: int) -> None:
-        """The trial of a lower rate (``LearnOptions.rate_trial``): when the first check beat the start at the full
-        rate (a first check that did not has sent learning back to the start at ``BACKTRACK`` times the rate
-        already), learning goes back to the start and takes as many steps at ``BACKTRACK`` times the rate; at the
-        next check it goes on from whichever rate checked lower, with that rate's moments. Why: a rate too large
-        for a model can still beat the start at the first check, from a point worse than a smaller rate reaches,
-        and backtracking returns to that point (the wide ViT's merge, seeds 0 and 4: 1.16x and 1.26x the
-        endpoints' test loss at rate 0.01, 0.84x and 0.77x at 0.003, 0.89x and 1.18x with the trial; on
-        vit-digits the trial keeps 0.003 where 0.01 ends lower: examples/RESULTS.md, the wide pairs' notes)."""
-        checks, options = self.record.checks, self.options
+    def try_lower_rate_from_start(self, step: int) -> bool:
+        """The trial of the lower rate (``LearnOptions.rate_trial``), at the first backtrack when the best point is
+        the first check's (the full rate gained once, then went wrong): learning goes back to the start, not to
+        that point, with fresh moments at the lowered rate, which the first backtrack has set; the point stays the
+        best checked, so the trial's check (:meth:`trial_ended`) keeps whichever is lower. Why: a rate too large
+        for a model can still beat the start at the first check, from a point worse than a smaller rate reaches
+        from the start, and backtracking returns to that point (the wide ViT's merge, seeds 0 and 4: 1.16x and
+        1.26x the endpoints' test loss at rate 0.01, 0.84x and 0.77x at 0.003: examples/RESULTS.md, the wide
+        pairs' notes). Pairs where the full rate keeps gaining past its first check never backtrack there and
+        keep it."""
+        checks, options = self.best_at_checks, self.options
+        first_point_best = checks[0] == self.record.end_loss < self.record.start_loss
+        if not (options.rate_trial and not self.record.backtracks and first_point_best
+                and step + 1 + self.check_every < self.horizon):
+            return False
+        self.trial = {"steps": [step + 1], "rates": [options.lr, self.lr_factor * options.lr],
+                      "checked": [self.record.end_loss]}
+        self.elements.load(self.start_values)
+        self.optimiser = self._adam()
+        self.forgiven = False
+        return True
+
+    def trial_ended(self, checked: float, better: bool) -> bool:
+        """The trial's check: it records the trial (``LearnRecord.rate_trial``: the steps it began and ended at,
+        the two rates, the full rate's best check and the trial's, and the rate whose point learning goes on
+        from) and, when the trial checked no lower, goes back to the full rate's point (at the lower rate, fresh
+        moments: the backtrack the trial stood in for)."""
         if self.trial is None:
-            if (options.rate_trial and len(checks) == 1 and self.best is not self.origin[0]
-                    and step + 1 + self.check_every < self.horizon):
-                self.trial = (checks[-1], self.best, self.best_elements, self.best_values,
-                              copy.deepcopy(self.optimiser.state_dict()), self.lr_factor)
-                self.best, self.best_elements, self.best_values = self.origin
-                self.record.end_loss, self.best_at_checks[-1] = self.record.start_loss, self.record.start_loss
-                self.lr_factor *= BACKTRACK
-                self.restart()
-            return
-        if self.record.rate_trial:
-            return
-        full, best, elements, values, moments, factor = self.trial
-        lower = self.lr_factor * options.lr
-        self.record.rate_trial = {"step": step + 1, "rates": [factor * options.lr, lower],
-                                  "checked": [full, checks[-1]], "kept": lower}
-        if checks[-1] <= full:
-            return
-        self.record.rate_trial["kept"] = factor * options.lr
-        self.best, self.best_elements, self.best_values, self.lr_factor = best, elements, values, factor
-        self.record.end_loss, self.best_at_checks[-1] = full, full
-        self.restart()
-        self.optimiser.load_state_dict(moments)
+            return False
+        trial, self.trial = self.trial, None
+        trial["steps"].append(len(self.record.losses))
+        trial["checked"].append(checked)
+        trial["kept"] = trial["rates"][1] if better else trial["rates"][0]
+        self.record.rate_trial = trial
+        if not better:
+            self.restart()
+        return True
 
     def restore(self) -> None:
         self.elements.load(self.best_values)

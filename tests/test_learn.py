@@ -809,17 +809,18 @@ def test_cli_learn_mixup_reaches_the_steps_and_the_record(vit_pair, tmp_path, mo
 
 
 def _scripted_checks(monkeypatch, losses):
-    """The checks find ``losses`` (:func:`_checked_losses`); after each, record the learning rate factor and the
-    elements' values (what the next steps start from)."""
+    """The checks find ``losses`` (:func:`_checked_losses`); after each, record the learning rate factor, the
+    elements' values (what the next steps start from), the best point's and the start's, and the trial running."""
     _checked_losses(monkeypatch, losses)
-    seen, original = [], symgraph.learn._DirectRun.try_lower_rate
+    seen, original = [], symgraph.learn._Run.checked_better
 
-    def spied(self, step):
-        original(self, step)
+    def spied(self, state, step):
+        better = original(self, state, step)
         seen.append({"step": step + 1, "lr_factor": self.lr_factor, "values": self.elements.values(),
-                     "trial": self.trial, "origin": self.origin[2]})
+                     "best": self.best_values, "start": self.start_values, "trial": self.trial})
+        return better
 
-    monkeypatch.setattr(symgraph.learn._DirectRun, "try_lower_rate", spied)
+    monkeypatch.setattr(symgraph.learn._Run, "checked_better", spied)
     return seen
 
 
@@ -827,36 +828,53 @@ def _same_values(a, b) -> bool:
     return all(torch.equal(p, q) and (c is None or torch.equal(c, d)) for (p, c), (q, d) in zip(a, b))
 
 
-@pytest.mark.parametrize("lower_check, kept", [(6.0, 1.0), (4.0, 0.3)])
-def test_rate_trial_goes_on_from_the_rate_that_checked_lower(vit_pair, monkeypatch, lower_check, kept):
-    """The first check beats the start: learning goes back to the start at 0.3x the rate for as many steps, then
-    goes on from whichever rate checked lower (the full rate's point and moments, or where the lower rate got)."""
-    seen = _scripted_checks(monkeypatch, [10.0, 5.0, lower_check, 3.0, 2.0])  # the start, then 4 checks
+@pytest.mark.parametrize("trial_check, kept", [(6.0, 1.0), (4.0, 0.3)])
+def test_first_backtrack_to_the_first_point_tries_the_lower_rate_from_the_start(vit_pair, monkeypatch, trial_check,
+                                                                                 kept):
+    """The first check beats the start and the second is clearly worse: learning goes back to the start (not to
+    the first check's point) at 0.3x the rate for one check's steps, then goes on at that rate from whichever
+    point checked lower: the trial's, or the first check's with fresh moments."""
+    seen = _scripted_checks(monkeypatch, [10.0, 5.0, 9.0, trial_check, 2.0])  # the start, then 4 checks
     result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
                             learn=LearnOptions(steps=12, checks=4, eval_batches=1), progress=False)
-    trial = result.learned["rate_trial"]
-    assert trial == {"step": 6, "rates": [0.01, pytest.approx(0.003)], "checked": [5.0, lower_check],
-                     "kept": pytest.approx(0.01 * kept)}
-    first, second = seen[0], seen[1]
-    assert first["lr_factor"] == pytest.approx(0.3) and _same_values(first["values"], first["origin"])
-    assert second["lr_factor"] == pytest.approx(kept)
-    full_values = first["trial"][3]
-    assert _same_values(second["values"], full_values) is (kept == 1.0)
+    assert result.learned["rate_trial"] == {"steps": [6, 9], "rates": [0.01, pytest.approx(0.003)],
+                                            "checked": [5.0, trial_check], "kept": pytest.approx(0.01 * kept)}
+    assert [b["step"] for b in result.learned["backtracks"]] == [6]
+    backtracked, tried = seen[1], seen[2]
+    assert backtracked["trial"] is not None and backtracked["lr_factor"] == pytest.approx(0.3)
+    assert _same_values(backtracked["values"], backtracked["start"])
+    assert not _same_values(backtracked["best"], backtracked["start"])  # the first check's point stays the best
+    assert tried["trial"] is None and tried["lr_factor"] == pytest.approx(0.3)
+    assert _same_values(tried["values"], tried["best"]) is (kept == 1.0)  # back at the first check's point
     assert result.learned["end_path_loss"] == 2.0 and result.learned["kept"]  # the last of the 4 checks
 
 
-@pytest.mark.parametrize("losses, options", [([10.0, 12.0, 9.0, 8.0, 7.0], {}),  # backtracked to the start already
-                                             ([10.0, 5.0, 4.0, 3.0, 2.0], {"rate_trial": False})])
-def test_no_rate_trial_after_a_backtrack_or_when_turned_off(vit_pair, monkeypatch, losses, options):
+@pytest.mark.parametrize("losses, options", [
+    ([10.0, 12.0, 9.0, 8.0, 7.0, 6.0], {}),  # the first check does not beat the start: back there anyway
+    ([10.0, 5.0, 4.0, 9.0, 3.0, 2.0], {}),  # the full rate gained twice before the backtrack
+    ([10.0, 5.0, 9.0, 4.0, 3.0, 2.0], {"rate_trial": False}),
+])
+def test_no_rate_trial_unless_the_first_backtrack_returns_to_the_first_point(vit_pair, monkeypatch, losses,
+                                                                             options):
     seen = _scripted_checks(monkeypatch, losses)
     result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
-                            learn=LearnOptions(steps=12, checks=4, eval_batches=1, **options), progress=False)
+                            learn=LearnOptions(steps=15, checks=5, eval_batches=1, **options), progress=False)
     assert result.learned["rate_trial"] is None and all(s["trial"] is None for s in seen)
-    assert len(result.learned["backtracks"]) == (1 if not options else 0)
+    assert len(result.learned["backtracks"]) == 1
+    backtracked = next(s for s in seen if s["lr_factor"] < 1)
+    assert _same_values(backtracked["values"], backtracked["best"])  # back to the best point, as any backtrack
+
+
+def test_no_rate_trial_when_the_full_rate_keeps_gaining(vit_pair, monkeypatch):
+    seen = _scripted_checks(monkeypatch, [10.0, 5.0, 4.0, 3.0, 2.0])
+    result = symgraph.align(vit_pair[1], vit_pair[0], data="digits",
+                            learn=LearnOptions(steps=12, checks=4, eval_batches=1), progress=False)
+    assert result.learned["rate_trial"] is None and not result.learned["backtracks"]
+    assert [s["lr_factor"] for s in seen] == [1.0] * 4
 
 
 def test_cli_learn_no_rate_trial_reaches_the_record(vit_pair, tmp_path, monkeypatch):
-    checks = [10.0, 5.0, 6.0, *np.linspace(3, 1, 12)]  # the start, then a check per step (12 steps, 10 checks)
+    checks = [10.0, 5.0, 9.0, *np.linspace(3, 1, 12)]  # the start, then a check per step (12 steps, 10 checks)
     _scripted_checks(monkeypatch, checks)
     for flag, trial in (("--learn-rate-trial", True), ("--learn-no-rate-trial", False)):
         code, stdout, stderr = run("align", *reversed(vit_pair), "-o", tmp_path / flag, "--data", "digits",
@@ -864,5 +882,7 @@ def test_cli_learn_no_rate_trial_reaches_the_record(vit_pair, tmp_path, monkeypa
         assert code == 0, stderr
         learned = json.loads((tmp_path / "stats.json").read_text())["learned"]
         assert (learned["rate_trial"] is not None) is trial
-        assert ("kept after a trial of 0.01 and 0.003" in stdout) is trial
+        assert ("the first backtrack tried rate 0.003 from the start and went on from its point (checked 3 "
+                "against 5)" in stdout) is trial
         _scripted_checks(monkeypatch, checks)
+
