@@ -384,7 +384,7 @@ class _Run:
                  learning_rates: Sequence[float]):
         self.loss_at, self.options = loss_at, options
         self.rng = np.random.default_rng(options.seed)
-        self.current = self.best = start
+        self.origin = self.current = self.best = start
         self.parameters, self.learning_rates, self.lr_factor = list(parameters), list(learning_rates), 1.0
         self.optimiser = self._adam()
         self.stepped, self.probe, held = held_out(data.batches, options)
@@ -524,9 +524,10 @@ class _Run:
             self.restart()
         self.record.backtracks.append({"step": step + 1, "why": why, "lr_factor": self.lr_factor})
 
-    def restart(self) -> None:
-        """Back to the best point with fresh Adam moments (a backtrack, or the end of a trial the lower rate lost)."""
-        self.restore()
+    def restart(self, at_start: bool = False) -> None:
+        """Fresh Adam moments at the best point (a backtrack, or the end of a trial the lower rate lost), or with
+        ``at_start`` at the start (the beginning of a trial of the lower rate)."""
+        self.restore(at_start)
         self.optimiser = self._adam()
 
     def _after_backtracks(self) -> str:
@@ -561,10 +562,12 @@ class _SteRun(_Run):
         return all(bool(torch.isfinite(p).all()) for p in self.proxy.values())
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def restore(self, at_start: bool = False) -> None:
+        """The proxy and the projection back at the best point checked, or at the start."""
+        point = self.origin if at_start else self.best
         for k, p in self.proxy.items():
-            p.copy_(self.best[k].to(p.dtype))
-        self.current = self.best
+            p.copy_(point[k].to(p.dtype))
+        self.current = point
 
 
 class _DirectRun(_Run):
@@ -588,7 +591,7 @@ class _DirectRun(_Run):
         self.elements = ContinuousElements(general_linear_heads(groups) if options.general_linear else groups,
                                            max_condition=options.max_condition, after=start.elements)
         self.best_elements, self.best_values = self.elements.exact(), self.elements.values()
-        self.start_values = self.best_values  # where the trial of the lower rate begins
+        self.start_values = self.best_values  # the start: where a trial of the lower rate begins
         self.trial: dict | None = None  # while the lower rate is tried: its record so far (LearnRecord.rate_trial)
         rates = (self.elements.learning_rates(options.lr) if options.width_aware
                  else [options.lr] * len(self.elements.parameters))
@@ -630,8 +633,7 @@ class _DirectRun(_Run):
             return False
         self.trial = {"steps": [step + 1], "rates": [options.lr, self.lr_factor * options.lr],
                       "checked": [self.record.end_loss]}
-        self.elements.load(self.start_values)
-        self.optimiser = self._adam()
+        self.restart(at_start=True)
         self.forgiven = False
         return True
 
@@ -651,8 +653,9 @@ class _DirectRun(_Run):
             self.restart()
         return True
 
-    def restore(self) -> None:
-        self.elements.load(self.best_values)
+    def restore(self, at_start: bool = False) -> None:
+        """The elements back at the best point checked, or at the start (all zero)."""
+        self.elements.load(self.start_values if at_start else self.best_values)
 
 
 class _InterpolatedLoss:
