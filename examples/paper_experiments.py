@@ -225,7 +225,7 @@ def merge_experiment(pair: Pair) -> dict:
             merged = symgraph.merge([pair.a, pair.b], method=method, align=mode, data=data, progress=False)
             table.setdefault(mode, {})[method] = {**metrics_of(pair, merged.state),
                                                   "reference": "AB"[merged.consensus.reference],
-                                                  "frame": merged.frame,
+                                                  "frame": merged.frame, "frame_note": merged.frame_note,
                                                   "seconds": time.perf_counter() - clock}
     return table
 
@@ -404,6 +404,15 @@ def path_mean(r: dict, mode: str) -> float:
     return sum(losses) / len(losses)
 
 
+def simple_merge_rule(merges: dict) -> str:
+    """How this run's simple merges, made without data, chose their frame: read off the notes ``merge`` wrote
+    (runs from before the notes were kept chose by distance, as ``merge`` did then)."""
+    if any("synthetic" in row["simple"].get("frame_note", "") for row in merges.values()):
+        return ("the lowest merged loss on 64 synthetic examples labelled by both models together "
+                "(`symgraph.synthetic.MergeJudge`)")
+    return "the aligned models closest to their mean"
+
+
 def section_merge(results: dict) -> str:
     parts = []
     for name, r in results.items():
@@ -414,7 +423,7 @@ def section_merge(results: dict) -> str:
         parts += [f"**{name}** (test loss / accuracy on `{r['data']}`). Endpoints: A {metric_cell(ends['A'])}, "
                   f"B {metric_cell(ends['B'])}. Frames of the merges (`merge --frame best`: both directions and a "
                   f"common frame tried; kept: the lowest merged loss on the statistics examples, or for simple "
-                  f"merges, which get no data, the aligned models closest to their mean; model 1 is A): "
+                  f"merges, which get no data, {simple_merge_rule(r['merges'])}; model 1 is A): "
                   f"{'; '.join(frames)}.", "", table(["alignment", *METHODS], rows), "",
                   "Seconds per merge (alignment, statistics on the train examples, and the merge itself):", "",
                   table(["alignment", *METHODS], seconds), ""]

@@ -553,7 +553,8 @@ def demo(out_dir, quick, overwrite):
 @click.option("--frame", type=click.Choice(["best", "reference", "common"]), default="best", show_default=True,
               help="Frame of the merge: onto the reference model; a common frame (every model aligned to their "
                    "mean); or best: every model's frame and the common one tried, the merge with the lowest loss "
-                   "on --data kept (without data: the aligned models closest to their mean).")
+                   "on --data kept (without data: on 64 synthetic examples labelled by the models together, or "
+                   "where none can be made, the aligned models closest to their mean).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")

@@ -162,16 +162,22 @@ class AlignmentPlan:
         return [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
 
 
-def default_reference(subjects: Sequence[Subject], weights: Sequence[float], exclude: frozenset[str]) -> int:
-    """The model whose frame a merge keeps by default: :func:`reference_index` of the subjects' states."""
+def merge_order(subjects: Sequence[Subject], weights: Sequence[float], exclude: frozenset[str]) -> list[int]:
+    """The subjects' indices, the model whose frame a merge keeps by default first (:func:`reference_index` of their
+    states) and the others in the same order after it: an order the argument order never changes."""
     states = [float64_state(s.state_dict()) for s in subjects]
-    return reference_index(states, np.asarray(weights, dtype=np.float64), shared_float_names(states[0], exclude))
+    return _ranked(states, np.asarray(weights, dtype=np.float64), shared_float_names(states[0], exclude))
 
 
 def reference_index(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> int:
     """The model with the largest weight; ties go to the larger sum of squares, never to the argument order."""
+    return _ranked(states, weights, names)[0]
+
+
+def _ranked(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> list[int]:
+    """Indices by decreasing weight, ties by decreasing sum of squares (a stable sort: equal keys keep their order)."""
     keys = [(float(w), _sum_of_squares(s, names)) for w, s in zip(weights, states)]
-    return max(range(len(keys)), key=keys.__getitem__)
+    return sorted(range(len(keys)), key=keys.__getitem__, reverse=True)
 
 
 def weighted_mean(states: Sequence[State], weights: np.ndarray, names: Sequence[str]) -> State:

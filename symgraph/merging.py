@@ -39,13 +39,13 @@ import torch
 
 from .api import Subject, load, tie_aliases
 from .alignment import compute_device, compute_dtype
-from .consensus import ALIGN_MODES, Consensus, align_to_consensus, shared_float_names, weighted_mean
+from .consensus import ALIGN_MODES, Consensus, align_to_consensus, merge_order, shared_float_names, weighted_mean
 from .workers import check_workers
 from .errors import DataError, MismatchError, ModelLoadError, SymgraphError
 from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
-from .synthetic import is_synthetic, learning_only
+from .synthetic import MergeJudge, is_synthetic, learning_only
 
 __all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters",
            "StreamedMerge", "merge_streamed"]
@@ -169,9 +169,11 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         with ``learn``, which tunes alignments to the reference).
         ``best`` (the default): each model's frame in turn and the common one (not with ``learn``), keeping the
         merge with the lowest loss on ``data`` when there is data (with ``learn``: the learned alignments' loss
-        on the batches learning held out of its steps), else the one whose aligned models lie
-        closest to their mean; ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A
-        and A onto B give different merges; ``best`` costs one alignment and one merge per frame tried.
+        on the batches learning held out of its steps), else the lowest loss on 64 synthetic examples labelled by
+        the models together (:class:`symgraph.synthetic.MergeJudge`), else (no synthetic data for the model, or
+        heads of their own: ``head_from``) the one whose aligned models lie closest to their mean;
+        ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A and A onto B give different
+        merges; ``best`` costs one alignment and one merge per frame tried.
     progress
         Show progress bars (only ever on a terminal).
     free_outputs
@@ -216,8 +218,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         data) else []
     subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: slower
     clock.lap("load")
-    tried = []
-    for label, reference, common in _frames(frame, subjects, w, exclude, align, bool(learn) or on_data):
+    order = merge_order(subjects, w, exclude)
+    tried, frames = [], _frames(frame, order, subjects, align, bool(learn) or on_data)
+    # merges made without data are scored on synthetic data where it can be made (learned ones by what they checked),
+    # made from the models in an order the argument order does not change (its samples are drawn model by model);
+    # models with heads of their own (``exclude``) predict different things, which no mean prediction labels
+    judge = MergeJudge(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
+        len(frames) > 1 and not datasets and not learn and not exclude) else None
+    for label, reference, common in frames:
         records: list[dict] = []  # what learning did, model by model, in this frame
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
                            records) if learn else None
@@ -230,13 +238,13 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
                                     (device, dtype or torch.float64))
         state = _finished_state(merged, moved, consensus, head_from, exclude)
         tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
-                                                                      head_from, records), records))
+                                                                      head_from, records, judge), records))
     clock.lap("align_and_combine")
     label, consensus, state, averaged, _, records = _best_frame(tried)
     source = subjects[head_from if head_from is not None else consensus.reference]
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
-                       clock.laps(), source.config, source.path, label, _frame_note(tried, label, datasets),
+                       clock.laps(), source.config, source.path, label, _frame_note(tried, datasets, judge),
                        {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference),
                        fold_note)
 
@@ -245,14 +253,12 @@ FRAMES = ("best", "reference", "common")
 _FRAME_TIE = 1e-5  # relative: scores closer than this are equal (equivalent merges differ by float rounding)
 
 
-def _frames(frame: str, subjects, w, exclude, align: str, learned: bool) -> list[tuple[str, int, bool]]:
-    """The frames to try, as (label, reference model, common frame?); the default reference's frame first, so a
-    tie keeps it."""
-    from .consensus import default_reference
-
-    default = default_reference(subjects, w, exclude)
+def _frames(frame: str, order: list[int], subjects, align: str, learned: bool) -> list[tuple[str, int, bool]]:
+    """The frames to try, as (label, reference model, common frame?), in the subjects' ``order``
+    (:func:`symgraph.consensus.merge_order`): the default reference's frame first, so a tie keeps it."""
+    default = order[0]
     onto = [(f"onto {'the reference, ' if i == default else ''}model {i + 1} ({subjects[i].name})", i, False)
-            for i in [default] + [i for i in range(len(subjects)) if i != default]]
+            for i in order]
     if align == "none" or frame == "reference":
         return onto[:1]
     common = [("common (every model aligned to the mean)", default, True)]
@@ -261,20 +267,22 @@ def _frames(frame: str, subjects, w, exclude, align: str, learned: bool) -> list
     return onto + ([] if learned else common)
 
 
-def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict]) -> float:
+def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict],
+                 judge: MergeJudge | None) -> float:
     """Lower is better: where learning scored its candidates on more than the task loss of the batches it stepped
     on (``learned``: its records; :func:`_learned_objective`), the mean of what it kept scored there (in a simple
     merge of two models, the merged model's), since on those batches learning fits every frame alike; otherwise the
-    merged model's mean loss on ``datasets``, or without data the weighted mean distance of the aligned models to
-    their mean."""
+    merged model's mean loss on ``datasets``, or without data on the ``judge``'s synthetic examples, or where those
+    cannot be made the weighted mean distance of the aligned models to their mean (which ranks merges poorly:
+    :class:`symgraph.synthetic.MergeJudge`)."""
     if _learned_objective(learned):
         return float(np.mean([r["end_path_loss"] for r in learned]))
-    if not datasets:
-        return float(np.dot(consensus.distances, w) / np.sum(w))
-    from .datasets import evaluate
+    if datasets or (judge is not None and judge.data is not None):
+        from .datasets import evaluate
 
-    model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
-    return float(np.mean([evaluate(model, d).loss for d in datasets]))
+        model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
+        return float(np.mean([evaluate(model, d).loss for d in datasets])) if datasets else judge(model)
+    return float(np.dot(consensus.distances, w) / np.sum(w))
 
 
 def _learned_objective(learned: list) -> str | None:
@@ -301,7 +309,7 @@ def _best_frame(tried: list) -> tuple:
     return best
 
 
-def _frame_note(tried: list, label: str, datasets) -> str:
+def _frame_note(tried: list, datasets, judge: MergeJudge | None) -> str:
     """Which frame the merge was made in, and why (:func:`_frame_score`)."""
     if len(tried) == 1:
         return "the frame asked for"
@@ -310,6 +318,8 @@ def _frame_note(tried: list, label: str, datasets) -> str:
         what = f"lowest {objective}"
     elif datasets:
         what = f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}"
+    elif judge is not None and judge.data is not None:
+        what = f"lowest merged loss on {judge.data.name} labelled by the models together (no data given)"
     else:
         what = "smallest mean distance of the aligned models to their merge (no data to score the merges on)"
     scores = ", ".join(f"{t[0]}: {t[4]:.4g}" for t in tried)

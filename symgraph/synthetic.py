@@ -29,7 +29,7 @@ from .errors import DataError
 from .inputs import example_inputs
 from .moe import REFERENCE, experts_implementation, use_experts_implementation
 
-__all__ = ["SPEC", "is_synthetic", "learning_only", "path_judge", "synthetic_data"]
+__all__ = ["SPEC", "MergeJudge", "is_synthetic", "learning_only", "path_judge", "synthetic_data"]
 
 SPEC = "synthetic"
 LENGTH = 128  # tokens per sampled sequence (fewer where the model's positions run out)
@@ -37,7 +37,7 @@ TASK_LENGTH = 8  # tokens the task is found at
 # what a model raises at a length it cannot take (a position table too short, a shape check): it makes no data there
 CANNOT_RUN = (IndexError, RuntimeError, ValueError)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
-JUDGE_EXAMPLES = 64  # synthetic examples a path judge scores candidate alignments on
+JUDGE_EXAMPLES = 64  # synthetic examples a judge scores candidate alignments or merges on
 # model inversion of a classifier's random pixels (or audio): steps, Adam's rate, the weight of the L2 prior
 INVERSION_STEPS, INVERSION_LR, INVERSION_PRIOR = 30, 0.1, 1e-3
 
@@ -230,28 +230,63 @@ def _labelled(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[s
     return Batch(inputs, torch.cat([tokens[:, :1], top[:, :-1]], dim=1), targets)
 
 
+class _JudgeExamples:
+    """The synthetic examples a judge scores on, made on the first call from ``model`` carrying each of
+    ``endpoints`` (a classifier's inputs as drawn: judging on them needs no inversion, which would cost more than
+    what is judged); None when synthetic data cannot be made for ``model`` (no config, neither a classifier nor a
+    causal LM, a generate() that fails), said once in the log."""
+
+    def __init__(self, model: torch.nn.Module, endpoints: Sequence[State], examples: int, judged: str):
+        self.model, self.endpoints, self.examples, self.judged = model, endpoints, examples, judged
+        self.made: list[Dataset | None] = []
+
+    def __call__(self) -> Dataset | None:
+        if not self.made:
+            try:
+                self.made.append(synthetic_data(self.model, self.endpoints, examples=self.examples, batch_size=32,
+                                                invert=False))
+            except DataError as error:  # no data this model can make: no judge, and say why once
+                _log.info("%s are not judged on synthetic data: %s", self.judged, error)
+                self.made.append(None)
+        return self.made[0]
+
+
 def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples: int = JUDGE_EXAMPLES):
     """A judge of alignments of ``source`` to ``anchor`` (:func:`symgraph.alignment.align_states`): the loss along
     the path (t = 1/4, 1/2, 3/4; :func:`symgraph.learn.path_loss`) from ``anchor`` to an aligned source, on
-    ``examples`` synthetic examples made on the first call (a classifier's not inverted). It returns None when
-    synthetic data cannot be made for ``model`` (no config, neither a classifier nor a causal LM, a generate() that
-    fails): the caller then decides without it."""
+    ``examples`` synthetic examples made on the first call (:class:`_JudgeExamples`; the inputs as drawn ranked the
+    trained pairs' starts right, examples/RESULTS.md). It returns None when synthetic data cannot be made for
+    ``model``: the caller then decides without it."""
     from .consensus import shared_float_names
     from .learn import path_loss
 
-    made: list[Dataset | None] = []
+    data = _JudgeExamples(model, (source, anchor), examples, "the starts")
 
     def judge(aligned: State) -> float | None:
-        if not made:
-            try:
-                # the inputs as drawn: judging the starts on them needs no inversion (they ranked the trained
-                # pairs' starts right, examples/RESULTS.md) and inversion would cost more than the alignment
-                made.append(synthetic_data(model, (source, anchor), examples=examples, batch_size=32, invert=False))
-            except DataError as error:  # no data this model can make: no judge, and say why once
-                _log.info("the starts are not judged on synthetic data: %s", error)
-                made.append(None)
-        if made[0] is None:
+        made = data()
+        if made is None:
             return None
-        return path_loss(model, anchor, aligned, shared_float_names(anchor, frozenset()), made[0],
-                         len(made[0].batches))
+        return path_loss(model, anchor, aligned, shared_float_names(anchor, frozenset()), made, len(made.batches))
     return judge
+
+
+class MergeJudge:
+    """A judge of merges of ``states`` (models of ``model``'s architecture) made without data: the merged model's
+    mean loss on ``examples`` synthetic examples labelled by the models' mean prediction (:class:`_JudgeExamples`,
+    made on the first call). Calling it on the merged model (a module) returns None when synthetic data cannot be
+    made for ``model``; :attr:`data` is then None too. The models' distance to their mean, the rule it replaces,
+    ranks merges poorly: vit-digits, simple merges after full alignment, test loss 3.712 / 3.334 / 3.563 onto B /
+    onto A / common, judged 5.299 / 5.086 / 5.237, where distance kept the common frame; merges within 0.005 of
+    each other it cannot tell apart (README.md, the frame of a merge; examples/study_merge_frames.py)."""
+
+    def __init__(self, model: torch.nn.Module, states: Sequence[State], *, examples: int = JUDGE_EXAMPLES):
+        self._examples = _JudgeExamples(model, states, examples, "the merges")
+
+    @property
+    def data(self) -> Dataset | None:
+        return self._examples()
+
+    def __call__(self, merged: torch.nn.Module) -> float | None:
+        from .datasets import evaluate
+
+        return None if self.data is None else evaluate(merged, self.data).loss

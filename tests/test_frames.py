@@ -1,15 +1,20 @@
 """Symmetric alignment in merge: the frame of the merge (onto either model, or a common one) and its choice."""
 from __future__ import annotations
 
+import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 
 import symgraph
+import symgraph.synthetic
 from symgraph import zoo
 from symgraph.datasets import Batch, Dataset, batch_loss, evaluate
-from symgraph.merging import merge
+from symgraph.errors import DataError
+from symgraph.merging import _FRAME_TIE, merge
+from symgraph.synthetic import MergeJudge
 
 from cli_runner import run
 
@@ -39,15 +44,42 @@ def pair():
 def test_best_frame_is_the_lowest_scoring_of_both_directions_and_the_common_frame(pair):
     result = merge(pair, align="permutation", progress=False, fold=False)
     assert len(result.frames) == 3 and any(k.startswith("common") for k in result.frames)
+    # scores within the tie margin of the lowest keep the earlier frame (equivalent merges differ by rounding)
+    assert result.frames[result.frame] <= min(result.frames.values()) * (1 + _FRAME_TIE)
+    assert result.frame in result.frame_note
+
+
+def test_without_data_the_frame_is_chosen_by_the_merged_loss_on_synthetic_examples(pair):
+    result = merge(pair, align="permutation", progress=False, fold=False)
+    assert "lowest merged loss on synthetic" in result.frame_note and "no data given" in result.frame_note
+    assert len(set(result.frames.values())) > 1  # the fitted pair's merges differ in loss
+    # the score is the kept merge's loss on the examples made from both models, whichever came first
+    examples = MergeJudge(pair[0].model, [pair[1].state_dict(), pair[0].state_dict()]).data
+    assert examples is not None and len(examples) == 64
+    model = copy.deepcopy(pair[0].model)  # not the fixture's own: the later tests merge it
+    model.load_state_dict(result.state)
+    assert evaluate(model, examples).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
+    backward = merge(pair[::-1], align="permutation", progress=False, fold=False)
+    assert sorted(backward.frames.values()) == pytest.approx(sorted(result.frames.values()), rel=1e-6)
+
+
+def test_without_data_nor_synthetic_examples_the_frame_is_the_closest_to_the_mean(pair, monkeypatch):
+    def cannot(*args, **kwargs):
+        raise DataError("no examples for this model")
+
+    monkeypatch.setattr(symgraph.synthetic, "synthetic_data", cannot)
+    result = merge(pair, align="permutation", progress=False, fold=False)
     assert result.frames[result.frame] == min(result.frames.values())
-    assert "distance" in result.frame_note and result.frame in result.frame_note
+    assert "smallest mean distance" in result.frame_note
+    assert result.frames[result.frame] == pytest.approx(
+        float(np.dot(result.consensus.distances, [0.5, 0.5])), rel=1e-9)
 
 
 def test_with_data_the_frame_is_chosen_by_the_merged_models_loss(pair):
     data = tokens(seed=3)
     result = merge(pair, data=data, align="permutation", progress=False, fold=False)
     assert result.frames[result.frame] == min(result.frames.values())
-    model = symgraph.load(pair[0].model).model
+    model = copy.deepcopy(pair[0].model)  # not the fixture's own: the later tests merge it
     model.load_state_dict(result.state)
     assert evaluate(model, data).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
     assert "lowest merged loss on tokens" in result.frame_note

@@ -237,6 +237,8 @@ def test_head_from_copies_the_head_of_a_model_with_other_labels():
     assert result.config.num_labels == 5
     aligned = merge([three, five], align="full", head_from=1, progress=False)
     assert aligned.state["classifier.weight"].shape == (5, 32)
+    # heads of other labels: no mean prediction labels synthetic examples, so the frame goes by distance
+    assert "smallest mean distance" in aligned.frame_note
     with pytest.raises(MismatchError, match="--head-from"):
         merge([three, five], align="none", progress=False)
 
