@@ -13,6 +13,7 @@ import symgraph.synthetic
 from symgraph import zoo
 from symgraph.datasets import Batch, Dataset, batch_loss, evaluate
 from symgraph.errors import DataError
+from symgraph.consensus import merge_order
 from symgraph.merging import _FRAME_TIE, merge
 from symgraph.synthetic import MergeJudge
 
@@ -61,6 +62,24 @@ def test_without_data_the_frame_is_chosen_by_the_merged_loss_on_synthetic_exampl
     assert evaluate(model, examples).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
     backward = merge(pair[::-1], align="permutation", progress=False, fold=False)
     assert sorted(backward.frames.values()) == pytest.approx(sorted(result.frames.values()), rel=1e-6)
+
+
+def test_three_models_without_data_are_judged_on_examples_made_from_all_three(pair):
+    data = tokens(seed=5)
+    third = zoo.build("llama", seed=2)
+    optimiser = torch.optim.Adam(third.parameters(), lr=1e-2)
+    for step in range(30):
+        optimiser.zero_grad()
+        batch_loss(third, data.batches[step % 2], data.task).backward()
+        optimiser.step()
+    models = [*pair, symgraph.load(third.eval())]
+    result = merge(models, align="permutation", progress=False, fold=False)
+    assert len(result.frames) == 4 and "lowest merged loss on synthetic" in result.frame_note
+    order = merge_order(models, [1 / 3] * 3, frozenset())
+    examples = MergeJudge(models[0].model, [models[i].state_dict() for i in order]).data
+    model = copy.deepcopy(models[0].model)
+    model.load_state_dict(result.state)
+    assert evaluate(model, examples).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
 
 
 def test_without_data_nor_synthetic_examples_the_frame_is_the_closest_to_the_mean(pair, monkeypatch):
