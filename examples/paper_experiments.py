@@ -409,7 +409,7 @@ def simple_merge_rule(merges: dict) -> str:
     (runs from before the notes were kept chose by distance, as ``merge`` did then)."""
     if any("synthetic" in row["simple"].get("frame_note", "") for row in merges.values()):
         return ("the lowest merged loss on 64 synthetic examples labelled by both models together "
-                "(`symgraph.synthetic.MergeJudge`)")
+                "(`symgraph.synthetic.merge_examples`)")
     return "the aligned models closest to their mean"
 
 

@@ -1,7 +1,7 @@
 """How a simple merge made without data should choose its frame: for each shipped pair, `symgraph.merge([A, B],
 method="simple", align="full")` (folded where `merge` folds) with `--frame best`, and for every frame it tries
 (onto either model, the common frame) the three scores a choice could use: the aligned models' weighted mean
-distance to their mean (the rule before `symgraph.synthetic.MergeJudge`), the merged model's loss on the judge's 64
+distance to their mean (the rule before `symgraph.synthetic.merge_examples`), the merged model's loss on those 64
 synthetic examples, and its loss on the pair's test split (what the choice is for). Prints one JSON object.
 
     python examples/study_merge_frames.py                          # every shipped pair
@@ -28,13 +28,13 @@ def frames_scored(pair: str) -> dict:
     """Every frame the merge tried, with its three scores, and which frame each score would keep."""
     rows, original, test = {}, symgraph.merging._frame_score, []
 
-    def scored(state, subjects, consensus, w, datasets, head_from, learned, judge):
-        score = original(state, subjects, consensus, w, datasets, head_from, learned, judge)
+    def scored(state, subjects, consensus, w, datasets, head_from, learned):
+        score = original(state, subjects, consensus, w, datasets, head_from, learned)  # datasets: the synthetic
         model = symgraph.merging._model_with(subjects[consensus.reference], state)
         if not test:
             test.append(load_data(SHIPPED_PAIRS[pair], model=model, batch_size=32, split="test"))
         rows[len(rows)] = {"distance": float(np.dot(consensus.distances, w) / np.sum(w)),
-                           "synthetic": judge(model) if judge is not None else None,
+                           "synthetic": evaluate(model, datasets[0]).loss if datasets else None,
                            "test": evaluate(model, test[0]).loss, "score": score}
         return score
 

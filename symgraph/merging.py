@@ -45,7 +45,8 @@ from .errors import DataError, MismatchError, ModelLoadError, SymgraphError
 from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
-from .synthetic import MergeJudge, is_synthetic, learning_only
+from .datasets import Dataset
+from .synthetic import is_synthetic, learning_only, merge_examples
 
 __all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters",
            "StreamedMerge", "merge_streamed"]
@@ -170,7 +171,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         ``best`` (the default): each model's frame in turn and the common one (not with ``learn``), keeping the
         merge with the lowest loss on ``data`` when there is data (with ``learn``: the learned alignments' loss
         on the batches learning held out of its steps), else the lowest loss on 64 synthetic examples labelled by
-        the models together (:class:`symgraph.synthetic.MergeJudge`), else (no synthetic data for the model, or
+        the models together (:func:`symgraph.synthetic.merge_examples`), else (no synthetic data for the model, or
         heads of their own: ``head_from``) the one whose aligned models lie closest to their mean;
         ``result.frame`` and ``result.frame_note`` say which and why. Aligning B onto A and A onto B give different
         merges; ``best`` costs one alignment and one merge per frame tried.
@@ -223,8 +224,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     # merges made without data are scored on synthetic data where it can be made (learned ones by what they checked),
     # made from the models in an order the argument order does not change (its samples are drawn model by model);
     # models with heads of their own (``exclude``) predict different things, which no mean prediction labels
-    judge = MergeJudge(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
+    judged = merge_examples(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
         len(frames) > 1 and not datasets and not learn and not exclude) else None
+    scored_on = datasets or ([judged] if judged is not None else [])
     for label, reference, common in frames:
         records: list[dict] = []  # what learning did, model by model, in this frame
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
@@ -237,14 +239,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress,
                                     (device, dtype or torch.float64))
         state = _finished_state(merged, moved, consensus, head_from, exclude)
-        tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, datasets,
-                                                                      head_from, records, judge), records))
+        tried.append((label, consensus, state, averaged, _frame_score(state, moved, consensus, w, scored_on,
+                                                                      head_from, records), records))
     clock.lap("align_and_combine")
     label, consensus, state, averaged, _, records = _best_frame(tried)
     source = subjects[head_from if head_from is not None else consensus.reference]
     return MergeResult(state, method, align, tuple(s.name for s in subjects), tuple(map(float, w)), consensus,
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
-                       clock.laps(), source.config, source.path, label, _frame_note(tried, datasets, judge),
+                       clock.laps(), source.config, source.path, label, _frame_note(tried, datasets, judged),
                        {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference),
                        fold_note)
 
@@ -267,22 +269,21 @@ def _frames(frame: str, order: list[int], subjects, align: str, learned: bool) -
     return onto + ([] if learned else common)
 
 
-def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict],
-                 judge: MergeJudge | None) -> float:
+def _frame_score(state, subjects, consensus, w, datasets, head_from, learned: list[dict]) -> float:
     """Lower is better: where learning scored its candidates on more than the task loss of the batches it stepped
     on (``learned``: its records; :func:`_learned_objective`), the mean of what it kept scored there (in a simple
     merge of two models, the merged model's), since on those batches learning fits every frame alike; otherwise the
-    merged model's mean loss on ``datasets``, or without data on the ``judge``'s synthetic examples, or where those
-    cannot be made the weighted mean distance of the aligned models to their mean (which ranks merges poorly:
-    :class:`symgraph.synthetic.MergeJudge`)."""
+    merged model's mean loss on ``datasets`` (without data given: the synthetic examples of
+    :func:`symgraph.synthetic.merge_examples`), or where there are none the weighted mean distance of the aligned
+    models to their mean (which ranks merges poorly: :func:`symgraph.synthetic.merge_examples`)."""
     if _learned_objective(learned):
         return float(np.mean([r["end_path_loss"] for r in learned]))
-    if datasets or (judge is not None and judge.data is not None):
-        from .datasets import evaluate
+    if not datasets:
+        return float(np.dot(consensus.distances, w) / np.sum(w))
+    from .datasets import evaluate
 
-        model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
-        return float(np.mean([evaluate(model, d).loss for d in datasets])) if datasets else judge(model)
-    return float(np.dot(consensus.distances, w) / np.sum(w))
+    model = _model_with(subjects[head_from if head_from is not None else consensus.reference], state)
+    return float(np.mean([evaluate(model, d).loss for d in datasets]))
 
 
 def _learned_objective(learned: list) -> str | None:
@@ -309,7 +310,7 @@ def _best_frame(tried: list) -> tuple:
     return best
 
 
-def _frame_note(tried: list, datasets, judge: MergeJudge | None) -> str:
+def _frame_note(tried: list, datasets, judged: Dataset | None) -> str:
     """Which frame the merge was made in, and why (:func:`_frame_score`)."""
     if len(tried) == 1:
         return "the frame asked for"
@@ -318,8 +319,8 @@ def _frame_note(tried: list, datasets, judge: MergeJudge | None) -> str:
         what = f"lowest {objective}"
     elif datasets:
         what = f"lowest merged loss on {', '.join(dict.fromkeys(d.name for d in datasets))}"
-    elif judge is not None and judge.data is not None:
-        what = f"lowest merged loss on {judge.data.name} labelled by the models together (no data given)"
+    elif judged is not None:
+        what = f"lowest merged loss on {judged.name} labelled by the models together (no data given)"
     else:
         what = "smallest mean distance of the aligned models to their merge (no data to score the merges on)"
     scores = ", ".join(f"{t[0]}: {t[4]:.4g}" for t in tried)

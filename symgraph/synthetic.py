@@ -29,7 +29,7 @@ from .errors import DataError
 from .inputs import example_inputs
 from .moe import REFERENCE, experts_implementation, use_experts_implementation
 
-__all__ = ["SPEC", "MergeJudge", "is_synthetic", "learning_only", "path_judge", "synthetic_data"]
+__all__ = ["SPEC", "is_synthetic", "learning_only", "merge_examples", "path_judge", "synthetic_data"]
 
 SPEC = "synthetic"
 LENGTH = 128  # tokens per sampled sequence (fewer where the model's positions run out)
@@ -270,23 +270,12 @@ def path_judge(model: torch.nn.Module, source: State, anchor: State, *, examples
     return judge
 
 
-class MergeJudge:
-    """A judge of merges of ``states`` (models of ``model``'s architecture) made without data: the merged model's
-    mean loss on ``examples`` synthetic examples labelled by the models' mean prediction (:class:`_JudgeExamples`,
-    made on the first call). Calling it on the merged model (a module) returns None when synthetic data cannot be
-    made for ``model``; :attr:`data` is then None too. The models' distance to their mean, the rule it replaces,
-    ranks merges poorly: vit-digits, simple merges after full alignment, test loss 3.712 / 3.334 / 3.563 onto B /
-    onto A / common, judged 5.299 / 5.086 / 5.237, where distance kept the common frame; merges within 0.005 of
-    each other it cannot tell apart (README.md, the frame of a merge; examples/study_merge_frames.py)."""
-
-    def __init__(self, model: torch.nn.Module, states: Sequence[State], *, examples: int = JUDGE_EXAMPLES):
-        self._examples = _JudgeExamples(model, states, examples, "the merges")
-
-    @property
-    def data(self) -> Dataset | None:
-        return self._examples()
-
-    def __call__(self, merged: torch.nn.Module) -> float | None:
-        from .datasets import evaluate
-
-        return None if self.data is None else evaluate(merged, self.data).loss
+def merge_examples(model: torch.nn.Module, states: Sequence[State], *,
+                   examples: int = JUDGE_EXAMPLES) -> Dataset | None:
+    """The examples merges of ``states`` (models of ``model``'s architecture) made without data are scored on:
+    ``examples`` synthetic examples labelled by the models' mean prediction (:class:`_JudgeExamples`); None when
+    synthetic data cannot be made for ``model``. The models' distance to their mean, the rule they replace, ranks
+    merges poorly: vit-digits, simple merges after full alignment, test loss 3.712 / 3.334 / 3.563 onto B / onto A /
+    common, judged 5.299 / 5.086 / 5.237, where distance kept the common frame; merges within 0.005 of each other
+    they cannot tell apart (README.md, the frame of a merge; examples/study_merge_frames.py)."""
+    return _JudgeExamples(model, states, examples, "the merges")()

@@ -15,7 +15,7 @@ from symgraph.datasets import Batch, Dataset, batch_loss, evaluate
 from symgraph.errors import DataError
 from symgraph.consensus import merge_order
 from symgraph.merging import _FRAME_TIE, merge
-from symgraph.synthetic import MergeJudge
+from symgraph.synthetic import merge_examples
 
 from cli_runner import run
 
@@ -55,7 +55,7 @@ def test_without_data_the_frame_is_chosen_by_the_merged_loss_on_synthetic_exampl
     assert "lowest merged loss on synthetic" in result.frame_note and "no data given" in result.frame_note
     assert len(set(result.frames.values())) > 1  # the fitted pair's merges differ in loss
     # the score is the kept merge's loss on the examples made from both models, whichever came first
-    examples = MergeJudge(pair[0].model, [pair[1].state_dict(), pair[0].state_dict()]).data
+    examples = merge_examples(pair[0].model, [pair[1].state_dict(), pair[0].state_dict()])
     assert examples is not None and len(examples) == 64
     model = copy.deepcopy(pair[0].model)  # not the fixture's own: the later tests merge it
     model.load_state_dict(result.state)
@@ -76,7 +76,7 @@ def test_three_models_without_data_are_judged_on_examples_made_from_all_three(pa
     result = merge(models, align="permutation", progress=False, fold=False)
     assert len(result.frames) == 4 and "lowest merged loss on synthetic" in result.frame_note
     order = merge_order(models, [1 / 3] * 3, frozenset())
-    examples = MergeJudge(models[0].model, [models[i].state_dict() for i in order]).data
+    examples = merge_examples(models[0].model, [models[i].state_dict() for i in order])
     model = copy.deepcopy(models[0].model)
     model.load_state_dict(result.state)
     assert evaluate(model, examples).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
