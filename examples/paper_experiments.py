@@ -527,7 +527,7 @@ def render(results: dict, settings: Settings, command: str, seconds: float, wide
         "(every detected group, the best solver for each, coordinate descent). `full` descends from two starts, "
         "the exact-member first pass and weight matching, and keeps the one whose aligned B has the lower loss "
         "along the path on 64 synthetic examples labelled by A and B together (the models' own samples for the "
-        "LLaMA, random inputs of the config's shapes for the others; `symgraph.synthetic.path_judge`: no data); "
+        "LLaMA, random inputs of the config's shapes for the others; `symgraph.synthetic.PathJudge`: no data); "
         "`permutation` chooses the same way among the starts no farther than textbook weight matching. Where a "
         "pair's norms can be folded (`symgraph fold`: llama-chars, vit-digits), `barrier` and `merge` fold both "
         "models first, as they do by default, so those pairs' barriers, path distances and merges are the folded "
@@ -650,7 +650,7 @@ WIDE_NOTES = """\
   exact-member first pass and weight matching; they are local optima of one objective with nearly equal distances,
   and distance did not rank their barriers (the closer start had the higher barrier on the wide ViT in both modes).
   Each start's aligned B is now scored by its loss along the path on 64 synthetic examples labelled by A and B
-  together (`symgraph.synthetic.path_judge`, a few seconds), and the lower kept; permutation mode only among the
+  together (`symgraph.synthetic.PathJudge`, a few seconds), and the lower kept; permutation mode only among the
   starts no farther than the textbook. Measured at 11 points on the four trained pairs, it kept the start with the
   lower barrier in both modes all eight times. Against last round: full mode on the wide ViT 2.780 -> 2.083
   (0.84x -> 0.63x), now below permutation (2.402), so **full is no longer above permutation on any pair**;

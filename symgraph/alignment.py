@@ -72,6 +72,8 @@ class AlignResult:
     costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
     residual: str | None = None  # full mode on an orthogonal residual stream: the group it was aligned in
     path_losses: dict[str, float] = field(default_factory=dict)  # with data: each candidate's loss along the path
+    cost_data: str = ""  # the data activation costs were recorded on (a Dataset's name), when they were
+    judged_on: str = ""  # the data the cost candidates' path losses were measured on (a Dataset's name)
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -87,7 +89,8 @@ class AlignResult:
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
                 **({"fold_note": self.fold_note} if self.fold_note else {}),
-                **({"costs": self.costs} if self.costs else {}),
+                **({"costs": self.costs, "cost_data": self.cost_data, "judged_on": self.judged_on}
+                   if self.costs else {}),
                 **({"residual_group": self.residual} if self.residual else {}),
                 **({"path_losses": self.path_losses} if self.path_losses else {}),
                 "timings_s": self.timings,
@@ -197,7 +200,7 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     the whole group; ``permutation``, its permutations (:func:`monomial_subgroup`); ``auto`` (the default of
     :func:`symgraph.align`, ``merge`` and ``barrier``), :func:`residual_group`'s choice (``result.residual`` says
     which was used). ``judge(state)`` (lower is better), when given, chooses between the two starts by what
-    the aligned source computes on the path rather than by distance (:func:`symgraph.synthetic.path_judge`: the path
+    the aligned source computes on the path rather than by distance (:func:`symgraph.synthetic.PathJudge`: the path
     loss on synthetic data; ``result.path_losses`` holds each start's): in ``full`` mode after :data:`PROBE_ROUNDS`
     rounds of each, in ``permutation`` mode after the first start's whole descent, among the starts no farther
     than textbook weight matching (so the mode stays no farther than the textbook). Full mode minimises the
@@ -234,7 +237,7 @@ def align_states(groups, source: dict, anchor: dict, *, mode: str = "full", resc
     _descend(first, probe, tolerance, progress, timings)
     starts = {"recovery": first.distance()}
     other = None
-    if two_starts and not first.recovered(_found_share(mode)):
+    if two_starts and not first.recovered(found_share(mode)):
         clock = time.perf_counter()
         other = _matching_start(groups, matching, source, anchor, mode, probe, tolerance, progress, options)
         starts["matching"] = other.distance()
@@ -288,6 +291,15 @@ def _kept_start(first: "Aligner", other: "Aligner", mode: str, starts: dict, sou
     return candidates[min(tied_lowest(losses), key=starts.get)], losses
 
 
+RECOVERED = 1e-6  # relative: a distance this small a share of where alignment started is rounding
+
+
+def recovered(distance: float, start: float, share: float = RECOVERED) -> bool:
+    """A source now at ``distance`` from the anchor, ``start`` before alignment, is the anchor up to rounding (a
+    reparametrised copy, exactly undone), or, with a larger ``share``, up to that share of where it started."""
+    return distance <= share * max(start, 1e-300)
+
+
 PATH_LOSS_TIE = 1e-5  # relative: path losses closer than this are equal (one function, rounded differently)
 
 
@@ -318,7 +330,7 @@ def residual_group(groups, source: dict, anchor: dict, **options) -> str:
         return "orthogonal"
     probe = Aligner(groups, source, anchor, mode="full", **options)  # options: as for Aligner, e.g. cost_excluded
     probe.first_pass()
-    return "orthogonal" if probe.recovered(_found_share("full")) else "permutation"
+    return "orthogonal" if probe.recovered(found_share("full")) else "permutation"
 
 
 def _residual_groups(groups, source, anchor, mode, residual, options) -> tuple[list[Group], str | None]:
@@ -442,7 +454,7 @@ def _descend(aligner: "Aligner", rounds: int, tolerance: float, progress, timing
     return aligner
 
 
-def _found_share(mode: str) -> float:
+def found_share(mode: str) -> float:
     """How close to the anchor, as a share of the starting distance, the first start must come for the second to
     be skipped. Full mode: a tenth. A first start that removed 90% of the distance found the reparametrisation the
     source is (up to noise, as for a reparametrised copy plus 1% noise), and weight matching lands in the same
@@ -624,10 +636,10 @@ class Aligner:
         """Relative L2 distance to the anchor over the parameters the groups touch (the descent's yardstick)."""
         return float(np.sqrt(self.ws.distance_sq(self.ws.src) / max(self.anchor_sq, 1e-300)))
 
-    def recovered(self, share: float = 1e-6) -> bool:
+    def recovered(self, share: float = RECOVERED) -> bool:
         """The source is now the anchor up to rounding (a reparametrised copy, exactly undone), or, with a larger
         ``share``, up to that share of where alignment started."""
-        return self.distance() <= share * max(self.start, 1e-300)
+        return recovered(self.distance(), self.start, share)
 
     # -- one group -----------------------------------------------------------------------------------------------
     def _batch_with(self, g: Group, todo: list[Group]) -> list[Group]:

@@ -120,6 +120,10 @@ def _descent_options(command):
                           "examples labelled by both models (classifiers and causal LMs); otherwise full mode keeps "
                           "the closer start and permutation mode the textbook one. Permutation mode stays no "
                           "farther than textbook weight matching either way."),
+        click.option("--synthetic-activations/--no-synthetic-activations", default=True, show_default=True,
+                     help="Full mode without data: also align the residual stream on activations of the judge's "
+                          "synthetic examples and keep that alignment where its path loss on them is lower (the "
+                          "wide ViT pair's barrier 2.35 -> 0.55; see RESULTS.md)."),
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
@@ -288,12 +292,13 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentr
                         rate_trial=learn_rate_trial)
 
 
-def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, general_linear, balance,
-             residual) -> dict:
+def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, synthetic_activations,
+             general_linear, balance, residual) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
-                matching_start=matching_start, judge_starts=judge_starts, general_linear=general_linear,
-                balance=balance, residual=residual)
+                matching_start=matching_start, judge_starts=judge_starts,
+                synthetic_activations=synthetic_activations, general_linear=general_linear, balance=balance,
+                residual=residual)
 
 
 @cli.command(help="Align SOURCE to ANCHOR within SOURCE's symmetry groups; write the result as a Hugging Face folder "
@@ -331,8 +336,9 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          judge_starts, general_linear, balance, residual, stats_path, overwrite, quiet, fold, data_spec, data_batches,
-          data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype, stream, shard_size,
+          judge_starts, synthetic_activations, general_linear, balance, residual, stats_path, overwrite, quiet, fold,
+          data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype,
+          stream, shard_size,
           **learning):
     from .alignment import compute_device
     from .api import align as run_align, load
@@ -364,7 +370,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                        learn=learn and _learning(**learning),
                        learn_data=learn_data_spec,
                        **_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
-                                  general_linear, balance, residual))
+                                  synthetic_activations, general_linear, balance, residual))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -373,7 +379,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
                f"(mode {mode}{', folded' if result.folded else ''}"
                f"{', residual stream by permutations' if result.residual == 'permutation' else ''}"
-               f"{_cost_summary(result.costs, result.path_losses)}"
+               f"{_cost_summary(result)}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
@@ -424,13 +430,16 @@ def _learned_note(learned: dict | None) -> str:
             f"{tried}{lowered}{bounded}{stopped}")
 
 
-def _cost_summary(costs: dict[str, str], path_losses: dict[str, float]) -> str:
-    """How many groups took which cost, and the candidates' path losses the data chose between (with --data)."""
+def _cost_summary(result) -> str:
+    """How many groups took which cost, and the candidates' path losses the data (or, without it, the synthetic
+    examples) chose between."""
+    costs = result.costs
     if not costs:
         return ""
     counts = {c: sum(v == c for v in costs.values()) for c in dict.fromkeys(costs.values())}
-    chosen = (f" (kept for its lower path loss on the data, t = 1/4, 1/2, 3/4: "
-              f"{', '.join(f'{name} {loss:.4g}' for name, loss in path_losses.items())})" if path_losses else "")
+    losses = {name: loss for name, loss in result.path_losses.items() if name in ("activations", "weights")}
+    chosen = (f" (kept for its lower path loss on {result.judged_on or 'the data'}, t = 1/4, 1/2, 3/4: "
+              f"{', '.join(f'{name} {loss:.4g}' for name, loss in losses.items())})" if losses else "")
     return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
 
 
@@ -640,8 +649,9 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, judge_starts, general_linear, balance, residual, align_data, learn_data_spec, data_batches,
-            data_batch_size, data_groups, output, json_path, no_progress, fold, device, dtype, **learning):
+            matching_start, judge_starts, synthetic_activations, general_linear, balance, residual, align_data,
+            learn_data_spec, data_batches, data_batch_size, data_groups, output, json_path, no_progress, fold, device,
+            dtype, **learning):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -655,7 +665,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
                          learn=_learning(**learning), learn_data=learn_data_spec,
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
-                                                   general_linear, balance, residual),
+                                                   synthetic_activations, general_linear, balance, residual),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,
                                                 data_groups=data_groups) if "full+data" in aligns else {})})

@@ -66,8 +66,8 @@ def alignment_summary(result) -> dict:
     return {"start": result.start, "distance_before": result.distance_before,
             **({"residual_group": result.residual} if result.residual else {}),
             **({"path_losses": result.path_losses} if result.path_losses else {}),
-            **({"costs": {c: sum(v == c for v in result.costs.values()) for c in set(result.costs.values())}}
-               if result.costs else {}),
+            **({"costs": {c: sum(v == c for v in result.costs.values()) for c in set(result.costs.values())},
+                "cost_data": result.cost_data, "judged_on": result.judged_on} if result.costs else {}),
             **({"learned": result.learned} if result.learned else {})}
 
 
@@ -119,8 +119,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start``, ``judge_starts``, ``general_linear``, ``balance`` (the ablations, the
-        descent's length, the choice of start, GL heads, costs in units of each tensor's scale),
+        ``tolerance``, ``matching_start``, ``judge_starts``, ``synthetic_activations``, ``general_linear``,
+        ``balance`` (the ablations, the descent's length, the choice of start, full mode's alignment on activations
+        of synthetic examples without data, GL heads, costs in units of each tensor's scale),
         and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
         ``data_batch_size`` and ``data_groups``.
     fold
@@ -366,7 +367,7 @@ def _save_figure(figure, path: Path) -> Path:
 
 DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
 ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "judge_starts",
-                 "general_linear", "balance", "residual", *DATA_OPTIONS)
+                 "synthetic_activations", "general_linear", "balance", "residual", *DATA_OPTIONS)
 
 
 def _check_options(steps: int, aligns: Sequence[str], align_options: Mapping[str, Any]) -> None:

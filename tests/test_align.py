@@ -13,12 +13,14 @@ from symgraph import alignment, zoo
 from symgraph.alignment import (PROBE_ROUNDS, Aligner, align_states, balanced_weights, free_cost_members,
                                 key_bias_candidates, relative_distance, select_groups, weight_matching)
 from symgraph.api import tie_aliases
+from symgraph.consensus import shared_float_names
 from symgraph.demo import shipped_pair
 from symgraph.elements import Element, apply, sample
+from symgraph.learn import path_loss
 from symgraph.errors import InvarianceError, MismatchError, ModelLoadError, SymgraphError
 from symgraph.solve import dispatch
 from symgraph.solve.workspace import Workspace
-from symgraph.synthetic import path_judge
+from symgraph.synthetic import PathJudge
 from symgraph.verify import Evaluator, free_members
 
 from cli_runner import run, tree_digest
@@ -250,13 +252,45 @@ def test_a_judge_chooses_permutation_modes_start_only_among_those_no_farther_tha
 def test_api_align_judges_the_starts_on_synthetic_data_unless_told_not_to():
     a, b = (zoo.build("vit", seed=s) for s in (0, 1))
     inputs = zoo.example_inputs_for("vit", a)
-    judged = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
-    assert set(judged.path_losses) == {"recovery", "matching"}
+    judged = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), synthetic_activations=False)
+    assert set(judged.path_losses) == {"recovery", "matching"} and judged.costs == {}
     assert judged.start == min(judged.path_losses, key=judged.path_losses.get)
     unjudged = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), judge_starts=False)
     assert unjudged.path_losses == {} and unjudged.start == min(unjudged.starts, key=unjudged.starts.get)
     plain = torch.nn.Linear(2, 2)  # no config, no synthetic data: the judge abstains
-    assert path_judge(plain, plain.state_dict(), plain.state_dict())(plain.state_dict()) is None
+    assert PathJudge(plain, plain.state_dict(), plain.state_dict())(plain.state_dict()) is None
+
+
+def test_api_full_mode_without_data_keeps_the_alignment_on_synthetic_activations_where_its_path_loss_is_lower():
+    a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
+    on_weights = symgraph.align(b, a, synthetic_activations=False)
+    result = symgraph.align(b, a)  # checked to compute what B computes
+    assert result.cost_data == "synthetic (64 examples, random inputs)"
+    losses = result.path_losses
+    kept = "activations" if "activations" in result.costs.values() else "weights"
+    assert {"recovery", "matching", "weights", "activations"} <= losses.keys()
+    assert kept == min(("weights", "activations"), key=losses.get)
+    # the losses are the judge's, recomputed here on the same examples: the weights' candidate is the alignment
+    # made without activations, and the one kept is the one returned
+    judged = PathJudge(b.model, b.state_dict(), a.state_dict()).examples.inverted()  # pixels: judged inverted
+    assert result.judged_on == judged.name == "synthetic (64 examples, inverted inputs)"
+
+    def judge(state):
+        return path_loss(b.model, a.state_dict(), state, shared_float_names(a.state_dict(), frozenset()), judged,
+                         len(judged.batches))
+    assert judge(on_weights.state) == pytest.approx(losses["weights"], rel=1e-9)
+    assert judge(result.state) == pytest.approx(losses[kept], rel=1e-9)
+    assert result.distance_after <= result.distance_before
+    assert (result.distance_after == on_weights.distance_after) == (kept == "weights")
+
+
+def test_api_full_mode_takes_no_activation_candidate_for_a_reparametrised_copy():
+    subject, source = reparametrised("vit", noise=0.01)
+    model = zoo.build("vit", seed=0, dtype=torch.float64)
+    model.load_state_dict(source)
+    result = symgraph.align(symgraph.load(model, (subject.args, subject.kwargs)), subject)
+    assert result.costs == {} and result.cost_data == "" and "activations" not in result.path_losses
+    assert result.distance_after < 0.1 * result.distance_before  # the reparametrisation found, up to the noise
 
 
 @pytest.mark.parametrize("name", ["vit-digits", "bert-topics", "llama-chars"])
@@ -420,13 +454,21 @@ def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to
     assert both["distance_after"] != first["distance_after"]  # two different alignments, the textbook's kept
 
 
-def test_cli_align_judges_the_starts_on_synthetic_data_unless_told_not_to(tmp_path):
+def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
-    for name, extra in (("judged", ()), ("unjudged", ("--no-judge-starts",))):
-        res = run("align", source, anchor, "-o", tmp_path / name, "--quiet", "--stats", tmp_path / f"{name}.json",
-                  *extra)
+    outputs = {}
+    for name, extra in (("default", ()), ("judged", ("--no-synthetic-activations",)),
+                        ("unjudged", ("--no-judge-starts",))):
+        res = run("align", source, anchor, "-o", tmp_path / name, "--stats", tmp_path / f"{name}.json", *extra)
         assert res.returncode == 0, res.stderr
-    judged, unjudged = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("judged", "unjudged"))
+        outputs[name] = res.stdout
+    default, judged, unjudged = (json.loads((tmp_path / f"{name}.json").read_text())
+                                 for name in ("default", "judged", "unjudged"))
+    assert default["cost_data"].startswith("synthetic") and "costs" not in judged and "costs" not in unjudged
+    assert "lower path loss on synthetic (64 examples, inverted inputs)" in outputs["default"]
+    assert "path loss" not in outputs["judged"] + outputs["unjudged"]
+    candidates = {k: default["path_losses"][k] for k in ("weights", "activations")}
+    assert ("activations" in default["costs"].values()) == (min(candidates, key=candidates.get) == "activations")
     assert judged["path_losses"].keys() == {"recovery", "matching"} and "path_losses" not in unjudged
     assert judged["start"] == min(judged["path_losses"], key=judged["path_losses"].get)
     assert unjudged["start"] == min(unjudged["starts"], key=unjudged["starts"].get)  # full mode: the closer start

@@ -15,7 +15,7 @@ from symgraph.demo import shipped_pair
 from symgraph.errors import DataError
 from symgraph.inputs import example_inputs
 from symgraph.learn import LearnError, LearnOptions
-from symgraph.synthetic import TOP, path_judge, synthetic_data
+from symgraph.synthetic import TOP, PathJudge, synthetic_data
 
 from cli_runner import run
 
@@ -112,6 +112,21 @@ def test_sequences_fit_positions_that_start_after_the_padding_index(head, kind):
     assert kind in data.name and [tuple(batch.inputs["input_ids"].shape) for batch in data.batches] == [(2, 18)] * 2
 
 
+@pytest.mark.parametrize("family, inverted", [("vit", True), ("llama", False), ("bert", False)])
+def test_the_judge_inverts_a_classifiers_pixels_only_and_makes_each_set_once(family, inverted):
+    model = zoo.build(family)
+    state = model.state_dict()
+    judge = PathJudge(model, state, state, examples=4)
+    drawn = judge.examples()
+    assert judge.examples() is drawn and judge.examples.inverted() is judge.examples.inverted()
+    assert (judge.examples.inverted() is drawn) != inverted
+    if inverted:  # the same random pixels, moved by inversion
+        assert "inverted inputs" in judge.examples.inverted().name and "random inputs" in drawn.name
+        moved = judge.examples.inverted().batches[0].inputs["pixel_values"]
+        assert moved.shape == drawn.batches[0].inputs["pixel_values"].shape
+        assert not torch.equal(moved, drawn.batches[0].inputs["pixel_values"])
+
+
 def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
     """Before: generate()'s failure (ProphetNet's positions ran out) ended the alignment that judged its starts."""
     model = zoo.build("llama")
@@ -124,7 +139,7 @@ def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
     with pytest.raises(DataError, match="cannot be sampled from LlamaForCausalLM"):
         synthetic_data(model, [state, state], examples=2, batch_size=2)
     with caplog.at_level("INFO", logger="symgraph.synthetic"):
-        assert path_judge(model, state, state, examples=2)(state) is None
+        assert PathJudge(model, state, state, examples=2)(state) is None
     assert "not judged on synthetic data" in caplog.text and "generate() fails" in caplog.text
 
 
