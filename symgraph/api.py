@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,10 +25,12 @@ import torch
 from .analysis import analyse_capture
 from .capture import Capture, capture
 from .elements import Element, apply, sample
-from .errors import CaptureError, InvarianceError, ModelLoadError
+from .errors import CaptureError, InvarianceError, ModelLoadError, SymgraphError
 from .inputs import with_attention_mask
 from .report import Report
 from .verify import tie_aliases
+
+_log = logging.getLogger(__name__)
 
 Inputs = tuple | dict | None
 
@@ -376,8 +379,13 @@ def _or_synthetic_activations(on_weights, judge, src: Subject, anc: Subject, gro
     examples = judge.examples()
     if examples is None:
         return on_weights
-    on_activations = _on_activations(src, anc, groups, state, anchor_state, examples, len(examples.batches),
-                                     data_groups, options, timings)
+    try:
+        on_activations = _on_activations(src, anc, groups, state, anchor_state, examples, len(examples.batches),
+                                         data_groups, options, timings)
+    except (SymgraphError, RuntimeError, ValueError) as error:  # a candidate only: its failure costs the default
+        _log.info("full mode keeps the weight-matched alignment: activations of %s could not be aligned on "
+                  "(%s: %s)", examples.name, type(error).__name__, error)
+        return on_weights
     if on_activations.distance_after > on_weights.distance_before:
         return on_weights
     on_weights.costs, on_weights.cost_data = {g.id: "weights" for g in groups}, examples.name

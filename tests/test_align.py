@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import symgraph
+import symgraph.activations
 from symgraph import alignment, zoo
 from symgraph.alignment import (PROBE_ROUNDS, Aligner, align_states, balanced_weights, free_cost_members,
                                 key_bias_candidates, relative_distance, select_groups, weight_matching)
@@ -17,7 +18,7 @@ from symgraph.consensus import shared_float_names
 from symgraph.demo import shipped_pair
 from symgraph.elements import Element, apply, sample
 from symgraph.learn import path_loss
-from symgraph.errors import InvarianceError, MismatchError, ModelLoadError, SymgraphError
+from symgraph.errors import CaptureError, InvarianceError, MismatchError, ModelLoadError, SymgraphError
 from symgraph.solve import dispatch
 from symgraph.solve.workspace import Workspace
 from symgraph.synthetic import PathJudge
@@ -282,6 +283,19 @@ def test_api_full_mode_without_data_keeps_the_alignment_on_synthetic_activations
     assert judge(result.state) == pytest.approx(losses[kept], rel=1e-9)
     assert result.distance_after <= result.distance_before
     assert (result.distance_after == on_weights.distance_after) == (kept == "weights")
+
+
+def test_api_full_mode_keeps_the_weights_where_synthetic_activations_cannot_be_recorded(monkeypatch, caplog):
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+
+    def fails(*args, **kwargs):
+        raise CaptureError("the exported program could not be interpreted")
+    monkeypatch.setattr(symgraph.activations, "record", fails)
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    assert result.costs == {} and set(result.path_losses) == {"recovery", "matching"}
+    assert "keeps the weight-matched alignment" in caplog.text and "could not be interpreted" in caplog.text
 
 
 def test_api_full_mode_takes_no_activation_candidate_for_a_reparametrised_copy():
