@@ -864,7 +864,10 @@ WIDE_NOTES = """\
   the wide ViT 0.57 and 0.62 (two draws of 64); the llama's samples gave 1.48-1.58 (real text 1.643). It costs
   an activation recording and a second alignment: the wide ViT's full mode took 129 s against 45 s (one thread,
   the machine loaded), so the time bar (data-free full within 2x permutation) is further off there. Still short
-  of 0.35x: vit-digits, llama-chars and the wide LLaMA.
+  of 0.35x: vit-digits, llama-chars and the wide LLaMA. In this stop's tables (21 points) `full` is llama-chars
+  1.583 (0.50x; 1.930 before), below `full+data` on the real text (1.643), vit-digits 2.983 (0.83x; 3.298),
+  bert-topics 0. The merge tables did not move: `merge` aligns through its own plan (`symgraph.consensus`), which
+  neither judges starts nor tries synthetic activations; bringing both to merges is the next step.
 """
 
 

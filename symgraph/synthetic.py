@@ -18,6 +18,7 @@ noise they start from. examples/RESULTS.md has every pair.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 from collections.abc import Sequence
@@ -89,7 +90,7 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         if sampled:
             inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, length, seed), "sampled"
         else:
-            inputs = [example_inputs(config, batch=size, seq=length, seed=seed + index)
+            inputs = [_example_inputs(twin, config, batch=size, seq=length, seed=seed + index)
                       for index, size in enumerate(sizes)]
             kind = "inverted" if invert and task == "classification" and any(map(torch.is_floating_point,
                                                                                  inputs[0].values())) else "random"
@@ -97,6 +98,12 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
                 inputs = [_inverted(twin, endpoints, batch) for batch in inputs]
         batches = tuple(_labelled(twin, endpoints, batch, task) for batch in inputs)
     return Dataset(f"{SPEC} ({examples} examples, {kind} inputs)", task, batches)
+
+
+def _example_inputs(model: torch.nn.Module, config, **shape) -> dict[str, torch.Tensor]:
+    """:func:`symgraph.inputs.example_inputs` for ``model``: its forward's parameters settle what a config that
+    describes both tokens and pixels takes (BEiT's vocabulary is for masked-image pretraining: it reads pixels)."""
+    return example_inputs(config, forward_params=inspect.signature(model.forward).parameters, **shape)
 
 
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -108,10 +115,11 @@ def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) 
 def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     """``causal_lm`` for a model reading token ids that predicts a distribution per position, ``classification``
     for one that predicts one per example; anything else is refused."""
-    inputs = example_inputs(config, batch=2, seq=TASK_LENGTH, seed=seed)
+    inputs = _example_inputs(model, config, batch=2, seq=TASK_LENGTH, seed=seed)
     try:
         logits = _run(model, state, inputs)
-    except DataError:
+    except Exception as error:  # noqa: BLE001 - a model that does not run on its config's inputs makes no data
+        _log.debug("%s does not run on synthetic inputs: %s: %s", type(model).__name__, type(error).__name__, error)
         logits = None
     ids = inputs.get("input_ids")
     # a causal LM reads token ids alone (an encoder-decoder's decoder ids would need their own samples)
@@ -138,7 +146,7 @@ def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, 
     the first, odd ones from the second...: inputs the models themselves find likely) after a random first
     token."""
     count = len(endpoints)
-    firsts = [example_inputs(config, batch=size, seq=1, seed=seed + index)["input_ids"]
+    firsts = [_example_inputs(model, config, batch=size, seq=1, seed=seed + index)["input_ids"]
               for index, size in enumerate(sizes)]
     parts = []
     for which, state in enumerate(endpoints):  # one endpoint's state at a time in the private copy
@@ -193,7 +201,7 @@ def _length(model: torch.nn.Module, state: State, config, seed: int) -> int:
 def _runs_at(model: torch.nn.Module, state: State, config, length: int, seed: int) -> bool:
     """Whether ``model`` carrying ``state`` runs on one example of ``length`` tokens (frames)."""
     try:
-        _run(model, state, example_inputs(config, batch=1, seq=length, seed=seed))
+        _run(model, state, _example_inputs(model, config, batch=1, seq=length, seed=seed))
     except CANNOT_RUN as error:
         _log.debug("%s does not run at length %d: %s", type(model).__name__, length, error)
         return False

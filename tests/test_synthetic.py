@@ -127,6 +127,30 @@ def test_the_judge_inverts_a_classifiers_pixels_only_and_makes_each_set_once(fam
         assert not torch.equal(moved, drawn.batches[0].inputs["pixel_values"])
 
 
+def test_a_config_with_tokens_and_pixels_gets_what_the_models_forward_reads():
+    """Before: BEiT's config has a vocabulary (masked-image pretraining), the judge built token ids for it, and
+    BEiT's forward failed on the missing pixels with an AttributeError that ended every alignment of it."""
+    config = transformers.BeitConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, image_size=8, patch_size=4, num_labels=3)
+    model = transformers.BeitForImageClassification(config).eval()
+    state = model.state_dict()
+    data = synthetic_data(model, [state, state], examples=4, batch_size=2, invert=False)
+    assert set(data.batches[0].inputs) == {"pixel_values"} and data.task == "classification"
+
+
+def test_a_model_that_does_not_run_on_its_configs_inputs_leaves_the_starts_unjudged():
+    model = zoo.build("vit")
+
+    def fails(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'shape'")
+
+    model.forward = fails
+    state = model.state_dict()
+    with pytest.raises(DataError, match="returns no logits"):
+        synthetic_data(model, [state, state], examples=2, batch_size=2)
+    assert PathJudge(model, state, state, examples=2)(state) is None
+
+
 def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
     """Before: generate()'s failure (ProphetNet's positions ran out) ended the alignment that judged its starts."""
     model = zoo.build("llama")
