@@ -92,12 +92,16 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         else:
             inputs = [_example_inputs(twin, config, batch=size, seq=length, seed=seed + index)
                       for index, size in enumerate(sizes)]
-            kind = "inverted" if invert and task == "classification" and any(map(torch.is_floating_point,
-                                                                                 inputs[0].values())) else "random"
+            kind = "inverted" if invert and _invertible(task, inputs[0]) else "random"
             if kind == "inverted":
                 inputs = [_inverted(twin, endpoints, batch) for batch in inputs]
         batches = tuple(_labelled(twin, endpoints, batch, task) for batch in inputs)
     return Dataset(f"{SPEC} ({examples} examples, {kind} inputs)", task, batches)
+
+
+def _invertible(task: str, inputs: dict[str, torch.Tensor]) -> bool:
+    """Whether inversion moves these inputs: a classifier's floating-point ones (pixels, audio), not token ids."""
+    return task == "classification" and any(map(torch.is_floating_point, inputs.values()))
 
 
 def _example_inputs(model: torch.nn.Module, config, **shape) -> dict[str, torch.Tensor]:
@@ -265,10 +269,7 @@ class _JudgeExamples:
         (path loss 2.90 against 2.64 for test barriers of 0.57 and 2.35), inverted ones the right way (2.00
         against 2.27; vit-digits alike)."""
         drawn = self()
-        if drawn is None or drawn.task != "classification" or not any(
-                map(torch.is_floating_point, drawn.batches[0].inputs.values())):
-            return drawn
-        return self(invert=True)
+        return self(invert=True) if drawn is not None and _invertible(drawn.task, drawn.batches[0].inputs) else drawn
 
 
 class PathJudge:

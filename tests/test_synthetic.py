@@ -138,33 +138,28 @@ def test_a_config_with_tokens_and_pixels_gets_what_the_models_forward_reads():
     assert set(data.batches[0].inputs) == {"pixel_values"} and data.task == "classification"
 
 
-def test_a_model_that_does_not_run_on_its_configs_inputs_leaves_the_starts_unjudged():
-    model = zoo.build("vit")
+@pytest.mark.parametrize("family, method, error, refusal, logged", [
+    # before: BEiT's forward failed on its config's inputs with an AttributeError nothing caught
+    ("vit", "forward", AttributeError("'NoneType' object has no attribute 'shape'"), "returns no logits",
+     "returns no logits"),
+    # before: generate()'s failure (ProphetNet's positions ran out) ended the alignment that judged its starts
+    ("llama", "generate", IndexError("index out of range in self"), "cannot be sampled from LlamaForCausalLM",
+     "generate() fails"),
+])
+def test_a_model_that_fails_on_synthetic_inputs_leaves_the_starts_unjudged(family, method, error, refusal, logged,
+                                                                            caplog):
+    model = zoo.build(family)
 
     def fails(*args, **kwargs):
-        raise AttributeError("'NoneType' object has no attribute 'shape'")
+        raise error
 
-    model.forward = fails
+    setattr(model, method, fails)
     state = model.state_dict()
-    with pytest.raises(DataError, match="returns no logits"):
-        synthetic_data(model, [state, state], examples=2, batch_size=2)
-    assert PathJudge(model, state, state, examples=2)(state) is None
-
-
-def test_a_model_that_cannot_sample_leaves_the_starts_unjudged(caplog):
-    """Before: generate()'s failure (ProphetNet's positions ran out) ended the alignment that judged its starts."""
-    model = zoo.build("llama")
-
-    def fails(*args, **kwargs):
-        raise IndexError("index out of range in self")
-
-    model.generate = fails
-    state = model.state_dict()
-    with pytest.raises(DataError, match="cannot be sampled from LlamaForCausalLM"):
+    with pytest.raises(DataError, match=refusal):
         synthetic_data(model, [state, state], examples=2, batch_size=2)
     with caplog.at_level("INFO", logger="symgraph.synthetic"):
         assert PathJudge(model, state, state, examples=2)(state) is None
-    assert "not judged on synthetic data" in caplog.text and "generate() fails" in caplog.text
+    assert "not judged on synthetic data" in caplog.text and logged in caplog.text
 
 
 def test_experts_without_float64_kernels_label_float64_states():
