@@ -100,6 +100,27 @@ _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
                                  f"fell on the shipped pairs: examples/results/fold.json).")
 
 
+# without data, how a full alignment chooses between its candidates (align, barrier, and merge's first alignments)
+_JUDGE_OPTIONS = [
+    click.option("--judge-starts/--no-judge-starts", default=True, show_default=True,
+                 help="Without data: choose between the two starts by the loss along the path on 64 synthetic "
+                      "examples labelled by both models (classifiers and causal LMs); otherwise full mode keeps "
+                      "the closer start and permutation mode the textbook one. Permutation mode stays no "
+                      "farther than textbook weight matching either way."),
+    click.option("--synthetic-activations/--no-synthetic-activations", default=True, show_default=True,
+                 help="Full mode without data: also align the residual stream on activations of the judge's "
+                      "synthetic examples and keep that alignment where its path loss on them is lower (the "
+                      "wide ViT pair's barrier 2.35 -> 0.55; see RESULTS.md)."),
+]
+
+
+def _judge_options(command):
+    """:data:`_JUDGE_OPTIONS` on ``command`` (merge; align and barrier have them among :func:`_descent_options`)."""
+    for option in reversed(_JUDGE_OPTIONS):
+        command = option(command)
+    return command
+
+
 def _descent_options(command):
     """The options of every alignment's descent, shared by ``align`` and ``barrier`` (see :func:`_descent`)."""
     options = [
@@ -115,15 +136,7 @@ def _descent_options(command):
                           "the first start removed 90% of the distance); without data, the start whose aligned "
                           "model has the lower loss along the path on synthetic data is kept (see "
                           "--judge-starts)."),
-        click.option("--judge-starts/--no-judge-starts", default=True, show_default=True,
-                     help="Without data: choose between the two starts by the loss along the path on 64 synthetic "
-                          "examples labelled by both models (classifiers and causal LMs); otherwise full mode keeps "
-                          "the closer start and permutation mode the textbook one. Permutation mode stays no "
-                          "farther than textbook weight matching either way."),
-        click.option("--synthetic-activations/--no-synthetic-activations", default=True, show_default=True,
-                     help="Full mode without data: also align the residual stream on activations of the judge's "
-                          "synthetic examples and keep that alignment where its path loss on them is lower (the "
-                          "wide ViT pair's barrier 2.35 -> 0.55; see RESULTS.md)."),
+        *_JUDGE_OPTIONS,
         click.option("--general-linear", is_flag=True,
                      help="Full mode: align QK and VO pairs in GL(d_head) (their exact group) instead of its "
                           "orthogonal subgroup; never farther than the orthogonal solution, condition <= 100."),
@@ -342,6 +355,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
           **learning):
     from .alignment import compute_device
     from .api import align as run_align, load
+    from .connectivity import alignment_summary
     from .io import save_model
 
     compute_device(device)  # before the models are read
@@ -379,7 +393,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
                f"(mode {mode}{', folded' if result.folded else ''}"
                f"{', residual stream by permutations' if result.residual == 'permutation' else ''}"
-               f"{_cost_summary(result)}"
+               f"{_cost_summary(alignment_summary(result))}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
                f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
@@ -430,15 +444,15 @@ def _learned_note(learned: dict | None) -> str:
             f"{tried}{lowered}{bounded}{stopped}")
 
 
-def _cost_summary(result) -> str:
+def _cost_summary(summary: dict) -> str:
     """How many groups took which cost, and the candidates' path losses the data (or, without it, the synthetic
-    examples) chose between."""
-    costs = result.costs
-    if not costs:
+    examples) chose between; ``summary`` is :func:`symgraph.connectivity.alignment_summary`'s."""
+    counts = summary.get("costs")
+    if not counts:
         return ""
-    counts = {c: sum(v == c for v in costs.values()) for c in dict.fromkeys(costs.values())}
-    losses = {name: loss for name, loss in result.path_losses.items() if name in ("activations", "weights")}
-    chosen = (f" (kept for its lower path loss on {result.judged_on or 'the data'}, t = 1/4, 1/2, 3/4: "
+    losses = {name: loss for name, loss in summary.get("path_losses", {}).items()
+              if name in ("activations", "weights")}
+    chosen = (f" (kept for its lower path loss on {summary.get('judged_on') or 'the data'}, t = 1/4, 1/2, 3/4: "
               f"{', '.join(f'{name} {loss:.4g}' for name, loss in losses.items())})" if losses else "")
     return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
 
@@ -575,6 +589,7 @@ def demo(out_dir, quick, overwrite):
 @_FOLD_OPTION
 @_learn_options
 @_FREE_OUTPUTS
+@_judge_options
 @click.option("--workers", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Where the alignment jobs (one per model per round) run: this process, or a Ray cluster "
                    "(RAY_ADDRESS or a running `ray start --head`; else a local one for this run). Needs the "
@@ -582,7 +597,7 @@ def demo(out_dir, quick, overwrite):
 @_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          free_outputs, workers, device, dtype, **learning):
+          free_outputs, workers, device, dtype, judge_starts, synthetic_activations, **learning):
     from .alignment import compute_device
     from .merging import merge as run_merge
 
@@ -604,8 +619,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
                        fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
-                       learn=learn and _learning(**learning),
-                       device=device, dtype=dtype)
+                       learn=learn and _learning(**learning), device=device, dtype=dtype,
+                       judge_starts=judge_starts, synthetic_activations=synthetic_activations)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
@@ -619,6 +634,10 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     for i, learned in enumerate(result.learned):
         if learned is not None:  # the reference does not move
             click.echo(f"model {i + 1} ({result.models[i]}){_learned_note(learned)}")
+    for i, summary in enumerate(result.alignments):
+        if summary and summary.get("costs"):  # the reference does not move
+            click.echo(f"model {i + 1} ({result.models[i]}), first aligned onto the reference"
+                       f"{_cost_summary(summary)}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "

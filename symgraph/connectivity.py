@@ -66,7 +66,7 @@ def alignment_summary(result) -> dict:
     return {"start": result.start, "distance_before": result.distance_before,
             **({"residual_group": result.residual} if result.residual else {}),
             **({"path_losses": result.path_losses} if result.path_losses else {}),
-            **({"costs": {c: sum(v == c for v in result.costs.values()) for c in set(result.costs.values())},
+            **({"costs": {c: list(result.costs.values()).count(c) for c in dict.fromkeys(result.costs.values())},
                 "cost_data": result.cost_data, "judged_on": result.judged_on} if result.costs else {}),
             **({"learned": result.learned} if result.learned else {})}
 

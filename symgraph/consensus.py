@@ -64,7 +64,8 @@ class Consensus:
 def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *, mode: str = "full",
                        exclude: frozenset[str] = frozenset(), rounds: int = 5, tol: float = 1e-4,
                        progress: bool = True, learner: Callable | None = None, reference: int | None = None,
-                       common: bool = False, workers: str = "local", device="cpu", dtype=None) -> Consensus:
+                       common: bool = False, workers: str = "local", device="cpu", dtype=None,
+                       first_pass: Callable[[int, int], Sequence[Element]] | None = None) -> Consensus:
     """Align every model to a common frame (see the module docstring); distances are relative L2 distances.
 
     ``exclude`` names parameters left out of every cost and every mean (classifier heads of different tasks,
@@ -77,6 +78,9 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     ``workers`` is where the alignment jobs run: ``local`` (this process) or ``ray`` (:mod:`symgraph.workers`;
     needs the ``symgraph[ray]`` extra), with the same result. ``device`` and ``dtype`` are where and in what each
     alignment computes (:func:`symgraph.alignment.align_states`; the states stay float64 on the CPU).
+    ``first_pass(model, reference)``, where given, makes each model's first move onto the reference instead of the
+    plan, in this process (it aligns the models themselves, not states: :func:`symgraph.merging.merge` judges its
+    candidates on the models' outputs); its elements, on groups of the models' reports, act in the plan's groups.
 
     Examples
     --------
@@ -104,7 +108,9 @@ def align_to_consensus(subjects: Sequence[Subject], weights: Sequence[float], *,
     with workers_context(workers, subjects) as runner:
         bar = progress_bar(desc=f"aligning ({mode})", total=len(states) - 1, enabled=progress)
         jobs = (Job(i, states[i], [], states[reference]) for i in _others(len(states), reference))
-        for job, elements in runner.run(plan, jobs):
+        moves = (runner.run(plan, jobs) if first_pass is None
+                 else _first_moves(plan, first_pass, jobs, reference, runner.seconds))
+        for job, elements in moves:
             states[job.index], applied[job.index] = apply(job.state, elements), list(elements)
             bar.update()
         bar.close()
@@ -159,7 +165,14 @@ class AlignmentPlan:
                               device=self.device, dtype=self.dtype)
         if self.learner is not None:
             result = self.learner(list(self.solve), source, target, result, self.free)
-        return [Element(self.full[e.group.id], e.matrices, e.perm, e.diag) for e in result.elements]
+        return self.owned(result.elements)
+
+    def owned(self, elements: Sequence[Element]) -> list[Element]:
+        """``elements`` acting on this plan's complete groups (with every member, excluded parameters included),
+        as fresh arrays (an element from elsewhere, e.g. Ray's object store, may hold read-only views)."""
+        def fresh(array):
+            return None if array is None else np.array(array)
+        return [Element(self.full[e.group.id], fresh(e.matrices), fresh(e.perm), fresh(e.diag)) for e in elements]
 
 
 def merge_order(subjects: Sequence[Subject], weights: Sequence[float], exclude: frozenset[str]) -> list[int]:
@@ -198,6 +211,16 @@ def shared_float_names(state: State, exclude: frozenset[str]) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
+def _first_moves(plan: AlignmentPlan, first_pass: Callable, jobs, reference: int, seconds: list[float]):
+    """``(job, elements)`` for each job, its elements made by ``first_pass(job.index, reference)``; the time of
+    each is appended to ``seconds``."""
+    for job in jobs:
+        clock = time.perf_counter()
+        elements = plan.owned(first_pass(job.index, reference))
+        seconds.append(time.perf_counter() - clock)
+        yield job, elements
+
+
 def _rounds(propose, states, applied, w, names, rounds, tol, history) -> tuple[list[State], list[float]]:
     """At most ``rounds`` rounds of ``propose(states) -> (candidate, moves)`` while the weighted mean distance to
     the consensus keeps falling (by more than ``tol`` of itself); a round that does not lower it is discarded.

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .api import Subject, load, tie_aliases
+from .api import Subject, align as align_pair, load, tie_aliases
 from .alignment import compute_device, compute_dtype
 from .consensus import ALIGN_MODES, Consensus, align_to_consensus, merge_order, shared_float_names, weighted_mean
 from .workers import check_workers
@@ -90,6 +90,9 @@ class MergeResult:
     inputs: tuple[Path, ...] = ()  # the folders the models were read from: save never writes over one
     learned: tuple[dict | None, ...] = ()  # per model, what learned matching did in the frame kept (with learn)
     fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
+    # per model, what its first alignment onto the reference kept (starts, costs, path losses: the JSON of
+    # symgraph.connectivity.alignment_summary; None for the reference), where merge made it as align does
+    alignments: tuple[dict | None, ...] = ()
 
     @property
     def distances(self) -> list[float]:
@@ -104,7 +107,8 @@ class MergeResult:
                 "weights": list(self.weights), "data": list(self.data), "head_from": self.head_from,
                 "head": list(self.head), "simple_averaged": len(self.simple_averaged),
                 "consensus": self.consensus.to_json(), "frame": self.frame, "frame_note": self.frame_note,
-                "frames": self.frames, "learned": list(self.learned), "timings_s": self.timings,
+                "frames": self.frames, "learned": list(self.learned), "alignments": list(self.alignments),
+                "timings_s": self.timings,
                 **({"fold_note": self.fold_note} if self.fold_note else {})}
 
     def save(self, path, *, overwrite: bool = False) -> Path:
@@ -125,7 +129,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
           limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
-          workers: str = "local", device="cpu", dtype=None) -> MergeResult:
+          workers: str = "local", device="cpu", dtype=None, judge_starts: bool = True,
+          synthetic_activations: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -182,12 +187,19 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         aligned too (see :func:`symgraph.load`); the merge's outputs are in the reference model's basis.
     workers
         Where the consensus alignment jobs run: ``"local"`` or ``"ray"`` (a Ray cluster; the ``symgraph[ray]``
-        extra), one job per model per round, each reading its model from its folder (:mod:`symgraph.workers`).
+        extra), one job per model per round, each reading its model from its folder (:mod:`symgraph.workers`);
+        the first alignments made as ``align`` makes them (``judge_starts``) run in this process, which has the models.
     device, dtype
         Where and in what the heavy linear algebra computes: ``cpu`` (the default), ``cuda`` or ``cuda:N``, and
         ``float32`` or ``float64`` (default float64): the alignment's costs, SVDs and moves
         (:func:`symgraph.alignment.align_states`) and RegMean's solves. Statistics, means and the result stay
         float64 on the CPU. A device this machine lacks, or another dtype, is refused before any model is read.
+    judge_starts, synthetic_activations
+        ``align="full"`` without learning or heads of their own: each model's first alignment onto the reference is
+        made as :func:`symgraph.align` makes it without data (with ``judge_starts``, its descent starts judged by
+        their path loss on synthetic examples; with ``synthetic_activations`` too, the alignment on activations of
+        those examples kept where its path loss is lower), in this process; ``result.alignments`` says what each
+        kept. Otherwise, and in the rounds of three or more models and of the common frame, by weights alone.
 
     Examples
     --------
@@ -227,6 +239,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     judged = merge_examples(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
         len(frames) > 1 and not datasets and not learn and not exclude) else None
     scored_on = datasets or ([judged] if judged is not None else [])
+    first_pass = _FirstAlignments(subjects, synthetic_activations, device, dtype) if (
+        align == "full" and judge_starts and not learn and not exclude) else None
     for label, reference, common in frames:
         records: list[dict] = []  # what learning did, model by model, in this frame
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
@@ -234,7 +248,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         moved = _aligned_on_activations(subjects, datasets, reference, device, dtype) if on_data else subjects
         consensus = align_to_consensus(moved, w, mode="none" if on_data else align, exclude=exclude, rounds=rounds,
                                        progress=progress, learner=learner, reference=reference, common=common,
-                                       workers=workers, device=device, dtype=dtype)
+                                       workers=workers, device=device, dtype=dtype, first_pass=first_pass)
         names = shared_float_names(consensus.states[0], exclude)
         merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress,
                                     (device, dtype or torch.float64))
@@ -248,7 +262,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
                        head_from, tuple(sorted(exclude)), averaged, tuple(d.name for d in datasets),
                        clock.laps(), source.config, source.path, label, _frame_note(tried, datasets, judged),
                        {t[0]: t[4] for t in tried}, inputs, _per_model(records, len(subjects), consensus.reference),
-                       fold_note)
+                       fold_note, first_pass.summaries(consensus.reference) if first_pass is not None else ())
 
 
 FRAMES = ("best", "reference", "common")
@@ -845,17 +859,42 @@ def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: 
                             dtype=None) -> list[Subject]:
     """The reference model, and every other aligned to it in full mode with activation costs on its own data
     (checked to compute what it computed)."""
-    from .api import align
-
     out = list(subjects)
     for i, (subject, data) in enumerate(zip(subjects, datasets)):
         if i == reference:
             continue
         model = copy.deepcopy(subject.model)
-        model.load_state_dict(align(subject, subjects[reference], mode="full", data=data, fold=False, device=device,
-                                    dtype=dtype).state)
+        model.load_state_dict(align_pair(subject, subjects[reference], mode="full", data=data, fold=False,
+                                         device=device, dtype=dtype).state)
         out[i] = dataclasses.replace(subject, model=model, weights_from_path=False, _capture=None, _report=None)
     return out
+
+
+class _FirstAlignments:
+    """Each model's first alignment onto a reference, made as :func:`symgraph.align` makes it without data
+    (:attr:`symgraph.consensus.align_to_consensus`'s ``first_pass``), once per pair (frames share them): on the
+    shipped and wide pairs its judged starts and activations of synthetic examples lowered barriers where weights
+    alone did not (examples/RESULTS.md; the wide ViT 2.35 -> 0.57)."""
+
+    def __init__(self, subjects: list[Subject], synthetic_activations: bool, device, dtype):
+        self.subjects, self.synthetic_activations = subjects, synthetic_activations
+        self.device, self.dtype = device, dtype
+        self.results: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, index: int, reference: int) -> list:
+        if (index, reference) not in self.results:  # checked with the consensus, at its end
+            self.results[index, reference] = align_pair(
+                self.subjects[index], self.subjects[reference], mode="full", fold=False, verify=False,
+                progress=False, synthetic_activations=self.synthetic_activations, device=self.device,
+                dtype=self.dtype)
+        return self.results[index, reference].elements
+
+    def summaries(self, reference: int) -> tuple[dict | None, ...]:
+        """Per model, what its alignment onto ``reference`` kept (None for the reference, and any not made)."""
+        from .connectivity import alignment_summary
+
+        return tuple(alignment_summary(self.results[i, reference]) if (i, reference) in self.results else None
+                     for i in range(len(self.subjects)))
 
 
 def _datasets_for(data, subjects, batch_size, limit, split) -> list:

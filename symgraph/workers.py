@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .elements import Element, apply
 from .errors import SymgraphError
 
@@ -96,17 +94,11 @@ class RayWorkers(LocalWorkers):
                    for j in jobs]
         for job, (elements, seconds) in zip(jobs, self.ray.get(futures)):
             self.seconds.append(seconds)
-            yield job, [_own(plan, e) for e in elements]
+            yield job, plan.owned(elements)
 
     def close(self) -> None:
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
-
-
-def _own(plan, e: Element) -> Element:
-    """An element from Ray on this process's own group (arrays from the object store are read-only views)."""
-    arrays = (None if a is None else np.array(a) for a in (e.matrices, e.perm, e.diag))
-    return Element(plan.full[e.group.id], *arrays)
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,28 @@ def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
     assert json.loads((tmp_path / "merge.json").read_text())["frame"].startswith("common")
     code, _, stderr = run("merge", *folders, "-o", tmp_path / "bad", "--frame", "mean")
     assert code == 2 and "mean" in stderr and not (tmp_path / "bad").exists()
+
+
+def test_cli_merge_says_what_each_first_alignment_kept_unless_told_not_to_judge(pair, tmp_path):
+    folders = []
+    for i, subject in enumerate(pair):
+        folder = tmp_path / f"m{i}"
+        subject.model.save_pretrained(folder)
+        folders.append(folder)
+    summaries, outputs = {}, {}
+    for name, extra in (("judged", ()), ("by weights", ("--no-judge-starts",))):
+        summary = tmp_path / f"{name}.json"
+        code, stdout, stderr = run("merge", *folders, "-o", tmp_path / name, "--frame", "reference", "--no-progress",
+                                   "--json", summary, *extra)
+        assert code == 0, stderr
+        summaries[name], outputs[name] = json.loads(summary.read_text()), stdout
+    alignments = summaries["judged"]["alignments"]
+    reference = summaries["judged"]["consensus"]["reference"]
+    other = alignments[1 - reference]
+    assert alignments[reference] is None and other["judged_on"].startswith("synthetic")
+    kept = min(("weights", "activations"), key=other["path_losses"].get)
+    assert (kept == "activations") == ("activations" in other["costs"])
+    assert f"model {2 - reference} (" in outputs["judged"]
+    assert "first aligned onto the reference; costs:" in outputs["judged"]
+    assert "lower path loss on synthetic" in outputs["judged"]
+    assert summaries["by weights"]["alignments"] == [] and "path loss" not in outputs["by weights"]

@@ -97,11 +97,13 @@ def test_statistics_are_taken_on_the_aligned_models(llama, method):
     close = with_state(llama.model, noisy(llama, seed=0, noise=0.05))  # B: near A, in A's frame
     moved = with_state(llama.model, apply(close.state_dict(), symgraph.sample_elements(llama.report, 5)))
     # A stays the reference; unfolded, so both merges recover the exact frame (the folded orthogonal stream
-    # is aligned by a descent that stops at a tolerance)
-    kwargs = dict(method=method, data=tokens(), weights=[0.6, 0.4], progress=False, fold=False, frame="reference")
+    # is aligned by a descent that stops at a tolerance); by weights alone: judged on synthetic data, B's two starts
+    # tie and g.B's recovery is kept at once, so the frames agree only to the descent's tolerance
+    kwargs = dict(method=method, data=tokens(), weights=[0.6, 0.4], progress=False, fold=False, frame="reference",
+                  judge_starts=False)
     direct, via_moved = merge([llama, close], **kwargs), merge([llama, moved], **kwargs)
     simple = merge([llama, close], method="simple", weights=[0.6, 0.4], progress=False, fold=False,
-                   frame="reference")
+                   frame="reference", judge_starts=False)
     assert max_difference(direct.state, via_moved.state) < 1e-5
     assert max_difference(direct.state, simple.state) > 1e-3  # the statistics did change the merge
 
@@ -227,6 +229,44 @@ def test_consensus_does_not_depend_on_the_argument_order(llama):
 
 
 # -- heads --------------------------------------------------------------------------------------------------------------
+def test_full_merges_align_each_model_first_as_align_does():
+    """Without data, a full merge's first alignment onto the reference is `align`'s: starts judged and activations
+    of synthetic examples tried on the models themselves (not by weights alone), and the result says what it kept."""
+    a, b = (symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1))
+    merged = merge([a, b], method="simple", fold=True, frame="reference", progress=False)
+    reference = merged.consensus.reference
+    other = 1 - reference
+    aligned = symgraph.align([a, b][other], [a, b][reference], fold=True)  # folded, as the merge folds them
+    anchor = merged.consensus.states[reference]
+    expected = {k: 0.5 * anchor[k] + 0.5 * aligned.state[k].double() for k in anchor}
+    assert max_difference(merged.state, expected) < 1e-5
+    summary = merged.alignments[other]
+    assert merged.alignments[reference] is None and summary["judged_on"].startswith("synthetic")
+    assert {"recovery", "weights", "activations"} <= summary["path_losses"].keys()
+    assert summary["path_losses"] == aligned.path_losses and merged.to_json()["alignments"][other] == summary
+
+    by_weights = merge([a, b], method="simple", fold=True, frame="reference", progress=False, judge_starts=False)
+    assert by_weights.alignments == () and by_weights.consensus.reference == reference
+    assert max_difference(by_weights.state, merged.state) > 1e-3  # the judge kept another alignment here
+
+
+def test_the_consensus_takes_each_first_move_from_the_first_pass_where_given(llama, llama_twin):
+    """``first_pass(model, reference)`` replaces the plan's first move: one that moves nothing leaves the twin
+    where it was (unaligned, the twin's distance stays), and it is asked once per other model."""
+    from symgraph.consensus import align_to_consensus
+
+    asked = []
+
+    def nothing(index, reference):
+        asked.append((index, reference))
+        return []
+    moved = align_to_consensus([llama, llama_twin], [0.5, 0.5], progress=False, reference=0)
+    kept = align_to_consensus([llama, llama_twin], [0.5, 0.5], progress=False, reference=0, first_pass=nothing)
+    assert asked == [(1, 0)]
+    assert max(moved.distances) < 1e-5 < min(kept.distances)
+    assert kept.distances == pytest.approx(kept.distances_before)
+
+
 def test_head_from_copies_the_head_of_a_model_with_other_labels():
     three, five = zoo.build("bert", seed=0), zoo.build("bert", seed=1, num_labels=5)
     assert head_parameters(symgraph.load(five)) == {"classifier.weight", "classifier.bias"}
