@@ -15,7 +15,7 @@ from symgraph.demo import shipped_pair
 from symgraph.errors import DataError
 from symgraph.inputs import example_inputs
 from symgraph.learn import LearnError, LearnOptions
-from symgraph.synthetic import TOP, PathJudge, synthetic_data
+from symgraph.synthetic import TOP, PathJudge, merge_examples, synthetic_data
 
 from cli_runner import run
 
@@ -125,6 +125,15 @@ def test_the_judge_inverts_a_classifiers_pixels_only_and_makes_each_set_once(fam
         moved = judge.examples.inverted().batches[0].inputs["pixel_values"]
         assert moved.shape == drawn.batches[0].inputs["pixel_values"].shape
         assert not torch.equal(moved, drawn.batches[0].inputs["pixel_values"])
+
+
+@pytest.mark.parametrize("family, kind", [("vit", "inverted"), ("bert", "random")])
+def test_merges_are_scored_on_a_classifiers_pixels_inverted(family, kind):
+    """Random pixels ranked vit-digits' merge frames worse than inverted ones (merge_examples' docstring)."""
+    model = zoo.build(family)
+    state = model.state_dict()
+    examples = merge_examples(model, [state, state], examples=4)
+    assert f"{kind} inputs" in examples.name and len(examples) == 4
 
 
 def test_a_config_with_tokens_and_pixels_gets_what_the_models_forward_reads():
