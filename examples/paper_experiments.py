@@ -868,6 +868,20 @@ WIDE_NOTES = """\
   1.583 (0.50x; 1.930 before), below `full+data` on the real text (1.643), vit-digits 2.983 (0.83x; 3.298),
   bert-topics 0. The merge tables did not move: `merge` aligns through its own plan (`symgraph.consensus`), which
   neither judges starts nor tries synthetic activations; bringing both to merges is the next step.
+- **Merges align as `align` does (stop 38).** Without data, `merge --align full` now makes each model's first
+  alignment onto the reference with `symgraph.align` (starts judged on synthetic examples, activations of them
+  tried; the consensus's `first_pass`, once per pair, shared by the frames), and frames are judged on a
+  classifier's pixels inverted. The shipped tables above are this stop's run (`python examples/paper_experiments.py`,
+  3354 s, one thread beside the test suite); their barriers did not move (full llama-chars 1.583, vit-digits 2.983,
+  bert-topics 0), their full merges did, before -> now: llama-chars simple 3.266 -> 2.919, fisher 3.236 -> 3.003,
+  regmean 3.056 -> 2.920; vit-digits simple 3.334 -> 3.028, **fisher 2.981 -> 3.262 and regmean 2.743 -> 2.990
+  (worse)**; bert-topics simple 1.123 -> 1.122, fisher 1.123 -> 1.109, regmean 1.144 -> 1.160. The alignment is
+  chosen by the path loss of simple interpolation, which is not what Fisher and RegMean merges average; with their
+  data at hand the weight-matched alignment could be tried as a further frame and the data decide (not done). Off
+  the tables (`python examples/study_merge_frames.py --pairs ...`, README.md): the wide ViT's data-free simple merge
+  2.097 -> 0.649 (7.5x the endpoints' mean; learned matching's merge is the one under the 1.20x bar), the wide
+  LLaMA's 2.494 -> 2.421 on 64 test windows. Merges of two models take about 2-4x longer (two judged alignments
+  instead of three by weights): llama-chars' full simple merge 21 s -> 72 s in this run.
 """
 
 
