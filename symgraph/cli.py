@@ -114,11 +114,16 @@ _JUDGE_OPTIONS = [
 ]
 
 
-def _judge_options(command):
-    """:data:`_JUDGE_OPTIONS` on ``command`` (merge; align and barrier have them among :func:`_descent_options`)."""
-    for option in reversed(_JUDGE_OPTIONS):
+def _with_options(command, options):
+    """``command`` with every click option of ``options``, listed in the order ``--help`` shows them."""
+    for option in reversed(options):
         command = option(command)
     return command
+
+
+def _judge_options(command):
+    """:data:`_JUDGE_OPTIONS` on ``command`` (merge; align and barrier have them among :func:`_descent_options`)."""
+    return _with_options(command, _JUDGE_OPTIONS)
 
 
 def _descent_options(command):
@@ -150,9 +155,7 @@ def _descent_options(command):
                           "models (lower barriers on the ViT pairs), the orthogonal group otherwise (LLaMA pairs, "
                           "exact copies, --data); see RESULTS.md."),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return _with_options(command, options)
 
 
 class _PathPoint(click.ParamType):
@@ -253,9 +256,7 @@ def _learn_options(command, *, flag: bool = True):
             "--learn", is_flag=True,
             help="Learned matching: tune the alignment on the loss of the interpolated model (points along the "
                  "path) on the training split of --data; the result is still an exact reparametrisation."))
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return _with_options(command, options)
 
 
 def _data_options(command):
@@ -270,9 +271,7 @@ def _data_options(command):
                      help="Groups matched on activations (the others, after them, on weights): the residual "
                           "stream, or every group whose coordinates some activation carries."),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return _with_options(command, options)
 
 
 def _compute_options(where: str, default_dtype: str):

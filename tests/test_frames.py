@@ -124,12 +124,16 @@ def test_unknown_frame_is_refused(pair):
         merge(pair, frame="mean", progress=False)
 
 
-def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
-    folders = []
-    for i, subject in enumerate(pair):
-        folder = tmp_path / f"m{i}"
+def saved(subjects, root) -> list:
+    """The subjects' models written as Hugging Face folders m0, m1, ... under ``root``."""
+    folders = [root / f"m{i}" for i in range(len(subjects))]
+    for subject, folder in zip(subjects, folders):
         subject.model.save_pretrained(folder)
-        folders.append(folder)
+    return folders
+
+
+def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
+    folders = saved(pair, tmp_path)
     code, stdout, stderr = run("merge", *folders, "-o", tmp_path / "out", "--frame", "common", "--no-fold",
                                "--align", "permutation", "--json", tmp_path / "merge.json", "--no-progress")
     assert code == 0, stderr
@@ -140,11 +144,7 @@ def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
 
 
 def test_cli_merge_says_what_each_first_alignment_kept_unless_told_not_to_judge(pair, tmp_path):
-    folders = []
-    for i, subject in enumerate(pair):
-        folder = tmp_path / f"m{i}"
-        subject.model.save_pretrained(folder)
-        folders.append(folder)
+    folders = saved(pair, tmp_path)
     summaries, outputs = {}, {}
     for name, extra in (("judged", ()), ("by weights", ("--no-judge-starts",))):
         summary = tmp_path / f"{name}.json"
