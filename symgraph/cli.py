@@ -110,7 +110,7 @@ _JUDGE_OPTIONS = [
     click.option("--synthetic-activations/--no-synthetic-activations", default=True, show_default=True,
                  help="Full mode without data: also align the residual stream on activations of the judge's "
                       "synthetic examples and keep that alignment where its path loss on them is lower (the "
-                      "wide ViT pair's barrier 2.35 -> 0.55; see RESULTS.md)."),
+                      "wide ViT pair's barrier 2.35 -> 0.57; see README.md)."),
 ]
 
 
