@@ -576,7 +576,9 @@ def demo(out_dir, quick, overwrite):
               help="Frame of the merge: onto the reference model; a common frame (every model aligned to their "
                    "mean); or best: every model's frame and the common one tried, the merge with the lowest loss "
                    "on --data kept (without data: on 64 synthetic examples labelled by the models together, or "
-                   "where none can be made, the aligned models closest to their mean).")
+                   "where none can be made, the aligned models closest to their mean). With --data, each frame is "
+                   "also tried with its first alignments by weights alone (see --judge-starts), and each model's "
+                   "frame on activations of the data (as --align full+data).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the merge is complete).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")

@@ -250,6 +250,40 @@ def test_full_merges_align_each_model_first_as_align_does():
     assert max_difference(by_weights.state, merged.state) > 1e-3  # the judge kept another alignment here
 
 
+@pytest.mark.parametrize("method", ["fisher", "regmean"])
+def test_with_data_each_frame_is_also_tried_by_weights_and_on_activations_and_the_data_decides(method):
+    """The first alignments `align` makes without data are judged on simple interpolation of synthetic examples;
+    with data the merge also tries each frame aligned by weights alone and on activations of the data (as
+    ``full+data``), and keeps the lowest merged loss on the data, saying which and what its alignment kept."""
+    a, b = (symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1))  # the judge keeps another alignment here
+    g = torch.Generator().manual_seed(1)
+    data = Dataset("pixels", "classification", tuple(
+        Batch({"pixel_values": torch.randn(8, 3, 16, 16, generator=g)}, torch.randint(0, 3, (8,), generator=g))
+        for _ in range(4)))
+    kwargs = dict(method=method, data=data, fold=True, frame="reference", progress=False)
+    both = merge([a, b], **kwargs)
+    by_weights = merge([a, b], judge_starts=False, **kwargs)
+    on_activations = merge([a, b], **{**kwargs, "align": "full+data"})
+    (judged, weights, activations), (alone,), (data_frame,) = both.frames, by_weights.frames, on_activations.frames
+    assert (weights, activations) == (judged + ", aligned by weights", judged + ", aligned on activations of the data")
+    assert alone == data_frame == judged
+    assert both.frames[weights] == pytest.approx(by_weights.frames[alone], rel=1e-9)
+    assert both.frames[activations] == pytest.approx(on_activations.frames[data_frame], rel=1e-9)
+    assert len(set(round(v, 4) for v in both.frames.values())) == 3  # three merges, not one thrice
+    assert both.frame == min(both.frames, key=both.frames.get) and both.frame in both.frame_note
+    kept = {judged: None, weights: by_weights, activations: on_activations}[both.frame]
+    for other in (by_weights, on_activations):
+        assert (max_difference(both.state, other.state) < 1e-6) == (other is kept)
+    other = 1 - both.consensus.reference
+    assert (both.alignments == ()) == (both.frame == weights)  # what the kept first alignment kept, if made
+    summary = both.alignments[other] if both.alignments else {}
+    assert summary.get("judged_on", "").startswith({judged: "synthetic", weights: "", activations: "pixels"}[
+        both.frame])
+    assert on_activations.alignments[other]["judged_on"] == "pixels"
+    simple = merge([a, b], method="simple", fold=True, frame="reference", progress=False)
+    assert len(simple.frames) == 1  # without data nothing ranks them on the task: align's alignment is kept
+
+
 def test_the_consensus_takes_each_first_move_from_the_first_pass_where_given(llama, llama_twin):
     """``first_pass(model, reference)`` replaces the plan's first move: one that moves nothing leaves the twin
     where it was (unaligned, the twin's distance stays), and it is asked once per other model."""
