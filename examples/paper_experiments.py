@@ -882,6 +882,18 @@ WIDE_NOTES = """\
   2.097 -> 0.649 (7.5x the endpoints' mean; learned matching's merge is the one under the 1.20x bar), the wide
   LLaMA's 2.494 -> 2.421 on 64 test windows. Merges of two models take about 2-4x longer (two judged alignments
   instead of three by weights): llama-chars' full simple merge 21 s -> 72 s in this run.
+- **With data, the data chooses the merge's alignment too (stop 39).** With `--data`, `merge --align full` now also
+  tries each frame with its first alignments by weights alone, and each model's frame with them on activations of
+  the data (as `full+data`), keeping the lowest merged loss on the data (`symgraph.merging._candidates`). The
+  tables above are stop 38's run; the full row's Fisher and RegMean merges now give, before -> now (`python
+  examples/study_merge_frames.py --method fisher` and `--method regmean`, the same 256 training examples in batches
+  of 64, one thread, two runs side by side; `results/merge_frames_{fisher,regmean}.json`, every frame's score and
+  test loss): vit-digits fisher 3.262 -> 2.687, regmean 2.990 -> 2.290 (fisher in model 1's frame, regmean in
+  model 2's, both on activations of the data); llama-chars fisher 3.003 -> 2.968, regmean 2.920 (unchanged: the
+  judged frame still scores lowest); bert-topics fisher 1.109 -> 1.117 and regmean 1.160 -> 1.168, a little worse: its training examples rank the
+  frames on activations first (1.0076 against 1.0117 for fisher) where the test split does not. The choice is
+  made on training data: vit-digits' regmean kept 2.290 where model 1's frame on activations gives 2.105 on test.
+  About twice the merges: llama-chars' fisher merge 93 s -> 180 s (each beside another run).
 """
 
 
