@@ -890,10 +890,11 @@ WIDE_NOTES = """\
   of 64, one thread, two runs side by side; `results/merge_frames_{fisher,regmean}.json`, every frame's score and
   test loss): vit-digits fisher 3.262 -> 2.687, regmean 2.990 -> 2.290 (fisher in model 1's frame, regmean in
   model 2's, both on activations of the data); llama-chars fisher 3.003 -> 2.968, regmean 2.920 (unchanged: the
-  judged frame still scores lowest); bert-topics fisher 1.109 -> 1.117 and regmean 1.160 -> 1.168, a little worse: its training examples rank the
-  frames on activations first (1.0076 against 1.0117 for fisher) where the test split does not. The choice is
-  made on training data: vit-digits' regmean kept 2.290 where model 1's frame on activations gives 2.105 on test.
-  About twice the merges: llama-chars' fisher merge 93 s -> 180 s (each beside another run).
+  judged frame still scores lowest); bert-topics fisher 1.109 -> 1.117 and regmean 1.160 -> 1.168, a little
+  worse: its training examples rank the frames on activations first (1.0076 against 1.0117 for fisher) where the
+  test split does not. The choice is made on training data: vit-digits' regmean kept 2.290 where model 1's frame
+  on activations gives 2.105 on test. About twice the merges: llama-chars' fisher merge 93 s -> 180 s (each
+  beside another run).
 """
 
 
