@@ -249,8 +249,14 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         records: list[dict] = []  # what learning did, model by model, in this frame
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
                            records) if learn else None
-        moved, summaries = _aligned_on_activations(subjects, datasets, reference, device, dtype) if activations else (
-            subjects, ())
+        try:
+            moved, summaries = _aligned_on_activations(subjects, datasets, reference, device, dtype) if (
+                activations) else (subjects, ())
+        except (SymgraphError, RuntimeError, ValueError) as error:
+            if on_data:  # asked for: its failure is the merge's
+                raise
+            _log.info("merge leaves out the frame %s: %s: %s", label, type(error).__name__, error)
+            continue  # one candidate among others: its failure costs only itself
         consensus = align_to_consensus(moved, w, mode="none" if activations else align, exclude=exclude,
                                        rounds=rounds, progress=progress, learner=learner, reference=reference,
                                        common=common, workers=workers, device=device, dtype=dtype, first_pass=passing)

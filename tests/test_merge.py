@@ -284,6 +284,17 @@ def test_with_data_each_frame_is_also_tried_by_weights_and_on_activations_and_th
     assert len(simple.frames) == 1  # without data nothing ranks them on the task: align's alignment is kept
 
 
+def test_a_frame_on_activations_that_fails_costs_only_itself_unless_asked_for(llama, llama_other, monkeypatch):
+    def fails(*args, **kwargs):
+        raise SymgraphError("no site records these activations")
+    monkeypatch.setattr(symgraph.merging, "_aligned_on_activations", fails)
+    kwargs = dict(method="fisher", data=tokens(), frame="reference", progress=False)
+    result = merge([llama, llama_other], **kwargs)
+    assert len(result.frames) == 2 and not any(label.endswith("of the data") for label in result.frames)
+    with pytest.raises(SymgraphError, match="no site records"):
+        merge([llama, llama_other], align="full+data", **kwargs)
+
+
 def test_the_consensus_takes_each_first_move_from_the_first_pass_where_given(llama, llama_twin):
     """``first_pass(model, reference)`` replaces the plan's first move: one that moves nothing leaves the twin
     where it was (unaligned, the twin's distance stays), and it is asked once per other model."""
