@@ -217,6 +217,11 @@ def _learn_options(command, *, flag: bool = True):
                           "whenever it is no better)."),
         click.option("--learn-batch-size", type=click.IntRange(min=1), default=lambda: _learn_default("batch_size"),
                      show_default="32", help="Training examples per step of learned matching."),
+        click.option("--learn-synthetic-examples", type=click.IntRange(min=1),
+                     default=lambda: _learn_default("synthetic_examples"), show_default="1600",
+                     help="How many examples --learn-data synthetic makes from the models aligned (a "
+                          "classifier's pixels inverted by 30 steps each, a causal LM's sampled): fewer cost "
+                          "less and fit less."),
         click.option("--learn-t", type=_PathPoint(), default=lambda: _learn_default("t"), show_default="auto",
                      help="Where on the path the loss is taken: the midpoint, a number strictly between 0 and 1, "
                           "or a random point each step; auto: in a simple merge of two models the point the merged "
@@ -292,7 +297,7 @@ def _learn_default(name: str):
 
 def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentration, learn_method, learn_patience,
               learn_tolerance, learn_seconds, learn_max_condition, learn_backtrack_margin, learn_eval_batches,
-              learn_holdout, learn_mixup, learn_rate_trial):
+              learn_holdout, learn_mixup, learn_rate_trial, learn_synthetic_examples):
     """The :class:`symgraph.learn.LearnOptions` of :func:`_learn_options` (a command takes them as ``**learning``)."""
     from .learn import LearnOptions
 
@@ -301,7 +306,7 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentr
                         patience=learn_patience, tolerance=learn_tolerance, seconds=learn_seconds,
                         max_condition=learn_max_condition, backtrack_margin=learn_backtrack_margin,
                         eval_batches=learn_eval_batches, holdout=learn_holdout, mixup=learn_mixup,
-                        rate_trial=learn_rate_trial)
+                        rate_trial=learn_rate_trial, synthetic_examples=learn_synthetic_examples)
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, synthetic_activations,
