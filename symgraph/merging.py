@@ -295,12 +295,13 @@ def _frames(frame: str, order: list[int], subjects, align: str, learned: bool) -
     return onto + ([] if learned else common)
 
 
-def _candidates(frames: list, first_pass, on_data: bool, activations: bool) -> list[tuple[str, int, bool, Any, bool]]:
+def _candidates(frames: list, first_pass, with_data: bool, activations: bool) -> list[tuple]:
     """``frames`` as (label, reference, common, first pass, aligned on activations?): each with ``first_pass``
-    (None: by weights), or every one on activations (``activations``: ``align="full+data"``). With data to score the
-    merges on and a first pass, each frame is also tried by weights alone, and each model's frame on activations of
-    the data too (:func:`_aligned_on_activations`): the first alignments `align` makes without data are judged on
-    simple interpolation of synthetic examples, which ranks neither Fisher and RegMean merges nor the data's task.
+    (None: by weights), or every one on activations (``activations``: ``align="full+data"``). With data to score
+    the merges on (``with_data``) and a first pass, each frame is also tried by weights alone, and each model's
+    frame on activations of the data too (:func:`_aligned_on_activations`): the first alignments `align` makes
+    without data are judged on simple interpolation of synthetic examples, which ranks neither Fisher and RegMean
+    merges nor the data's task.
     Shipped pairs, test loss of the merge kept, the first pass alone -> with both (examples/results/
     merge_frames_{fisher,regmean}.json): vit-digits Fisher 3.262 -> 2.687, RegMean 2.990 -> 2.290; llama-chars
     Fisher 3.003 -> 2.968, RegMean 2.920 kept; bert-topics 0.008-0.009 worse (its training examples, which score
@@ -308,7 +309,7 @@ def _candidates(frames: list, first_pass, on_data: bool, activations: bool) -> l
     if activations:
         return [(label, reference, common, None, True) for label, reference, common in frames]
     ways = [("", first_pass, False)]
-    if first_pass is not None and on_data:
+    if first_pass is not None and with_data:
         ways += [(", aligned by weights", None, False), (", aligned on activations of the data", None, True)]
     return [(label + how, reference, common, passing, on_activations) for label, reference, common in frames
             for how, passing, on_activations in ways if not (common and on_activations)]
