@@ -893,8 +893,8 @@ WIDE_NOTES = """\
   judged frame still scores lowest); bert-topics fisher 1.109 -> 1.117 and regmean 1.160 -> 1.168, a little
   worse: its training examples rank the frames on activations first (1.0076 against 1.0117 for fisher) where the
   test split does not. The choice is made on training data: vit-digits' regmean kept 2.290 where model 1's frame
-  on activations gives 2.105 on test. About twice the merges: llama-chars' fisher merge 93 s -> 180 s (each
-  beside another run).
+  on activations gives 2.105 on test. It costs 2-2.6x the time (the three fisher merges, one thread, stop 38's
+  code then this one, back to back): llama-chars 44 s -> 102 s, vit-digits 20 s -> 40 s, bert-topics 22 s -> 58 s.
 """
 
 

@@ -305,7 +305,7 @@ def _candidates(frames: list, first_pass, with_data: bool, activations: bool) ->
     Shipped pairs, test loss of the merge kept, the first pass alone -> with both (examples/results/
     merge_frames_{fisher,regmean}.json): vit-digits Fisher 3.262 -> 2.687, RegMean 2.990 -> 2.290; llama-chars
     Fisher 3.003 -> 2.968, RegMean 2.920 kept; bert-topics 0.008-0.009 worse (its training examples, which score
-    the merges, rank its frames a little wrong). About twice the time."""
+    the merges, rank its frames a little wrong). It costs 2-2.6x the time of the first pass alone."""
     if activations:
         return [(label, reference, common, None, True) for label, reference, common in frames]
     ways = [("", first_pass, False)]
