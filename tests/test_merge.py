@@ -389,6 +389,10 @@ def test_cli_merge_writes_the_folder_and_the_summary(folders, tmp_path, llama):
     assert relative_error(llama, merged.state_dict()) < 1e-5  # a model merged with itself, once aligned
     report = json.loads(summary.read_text())
     assert report["method"] == "regmean" and len(report["consensus"]["distances"]) == 2
+    # with --data each frame is also tried by weights alone, and each model's frame on activations of the data
+    ways = [label.rsplit(", aligned ", 1)[1] if ", aligned " in label else "as align" for label in report["frames"]]
+    assert ways.count("by weights") == 3 and ways.count("on activations of the data") == 2 and len(ways) == 8
+    assert report["frame"] in report["frames"] and report["frame"] in stdout
 
     before = (out / "model.safetensors").read_bytes()
     code, _, stderr = run("merge", folders / "a", folders / "twin", "-o", out)
