@@ -250,7 +250,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
                            records) if learn else None
         try:
-            moved, summaries = _aligned_on_activations(subjects, datasets, reference, device, dtype) if (
+            moved, kept_on_activations = _aligned_on_activations(subjects, datasets, reference, device, dtype) if (
                 activations) else (subjects, ())
         except (SymgraphError, RuntimeError, ValueError) as error:
             if on_data:  # asked for: its failure is the merge's
@@ -260,7 +260,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         consensus = align_to_consensus(moved, w, mode="none" if activations else align, exclude=exclude,
                                        rounds=rounds, progress=progress, learner=learner, reference=reference,
                                        common=common, workers=workers, device=device, dtype=dtype, first_pass=passing)
-        summaries = passing.summaries(reference) if passing is not None else summaries  # made by the consensus
+        summaries = passing.summaries(reference) if passing is not None else kept_on_activations  # made just now
         names = shared_float_names(consensus.states[0], exclude)
         merged, averaged = _combine(method, moved, consensus.states, w, datasets, names, exclude, alpha, progress,
                                     (device, dtype or torch.float64))
