@@ -15,7 +15,12 @@ each a *stage* timed and caught on its own:
 * with ``--learn`` instead: ``merge`` and ``align`` with learned matching on synthetic data (``data="synthetic"``,
   a few steps of :class:`symgraph.learn.LearnOptions`): the learned merge checked as ``merge``, the learned
   alignment as ``align`` but for the distance (learning lowers the loss along the path, not the distance: it may
-  end farther from A, as examples/RESULTS.md's ``full+learn (synthetic)`` column shows).
+  end farther from A, as examples/RESULTS.md's ``full+learn (synthetic)`` column shows);
+* with ``--data`` instead: what a user with data runs, on ``DATA_EXAMPLES`` examples that
+  :func:`symgraph.synthetic.synthetic_data` makes for the pair (the models' own samples, labelled by both): ``align``
+  on activations of them (checked as ``align`` but for the distance: activation costs do not aim at it), and Fisher
+  and RegMean merges with them as statistics (every frame also aligned by weights and on activations of the data,
+  the data choosing), each checked as ``merge``.
 
 A function is checked *independently of symgraph's own verification*, with ``sweep_architectures.Checker``: the
 state is loaded into a copy of the model with ``load_state_dict`` (so tied weights hold what loading left in them),
@@ -29,8 +34,8 @@ failed: ``max_rel_err`` over ``tol``, or ``problems`` listed), ``refused`` (symg
 class is its worst stage's (``wrong`` < ``crash`` < ``refused`` < ``ok``), where fold refusing is no failure
 (most norms cannot be folded: a bias, an offset, a centring that does not pay); besides ``timeout`` (over the
 limit) and ``skipped`` (transformers could not build or run the tiny model). Rows are keyed by ``name``: the type,
-or ``TYPE+learn`` with ``--learn`` (``--types`` takes such names too). Run in chunks under load; rows accumulate
-in ``--jsonl`` (the last line per name wins)::
+``TYPE+learn`` with ``--learn``, ``TYPE+data`` with ``--data`` (``--types`` takes such names too). Run in chunks
+under load; rows accumulate in ``--jsonl`` (the last line per name wins)::
 
     python examples/sweep_pipeline.py --types gpt_neo,deit --timeout 300 --jsonl /tmp/pipeline.jsonl
     python examples/sweep_pipeline.py --types qwen3_moe --learn --jsonl /tmp/pipeline.jsonl
@@ -73,6 +78,7 @@ FUNCTION_TOL = 1e-6  # the least tolerance of a kept function (relative, float64
 SELF_MERGE_TOL = 1e-5
 FLOOR_FACTOR = 100  # tolerance: this many float32 floors
 LEARN = dict(steps=5, checks=2, batch_size=8, eval_batches=1, synthetic_examples=64)
+DATA_EXAMPLES, DATA_BATCH = 16, 8  # --data: the synthetic examples of the data stages
 ORDER = ("wrong", "crash", "refused", "ok")  # a type's class is its worst stage's
 
 
@@ -119,6 +125,15 @@ class Pair:
     def tolerance(self, checker, least: float = FUNCTION_TOL) -> float:
         floor = self.floor_b if checker is self.checker_b else float32_floor(checker)
         return max(least, FLOOR_FACTOR * floor)
+
+    def data(self):
+        """The data stages' examples (:data:`DATA_EXAMPLES`), made once: A's samples and B's, labelled by both."""
+        if not hasattr(self, "_data"):
+            from symgraph.synthetic import synthetic_data
+
+            self._data = synthetic_data(self.a, [self.state_a, self.state_b], examples=DATA_EXAMPLES,
+                                        batch_size=DATA_BATCH)
+        return self._data
 
     def untouched(self) -> bool:
         return same(self.a, self.state_a) and same(self.b, self.state_b)
@@ -259,6 +274,25 @@ def merge_stage(pair: Pair, learn=None) -> dict:
     return merged_sound(out, result.state, pair)
 
 
+def data_align_stage(pair: Pair) -> dict:
+    import symgraph
+
+    result = symgraph.align(pair.b, pair.a, data=pair.data())
+    out = {"distance_before": result.distance_before, "distance_after": result.distance_after,
+           "verified_error": result.verified_error, "folded": result.folded, "start": result.start}
+    return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
+
+
+def data_merge_stage(pair: Pair, method: str) -> dict:
+    import symgraph
+
+    result = symgraph.merge([pair.a, pair.b], method=method, data=pair.data(), progress=False)
+    out = {"frame": result.frame, "frames": result.frames, "distances": result.distances}
+    if result.fold_note:
+        out["fold_note"] = result.fold_note[:300]
+    return merged_sound(out, result.state, pair)
+
+
 def self_merge_stage(pair: Pair) -> dict:
     import symgraph
 
@@ -277,6 +311,8 @@ STAGES = {
     "base": {"fold": fold_stage, "align": align_stage, "merge": merge_stage, "self_merge": self_merge_stage},
     "learn": {"learn_merge": lambda pair: merge_stage(pair, learn_options()),
               "learn_align": lambda pair: align_stage(pair, learn_options())},
+    "data": {"data_align": data_align_stage, "data_fisher": lambda pair: data_merge_stage(pair, "fisher"),
+             "data_regmean": lambda pair: data_merge_stage(pair, "regmean")},
 }
 
 
@@ -344,7 +380,8 @@ def sweep_one(name: str) -> dict:
         return {**row, "class": "skipped", "reason": "runs at no sweep shape: " + "; ".join(pair.checker_b.rejected)}
     row.update(head=pair.head, params=sum(p.numel() for p in pair.a.parameters()), float32_floor_b=pair.floor_b,
                shapes=[f"{b}x{n}{' padded' if p else ''}" for b, n, p, _ in pair.checker_b.inputs],
-               float64_casts=pair.checker_b.forced, **({"learn_options": LEARN} if mode == "learn" else {}))
+               float64_casts=pair.checker_b.forced, **({"learn_options": LEARN} if mode == "learn" else {}),
+               **({"data_examples": DATA_EXAMPLES} if mode == "data" else {}))
     stages = {name: stage(pair, run) for name, run in STAGES[mode].items()}
     if not pair.untouched():
         stages["inputs"] = {"class": "wrong", "problems": ["A or B changed in place"]}
@@ -370,7 +407,7 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "function_tolerance": f"max({FUNCTION_TOL:g}, {FLOOR_FACTOR} x the model's float32 floor); self-merge "
                               f"at least {SELF_MERGE_TOL:g}",
-        "learn_options": LEARN,
+        "learn_options": LEARN, "data_examples": DATA_EXAMPLES,
         "names": len(rows), "counts": dict(Counter(r["class"] for r in rows)),
         "stage_counts": {name: dict(c) for name, c in stage_counts.items()},
         "classes": {r["name"]: r["class"] for r in rows},
@@ -390,25 +427,29 @@ def failure(row: dict) -> dict:
 
 def names_of(args) -> list[str]:
     """The names to run: ``--variants``' (those named, else every variant of ``--types``' types), else
-    ``--types``' (else every type), in ``--learn``'s mode where a name gives none."""
+    ``--types``' (else every type), in ``--learn``'s or ``--data``'s mode where a name gives none."""
     types = args.types.split(",") if args.types else None
     if args.variants is not None:
         subjects = args.variants or [n for n, v in VARIANT_BY_NAME.items() if types is None or v[0] in types]
     else:
         subjects = types or TYPES
-    return [s if "+" in s else name_of(s, "learn" if args.learn else "base") for s in subjects]
+    mode = "learn" if args.learn else "data" if args.data else "base"
+    return [s if "+" in s else name_of(s, mode) for s in subjects]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", help="run one name (TYPE or TYPE+learn) in this process and print its JSON line")
+    parser.add_argument("--one", help="run one name (TYPE, TYPE+learn, TYPE+data) in this process, print its JSON")
     parser.add_argument("--types", help="comma-separated model types, or names TYPE+learn (default: "
                                         "sweep_architectures' whole list)")
     parser.add_argument("--variants", nargs="*", metavar="NAME",
                         help="sweep config variants (sweep_architectures' VARIANTS) instead of default configs: "
                              "those NAMEs (variant names, or NAME+learn), else every variant of --types' types, "
                              "else all")
-    parser.add_argument("--learn", action="store_true", help="run the learned stages (synthetic data) instead")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--learn", action="store_true", help="run the learned stages (synthetic data) instead")
+    modes.add_argument("--data", action="store_true",
+                       help="run the stages with data instead (alignment on activations, Fisher and RegMean merges)")
     parser.add_argument("--skip-done", action="store_true", help="leave out names already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")

@@ -36,6 +36,11 @@ def test_a_type_takes_its_worst_stages_class(pipeline, classes, expected, failed
 def test_names_carry_the_mode(pipeline):
     assert pipeline.parse_name("olmo") == ("olmo", "base")
     assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "learn")) == ("qwen3_moe", "learn")
+    assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "data")) == ("qwen3_moe", "data")
+    for learn, data, mode in ((False, False, "base"), (True, False, "learn"), (False, True, "data")):
+        args = argparse.Namespace(types="olmo,gpt2+learn", variants=None, learn=learn, data=data)
+        assert pipeline.names_of(args) == [pipeline.name_of("olmo", mode), "gpt2+learn"]
+        assert set(pipeline.STAGES[mode]) >= {"align" if mode == "base" else f"{mode}_align"}
 
 
 def test_variants_are_named_and_built_by_their_variant(pipeline):
