@@ -154,7 +154,8 @@ def data_must_fit(data: Dataset, label: str, where: str = "a batch") -> Iterator
         yield
     except SymgraphError:
         raise
-    except (RuntimeError, ValueError, IndexError, TypeError, KeyError) as exc:
+    # AttributeError: an input the forward needs is missing (ViT's pixel_values is None when given token ids)
+    except (RuntimeError, ValueError, IndexError, TypeError, KeyError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(
             f"Data '{data.name}' does not fit {label}: {where} failed in the forward pass "
