@@ -20,7 +20,8 @@ each a *stage* timed and caught on its own:
   :func:`symgraph.synthetic.synthetic_data` makes for the pair (the models' own samples, labelled by both): ``align``
   on activations of them (checked as ``align`` but for the distance: activation costs do not aim at it), and Fisher
   and RegMean merges with them as statistics (every frame also aligned by weights and on activations of the data,
-  the data choosing), each checked as ``merge``.
+  the data choosing), each checked as ``merge``. A type synthetic data cannot be made for (an encoder-decoder, a
+  base model) is skipped.
 
 A function is checked *independently of symgraph's own verification*, with ``sweep_architectures.Checker``: the
 state is loaded into a copy of the model with ``load_state_dict`` (so tied weights hold what loading left in them),
@@ -378,6 +379,13 @@ def sweep_one(name: str) -> dict:
         return {**row, "class": "skipped", "reason": first_line(exc)}
     if not pair.checker_b.inputs or not pair.checker_a.inputs:
         return {**row, "class": "skipped", "reason": "runs at no sweep shape: " + "; ".join(pair.checker_b.rejected)}
+    if mode == "data":
+        from symgraph.errors import DataError
+
+        try:
+            pair.data()
+        except DataError as exc:  # an encoder-decoder, a base model: no examples to run the stages on
+            return {**row, "class": "skipped", "reason": f"no synthetic data: {first_line(exc)}"}
     row.update(head=pair.head, params=sum(p.numel() for p in pair.a.parameters()), float32_floor_b=pair.floor_b,
                shapes=[f"{b}x{n}{' padded' if p else ''}" for b, n, p, _ in pair.checker_b.inputs],
                float64_casts=pair.checker_b.forced, **({"learn_options": LEARN} if mode == "learn" else {}),
