@@ -544,7 +544,7 @@ def compare(model_a, model_b, json_path):
                   "alignment in every mode, merges, loss barriers; print a summary and write everything to OUT.")
 @click.option("--out", "out_dir", default=Path("out/demo"), show_default=True,
               type=click.Path(path_type=Path), help="Folder for every file (created if missing).")
-@click.option("--quick", is_flag=True, help="The LLaMA pair only, on a few examples (a smoke run, seconds).")
+@click.option("--quick", is_flag=True, help="The LLaMA pair only, on a few examples (a smoke run, one to two minutes).")
 @click.option("--overwrite", is_flag=True, help="Replace the demo's files in an OUT that holds files already.")
 def demo(out_dir, quick, overwrite):
     from .demo import run_demo

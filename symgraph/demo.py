@@ -97,7 +97,7 @@ def run_demo(out_dir, *, quick: bool = False, overwrite: bool = False,
     out_dir = _writable_folder(out_dir, overwrite)
     plan = QUICK_PLAN if quick else FULL_PLAN
     echo(f"symgraph demo: {len(plan.pairs)} shipped pair(s) ({', '.join(plan.pairs)}) into {out_dir}/"
-         + ("" if quick else f" (about {len(plan.pairs)} x 1-3 minutes on one CPU thread)"))
+         + ("" if quick else f" (about {len(plan.pairs)} x 2-6 minutes on one CPU thread)"))
     with _one_thread():
         summary = {name: _run_pair(name, out_dir / name, plan, echo) for name in plan.pairs}
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=1))
