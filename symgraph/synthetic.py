@@ -39,6 +39,10 @@ TASK_LENGTH = 8  # tokens the task is found at
 CANNOT_RUN = (IndexError, RuntimeError, ValueError)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
 JUDGE_EXAMPLES = 64  # synthetic examples a judge scores candidate alignments or merges on
+# the largest model a judge makes examples for: its forward passes over them grow with the model, the alignment's
+# solves far less (one thread: a LLaMA of 7M parameters, vocabulary 8000, judged its starts in 52 s against 4 s of
+# alignment; one of 58M, vocabulary 32000, in 274 s against 36 s), so larger models decide without it
+JUDGE_MAX_PARAMETERS = 50_000_000
 # model inversion of a classifier's random pixels (or audio): steps, Adam's rate, the weight of the L2 prior
 INVERSION_STEPS, INVERSION_LR, INVERSION_PRIOR = 30, 0.1, 1e-3
 
@@ -246,7 +250,8 @@ class _JudgeExamples:
     """The synthetic examples a judge scores on, made on the first call from ``model`` carrying each of
     ``endpoints`` (a classifier's inputs as drawn: judging starts on them needs no inversion, which would cost more
     than what is judged); None when synthetic data cannot be made for ``model`` (no config, neither a classifier
-    nor a causal LM, a generate() that fails), said once in the log. :meth:`inverted` gives them inverted."""
+    nor a causal LM, a generate() that fails) or it has more than :data:`JUDGE_MAX_PARAMETERS` parameters, said
+    once in the log. :meth:`inverted` gives them inverted."""
 
     def __init__(self, model: torch.nn.Module, endpoints: Sequence[State], examples: int, judged: str):
         self.model, self.endpoints, self.examples, self.judged = model, endpoints, examples, judged
@@ -254,13 +259,20 @@ class _JudgeExamples:
 
     def __call__(self, invert: bool = False) -> Dataset | None:
         if invert not in self.made:
-            try:
-                self.made[invert] = synthetic_data(self.model, self.endpoints, examples=self.examples,
-                                                   batch_size=32, invert=invert)
-            except DataError as error:  # no data this model can make: no judge, and say why once
-                _log.info("%s are not judged on synthetic data: %s", self.judged, error)
-                self.made[invert] = None
+            self.made[invert] = self._make(invert)
         return self.made[invert]
+
+    def _make(self, invert: bool) -> Dataset | None:
+        size = sum(p.numel() for p in self.model.parameters())
+        if size > JUDGE_MAX_PARAMETERS:
+            _log.info("%s are not judged on synthetic data: %s has %s parameters, more than the %s a judge makes "
+                      "examples for", self.judged, type(self.model).__name__, f"{size:,}", f"{JUDGE_MAX_PARAMETERS:,}")
+            return None
+        try:
+            return synthetic_data(self.model, self.endpoints, examples=self.examples, batch_size=32, invert=invert)
+        except DataError as error:  # no data this model can make: no judge, and say why once
+            _log.info("%s are not judged on synthetic data: %s", self.judged, error)
+            return None
 
     def inverted(self) -> Dataset | None:
         """The examples with a classifier's pixels (or audio) inverted (:func:`synthetic_data`); the examples as

@@ -171,6 +171,25 @@ def test_a_model_that_fails_on_synthetic_inputs_leaves_the_starts_unjudged(famil
     assert "not judged on synthetic data" in caplog.text and logged in caplog.text
 
 
+def test_a_model_above_the_judges_size_is_not_judged_and_aligns_by_distance(monkeypatch, caplog):
+    """The judge's forward passes grow with the model and the alignment's solves far less (a 58M-parameter
+    LLaMA judged its starts in 274 s against 36 s of alignment): above JUDGE_MAX_PARAMETERS nothing is made."""
+    a, b = (zoo.build("llama", seed=s) for s in (0, 1))
+    size = sum(p.numel() for p in a.parameters())
+    state = a.state_dict()
+    assert PathJudge(a, state, b.state_dict(), examples=2).examples() is not None
+    monkeypatch.setattr(symgraph.synthetic, "JUDGE_MAX_PARAMETERS", size - 1)
+    made = []
+    monkeypatch.setattr(symgraph.synthetic, "synthetic_data", lambda *args, **kwargs: made.append(1))
+    with caplog.at_level("INFO", logger="symgraph.synthetic"):
+        assert PathJudge(a, state, b.state_dict(), examples=2)(state) is None
+        assert merge_examples(a, [state, b.state_dict()], examples=2) is None
+        result = symgraph.align(symgraph.load(b), symgraph.load(a))
+    assert made == [] and f"has {size:,} parameters, more than the {size - 1:,}" in caplog.text
+    assert result.path_losses == {} and result.judged_on == "" and result.start == min(result.starts,
+                                                                                         key=result.starts.get)
+
+
 def test_experts_without_float64_kernels_label_float64_states():
     """Before: learning on synthetic data from float64 states (a consensus's) ended in grouped_mm's "Expected
     mat_a to be Float32 ... got Double"; the experts run transformers' reference loop there, as in the checks."""
