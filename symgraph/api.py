@@ -31,6 +31,9 @@ from .report import Report
 from .verify import tie_aliases
 
 _log = logging.getLogger(__name__)
+# full mode's synthetic activations are left out where the graph at the examples' shape has more than this many
+# times the nodes of the model's own capture (transformers: the same; RecurrentGemma 377 -> 2070 at 128 tokens)
+GROWN_GRAPH = 2
 
 Inputs = tuple | dict | None
 
@@ -345,14 +348,14 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
 
 
 def _on_activations(src: Subject, anc: Subject, groups, state, anchor_state, data, batches: int, data_groups: str,
-                    options: dict, timings: dict):
+                    options: dict, timings: dict, max_nodes: int | None = None):
     """``state`` aligned to ``anchor_state`` with activation costs on ``batches`` batches of ``data``
     (:func:`symgraph.activations.align_on_activations`; an orthogonal residual stream in its whole group)."""
     from .activations import align_on_activations, data_cost_groups, record
 
     clock = time.perf_counter()
     recording = record(src, anc, groups, data, batches=batches,
-                       use={g.id for g in data_cost_groups(groups, data_groups)})
+                       use={g.id for g in data_cost_groups(groups, data_groups)}, max_nodes=max_nodes)
     timings["record_activations"] = time.perf_counter() - clock
     clock = time.perf_counter()
     residual = "orthogonal" if options["residual"] == "auto" else options["residual"]
@@ -380,8 +383,11 @@ def _or_synthetic_activations(on_weights, judge, src: Subject, anc: Subject, gro
     if examples is None:
         return on_weights
     try:
+        # a candidate only: a graph that grows with the examples' length costs its analysis again, at that length
+        own = src._capture  # the capture the report came from, when it was made (not made again for this)
         on_activations = _on_activations(src, anc, groups, state, anchor_state, examples, len(examples.batches),
-                                         data_groups, options, timings)
+                                         data_groups, options, timings,
+                                         None if own is None else GROWN_GRAPH * len(own.graph.nodes))
     except (SymgraphError, RuntimeError, ValueError) as error:  # a candidate only: its failure costs the default
         _log.info("full mode keeps the weight-matched alignment: activations of %s could not be aligned on "
                   "(%s: %s)", examples.name, type(error).__name__, error)

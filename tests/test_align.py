@@ -21,7 +21,7 @@ from symgraph.learn import path_loss
 from symgraph.errors import CaptureError, InvarianceError, MismatchError, ModelLoadError, SymgraphError
 from symgraph.solve import dispatch
 from symgraph.solve.workspace import Workspace
-from symgraph.synthetic import PathJudge
+from symgraph.synthetic import PathJudge, synthetic_data
 from symgraph.verify import Evaluator, free_members
 
 from cli_runner import run, tree_digest
@@ -296,6 +296,24 @@ def test_api_full_mode_keeps_the_weights_where_synthetic_activations_cannot_be_r
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
     assert result.costs == {} and set(result.path_losses) == {"recovery", "matching"}
     assert "keeps the weight-matched alignment" in caplog.text and "could not be interpreted" in caplog.text
+
+
+def test_api_full_mode_records_no_synthetic_activations_where_the_graph_grows_with_the_examples(monkeypatch,
+                                                                                                 caplog):
+    """A recurrence traced step by step grows with the input's length: RecurrentGemma's graph had 377 nodes at
+    its own 7 tokens and 2070 at the examples' 128, whose sites took 197 s to find against 0.4 s of alignment.
+    Here every graph counts as grown (GROWN_GRAPH below 1)."""
+    a, b = (symgraph.load(zoo.build("llama", seed=s)) for s in (0, 1))
+    monkeypatch.setattr(symgraph.api, "GROWN_GRAPH", 0.5)
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(b, a)
+    assert result.costs == {} and set(result.path_losses) == {"recovery", "matching"}
+    assert "keeps the weight-matched alignment" in caplog.text and "it grows with the input's length" in caplog.text
+    examples = synthetic_data(b.model, [b.state_dict(), a.state_dict()], examples=2, batch_size=2)
+    nodes = len(symgraph.activations._capture_on(b, examples.batches[0], examples).graph.nodes)
+    with pytest.raises(SymgraphError, match=f"has {nodes} nodes, more than {nodes - 1}"):
+        symgraph.activations.record(b, a, b.report.groups, examples, max_nodes=nodes - 1)
+    assert symgraph.activations.record(b, a, b.report.groups, examples, max_nodes=nodes).sites
 
 
 def test_api_full_mode_takes_no_activation_candidate_for_a_reparametrised_copy():
