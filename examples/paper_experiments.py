@@ -895,6 +895,18 @@ WIDE_NOTES = """\
   test split does not. The choice is made on training data: vit-digits' regmean kept 2.290 where model 1's frame
   on activations gives 2.105 on test. It costs 2-2.6x the time (the three fisher merges, one thread, stop 38's
   code then this one, back to back): llama-chars 44 s -> 102 s, vit-digits 20 s -> 40 s, bert-topics 22 s -> 58 s.
+- **Tried and not kept (stop 40).** Scoring a merge's candidates on a batch held out of the statistics (the first
+  192 of the 256 training examples for Fisher/RegMean and the activation alignment, the last 64 to score; scratch,
+  test loss of the merge kept, held-out choice against the choice on the 192): bert-topics the same frame for both
+  methods (1.115, 1.169), vit-digits fisher better (2.082 against 2.467), regmean worse (2.475 against 2.394),
+  llama-chars worse for both (3.011 against 2.979, 2.935 against 2.879): one batch of 64 ranks these merges no
+  better than the examples the statistics saw. The inverted examples that judge full mode's two candidates on a
+  classifier cost 30 s of the wide ViT's 78 s alignment (one thread); fewer of them or fewer inversion steps
+  ranked the candidates as 64 and 30 do on both ViT pairs at 64/15 and 32/15 (two draws each), not at 32/8 (the
+  wide ViT) or 16/30 (vit-digits), and left the default as is: the saving (about 15 s) does not bring the wide
+  ViT's full mode within 2x permutation (13 s), whose weight-matched part alone is about twice that. The time
+  bar holds on the shipped pairs (`BENCH_THREADS=1 python examples/bench_align.py --pair vit-digits`, `--pair
+  llama-chars`, every stage from loading to verification: full 1.56x and 1.14x permutation).
 """
 
 
