@@ -396,11 +396,7 @@ class _Target:
         return None
 
     def check(self, data: Dataset) -> None:
-        """Raise :class:`DataError` when the task, labels or inputs of ``data`` cannot be fed to the model."""
-        if self.task is not None and data.task != self.task:  # text through a ViT fails deep in its forward
-            raise DataError(f"Data '{data.name}' does not fit the model: it is {_TASK_DATA[data.task]}, and "
-                            f"{self.classes[0]} is {_TASK_MODEL[self.task]}.",
-                            hint=f"use {_TASK_DATA[self.task]} made for this model, or the model the data is for.")
+        """Raise :class:`DataError` when labels or inputs of ``data`` cannot be fed to the model."""
         for batch in data.batches:
             if batch.labels is not None:
                 _check_negative_labels(data.name, batch.labels, data.task)
@@ -437,11 +433,6 @@ class _Target:
             raise DataError(f"Data '{name}' has images of shape {tuple(pixels.shape[1:])}, but the model takes "
                             f"{(channels, size, size)} (channels, height, width).",
                             hint="use images the model was built for (its config's num_channels and image_size).")
-
-
-_TASK_DATA = {"classification": "classification data (a label per example)",
-              "causal_lm": "causal language-model data (token sequences)"}
-_TASK_MODEL = {"classification": "a classifier", "causal_lm": "a causal language model"}
 
 
 def _architectures(config: Any) -> tuple[str, ...]:
