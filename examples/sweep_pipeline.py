@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import sys
 import time
@@ -127,14 +128,12 @@ class Pair:
         floor = self.floor_b if checker is self.checker_b else float32_floor(checker)
         return max(least, FLOOR_FACTOR * floor)
 
+    @functools.cached_property
     def data(self):
         """The data stages' examples (:data:`DATA_EXAMPLES`), made once: A's samples and B's, labelled by both."""
-        if not hasattr(self, "_data"):
-            from symgraph.synthetic import synthetic_data
+        from symgraph.synthetic import synthetic_data
 
-            self._data = synthetic_data(self.a, [self.state_a, self.state_b], examples=DATA_EXAMPLES,
-                                        batch_size=DATA_BATCH)
-        return self._data
+        return synthetic_data(self.a, [self.state_a, self.state_b], examples=DATA_EXAMPLES, batch_size=DATA_BATCH)
 
     def untouched(self) -> bool:
         return same(self.a, self.state_a) and same(self.b, self.state_b)
@@ -244,12 +243,14 @@ def fold_stage(pair: Pair) -> dict:
     return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
 
 
-def align_stage(pair: Pair, learn=None) -> dict:
+def align_stage(pair: Pair, **options) -> dict:
+    """B aligned to A with ``options`` (align's data and learning arguments) and checked; without data also no
+    farther from A (learning lowers the loss along the path and activation costs match activations, neither the
+    distance: either may end farther from A)."""
     import symgraph
     from symgraph.alignment import relative_distance
 
-    data = dict(data="synthetic", learn=learn) if learn else {}
-    result = symgraph.align(pair.b, pair.a, **data)
+    result = symgraph.align(pair.b, pair.a, **options)
     out = {"distance_before": result.distance_before, "distance_after": result.distance_after,
            "verified_error": result.verified_error, "folded": result.folded, "start": result.start}
     if result.fold_note:
@@ -257,40 +258,23 @@ def align_stage(pair: Pair, learn=None) -> dict:
     out = function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
     before, after = relative_distance(pair.state_b, pair.state_a), relative_distance(result.state, pair.state_a)
     out.update(my_before=before, my_after=after)
-    if after > before * (1 + 1e-9) and not learn:  # learning lowers the loss along the path, not the distance
+    if after > before * (1 + 1e-9) and "data" not in options:
         out.update({"class": "wrong"}, problems=out.get("problems", []) + ["farther from A after alignment"])
     return out
 
 
-def merge_stage(pair: Pair, learn=None) -> dict:
+def merge_stage(pair: Pair, **options) -> dict:
+    """A and B merged with ``options`` (merge's method, data and learning arguments) and checked."""
     import symgraph
 
-    data = dict(data="synthetic", learn=learn) if learn else {}
-    result = symgraph.merge([pair.a, pair.b], progress=False, **data)
+    result = symgraph.merge([pair.a, pair.b], progress=False, **options)
     out = {"frame": result.frame, "distances": result.distances, "distances_before": result.distances_before}
+    if "data" in options:
+        out["frames"] = result.frames
     if result.fold_note:
         out["fold_note"] = result.fold_note[:300]
-    if learn:
+    if options.get("learn"):
         out["learned"] = [bool(x) for x in result.learned]
-    return merged_sound(out, result.state, pair)
-
-
-def data_align_stage(pair: Pair) -> dict:
-    import symgraph
-
-    result = symgraph.align(pair.b, pair.a, data=pair.data())
-    out = {"distance_before": result.distance_before, "distance_after": result.distance_after,
-           "verified_error": result.verified_error, "folded": result.folded, "start": result.start}
-    return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
-
-
-def data_merge_stage(pair: Pair, method: str) -> dict:
-    import symgraph
-
-    result = symgraph.merge([pair.a, pair.b], method=method, data=pair.data(), progress=False)
-    out = {"frame": result.frame, "frames": result.frames, "distances": result.distances}
-    if result.fold_note:
-        out["fold_note"] = result.fold_note[:300]
     return merged_sound(out, result.state, pair)
 
 
@@ -310,10 +294,11 @@ def learn_options():
 
 STAGES = {
     "base": {"fold": fold_stage, "align": align_stage, "merge": merge_stage, "self_merge": self_merge_stage},
-    "learn": {"learn_merge": lambda pair: merge_stage(pair, learn_options()),
-              "learn_align": lambda pair: align_stage(pair, learn_options())},
-    "data": {"data_align": data_align_stage, "data_fisher": lambda pair: data_merge_stage(pair, "fisher"),
-             "data_regmean": lambda pair: data_merge_stage(pair, "regmean")},
+    "learn": {"learn_merge": lambda pair: merge_stage(pair, data="synthetic", learn=learn_options()),
+              "learn_align": lambda pair: align_stage(pair, data="synthetic", learn=learn_options())},
+    "data": {"data_align": lambda pair: align_stage(pair, data=pair.data),
+             "data_fisher": lambda pair: merge_stage(pair, method="fisher", data=pair.data),
+             "data_regmean": lambda pair: merge_stage(pair, method="regmean", data=pair.data)},
 }
 
 
@@ -383,7 +368,7 @@ def sweep_one(name: str) -> dict:
         from symgraph.errors import DataError
 
         try:
-            pair.data()
+            pair.data  # noqa: B018 -- made here, so a model it cannot be made for is skipped, not refused
         except DataError as exc:  # an encoder-decoder, a base model: no examples to run the stages on
             return {**row, "class": "skipped", "reason": f"no synthetic data: {first_line(exc)}"}
     row.update(head=pair.head, params=sum(p.numel() for p in pair.a.parameters()), float32_floor_b=pair.floor_b,
