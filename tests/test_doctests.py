@@ -14,7 +14,7 @@ import pytest
 
 import symgraph
 
-_SLOW = {"symgraph", "symgraph.demo.run_demo", "symgraph.connectivity.barrier"}  # several seconds each
+_SLOW = {"symgraph", "symgraph.connectivity.barrier"}  # several seconds each
 _NOT_IMPORTED = {"symgraph.__main__"}  # importing it runs the command line
 
 
