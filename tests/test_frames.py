@@ -61,7 +61,8 @@ def test_without_data_the_frame_is_chosen_by_the_merged_loss_on_synthetic_exampl
     assert evaluate(model, examples).loss == pytest.approx(result.frames[result.frame], rel=1e-5)
     # ... which the alignment moved: the unaligned average scores otherwise (the frames of a permutation
     # alignment may all score alike: B onto A and A onto B are often inverse permutations, the same merge)
-    model.load_state_dict({k: (v + pair[1].state_dict()[k]) / 2 if v.is_floating_point() else v
+    other = pair[1].state_dict()
+    model.load_state_dict({k: (v + other[k]) / 2 if v.is_floating_point() else v
                            for k, v in pair[0].state_dict().items()})
     assert abs(evaluate(model, examples).loss - result.frames[result.frame]) > 1e-3
     backward = merge(pair[::-1], align="permutation", progress=False, fold=False)
