@@ -11,6 +11,9 @@ spec                                what it loads
                                     expressions, special methods, strings)
 ``FILE.txt``                        one example per line, tokenised with the model's tokenizer; for a
                                     classifier a line may be ``LABEL<TAB>text`` (an id or a name of ``id2label``)
+``FILE.jsonl``, ``.csv``, ``.tsv``  one record per line (JSON objects; rows under a header): the text field
+                                    (``text``, ``sentence``, ``content``, ``prompt`` or ``input``, else the
+                                    one text field) tokenised, ``label`` the class of a classifier
 ``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
                                     2-D: token ids)
 ``package.module:func``             a function returning a :class:`Dataset` or an iterable of :class:`Batch` /
@@ -25,6 +28,9 @@ Losses follow Hugging Face: causal LM labels are the input ids (the loss shifts 
 """
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -124,7 +130,8 @@ def load_data(spec: Any, *, model: Any = None, batch_size: int = 32, limit: int 
     ----------
     spec
         A shipped dataset name (``digits``, ``pydoc-chars``, ``pydoc-topics``, optionally ``:train``/``:test``),
-        a ``.txt`` or ``.npz`` path, a factory ``package.module:func`` / ``path/file.py:func``, or a Dataset.
+        a ``.txt``, ``.jsonl``, ``.csv``, ``.tsv`` or ``.npz`` path, a factory ``package.module:func`` /
+        ``path/file.py:func``, or a Dataset.
     model
         The model the data is for: a Hugging Face folder, a :class:`symgraph.Subject` or a loaded module. Text is
         tokenised with its tokenizer, and labels and token ids are checked against its config.
@@ -278,22 +285,22 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     if name in DATASETS:
         return DATASETS[name](_split_of(name, suffix or split), target, batch_size, limit)
     path = Path(spec).expanduser()
-    if path.suffix in (".txt", ".npz"):
+    if path.suffix in FILE_LOADERS:
         if not path.is_file():
             raise DataError(f"Data file '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
-        return _load_txt(path, target, batch_size, limit) if path.suffix == ".txt" else \
-            _load_npz(path, target, batch_size)
+        return FILE_LOADERS[path.suffix](path, target, batch_size, limit)
     if ":" in spec and not path.exists():
         return _load_factory(spec, target)
     if path.exists():
-        raise DataError(f"'{path}' is not a data file symgraph reads (only .txt and .npz files).",
+        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files).",
                         hint=_FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
 
 _FORMS_HINT = ("pass a shipped dataset name (digits, pydoc-chars, pydoc-topics; add ':train' or ':test'), a "
-               "FILE.txt (one example per line), a FILE.npz (arrays named after forward arguments, optional "
-               "'labels'), or a factory 'package.module:func' / 'path/file.py:func'.")
+               "FILE.txt (one example per line), a FILE.jsonl / .csv / .tsv (records with a 'text' field and, for "
+               "a classifier, a 'label'), a FILE.npz (arrays named after forward arguments, optional 'labels'), or "
+               "a factory 'package.module:func' / 'path/file.py:func'.")
 
 
 def _split_of(name: str, split: str) -> str:
@@ -554,13 +561,23 @@ def _load_txt(path: Path, target: _Target, batch_size: int, limit: int | None) -
     lines = [line for line in _read_text(path).splitlines() if line.strip()][:limit]
     if not lines:
         raise DataError(f"Data file '{path}' has no non-empty lines.", hint="put one example per line.")
+    if (target.task or "causal_lm") == "classification":
+        labels, texts = _line_labels(lines, target)
+    else:
+        labels, texts = None, lines
+    return _text_dataset(path, texts, labels, target, batch_size)
+
+
+def _text_dataset(path: Path, texts: list[str], labels: list[int] | None, target: _Target,
+                  batch_size: int) -> Dataset:
+    """Texts tokenised with the model's tokenizer, padded into batches (with class ids for a classifier)."""
     tokenizer = target.tokenizer(required=True)
     task = target.task or "causal_lm"
-    labels, texts = _line_labels(lines, target) if task == "classification" else (None, lines)
     ids = [_encode_line(t, tokenizer, max_tokens=target.max_tokens) for t in texts]
     if any(not x for x in ids):
-        raise DataError(f"A line of '{path}' tokenises to nothing.", hint="remove lines with no text.")
-    return Dataset(path.name, task, _padded_batches(ids, labels, task, _pad_id(tokenizer), batch_size))
+        raise DataError(f"An example of '{path}' tokenises to nothing.", hint="remove examples with no text.")
+    return Dataset(path.name, task, _padded_batches(ids, labels if task == "classification" else None, task,
+                                                     _pad_id(tokenizer), batch_size))
 
 
 def _read_text(path: Path) -> str:
@@ -576,18 +593,101 @@ def _line_labels(lines: list[str], target: _Target) -> tuple[list[int] | None, l
     parts = [line.split("\t", 1) for line in lines]
     if not all(len(p) == 2 for p in parts):
         return None, lines
+    return _class_ids([label for label, _ in parts], target), [text for _, text in parts]
+
+
+def _class_ids(labels: list[Any], target: _Target) -> list[int]:
+    """Class ids of labels given as ids (ints or digit strings) or as names in the config's ``id2label``."""
     names = {str(v): int(k) for k, v in (getattr(target.config, "id2label", None) or {}).items()}
-    labels = []
-    for label, _ in parts:
-        if label.strip().isdigit():
-            labels.append(int(label))
-        elif label.strip() in names:
-            labels.append(names[label.strip()])
+    ids = []
+    for label in labels:
+        text = str(label).strip()
+        if isinstance(label, int) and not isinstance(label, bool) or text.isdigit():
+            ids.append(int(text))
+        elif text in names:
+            ids.append(names[text])
         else:
             raise DataError(f"Label '{label}' is neither a class id nor one of the model's labels "
                             f"({', '.join(sorted(names)) or 'none named'}).",
-                            hint="start each line with a class id or label name and a tab, or leave labels out.")
-    return labels, [text for _, text in parts]
+                            hint="label each example with a class id or label name, or leave labels out.")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# records (.jsonl, .csv, .tsv)
+# ----------------------------------------------------------------------------------------------------------------
+
+TEXT_FIELDS = ("text", "sentence", "content", "prompt", "input")  # the first present is an example's text
+LABEL_FIELDS = ("label", "labels")  # the first present is a classifier's class (an id or an id2label name)
+
+
+def _load_records(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    """One example per record: a JSON object per line (``.jsonl``), or a row under a header (``.csv``, ``.tsv``).
+    Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text; a
+    classifier's class is the first of :data:`LABEL_FIELDS` (every record has it, or none does)."""
+    records = (_json_records if path.suffix == ".jsonl" else _table_records)(path)[:limit]
+    if not records:
+        raise DataError(f"Data file '{path}' has no records.",
+                        hint="put one JSON object per line (.jsonl), or rows under a header line (.csv, .tsv).")
+    label = next((f for f in LABEL_FIELDS if f in records[0]), None)
+    text = _text_field(path, records, exclude=label)
+    for number, record in enumerate(records, 1):
+        for field, what in ((text, "text"), (label, "class")):
+            if field is not None and (record.get(field) in (None, "") or what == "text"
+                                      and not isinstance(record[field], str)):
+                raise DataError(f"Record {number} of '{path}' has no {what} in field '{field}' (the first has).",
+                                hint=f"give every record its {what} in '{field}', or leave the field out of all.")
+    texts = [r[text] for r in records]
+    classifier = (target.task or "causal_lm") == "classification"
+    labels = _class_ids([r[label] for r in records], target) if label and classifier else None
+    return _text_dataset(path, texts, labels, target, batch_size)
+
+
+def _json_records(path: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"Line {number} of '{path}' is not JSON: {exc.msg} (column {exc.colno}).",
+                            hint="write one JSON object per line, such as {\"text\": \"...\", \"label\": 0}.") \
+                from exc
+        if isinstance(record, str):
+            record = {"text": record}
+        if not isinstance(record, dict):
+            raise DataError(f"Line {number} of '{path}' is a JSON {type(record).__name__}, not an object.",
+                            hint="write one JSON object per line, such as {\"text\": \"...\", \"label\": 0}.")
+        records.append(record)
+    return records
+
+
+def _table_records(path: Path) -> list[dict]:
+    rows = csv.DictReader(io.StringIO(_read_text(path)), delimiter="\t" if path.suffix == ".tsv" else ",")
+    try:
+        records = [row for row in rows if any((v or "").strip() for v in row.values() if isinstance(v, str))]
+    except csv.Error as exc:
+        raise DataError(f"Cannot read '{path}' as a table: {exc}.", hint="write a header line, then one row "
+                                                                         "per example.") from exc
+    longer = next((n for n, row in enumerate(records, 1) if None in row), None)
+    if longer is not None:
+        raise DataError(f"Row {longer} of '{path}' has more cells than its header names.",
+                        hint="quote cells that hold the delimiter.")
+    return records
+
+
+def _text_field(path: Path, records: list[dict], exclude: str | None) -> str:
+    fields = list(records[0])
+    named = next((f for f in TEXT_FIELDS if f in fields), None)
+    if named:
+        return named
+    texts = [f for f in fields if f != exclude and isinstance(records[0][f], str)]
+    if len(texts) == 1:
+        return texts[0]
+    raise DataError(f"Cannot tell which field of '{path}' holds the text: its records have "
+                    f"{', '.join(map(repr, fields)) or 'no fields'}.",
+                    hint=f"name the text field one of {', '.join(TEXT_FIELDS)} (and a classifier's class 'label').")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -615,6 +715,10 @@ def _load_npz(path: Path, target: _Target, batch_size: int) -> Dataset:
     if task == "causal_lm" and labels is None and "input_ids" in tensors:
         labels = _lm_labels(tensors["input_ids"], tensors.get("attention_mask"))
     return Dataset(path.name, task, _batched(tensors, labels, batch_size))
+
+
+FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".csv": _load_records, ".tsv": _load_records,
+                ".npz": lambda path, target, batch_size, limit: _load_npz(path, target, batch_size)}
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

@@ -102,9 +102,9 @@ def test_bad_specs_raise_data_error_with_hints(spec, expected):
 
 
 def test_unsupported_file_type_is_named(tmp_path):
-    file = tmp_path / "data.csv"
+    file = tmp_path / "data.parquet"
     file.write_text("1,2\n")
-    with pytest.raises(DataError, match="only .txt and .npz"):
+    with pytest.raises(DataError, match="only .txt, .jsonl, .csv, .tsv, .npz files"):
         load_data(str(file))
 
 
@@ -163,6 +163,76 @@ def test_txt_errors(tmp_path):
     text.write_text("7\thello\n")
     with pytest.raises(DataError, match="class id 7, but the model has 4 classes"):
         load_data(text, model=MODELS / "bert-topics-a")
+
+
+# ---- records (.jsonl, .csv, .tsv) -------------------------------------------------------------------------------
+
+
+def _same_batches(x, y) -> bool:
+    return len(x.batches) == len(y.batches) and all(
+        a.inputs.keys() == b.inputs.keys() and all(torch.equal(a.inputs[k], b.inputs[k]) for k in a.inputs)
+        and (a.labels is None and b.labels is None or torch.equal(a.labels, b.labels))
+        for a, b in zip(x.batches, y.batches))
+
+
+def test_records_give_the_batches_of_the_same_lines_as_text(tmp_path):
+    import json
+
+    lines = [("expressions", "x + y"), ("0", "if x:"), ("strings", 'say "hi", then go')]
+    (tmp_path / "lines.txt").write_text("".join(f"{label}\t{text}\n" for label, text in lines))
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"id": i, "text": text, "label": label})
+                                                   for i, (label, text) in enumerate(lines)) + "\n\n")
+    (tmp_path / "rows.csv").write_text('label,sentence\n' + "".join(
+        f'{label},"{text.replace(chr(34), chr(34) * 2)}"\n' for label, text in lines))
+    (tmp_path / "rows.tsv").write_text("content\tlabel\n" + "".join(f"{text}\t{label}\n" for label, text in lines))
+    model = MODELS / "bert-topics-a"
+    text = load_data(tmp_path / "lines.txt", model=model, batch_size=2)
+    assert text.batches[0].labels.tolist() == [1, 0]
+    for name in ("rows.jsonl", "rows.csv", "rows.tsv"):
+        assert _same_batches(load_data(tmp_path / name, model=model, batch_size=2), text), name
+    # a causal LM takes the texts alone, its labels being its tokens; the one text field needs no known name
+    (tmp_path / "lm.jsonl").write_text('{"code": "def f(x):", "label": 3}\n{"code": "return x + 1", "label": 1}\n')
+    lm = load_data(tmp_path / "lm.jsonl", model=MODELS / "llama-chars-a")
+    assert lm.task == "causal_lm" and len(lm) == 2 and torch.equal(lm.batches[0].labels[0, :9],
+                                                                    lm.batches[0].inputs["input_ids"][0, :9])
+    assert lm.batches[0].inputs["input_ids"][0, :9].tolist() == [char_vocabulary()[c] for c in "def f(x):"]
+
+
+def test_cli_barrier_reads_records_as_it_reads_text(tmp_path):
+    import json
+
+    from cli_runner import run
+
+    lines = [(label, text) for label, text in corpus_lines("test")[:12]]
+    (tmp_path / "lines.txt").write_text("".join(f"{label}\t{text}\n" for label, text in lines))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": t, "label": c}) + "\n" for c, t in lines))
+    curves = {}
+    for name in ("lines.txt", "rows.jsonl"):
+        code, _, stderr = run("barrier", MODELS / "bert-topics-a", MODELS / "bert-topics-b", "--data", tmp_path / name,
+                              "--align", "none", "--steps", 3, "-o", tmp_path / f"{name}.png",
+                              "--json", tmp_path / f"{name}.json")
+        assert code == 0, stderr
+        curves[name] = json.loads((tmp_path / f"{name}.json").read_text())["modes"]["none"]["losses"]
+    assert curves["rows.jsonl"] == curves["lines.txt"] and len(curves["lines.txt"]) == 3
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("a.jsonl", '{"text": "x"}\n{"text": \n', "Line 2 of .* is not JSON"),
+    ("a.jsonl", "[1, 2]\n", "Line 1 of .* is a JSON list, not an object"),
+    ("a.jsonl", '{"a": "x", "b": "y"}\n', "Cannot tell which field .* holds the text: .*'a', 'b'"),
+    ("a.jsonl", '{"text": "x", "label": 0}\n{"text": "y"}\n', "Record 2 of .* has no class in field 'label'"),
+    ("a.jsonl", '{"text": "x"}\n{"text": 5}\n', "Record 2 of .* has no text in field 'text'"),
+    ("a.jsonl", '{"text": "x", "label": "sports"}\n', "'sports' is neither a class id nor one of the model"),
+    ("a.jsonl", "\n\n", "has no records"),
+    ("a.csv", "text,label\nx,0\ny,1,extra\n", "Row 2 of .* has more cells than its header"),
+    ("a.csv", "text,label\n", "has no records"),
+])
+def test_bad_records_say_what_is_wrong(tmp_path, name, content, expected):
+    file = tmp_path / name
+    file.write_text(content)
+    with pytest.raises(DataError, match=expected) as info:
+        load_data(file, model=MODELS / "bert-topics-a")
+    assert info.value.hint
 
 
 # ---- arrays ----------------------------------------------------------------------------------------------------
