@@ -115,6 +115,7 @@ TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 # Size fields and the tiny value each gets wherever a config has it.
 SHRINK = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64, "n_embed": 64, "embedding_size": 64,
+    "emb_dim": 64,
     "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
     "num_decoder_layers": 2, "num_encoder_layers": 2,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "encoder_attention_heads": 4,
@@ -132,7 +133,7 @@ SHRINK = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 16, "first_k_dense_replace": 1,
 }
-WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed")
+WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "emb_dim")
 HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
