@@ -411,8 +411,8 @@ def _movement_source(node: fx.Node, axis: int):
     if target in ("aten.cat.default", "aten.concat.default"):
         dim = (args[1] if len(args) > 1 else 0) % rank
         return None if dim == axis else [(a, axis) for a in args[0]]
-    if not isinstance(args[0], fx.Node):
-        return None
+    if not isinstance(args[0], fx.Node) or not isinstance(args[0].meta.get("val"), torch.Tensor):
+        return None  # a constant, or one output of a multi-output op (max pooling with its indices): no movement
     in_rank = args[0].meta["val"].dim()
     if target == "aten.transpose.int":
         d0, d1 = args[1] % rank, args[2] % rank

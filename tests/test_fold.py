@@ -414,6 +414,43 @@ def test_a_stream_read_through_a_pass_through_is_not_centred():
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok
 
 
+class _MaxPooledStream(torch.nn.Module):
+    """A pre-LN stream written by max pooling (Hiera pools its stream so): the values of an op with two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.norm, self.final = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.mlp, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h.unflatten(1, (h.shape[1] // 2, 2)).max(dim=2).values
+        h = h + self.mlp(self.norm(h))
+        return self.head(self.final(h))
+
+
+def _max_pooled(seed):
+    torch.manual_seed(seed)
+    model = _MaxPooledStream().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "final" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return symgraph.load(model, (torch.randn(2, 6, 4),))
+
+
+def test_a_stream_written_by_one_output_of_a_multi_output_op_is_refused_not_crashed():
+    """Hiera (sweep): fold read the rank of max's (values, indices) tuple and crashed with an AttributeError, and
+    merge's default fold with it; max does not commute with centring, so the fold is refused and merge goes on."""
+    a, b = _max_pooled(0), _max_pooled(1)
+    with pytest.raises(FoldError, match=r"written by .*getitem.*no parameter to centre"):
+        fold(a)
+    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)
+    assert "norms not folded" in result.fold_note and "no parameter to centre" in result.fold_note
+    assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok
+
+
 def test_a_fold_failing_its_own_check_falls_back_unless_asked(monkeypatch):
     """A fold that its float64 check finds unsound (a bug, simulated here by a wrong centring) is refused like
     one that cannot be done: fold=None merges unfolded and says why; fold=True raises."""
