@@ -561,7 +561,7 @@ def _load_txt(path: Path, target: _Target, batch_size: int, limit: int | None) -
     lines = [line for line in _read_text(path).splitlines() if line.strip()][:limit]
     if not lines:
         raise DataError(f"Data file '{path}' has no non-empty lines.", hint="put one example per line.")
-    if (target.task or "causal_lm") == "classification":
+    if target.task == "classification":
         labels, texts = _line_labels(lines, target)
     else:
         labels, texts = None, lines
@@ -570,14 +570,14 @@ def _load_txt(path: Path, target: _Target, batch_size: int, limit: int | None) -
 
 def _text_dataset(path: Path, texts: list[str], labels: list[int] | None, target: _Target,
                   batch_size: int) -> Dataset:
-    """Texts tokenised with the model's tokenizer, padded into batches (with class ids for a classifier)."""
+    """Texts tokenised with the model's tokenizer, padded into batches (with ``labels``, a classifier's class ids,
+    where given)."""
     tokenizer = target.tokenizer(required=True)
     task = target.task or "causal_lm"
     ids = [_encode_line(t, tokenizer, max_tokens=target.max_tokens) for t in texts]
     if any(not x for x in ids):
         raise DataError(f"An example of '{path}' tokenises to nothing.", hint="remove examples with no text.")
-    return Dataset(path.name, task, _padded_batches(ids, labels if task == "classification" else None, task,
-                                                     _pad_id(tokenizer), batch_size))
+    return Dataset(path.name, task, _padded_batches(ids, labels, task, _pad_id(tokenizer), batch_size))
 
 
 def _read_text(path: Path) -> str:
@@ -638,7 +638,7 @@ def _load_records(path: Path, target: _Target, batch_size: int, limit: int | Non
                 raise DataError(f"Record {number} of '{path}' has no {what} in field '{field}' (the first has).",
                                 hint=f"give every record its {what} in '{field}', or leave the field out of all.")
     texts = [r[text] for r in records]
-    classifier = (target.task or "causal_lm") == "classification"
+    classifier = target.task == "classification"  # a causal LM's labels are its tokens: a label field is ignored
     labels = _class_ids([r[label] for r in records], target) if label and classifier else None
     return _text_dataset(path, texts, labels, target, batch_size)
 
