@@ -24,6 +24,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
@@ -39,10 +41,16 @@ TASK_LENGTH = 8  # tokens the task is found at
 CANNOT_RUN = (IndexError, RuntimeError, ValueError)
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
 JUDGE_EXAMPLES = 64  # synthetic examples a judge scores candidate alignments or merges on
-# the largest model a judge makes examples for: its forward passes over them grow with the model, the alignment's
-# solves far less (one thread: a LLaMA of 7M parameters, vocabulary 8000, judged its starts in 52 s against 4 s of
-# alignment; one of 58M, vocabulary 32000, in 274 s against 36 s), so larger models decide without it
+# the largest model a judge makes examples for, refused without running it (one of 58M parameters, vocabulary
+# 32000, judged its starts in 274 s against 36 s of alignment)
 JUDGE_MAX_PARAMETERS = 50_000_000
+# the most tensor elements one forward pass over a judge's examples may write (:func:`elements_written`): a judge
+# runs some 15 such passes (a classifier's inverted examples some 80), far more than the alignment's solves cost on
+# models past it, which then decide without it. One thread, a pass of 64 examples: the wide LLaMA writes 3.6e8 in
+# 1.8 s; a LLaMA of 7M parameters, vocabulary 8000, 4.9e8 in 2.4 s (it judged its starts in 52 s against 4 s of
+# alignment); one of 58M, vocabulary 32000, 1.9e9 in 11.3 s (274 s against 36 s); a tiny inkling_text of 2.9M
+# parameters with 64 heads of 128 in its sliding-window attention 1.8e9 in 8.8 s (a merge past 800 s)
+JUDGE_MAX_ELEMENTS = 1e9
 # model inversion of a classifier's random pixels (or audio): steps, Adam's rate, the weight of the L2 prior
 INVERSION_STEPS, INVERSION_LR, INVERSION_PRIOR = 30, 0.1, 1e-3
 
@@ -66,11 +74,12 @@ def learning_only() -> DataError:
 
 
 def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, examples: int, batch_size: int,
-                   seed: int = 0, invert: bool = True) -> Dataset:
+                   seed: int = 0, invert: bool = True, max_elements: float | None = None) -> Dataset:
     """``examples`` synthetic training examples (module docstring) in batches of ``batch_size``, labelled by the
     mean prediction of ``model`` carrying each state of ``endpoints`` (the source and the anchor of a learned
     alignment: one architecture, ``model``'s); a classifier's inputs inverted unless ``invert`` is False. ``seed``
-    fixes every draw; the global random state is left as it was."""
+    fixes every draw; the global random state is left as it was. With ``max_elements``, examples whose one forward
+    pass would write more tensor elements than that (:func:`elements_written`) are refused before any is made."""
     config = getattr(model, "config", None)
     if config is None:
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
@@ -90,6 +99,8 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         twin = use_experts_implementation(copy.deepcopy(model), REFERENCE).eval()
         twin.requires_grad_(False)  # inversion differentiates the inputs only
         length = _length(twin, endpoints[0], config, seed)
+        if max_elements is not None:
+            _check_cost(twin, endpoints[0], config, length, examples, seed, max_elements)
         sampled = _samples(twin, task)
         if sampled:
             inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, length, seed), "sampled"
@@ -206,6 +217,41 @@ def _length(model: torch.nn.Module, state: State, config, seed: int) -> int:
     return low
 
 
+def _check_cost(model: torch.nn.Module, state: State, config, length: int, examples: int, seed: int,
+                limit: float) -> None:
+    """Refuse examples whose one forward pass over all ``examples`` would write more than ``limit`` elements."""
+    one = _example_inputs(model, config, batch=1, seq=length, seed=seed)
+    try:
+        written = examples * elements_written(model, state, one)
+    except Exception as error:  # noqa: BLE001 - an operator the count cannot follow: no budget to keep, so none made
+        raise DataError(f"The cost of a forward pass of {type(model).__name__} could not be counted "
+                        f"({type(error).__name__}: {error}).") from error
+    if written > limit:
+        raise DataError(f"One forward pass of {type(model).__name__} over {examples} examples of its inputs "
+                        f"{ {k: tuple(v.shape[1:]) for k, v in one.items()} } writes {written:,} tensor elements, "
+                        f"more than the {limit:,.0f} these examples may cost.")
+
+
+def elements_written(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> int:
+    """The tensor elements the operators of one forward of ``model`` carrying ``state`` on ``inputs`` write. A
+    forward's time on a CPU follows it where FLOPs do not (one thread, 64 examples of 64-128 tokens or images, 14
+    architectures from recurrent scans to 64-head attention: 1.6-6.2 ns an element, against 1.1-12.6 GFLOP/s; tiny
+    vision models, whose time is mostly per operator, up to 9 ns)."""
+    written = 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal written
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:  # a view writes nothing
+                written += sum(v.numel() for v in tree_leaves(out) if isinstance(v, torch.Tensor))
+            return out
+
+    with Count():
+        _run(model, state, inputs)
+    return written
+
+
 def _runs_at(model: torch.nn.Module, state: State, config, length: int, seed: int) -> bool:
     """Whether ``model`` carrying ``state`` runs on one example of ``length`` tokens (frames)."""
     try:
@@ -250,8 +296,8 @@ class _JudgeExamples:
     """The synthetic examples a judge scores on, made on the first call from ``model`` carrying each of
     ``endpoints`` (a classifier's inputs as drawn: judging starts on them needs no inversion, which would cost more
     than what is judged); None when synthetic data cannot be made for ``model`` (no config, neither a classifier
-    nor a causal LM, a generate() that fails) or it has more than :data:`JUDGE_MAX_PARAMETERS` parameters, said
-    once in the log. :meth:`inverted` gives them inverted."""
+    nor a causal LM, a generate() that fails), it has more than :data:`JUDGE_MAX_PARAMETERS` parameters, or a
+    forward pass over them would write more than :data:`JUDGE_MAX_ELEMENTS` tensor elements, said once in the log. :meth:`inverted` gives them inverted."""
 
     def __init__(self, model: torch.nn.Module, endpoints: Sequence[State], examples: int, judged: str):
         self.model, self.endpoints, self.examples, self.judged = model, endpoints, examples, judged
@@ -269,7 +315,8 @@ class _JudgeExamples:
                       "examples for", self.judged, type(self.model).__name__, f"{size:,}", f"{JUDGE_MAX_PARAMETERS:,}")
             return None
         try:
-            return synthetic_data(self.model, self.endpoints, examples=self.examples, batch_size=32, invert=invert)
+            return synthetic_data(self.model, self.endpoints, examples=self.examples, batch_size=32, invert=invert,
+                                  max_elements=JUDGE_MAX_ELEMENTS)
         except DataError as error:  # no data this model can make: no judge, and say why once
             _log.info("%s are not judged on synthetic data: %s", self.judged, error)
             return None
