@@ -26,12 +26,17 @@ import torch
 from torch import fx
 
 from .capture import Capture, capture
+from .datasets import Batch
 from .errors import CaptureError, DataError, SymgraphError
 from .groups import Group, Member, TensorMember
 
 DATA_MODE = "full+data"  # the alignment mode barrier and merge name for full mode with activation costs
 SKIPPED_RULES = ("movement", "identity")  # their values repeat their input's (layout, dtype, sign): no new evidence
 SITE_PREFIX = "@"  # site keys are graph node names behind this prefix: they can never clash with parameter names
+# examples per recorded forward pass, and so in the graph whose sites are sought: some graphs label every position
+# apart, and seeking the sites of lara_mini's at 64 tokens took 12 s for one example, 102 s for 8, 362 s for 32
+# (two, not one: a size of one can trace a different graph)
+RUN_EXAMPLES = 2
 
 
 @dataclass
@@ -53,7 +58,9 @@ def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int
     ``anchor`` (Subjects of one architecture) and keep the activations at the sites of ``groups`` (only of the
     groups whose ids are in ``use``, when given; all groups still decide which values are sites).
 
-    Batches of one input shape share a capture; at most ``max_positions`` positions per site are kept (evenly
+    Batches run :data:`RUN_EXAMPLES` examples at a time where every input leads with the examples' axis (a batch
+    whole otherwise), and runs of one input shape share a capture; at most ``max_positions`` positions per site are
+    kept (evenly
     spaced over those recorded), and a site with fewer features than positions is stored in a basis of its
     rows (:func:`_compressed`: the same costs, less memory). A capture of more than ``max_nodes`` graph nodes is
     refused before its sites are sought: a recurrence traced step by step grows with the input's length, and
@@ -61,10 +68,10 @@ def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int
     if batches < 1 or max_positions < 2:
         raise SymgraphError(f"Activation costs need at least one batch and two positions per site (got {batches} "
                             f"batches, {max_positions} positions).", hint="pass --data-batches 1 or more.")
-    chosen = list(data.batches[:batches])
     by_shape: dict[tuple, list] = defaultdict(list)
-    for batch in chosen:
-        by_shape[_signature(batch)].append(batch)
+    for batch in data.batches[:batches]:
+        for run in _runs(batch, RUN_EXAMPLES):
+            by_shape[_signature(run)].append(run)
     rows = {"source": defaultdict(list), "anchor": defaultdict(list)}
     sites: dict[str, list[Member]] | None = None
     anchor_state = anchor.state_dict()
@@ -221,6 +228,18 @@ def _site_layout(sites: dict[str, list[Member]]) -> dict:
 
 
 # -- recording -------------------------------------------------------------------------------------------------------
+def _runs(batch: Batch, examples: int) -> list[Batch]:
+    """``batch``'s inputs cut into runs of ``examples`` examples, the last one ending at its last example (so it
+    may repeat a few of the one before: every run has one shape); ``[batch]`` when it holds no more examples than
+    that or not every input leads with the examples' axis (an image grid listed per image)."""
+    sizes = {v.shape[0] if v.dim() else None for v in batch.inputs.values()}
+    count = next(iter(sizes)) if len(sizes) == 1 else None
+    if count is None or count <= examples:
+        return [batch]
+    return [Batch({k: v[start:start + examples] for k, v in batch.inputs.items()})
+            for start in (min(first, count - examples) for first in range(0, count, examples))]
+
+
 def _signature(batch) -> tuple:
     return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.inputs.items()))
 
@@ -235,7 +254,7 @@ def _capture_on(subject, batch, data) -> Capture:
     try:
         return capture(subject.model, (), _forward_kwargs(subject.model, batch))
     except CaptureError as exc:
-        raise DataError(f"Data '{data.name}' does not fit the source: its first batch "
+        raise DataError(f"Data '{data.name}' does not fit the source: its first examples "
                         f"({', '.join(f'{k} {tuple(v.shape)}' for k, v in batch.inputs.items())}) cannot run "
                         f"through the model ({exc.message})",
                         hint="use data made for this model (input names, shapes, token ids below the vocabulary "

@@ -135,6 +135,36 @@ def test_data_that_does_not_fit_is_refused(llama, data, message):
         record(twin_of(llama), llama, llama.report.groups, data)
 
 
+def test_a_batch_is_recorded_a_few_examples_at_a_time_with_the_activations_it_gives_whole(llama, monkeypatch):
+    """Sites are sought in the graph of RUN_EXAMPLES examples, not of a whole batch (some graphs label every
+    position apart: lara_mini's sites took 362 s at 32 examples, 12 s at one); the runs record what the whole
+    batch would, so every cost the solvers read is unchanged."""
+    data, twin = tokens(batches=1), twin_of(llama)  # one batch of 4 examples
+    captured = []
+    capture_on = symgraph.activations._capture_on
+    monkeypatch.setattr(symgraph.activations, "_capture_on",
+                        lambda subject, batch, data: captured.append(batch) or capture_on(subject, batch, data))
+    by_runs = record(twin, llama, llama.report.groups, data)
+    monkeypatch.setattr(symgraph.activations, "RUN_EXAMPLES", 4)
+    whole = record(twin, llama, llama.report.groups, data)
+    assert [b.inputs["input_ids"].shape for b in captured] == [(2, 9), (4, 9)]
+    assert by_runs.sites.keys() == whole.sites.keys() and by_runs.source.keys() == whole.source.keys()
+    for key, x in whole.source.items():
+        y, a, b = whole.anchor[key], by_runs.source[key], by_runs.anchor[key]
+        torch.testing.assert_close(a @ b.T, x @ y.T)
+        torch.testing.assert_close(a @ a.T, x @ x.T)
+
+
+def test_runs_cover_every_example_in_one_shape_unless_an_input_is_not_per_example():
+    batch = Batch({"input_ids": torch.arange(5)[:, None].expand(5, 3), "attention_mask": torch.ones(5, 3)})
+    runs = symgraph.activations._runs(batch, 2)
+    assert [r.inputs["input_ids"][:, 0].tolist() for r in runs] == [[0, 1], [2, 3], [3, 4]]
+    assert all(r.inputs["attention_mask"].shape == (2, 3) for r in runs)
+    grid = Batch({"pixel_values": torch.zeros(5, 3), "image_grid_thw": torch.ones(2, 3)})  # listed per image
+    assert symgraph.activations._runs(grid, 2) == [grid]
+    assert symgraph.activations._runs(batch, 5) == [batch]
+
+
 def test_recording_needs_a_batch(llama):
     with pytest.raises(symgraph.errors.SymgraphError, match="at least one batch"):
         record(llama, llama, llama.report.groups, tokens(), batches=0)
