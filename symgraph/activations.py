@@ -90,9 +90,10 @@ def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int
         sites = found if sites is None else sites
         if _site_layout(found) != _site_layout(sites):  # another input shape traced differently: not comparable
             continue
+        recorder = _recorder(cap, views)
         for batch in same:
             for who, state in (("source", None), ("anchor", anchor_state)):
-                for node, x in _run(cap, batch, state, views, data, f"the {who}").items():
+                for node, x in _run(cap, recorder, batch, state, views, data, f"the {who}").items():
                     rows[who][node].append(x)
     src, anc = _finish(rows["source"], max_positions), _finish(rows["anchor"], max_positions)
     for key, x in anc.items():  # every site weighs the same (the stream's norm grows with depth): one scalar
@@ -261,24 +262,21 @@ def _capture_on(subject, batch, data) -> Capture:
                              "size).") from exc
 
 
-class _Recorder(fx.Interpreter):
-    """Runs the exported graph and keeps the values of the wanted nodes."""
-
-    def __init__(self, module, wanted):
-        super().__init__(module)
-        self.wanted, self.seen = wanted, {}
-
-    def run_node(self, n: fx.Node):
-        out = super().run_node(n)
-        if n.name in self.wanted and isinstance(out, torch.Tensor):
-            self.seen[n.name] = out.detach()
-        return out
+def _recorder(cap: Capture, views: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[fx.GraphModule, list[str]]:
+    """The captured graph made to return the values of the sites' nodes, and their names: generated code, where
+    an fx Interpreter runs node by node in Python on every run of a few examples."""
+    wanted = sorted({node for node, _ in views.values()})
+    graph, copied = fx.Graph(), {}
+    graph.graph_copy(cap.program.graph_module.graph, copied)  # every node but the output
+    by_name = {node.name: new for node, new in copied.items()}
+    graph.output(tuple(by_name[name] for name in wanted))
+    return fx.GraphModule(cap.program.graph_module, graph), wanted
 
 
-def _run(cap: Capture, batch, state, views: dict[str, tuple[str, tuple[int, ...]]], data,
-         who: str) -> dict[str, torch.Tensor]:
-    """Site key -> (features, positions) on ``batch`` (``views``: key -> node and feature axes), with
-    ``state``'s weights (None: the captured model's own)."""
+def _run(cap: Capture, recorder: tuple[fx.GraphModule, list[str]], batch, state,
+         views: dict[str, tuple[str, tuple[int, ...]]], data, who: str) -> dict[str, torch.Tensor]:
+    """Site key -> (features, positions) on ``batch`` (``views``: key -> node and feature axes; ``recorder``:
+    :func:`_recorder` of them), with ``state``'s weights (None: the captured model's own)."""
     from .statistics import data_must_fit
 
     program = cap.program
@@ -287,10 +285,10 @@ def _run(cap: Capture, batch, state, views: dict[str, tuple[str, tuple[int, ...]
         names = {**cap.params, **cap.buffers}
         placeholders = [n.name for n in cap.graph.nodes if n.op == "placeholder"]
         flat = [state[names[p]].to(x.dtype) if names.get(p) in state else x for p, x in zip(placeholders, flat)]
-    recorder = _Recorder(program.graph_module, {node for node, _ in views.values()})
+    module, wanted = recorder
     with torch.no_grad(), data_must_fit(data, who, "recording activations"):
-        recorder.run(*flat)
-    return {key: _by_features(recorder.seen[node], axes) for key, (node, axes) in views.items()}
+        seen = dict(zip(wanted, module(*flat)))
+    return {key: _by_features(seen[node], axes) for key, (node, axes) in views.items()}
 
 
 def _by_features(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
