@@ -539,6 +539,10 @@ class Aligner:
             for p in g.params:
                 self.by_param[p].add(g.id)
         self._ready_cache: dict[str, tuple[bool, float]] = {}
+        # matrix group id -> (its exact members' layout, whether they determine it): other groups' elements are
+        # invertible, so they leave the rank of its exact members' Gram matrix alone; only a new layout asks again
+        # (markuplm's many small groups sharing its xpath embeddings asked 40k times in a merge, 80 s)
+        self._determined_by: dict[str, tuple[tuple, bool]] = {}
         self.version = self.ws.sums.version  # bumped whenever a parameter moves (Workspace.moved)
         self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
         self.rounds_run = 0
@@ -763,8 +767,17 @@ class Aligner:
         if g.id not in self._ready_cache:
             exact = self._exact(g)
             share = sum(_coordinates(m) for m in exact) / max(sum(_coordinates(m) for m in g.members), 1)
-            self._ready_cache[g.id] = (self._determined(g, exact), share)
+            self._ready_cache[g.id] = (self._determined_rank(g, exact) if g.kind in MATRIX_KINDS and g.motif != "heads"
+                                       else self._determined(g, exact), share)
         return self._ready_cache[g.id]
+
+    def _determined_rank(self, g: Group, exact: list[Member]) -> bool:
+        """:meth:`_determined` for a matrix group, asked again only when its exact members change."""
+        layout = tuple((m.param, m.axis, m.action, m.index.tobytes()) for m in exact)
+        seen = self._determined_by.get(g.id)
+        if seen is None or seen[0] != layout:
+            self._determined_by[g.id] = seen = (layout, self._determined(g, exact))
+        return seen[1]
 
     def _other_axes_done(self, m: Member) -> bool:
         return not any(self.pending.get((m.param, a)) for a in range(self.ws.src[m.param].dim()) if a != m.axis)

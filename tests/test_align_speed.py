@@ -133,3 +133,34 @@ def test_a_last_group_is_solved_without_testing_its_readiness(monkeypatch):
     assert [e.group.id for e in after.elements] == [e.group.id for e in before.elements]
     for k in before.src:
         assert torch.equal(after.src[k], before.src[k]), k
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_a_matrix_groups_readiness_is_asked_again_only_when_its_exact_members_change(monkeypatch, folded):
+    """Other groups' elements are invertible, so they leave the rank of a matrix group's exact members alone: its
+    readiness is recomputed only for a new set of exact members (markuplm's many small groups sharing its xpath
+    embeddings asked 40k times in a merge), and the first pass solves in the same order to the same place."""
+    from symgraph.alignment import MATRIX_KINDS, Aligner
+
+    groups, source, anchor = _pair(folded)
+    determined = Aligner._determined
+    asked = []
+
+    def counted(self, g, exact):
+        asked.append(g.id) if g.kind in MATRIX_KINDS else None
+        return determined(self, g, exact)
+
+    monkeypatch.setattr(Aligner, "_determined", counted)
+    runs = {}
+    for cached in (True, False):
+        if not cached:
+            monkeypatch.setattr(Aligner, "_determined_rank", lambda self, g, exact: self._determined(g, exact))
+        asked.clear()
+        aligner = Aligner(groups, source, anchor, mode="full", rescale=True)
+        aligner.first_pass()
+        runs[cached] = len(asked), aligner
+    (fewer, with_cache), (more, without) = runs[True], runs[False]
+    assert 0 < fewer < more
+    assert [e.group.id for e in with_cache.elements] == [e.group.id for e in without.elements]
+    for k in with_cache.src:
+        assert torch.equal(with_cache.src[k], without.src[k]), k
