@@ -8,7 +8,7 @@ model's function is unchanged. It is then a *site* of the group: a member whose 
 features on axis 0 and the recorded positions (examples x tokens) on axis 1. A value is used only if every group
 reaching its classes can say where its coordinates sit in it; otherwise a group would move it unseen.
 
-Recording runs the exported program (a torch.fx Interpreter over the capture) on a few batches of data, once with
+Recording runs the exported program (made to return the sites' values) on a few batches of data, once with
 each model's weights. The sites then stand in for the weights: :func:`symgraph.alignment.align_states` solves the
 *site groups* (same ids, kinds and sizes, members = sites) with the weight-matching solvers on the centred
 activations (every site scaled to unit norm): Hungarian on cross-covariances for permutations, Procrustes on
@@ -59,12 +59,12 @@ def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int
     groups whose ids are in ``use``, when given; all groups still decide which values are sites).
 
     Batches run :data:`RUN_EXAMPLES` examples at a time where every input leads with the examples' axis (a batch
-    whole otherwise), and runs of one input shape share a capture; at most ``max_positions`` positions per site are
-    kept (evenly
-    spaced over those recorded), and a site with fewer features than positions is stored in a basis of its
-    rows (:func:`_compressed`: the same costs, less memory). A capture of more than ``max_nodes`` graph nodes is
-    refused before its sites are sought: a recurrence traced step by step grows with the input's length, and
-    finding the sites of its graph at 128 tokens took RecurrentGemma 197 s against 0.4 s for the alignment."""
+    whole otherwise), and runs of one input shape share a capture; at most ``max_positions`` positions per site
+    are kept (evenly spaced over those recorded), and a site with fewer features than positions is stored in a
+    basis of its rows (:func:`_compressed`: the same costs, less memory). A capture of more than ``max_nodes``
+    graph nodes is refused before its sites are sought: a recurrence traced step by step grows with the input's
+    length, and finding the sites of its graph at 128 tokens took RecurrentGemma 197 s against 0.4 s for the
+    alignment."""
     if batches < 1 or max_positions < 2:
         raise SymgraphError(f"Activation costs need at least one batch and two positions per site (got {batches} "
                             f"batches, {max_positions} positions).", hint="pass --data-batches 1 or more.")

@@ -247,7 +247,7 @@ def elements_written(model: torch.nn.Module, state: State, inputs: dict[str, tor
                 written += sum(v.numel() for v in tree_leaves(out) if isinstance(v, torch.Tensor))
             return out
 
-    with Count():
+    with torch.no_grad(), Count():
         _run(model, state, inputs)
     return written
 
@@ -297,7 +297,8 @@ class _JudgeExamples:
     ``endpoints`` (a classifier's inputs as drawn: judging starts on them needs no inversion, which would cost more
     than what is judged); None when synthetic data cannot be made for ``model`` (no config, neither a classifier
     nor a causal LM, a generate() that fails), it has more than :data:`JUDGE_MAX_PARAMETERS` parameters, or a
-    forward pass over them would write more than :data:`JUDGE_MAX_ELEMENTS` tensor elements, said once in the log. :meth:`inverted` gives them inverted."""
+    forward pass over them would write more than :data:`JUDGE_MAX_ELEMENTS` tensor elements, said once in the
+    log. :meth:`inverted` gives them inverted."""
 
     def __init__(self, model: torch.nn.Module, endpoints: Sequence[State], examples: int, judged: str):
         self.model, self.endpoints, self.examples, self.judged = model, endpoints, examples, judged
