@@ -539,10 +539,10 @@ class Aligner:
             for p in g.params:
                 self.by_param[p].add(g.id)
         self._ready_cache: dict[str, tuple[bool, float]] = {}
-        # matrix group id -> (its exact members' layout, whether they determine it): other groups' elements are
-        # invertible, so they leave the rank of its exact members' Gram matrix alone; only a new layout asks again
-        # (markuplm's many small groups sharing its xpath embeddings asked 40k times in a merge, 80 s)
-        self._determined_by: dict[str, tuple[tuple, bool]] = {}
+        # matrix group id -> (its informative exact members' layout, whether their Gram matrix has full rank): other
+        # groups' elements are invertible, so they leave that rank alone; only a new layout asks again (markuplm's
+        # many small groups sharing its xpath embeddings asked 40k times in a merge, 80 s)
+        self._full_rank_of: dict[str, tuple[tuple, bool]] = {}
         self.version = self.ws.sums.version  # bumped whenever a parameter moves (Workspace.moved)
         self.solved_at: dict[str, tuple[int, ...]] = {}  # the versions a group's last solve saw
         self.rounds_run = 0
@@ -740,8 +740,7 @@ class Aligner:
         if not informative:
             return False
         if g.kind in MATRIX_KINDS:
-            eig = torch.linalg.eigvalsh(torch.from_numpy(self.ws.gram(informative, g)))
-            return bool((eig[:, 0] > 1e-10 * eig[:, -1].clamp_min(1e-300)).all())
+            return self._full_rank(g, informative)
         if g.kind == "scale":
             norms = sum(self.ws.unit_sums(m, "src") for m in informative)
             return bool(np.all(norms > 0))
@@ -767,17 +766,21 @@ class Aligner:
         if g.id not in self._ready_cache:
             exact = self._exact(g)
             share = sum(_coordinates(m) for m in exact) / max(sum(_coordinates(m) for m in g.members), 1)
-            self._ready_cache[g.id] = (self._determined_rank(g, exact) if g.kind in MATRIX_KINDS and g.motif != "heads"
-                                       else self._determined(g, exact), share)
+            self._ready_cache[g.id] = (self._determined(g, exact), share)
         return self._ready_cache[g.id]
 
-    def _determined_rank(self, g: Group, exact: list[Member]) -> bool:
-        """:meth:`_determined` for a matrix group, asked again only when its exact members change."""
-        layout = tuple((m.param, m.axis, m.action, m.index.tobytes()) for m in exact)
-        seen = self._determined_by.get(g.id)
+    def _full_rank(self, g: Group, members: list[Member]) -> bool:
+        """:meth:`_gram_full_rank`, computed again only when ``members`` change (see ``_full_rank_of``)."""
+        layout = tuple((m.param, m.axis, m.action, m.index.tobytes()) for m in members)
+        seen = self._full_rank_of.get(g.id)
         if seen is None or seen[0] != layout:
-            self._determined_by[g.id] = seen = (layout, self._determined(g, exact))
+            self._full_rank_of[g.id] = seen = (layout, self._gram_full_rank(g, members))
         return seen[1]
+
+    def _gram_full_rank(self, g: Group, members: list[Member]) -> bool:
+        """Is the Gram matrix of ``members`` of full rank in every copy?"""
+        eig = torch.linalg.eigvalsh(torch.from_numpy(self.ws.gram(members, g)))
+        return bool((eig[:, 0] > 1e-10 * eig[:, -1].clamp_min(1e-300)).all())
 
     def _other_axes_done(self, m: Member) -> bool:
         return not any(self.pending.get((m.param, a)) for a in range(self.ws.src[m.param].dim()) if a != m.axis)
