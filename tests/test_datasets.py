@@ -1,6 +1,7 @@
 """symgraph.datasets: every spec form loads, bad input raises DataError with a useful message, losses are right."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +234,125 @@ def test_bad_records_say_what_is_wrong(tmp_path, name, content, expected):
     with pytest.raises(DataError, match=expected) as info:
         load_data(file, model=MODELS / "bert-topics-a")
     assert info.value.hint
+
+
+# ---- image folders ---------------------------------------------------------------------------------------------
+
+
+def _vit_with_processor(tmp_path: Path, name: str = "vit-digits-a", mean=(0.5,)) -> Path:
+    """A copy of a shipped ViT folder with the image processor its digits were scaled by (grey, 8x8, to [-1, 1])."""
+    import shutil
+
+    from transformers import ViTImageProcessor
+
+    folder = tmp_path / name
+    shutil.copytree(MODELS / name, folder)
+    ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=list(mean), image_std=[0.5] * len(mean),
+                      resample=0).save_pretrained(folder)
+    return folder
+
+
+def _digit_images(root: Path, count: int, labelled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` digits test images as PNG files (in a subfolder per class when ``labelled``), and their
+    pixels and labels in the order the folder lists them: classes interleaved, files by name."""
+    from PIL import Image
+
+    data = load_data("digits", limit=count)
+    pixels = torch.cat([b.inputs["pixel_values"] for b in data.batches])
+    labels = torch.cat([b.labels for b in data.batches])
+    by_class: dict[int, list[int]] = {}
+    for i, label in enumerate(labels.tolist()):
+        folder = root / str(label) if labelled else root
+        folder.mkdir(parents=True, exist_ok=True)
+        grey = ((pixels[i, 0] + 1) / 2 * 255).round().to(torch.uint8).numpy()
+        Image.fromarray(grey).save(folder / f"{i:03d}.png")
+        by_class.setdefault(label if labelled else 0, []).append(i)
+    columns = [by_class[c] for c in sorted(by_class, key=str)]
+    order = [i for rank in range(max(map(len, columns))) for column in columns if rank < len(column)
+             for i in [column[rank]]]
+    return pixels[order], labels[order]
+
+
+def test_image_folder_gives_the_pixels_and_classes_of_its_images(tmp_path):
+    model = _vit_with_processor(tmp_path)
+    pixels, labels = _digit_images(tmp_path / "images", 40)
+    data = load_data(tmp_path / "images", model=model, batch_size=16)
+    assert (data.task, len(data), [b.size for b in data.batches]) == ("classification", 40, [16, 16, 8])
+    loaded = torch.cat([b.inputs["pixel_values"] for b in data.batches])
+    assert torch.equal(torch.cat([b.labels for b in data.batches]), labels)
+    assert (loaded - pixels).abs().max() < 1 / 255 + 1e-6  # only the PNGs' 8-bit rounding
+    assert set(data.batches[0].labels.tolist()) == set(labels.tolist())  # classes interleaved: each batch mixes them
+    from symgraph.io import load_model
+
+    vit = load_model(model).model
+    same = Dataset("same", "classification", (Batch({"pixel_values": pixels}, labels),))
+    assert evaluate(vit, data).loss == pytest.approx(evaluate(vit, same).loss, abs=0.02)
+    assert len(load_data(tmp_path / "images", model=model, limit=12)) == 12
+
+
+def test_image_folder_without_classes_is_unlabelled_and_class_folders_may_be_label_names(tmp_path):
+    model = _vit_with_processor(tmp_path)
+    _digit_images(tmp_path / "flat", 10, labelled=False)
+    flat = load_data(tmp_path / "flat", model=model)
+    assert len(flat) == 10 and not flat.labelled
+    config = json.loads((model / "config.json").read_text())
+    config["id2label"] = {str(i): f"digit {i}" for i in range(10)}
+    (model / "config.json").write_text(json.dumps(config))
+    _, labels = _digit_images(tmp_path / "named", 20)
+    for folder in sorted((tmp_path / "named").iterdir()):
+        folder.rename(folder.with_name(f"digit {folder.name}"))
+    named = load_data(tmp_path / "named", model=model)
+    assert torch.equal(torch.cat([b.labels for b in named.batches]), labels)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("no processor", "has no preprocessor_config.json"),
+    ("not an image", r"Cannot read image .*bad\.png"),
+    ("both layouts", "holds images both directly and in class subfolders"),
+    ("no images", "holds no images"),
+    ("unknown class", "'cat' is neither a class id nor one of the model's labels"),
+    ("a language model", "is a folder of images, and the model is a causal language model"),
+    ("rgb processor", "cannot preprocess"),
+])
+def test_bad_image_folders_say_what_is_wrong(tmp_path, case, expected):
+    import shutil
+
+    model = _vit_with_processor(tmp_path, mean=(0.5, 0.5, 0.5) if case == "rgb processor" else (0.5,))
+    images = tmp_path / "images"
+    _digit_images(images, 6)
+    if case == "no processor":
+        (model / "preprocessor_config.json").unlink()
+    elif case == "not an image":
+        (images / "0" / "bad.png").write_bytes(b"not a png")
+    elif case == "both layouts":
+        shutil.copy(next((images / "0").iterdir()), images / "loose.png")
+    elif case == "no images":
+        shutil.rmtree(images)
+        (images / "empty").mkdir(parents=True)
+    elif case == "unknown class":
+        (images / "0").rename(images / "cat")
+    elif case == "a language model":
+        model = MODELS / "llama-chars-a"
+    with pytest.raises(DataError, match=expected) as info:
+        load_data(images, model=model)
+    assert info.value.hint
+
+
+def test_cli_barrier_reads_an_image_folder_as_it_reads_the_same_pixels(tmp_path):
+    from cli_runner import run
+
+    folders = [_vit_with_processor(tmp_path, name) for name in ("vit-digits-a", "vit-digits-b")]
+    pixels, labels = _digit_images(tmp_path / "images", 24)
+    np.savez(tmp_path / "pixels.npz", pixel_values=load_data(tmp_path / "images", model=folders[0]).batches[0]
+             .inputs["pixel_values"].numpy(), labels=labels.numpy())
+    curves = {}
+    for name in ("images", "pixels.npz"):
+        code, _, stderr = run("barrier", *folders, "--data", tmp_path / name, "--align", "none", "--steps", 3,
+                              "-o", tmp_path / f"{name}.png", "--json", tmp_path / f"{name}.json")
+        assert code == 0, stderr
+        assert "torchvision" not in stderr
+        curves[name] = json.loads((tmp_path / f"{name}.json").read_text())["modes"]["none"]["losses"]
+    assert curves["images"] == curves["pixels.npz"] and len(curves["images"]) == 3
 
 
 # ---- arrays ----------------------------------------------------------------------------------------------------
