@@ -133,6 +133,8 @@ SHRINK = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 16, "first_k_dense_replace": 1,
     "projection_intermediate_dim": 128,  # GroupViT's 4096 made one Hungarian 2.3 s: past 800 s
+    "dim_ff": 128, "dim_head": 16, "o_lora_rank": 32, "latent_query_num": 8,  # CPM-Ant, DeepSeek-V4, Kosmos-2.5
+    "index_n_heads": 4, "index_head_dim": 16,  # the sparse-attention indexers of DeepSeek-V3.2 and HY-V4
 }
 WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "emb_dim")
 HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
