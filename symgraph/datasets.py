@@ -11,7 +11,8 @@ spec                                what it loads
                                     expressions, special methods, strings)
 ``FILE.txt``                        one example per line, tokenised with the model's tokenizer; for a
                                     classifier a line may be ``LABEL<TAB>text`` (an id or a name of ``id2label``)
-``FILE.jsonl``, ``.csv``, ``.tsv``  one record per line (JSON objects; rows under a header): the text field
+``FILE.jsonl``, ``.csv``, ``.tsv``  one record per line (JSON objects; rows under a header; a ``.json`` file holds
+                                    a list of them or columns of equal length): the text field
                                     (``text``, ``sentence``, ``content``, ``prompt`` or ``input``, else the
                                     one text field) tokenised, ``label`` the class of a classifier
 ``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
@@ -133,7 +134,7 @@ def load_data(spec: Any, *, model: Any = None, batch_size: int = 32, limit: int 
     ----------
     spec
         A shipped dataset name (``digits``, ``pydoc-chars``, ``pydoc-topics``, optionally ``:train``/``:test``),
-        a ``.txt``, ``.jsonl``, ``.csv``, ``.tsv`` or ``.npz`` path, a folder of images, a factory
+        a ``.txt``, ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or ``.npz`` path, a folder of images, a factory
         ``package.module:func`` / ``path/file.py:func``, or a Dataset.
     model
         The model the data is for: a Hugging Face folder, a :class:`symgraph.Subject` or a loaded module. Text is
@@ -297,15 +298,16 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     if path.is_dir():
         return _load_image_folder(path, target, batch_size, limit)
     if path.exists():
-        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files).",
+        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, or a "
+                        "folder of images).",
                         hint=_FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
 
 _FORMS_HINT = ("pass a shipped dataset name (digits, pydoc-chars, pydoc-topics; add ':train' or ':test'), a "
-               "FILE.txt (one example per line), a FILE.jsonl / .csv / .tsv (records with a 'text' field and, for "
-               "a classifier, a 'label'), a FILE.npz (arrays named after forward arguments, optional 'labels'), a "
-               "folder of images (one subfolder per class), or a factory 'package.module:func' / "
+               "FILE.txt (one example per line), a FILE.jsonl / .json / .csv / .tsv (records with a 'text' field "
+               "and, for a classifier, a 'label'), a FILE.npz (arrays named after forward arguments, optional "
+               "'labels'), a folder of images (one subfolder per class), or a factory 'package.module:func' / "
                "'path/file.py:func'.")
 
 
@@ -620,7 +622,7 @@ def _class_ids(labels: list[Any], target: _Target) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# records (.jsonl, .csv, .tsv)
+# records (.jsonl, .json, .csv, .tsv)
 # ----------------------------------------------------------------------------------------------------------------
 
 TEXT_FIELDS = ("text", "sentence", "content", "prompt", "input")  # the first present is an example's text
@@ -628,10 +630,12 @@ LABEL_FIELDS = ("label", "labels")  # the first present is a classifier's class 
 
 
 def _load_records(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
-    """One example per record: a JSON object per line (``.jsonl``), or a row under a header (``.csv``, ``.tsv``).
+    """One example per record: a JSON object per line (``.jsonl``), one of a list of them or a row of columns
+    (``.json``: :func:`_json_document_records`), or a row under a header (``.csv``, ``.tsv``).
     Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text; a
     classifier's class is the first of :data:`LABEL_FIELDS` (every record has it, or none does)."""
-    records = (_json_records if path.suffix == ".jsonl" else _table_records)(path)[:limit]
+    read = {".jsonl": _json_records, ".json": _json_document_records}.get(path.suffix, _table_records)
+    records = read(path)[:limit]
     if not records:
         raise DataError(f"Data file '{path}' has no records.",
                         hint="put one JSON object per line (.jsonl), or rows under a header line (.csv, .tsv).")
@@ -649,9 +653,41 @@ def _load_records(path: Path, target: _Target, batch_size: int, limit: int | Non
     return _text_dataset(path, texts, labels, target, batch_size)
 
 
-def _json_records(path: Path) -> list[dict]:
+def _json_document_records(path: Path) -> list[dict]:
+    """The records of a ``.json`` file: a list of objects (or of texts), an object of equally long columns
+    (``{"text": [...], "label": [...]}``), or JSON Lines under a ``.json`` name (what ``datasets``' ``to_json``
+    writes)."""
+    text = _read_text(path)
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return _json_records(path, text)
+    if isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values()):
+        lengths = {k: len(v) for k, v in document.items()}
+        if len(set(lengths.values())) != 1:
+            raise DataError(f"The columns of '{path}' have different lengths: "
+                            + ", ".join(f"{k} {n}" for k, n in lengths.items()) + ".",
+                            hint="give every column one entry per example.")
+        return [dict(zip(document, row)) for row in zip(*document.values())]
+    if isinstance(document, dict):
+        document = [document]
+    if not isinstance(document, list):
+        raise DataError(f"'{path}' holds a JSON {type(document).__name__}, not records.",
+                        hint="write a list of objects such as [{\"text\": \"...\", \"label\": 0}], or one "
+                             "object per line.")
     records = []
-    for number, line in enumerate(_read_text(path).splitlines(), 1):
+    for number, record in enumerate(document, 1):
+        record = {"text": record} if isinstance(record, str) else record
+        if not isinstance(record, dict):
+            raise DataError(f"Entry {number} of '{path}' is a JSON {type(record).__name__}, not an object.",
+                            hint="write a list of objects such as [{\"text\": \"...\", \"label\": 0}].")
+        records.append(record)
+    return records
+
+
+def _json_records(path: Path, text: str | None = None) -> list[dict]:
+    records = []
+    for number, line in enumerate((_read_text(path) if text is None else text).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -738,7 +774,8 @@ def _load_image_folder(path: Path, target: _Target, batch_size: int, limit: int 
     return Dataset(path.name, "classification", _batched({"pixel_values": pixels}, labels, batch_size))
 
 
-FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".csv": _load_records, ".tsv": _load_records,
+FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".json": _load_records, ".csv": _load_records,
+                ".tsv": _load_records,
                 ".npz": lambda path, target, batch_size, limit: _load_npz(path, target, batch_size)}
 
 

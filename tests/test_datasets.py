@@ -105,7 +105,7 @@ def test_bad_specs_raise_data_error_with_hints(spec, expected):
 def test_unsupported_file_type_is_named(tmp_path):
     file = tmp_path / "data.parquet"
     file.write_text("1,2\n")
-    with pytest.raises(DataError, match="only .txt, .jsonl, .csv, .tsv, .npz files"):
+    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .npz files, or a folder of images"):
         load_data(str(file))
 
 
@@ -186,10 +186,15 @@ def test_records_give_the_batches_of_the_same_lines_as_text(tmp_path):
     (tmp_path / "rows.csv").write_text('label,sentence\n' + "".join(
         f'{label},"{text.replace(chr(34), chr(34) * 2)}"\n' for label, text in lines))
     (tmp_path / "rows.tsv").write_text("content\tlabel\n" + "".join(f"{text}\t{label}\n" for label, text in lines))
+    # .json: a list of records, columns of equal length, or JSON Lines under that name (datasets' to_json)
+    (tmp_path / "list.json").write_text(json.dumps([{"text": text, "label": label} for label, text in lines]))
+    (tmp_path / "columns.json").write_text(json.dumps({"label": [label for label, _ in lines],
+                                                       "text": [text for _, text in lines]}))
+    (tmp_path / "lines.json").write_text((tmp_path / "rows.jsonl").read_text())
     model = MODELS / "bert-topics-a"
     text = load_data(tmp_path / "lines.txt", model=model, batch_size=2)
     assert text.batches[0].labels.tolist() == [1, 0]
-    for name in ("rows.jsonl", "rows.csv", "rows.tsv"):
+    for name in ("rows.jsonl", "rows.csv", "rows.tsv", "list.json", "columns.json", "lines.json"):
         assert _same_batches(load_data(tmp_path / name, model=model, batch_size=2), text), name
     # a causal LM takes the texts alone, its labels being its tokens; the one text field needs no known name
     (tmp_path / "lm.jsonl").write_text('{"code": "def f(x):", "label": 3}\n{"code": "return x + 1", "label": 1}\n')
@@ -225,6 +230,10 @@ def test_cli_barrier_reads_records_as_it_reads_text(tmp_path):
     ("a.jsonl", '{"text": "x"}\n{"text": 5}\n', "Record 2 of .* has no text in field 'text'"),
     ("a.jsonl", '{"text": "x", "label": "sports"}\n', "'sports' is neither a class id nor one of the model"),
     ("a.jsonl", "\n\n", "has no records"),
+    ("a.json", '{"text": ["x", "y"], "label": [0]}', "columns of .* have different lengths: text 2, label 1"),
+    ("a.json", '["x", 3]', "Entry 2 of .* is a JSON int, not an object"),
+    ("a.json", '"x"', "holds a JSON str, not records"),
+    ("a.json", "[]", "has no records"),
     ("a.csv", "text,label\nx,0\ny,1,extra\n", "Row 2 of .* has more cells than its header"),
     ("a.csv", "text,label\n", "has no records"),
 ])
