@@ -17,9 +17,9 @@ spec                                what it loads
                                     one text field) tokenised, ``label`` the class of a classifier
 ``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
                                     2-D: token ids)
-``DIR``                             images, one subfolder per class (its name a class id or an ``id2label``
-                                    name) or unlabelled, preprocessed by the model folder's image processor
-                                    (:mod:`symgraph.image_folders`)
+``DIR``                             images or WAV sounds, one subfolder per class (its name a class id or an
+                                    ``id2label`` name) or unlabelled, preprocessed by the model folder's
+                                    processor (:mod:`symgraph.media_folders`)
 ``package.module:func``             a function returning a :class:`Dataset` or an iterable of :class:`Batch` /
 ``path/file.py:func``               ``(inputs_dict, labels)`` pairs
 ==================================  ==============================================================================
@@ -134,8 +134,8 @@ def load_data(spec: Any, *, model: Any = None, batch_size: int = 32, limit: int 
     ----------
     spec
         A shipped dataset name (``digits``, ``pydoc-chars``, ``pydoc-topics``, optionally ``:train``/``:test``),
-        a ``.txt``, ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or ``.npz`` path, a folder of images, a factory
-        ``package.module:func`` / ``path/file.py:func``, or a Dataset.
+        a ``.txt``, ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or ``.npz`` path, a folder of images or sounds, a
+        factory ``package.module:func`` / ``path/file.py:func``, or a Dataset.
     model
         The model the data is for: a Hugging Face folder, a :class:`symgraph.Subject` or a loaded module. Text is
         tokenised with its tokenizer, and labels and token ids are checked against its config.
@@ -296,10 +296,10 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     if ":" in spec and not path.exists():
         return _load_factory(spec, target)
     if path.is_dir():
-        return _load_image_folder(path, target, batch_size, limit)
+        return _load_media_folder(path, target, batch_size, limit)
     if path.exists():
         raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, or a "
-                        "folder of images).",
+                        "folder of images or sounds).",
                         hint=_FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
@@ -307,8 +307,8 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
 _FORMS_HINT = ("pass a shipped dataset name (digits, pydoc-chars, pydoc-topics; add ':train' or ':test'), a "
                "FILE.txt (one example per line), a FILE.jsonl / .json / .csv / .tsv (records with a 'text' field "
                "and, for a classifier, a 'label'), a FILE.npz (arrays named after forward arguments, optional "
-               "'labels'), a folder of images (one subfolder per class), or a factory 'package.module:func' / "
-               "'path/file.py:func'.")
+               "'labels'), a folder of images or WAV files (one subfolder per class), or a factory "
+               "'package.module:func' / 'path/file.py:func'.")
 
 
 def _split_of(name: str, split: str) -> str:
@@ -759,19 +759,24 @@ def _load_npz(path: Path, target: _Target, batch_size: int) -> Dataset:
     return Dataset(path.name, task, _batched(tensors, labels, batch_size))
 
 
-def _load_image_folder(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
-    """A folder of images (:mod:`symgraph.image_folders`): ``pixel_values``, and class ids where the images sit in
-    class subfolders."""
-    from .image_folders import image_folder
+def _load_media_folder(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+    """A folder of images or sounds (:mod:`symgraph.media_folders`): the model's processor's inputs, and class ids
+    where the files sit in class subfolders."""
+    from .media_folders import media_batches
 
     if target.task == "causal_lm":
-        raise DataError(f"'{path}' is a folder of images, and the model is a causal language model.",
+        raise DataError(f"'{path}' is a folder of images or sounds, and the model is a causal language model.",
                         hint="give a language model text (a .txt, .jsonl, .csv or .tsv file, or token ids in a .npz).")
     config = getattr(target.config, "vision_config", None) or target.config
-    pixels, names = image_folder(path, model_folder=target.folder, channels=getattr(config, "num_channels", None),
-                                 limit=limit)
+    inputs, names = media_batches(path, model_folder=target.folder, channels=getattr(config, "num_channels", None),
+                                  batch_size=batch_size, limit=limit)
     labels = None if names is None else torch.tensor(_class_ids(names, target), dtype=torch.long)
-    return Dataset(path.name, "classification", _batched({"pixel_values": pixels}, labels, batch_size))
+    batches, start = [], 0
+    for batch in inputs:
+        size = int(next(iter(batch.values())).shape[0])
+        batches.append(Batch(batch, None if labels is None else labels[start:start + size]))
+        start += size
+    return Dataset(path.name, "classification", tuple(batches))
 
 
 FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".json": _load_records, ".csv": _load_records,

@@ -105,7 +105,8 @@ def test_bad_specs_raise_data_error_with_hints(spec, expected):
 def test_unsupported_file_type_is_named(tmp_path):
     file = tmp_path / "data.parquet"
     file.write_text("1,2\n")
-    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .npz files, or a folder of images"):
+    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .npz files, or a folder of images or "
+                                        "sounds"):
         load_data(str(file))
 
 
@@ -245,7 +246,7 @@ def test_bad_records_say_what_is_wrong(tmp_path, name, content, expected):
     assert info.value.hint
 
 
-# ---- image folders ---------------------------------------------------------------------------------------------
+# ---- image and sound folders -----------------------------------------------------------------------------------
 
 
 def _vit_with_processor(tmp_path: Path, name: str = "vit-digits-a", mean=(0.5,)) -> Path:
@@ -317,10 +318,10 @@ def test_image_folder_without_classes_is_unlabelled_and_class_folders_may_be_lab
 @pytest.mark.parametrize("case, expected", [
     ("no processor", "has no preprocessor_config.json"),
     ("not an image", r"Cannot read image .*bad\.png"),
-    ("both layouts", "holds images both directly and in class subfolders"),
-    ("no images", "holds no images"),
+    ("both layouts", "holds data files both directly and in class subfolders"),
+    ("no images", "holds no images .* or sounds"),
     ("unknown class", "'cat' is neither a class id nor one of the model's labels"),
-    ("a language model", "is a folder of images, and the model is a causal language model"),
+    ("a language model", "is a folder of images or sounds, and the model is a causal language model"),
     ("rgb processor", "cannot preprocess"),
 ])
 def test_bad_image_folders_say_what_is_wrong(tmp_path, case, expected):
@@ -362,6 +363,93 @@ def test_cli_barrier_reads_an_image_folder_as_it_reads_the_same_pixels(tmp_path)
         assert "torchvision" not in stderr
         curves[name] = json.loads((tmp_path / f"{name}.json").read_text())["modes"]["none"]["losses"]
     assert curves["images"] == curves["pixels.npz"] and len(curves["images"]) == 3
+
+
+def _audio_classifier(folder: Path, seed: int = 0) -> Path:
+    """A tiny wav2vec2 classifier of 3 classes with its feature extractor (16 kHz, normalised, attention mask)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                            conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2), num_labels=3,
+                            num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, vocab_size=8)
+    Wav2Vec2ForSequenceClassification(config).eval().save_pretrained(folder)
+    Wav2Vec2FeatureExtractor(sampling_rate=16000, return_attention_mask=True).save_pretrained(folder)
+    return folder
+
+
+def _write_wav(file: Path, samples: np.ndarray, rate: int, width: int = 2) -> None:
+    """PCM samples in [-1, 1] ((frames,) or (frames, channels)) as a WAV of ``width`` bytes a sample."""
+    import wave
+
+    frames = samples.reshape(len(samples), -1)
+    ints = np.round(frames * (2 ** (8 * width - 1) - 1)).astype("<i4")
+    raw = ints.astype("<i2").tobytes() if width == 2 else b"".join(v.to_bytes(4, "little", signed=True)[:3]
+                                                                    for v in ints.reshape(-1).tolist())
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(file), "wb") as out:
+        out.setnchannels(frames.shape[1])
+        out.setsampwidth(width)
+        out.setframerate(rate)
+        out.writeframes(raw)
+
+
+def test_sound_folder_gives_the_feature_extractors_inputs_of_its_sounds(tmp_path):
+    from transformers import AutoFeatureExtractor
+
+    model = _audio_classifier(tmp_path / "model")
+    rng = np.random.default_rng(0)
+    clips = {f"{c}/{i}.wav": rng.uniform(-0.5, 0.5, 800 + 160 * i).astype(np.float32)
+             for c in ("0", "1", "2") for i in range(2)}
+    for name, clip in clips.items():
+        _write_wav(tmp_path / "sounds" / name, clip, 16000)
+    data = load_data(tmp_path / "sounds", model=model, batch_size=4)
+    assert (data.task, len(data), [b.size for b in data.batches]) == ("classification", 6, [4, 2])
+    assert torch.cat([b.labels for b in data.batches]).tolist() == [0, 1, 2, 0, 1, 2]  # classes interleaved
+    order = ["0/0.wav", "1/0.wav", "2/0.wav", "0/1.wav"]
+    int16 = [np.round(clips[n] * 32767) / 32768 for n in order]  # what the 16-bit files hold
+    expected = AutoFeatureExtractor.from_pretrained(model)(int16, sampling_rate=16000, padding=True,
+                                                           return_tensors="pt")
+    assert set(data.batches[0].inputs) == {"input_values", "attention_mask"}
+    assert torch.equal(data.batches[0].inputs["attention_mask"], expected["attention_mask"])
+    assert torch.allclose(data.batches[0].inputs["input_values"], expected["input_values"].float(), atol=1e-4)
+    # another rate, two channels and 24-bit samples: resampled to 16 kHz, channels averaged
+    tone = np.sin(np.arange(4000) * 2 * np.pi * 440 / 8000) * 0.5
+    _write_wav(tmp_path / "other" / "a.wav", np.stack([tone, tone], 1), 8000, width=3)
+    _write_wav(tmp_path / "other" / "b.wav", tone, 8000)
+    other = load_data(tmp_path / "other", model=model).batches[0].inputs
+    assert other["attention_mask"].sum(1).tolist() == [8000, 8000]
+    assert torch.allclose(other["input_values"][0], other["input_values"][1], atol=1e-3)
+
+
+def test_bad_sound_folders_say_what_is_wrong(tmp_path):
+    model = _audio_classifier(tmp_path / "model")
+    _write_wav(tmp_path / "sounds" / "0" / "a.wav", np.zeros(800), 16000)
+    (tmp_path / "sounds" / "0" / "b.wav").write_bytes(b"RIFF\0\0\0\0WAVEjunk")
+    with pytest.raises(DataError, match=r"Cannot read sound .*b\.wav") as info:
+        load_data(tmp_path / "sounds", model=model)
+    assert "PCM WAV" in info.value.hint
+    (tmp_path / "sounds" / "0" / "b.wav").unlink()
+    from PIL import Image
+
+    Image.new("L", (8, 8)).save(tmp_path / "sounds" / "0" / "c.png")
+    with pytest.raises(DataError, match="holds both images and sounds"):
+        load_data(tmp_path / "sounds", model=model)
+
+
+def test_cli_barrier_runs_on_a_sound_folder(tmp_path):
+    from cli_runner import run
+
+    models = [_audio_classifier(tmp_path / f"model-{seed}", seed) for seed in (0, 1)]
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        for i in range(3):
+            _write_wav(tmp_path / "sounds" / str(c) / f"{i}.wav", rng.uniform(-0.5, 0.5, 1600), 16000)
+    code, _, stderr = run("barrier", *models, "--data", tmp_path / "sounds", "--align", "none", "--steps", 3,
+                          "-o", tmp_path / "plot.png", "--json", tmp_path / "curve.json")
+    assert code == 0, stderr
+    curve = json.loads((tmp_path / "curve.json").read_text())
+    assert len(curve["modes"]["none"]["losses"]) == 3 and all(np.isfinite(curve["modes"]["none"]["losses"]))
 
 
 # ---- arrays ----------------------------------------------------------------------------------------------------
