@@ -168,7 +168,7 @@ def check_transformed(subject: Subject, state: dict[str, torch.Tensor], elements
     ``elements`` (those that gave ``state``) are undone on free outputs before the comparison."""
     from .verify import Evaluator
 
-    outcome = Evaluator.of(subject).check(state, elements)
+    outcome = Evaluator.of(subject).check(state, elements, rounding_floor=True)
     if not outcome.ok:
         raise InvarianceError(
             f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
@@ -508,14 +508,14 @@ def _verify_alignment(evaluator, state, result) -> None:
     elements already change the function."""
     from .elements import apply
 
-    outcome = evaluator.check(result.state, result.elements)
+    outcome = evaluator.check(result.state, result.elements, rounding_floor=True)
     if outcome.ok:
         result.verified_error, result.verified_tolerance = outcome.relative_error, outcome.tolerance
         return
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):
         mine = [e for e in result.elements if e.group.id == gid]
-        alone = evaluator.check(apply(state, mine), mine)
+        alone = evaluator.check(apply(state, mine), mine, rounding_floor=True)
         if not alone.ok:
             culprits.append(f"{gid} (error {alone.relative_error:.1e})")
     raise InvarianceError(

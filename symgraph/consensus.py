@@ -279,7 +279,7 @@ def _verified(subject: Subject, state: State, elements: Sequence[Element] = ()) 
     from .verify import Evaluator
 
     state = tie_aliases(subject.model, state)
-    outcome = Evaluator.of(subject).check(state, elements)
+    outcome = Evaluator.of(subject).check(state, elements, rounding_floor=True)
     if not outcome.ok:
         raise InvarianceError(
             f"Aligning {subject.name} changed its outputs (relative error {outcome.relative_error:.2e}, tolerance "
