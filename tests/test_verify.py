@@ -1,4 +1,4 @@
-"""symgraph.verify: a result stored rounded may miss the fixed tolerance by its own rounding floor, never by more."""
+"""symgraph.verify: a result stored in float32 may miss the fixed tolerance by its own rounding floors, no further."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +37,8 @@ def test_a_sound_result_rounded_once_passes_by_its_own_floor_and_an_unsound_one_
     assert allowed.ok and allowed.tolerance == ROUNDING_FLOORS * floor and allowed.relative_error < 10 * floor
     wrong = evaluator.check(unsound, rounding_floor=True)
     assert not wrong.ok and wrong.relative_error > 1e3 * wrong.tolerance
+    halves = {k: v.to(torch.bfloat16) for k, v in sound.items()}  # bf16: floors near a change of function
+    assert evaluator.check(halves, rounding_floor=True).tolerance == TOLERANCE[torch.bfloat16]
 
 
 def test_the_floor_nudges_tied_names_alike():
