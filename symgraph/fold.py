@@ -527,7 +527,7 @@ def _centred(state, targets: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
 def _verify(subject, result: FoldResult) -> None:
     from .verify import Evaluator
 
-    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(result.state, rounding_floor=True)
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(result.state)
     if not outcome.ok:
         raise InvarianceError(
             f"The folded model differs from {subject.name} (relative error {outcome.relative_error:.2e}, tolerance "

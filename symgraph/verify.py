@@ -7,8 +7,9 @@ takes, 1 and 2 (a one-token fast path, or a cut at a fixed place that crosses in
 there; :func:`symgraph.probes.every_probe`), because the graph was traced at one shape only. The relative error
 ``||f(g.theta) - f(theta)|| / ||f(theta)||`` is compared with a tolerance that reflects the dtype actually computed
 (HF RMSNorm and eager softmax upcast to fp32 internally) and the precision the state is stored in; a result
-computed in float64 and stored in float32 (an alignment, a merge, a fold) may also miss by ``ROUNDING_FLOORS`` times
-what one more rounding of it changes (:meth:`Evaluator.rounding_floor`). Tied names are one tensor in a model: the name whose value
+computed in float64 and stored in float32 (an alignment, a transform) may also miss by ``ROUNDING_FLOORS`` times
+what one more rounding of it changes (:meth:`Evaluator.rounding_floor`), where its elements applied without
+rounding are exact. Tied names are one tensor in a model: the name whose value
 a state changed speaks for all of them (:func:`tie_aliases`), and a state changing them differently is refused.
 """
 from __future__ import annotations
@@ -100,11 +101,12 @@ class Evaluator:
         """Compare outputs at every probe shape (the worst relative error counts); parameters stored in a lower
         precision (a float32 copy) widen the tolerance. ``elements``: those applied to get ``state``, in order
         (free outputs are compared after undoing them; other outputs must not need it). ``rounding_floor`` (a
-        result computed in float64 and stored rounded to float32, as alignments, merges and folds are): where the
-        error exceeds the fixed tolerance, the tolerance is also ``ROUNDING_FLOORS`` times the state's own rounding
-        floor (:meth:`rounding_floor`), for models whose outputs one rounding moves more than most. Not for bf16 or
-        fp16 states: their floors are within a few hundred of a change of function (1 / epsilon), so they keep
-        their fixed tolerances."""
+        result computed in float64 and stored rounded to float32, as alignments and transforms are): where the
+        error exceeds the fixed tolerance and ``elements`` applied in float64 without rounding compute what the
+        model computes, the tolerance is also ``ROUNDING_FLOORS`` times the state's own rounding floor
+        (:meth:`rounding_floor`), for models whose outputs one rounding moves more than most. Not for bf16 or fp16
+        states: their floors are within a few hundred of a change of function (1 / epsilon), so they keep their
+        fixed tolerances; nor without elements (a fold)."""
         from .outputs import output_transforms
 
         transforms = output_transforms(self.free_outputs, elements) if self.free_outputs else None
@@ -113,9 +115,20 @@ class Evaluator:
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         tolerance = max([self.tolerance, *stored])
         low = {t.dtype for t in state.values() if t.is_floating_point() and t.dtype != torch.float64}
-        if rounding_floor and err > tolerance and low == {torch.float32}:
+        if rounding_floor and err > tolerance and low == {torch.float32} and self._exact(elements, transforms):
             tolerance = max(tolerance, ROUNDING_FLOORS * self.rounding_floor(state, transforms, outputs))
         return Outcome(err, tolerance)
+
+    def _exact(self, elements, transforms) -> bool:
+        """Whether ``elements`` applied in float64 to the model's own weights, nothing rounded, compute what it
+        computes (within the tolerance of what the model computes in): only then is a miss of the rounded state
+        rounding, and never a group that is not a symmetry."""
+        from .elements import apply
+
+        if not elements:
+            return False
+        exact = self.outputs(apply(self.state, list(elements)), transforms)
+        return max(relative_change(out, ref) for out, ref in zip(exact, self.references)) <= self.tolerance
 
     def rounding_floor(self, state: dict[str, torch.Tensor], transforms=None, outputs=None) -> float:
         """The relative output change one more rounding of every entry stored below float64 makes (each entry
