@@ -675,14 +675,8 @@ def _json_document_records(path: Path) -> list[dict]:
         raise DataError(f"'{path}' holds a JSON {type(document).__name__}, not records.",
                         hint="write a list of objects such as [{\"text\": \"...\", \"label\": 0}], or one "
                              "object per line.")
-    records = []
-    for number, record in enumerate(document, 1):
-        record = {"text": record} if isinstance(record, str) else record
-        if not isinstance(record, dict):
-            raise DataError(f"Entry {number} of '{path}' is a JSON {type(record).__name__}, not an object.",
-                            hint="write a list of objects such as [{\"text\": \"...\", \"label\": 0}].")
-        records.append(record)
-    return records
+    hint = "write a list of objects such as [{\"text\": \"...\", \"label\": 0}]."
+    return [_record(value, f"Entry {number} of '{path}'", hint) for number, value in enumerate(document, 1)]
 
 
 def _json_records(path: Path, text: str | None = None) -> list[dict]:
@@ -696,13 +690,18 @@ def _json_records(path: Path, text: str | None = None) -> list[dict]:
             raise DataError(f"Line {number} of '{path}' is not JSON: {exc.msg} (column {exc.colno}).",
                             hint="write one JSON object per line, such as {\"text\": \"...\", \"label\": 0}.") \
                 from exc
-        if isinstance(record, str):
-            record = {"text": record}
-        if not isinstance(record, dict):
-            raise DataError(f"Line {number} of '{path}' is a JSON {type(record).__name__}, not an object.",
-                            hint="write one JSON object per line, such as {\"text\": \"...\", \"label\": 0}.")
-        records.append(record)
+        records.append(_record(record, f"Line {number} of '{path}'",
+                               "write one JSON object per line, such as {\"text\": \"...\", \"label\": 0}."))
     return records
+
+
+def _record(value: Any, where: str, hint: str) -> dict:
+    """A JSON value as a record: an object as it is, a string as its text; anything else is refused."""
+    if isinstance(value, str):
+        return {"text": value}
+    if not isinstance(value, dict):
+        raise DataError(f"{where} is a JSON {type(value).__name__}, not an object.", hint=hint)
+    return value
 
 
 def _table_records(path: Path) -> list[dict]:

@@ -130,9 +130,10 @@ def _sound(file: Path, rate: int) -> np.ndarray:
     except (OSError, EOFError, wave.Error) as exc:
         raise DataError(f"Cannot read sound '{file}': {exc}.",
                         hint="save it as PCM WAV (8, 16, 24 or 32-bit integer samples).") from exc
-    if width == 3:  # 24-bit: widen each sample to 32 bits (little-endian, sign in the top byte)
-        raw = b"".join(b"\0" + raw[i:i + 3] for i in range(0, len(raw), 3))
-        width = 4
+    if width == 3:  # 24-bit: widen each sample to 32 bits (little-endian: a zero low byte keeps the sign on top)
+        wide = np.zeros((len(raw) // 3, 4), dtype=np.uint8)
+        wide[:, 1:] = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
+        raw, width = wide.tobytes(), 4
     samples = np.frombuffer(raw, dtype={1: np.uint8, 2: "<i2", 4: "<i4"}[width]).astype(np.float64)
     samples = (samples - 128) / 128 if width == 1 else samples / 2.0 ** (8 * width - 1)
     samples = samples.reshape(-1, count).mean(axis=1)
@@ -154,5 +155,5 @@ def _processed(run, model_folder: Path | None, files: list[Path]) -> dict[str, t
                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
                         hint="use the processor the model was trained with (for images, its image_mean and "
                              "image_std have one entry per channel of the model).") from exc
-    return {k: torch.as_tensor(v).float() if torch.as_tensor(v).is_floating_point() else torch.as_tensor(v)
-            for k, v in out.items()}
+    tensors = {k: torch.as_tensor(v) for k, v in out.items()}
+    return {k: t.float() if t.is_floating_point() else t for k, t in tensors.items()}

@@ -111,7 +111,7 @@ class Evaluator:
 
         transforms = output_transforms(self.free_outputs, elements) if self.free_outputs else None
         outputs = self.outputs(state, transforms)
-        err = max(relative_change(out, ref) for out, ref in zip(outputs, self.references))
+        err = worst_change(outputs, self.references)
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         tolerance = max([self.tolerance, *stored])
         low = {t.dtype for t in state.values() if t.is_floating_point() and t.dtype != torch.float64}
@@ -128,7 +128,7 @@ class Evaluator:
         if not elements:
             return False
         exact = self.outputs(apply(self.state, list(elements)), transforms)
-        return max(relative_change(out, ref) for out, ref in zip(exact, self.references)) <= self.tolerance
+        return worst_change(exact, self.references) <= self.tolerance
 
     def rounding_floor(self, state: dict[str, torch.Tensor], transforms=None, outputs=None) -> float:
         """The relative output change one more rounding of every entry stored below float64 makes (each entry
@@ -143,7 +143,12 @@ class Evaluator:
             noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
             nudged[name] = torch.where(x.isfinite(), x * (1 + torch.finfo(value.dtype).eps / 2 * noise), x)
         own = outputs if outputs is not None else self.outputs(state, transforms)
-        return max(relative_change(out, ref) for out, ref in zip(self.outputs(nudged, transforms), own))
+        return worst_change(self.outputs(nudged, transforms), own)
+
+
+def worst_change(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> float:
+    """The largest :func:`relative_change` over the probe shapes' outputs."""
+    return max(relative_change(out, ref) for out, ref in zip(outputs, references))
 
 
 def relative_change(out: torch.Tensor, ref: torch.Tensor) -> float:
