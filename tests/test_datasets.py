@@ -213,14 +213,15 @@ def test_cli_barrier_reads_records_as_it_reads_text(tmp_path):
     lines = [(label, text) for label, text in corpus_lines("test")[:12]]
     (tmp_path / "lines.txt").write_text("".join(f"{label}\t{text}\n" for label, text in lines))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": t, "label": c}) + "\n" for c, t in lines))
+    (tmp_path / "columns.json").write_text(json.dumps({"text": [t for _, t in lines], "label": [c for c, _ in lines]}))
     curves = {}
-    for name in ("lines.txt", "rows.jsonl"):
+    for name in ("lines.txt", "rows.jsonl", "columns.json"):
         code, _, stderr = run("barrier", MODELS / "bert-topics-a", MODELS / "bert-topics-b", "--data", tmp_path / name,
                               "--align", "none", "--steps", 3, "-o", tmp_path / f"{name}.png",
                               "--json", tmp_path / f"{name}.json")
         assert code == 0, stderr
         curves[name] = json.loads((tmp_path / f"{name}.json").read_text())["modes"]["none"]["losses"]
-    assert curves["rows.jsonl"] == curves["lines.txt"] and len(curves["lines.txt"]) == 3
+    assert curves["rows.jsonl"] == curves["lines.txt"] == curves["columns.json"] and len(curves["lines.txt"]) == 3
 
 
 @pytest.mark.parametrize("name, content, expected", [
