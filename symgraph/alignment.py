@@ -18,7 +18,7 @@ import math
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from .io import check_finite
 from .solve.dispatch import SolveContext, solve, solve_orthogonal_together, solver_for
 from .solve.reduce import squared_distance
 from .solve.workspace import Workspace
+from .verify import RoundedExact
 
 MODES = ("full", "paper", "permutation")
 PERMUTATION_KINDS = ("permutation", "signed_permutation")
@@ -63,6 +64,7 @@ class AlignResult:
     free: list[str] = field(default_factory=list)  # parameters left out of costs as functionally free
     verified_error: float | None = None  # relative output difference to the source, when checked
     verified_tolerance: float | None = None  # the tolerance it was checked against (wider for fp16/bf16 weights)
+    verified_rounded: RoundedExact | None = None  # bf16/fp16 past the tolerance: judged as an exact result rounded
     refine_rounds: int = 0  # coordinate-descent rounds run after the first pass
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept ("none": full mode left the source as it was, align_states)
@@ -87,6 +89,7 @@ class AlignResult:
     def to_json(self) -> dict:
         return {"distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "refine_rounds": self.refine_rounds,
+                **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {}),
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
                 **({"fold_note": self.fold_note} if self.fold_note else {}),
                 **({"costs": self.costs, "cost_data": self.cost_data, "judged_on": self.judged_on}

@@ -171,8 +171,7 @@ def check_transformed(subject: Subject, state: dict[str, torch.Tensor], elements
     outcome = Evaluator.of(subject).check(state, elements, rounding_floor=True)
     if not outcome.ok:
         raise InvarianceError(
-            f"The transformed model differs from the original (relative error {outcome.relative_error:.2e}, "
-            f"tolerance {outcome.tolerance:.1e}); nothing was written.",
+            f"The transformed model differs from the original ({outcome.describe()}); nothing was written.",
             hint="run `symgraph fuzz` on the model to find the group at fault, and report it as a bug.")
     return outcome
 
@@ -511,6 +510,7 @@ def _verify_alignment(evaluator, state, result) -> None:
     outcome = evaluator.check(result.state, result.elements, rounding_floor=True)
     if outcome.ok:
         result.verified_error, result.verified_tolerance = outcome.relative_error, outcome.tolerance
+        result.verified_rounded = outcome.rounded_exact
         return
     culprits = []
     for gid in dict.fromkeys(e.group.id for e in result.elements):
@@ -519,8 +519,7 @@ def _verify_alignment(evaluator, state, result) -> None:
         if not alone.ok:
             culprits.append(f"{gid} (error {alone.relative_error:.1e})")
     raise InvarianceError(
-        f"The aligned model differs from the source (relative error {outcome.relative_error:.2e}, tolerance "
-        f"{outcome.tolerance:.1e}); nothing was written. "
+        f"The aligned model differs from the source ({outcome.describe()}); nothing was written. "
         + (f"Group(s) at fault: {', '.join(culprits[:4])}." if culprits else
            "No single group changes the function alone: their composition does."),
         hint="run `symgraph fuzz` on the source model and report the failing group as a bug.")

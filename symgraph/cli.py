@@ -65,7 +65,8 @@ def transform(model, output, seed, overwrite, free_outputs):
     state, outcome = transformed(subject, seed)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output} ({len(subject.report.groups)} groups applied, seed {seed}; "
-               f"{_equality(outcome.relative_error, outcome.tolerance, state)}{_free_note(subject)})")
+               f"{_equality(outcome.relative_error, outcome.tolerance, state, outcome.rounded_exact)}"
+               f"{_free_note(subject)})")
 
 
 @cli.command(help="Fold every norm's weight (and a LayerNorm's bias) into the linear layers that read it; for "
@@ -90,7 +91,8 @@ def fold(model, output, json_path, overwrite):
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
     click.echo(f"wrote {output}: {len(result.norms)} norms folded, {len(result.centred)} residual writers centred; "
-               f"outputs equal to the model's (relative error {result.verified_error:.1e})")
+               f"outputs equal to the model's (relative error {result.verified_error:.1e}"
+               f"{_rounded_note(result.verified_rounded)})")
 
 
 _FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the residual stream then aligns by an "
@@ -400,7 +402,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                f"{_cost_summary(alignment_summary(result))}"
                f"{_learned_note(result.learned)}, "
                f"{len(result.group_distances())} groups; "
-               f"{_equality(result.verified_error, result.verified_tolerance, result.state)}{_free_note(subject)})")
+               f"{_equality(result.verified_error, result.verified_tolerance, result.state, result.verified_rounded)}"
+               f"{_free_note(subject)})")
 
 
 def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, shard_bytes,
@@ -420,7 +423,8 @@ def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_round
                f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {groups} groups"
                f"{f', {len(result.unsolved)} spanning groups left at the identity' if result.unsolved else ''}; "
                f"outputs checked against the source in float64 block by block (a whole float64 copy is not made): "
-               f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e})")
+               f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e}"
+               f"{_rounded_note(result.verified_rounded)})")
 
 
 def _learned_note(learned: dict | None) -> str:
@@ -461,12 +465,19 @@ def _cost_summary(summary: dict) -> str:
     return "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
 
 
-def _equality(error: float, tolerance: float, state) -> str:
+def _equality(error: float, tolerance: float, state, rounded=None) -> str:
     """What the check before writing compared, and how closely: weights stored in fp16/bf16 (or float32) are
-    rounded once from float64 arithmetic, so outputs match the source's to that precision, not bit for bit."""
+    rounded once from float64 arithmetic, so outputs match the source's to that precision, not bit for bit.
+    ``rounded`` (a :class:`~symgraph.verify.RoundedExact`): how a bf16/fp16 result past the tolerance passed."""
     dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}))
     return (f"outputs checked on the example inputs, both models run in float64: relative error {error:.1e} to the "
-            f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once")
+            f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once"
+            + (_rounded_note(rounded) if error > tolerance else ""))
+
+
+def _rounded_note(rounded) -> str:
+    """How a bf16/fp16 result past its fixed tolerance passed (a :class:`~symgraph.verify.RoundedExact`), if it did."""
+    return f"; past the fixed tolerance, but {rounded.describe()}" if rounded is not None else ""
 
 
 def _free_note(subject) -> str:

@@ -282,8 +282,7 @@ def _verified(subject: Subject, state: State, elements: Sequence[Element] = ()) 
     outcome = Evaluator.of(subject).check(state, elements, rounding_floor=True)
     if not outcome.ok:
         raise InvarianceError(
-            f"Aligning {subject.name} changed its outputs (relative error {outcome.relative_error:.2e}, tolerance "
-            f"{outcome.tolerance:.1e}); nothing was written.",
+            f"Aligning {subject.name} changed its outputs ({outcome.describe()}); nothing was written.",
             hint="run `symgraph fuzz` on the model to find the group at fault and report it as a bug; "
                  "--align none merges without alignment meanwhile.")
     return state

@@ -27,14 +27,14 @@ True
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import fx
 
 from .errors import InvarianceError, SymgraphError
 from .spec import load_specs
-from .verify import _aliases, tie_aliases
+from .verify import RoundedExact, _aliases, tie_aliases
 
 
 class FoldError(SymgraphError):
@@ -64,11 +64,13 @@ class FoldResult:
     norms: list[NormSite]
     centred: list[str] = field(default_factory=list)
     verified_error: float | None = None
+    verified_rounded: RoundedExact | None = None  # bf16/fp16 past the tolerance: judged as an exact result rounded
 
     def to_json(self) -> dict:
         return {"norms": [{"node": n.node, "weight": n.weight, "bias": n.bias, "layer_norm": n.centres,
                            "readers": [w for w, _ in n.readers]} for n in self.norms],
-                "centred": self.centred, "verified_relative_error": self.verified_error}
+                "centred": self.centred, "verified_relative_error": self.verified_error,
+                **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {})}
 
 
 def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
@@ -92,13 +94,17 @@ def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
                         f"weight * x * rsqrt(...)) in its graph: there is nothing to fold.",
                         hint="align without --fold.")
     state = subject.state_dict()
-    folded = {**state, **_folded_params(state, norms)}
     centred = residual_writers(cap, norms) if all(n.centres for n in norms) else []
-    folded.update(_centred(folded, centred))
-    # a tied name follows the one the graph reads: every use of that tensor was checked above
-    result = FoldResult(tie_aliases(subject.model, folded), norms, sorted({name for name, _ in centred}))
-    if verify:
-        _verify(subject, result)
+
+    def rewritten(state):  # a tied name follows the one the graph reads: every use of that tensor was checked above
+        folded = {**state, **_folded_params(state, norms)}
+        folded.update(_centred(folded, centred))
+        return tie_aliases(subject.model, folded)
+
+    result = FoldResult(rewritten(state), norms, sorted({name for name, _ in centred}))
+    if verify:  # the exact fold: the same rewrite of the weights in float64, nothing rounded
+        _verify(subject, result, lambda: rewritten({k: v.double() if v.is_floating_point() else v
+                                                    for k, v in state.items()}))
     return result
 
 
@@ -524,13 +530,15 @@ def _centred(state, targets: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _verify(subject, result: FoldResult) -> None:
+def _verify(subject, result: FoldResult, exact) -> None:
+    """The folded state must compute what the source computes (``exact``: the fold without rounding, for a
+    result past the fixed tolerance; see :meth:`symgraph.verify.Evaluator.check`)."""
     from .verify import Evaluator
 
-    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(result.state)
+    outcome = Evaluator(subject.model, subject.args, subject.kwargs).check(result.state, rounding_floor=True,
+                                                                           exact=exact)
     if not outcome.ok:
         raise InvarianceError(
-            f"The folded model differs from {subject.name} (relative error {outcome.relative_error:.2e}, tolerance "
-            f"{outcome.tolerance:.1e}); nothing was written.",
+            f"The folded model differs from {subject.name} ({outcome.describe()}); nothing was written.",
             hint="report this as a bug with the model's config; align without --fold meanwhile.")
-    result.verified_error = outcome.relative_error
+    result.verified_error, result.verified_rounded = outcome.relative_error, outcome.rounded_exact

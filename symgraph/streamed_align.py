@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
 from .lazy_state import LazyState
+from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
 
@@ -60,6 +61,7 @@ class StreamedAlignment:
     folded: bool = False  # both models were read folded: OUT is the folded source
     verified_error: float | None = None
     verified_tolerance: float | None = None
+    verified_rounded: RoundedExact | None = None  # past the tolerance: judged as an exact result rounded
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -67,6 +69,7 @@ class StreamedAlignment:
         return {"streamed": True, "path": str(self.path), "mode": self.mode, "folded": self.folded,
                 "distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "verified_tolerance": self.verified_tolerance,
+                **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {}),
                 "verification": "float64, block by block (symgraph.streamed_verify)"
                 if self.verified_error is not None else None,
                 "unsolved": self.unsolved, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
@@ -137,12 +140,12 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
         from .streamed_verify import verify_streamed
 
         clock = time.perf_counter()
-        outcome["verify"] = result = verify_streamed(source, staged)
+        exact = ExactResult(LazyState(source), job.elements, prefixes, norms if fold else None)
+        outcome["verify"] = result = verify_streamed(source, staged, exact=exact)
         timings["verify"] = time.perf_counter() - clock
         if not result.ok:
-            raise InvarianceError(f"The aligned model computes something else than '{source}' (relative output "
-                                  f"error {result.relative_error:.2e}, tolerance {result.tolerance:.0e}, float64 "
-                                  "block by block); nothing was written.",
+            raise InvarianceError(f"The aligned model computes something else than '{source}' ("
+                                  f"{result.describe()}; float64 block by block); nothing was written.",
                                   hint="this is a symgraph bug: report it with both checkpoints' config.json.")
 
     clock = time.perf_counter()
@@ -158,6 +161,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
                              unsolved=job.unsolved, folded=fold,
                              verified_error=verified and verified.relative_error,
                              verified_tolerance=verified and verified.tolerance,
+                             verified_rounded=verified and verified.rounded_exact,
                              bytes_read=src.nbytes + anc.nbytes, bytes_written=sum(i.nbytes for i in infos))
 
 
@@ -188,41 +192,10 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     return loaded.model, loaded.config, analyse_capture(subject.capture).groups, norms
 
 
-class FoldedState(Mapping[str, torch.Tensor]):
-    """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
-    multiplied into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight
-    reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
-    writer, which is not done tensor by tensor here."""
+class _ReadThrough(Mapping[str, torch.Tensor]):
+    """A mapping over the names of ``self.state`` (a :class:`LazyState`) whose tensors are computed from it as read."""
 
-    def __init__(self, state: LazyState, norms):
-        from .fold import FoldError
-
-        centring = [n for n in norms if n.centres]
-        if centring:
-            raise FoldError(f"Streamed folding handles RMSNorm only, but {centring[0].describe()} is a LayerNorm, "
-                            "whose folding centres every residual writer.",
-                            hint="align without --fold, or fold in memory (symgraph fold) and stream the result.")
-        if not norms:
-            raise FoldError("No norm on the residual stream was found in the graph: there is nothing to fold.",
-                            hint="align without --fold.")
-        self.state, self.folder = state, state.folder
-        self.norm_weights = {n.weight for n in norms if n.weight}
-        self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
-                          for weight, bias in n.readers}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.norm_weights:
-            return torch.ones(self.state.info(name).shape, dtype=self.state.info(name).dtype)
-        site = self.reader_of.get(name)
-        if site is None:
-            return self.state[name]
-        # symgraph.fold multiplies in float64 and rounds once. Two bf16/fp16 numbers multiply exactly in fp32, and
-        # an fp32 product is that single rounding: the same numbers at half the memory (a 7B LM head is 1 GB in
-        # float64). Mixed dtypes would round twice in fp32: float64 then.
-        w, g = self.state[name], self.state[site.weight]
-        single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        work = torch.float32 if single else torch.float64
-        return (w.to(work) * g.to(work)).to(w.dtype)
+    state: LazyState
 
     def __contains__(self, name) -> bool:
         return name in self.state
@@ -242,6 +215,73 @@ class FoldedState(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+
+class FoldedState(_ReadThrough):
+    """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
+    multiplied into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight
+    reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
+    writer, which is not done tensor by tensor here. ``exact``: the products unrounded (what the written
+    checkpoint's tensors are the rounding of), in float32 where that holds them exactly, else float64."""
+
+    def __init__(self, state: LazyState, norms, exact: bool = False):
+        from .fold import FoldError
+
+        centring = [n for n in norms if n.centres]
+        if centring:
+            raise FoldError(f"Streamed folding handles RMSNorm only, but {centring[0].describe()} is a LayerNorm, "
+                            "whose folding centres every residual writer.",
+                            hint="align without --fold, or fold in memory (symgraph fold) and stream the result.")
+        if not norms:
+            raise FoldError("No norm on the residual stream was found in the graph: there is nothing to fold.",
+                            hint="align without --fold.")
+        self.state, self.folder, self.exact = state, state.folder, exact
+        self.norm_weights = {n.weight for n in norms if n.weight}
+        self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
+                          for weight, bias in n.readers}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.norm_weights:
+            return torch.ones(self.state.info(name).shape, dtype=self.state.info(name).dtype)
+        site = self.reader_of.get(name)
+        if site is None:
+            return self.state[name]
+        # symgraph.fold multiplies in float64 and rounds once. Two bf16/fp16 numbers multiply exactly in fp32: the
+        # same numbers at half the memory (a 7B LM head is 1 GB in float64). Others: float64.
+        w, g = self.state[name], self.state[site.weight]
+        single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16)
+        product = w.to(torch.float32 if single else torch.float64) * g.to(torch.float32 if single else torch.float64)
+        return product if self.exact else product.to(w.dtype)
+
+
+class ExactResult(_ReadThrough):
+    """What a streamed alignment's written tensors are the rounding of: the source's tensors (read folded by
+    ``norms`` when folding) moved by ``elements``, not rounded to the stored dtype: computed in float32 for bf16 and
+    fp16 tensors (its rounding is 2^-16 of theirs, and a 7B block in float64 would take twice the memory and several
+    times the time), float64 otherwise, anew from the elements, as nothing the writer computed is trusted. Computed a
+    part at a time (one block of ``prefixes``, or everything outside them), as streamed verification reads them; the
+    last part is kept."""
+
+    def __init__(self, state: LazyState, elements: list[Element], prefixes: list[str], norms=None):
+        self.state = FoldedState(state, norms, exact=True) if norms is not None else state
+        self.folder, self.elements, self.prefixes = state.folder, elements, prefixes
+        self._part, self._tensors = object(), {}
+
+    def part_of(self, name: str) -> int:
+        """The index of the block holding ``name`` (-1 outside every block)."""
+        return next((i for i, p in enumerate(self.prefixes) if name.startswith(p + ".")), -1)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        part = self.part_of(name)
+        if part != self._part:
+            self._tensors = {}  # the previous part's tensors go before the next part's are read
+            tensors = {k: self.state[k] for k in self.state if self.part_of(k) == part}
+            tensors = {k: v.to(_exact_dtype(self.state.info(k).dtype), copy=True) if v.is_floating_point() else v
+                       for k, v in tensors.items()}
+            apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.elements) if e is not None],
+                           inverses={})
+            self._part, self._tensors = part, tensors
+        return self._tensors[name]
 
 
 class _Job:
@@ -382,6 +422,10 @@ def _restricted(e: Element, tensors) -> Element | None:
                             "which cannot be streamed block by block.", hint="align the model in memory (without "
                                                                              "--stream).")
     return replace_group(e, replace(e.group, members=members)) if members else None
+
+
+def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

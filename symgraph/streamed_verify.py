@@ -29,16 +29,23 @@ from torch import nn
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
 from .lazy_state import LazyState, check_same_tensors
-from .verify import TOLERANCE, Outcome, _cast_inputs, _LowestFloat, flat_outputs, relative_change
+from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, relative_change,
+                     rounding_distance)
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
 
-def verify_streamed(source, other, inputs=None) -> Outcome:
+def verify_streamed(source, other, inputs=None, exact=None) -> Outcome:
     """Do the safetensors checkpoints ``source`` and ``other`` (Hugging Face folders of one architecture) compute
     the same outputs? Each runs in float64, block by block (see the module docstring), on ``inputs`` (example
     inputs built from the config when None); the relative error of ``other``'s outputs against ``source``'s is
-    compared with a tolerance for the lowest precision computed or stored (bf16 weights widen it)."""
+    compared with a tolerance for the lowest precision computed or stored (bf16 weights widen it).
+
+    ``exact`` (what ``other``'s tensors are the rounding of: a mapping read a block at a time, such as
+    :class:`symgraph.streamed_align.ExactResult`): where a bf16/fp16 ``other`` misses the tolerance, it passes if
+    ``exact`` computes what ``source`` computes (within what the model computes in) and every tensor of ``other``
+    lies within :data:`~symgraph.verify.ROUNDINGS` roundings of ``exact``'s (:class:`~symgraph.verify.RoundedExact`):
+    a sensitive model's rounding is then told from a change of function."""
     check_one_architecture(source, other)
     with _LowestFloat() as seen:
         reference = streamed_outputs(source, inputs)
@@ -46,9 +53,18 @@ def verify_streamed(source, other, inputs=None) -> Outcome:
     if outputs.shape != reference.shape:
         raise MismatchError(f"'{source}' and '{other}' give outputs of different sizes ({reference.numel()} vs "
                             f"{outputs.numel()} values).", hint="compare models of one architecture.")
+    written = LazyState(other)
     stored = {info.dtype for path in (source, other) for info in LazyState(path).infos()}
     tolerance = max(TOLERANCE[seen.lowest], *(TOLERANCE[d] for d in stored if d in TOLERANCE))
-    return Outcome(relative_change(outputs, reference), tolerance)
+    error = relative_change(outputs, reference)
+    low = {info.dtype for info in written.infos()} & {torch.bfloat16, torch.float16}
+    if error <= tolerance or exact is None or not low:
+        return Outcome(error, tolerance)
+    exact_error = relative_change(streamed_outputs(source, inputs, state=exact), reference)
+    order = sorted(written, key=exact.part_of) if hasattr(exact, "part_of") else None  # a block's part at once
+    roundings = rounding_distance(written, exact, order)
+    exact_tolerance = max(TOLERANCE[seen.lowest], TOLERANCE[torch.float32])  # its bf16/fp16 tensors: in float32
+    return Outcome(error, tolerance, RoundedExact(exact_error, exact_tolerance, *roundings))
 
 
 def check_one_architecture(source, other) -> None:
@@ -77,13 +93,14 @@ def _model_class(folder) -> str | None:
     return next(iter(config.get("architectures") or ()), None) or f"{config.get('model_type', 'unknown')} model"
 
 
-def streamed_outputs(folder, inputs=None) -> torch.Tensor:
-    """The flattened float64 outputs of the model at ``folder`` on ``inputs``, its weights read block by block."""
+def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
+    """The flattened float64 outputs of the model at ``folder`` on ``inputs``, its weights read block by block
+    (from ``state``, a mapping with the checkpoint's names and ``info``, when given)."""
     from .api import _inputs_for
     from .io import load_model
 
     loaded = load_model(Path(folder), config_only=True)
-    model, state = loaded.model.to(torch.float64), LazyState(folder)
+    model, state = loaded.model.to(torch.float64), LazyState(folder) if state is None else state
     args, kwargs = _inputs_for(model, loaded.config, inputs)
     names = _checkpoint_names(model, state, folder)
     blocks = _block_list(model, loaded.config)

@@ -2,7 +2,9 @@
 the two algorithms coincide, exact recovery of a reparametrised copy, atomic output, inputs left unchanged."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -139,11 +141,60 @@ def test_a_failed_check_leaves_nothing_at_out_and_the_inputs_unchanged(tmp_path,
     import symgraph.streamed_verify as streamed_verify
 
     before = [tree_digest(pair / name) for name in ("A", "B2")]
-    monkeypatch.setattr(streamed_verify, "verify_streamed", lambda *_: Outcome(0.5, 1e-6))
+    monkeypatch.setattr(streamed_verify, "verify_streamed", lambda *_, **__: Outcome(0.5, 1e-6))
     with pytest.raises(InvarianceError, match="nothing was written"):
         streamed_align.align_streamed(pair / "B2", pair / "A", tmp_path / "out", mode="paper")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert [tree_digest(pair / name) for name in ("A", "B2")] == before
+
+
+def test_a_bf16_result_past_its_tolerance_passes_only_as_an_exact_result_rounded(tmp_path, monkeypatch):
+    """A model more sensitive to rounding than bf16's fixed 3e-2 allows (the tolerance lowered here, as such a
+    checkpoint would meet it): its exact folded alignment passes because its elements applied in float64 compute
+    what the source computes and every written tensor is within two roundings of theirs; a written tensor moved
+    by three roundings, or elements missing one group's, are refused."""
+    from safetensors.torch import load_file, save_file
+
+    from symgraph.streamed_verify import _block_list, verify_streamed
+    from symgraph.verify import ROUNDINGS, TOLERANCE
+
+    root = tmp_path / "bf16"
+    make_llama_7b_pair.main(["--out", str(root), "--dtype", "bfloat16", "--models", "A,B1", *TINY])
+    source, anchor = root / "B1", root / "A"
+    fixed = streamed_align.align_streamed(source, anchor, tmp_path / "fixed", mode="full", fold=True)
+    assert fixed.verified_rounded is None and 1e-4 < fixed.verified_error < TOLERANCE[torch.bfloat16]
+    monkeypatch.setitem(TOLERANCE, torch.bfloat16, 1e-6)
+    result = streamed_align.align_streamed(source, anchor, tmp_path / "out", mode="full", fold=True)
+    rounded = result.verified_rounded
+    assert result.verified_error == pytest.approx(fixed.verified_error) and result.verified_error > 1e-4
+    assert rounded.ok and rounded.exact_error < 1e-6 and 0.1 < rounded.roundings < 1
+
+    model, config, _, norms = streamed_align.streamed_groups(source, fold=True)
+    exact = streamed_align.ExactResult(LazyState(source), result.elements, list(_block_list(model, config)), norms)
+    assert verify_streamed(source, result.path, exact=exact).ok
+    moved = tmp_path / "moved"
+    shutil.copytree(result.path, moved)
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = next(f for f in moved.glob("*.safetensors") if name in load_file(f))
+    tensors = load_file(shard)
+    sign = torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(0)).sign()
+    tensors[name] = (tensors[name].double() * (1 + 3 * 2.0 ** -8 * sign)).to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    refused = verify_streamed(source, moved, exact=exact)
+    assert not refused.ok and refused.rounded_exact.tensor == name
+    assert ROUNDINGS < refused.rounded_exact.roundings < 4 and refused.rounded_exact.exact_error < 1e-6
+    prefixes = list(_block_list(model, config))
+    first = next(e for e in result.elements if not e.group.id.startswith("residual") and len(e.group.members) > 1)
+    dropped = [e for e in result.elements if e is not first]  # another reparametrisation, not the one written
+    other = verify_streamed(source, result.path, exact=streamed_align.ExactResult(LazyState(source), dropped,
+                                                                                  prefixes, norms))
+    assert not other.ok and other.rounded_exact.exact_error < 1e-6 and other.rounded_exact.roundings > 10
+    halved = dataclasses.replace(first, group=dataclasses.replace(first.group, members=first.group.members[:1]))
+    unsound = [halved if e is first else e for e in result.elements]  # one member moved alone: no symmetry
+    wrong = verify_streamed(source, result.path, exact=streamed_align.ExactResult(LazyState(source), unsound,
+                                                                                  prefixes, norms))
+    assert not wrong.ok and wrong.rounded_exact.exact_error > 1e-3
+    assert "not the rounding of an exact result" in wrong.describe()
 
 
 def test_models_of_different_sizes_are_refused(tmp_path, pair, zoo_pair):

@@ -1,15 +1,19 @@
 """symgraph.verify: a result stored in float32 may miss the fixed tolerance by its own rounding floors, no further,
-and only where its elements, applied without rounding, are exact."""
+and only where its elements, applied without rounding, are exact; one stored in bf16/fp16 only where, besides, every
+stored tensor is the rounding of theirs."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 
 import numpy as np
+import pytest
 import torch
 
 import symgraph
 from symgraph.elements import apply
-from symgraph.verify import ROUNDING_FLOORS, TOLERANCE, Evaluator
+from symgraph.verify import ROUNDING_FLOORS, ROUNDINGS, TOLERANCE, Evaluator, tie_aliases
 
 
 def _cancelling_model() -> torch.nn.Module:
@@ -46,6 +50,34 @@ def test_a_sound_result_rounded_once_passes_by_its_own_floor():
     assert evaluator.check(halves, elements, rounding_floor=True).tolerance == TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_result_passes_only_as_the_rounding_of_exact_elements(dtype):
+    """Rounded to bf16/fp16 the cancelling model's moved state misses by far more than the fixed tolerance (its
+    outputs are differences of nearly equal units); it passes because its elements are exact in float64 and each
+    stored tensor is one rounding of theirs. Moved three roundings further, or claimed from an element that is no
+    symmetry, or with no elements, it is refused."""
+    model, evaluator, elements, _ = _moved()
+    exact = apply(model.state_dict(), elements)
+    stored = {k: v.to(dtype) for k, v in exact.items()}
+    fixed = evaluator.check(stored, elements)
+    assert not fixed.ok and fixed.rounded_exact is None and fixed.relative_error > 10 * TOLERANCE[dtype]
+    passed = evaluator.check(stored, elements, rounding_floor=True)
+    rounded = passed.rounded_exact
+    assert passed.ok and passed.relative_error == fixed.relative_error
+    assert rounded.exact_error < 1e-9 and 0.1 < rounded.roundings <= 1 and "rounding of an exact result" in \
+        passed.describe()
+    u = torch.finfo(dtype).eps / 2
+    sign = torch.randn(exact["0.weight"].shape, generator=torch.Generator().manual_seed(0)).sign()
+    moved = {**stored, "0.weight": (exact["0.weight"] * (1 + 3 * u * sign)).to(dtype)}
+    far = evaluator.check(moved, elements, rounding_floor=True)
+    assert not far.ok and far.rounded_exact.tensor == "0.weight" and ROUNDINGS < far.rounded_exact.roundings < 4
+    group = elements[0].group
+    claimed = [dataclasses.replace(elements[0], group=dataclasses.replace(group, members=group.members[:1]))]
+    unsound = evaluator.check(stored, claimed, rounding_floor=True)
+    assert not unsound.ok and unsound.rounded_exact.exact_error > 1e-3
+    assert not evaluator.check(stored, (), rounding_floor=True).ok  # no elements (a fold): the fixed tolerance
+
+
 def test_no_allowance_without_exact_elements():
     model, evaluator, elements, state = _moved()
     # the same stored state, said to come from an element that is no symmetry (its second layer's member dropped)
@@ -58,19 +90,87 @@ def test_no_allowance_without_exact_elements():
     assert not wrong.ok and wrong.relative_error > 1e3 * TOLERANCE[torch.float32]
 
 
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
 def test_the_floor_nudges_tied_names_alike():
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
-            self.head = torch.nn.Linear(4, 10, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, ids):
-            return self.head(self.embed(ids))
-
     model = Tied()
     evaluator = Evaluator(model, (torch.tensor([[1, 2, 3]]),))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     floor = evaluator.rounding_floor(state)  # tied names nudged differently would be refused as two tensors
     assert 0 < floor < 1e-6
+
+
+def test_tied_names_are_one_tensor_when_a_bf16_state_is_compared_with_its_exact_result(monkeypatch):
+    """An embedding tied to the head, rotated (its orthogonal group) and stored in bf16: the rounded route compares
+    the tensor the model holds, so the tie passes; the fixed tolerance lowered below the rounding's change."""
+    torch.manual_seed(0)
+    model, inputs = Tied(), (torch.tensor([[1, 2, 3]]),)
+    elements = symgraph.sample_elements(symgraph.analyze(model, inputs=inputs), seed=1)
+    assert [e.group.kind for e in elements] == ["orthogonal"]
+    state = {k: v.to(torch.bfloat16) for k, v in tie_aliases(model, apply(model.state_dict(), elements)).items()}
+    monkeypatch.setitem(TOLERANCE, torch.bfloat16, 1e-7)
+    outcome = Evaluator(model, inputs).check(state, elements, rounding_floor=True)
+    assert outcome.relative_error > 1e-4 and outcome.ok and outcome.rounded_exact.roundings <= 1
+
+
+@pytest.fixture
+def bf16_llamas(tmp_path):
+    """Two independent tiny LLaMAs saved in bf16."""
+    from symgraph import zoo
+    from symgraph.io import model_config, save_model
+
+    return [save_model({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, tmp_path / f"m{seed}",
+                       config=model_config(model))
+            for seed, model in ((seed, zoo.build("llama", seed=seed)) for seed in (0, 1))]
+
+
+def test_the_command_line_says_how_a_bf16_alignment_past_its_tolerance_passed(tmp_path, monkeypatch, bf16_llamas):
+    """bf16 LLaMAs aligned through `symgraph align`: with the fixed tolerance lowered below what their rounding
+    changes (as a more sensitive checkpoint would meet it) the result is still written, and the summary and the
+    stats file say it passed as an exact result rounded; at the real tolerance the summary does not."""
+    from cli_runner import run
+
+    plain = run("align", bf16_llamas[1], bf16_llamas[0], "-o", tmp_path / "plain", "--mode", "paper")
+    assert plain.returncode == 0, plain.stderr
+    assert "past the fixed tolerance" not in plain.stdout
+    monkeypatch.setitem(TOLERANCE, torch.bfloat16, 1e-6)
+    res = run("align", bf16_llamas[1], bf16_llamas[0], "-o", tmp_path / "out", "--mode", "paper",
+              "--stats", tmp_path / "stats.json")
+    assert res.returncode == 0, res.stderr
+    assert "past the fixed tolerance, but computed without rounding to the stored dtype it changes" in res.stdout
+    rounded = json.loads((tmp_path / "stats.json").read_text())["verified_rounded_exact"]
+    assert rounded["exact_error"] <= rounded["exact_tolerance"] and 0 < rounded["roundings"] <= ROUNDINGS
+
+
+def test_a_bf16_fold_past_its_tolerance_passes_as_its_float64_rewrite_rounded(tmp_path, monkeypatch, bf16_llamas):
+    """`symgraph fold` of a bf16 LLaMA, the fixed tolerance lowered below what rounding the folded weights
+    changes: written, as the same rewrite in float64 computes what the model computes and each folded tensor is its
+    rounding; a rewrite that is wrong in float64 as well (a reader's column scaled) is refused all the same."""
+    from cli_runner import run
+
+    fold_module = importlib.import_module("symgraph.fold")  # symgraph.fold is also the function
+    monkeypatch.setitem(TOLERANCE, torch.bfloat16, 1e-6)
+    res = run("fold", bf16_llamas[0], "-o", tmp_path / "out", "--json", tmp_path / "fold.json")
+    assert res.returncode == 0, res.stderr
+    assert "past the fixed tolerance, but computed without rounding" in res.stdout
+    rounded = json.loads((tmp_path / "fold.json").read_text())["verified_rounded_exact"]
+    assert rounded["exact_error"] <= rounded["exact_tolerance"] and 0 < rounded["roundings"] <= ROUNDINGS
+    folded = fold_module._folded_params
+
+    def wrong(state, norms):  # every folded reader's first column doubled, in float64 too
+        return {k: torch.cat([2 * v[:, :1], v[:, 1:]], 1) if v.dim() == 2 else v
+                for k, v in folded(state, norms).items()}
+
+    monkeypatch.setattr(fold_module, "_folded_params", wrong)
+    refused = run("fold", bf16_llamas[0], "-o", tmp_path / "wrong")
+    assert refused.returncode != 0 and "not the rounding of an exact result" in refused.stderr
+    assert not (tmp_path / "wrong").exists()
