@@ -91,6 +91,36 @@ class LazyState(Mapping[str, torch.Tensor]):
         return sum(info.nbytes for info in self._infos.values())
 
 
+class ReadThrough(Mapping[str, torch.Tensor]):
+    """A mapping over the names of ``self.state`` (a :class:`LazyState`, or another of these) whose tensors are
+    computed from it as they are read; names, sizes and the folder are ``state``'s."""
+
+    state: "LazyState | ReadThrough"
+
+    @property
+    def folder(self) -> Path:
+        return self.state.folder
+
+    def __contains__(self, name) -> bool:
+        return name in self.state
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def info(self, name: str):
+        return self.state.info(name)
+
+    def infos(self):
+        return self.state.infos()
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
+
+
 def safetensors_files(source) -> list[Path]:
     """The safetensors files of a checkpoint: the file itself, the folder's ``model.safetensors``, or the shards
     the folder's (or the given) ``model.safetensors.index.json`` lists, each checked to exist and to be readable."""

@@ -28,7 +28,7 @@ at the identity (listed in ``unsolved``). ``paper`` mode has no such groups and 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from .alignment import (DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, c
 from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
-from .lazy_state import LazyState
+from .lazy_state import LazyState, ReadThrough
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
@@ -192,32 +192,7 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     return loaded.model, loaded.config, analyse_capture(subject.capture).groups, norms
 
 
-class _ReadThrough(Mapping[str, torch.Tensor]):
-    """A mapping over the names of ``self.state`` (a :class:`LazyState`) whose tensors are computed from it as read."""
-
-    state: LazyState
-
-    def __contains__(self, name) -> bool:
-        return name in self.state
-
-    def __iter__(self):
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
-
-    def info(self, name: str):
-        return self.state.info(name)
-
-    def infos(self):
-        return self.state.infos()
-
-    @property
-    def nbytes(self) -> int:
-        return self.state.nbytes
-
-
-class FoldedState(_ReadThrough):
+class FoldedState(ReadThrough):
     """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
     multiplied into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight
     reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
@@ -235,7 +210,7 @@ class FoldedState(_ReadThrough):
         if not norms:
             raise FoldError("No norm on the residual stream was found in the graph: there is nothing to fold.",
                             hint="align without --fold.")
-        self.state, self.folder, self.exact = state, state.folder, exact
+        self.state, self.exact = state, exact
         self.norm_weights = {n.weight for n in norms if n.weight}
         self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
                           for weight, bias in n.readers}
@@ -254,17 +229,17 @@ class FoldedState(_ReadThrough):
         return product if self.exact else product.to(w.dtype)
 
 
-class ExactResult(_ReadThrough):
+class ExactResult(ReadThrough):
     """What a streamed alignment's written tensors are the rounding of: the source's tensors (read folded by
-    ``norms`` when folding) moved by ``elements``, not rounded to the stored dtype: computed in float32 for bf16 and
-    fp16 tensors (its rounding is 2^-16 of theirs, and a 7B block in float64 would take twice the memory and several
-    times the time), float64 otherwise, anew from the elements, as nothing the writer computed is trusted. Computed a
-    part at a time (one block of ``prefixes``, or everything outside them), as streamed verification reads them; the
-    last part is kept."""
+    ``norms`` when folding) moved by ``elements`` in float64, nothing rounded, anew from the elements, as nothing
+    the writer computed is trusted. Not float32: at width 4096 an element applied in float32 (its matrices' inverses
+    too) changed a 7B-wide LLaMA's outputs by 4.5e-5, past float32's 2e-5. Computed a part at a time (one block of
+    ``prefixes``, or everything outside them), as streamed verification reads them; the last part is kept (the
+    float64 tensors the verification's model runs: it reads them without a copy)."""
 
     def __init__(self, state: LazyState, elements: list[Element], prefixes: list[str], norms=None):
         self.state = FoldedState(state, norms, exact=True) if norms is not None else state
-        self.folder, self.elements, self.prefixes = state.folder, elements, prefixes
+        self.elements, self.prefixes = elements, prefixes
         self._part, self._tensors = object(), {}
 
     def part_of(self, name: str) -> int:
@@ -276,8 +251,7 @@ class ExactResult(_ReadThrough):
         if part != self._part:
             self._tensors = {}  # the previous part's tensors go before the next part's are read
             tensors = {k: self.state[k] for k in self.state if self.part_of(k) == part}
-            tensors = {k: v.to(_exact_dtype(self.state.info(k).dtype), copy=True) if v.is_floating_point() else v
-                       for k, v in tensors.items()}
+            tensors = {k: v.to(torch.float64, copy=True) if v.is_floating_point() else v for k, v in tensors.items()}
             apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.elements) if e is not None],
                            inverses={})
             self._part, self._tensors = part, tensors
@@ -422,10 +396,6 @@ def _restricted(e: Element, tensors) -> Element | None:
                             "which cannot be streamed block by block.", hint="align the model in memory (without "
                                                                              "--stream).")
     return replace_group(e, replace(e.group, members=members)) if members else None
-
-
-def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

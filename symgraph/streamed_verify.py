@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
-from .lazy_state import LazyState, check_same_tensors
+from .lazy_state import LazyState, ReadThrough, check_same_tensors
 from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, relative_change,
                      rounding_distance)
 
@@ -60,11 +60,26 @@ def verify_streamed(source, other, inputs=None, exact=None) -> Outcome:
     low = {info.dtype for info in written.infos()} & {torch.bfloat16, torch.float16}
     if error <= tolerance or exact is None or not low:
         return Outcome(error, tolerance)
-    exact_error = relative_change(streamed_outputs(source, inputs, state=exact), reference)
-    order = sorted(written, key=exact.part_of) if hasattr(exact, "part_of") else None  # a block's part at once
-    roundings = rounding_distance(written, exact, order)
-    exact_tolerance = max(TOLERANCE[seen.lowest], TOLERANCE[torch.float32])  # its bf16/fp16 tensors: in float32
-    return Outcome(error, tolerance, RoundedExact(exact_error, exact_tolerance, *roundings))
+    compared = _Compared(exact, written)  # each tensor compared as the model reads it: every part computed once
+    exact_error = relative_change(streamed_outputs(source, inputs, state=compared), reference)
+    unread = [k for k in written if k not in compared.distances]  # tensors the model has no parameter for
+    rest = rounding_distance(written, exact, sorted(unread, key=getattr(exact, "part_of", lambda _: 0)))
+    roundings = max([*compared.distances.values(), rest], key=lambda d: d[0])
+    return Outcome(error, tolerance, RoundedExact(exact_error, TOLERANCE[seen.lowest], *roundings))
+
+
+class _Compared(ReadThrough):
+    """``exact`` read through, each tensor's :func:`~symgraph.verify.rounding_distance` from ``written``'s kept
+    in ``distances`` on its first read."""
+
+    def __init__(self, exact, written: LazyState):
+        self.state, self.written, self.distances = exact, written, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self.state[name]
+        if name not in self.distances:
+            self.distances[name] = rounding_distance({name: self.written[name]}, {name: value})
+        return value
 
 
 def check_one_architecture(source, other) -> None:

@@ -197,6 +197,19 @@ def test_a_bf16_result_past_its_tolerance_passes_only_as_an_exact_result_rounded
     assert "not the rounding of an exact result" in wrong.describe()
 
 
+def test_the_rounded_check_benchmark_times_every_pass_and_restores_the_tolerance(tmp_path, capsys):
+    import bench_rounded_check
+    from symgraph.verify import ROUNDINGS, TOLERANCE
+
+    root = tmp_path / "bf16"
+    make_llama_7b_pair.main(["--out", str(root), "--dtype", "bfloat16", "--models", "A,B1", *TINY])
+    capsys.readouterr()
+    report = bench_rounded_check.main([str(root / "B1"), str(root / "A")])
+    assert json.loads(capsys.readouterr().out)["passes_s"] == report["passes_s"] and len(report["passes_s"]) == 3
+    assert report["rounded_exact"]["roundings"] <= ROUNDINGS and report["relative_error"] > 1e-6
+    assert report["second_route_over_usual_check"] > 1 and TOLERANCE[torch.bfloat16] == 3e-2
+
+
 def test_models_of_different_sizes_are_refused(tmp_path, pair, zoo_pair):
     with pytest.raises(MismatchError):
         streamed_align.align_streamed(zoo_pair[0], pair / "A", tmp_path / "out")
