@@ -471,8 +471,7 @@ def _equality(error: float, tolerance: float, state, rounded=None) -> str:
     ``rounded`` (a :class:`~symgraph.verify.RoundedExact`): how a bf16/fp16 result past the tolerance passed."""
     dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}))
     return (f"outputs checked on the example inputs, both models run in float64: relative error {error:.1e} to the "
-            f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once"
-            + (_rounded_note(rounded) if error > tolerance else ""))
+            f"source's, tolerance {tolerance:.0e} for {dtypes} weights rounded once{_rounded_note(rounded)}")
 
 
 def _rounded_note(rounded) -> str:

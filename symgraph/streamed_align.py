@@ -225,7 +225,8 @@ class FoldedState(ReadThrough):
         # same numbers at half the memory (a 7B LM head is 1 GB in float64). Others: float64.
         w, g = self.state[name], self.state[site.weight]
         single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16)
-        product = w.to(torch.float32 if single else torch.float64) * g.to(torch.float32 if single else torch.float64)
+        work = torch.float32 if single else torch.float64
+        product = w.to(work) * g.to(work)
         return product if self.exact else product.to(w.dtype)
 
 

@@ -54,7 +54,7 @@ def verify_streamed(source, other, inputs=None, exact=None) -> Outcome:
         raise MismatchError(f"'{source}' and '{other}' give outputs of different sizes ({reference.numel()} vs "
                             f"{outputs.numel()} values).", hint="compare models of one architecture.")
     written = LazyState(other)
-    stored = {info.dtype for path in (source, other) for info in LazyState(path).infos()}
+    stored = {info.dtype for state in (LazyState(source), written) for info in state.infos()}
     tolerance = max(TOLERANCE[seen.lowest], *(TOLERANCE[d] for d in stored if d in TOLERANCE))
     error = relative_change(outputs, reference)
     low = {info.dtype for info in written.infos()} & {torch.bfloat16, torch.float16}

@@ -152,24 +152,27 @@ class Evaluator:
         stored = [TOLERANCE[t.dtype] for t in state.values() if t.is_floating_point() and t.dtype in TOLERANCE]
         tolerance = max([self.tolerance, *stored])
         low = {t.dtype for t in state.values() if t.is_floating_point() and t.dtype != torch.float64}
-        if not (rounding_floor and err > tolerance and (elements or exact is not None)):
+        half = bool(low & {torch.bfloat16, torch.float16})
+        if not (rounding_floor and err > tolerance and (elements or exact is not None)
+                and (half or low == {torch.float32})):
             return Outcome(err, tolerance)
-        exact, exact_err = self._exact(exact() if exact is not None else None, elements, transforms)
-        if low == {torch.float32} and exact_err <= self.tolerance:
-            tolerance = max(tolerance, ROUNDING_FLOORS * self.rounding_floor(state, transforms, outputs))
-        if low & {torch.bfloat16, torch.float16}:  # tied names compared as the model holds them: one tensor
-            stored, exact = (_tied(self.aliases, s, self.state, "The state to check") for s in (state, exact))
-            return Outcome(err, tolerance, RoundedExact(exact_err, self.tolerance, *rounding_distance(stored, exact)))
-        return Outcome(err, tolerance)
+        unrounded, exact_err = self._exact(exact() if exact is not None else None, elements, transforms)
+        if not half:
+            if exact_err <= self.tolerance:
+                tolerance = max(tolerance, ROUNDING_FLOORS * self.rounding_floor(state, transforms, outputs))
+            return Outcome(err, tolerance)
+        # tied names compared as the model holds them: one tensor
+        stored, unrounded = (_tied(self.aliases, s, self.state, "The state to check") for s in (state, unrounded))
+        return Outcome(err, tolerance, RoundedExact(exact_err, self.tolerance, *rounding_distance(stored, unrounded)))
 
-    def _exact(self, exact, elements, transforms) -> tuple[dict[str, torch.Tensor], float]:
-        """The unrounded result (``exact``, or ``elements`` applied in float64 to the model's own weights) and how
-        much it changes what the model computes: only where the change is within the tolerance of what the model
+    def _exact(self, unrounded, elements, transforms) -> tuple[dict[str, torch.Tensor], float]:
+        """The unrounded result (``unrounded``, or ``elements`` applied in float64 to the model's own weights) and
+        how much it changes what the model computes: only where the change is within the tolerance of what the model
         computes in is a miss of the rounded state rounding, and never a group that is not a symmetry."""
         from .elements import apply
 
-        exact = apply(self.state, list(elements)) if exact is None else exact
-        return exact, worst_change(self.outputs(exact, transforms), self.references)
+        unrounded = apply(self.state, list(elements)) if unrounded is None else unrounded
+        return unrounded, worst_change(self.outputs(unrounded, transforms), self.references)
 
     def rounding_floor(self, state: dict[str, torch.Tensor], transforms=None, outputs=None) -> float:
         """The relative output change one more rounding of every entry stored below float64 makes (each entry
