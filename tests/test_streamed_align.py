@@ -169,6 +169,11 @@ def test_a_bf16_result_past_its_tolerance_passes_only_as_an_exact_result_rounded
     assert result.verified_error == pytest.approx(fixed.verified_error) and result.verified_error > 1e-4
     assert rounded.ok and rounded.exact_error < 1e-6 and 0.1 < rounded.roundings < 1
 
+    cli = run("align", source, anchor, "-o", tmp_path / "cli", "--stream", "--fold", "--stats", tmp_path / "s.json")
+    assert cli.returncode == 0, cli.stderr
+    assert "past the fixed tolerance, but computed without rounding" in cli.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["verified_rounded_exact"]["roundings"] <= ROUNDINGS
+
     model, config, _, norms = streamed_align.streamed_groups(source, fold=True)
     exact = streamed_align.ExactResult(LazyState(source), result.elements, list(_block_list(model, config)), norms)
     assert verify_streamed(source, result.path, exact=exact).ok
