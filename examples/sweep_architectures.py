@@ -209,6 +209,9 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
+    # routed and identity ("zero-computation") experts; the default sizes are not size fields the shrink knows
+    "longcat_flash": dict(ffn_hidden_size=32, expert_ffn_hidden_size=16, n_routed_experts=4, zero_expert_num=2,
+                          moe_topk=2),
 }
 for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", "data2vec-audio",
                "wav2vec2-conformer"):
@@ -310,6 +313,7 @@ VARIANTS: list[tuple] = [
     ("qwen3_moe", dict(norm_topk_prob=True)), ("qwen3_moe", dict(decoder_sparse_step=2)),
     ("qwen3_moe", dict(mlp_only_layers=[1])),
     ("olmoe", dict(norm_topk_prob=True)), ("olmoe", dict(clip_qkv=0.05)),
+    ("longcat_flash", dict(zero_expert_num=0)), ("longcat_flash", dict(routed_scaling_factor=6.0, moe_topk=3)),
     ("deepseek_v3", dict(n_group=2, topk_group=1)), ("deepseek_v3", dict(q_lora_rank=None)),
     ("deepseek_v3", dict(rope_interleave=False)), ("deepseek_v3", dict(first_k_dense_replace=0)),
     ("deepseek_v3", dict(norm_topk_prob=False, routed_scaling_factor=2.5)),

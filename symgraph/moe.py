@@ -13,9 +13,10 @@ column ``e`` (the expert permutation moves router rows with it) and each expert'
 gate/activation code. Capture uses it; the float64 check runs transformers' own ``eager`` loop instead, so the
 two are independent.
 
-A few experts modules (DBRX's) loop over the experts a batch hits in their own forward, outside that interface;
-``specs/experts.yaml`` says where such a module keeps its weights, and :func:`layout_experts_forward` runs it in
-the same dense form (the module's own loop stays the reference).
+A few experts modules (DBRX's, LongCat-Flash's) loop over the experts a batch hits in their own forward, outside
+that interface; ``specs/experts.yaml`` says where such a module keeps its weights (and how many identity experts,
+which pass the token on, follow the others), and :func:`layout_experts_forward` runs it in the same dense form (the
+module's own loop stays the reference).
 """
 from __future__ import annotations
 
@@ -70,14 +71,23 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
 
 def layout_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                            *, layout: ExpertsLayout) -> torch.Tensor:
-    """A hand-written experts module (weights where ``layout`` says) on every token, mixed by the routing matrix."""
+    """A hand-written experts module (weights where ``layout`` says) on every token, mixed by the routing matrix;
+    identity experts (LongCat-Flash's zero-computation ones) add each token times its routing weight to them."""
     experts = getattr(self, layout.experts)
+    identity = getattr(self, layout.identity_experts) if layout.identity_experts else 0
     tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-    gate, up, down = (_stacked(self, path, experts) for path in (layout.gate, layout.up, layout.down))
-    activation = operator.attrgetter(layout.activation)(self)
-    hidden = activation(_per_expert(tokens, gate, False, "td")) * _per_expert(tokens, up, False, "td")
-    out = _per_expert(hidden, down, layout.down_rows == "units", "tei")
-    return _mix(out, _routing(top_k_index, top_k_weights, experts), hidden_states.dtype).view(hidden_states.shape)
+    if layout.gate_up is None:
+        gate, up = (_per_expert(tokens, _stacked(self, path, experts), False, "td")
+                    for path in (layout.gate, layout.up))
+    else:
+        gate, up = _per_expert(tokens, _stacked(self, layout.gate_up, experts), False, "td").chunk(2, dim=-1)
+    hidden = operator.attrgetter(layout.activation)(self)(gate) * up
+    out = _per_expert(hidden, _stacked(self, layout.down, experts), layout.down_rows == "units", "tei")
+    routing = _routing(top_k_index, top_k_weights, experts + identity)
+    if not identity:
+        return _mix(out, routing, hidden_states.dtype).view(hidden_states.shape)
+    passed = tokens * routing[:, experts:].to(tokens.dtype).sum(-1, keepdim=True)
+    return (_mix(out, routing[:, :experts], hidden_states.dtype) + passed).view(hidden_states.shape)
 
 
 def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int) -> torch.Tensor:
@@ -92,8 +102,11 @@ def _mix(out: torch.Tensor, routing: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def _stacked(module: torch.nn.Module, path: str, experts: int) -> torch.Tensor:
-    """Parameter ``path`` of ``module`` with its experts stacked along the rows, as (experts, rows, columns)."""
+    """Parameter ``path`` of ``module`` as (experts, rows, columns): its experts stacked along the rows, or its first
+    ``experts`` entries where it has an expert axis of its own (LongCat-Flash's also holds its identity experts')."""
     weight = module.get_parameter(path)
+    if weight.dim() == 3:
+        return weight if weight.shape[0] == experts else weight[:experts]
     return weight.view(experts, -1, weight.shape[-1])
 
 
@@ -128,8 +141,11 @@ def _matches(module: torch.nn.Module, layout: ExpertsLayout) -> bool:
     if not isinstance(experts, int) or experts < 1:
         return False
     names = dict(module.named_parameters())
-    paths = (layout.gate, layout.up, layout.down)
-    return all(p in names and names[p].dim() == 2 and names[p].shape[0] % experts == 0 for p in paths)
+    paths = [p for p in (layout.gate, layout.up, layout.gate_up, layout.down) if p is not None]
+    if layout.identity_experts is not None and not isinstance(getattr(module, layout.identity_experts, None), int):
+        return False
+    return all(p in names and (names[p].dim() == 2 and names[p].shape[0] % experts == 0
+                               or names[p].dim() == 3 and names[p].shape[0] >= experts) for p in paths)
 
 
 @contextlib.contextmanager

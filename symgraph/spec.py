@@ -234,11 +234,21 @@ class ExpertsLayout(_Frozen):
     """specs/experts.yaml: where a hand-written experts module keeps each expert's gated FFN weights."""
 
     experts: str  # attribute holding the number of experts
-    gate: str  # parameter paths, experts stacked along the rows
-    up: str
+    gate: str | None = None  # parameter paths, experts stacked along the rows
+    up: str | None = None
+    gate_up: str | None = None  # or one (experts, 2 units, hidden) parameter: gate rows, then up rows
     down: str
     down_rows: Literal["units", "hidden"]  # what each expert's block of ``down`` rows indexes
     activation: str  # attribute path of the gate's activation
+    identity_experts: str | None = None  # attribute: how many experts past the others pass their input on
+
+    @model_validator(mode="after")
+    def _gate_and_up_once(self):
+        separate = self.gate is not None and self.up is not None
+        if (self.gate_up is None and separate) or (self.gate_up is not None and self.gate is self.up is None):
+            return self
+        raise ValueError("an experts layout names either `gate` and `up` (stacked rows) or `gate_up` (fused), "
+                         "not both and not neither")
 
 
 class Specs(_Frozen):

@@ -100,6 +100,21 @@ def test_rows_a_slice_by_length_keeps_are_pinned_with_those_it_cuts():
     assert_fuzzed_at_two_shapes(subject)
 
 
+class TableCutFixed(TableCutByLength):
+    """``table[:6]`` at any length: rows 6.. are never read, and rows 0..5 may be permuted (LongCat-Flash's experts
+    read the first entries of a parameter that also holds its identity experts' unused ones)."""
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)).mean(1) + torch.tanh(self.table[:6]).mean(0))
+
+
+def test_rows_a_fixed_slice_keeps_may_permute_and_the_rows_it_cuts_stay():
+    subject = symgraph.load(noisy(TableCutFixed()), (torch.randn(2, 5, 4),))
+    (rows,) = [g for g in subject.report.groups if any(m.param == "table" and m.axis == 0 for m in g.members)]
+    assert rows.kind == "permutation" and rows.size == 6
+    assert_fuzzed_at_two_shapes(subject)
+
+
 class ChunkTokens(CutTokens):
     """The same tokens after the activations, the whole split in halves (``chunk(2)``), each half read by its own
     MLP: at 3 or more rows of activations every token is in the second half, at 2 rows token 0 is in the first."""

@@ -1,5 +1,6 @@
-"""Experts modules that loop over the experts a batch hits in their own forward (DBRX), outside transformers'
-experts interface: capture runs them densely through specs/experts.yaml, and every group found is sound."""
+"""Experts modules that loop over the experts a batch hits in their own forward (DBRX, LongCat-Flash), outside
+transformers' experts interface: capture runs them densely through specs/experts.yaml, and every group found is
+sound."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,8 @@ import symgraph
 from symgraph.capture import capture
 from symgraph.fuzz import fuzz
 from symgraph.moe import DENSE, REFERENCE, experts_implementation, layout_modules
+
+from group_checks import assert_fuzzed_at_two_shapes
 
 
 def tiny_dbrx(dtype=torch.float32):
@@ -54,3 +57,51 @@ def test_dbrx_experts_units_permute_per_expert_and_every_group_is_sound():
              == {"w1", "v1", "w2"}]
     assert len(units) == 2 and all(m.index.shape[:2] == (4, 16) for g in units for m in g.members)
     assert fuzz(subject, samples=2, seed=1).ok
+
+
+def tiny_longcat(dtype=torch.float32, identity=2):
+    """LongCat-Flash: 4 routed experts and ``identity`` zero-computation ones (the token passed on), a score
+    correction buffer that differs between experts, and the gate_up parameter holding rows for every expert."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "longcat_flash", hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=60,
+        max_position_embeddings=64, ffn_hidden_size=24, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, head_dim=4, v_head_dim=8, qk_head_dim=8, moe_topk=2, n_routed_experts=4,
+        zero_expert_num=identity, expert_ffn_hidden_size=8, routed_scaling_factor=2.0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
+def test_longcat_dense_layout_computes_what_the_module_loop_computes(batch, seq):
+    model = tiny_longcat(torch.float64)
+    assert len(layout_modules(model)) == 2
+    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
+    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
+    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    # the identity experts are chosen on these inputs, so the comparison covers them
+    router = model.model.layers[0].mlp.router
+    hidden = model.model.embed_tokens(input_ids).reshape(-1, 32)
+    assert bool((router(hidden)[2] >= 4).any())
+
+
+@pytest.mark.parametrize("identity", [2, 0])
+def test_longcat_routed_and_identity_experts_permute_apart_and_every_group_is_sound(identity):
+    model = tiny_longcat(identity=identity)
+    subject = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    groups = [g for g in subject.report.groups if g.motif == "experts"]
+    routed = [g for g in groups if g.size == 4]
+    assert len(routed) == 2  # one per layer: weights, router rows and their score correction move together
+    assert {m.param.rsplit(".", 1)[-1] for m in routed[0].members} == {
+        "gate_up_proj", "down_proj", "weight", "e_score_correction_bias"}
+    passing = [g for g in groups if g.size == identity]
+    assert len(passing) == (2 if identity else 0)  # the identity experts permute among themselves only
+    assert all({m.param.rsplit(".", 1)[-1] for m in g.members} == {"weight", "e_score_correction_bias"}
+               for g in passing)
+    assert_fuzzed_at_two_shapes(subject, samples=3)

@@ -195,3 +195,12 @@ def test_every_subpackage_is_installed_by_pyproject():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "symgraph").rglob("__init__.py")}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
+@pytest.mark.parametrize("weights", [dict(gate="w1", up="v1", gate_up="wv"), dict(gate="w1"), dict()],
+                         ids=["both", "gate-alone", "neither"])
+def test_an_experts_layout_names_gate_and_up_or_gate_up(weights):
+    with pytest.raises(ValueError, match="either `gate` and `up`"):
+        spec_module.ExpertsLayout(experts="n", down="w2", down_rows="units", activation="act", **weights)
+    fused = spec_module.ExpertsLayout(experts="n", gate_up="wv", down="w2", down_rows="hidden", activation="act")
+    assert fused.gate is fused.up is None and fused.identity_experts is None

@@ -72,7 +72,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if _indexed_by_data(node):
         _pin_unselected(w, node, tensors, results)
     if spec.cuts:
-        w.note_cut(tensors[0], [r for r in results if r is not None])
+        w.note_cut(node, tensors[0], [r for r in results if r is not None])
     return Value(chans=[r for r in results if r is not None], shape=_shape_of(node),
                  constant_axes=repeated_axes(node, spec, tensors[0]))
 

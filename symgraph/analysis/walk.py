@@ -23,6 +23,7 @@ from . import rules
 from ..outputs import output_names, virtual_name
 from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
+from .cuts import why_cut_moves
 from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels
 from .mixing import resolve as resolve_mixed
@@ -88,14 +89,24 @@ class Walker:
         return Value(chans=param_channels(ids, shape, unit=self._is_unit_vector(name)), shape=shape)
 
     def _added_buffer(self, node: fx.Node) -> bool:
-        """A saved vector buffer the graph only adds to other tensors (DeepSeek-V3's expert score correction): it
-        gets ids like a bias, so it moves with the coordinates it is added to (pinned where it meets data)."""
+        """A saved vector buffer the graph only adds to other tensors (DeepSeek-V3's and LongCat-Flash's expert score
+        correction), directly or after movements that keep its axis whole (an unsqueeze to broadcast): it gets ids
+        like a bias, so it moves with the coordinates it is added to (pinned where it meets data)."""
         value = self.cap.program.state_dict.get(self.cap.buffers.get(node.name, ""))
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 1 \
-                or len(value) < 2 or not node.users:
+                or len(value) < 2:
             return False
-        return all(getattr(self.specs.op(str(u.target)), "rule", None) == "add" and mutated_argument(u) is None
-                   for u in node.users)
+        return self._only_added(node)
+
+    def _only_added(self, node: fx.Node) -> bool:
+        def added(user: fx.Node) -> bool:
+            spec = self.specs.op(str(user.target))
+            if spec is None or mutated_argument(user) is not None:
+                return False
+            if spec.rule == "add":
+                return True
+            return spec.rule == "movement" and not (spec.cuts or spec.regroups) and self._only_added(user)
+        return bool(node.users) and all(added(u) for u in node.users)
 
     def _is_unit_vector(self, name: str) -> bool:
         """A vector parameter whose stored value is 1 everywhere (a folded norm weight). Meta parameters
@@ -295,10 +306,15 @@ class Walker:
                     ids = collapse(t.ids).reshape(-1).numpy()
                     self._read[ids[ids >= 0]] = True
 
-    def note_cut(self, x: Value | None, kept: list[Chan]) -> None:
-        """Record the ids of ``x`` that a cut dropped (none of ``kept``, its result's channels, has them)."""
-        if x is not None:
-            self._cut.update(dropped_ids(x.chans, kept).tolist())
+    def note_cut(self, node: fx.Node, x: Value | None, kept: list[Chan]) -> None:
+        """Record the ids of ``x`` that cut ``node`` dropped (none of ``kept``, its result's channels, has them),
+        unless it keeps the same labels at every probe shape (a fixed slice of a weight: LongCat-Flash's experts
+        read the first entries of a parameter that also holds its identity experts')."""
+        if x is None:
+            return
+        dropped = dropped_ids(x.chans, kept)
+        if len(dropped) and why_cut_moves(self, node, list(x.chans)) is not None:
+            self._cut.update(dropped.tolist())
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
