@@ -131,6 +131,25 @@ def test_squeezebert_grouped_conv1d_is_analysed_and_invariant():
     assert_fuzzed_at_two_shapes(subject, samples=4)
 
 
+def test_squeezebert_heads_one_to_a_conv_group_are_not_permuted():
+    """With as many query/key/value groups as heads (SqueezeBERT's default), head h reads only input group h: the
+    engine emitted a permutation of the heads, which moves a head to another group's input (float64 error up to
+    9e-3 in the sweep). The heads stay; each head's own QK and VO maps remain."""
+    from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
+
+    from symgraph.inputs import example_inputs, forward_kwargs
+
+    config = SqueezeBertConfig(vocab_size=100, hidden_size=32, embedding_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, q_groups=4,
+                               k_groups=4, v_groups=4, post_attention_groups=1, intermediate_groups=4,
+                               output_groups=4, num_labels=3)
+    inputs = ((), {**example_inputs(config), **forward_kwargs(config)})
+    subject = load(SqueezeBertForSequenceClassification(config), inputs)
+    assert not [g for g in subject.report.groups if g.motif == "heads"]
+    assert census(subject)["qk orthogonal 8x4"] == 2
+    assert_fuzzed_at_two_shapes(subject, samples=4)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_grouped_conv_groups_survive_random_elements(seed):
     """Sampled elements of every emitted group, applied together, keep the function at both shapes."""

@@ -876,7 +876,11 @@ def _grouped_conv(w, node, x: Value, weight: Value, groups: int, out_shape) -> V
         w.c.pin(columns, "contracted with data that carries no symmetry", node.name)
     if rows is None:
         return Value(shape=out_shape)
-    w.c.separate(rows.reshape(groups, c_out // groups), node.name)
+    blocks = rows.reshape(groups, c_out // groups)
+    w.c.separate(blocks, node.name)
+    # each group's rows read their own input group: a permutation of whole blocks (heads laid one to a group, as in
+    # SqueezeBERT's attention) would have to move the input groups too, which one map on all of them cannot do
+    w.c.separate_pieces(list(blocks), node.name)
     return Value(chans=[Chan.clean(rows.reshape(view).expand(out_shape))], shape=out_shape)
 
 
