@@ -47,7 +47,7 @@ class Walker:
         self._buffer_ids: dict[str, torch.Tensor] = {}
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
-        self._cut: set[int] = set()  # ids a cut (slice, select, split: spec flag cuts) dropped
+        self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
@@ -307,14 +307,20 @@ class Walker:
                     self._read[ids[ids >= 0]] = True
 
     def note_cut(self, node: fx.Node, x: Value | None, kept: list[Chan]) -> None:
-        """Record the ids of ``x`` that cut ``node`` dropped (none of ``kept``, its result's channels, has them),
-        unless it keeps the same labels at every probe shape (a fixed slice of a weight: LongCat-Flash's experts
-        read the first entries of a parameter that also holds its identity experts')."""
-        if x is None:
-            return
-        dropped = dropped_ids(x.chans, kept)
-        if len(dropped) and why_cut_moves(self, node, list(x.chans)) is not None:
-            self._cut.update(dropped.tolist())
+        """Record the ids of ``x`` that cut ``node`` dropped (none of ``kept``, its result's channels, has them)."""
+        if x is not None:
+            dropped = dropped_ids(x.chans, kept)
+            if len(dropped):
+                self._cuts.append((node, list(x.chans), set(dropped.tolist())))
+
+    def _cut_by_a_moving_cut(self, unread: np.ndarray) -> bool:
+        """Whether a cut that dropped some of ``unread`` may keep other labels at another input shape. A cut that
+        keeps the same ones at every probe shape (a fixed slice of a weight: LongCat-Flash's experts read the first
+        entries of a parameter that also holds its identity experts') leaves what it keeps free. Asked only where a
+        cut left coordinates unread: the probe traces it may need cost a capture per shape."""
+        unread = set(unread.tolist())
+        return any(dropped & unread and why_cut_moves(self, node, chans) is not None
+                   for node, chans, dropped in self._cuts)
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
@@ -339,7 +345,7 @@ class Walker:
                     self.c.pin(unread, "cut away by a slice at the traced input shape; another input shape may "
                                        "read it", where)
                     kept = ids[read[ids] & ~pinned[ids]]
-                    if kept.size and self._cut.intersection(unread.tolist()):
+                    if kept.size and self._cut_by_a_moving_cut(unread):
                         self.c.pin(kept, "kept by a slice that cut other coordinates of this axis away; another "
                                          "input shape may cut these", where)
 
