@@ -115,17 +115,23 @@ def test_convnext_depthwise_blocks_keep_the_residual_permutation():
     assert_fuzzed_at_two_shapes(subject, samples=4)
 
 
-def test_squeezebert_grouped_conv1d_is_analysed_and_invariant():
+def squeezebert(layers: int, qkv_groups: int, post_attention_groups: int, output_groups: int):
+    """A tiny SqueezeBERT classifier (4 heads, width 32) with these conv groups, loaded on its example inputs."""
     from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
 
     from symgraph.inputs import example_inputs, forward_kwargs
 
-    config = SqueezeBertConfig(vocab_size=100, hidden_size=32, embedding_size=32, num_hidden_layers=1,
-                               num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, q_groups=2,
-                               k_groups=2, v_groups=2, post_attention_groups=2, intermediate_groups=4,
-                               output_groups=2, num_labels=3)
+    config = SqueezeBertConfig(vocab_size=100, hidden_size=32, embedding_size=32, num_hidden_layers=layers,
+                               num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                               q_groups=qkv_groups, k_groups=qkv_groups, v_groups=qkv_groups,
+                               post_attention_groups=post_attention_groups, intermediate_groups=4,
+                               output_groups=output_groups, num_labels=3)
     inputs = ((), {**example_inputs(config), **forward_kwargs(config)})
-    subject = load(SqueezeBertForSequenceClassification(config), inputs)
+    return load(SqueezeBertForSequenceClassification(config), inputs)
+
+
+def test_squeezebert_grouped_conv1d_is_analysed_and_invariant():
+    subject = squeezebert(layers=1, qkv_groups=2, post_attention_groups=2, output_groups=2)
     found = census(subject)
     assert found["qk orthogonal 8x4"] == 1 and found["ffn permutation 16x2"] == 1
     assert_fuzzed_at_two_shapes(subject, samples=4)
@@ -135,16 +141,7 @@ def test_squeezebert_heads_one_to_a_conv_group_are_not_permuted():
     """With as many query/key/value groups as heads (SqueezeBERT's default), head h reads only input group h: the
     engine emitted a permutation of the heads, which moves a head to another group's input (float64 error up to
     9e-3 in the sweep). The heads stay; each head's own QK and VO maps remain."""
-    from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
-
-    from symgraph.inputs import example_inputs, forward_kwargs
-
-    config = SqueezeBertConfig(vocab_size=100, hidden_size=32, embedding_size=32, num_hidden_layers=2,
-                               num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, q_groups=4,
-                               k_groups=4, v_groups=4, post_attention_groups=1, intermediate_groups=4,
-                               output_groups=4, num_labels=3)
-    inputs = ((), {**example_inputs(config), **forward_kwargs(config)})
-    subject = load(SqueezeBertForSequenceClassification(config), inputs)
+    subject = squeezebert(layers=2, qkv_groups=4, post_attention_groups=1, output_groups=4)
     assert not [g for g in subject.report.groups if g.motif == "heads"]
     assert census(subject)["qk orthogonal 8x4"] == 2
     assert_fuzzed_at_two_shapes(subject, samples=4)

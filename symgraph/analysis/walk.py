@@ -48,6 +48,7 @@ class Walker:
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
+        self._cut_moves: dict[fx.Node, bool] = {}  # cut -> whether it keeps other labels at another probe shape
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
@@ -319,8 +320,13 @@ class Walker:
         entries of a parameter that also holds its identity experts') leaves what it keeps free. Asked only where a
         cut left coordinates unread: the probe traces it may need cost a capture per shape."""
         unread = set(unread.tolist())
-        return any(dropped & unread and why_cut_moves(self, node, chans) is not None
-                   for node, chans, dropped in self._cuts)
+        for node, chans, dropped in self._cuts:
+            if dropped & unread:
+                if node not in self._cut_moves:  # asked once per cut, however many axes it left unread
+                    self._cut_moves[node] = why_cut_moves(self, node, chans) is not None
+                if self._cut_moves[node]:
+                    return True
+        return False
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
