@@ -8,15 +8,16 @@ the first period differs from the others (T5's relative bias lives in block 0). 
 analysed, and each of its blocks' groups and pinned spaces is replicated onto every block of the full model that
 it stands for. Models shallower than ``_MIN_DEPTH`` are analysed at full depth, as before.
 
-What makes two blocks "the same" is checked, never assumed from the config alone: module classes, every
-non-tensor attribute (an int equal to the block's own index in every block, such as ``layer_idx``, counts as the
-index), parameter names, shapes and dtypes, buffer values, and the block's entries in per-layer config lists
-(``layer_types``). The shallow copy must match the full model on all of that block for block, and outside the
-stack on parameters (and their ties), buffer values, module attributes and config fields. Graph node names in
-the notes are renumbered as the full graph numbers them (the shift per period is read off two consecutive equal
-periods). Whatever cannot be replicated exactly (forward hooks, an unknown op, a group whose name would change
-at full depth, a note naming a node of another block, a copy torch.export cannot trace on the meta device) sends
-the model back to the full-depth analysis. The report is the one the full-depth analysis gives
+What makes two blocks "the same" is checked, never assumed from the config alone: module classes, every non-tensor
+attribute (an int equal to the block's own index in every block, such as ``layer_idx``, counts as the index),
+parameter names, shapes and dtypes, which vector parameters hold one number (the analysis reads that of a folded
+norm weight; the shallow copy's vectors are given such values), buffer values, and the block's entries in per-layer
+config lists (``layer_types``). The shallow copy must match the full model on all of that block for block, and
+outside the stack on parameters (and their ties), buffer values, module attributes and config fields. Graph node
+names in the notes are renumbered as the full graph numbers them (the shift per period is read off two consecutive
+equal periods). Whatever cannot be replicated exactly (forward hooks, an unknown op, a group whose name would
+change at full depth, a note naming a node of another block, a copy torch.export cannot trace on the meta device)
+sends the model back to the full-depth analysis. The report is the one the full-depth analysis gives
 (``tests/test_depth.py`` compares them on every zoo family).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from .analysis import Analysis, assemble_capture
-from .analysis.walk import is_unit_vector
+from .analysis.walk import uniform_value
 from .capture import capture
 from .errors import CaptureError
 from .groups import TensorMember
@@ -83,6 +84,7 @@ def analyse_by_repeats(subject) -> Analysis | None:
         cap = capture(shallow, subject.args, subject.kwargs)
         if not getattr(subject, "config_only", False):
             _check_constants_have_values(cap)
+            _give_uniform_vectors(cap, subject.model, plan)
         analysis, assembler = assemble_capture(cap, free_outputs=getattr(subject, "free_outputs", False))
         return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
@@ -91,6 +93,34 @@ def analyse_by_repeats(subject) -> Analysis | None:
     except NotReplicable as exc:
         log.info("analysing the full depth: %s", exc)
         return None
+
+
+def _give_uniform_vectors(cap, model: nn.Module, plan: DepthPlan) -> None:
+    """What the analysis reads of vector parameters' values (:func:`uniform_value`: a folded norm weight), which
+    the meta-device copy does not hold: a shallow vector gets a real uniform tensor where the full vectors it
+    stands for are uniform (the plan pairs blocks whose uniform vectors are the same; the values may differ, only
+    being uniform matters), else stays meta."""
+    full = dict(model.named_parameters(remove_duplicate=False))
+    state = cap.program.state_dict
+    for name in cap.params.values():
+        if state[name].dim() != 1:
+            continue
+        values = [uniform_value(full.get(n)) for n in _full_names(name, plan)]
+        if values and all(v is not None for v in values):
+            state[name] = torch.full(state[name].shape, values[0], dtype=state[name].dtype)
+
+
+def _uniform_vectors(block: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in block.named_parameters() if uniform_value(p) is not None)
+
+
+def _full_names(name: str, plan: DepthPlan) -> list[str]:
+    """The full model's names of the parameter the shallow copy calls ``name``."""
+    inside = plan.stack + "."
+    if not name.startswith(inside):
+        return [name]
+    block, _, rest = name[len(inside):].partition(".")
+    return [f"{inside}{j}.{rest}" for j in plan.copies_of(int(block))]
 
 
 def _check_constants_have_values(cap) -> None:
@@ -112,14 +142,14 @@ def shallow_copy(model: nn.Module, config) -> tuple[nn.Module, DepthPlan]:
         raise NotReplicable(f"no Hugging Face config with num_hidden_layers >= {_MIN_DEPTH}")
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         raise NotReplicable("the model has forward hooks, which a rebuilt copy would not have")
-    if any(is_unit_vector(p) for p in model.parameters()):
-        # the analysis reads such a vector's value (a folded norm weight), which a meta-device copy does not hold
-        raise NotReplicable("a parameter vector is identically 1 (a folded norm), which the analysis reads by value")
     stacks = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
     why = f"no block list of length num_hidden_layers={depth}"
     for stack in stacks:
-        prints = fingerprints(model.get_submodule(stack), config)
-        plan = _periodic_plan(stack, prints)
+        blocks = model.get_submodule(stack)
+        prints = fingerprints(blocks, config)
+        # blocks repeat only where the same vectors hold one number: the analysis reads that (a folded norm
+        # weight), and the shallow copy gets it from the blocks it stands for (_give_uniform_vectors)
+        plan = _periodic_plan(stack, [(p, _uniform_vectors(b)) for p, b in zip(prints, blocks)])
         if plan is None:
             why = f"the blocks of {stack} do not repeat with a period short enough to save work"
             continue

@@ -1,9 +1,10 @@
 """Norm folding: a function-preserving rewrite after which the residual stream has a larger symmetry group.
 
-A norm's elementwise weight ``g`` (and a LayerNorm's bias ``beta``) moves into the linear layers that read the
-norm: ``W (g * n + beta) + b = (W diag g) n + (W beta + b)``. What is left is the same architecture with norm weights
-1 and biases 0, so the residual stream no longer meets a per-coordinate weight: the analysis then finds O(D) for
-RMSNorm models and {Q in O(D) : Q 1 = +-1} for LayerNorm models (:mod:`symgraph.analysis.rules`).
+A norm's elementwise weight ``g`` (and a LayerNorm's bias ``beta``) moves into the linear layers that read the norm: ``W
+(g * n + beta) + b = (W diag g) n + (W beta + b)``. What is left is the same architecture with norm weights 1 and biases
+0 (a norm that multiplies by ``1 + w``, as Gemma's and Qwen3-Next's do, moves ``1 + w`` and keeps w 0), so the residual
+stream no longer meets a per-coordinate weight: the analysis then finds O(D) for RMSNorm models and {Q in O(D) : Q 1 =
++-1} for LayerNorm models (:mod:`symgraph.analysis.rules`).
 
 For LayerNorm models every parameter that writes into the residual stream (embeddings, position embeddings, class
 token, patch embedding, attention output and FFN down projections with their biases) is also centred over the
@@ -11,9 +12,9 @@ stream's coordinates: every reader of the stream is a LayerNorm, which subtracts
 sees mean-free inputs and computes what an RMSNorm would. A tensor is centred only when every use of it, under any of
 its tied names, writes into the stream (an embedding that is also the LM head is refused).
 
-What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an
-RMSNorm: a parameter vector multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Anything that would make the
-rewrite change the function is refused with the norm, the graph node and the reason.
+What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an RMSNorm: a
+parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Anything that would make
+the rewrite change the function is refused with the norm, the graph node and the reason.
 
 Examples
 --------
@@ -51,9 +52,18 @@ class NormSite:
     centres: bool  # subtracts the mean (LayerNorm)
     readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each linear layer reading the norm
     source: str = ""  # the model's source line, for messages
+    offset: float = 0.0  # the norm multiplies by offset + weight (Gemma's and Qwen3-Next's 1 + w)
 
     def describe(self) -> str:
         return f"norm {self.weight or self.node} (graph node {self.node}{self.source})"
+
+    def scale(self, weight: torch.Tensor) -> torch.Tensor:
+        """What the norm multiplies its output by, given its stored weight: what the readers absorb."""
+        return weight + self.offset if self.offset else weight
+
+    def folded_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """The stored weight after folding: the one that makes the norm multiply by 1."""
+        return torch.full_like(like, 1.0 - self.offset)
 
 
 @dataclass
@@ -76,10 +86,10 @@ class FoldResult:
 def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
     """Fold every norm of ``source`` (anything :func:`symgraph.load` accepts) into the linears that read it.
 
-    Returns :class:`FoldResult` with a new state dict (``source`` is not modified): norm weights 1, biases 0, the
-    same architecture, and for LayerNorm models every residual writer centred. With ``verify`` the folded model is
-    first checked in float64 to compute what ``source`` computes. Raises :class:`FoldError` naming the norm and
-    the reason when a norm cannot be folded.
+    Returns :class:`FoldResult` with a new state dict (``source`` is not modified): norms that multiply by 1 (weights 1,
+    or 0 in ``1 + w``), biases 0, the same architecture, and for LayerNorm models every residual writer centred. With
+    ``verify`` the folded model is first checked in float64 to compute what ``source`` computes. Raises
+    :class:`FoldError` naming the norm and the reason when a norm cannot be folded.
     """
     from .api import load
 
@@ -187,8 +197,8 @@ def find_norms(cap) -> list[NormSite]:
         found = _layer_norm(node, names) if _is_layer_norm(node) else _rms_norm(node, names)
         if found is None:
             continue
-        weight, bias, centres = found
-        site = NormSite(node.name, weight, bias, centres, (), _module_of(node))
+        weight, bias, centres, offset = found
+        site = NormSite(node.name, weight, bias, centres, (), _module_of(node), offset)
         if not _reads_residual_stream(node):
             continue  # an in-block norm (per-head QK-norm): not on the stream, and no linear after it to absorb it
         if weight is None and bias is None:
@@ -201,10 +211,28 @@ def find_norms(cap) -> list[NormSite]:
 
 
 def _reads_residual_stream(norm: fx.Node) -> bool:
-    """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts and dropout."""
-    source = _through_identity_back(norm.args[0] if _is_layer_norm(norm) else _rms_input(norm))
+    """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts, dropout and scaling by
+    one number (Gemma's embeddings times sqrt(width))."""
+    source = norm.args[0] if _is_layer_norm(norm) else _rms_input(norm)
+    while True:
+        source = _through_identity_back(source)
+        factor = _scaled_by_a_number(source)
+        if factor is None:
+            break
+        source = factor
     return isinstance(source, fx.Node) and (str(source.target) in ("aten.add.Tensor", "aten.embedding.default")
                                             or source.op == "placeholder")
+
+
+def _scaled_by_a_number(node):
+    """``x`` where ``node`` is ``x * s`` (either order) for a number or a one-element tensor ``s``."""
+    if not (isinstance(node, fx.Node) and str(node.target) == "aten.mul.Tensor" and len(node.args) == 2):
+        return None
+    for x, s in (node.args, node.args[::-1]):
+        one = not isinstance(s, fx.Node) or getattr(s.meta.get("val"), "numel", lambda: 0)() == 1
+        if one and isinstance(x, fx.Node) and getattr(x.meta.get("val"), "numel", lambda: 1)() > 1:
+            return x
+    return None
 
 
 def _rms_input(mul: fx.Node):
@@ -221,18 +249,34 @@ def _layer_norm(node, names):
     args = list(node.args) + [None] * (4 - len(node.args))
     if len(args[1]) != 1:
         return None  # normalised over several axes: not a residual-stream norm; left as it is
-    return _param(args[2], names), _param(args[3], names), True
+    return _param(args[2], names), _param(args[3], names), True, 0.0
 
 
 def _rms_norm(node, names):
     """``g * normalised`` (either order), ``normalised`` being ``x * rsqrt(...)`` or ``x / sqrt(...)`` up to
-    dtype casts: the RMSNorm of Hugging Face LLaMA-family models and T5."""
+    dtype casts, and ``g`` a vector parameter or ``c + g`` for a number ``c``: the RMSNorm of Hugging Face
+    LLaMA-family models and T5, and the ``(1 + w)`` one of Gemma and Qwen3-Next."""
     if str(node.target) != "aten.mul.Tensor" or len(node.args) != 2:
         return None
     for weight, other in (node.args, node.args[::-1]):
-        name = _param(weight, names)
-        if name is not None and weight.meta["val"].dim() == 1 and _is_rms_normalised(other):
-            return name, None, False
+        found = _offset_param(weight, names)
+        if found is not None and weight.meta["val"].dim() == 1 and _is_rms_normalised(other):
+            return found[0], None, False, found[1]
+    return None
+
+
+def _offset_param(arg, names) -> tuple[str, float] | None:
+    """``(name, c)`` where ``arg`` is a parameter (``c`` 0) or a number plus one, up to dtype casts."""
+    name = _param(_through_identity_back(arg), names)
+    if name is not None:
+        return name, 0.0
+    if not (isinstance(arg, fx.Node) and str(arg.target) == "aten.add.Tensor" and len(arg.args) == 2
+            and arg.kwargs.get("alpha", 1) == 1):
+        return None
+    for term, number in (arg.args, arg.args[::-1]):
+        name = _param(_through_identity_back(term), names)
+        if name is not None and isinstance(number, (int, float)) and not isinstance(number, bool):
+            return name, float(number)
     return None
 
 
@@ -253,12 +297,22 @@ def _param(arg, names) -> str | None:
 
 
 def _check_used_once(placeholders, node, site: NormSite) -> None:
+    """The norm's parameters reach nothing but the norm (through its casts and its ``c + w``), beyond readers of
+    their shape or dtype."""
     for name in (site.weight, site.bias):
         placeholder = placeholders.get(name)
-        if placeholder is not None and len(placeholder.users) > 1:
+        others = [] if placeholder is None else [u for u in placeholder.users if not _only_feeds(u, placeholder, node)]
+        if others:
             raise FoldError(f"Cannot fold {site.describe()}: its parameter {name} is also read by "
-                            f"{_other_users(placeholder, node)}; one fold cannot serve both.",
-                            hint="untie the parameter, or align without --fold.")
+                            f"{', '.join(f'{u.target} (graph node {u.name})' for u in others)}; one fold cannot "
+                            f"serve both.", hint="untie the parameter, or align without --fold.")
+
+
+def _only_feeds(user: fx.Node, value: fx.Node, norm: fx.Node) -> bool:
+    """``user`` of ``value`` is the norm, reads only metadata, or passes its value on to nothing but the norm."""
+    if user is norm or _reads_metadata_only(user, value):
+        return True
+    return bool(user.users) and all(_only_feeds(u, user, norm) for u in user.users)
 
 
 def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
@@ -477,10 +531,6 @@ def _placeholders(cap) -> dict[str, fx.Node]:
     return {cap.params[n.name]: n for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params}
 
 
-def _other_users(placeholder: fx.Node, node: fx.Node) -> str:
-    return ", ".join(f"{u.target} (graph node {u.name})" for u in placeholder.users if u is not node)
-
-
 def _ties(tied: dict[str, list[str]], name: str) -> list[str]:
     """The other names of the tensor ``name`` (tied weights), which the graph reads as ``name``."""
     return [n for n in tied.get(name, ()) if n != name]
@@ -507,7 +557,7 @@ def _folded_params(state, norms: list[NormSite]) -> dict[str, torch.Tensor]:
     """New tensors for every norm and reader parameter, computed in float64 and cast back."""
     out = {}
     for site in norms:
-        g = state[site.weight].double() if site.weight else None
+        g = site.scale(state[site.weight].double()) if site.weight else None
         beta = state[site.bias].double() if site.bias else None
         for weight, bias in site.readers:
             w = state[weight].double()
@@ -516,7 +566,7 @@ def _folded_params(state, norms: list[NormSite]) -> dict[str, torch.Tensor]:
             if g is not None:
                 out[weight] = (w * g).to(state[weight].dtype)
         if site.weight:
-            out[site.weight] = torch.ones_like(state[site.weight])
+            out[site.weight] = site.folded_weight(state[site.weight])
         if site.bias:
             out[site.bias] = torch.zeros_like(state[site.bias])
     return out

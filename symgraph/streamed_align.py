@@ -193,11 +193,11 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
 
 
 class FoldedState(ReadThrough):
-    """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight
-    multiplied into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight
-    reads as 1. RMSNorm only: a LayerNorm's folding also centres every residual
-    writer, which is not done tensor by tensor here. ``exact``: the products unrounded (what the written
-    checkpoint's tensors are the rounding of), in float32 where that holds them exactly, else float64."""
+    """``state`` read folded (:mod:`symgraph.fold`): each linear that reads a norm gets the norm's weight multiplied
+    into its columns as it is read (the same numbers ``symgraph fold`` writes), and the norm weight reads as what
+    makes the norm multiply by 1 (1, or 0 for a ``1 + w`` norm). RMSNorm only: a LayerNorm's folding also centres
+    every residual writer, which is not done tensor by tensor here. ``exact``: the products unrounded (what the
+    written checkpoint's tensors are the rounding of), in float32 where that holds them exactly, else float64."""
 
     def __init__(self, state: LazyState, norms, exact: bool = False):
         from .fold import FoldError
@@ -211,22 +211,24 @@ class FoldedState(ReadThrough):
             raise FoldError("No norm on the residual stream was found in the graph: there is nothing to fold.",
                             hint="align without --fold.")
         self.state, self.exact = state, exact
-        self.norm_weights = {n.weight for n in norms if n.weight}
+        self.norm_of = {n.weight: n for n in norms if n.weight}
         self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
                           for weight, bias in n.readers}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.norm_weights:
-            return torch.ones(self.state.info(name).shape, dtype=self.state.info(name).dtype)
+        if name in self.norm_of:
+            info = self.state.info(name)
+            return self.norm_of[name].folded_weight(torch.empty(info.shape, dtype=info.dtype))
         site = self.reader_of.get(name)
         if site is None:
             return self.state[name]
         # symgraph.fold multiplies in float64 and rounds once. Two bf16/fp16 numbers multiply exactly in fp32: the
-        # same numbers at half the memory (a 7B LM head is 1 GB in float64). Others: float64.
+        # same numbers at half the memory (a 7B LM head is 1 GB in float64). Others, and 1 + g (no longer one
+        # such number): float64.
         w, g = self.state[name], self.state[site.weight]
-        single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16)
+        single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16) and not site.offset
         work = torch.float32 if single else torch.float64
-        product = w.to(work) * g.to(work)
+        product = w.to(work) * site.scale(g.to(work))
         return product if self.exact else product.to(w.dtype)
 
 
@@ -412,9 +414,12 @@ def _config(folder):
 def _check_same_vectors(src: LazyState, anc: LazyState, source, anchor) -> None:
     """Norm weights exactly 1 in one model and not in the other give the two different groups (the in-memory
     alignment compares whole reports; this is the part a meta-device capture can differ in)."""
-    from .analysis.walk import is_unit_vector
+    from .analysis.walk import uniform_value
 
-    differ = [k for k in src if len(src.info(k).shape) == 1 and is_unit_vector(src[k]) != is_unit_vector(anc[k])]
+    def ones(vector) -> bool:
+        return uniform_value(vector) == 1
+
+    differ = [k for k in src if len(src.info(k).shape) == 1 and ones(src[k]) != ones(anc[k])]
     if differ:
         raise MismatchError(f"'{differ[0]}' is all ones in one of '{source}' and '{anchor}' but not in the other "
                             f"({len(differ)} vectors differ): the models have different symmetry groups.",

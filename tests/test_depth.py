@@ -59,18 +59,25 @@ def test_a_block_with_its_own_buffer_is_not_replicated():
         depth.shallow_copy(model, model.config)
 
 
-def test_a_norm_weight_of_ones_keeps_the_full_depth_and_its_orthogonal_stream():
-    # the analysis reads such a weight's value (a folded norm), which a meta-device copy cannot hold
-    model = zoo.build("llama", num_hidden_layers=5)
+def test_uniform_norm_weights_reach_the_shallow_copy_and_keep_its_orthogonal_stream():
+    # the analysis reads whether a vector holds one number (a folded norm weight): the meta-device copy's vector is
+    # given such a value where every block it stands for has one (the values may differ: 1 here, 0.5 there)
+    model = zoo.build("llama", num_hidden_layers=6)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
-    with pytest.raises(depth.NotReplicable, match="identically 1"):
-        depth.shallow_copy(model, model.config)
-    fast, slow, used = _reports(model, zoo.example_inputs_for("llama", model))
-    assert not used and fast.to_json() == slow.to_json()
+                p.fill_(0.5 if ".3." in name else 1.0)
+    inputs = zoo.example_inputs_for("llama", model)
+    fast, slow, used = _reports(model, inputs)
+    assert used and fast.to_json() == slow.to_json()
     assert any(g.motif == "residual" and g.kind == "orthogonal" for g in fast.groups)
+    with torch.no_grad():  # one middle block's norm no longer uniform: that block differs from the others
+        model.model.layers[3].input_layernorm.weight[0] = 2.0
+    with pytest.raises(depth.NotReplicable, match="do not repeat"):
+        depth.shallow_copy(model, model.config)
+    fast, slow, used = _reports(model, inputs)
+    assert not used and fast.to_json() == slow.to_json()
+    assert not any(g.motif == "residual" and g.kind == "orthogonal" for g in fast.groups)
 
 
 def test_layer_index_attributes_do_not_split_blocks_but_other_differences_do():

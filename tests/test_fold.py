@@ -491,3 +491,41 @@ def test_readers_of_metadata_only_do_not_stop_a_fold(model_type):
     result = fold(subject)
     assert result.norms and result.verified_error < 1e-5
     assert Evaluator(model, (torch.randint(0, 40, (3, 9)),), {}).check(result.state).ok
+
+
+def _gemma(seed: int = 0):
+    """A tiny untied Gemma in float64: its RMSNorms multiply by 1 + w, and the first one reads the embeddings
+    scaled by sqrt(width)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma", hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                  intermediate_size=64, num_hidden_layers=2, vocab_size=60, tie_word_embeddings=False,
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _token_inputs(batch: int, seq: int, seed: int) -> dict:
+    return {"input_ids": torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(seed)),
+            "use_cache": False}
+
+
+def test_one_plus_w_norms_fold_to_zero_weights_and_open_the_orthogonal_stream():
+    model = _gemma()
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    assert {g.kind for g in subject.report.groups if g.motif == "residual"} == {"signed_permutation"}
+    result = fold(subject)
+    assert len(result.norms) == 2 * 2 + 1 and {n.offset for n in result.norms} == {1.0}  # the first one too
+    assert all(not result.state[n.weight].any() for n in result.norms)  # 1 + 0: the norm multiplies by 1
+    other = _token_inputs(3, 11, 5)
+    assert Evaluator(model, (), other).check(result.state).ok
+    folded = folded_subject(subject)
+    residual = [g for g in folded.report.groups if g.motif == "residual"]
+    assert [(g.kind, g.size) for g in residual] == [("orthogonal", 32)]
+    for s in (folded, symgraph.load(folded.model, other)):
+        outcome = fuzz(s, groups=residual, samples=6)
+        assert outcome.ok, outcome.failures

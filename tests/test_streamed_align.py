@@ -235,12 +235,29 @@ def test_streamed_alignment_on_the_command_line(tmp_path, pair):
     assert not (tmp_path / "o2").exists()
 
 
+def _tiny_gemma():
+    """RMSNorms that multiply by 1 + w (folded, w reads 0 and its readers absorb 1 + w)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        num_hidden_layers=2, vocab_size=60, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
 @pytest.mark.slow
-def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path):
-    """Tensor by tensor, in bf16 (multiplied in fp32, not float64): bit for bit what the in-memory fold gives."""
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path, family):
+    """Tensor by tensor, in bf16 (multiplied in fp32, not float64; 1 + w in float64): bit for bit what the
+    in-memory fold gives."""
     from symgraph.io import model_config, save_model
 
-    model = zoo.build("llama", seed=0)
+    model = zoo.build("llama", seed=0) if family == "llama" else _tiny_gemma()
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     folder = save_model(state, tmp_path / "m", config=model_config(model))
     _, _, _, norms = streamed_align.streamed_groups(folder, fold=True)
@@ -250,6 +267,7 @@ def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path):
     for name in folded:
         assert folded[name].dtype == torch.bfloat16, name
         assert torch.equal(folded[name], expected[name].to(torch.bfloat16)), name
+    assert {n.offset for n in norms} == {0.0 if family == "llama" else 1.0}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

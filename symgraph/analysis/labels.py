@@ -84,7 +84,9 @@ class Chan:
     degree: int = 1  # 2 after squaring: only reductions may consume it as such
     block: bool = False  # carries head-block ids (heads of an attention op), not coordinates
     weight: bool = False  # read straight from a parameter (through movement ops only): a weight vector
-    unit: bool = False  # a weight vector whose value is known to be 1 everywhere (a folded norm): x * w = x
+    # a weight vector known to hold one number in every entry (a folded norm's weight: 1, or 0 where the model
+    # multiplies by 1 + w): a product with it scales every coordinate alike
+    uniform: bool = False
 
     @staticmethod
     def clean(ids: torch.Tensor, *, block: bool = False) -> "Chan":
@@ -120,14 +122,15 @@ class Chan:
         return self.map(lambda t: t.expand(shape) if t.dim() else t.reshape([1] * len(shape)).expand(shape))
 
 
-def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...], unit: bool = False) -> list[Chan]:
-    """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only. ``unit``: its value is known to
-    be 1 everywhere."""
+def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...],
+                   uniform: bool = False) -> list[Chan]:
+    """Channels of a parameter: axis ``a`` carries ids that vary along ``a`` only. ``uniform``: its entries are
+    known to be one number."""
     chans = []
     for axis, ids in ids_per_axis.items():
         view = [1] * len(shape)
         view[axis] = shape[axis]
-        chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True, unit=unit))
+        chans.append(Chan((Term(ids.reshape(view).expand(shape), None),), weight=True, uniform=uniform))
     return chans
 
 

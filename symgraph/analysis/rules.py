@@ -656,8 +656,8 @@ def rule_glu(w, node: fx.Node, spec) -> Value:
         if c.block or c.mixed or axis not in chan_axes(c):
             _pin_chan(w, node, c, "gated linear unit over an axis this channel does not label alone")
             continue
-        value = replace(c.map(lambda t: t.narrow(axis, 0, half)), degree=1, weight=False, unit=False)
-        gate = replace(c.map(lambda t: t.narrow(axis, half, half)), degree=1, weight=False, unit=False)
+        value = replace(c.map(lambda t: t.narrow(axis, 0, half)), degree=1, weight=False, uniform=False)
+        gate = replace(c.map(lambda t: t.narrow(axis, half, half)), degree=1, weight=False, uniform=False)
         w.c.restrict(gate.ids, NEUTRAL, "sigmoid gate of a gated linear unit", node.name)
         out = _product_output(w, node, value, gate, NEUTRAL, "gated linear unit: a value times its gate")
         w.c.tag("activation", out.ids)
@@ -977,7 +977,7 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
             _add_data(w, node, ca, b, out_shape)
-            chans.append(ca)
+            chans.append(_uniform_after_adding(ca, b, out_shape))
             continue
         used.add(j)
         cb = b.chans[j].broadcast_to(out_shape)
@@ -986,7 +986,7 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
         if j not in used:
             cb = cb.broadcast_to(out_shape)
             _add_data(w, node, cb, a, out_shape)
-            chans.append(cb)
+            chans.append(_uniform_after_adding(cb, a, out_shape))
     return Value(chans=chans, shape=out_shape)
 
 
@@ -996,7 +996,18 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
     w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
         w.c.tag("residual", ca.ids)
-    return ca
+    # a sum is no weight vector: weights multiplied in are only ever permuted, which would leave the other
+    # operand's ids (tied here) free to scale
+    return replace(ca, weight=False, uniform=False)
+
+
+def _uniform_after_adding(chan: Chan, other: Value, out_shape) -> Chan:
+    """``chan`` plus a value without channels holds one number per row only if that value does not vary along
+    the channel's axes (1 + w of a folded (1 + w)-norm; a uniform weight plus per-coordinate data is no longer
+    uniform, and multiplying by it would restrict the stream)."""
+    if chan.uniform and (other.data is None or data_varies(other.data, chan_axes(chan), out_shape)):
+        return replace(chan, uniform=False)
+    return chan
 
 
 def _uniform(c: Chan) -> bool:
@@ -1196,7 +1207,7 @@ def _reciprocal(w, node, c: Chan) -> Chan:
     c = w.resolve(c, node.name)
     if not c.block:
         w.c.restrict(c.ids, NEUTRAL, "divided by this coordinate", node.name)
-    return replace(c, degree=1, weight=False, unit=False)
+    return replace(c, degree=1, weight=False, uniform=False)
 
 
 def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape, ratio: bool = False) -> Chan:
@@ -1211,7 +1222,7 @@ def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape, ratio: bool = Fal
         w.c.restrict(ca.ids, NEUTRAL, "divided by a value of the same coordinate", node.name)
         return replace(ca, degree=1)  # x / f(x): coordinate-wise, no square
     weight = next((c for c in (ca, cb) if c.weight), None)
-    if weight is not None and _holds_unit(w, node, [weight]):
+    if weight is not None and _holds_uniform(w, node, [weight]):
         return cb if weight is ca else ca
     if weight is not None:
         w.c.permute_only.append(_ids_of(weight))
@@ -1221,14 +1232,15 @@ def _multiply_channels(w, node, ca: Chan, cb: Chan, out_shape, ratio: bool = Fal
     return _product_output(w, node, ca, cb, limit, why)
 
 
-def _holds_unit(w, node, weight_chans) -> bool:
-    """A weight vector known to be 1 everywhere multiplies by nothing: the product is its other factor, and the
-    weight is pinned (it stays 1 under every transformation; with any other value the group would be smaller)."""
-    if not weight_chans or not all(c.unit for c in weight_chans):
+def _holds_uniform(w, node, weight_chans) -> bool:
+    """A weight vector known to hold one number everywhere scales every coordinate alike: the product moves like
+    its other factor, and the weight is pinned (it keeps its value under every transformation; with entries that
+    differ the group would be smaller)."""
+    if not weight_chans or not all(c.uniform for c in weight_chans):
         return False
     for c in weight_chans:
-        w.c.pin(c.ids, "weight vector identically 1 (a folded norm): it stays 1, and the stream it multiplies keeps "
-                       "its full group", node.name)
+        w.c.pin(c.ids, "weight vector of one number everywhere (a folded norm): it keeps its value, and the stream "
+                       "it multiplies keeps its full group", node.name)
     return True
 
 
@@ -1326,7 +1338,7 @@ def _affine_output(w, node, chans: list[Chan], weight: Value | None, bias: Value
                     w.c.pin(c.ids, "affine weight of a normalisation applied to input data", node.name)
         return Value(chans=[c.broadcast_to(out_shape) for c in weight.chans], shape=out_shape)
     chans = [c.broadcast_to(out_shape) for c in chans]
-    if weight is not None and _holds_unit(w, node, weight.chans):
+    if weight is not None and _holds_uniform(w, node, weight.chans):
         weight = None
     if weight is not None:
         chans = _affine_part(w, node, chans, weight, norm_axes, out_shape, scale=True)

@@ -87,7 +87,7 @@ class Walker:
             for axis_ids in ids.values():
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
                            node.name)
-        return Value(chans=param_channels(ids, shape, unit=self._is_unit_vector(name)), shape=shape)
+        return Value(chans=param_channels(ids, shape, uniform=self._is_uniform_vector(name)), shape=shape)
 
     def _added_buffer(self, node: fx.Node) -> bool:
         """A saved vector buffer the graph only adds to other tensors (DeepSeek-V3's and LongCat-Flash's expert score
@@ -109,10 +109,10 @@ class Walker:
             return spec.rule == "movement" and not (spec.cuts or spec.regroups) and self._only_added(user)
         return bool(node.users) and all(added(u) for u in node.users)
 
-    def _is_unit_vector(self, name: str) -> bool:
-        """A vector parameter whose stored value is 1 everywhere (a folded norm weight). Meta parameters
-        (config-only capture) have no value: never unit, so their groups stay those of an arbitrary weight."""
-        return is_unit_vector(self.cap.program.state_dict.get(name))
+    def _is_uniform_vector(self, name: str) -> bool:
+        """A vector parameter whose stored entries are one number (a folded norm weight). Meta parameters
+        (config-only capture) have no value: never uniform, so their groups stay those of an arbitrary weight."""
+        return uniform_value(self.cap.program.state_dict.get(name)) is not None
 
     def _call(self, node: fx.Node):
         if node.target is operator.getitem:
@@ -377,10 +377,13 @@ class Walker:
 
 
 
-def is_unit_vector(value) -> bool:
-    """A real (not meta) vector whose entries are all 1: the analysis reads its value (a folded norm weight)."""
-    return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.device.type != "meta"
-            and bool((value == 1).all()))
+def uniform_value(value) -> float | None:
+    """The one number every entry of a real (not meta) vector holds, else None: the analysis reads this of vector
+    parameters (a folded norm weight: 1, or 0 where the model multiplies by 1 + w)."""
+    if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() and value.device.type != "meta"):
+        return None
+    first = value.detach()[0]
+    return float(first) if bool((value == first).all()) else None
 
 # rules that read a squared channel as such (a sum of squares is a norm) or pass it on unchanged
 _DEGREE_AWARE = frozenset({"reduce", "identity"})
