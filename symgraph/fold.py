@@ -13,8 +13,10 @@ sees mean-free inputs and computes what an RMSNorm would. A tensor is centred on
 its tied names, writes into the stream (an embedding that is also the LM head is refused).
 
 What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an RMSNorm: a
-parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Anything that would make
-the rewrite change the function is refused with the norm, the graph node and the reason.
+parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Its readers are linear
+layers, or einsums contracting its output with a parameter (a mixture of experts' dense experts, :mod:`symgraph.moe`,
+in any layout: the contracted axis absorbs the weight). Anything that would make the rewrite change the function is
+refused with the norm, the graph node and the reason.
 
 Examples
 --------
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -50,7 +53,7 @@ class NormSite:
     weight: str | None  # parameter names; None when the norm has no such parameter
     bias: str | None
     centres: bool  # subtracts the mean (LayerNorm)
-    readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each linear layer reading the norm
+    readers: tuple["Reader", ...]  # the parameters reading the norm, which absorb its weight
     source: str = ""  # the model's source line, for messages
     offset: float = 0.0  # the norm multiplies by offset + weight (Gemma's and Qwen3-Next's 1 + w)
 
@@ -66,6 +69,22 @@ class NormSite:
         return torch.full_like(like, 1.0 - self.offset)
 
 
+class Reader(NamedTuple):
+    """A parameter that reads a norm's output: a linear layer's weight (``axis`` its last, the input columns) with
+    its bias, or a tensor an einsum contracts with the output (the dense experts of :mod:`symgraph.moe`: ``axis``
+    the contracted one, no bias)."""
+
+    weight: str
+    bias: str | None
+    axis: int
+
+    def absorb(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``w`` with ``g`` multiplied in along the axis that meets the norm's coordinates."""
+        view = [1] * w.dim()
+        view[self.axis] = -1
+        return w * g.reshape(view)
+
+
 @dataclass
 class FoldResult:
     """The folded state dict, what was folded and centred, and the float64 check of the rewrite."""
@@ -78,7 +97,7 @@ class FoldResult:
 
     def to_json(self) -> dict:
         return {"norms": [{"node": n.node, "weight": n.weight, "bias": n.bias, "layer_norm": n.centres,
-                           "readers": [w for w, _ in n.readers]} for n in self.norms],
+                           "readers": [r.weight for r in n.readers]} for n in self.norms],
                 "centred": self.centred, "verified_relative_error": self.verified_error,
                 **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {})}
 
@@ -315,20 +334,22 @@ def _only_feeds(user: fx.Node, value: fx.Node, norm: fx.Node) -> bool:
     return bool(user.users) and all(_only_feeds(u, user, norm) for u in user.users)
 
 
-def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tuple[str, str | None], ...]:
+def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Reader, ...]:
     readers = []
-    for user, _ in _readers(node):
-        if str(user.target) != "aten.linear.default" or _param(user.args[1], cap.params) is None:
+    for user, value in _readers(node):
+        reader = _absorbing_reader(cap, user, value)
+        if reader is None:
             what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
             post_ln = str(user.target) == "aten.add.Tensor"
-            raise FoldError(f"Cannot fold {site.describe()}: its output is read by {what}; only linear layers can "
-                            f"absorb a norm's weight" + (" (a post-LN model: the norm's output is the residual stream "
-                                                         "itself)." if post_ln else "."),
+            raise FoldError(f"Cannot fold {site.describe()}: its output is read by {what}; only linear layers (and "
+                            f"einsums contracting it with a parameter) can absorb a norm's weight"
+                            + (" (a post-LN model: the norm's output is the residual stream itself)." if post_ln
+                               else "."),
                             hint="align without --fold: post-LN models keep their norms and residual permutations."
                             if post_ln else "align without --fold.")
-        weight = _param(user.args[1], cap.params)
-        bias = _param(user.args[2], cap.params) if len(user.args) > 2 else None
-        shared = _ties(tied, weight) or [u.name for u in placeholders[weight].users if u is not user]
+        weight, bias = reader.weight, reader.bias
+        shared = _ties(tied, weight) or [u.name for u in placeholders[weight].users
+                                         if not _only_feeds(u, placeholders[weight], user)]
         if shared:
             raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
@@ -336,8 +357,32 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[tupl
         if site.bias is not None and bias is None:
             raise FoldError(f"Cannot fold {site.describe()}: its bias {site.bias} would have to move into the bias "
                             f"of {weight}, which has none.", hint="align without --fold.")
-        readers.append((weight, bias))
+        readers.append(reader)
     return tuple(readers)
+
+
+def _absorbing_reader(cap, user: fx.Node, value: fx.Node) -> Reader | None:
+    """How ``user`` reads the norm's output ``value`` with a parameter that can absorb its weight, or None: a
+    linear layer, or a two-operand einsum contracting the output's last axis with one axis of a parameter (what
+    the dense experts of :mod:`symgraph.moe` compute, ``td,eod->teo``)."""
+    target = str(user.target)
+    if target == "aten.linear.default" and user.args[0] is value:
+        weight = _param(_through_casts_back(user.args[1]), cap.params)
+        bias = _param(_through_casts_back(user.args[2]), cap.params) if len(user.args) > 2 else None
+        return None if weight is None else Reader(weight, bias, len(cap.shapes[weight]) - 1)
+    if target != "aten.einsum.default" or len(user.args[1]) != 2 or value not in user.args[1]:
+        return None
+    equation = user.args[0].replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    terms = inputs.split(",")
+    if "." in equation or not output or len(terms) != 2:
+        return None
+    mine, other = (0, 1) if user.args[1][0] is value else (1, 0)
+    weight = _param(_through_casts_back(user.args[1][other]), cap.params)
+    letter = terms[mine][-1:] if len(set(terms[mine])) == len(terms[mine]) else ""
+    if weight is None or not letter or letter in output or terms[other].count(letter) != 1:
+        return None
+    return Reader(weight, None, terms[other].index(letter))
 
 
 def _readers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
@@ -520,6 +565,20 @@ def _same_value(node: fx.Node) -> bool:
     return bool(node.args) and _passes_last_axis(node, node.args[0]) and str(node.target) not in _ROW_SELECTIONS
 
 
+def _through_casts_back(node):
+    """The tensor ``node`` casts (a parameter read in another dtype), or ``node``."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and _is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _is_cast(node: fx.Node) -> bool:
+    spec = load_specs().op(str(node.target))
+    out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (spec is not None and spec.rule in _SAME_VALUE_RULES and not spec.negates
+            and isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.shape == src.shape)
+
+
 def _through_identity_back(node):
     while isinstance(node, fx.Node) and node.op == "call_function" and _same_value(node):
         node = node.args[0]
@@ -559,12 +618,13 @@ def _folded_params(state, norms: list[NormSite]) -> dict[str, torch.Tensor]:
     for site in norms:
         g = site.scale(state[site.weight].double()) if site.weight else None
         beta = state[site.bias].double() if site.bias else None
-        for weight, bias in site.readers:
+        for reader in site.readers:
+            weight, bias = reader.weight, reader.bias
             w = state[weight].double()
             if bias is not None and beta is not None:
                 out[bias] = (state[bias].double() + w @ beta).to(state[bias].dtype)
             if g is not None:
-                out[weight] = (w * g).to(state[weight].dtype)
+                out[weight] = reader.absorb(w, g).to(state[weight].dtype)
         if site.weight:
             out[site.weight] = site.folded_weight(state[site.weight])
         if site.bias:

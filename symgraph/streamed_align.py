@@ -212,8 +212,7 @@ class FoldedState(ReadThrough):
                             hint="align without --fold.")
         self.state, self.exact = state, exact
         self.norm_of = {n.weight: n for n in norms if n.weight}
-        self.reader_of = {weight: replace(n, readers=((weight, bias),)) for n in norms if n.weight
-                          for weight, bias in n.readers}
+        self.reader_of = {r.weight: replace(n, readers=(r,)) for n in norms if n.weight for r in n.readers}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.norm_of:
@@ -228,7 +227,7 @@ class FoldedState(ReadThrough):
         w, g = self.state[name], self.state[site.weight]
         single = w.dtype == g.dtype and w.dtype in (torch.bfloat16, torch.float16) and not site.offset
         work = torch.float32 if single else torch.float64
-        product = w.to(work) * site.scale(g.to(work))
+        product = site.readers[0].absorb(w.to(work), site.scale(g.to(work)))
         return product if self.exact else product.to(w.dtype)
 
 

@@ -20,7 +20,7 @@ from symgraph import zoo
 from symgraph.alignment import align_states, select_groups
 from symgraph.elements import apply, sample
 from symgraph.errors import InvarianceError
-from symgraph.fold import FoldError, fold, folded_subject, pays_off
+from symgraph.fold import FoldError, find_norms, fold, folded_subject, pays_off
 from symgraph.fuzz import fuzz
 from symgraph.io import save_model
 from symgraph.solve import kernels
@@ -30,8 +30,10 @@ from cli_runner import run, tree_digest
 
 SHIPPED = symgraph.__path__[0] + "/data/models"
 NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual writers centred, Q 1 = +-1)
-# every zoo family whose norms fold (the others are refused: post-LN, tied embeddings, Conv1D, bias-free heads)
-FOLDABLE = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "phi": True, "vit": True}
+# every zoo family whose norms fold (the others are refused: post-LN, tied embeddings, Conv1D, bias-free heads);
+# the mixtures of experts' norms fold into their dense experts' einsums (and the routers)
+FOLDABLE = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "phi": True, "vit": True,
+            "mixtral": False, "qwen2-moe": False, "olmoe": False, "deepseek-v2": False, "gpt-oss": False}
 
 
 def _subject(family, dtype=torch.float32):
@@ -55,7 +57,7 @@ def test_fold_keeps_the_function_at_two_shapes_and_leaves_unit_norms(family):
     assert result.norms and all(torch.equal(result.state[n.weight], torch.ones_like(before[n.weight]))
                                 for n in result.norms)
     assert all(not result.state[n.bias].any() for n in result.norms if n.bias)
-    assert any(not torch.equal(result.state[w], before[w]) for n in result.norms for w, _ in n.readers)
+    assert any(not torch.equal(result.state[w], before[w]) for n in result.norms for w, *_ in n.readers)
     other = zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=5)
     assert Evaluator(subject.model, *other).check(result.state).ok  # not only on the inputs it was checked on
     if NORM_FAMILIES[family]:  # every residual writer is mean-free along the stream
@@ -77,7 +79,9 @@ def test_folded_residual_group_is_orthogonal_and_fuzzes_clean_at_two_shapes(fami
     assert g.kind == "orthogonal" and g.size == subject.model.config.hidden_size and g.copies == 1
     assert g.fixes_ones == FOLDABLE[family]
     assert not any(m.action == "permute" for m in g.members)  # norm weights are held at 1, not moved
-    assert not any(x.motif == "scale_free" for x in subject.report.groups)  # no norm weight left to trade scale
+    folded = {n.weight for n in find_norms(subject.capture)}  # no folded norm weight left to trade scale (in-block
+    assert folded and not any(m.param in folded for x in subject.report.groups  # norms, as MLA's, keep theirs)
+                              if x.motif == "scale_free" for m in x.members)
     other = symgraph.load(subject.model, zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=2))
     for s in (subject, other):
         outcome = fuzz(s, groups=[g], samples=6)
@@ -529,3 +533,15 @@ def test_one_plus_w_norms_fold_to_zero_weights_and_open_the_orthogonal_stream():
     for s in (folded, symgraph.load(folded.model, other)):
         outcome = fuzz(s, groups=residual, samples=6)
         assert outcome.ok, outcome.failures
+
+
+@pytest.mark.parametrize("family,axis", [("mixtral", 2), ("gpt-oss", 1)])
+def test_dense_experts_absorb_the_norm_along_the_axis_their_einsum_contracts(family, axis):
+    """(experts, out, in) for Mixtral, (experts, in, out) for GPT-OSS: the fold scales the contracted axis."""
+    subject = _subject(family)
+    readers = {r.weight: r.axis for n in find_norms(subject.capture) for r in n.readers}
+    experts = [w for w in readers if w.endswith("experts.gate_up_proj")]
+    assert len(experts) == 2 and all(readers[w] == axis for w in experts)
+    result = fold(subject)
+    other = zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=5)
+    assert result.verified_error < 1e-4 and Evaluator(subject.model, *other).check(result.state).ok
