@@ -256,7 +256,7 @@ def _scaled_by_a_number(node):
 
 def _rms_input(mul: fx.Node):
     """``x`` of ``g * (x * rsqrt(...))``."""
-    normalised = next(_through_identity_back(a) for a in mul.args if isinstance(a, fx.Node) and a.op != "placeholder")
+    normalised = next(_through_identity_back(a) for a in mul.args if _is_rms_normalised(a))
     return next(a for a in normalised.args if isinstance(a, fx.Node) and str(a.target) != "aten.rsqrt.default")
 
 

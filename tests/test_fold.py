@@ -545,3 +545,23 @@ def test_dense_experts_absorb_the_norm_along_the_axis_their_einsum_contracts(fam
     result = fold(subject)
     other = zoo.example_inputs_for(family, subject.model, batch=3, seq=11, seed=5)
     assert result.verified_error < 1e-4 and Evaluator(subject.model, *other).check(result.state).ok
+
+
+def test_a_norm_weight_cast_before_its_product_folds():
+    """Helium's RMSNorm computes ``weight.to(float32) * x``: the cast weight is found (the report's note about the
+    residual stream crashed on it before) and folds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("helium", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  intermediate_size=64, num_hidden_layers=2, vocab_size=60, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    assert any("symgraph fold" in n for n in subject.report.notes)
+    result = fold(subject)
+    assert len(result.norms) == 2 * 2 + 1 and result.verified_error < 1e-4
+    assert Evaluator(model, (), _token_inputs(3, 11, 5)).check(result.state).ok
