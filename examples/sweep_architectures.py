@@ -137,6 +137,7 @@ SHRINK = {
     "index_n_heads": 4, "index_head_dim": 16,  # the sparse-attention indexers of DeepSeek-V3.2 and HY-V4
 }
 WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "emb_dim")
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
 HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent config
@@ -151,7 +152,8 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0)),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # the defaults are None
-    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8),
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8, num_hidden_layers=4,  # 2 shared blocks
+                  layers_block_type=["linear_attention", "hybrid"] * 2),
     "bamba": dict(attn_layer_indices=[1], mamba_d_head=16, mamba_n_heads=8),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "mamba2": dict(num_heads=8, head_dim=16),
@@ -218,6 +220,16 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
     EXTRA[_audio] = EXTRA["wav2vec2"]
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
+EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
+EXTRA["kimi_linear"] = dict(num_experts_per_token=2,  # the config's own name of num_experts_per_tok
+                            linear_head_dim=16, linear_num_heads=4)  # the delta-rule heads, 4096 wide by default
+# text towers of multimodal-rotary models: the modeling code's default sections (for head 128) sum past head 16
+for _mrope, _sections in (("qwen2_vl_text", [2, 3, 3]), ("qwen2_5_vl_text", [2, 3, 3]), ("glm4v_text", [2, 3, 3]),
+                          ("glm_image_text", [2, 3, 3]), ("glm_ocr_text", [2, 3, 3]), ("glm4v_moe_text", [1, 1, 2])):
+    EXTRA[_mrope] = dict(rope_parameters=dict(mrope_section=_sections))  # on top of the default's (tiny_config)
+# Types whose config the plain shrink leaves valid but inconsistent (the model then fails to build or run):
+# shrunk with the repairs (:func:`repaired`) from the start
+REPAIR = {"mistral4"}
 
 # Config variants (issue 10's bar, beyond the defaults): (model_type, overrides[, heads]). Each is the shrunk default
 # config with the overrides on top, built with the first of ``heads`` (default: HEADS) that fits; its floating
@@ -408,12 +420,14 @@ TOLERANCE_MIN = 1e-12
 
 
 # -- building a tiny model -----------------------------------------------------------------------------------
-def shrunk(fields: dict, model_type: str) -> dict:
-    """The size fields a config dict holds, replaced by their tiny values (sub-config dicts too)."""
+def shrunk(fields: dict, model_type: str, repair: bool = False, widths: set[int] | None = None) -> dict:
+    """The size fields a config dict holds, replaced by their tiny values (sub-config dicts too). With ``repair``,
+    the fields that must agree with them too (:func:`repaired`); ``widths``: the widths of the whole config."""
+    widths = all_widths(fields) if widths is None else widths
     out = {}
     for key, value in fields.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
-            out[key] = {**value, **shrunk(value, value.get("model_type", model_type))}
+            out[key] = {**value, **shrunk(value, value.get("model_type", model_type), repair, widths)}
         elif key in SHRINK and (isinstance(value, int) or value is None and key in ("q_lora_rank", "head_dim")):
             out[key] = SHRINK[key]
     vocab = out.get("vocab_size", fields.get("vocab_size"))
@@ -430,7 +444,106 @@ def shrunk(fields: dict, model_type: str) -> dict:
         out.update(num_key_value_heads=SHRINK["num_attention_heads"], head_dim=SHRINK["qk_rope_head_dim"])
     if "layer_types" in fields and isinstance(fields["layer_types"], list):
         out["layer_types"] = fields["layer_types"][:2]
-    return out
+    return {**out, **repaired(fields, out, widths)} if repair else out
+
+
+def repaired(fields: dict, out: dict, widths: set[int]) -> dict:
+    """The fields a shrunk config dict ``out`` of ``fields`` must change besides its size fields, for configs the
+    plain shrink breaks (:func:`tiny_config`): lists and ``per_layer_config`` entries with one entry per layer,
+    fields copying a width, rotary sections. Kept apart so that the configs of types the plain shrink builds stay
+    as they were swept."""
+    out = {**out, **per_layer(fields, out), **backbone_outputs(fields, out)}
+    out.update({k: SHRINK["vocab_size"] for k, v in fields.items()  # Gemma 4's per-layer input vocabulary
+                if k.startswith("vocab_size") and k not in out and isinstance(v, int) and v > SHRINK["vocab_size"]})
+    out.update({k: 0 for k in out if k in SHRINK and fields.get(k) == 0})  # 0 is "none" (GLM-5's NoPE rotary dim)
+    mla = [fields.get(k) for k in ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")]
+    if all(isinstance(v, int) for v in mla) and mla[0] == mla[1] + mla[2]:  # the rotary part stays qk_rope_head_dim
+        out["head_dim"] = out.get("qk_nope_head_dim", mla[1]) + out.get("qk_rope_head_dim", mla[2])  # (Mistral 4)
+    heads = next((k for k in HEAD_COUNTS if isinstance(fields.get(k), int)), None)
+    if heads and fields.get("num_key_value_heads") == fields[heads] and heads in out:
+        out["num_key_value_heads"] = out[heads]  # multi-head attention stays so (ESM C's validator)
+    return {**out, **copied_widths(fields, out, widths), **rope_sections(fields, out)}
+
+
+def backbone_outputs(fields: dict, out: dict) -> dict:
+    """A backbone's output stages (``out_indices``, named by ``out_features``) moved to the last of the shrunk
+    stages, with as many stages as outputs (up to 4): a DPT neck reads 4 (Depth Anything, ViTMatte, ViTPose)."""
+    indices = fields.get("out_indices")
+    key = next((k for k in LAYER_COUNTS if isinstance(out.get(k), int)), None)
+    if not (key and isinstance(indices, list) and indices and all(isinstance(i, int) and i > 0 for i in indices)
+            and isinstance(fields.get("stage_names"), list)):
+        return {}
+    depth = max(out[key], min(len(indices), 4))
+    kept = list(range(depth + 1 - min(len(indices), depth), depth + 1))
+    return {key: depth, "out_indices": kept, "out_features": [f"stage{i}" for i in kept]}
+
+
+def per_layer(fields: dict, out: dict) -> dict:
+    """Lists with one entry per layer (layer and MLP kinds, per-layer sizes, KV source layers) and the layers of
+    ``per_layer_config`` cut to the shrunk depth: the first layers, and the first of each kind the first ones lack
+    (validators want a full-attention layer among linear ones, a dense MLP among sparse ones), up to 4 layers."""
+    key = next((k for k in LAYER_COUNTS if isinstance(fields.get(k), int) and isinstance(out.get(k), int)), None)
+    if key is None or fields[key] <= out[key]:
+        return {}
+    old, new = fields[key], out[key]
+    lists = {k: v for k, v in fields.items() if isinstance(v, list) and len(v) == old}
+    overrides = fields.get("per_layer_config") if isinstance(fields.get("per_layer_config"), dict) else {}
+    if not lists and not overrides:
+        return {}
+    kinds = {v.index(x) for v in lists.values() if len(set(map(str, v))) <= old // 2 for x in v}
+    kinds |= {min(int(k) for k in overrides)} if overrides else set()
+    layers = sorted(set(range(new)) | kinds)
+    for spare in reversed(range(new)):  # the first layers make way for the kinds
+        if len(layers) > new and spare not in kinds:
+            layers.remove(spare)
+    layers = layers[:4]
+    index = {old_layer: i for i, old_layer in enumerate(layers)}
+    cut = {k: list(range(len(layers))) if v == list(range(old)) else [v[i] for i in layers] for k, v in lists.items()}
+    cut[key] = len(layers)
+    cut.update({k: [SHRINK[k]] * len(layers) for k, v in lists.items() if k in SHRINK})  # per-layer sizes (Gemma 3n)
+    if overrides:  # per-layer sizes shrink by the ratio of the layer's to the default size
+        cut["per_layer_config"] = {index[int(k)]: {f: scaled(f, v, fields, out) for f, v in fields_.items()}
+                                   for k, fields_ in overrides.items() if int(k) in index}
+    return cut
+
+
+def all_widths(fields: dict) -> set[int]:
+    """The widths a config dict and its sub-config dicts hold."""
+    found = {v for k, v in fields.items() if k in WIDTHS and isinstance(v, int) and not isinstance(v, bool)}
+    return found.union(*(all_widths(v) for v in fields.values() if isinstance(v, dict)))
+
+
+def copied_widths(fields: dict, out: dict, widths: set[int]) -> dict:
+    """Fields that repeat a width of the config (a vision tower's output size for the text width, a head's input
+    width, a codebook as wide as the model): the shrunk width, as validators of composite configs want."""
+    return {k: SHRINK["hidden_size"] for k, v in fields.items()
+            if k not in out and k not in SHRINK and isinstance(v, int) and not isinstance(v, bool) and v in widths
+            and v >= 256 and "head" not in k and ("hidden" in k or k.endswith(("_dim", "_input_size")))}
+
+
+def rope_sections(fields: dict, out: dict) -> dict:
+    """Multimodal rotary sections (``mrope_section``) in proportion to the shrunk rotary head: they must sum to
+    half of it (Qwen2-VL, GLM-4V, Cosmos3)."""
+    head = "qk_rope_head_dim" if isinstance(fields.get("qk_rope_head_dim"), int) else None
+    old = fields[head] if head else head_size(fields)
+    new = out.get(head, old) if head else head_size({**fields, **out})
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = fields.get(key)
+        sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if not (isinstance(sections, list) and old and new and old != new):
+            continue
+        cut = [max(1, s * new // old) for s in sections]
+        cut[0] += max(0, sum(sections) * new // old - sum(cut))
+        found[key] = {**rope, "mrope_section": cut}
+    return found
+
+
+def scaled(key: str, value, fields: dict, out: dict):
+    """A per-layer ``value`` of ``key`` in proportion to the shrunk default (Gemma 4's global head_dim 2x)."""
+    if isinstance(value, int) and isinstance(fields.get(key), int) and isinstance(out.get(key), int) and fields[key]:
+        return max(1, round(out[key] * value / fields[key]))
+    return value
 
 
 def head_size(fields: dict) -> int | None:
@@ -447,7 +560,15 @@ def tiny_config(model_type: str, overrides: dict | None = None):
 
     cls = CONFIG_MAPPING[model_type]
     fields = cls().to_dict()
-    return cls(**{**shrunk(fields, model_type), **EXTRA.get(model_type, {}), **(overrides or {})})
+    extra = {**EXTRA.get(model_type, {}), **(overrides or {})}
+    if isinstance(extra.get("rope_parameters"), dict) and "mrope_section" in extra["rope_parameters"]:
+        extra["rope_parameters"] = {**fields.get("rope_parameters", {}), **extra["rope_parameters"]}
+    if model_type not in REPAIR:
+        try:
+            return cls(**{**shrunk(fields, model_type), **extra})
+        except Exception:  # noqa: BLE001 -- a validator the plain shrink fails: shrink again, repairing
+            pass
+    return cls(**{**shrunk(fields, model_type, repair=True), **extra})
 
 
 def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS, seed: int = 0):

@@ -518,6 +518,17 @@ def _token_inputs(batch: int, seq: int, seed: int) -> dict:
             "use_cache": False}
 
 
+def test_cli_folds_a_one_plus_w_model_whose_folder_reports_the_orthogonal_stream(tmp_path):
+    model = _gemma().float()
+    model.save_pretrained(tmp_path / "gemma")
+    res = run("fold", tmp_path / "gemma", "-o", tmp_path / "folded", "--json", tmp_path / "fold.json")
+    assert res.returncode == 0, res.stderr
+    assert [n["weight"] for n in json.loads((tmp_path / "fold.json").read_text())["norms"]][-1] == "model.norm.weight"
+    folded = symgraph.load(tmp_path / "folded")
+    assert not folded.state_dict()["model.norm.weight"].any()
+    assert {g.kind for g in folded.report.groups if g.motif == "residual"} == {"orthogonal"}
+
+
 def test_one_plus_w_norms_fold_to_zero_weights_and_open_the_orthogonal_stream():
     model = _gemma()
     subject = symgraph.load(model, _token_inputs(2, 7, 0))
