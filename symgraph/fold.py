@@ -566,17 +566,16 @@ def _same_value(node: fx.Node) -> bool:
 
 
 def _through_casts_back(node):
-    """The tensor ``node`` casts (a parameter read in another dtype), or ``node``."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and _is_cast(node):
+    """The tensor ``node`` holds unchanged in the same shape (a parameter read in another dtype), or ``node``:
+    :func:`_through_identity_back` where every axis keeps its meaning, as a reader weight's absorbing axis must."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and _same_value(node) \
+            and _shape(node) is not None and _shape(node) == _shape(node.args[0]):
         node = node.args[0]
     return node
 
 
-def _is_cast(node: fx.Node) -> bool:
-    spec = load_specs().op(str(node.target))
-    out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
-    return (spec is not None and spec.rule in _SAME_VALUE_RULES and not spec.negates
-            and isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.shape == src.shape)
+def _shape(node: fx.Node):
+    return getattr(node.meta.get("val"), "shape", None)
 
 
 def _through_identity_back(node):

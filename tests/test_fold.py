@@ -497,20 +497,26 @@ def test_readers_of_metadata_only_do_not_stop_a_fold(model_type):
     assert Evaluator(model, (torch.randint(0, 40, (3, 9)),), {}).check(result.state).ok
 
 
-def _gemma(seed: int = 0):
-    """A tiny untied Gemma in float64: its RMSNorms multiply by 1 + w, and the first one reads the embeddings
-    scaled by sqrt(width)."""
+def _tiny_decoder(model_type: str, **overrides):
+    """A tiny causal LM of ``model_type`` (2 layers, width 32, untied head), every parameter moved by noise."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("gemma", hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
-                                  intermediate_size=64, num_hidden_layers=2, vocab_size=60, tie_word_embeddings=False,
-                                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval().double()
+    config = AutoConfig.for_model(model_type, **{
+        **dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+               num_hidden_layers=2, vocab_size=60, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+               bos_token_id=2), **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
+
+
+def _gemma():
+    """A tiny untied Gemma in float64 (multi-query): its RMSNorms multiply by 1 + w, and the first one reads the
+    embeddings scaled by sqrt(width)."""
+    return _tiny_decoder("gemma", num_key_value_heads=1).double()
 
 
 def _token_inputs(batch: int, seq: int, seed: int) -> dict:
@@ -561,16 +567,7 @@ def test_dense_experts_absorb_the_norm_along_the_axis_their_einsum_contracts(fam
 def test_a_norm_weight_cast_before_its_product_folds():
     """Helium's RMSNorm computes ``weight.to(float32) * x``: the cast weight is found (the report's note about the
     residual stream crashed on it before) and folds."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("helium", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                  intermediate_size=64, num_hidden_layers=2, vocab_size=60, pad_token_id=0,
-                                  eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = _tiny_decoder("helium")
     subject = symgraph.load(model, _token_inputs(2, 7, 0))
     assert any("symgraph fold" in n for n in subject.report.notes)
     result = fold(subject)
