@@ -966,7 +966,7 @@ def rule_sub(w, node: fx.Node, spec) -> Value:
 def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     out_shape = out_shape or _shape_of(node)
     a, b = _as_value(a), _as_value(b)
-    chans, used = [], set()
+    chans, used, pinned = [], set(), []
     b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
@@ -976,8 +976,7 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
-            _add_data(w, node, ca, b, out_shape)
-            chans.append(_uniform_after_adding(ca, b, out_shape))
+            (chans if _add_data(w, node, ca, b, out_shape) else pinned).append(_uniform_after_adding(ca, b, out_shape))
             continue
         used.add(j)
         cb = b.chans[j].broadcast_to(out_shape)
@@ -985,9 +984,12 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     for j, cb in enumerate(b.chans):
         if j not in used:
             cb = cb.broadcast_to(out_shape)
-            _add_data(w, node, cb, a, out_shape)
-            chans.append(_uniform_after_adding(cb, a, out_shape))
-    return Value(chans=chans, shape=out_shape)
+            (chans if _add_data(w, node, cb, a, out_shape) else pinned).append(_uniform_after_adding(cb, a, out_shape))
+    # A pinned channel still labels its coordinates for what follows (a norm weight multiplied in later scales
+    # them), unless the sum goes on with other channels: carried beside them it would meet them where axes are
+    # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
+    # layer's linear, took that linear's columns and pinned the stream)
+    return Value(chans=chans if chans else pinned, shape=out_shape)
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
@@ -1023,8 +1025,9 @@ def _as_mixed(c: Chan) -> tuple[Term, ...]:
     return tuple(Term(t.ids, torch.ones((), dtype=torch.float64) if t.coef is None else t.coef) for t in c.terms)
 
 
-def _add_data(w, node, chan: Chan, other: Value, out_shape) -> None:
-    """A channel plus something without channels: fine only if that something is the same for every coordinate."""
+def _add_data(w, node, chan: Chan, other: Value, out_shape) -> bool:
+    """A channel plus something without channels: fine only if that something is the same for every coordinate.
+    False where ``chan`` is pinned."""
     axes = chan_axes(chan)
     if (other.invariant and _moves_alike(chan, other, out_shape)) or \
             (other.data is not None and not data_varies(other.data, axes, out_shape)):
@@ -1032,19 +1035,20 @@ def _add_data(w, node, chan: Chan, other: Value, out_shape) -> None:
             w.c.restrict(chan.ids, NEUTRAL, "a constant is added to every coordinate", node.name)
         elif not chan.block and other.invariant:
             w.c.restrict(chan.ids, NEUTRAL, "a per-row statistic is added to every coordinate", node.name)
-        return
+        return True
     if other.shape is not None and not axes & _varying_axes(other, out_shape):
         # broadcast along this channel's axes (a token-mixing bias beside the feature axis): the same value in
         # every coordinate, which only a permutation keeps (its own channels are tied on their own axes)
         if not chan.block:
             w.c.restrict(chan.ids, NEUTRAL, "a value broadcast along this axis is added to every coordinate",
                          node.name)
-        return
+        return True
     what = "data that differs per coordinate" if other.data is not None else \
         "a value that differs per coordinate but no transformation moves" if other.invariant else \
         "a value no rule describes"
     for t in chan.terms:
         w.c.pin(t.ids, f"{what} is added", node.name)
+    return False
 
 
 def _nonzero(data) -> bool:
@@ -1472,6 +1476,9 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
     ids = chan.ids
     rows = unique_rows(ids, sorted(axes))
     w.c.separate(rows, node.name)
+    # one statistic over these coordinates: no map may mix them with coordinates of their space it leaves out
+    # (the units a slice cut away: ``c[..., :3].sum(-1)`` permutes the three, never with the other two)
+    w.c.passes_through(ids, node.name)
     if restriction.fixes_ones:
         w.c.centre(rows, node.name)
     w.c.restrict(ids, restriction, "normalised over this axis", node.name)
@@ -1542,6 +1549,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
             _normalise(w, node, c, axes & caxes, monomial("sign"))
         else:
             w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
+            w.c.passes_through(c.ids, node.name)  # see _normalise
             w.c.restrict(c.ids, NEUTRAL, "reduced over this axis", node.name)
         invariant = True
     follows = rows[0] if len(rows) == 1 and varying_axes(rows[0]) else None
@@ -1677,6 +1685,8 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     pointed, by_rows, rows = None, False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
+        if followable and not c.block and dim in chan_axes(c):
+            w.c.passes_through(c.ids, node.name)  # ranked together: never mixed with coordinates left out
         if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
             w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
             pointed = ids_along(c.ids, dim)
