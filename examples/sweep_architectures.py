@@ -109,7 +109,16 @@ WIDER_VISION = ["aimv2_vision_model", "chinese_clip_vision_model", "clip_vision_
                 "internvl_vision", "mlcd_vision_model", "imagegpt", "groupvit"]
 WIDER_AUDIO = ["glmasr_encoder", "moss_transcribe_diarize_audio", "higgs_audio_v2"]
 WIDER_MULTIMODAL = ["aimv2", "bridgetower", "clipseg", "kosmos-2.5"]
-WIDER = WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
+# Types that build only once tiny_config repairs what the plain shrink breaks (per-layer lists, copied widths, rope
+# sections; see `repaired`)
+WIDER_REPAIRED = [
+    "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "embedding_gemma2", "embedding_gemma2_text",
+    "olmo_hybrid", "zaya", "esmc", "neomme", "cosmos3_edge_text", "hy_v4_vl_text", "gradium_phonon_tts",
+    "pocket_tts", "tipsv2", "mistral4", "kimi_linear", "qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text",
+    "glm4v_moe_text", "glm_image_text", "glm_ocr_text", "glm5_next_text",
+]
+WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
+         + WIDER_REPAIRED)
 TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 
 # Size fields and the tiny value each gets wherever a config has it.
@@ -151,6 +160,7 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
                    layer_types=["mamba", "hybrid"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0)),
+    "glm5_next_text": dict(linear_num_heads=4, linear_head_dim=16),  # 64 x 128 linear-attention heads otherwise
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # the defaults are None
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8, num_hidden_layers=4,  # 2 shared blocks
                   layers_block_type=["linear_attention", "hybrid"] * 2),

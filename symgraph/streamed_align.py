@@ -411,15 +411,17 @@ def _config(folder):
 
 
 def _check_same_vectors(src: LazyState, anc: LazyState, source, anchor) -> None:
-    """Norm weights exactly 1 in one model and not in the other give the two different groups (the in-memory
-    alignment compares whole reports; this is the part a meta-device capture can differ in)."""
+    """A vector holding one number throughout (a folded norm weight: 1, or 0 where the model multiplies by 1 + w)
+    in one model and not in the other gives the two different groups (the in-memory alignment compares whole
+    reports; this is the part a meta-device capture can differ in)."""
     from .analysis.walk import uniform_value
 
-    def ones(vector) -> bool:
-        return uniform_value(vector) == 1
+    def uniform(vector) -> bool:
+        return uniform_value(vector) is not None
 
-    differ = [k for k in src if len(src.info(k).shape) == 1 and ones(src[k]) != ones(anc[k])]
+    differ = [k for k in src if len(src.info(k).shape) == 1 and uniform(src[k]) != uniform(anc[k])]
     if differ:
-        raise MismatchError(f"'{differ[0]}' is all ones in one of '{source}' and '{anchor}' but not in the other "
-                            f"({len(differ)} vectors differ): the models have different symmetry groups.",
+        raise MismatchError(f"'{differ[0]}' holds one number throughout in one of '{source}' and '{anchor}' but "
+                            f"not in the other ({len(differ)} vectors differ): the models have different symmetry "
+                            "groups.",
                             hint="fold both models (symgraph fold) or neither.")

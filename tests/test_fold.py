@@ -552,6 +552,23 @@ def test_one_plus_w_norms_fold_to_zero_weights_and_open_the_orthogonal_stream():
         assert outcome.ok, outcome.failures
 
 
+def test_cli_folds_a_mixture_of_experts_folder_into_its_experts(tmp_path):
+    """`symgraph fold` on a saved Mixtral: the norms fold into the dense experts and the routers, the folder loads
+    with transformers and computes what the original does at another shape."""
+    model = zoo.build("mixtral", seed=0)
+    model.save_pretrained(tmp_path / "moe")
+    res = run("fold", tmp_path / "moe", "-o", tmp_path / "folded", "--json", tmp_path / "fold.json")
+    assert res.returncode == 0, res.stderr
+    norms = json.loads((tmp_path / "fold.json").read_text())["norms"]
+    assert len(norms) == 2 * 2 + 1
+    folded = symgraph.load(tmp_path / "folded")
+    state = folded.state_dict()
+    assert all(torch.equal(state[n["weight"]], torch.ones_like(state[n["weight"]])) for n in norms)
+    assert {g.kind for g in folded.report.groups if g.motif == "residual"} == {"orthogonal"}
+    other = zoo.example_inputs_for("mixtral", model, batch=3, seq=11, seed=5)
+    assert Evaluator(model, *other).check(state).ok
+
+
 @pytest.mark.parametrize("family,axis", [("mixtral", 2), ("gpt-oss", 1)])
 def test_dense_experts_absorb_the_norm_along_the_axis_their_einsum_contracts(family, axis):
     """(experts, out, in) for Mixtral, (experts, in, out) for GPT-OSS: the fold scales the contracted axis."""

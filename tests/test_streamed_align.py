@@ -270,6 +270,20 @@ def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path, family):
     assert {n.offset for n in norms} == {0.0 if family == "llama" else 1.0}
 
 
+def test_a_one_plus_w_model_folded_on_disk_is_refused_against_an_unfolded_anchor(tmp_path):
+    """Gemma folded by `symgraph fold` stores its norm weights as 0 (it multiplies by 1 + w): one number
+    throughout, a larger group than the unfolded anchor's, which the streamed alignment must not mix."""
+    from symgraph.io import model_config, save_model
+
+    model = _tiny_gemma()
+    folder = save_model(model.state_dict(), tmp_path / "g", config=model_config(model))
+    folded = symgraph.fold(symgraph.load(folder))
+    folded_folder = save_model(folded.state, tmp_path / "folded", config=model_config(model))
+    with pytest.raises(MismatchError, match="(?s)holds one number throughout.*fold both"):
+        streamed_align.align_streamed(folded_folder, folder, tmp_path / "out", mode="permutation", rounds=0)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine runs it)"))])
 def test_compute_device_and_dtype_give_the_same_alignment(tmp_path, pair, device):
