@@ -5,7 +5,10 @@
   and value coordinates but counted as never read, and the zeros were data meeting coordinates. A learned row
   carries the coordinates it is tied to, and zeros stay zeros under every group element (all are linear maps).
   The same miscount pinned the head permutation of attention with a learned sink logit per head (gpt-oss style,
-  written by hand: the sink concatenated to the scores).
+  written by hand: the sink concatenated to the scores). A sink held in a buffer, differing per head, was the
+  opposite: it carries no labels, so the heads were permuted and it stayed (unsound); it now pins the heads, and a
+  sink the same for every head leaves them free. A fixed piece joined beside the heads along the head axis
+  (ConvBERT joins its convolution heads so) holds other coordinates and leaves the heads' rotations.
 * A LayerNorm over the whole query (or key) width, split into heads afterwards, centres the row of all heads
   together: a sign flip must be one sign for the whole row. Each head drew its own sign (relative output change
   2.7e-2 in float64, the only unsound group of the sweep); such a row now keeps the sign-free permutations.
@@ -56,10 +59,14 @@ class WidthNormedQK(torch.nn.Module):
 class SinkAttention(torch.nn.Module):
     """Attention whose softmax also sees one learned logit per head, dropped afterwards."""
 
-    def __init__(self):
+    def __init__(self, sinks: str = "parameter"):
         super().__init__()
         self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.sinks = torch.nn.Parameter(torch.zeros(HEADS))
+        if sinks == "parameter":
+            self.sinks = torch.nn.Parameter(torch.zeros(HEADS))
+        else:  # fixed: one number per head, or the same for all
+            self.register_buffer("sinks", torch.linspace(-1.0, 1.0, HEADS) if sinks == "buffer per head"
+                                 else torch.full((HEADS,), 0.7))
 
     def forward(self, x):
         b, n, _ = x.shape
@@ -69,6 +76,23 @@ class SinkAttention(torch.nn.Module):
         weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         return self.o((weights @ v).transpose(1, 2).reshape(b, n, WIDTH))
 
+
+
+class ExtraHead(torch.nn.Module):
+    """Attention heads joined, along the head axis, with one more head of fixed values before the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.o = torch.nn.Linear(WIDTH + WIDTH // HEADS, WIDTH)
+        self.register_buffer("fixed", torch.linspace(-1.0, 1.0, WIDTH // HEADS))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, HEADS, WIDTH // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        joined = torch.cat([heads, self.fixed.expand(b, n, 1, WIDTH // HEADS)], 2)
+        return self.o(joined.reshape(b, n, -1))
 
 
 def make_extra_keys():
@@ -92,6 +116,22 @@ def test_a_learned_sink_logit_moves_with_its_head():
     subject = symgraph.load(noisy(SinkAttention()), (torch.randn(2, 5, WIDTH),))
     heads = [g for g in subject.report.groups if g.motif == "heads"]
     assert len(heads) == 1 and "sinks" in {m.param for m in heads[0].members}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("sinks,permuted", [("buffer per head", False), ("buffer alike", True)])
+def test_a_fixed_sink_logit_keeps_heads_in_place_unless_every_head_has_the_same(sinks, permuted):
+    subject = symgraph.load(SinkAttention(sinks).eval(), (torch.randn(2, 5, WIDTH),))
+    groups = census(subject)
+    assert (groups.get("heads permutation 4x1") == 1) == permuted, groups
+    assert groups.get("qk orthogonal 4x4") == 1 and groups.get("vo orthogonal 4x4") == 1, groups
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_fixed_head_joined_beside_the_heads_leaves_their_groups():
+    subject = symgraph.load(noisy(ExtraHead()), (torch.randn(2, 5, WIDTH),))
+    groups = census(subject)
+    assert groups.get("vo orthogonal 4x4") == 1 and groups.get("qk orthogonal 4x4") == 1, groups
     assert_fuzzed_at_two_shapes(subject)
 
 

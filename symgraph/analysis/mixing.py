@@ -9,6 +9,8 @@ other structure pins its coordinates: never guess.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 import torch
 
@@ -90,12 +92,15 @@ def _commutant(walker, entries: dict, order: np.ndarray, node: str) -> None:
     zero = np.zeros(n_samples)
     pairs, freq, passthrough, pinned = [], [], [], []
     signatures: dict[tuple, int] = {}
+    # coordinates by the map they see: a pair by its rotations, a pass-through coordinate by its fixed scale
+    seeing: dict[tuple, list[int]] = defaultdict(list)
     for members in members_of.values():
         block = np.stack([np.stack([entries.get((i, j), zero) for j in members], -1) for i in members], -2)
         if len(members) == 1:
             diag = block[:, 0, 0]
             if np.allclose(diag, diag[0]) and abs(diag[0]) > 0:
                 passthrough.append(order[members[0]])
+                seeing[("scale", float(np.round(diag[0], 12)))].append(order[members[0]])
             else:
                 pinned.extend(order[members])  # a per-position diagonal scale: only diagonal T commutes
             continue
@@ -103,10 +108,17 @@ def _commutant(walker, entries: dict, order: np.ndarray, node: str) -> None:
             key = tuple(np.round(block.reshape(len(block), -1), 9).ravel())
             freq.append(signatures.setdefault(key, len(signatures)))
             pairs.append((order[members[0]], order[members[1]]))
+            seeing[("pair", freq[-1])].extend(pairs[-1])
             continue
         pinned.extend(order[members])
     if pinned:
         walker.c.pin(np.array(pinned), "mixed with data-dependent coefficients in a way no rule covers", node)
+    scales = [(key[1], ids) for key, ids in seeing.items() if key[0] == "scale"]
+    if len(scales) > 1:  # x * c, c fixed and differing per coordinate (a buffer, arange): only those scaled alike mix
+        for scale, ids in scales:
+            walker.c.passes_through(np.array(ids, dtype=np.int64), f"{node} (scaled by {scale:g})")
+    if len(seeing) > 1:  # and only heads that see the same maps trade places (rotary frequencies per head)
+        walker.c.separate_pieces([np.array(ids, dtype=np.int64) for ids in seeing.values()], node)
     if pairs or passthrough:
         walker.c.commutes.append(Commute(np.array(pairs, dtype=np.int64).reshape(-1, 2),
                                          np.array(passthrough, dtype=np.int64), np.array(freq), node))

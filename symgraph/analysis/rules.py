@@ -44,6 +44,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         if joined is not None:
             return joined
         _separate_unlike_pieces(w, node)
+        _pin_beside_bare_pieces(w, node)
     tensors = [w.value(a) for a in moved_operands(node)]
     slots = _channel_slots(tensors, len(_node_shape(node) or ()))
     n_chans = max(len(order) for order in slots.values())
@@ -223,6 +224,42 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
     w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans if dim in chan_axes(c)
                                     for t in c.terms] or [torch.zeros(0, dtype=torch.int64)]) for v in values],
                         node.name)
+
+
+def _pin_beside_bare_pieces(w, node: fx.Node) -> None:
+    """A channel constant along ``dim`` labels the same coordinate at every position there, so a piece joined
+    beside it without labels sits beside that coordinate; if that piece may differ along the channel's axes (a
+    per-head attention sink held in a buffer joined to the logits, a cached key from the input joined to the new
+    ones), moving the coordinates or heads would leave its values where they are: the channel pins. Zeros, pieces
+    constant along those axes, and channels that vary along ``dim`` (the piece is then other coordinates) are
+    fine."""
+    pieces = [w.value(a) for a in moved_operands(node)]
+    out_shape = _shape_of(node)
+    if out_shape is None or len(pieces) < 2:
+        return
+    rank = len(out_shape)
+    dim = schema_arg(node, "dim") % rank
+    varying = frozenset().union(*(_bare_varying_axes(v, rank) for v in pieces
+                                  if v is None or (not v.chans and v.points_to is None and not _zeros(v))))
+    for v in pieces:
+        for c in v.chans if v is not None and v.shape is not None else ():
+            shift = rank - len(c.ids.shape)
+            axes = frozenset(a + shift for a in chan_axes(c))
+            if dim not in axes and axes & varying:
+                _pin_chan(w, node, c, "joined beside a piece without labels that differs along its coordinates")
+
+
+def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:
+    """Axes along which a piece without labels may hold different values (every axis, when nothing is known)."""
+    if v is None or v.shape is None:
+        return frozenset(range(rank))
+    shift = rank - len(v.shape)
+    if isinstance(v.data, torch.Tensor):
+        data = v.data if tuple(v.data.shape) == tuple(v.shape) else v.data.expand(v.shape)
+        return frozenset(a + shift for a in varying_axes(data))
+    if v.data is not None:  # a Python number
+        return frozenset()
+    return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1 and a not in v.constant_axes)
 
 
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
@@ -1665,6 +1702,13 @@ def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
 
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
+def _one_along(t: torch.Tensor, dim: int, out_shape) -> torch.Tensor:
+    """Labels constant along ``dim``, laid out as a result of ``out_shape`` that keeps ``dim`` (top-k, max with
+    keepdim) or drops it (max without)."""
+    t = t.narrow(dim, 0, 1)
+    return (t if len(out_shape) == t.dim() else t.squeeze(dim)).expand(out_shape)
+
+
 def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     """``values, indices = topk(x, k, dim)`` (or ``max(x, dim)``): the choice commutes with permutations of
     ``dim`` only.
@@ -1708,7 +1752,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
         for c in rows:
             if not c.block:
                 w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
-        laid = [[c.map(lambda t, s=s: t.narrow(dim, 0, 1).expand(s)) for c in rows] for s in shapes]
+        laid = [[c.map(lambda t, s=s: _one_along(t, dim, s)) for c in rows] for s in shapes]
         return [Value(chans=laid[0], shape=shapes[0]), Value(chans=laid[1], shape=shapes[1])]
     if pointed is None:
         return [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
