@@ -56,6 +56,9 @@ class NormSite:
     readers: tuple["Reader", ...]  # the parameters reading the norm, which absorb its weight
     source: str = ""  # the model's source line, for messages
     offset: float = 0.0  # the norm multiplies by offset + weight (Gemma's and Qwen3-Next's 1 + w)
+    # a LayerNorm bias that stays in the norm, divided by the weight the readers absorb: some reader has no bias to
+    # take it (GPT-J, GPT-NeoX, StableLM); the stream's group moves it like any vector of the stream
+    keeps_bias: bool = False
 
     def describe(self) -> str:
         return f"norm {self.weight or self.node} (graph node {self.node}{self.source})"
@@ -71,7 +74,8 @@ class NormSite:
 
 class Reader(NamedTuple):
     """A parameter that reads a norm's output: a linear layer's weight (``axis`` its last, the input columns) with
-    its bias, or a tensor an einsum contracts with the output (the dense experts of :mod:`symgraph.moe`: ``axis``
+    its bias, a weight stored (in, out) (``axis`` 0: GPT-2's Conv1D through ``addmm``, ``x @ W``), or a tensor an
+    einsum contracts with the output (the dense experts of :mod:`symgraph.moe`: ``axis``
     the contracted one, no bias)."""
 
     weight: str
@@ -97,6 +101,7 @@ class FoldResult:
 
     def to_json(self) -> dict:
         return {"norms": [{"node": n.node, "weight": n.weight, "bias": n.bias, "layer_norm": n.centres,
+                           "bias_kept": n.keeps_bias,
                            "readers": [r.weight for r in n.readers]} for n in self.norms],
                 "centred": self.centred, "verified_relative_error": self.verified_error,
                 **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {})}
@@ -225,7 +230,7 @@ def find_norms(cap) -> list[NormSite]:
                 sites.append(site)  # nothing to fold, but it makes the stream centrable
             continue
         _check_used_once(placeholders, node, site)
-        sites.append(replace(site, readers=_linear_readers(cap, placeholders, tied, node, site)))
+        sites.append(_with_bias_placement(replace(site, readers=_linear_readers(cap, placeholders, tied, node, site))))
     return sites
 
 
@@ -354,11 +359,15 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Read
             raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
                             hint="untie the weights (e.g. tie_word_embeddings=false), or align without --fold.")
-        if site.bias is not None and bias is None:
-            raise FoldError(f"Cannot fold {site.describe()}: its bias {site.bias} would have to move into the bias "
-                            f"of {weight}, which has none.", hint="align without --fold.")
         readers.append(reader)
     return tuple(readers)
+
+
+def _with_bias_placement(site: NormSite) -> NormSite:
+    """Keep ``site``'s bias in the norm where a reader has no bias to take it."""
+    if site.bias is None or all(r.bias is not None for r in site.readers):
+        return site
+    return replace(site, keeps_bias=True)
 
 
 def _absorbing_reader(cap, user: fx.Node, value: fx.Node) -> Reader | None:
@@ -370,6 +379,14 @@ def _absorbing_reader(cap, user: fx.Node, value: fx.Node) -> Reader | None:
         weight = _param(_through_casts_back(user.args[1]), cap.params)
         bias = _param(_through_casts_back(user.args[2]), cap.params) if len(user.args) > 2 else None
         return None if weight is None else Reader(weight, bias, len(cap.shapes[weight]) - 1)
+    if target == "aten.addmm.default" and user.args[1] is value and not user.kwargs:
+        # GPT-2's Conv1D: bias + x @ W, W stored (in, out)
+        weight = _param(_through_casts_back(user.args[2]), cap.params)
+        bias = _param(_through_casts_back(user.args[0]), cap.params)
+        return None if weight is None or len(cap.shapes[weight]) != 2 else Reader(weight, bias, 0)
+    if target == "aten.matmul.default" and user.args[0] is value:  # x @ W.T (Falcon's linear) or x @ W
+        weight, _, transposed = _matmul_weight(cap, user)
+        return None if weight is None else Reader(weight, None, 1 if transposed else 0)
     if target != "aten.einsum.default" or len(user.args[1]) != 2 or value not in user.args[1]:
         return None
     equation = user.args[0].replace(" ", "")
@@ -411,7 +428,7 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
             continue
         stream.add(node.name)
         _check_stream_readers(node, todo)
-        if str(node.target) == "aten.add.Tensor":
+        if _is_sum(node):
             for arg in node.args[:2]:
                 if not isinstance(arg, fx.Node):
                     raise FoldError(f"Cannot centre the residual stream: a constant {arg!r} is added to it at graph "
@@ -423,6 +440,28 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
             writes.extend(_writer_params(cap, node, node.meta["val"].dim() - 1))
     _check_only_writes(cap, writes)
     return list(dict.fromkeys((name, axis) for name, axis, _ in writes))
+
+
+def _matmul_weight(cap, matmul: fx.Node) -> tuple[str | None, fx.Node, bool]:
+    """The 2-D parameter ``matmul`` multiplies by on the right (through casts and transposes), the node that reads
+    it, and whether it arrives transposed (stored (out, in), as a linear's); None when it is no such parameter."""
+    reader, node, transposed = matmul, matmul.args[1], False
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args:
+        if str(node.target) in _TRANSPOSES_2D:
+            transposed = not transposed
+        elif not (_same_value(node) and _shape(node) is not None and _shape(node) == _shape(node.args[0])):
+            break
+        reader, node = node, node.args[0]
+    name = _param(node, cap.params)
+    return (name if name is not None and len(cap.shapes[name]) == 2 else None), reader, transposed
+
+
+def _is_sum(node: fx.Node) -> bool:
+    """``a + b``, or ``a += b`` where nothing else reads ``a`` (Falcon's ``mlp_output += attention_output``): the
+    node's value is then the sum and nothing sees ``a`` before it."""
+    target = str(node.target)
+    return target == "aten.add.Tensor" or (target == "aten.add_.Tensor" and isinstance(node.args[0], fx.Node)
+                                           and len(node.args[0].users) == 1 and not node.kwargs)
 
 
 def _check_only_writes(cap, writes: list[tuple[str, int, fx.Node]]) -> None:
@@ -455,7 +494,7 @@ def _check_stream_readers(node: fx.Node, todo: list[fx.Node]) -> None:
     for user, value in _readers(node):
         if _is_layer_norm(user) and user.args[0] is value:
             continue
-        if str(user.target) == "aten.add.Tensor":
+        if _is_sum(user):
             todo.append(user)
             continue
         what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
@@ -490,6 +529,12 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Nod
         return _read_by(cap, node, node.args[1:3], 0)
     if target == "aten.embedding.default" and axis == rank - 1:
         return _read_by(cap, node, node.args[:1], 1)
+    if target == "aten.addmm.default" and axis == rank - 1 and not node.kwargs:  # Conv1D: bias + x @ W, W (in, out)
+        return _read_by(cap, node, node.args[2:3], 1) + _read_by(cap, node, node.args[:1], 0)
+    if target == "aten.matmul.default" and axis == rank - 1:  # x @ W.T (Falcon's linear) or x @ W
+        weight, reader, transposed = _matmul_weight(cap, node)
+        if weight is not None:
+            return [(weight, 0 if transposed else 1, reader)]
     inner = _movement_source(node, axis)
     if inner is None:
         raise FoldError(f"Cannot centre the residual stream: it is written by {target} (graph node {node.name}"
@@ -538,6 +583,7 @@ def _movement_source(node: fx.Node, axis: int):
 
 # -- graph helpers ---------------------------------------------------------------------------------------------------
 _SAME_VALUE_RULES = ("identity",)
+_TRANSPOSES_2D = ("aten.t.default", "aten.numpy_T.default")  # of a 2-D weight: rows and columns swapped
 _ROW_SELECTIONS = ("aten.select.int", "aten.slice.Tensor", "aten.narrow.default")
 _KEEPS_LAST = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.clone.default",
                "aten.contiguous.default", "aten.alias.default", "aten.detach.default")
@@ -620,14 +666,20 @@ def _folded_params(state, norms: list[NormSite]) -> dict[str, torch.Tensor]:
         for reader in site.readers:
             weight, bias = reader.weight, reader.bias
             w = state[weight].double()
-            if bias is not None and beta is not None:
-                out[bias] = (state[bias].double() + w @ beta).to(state[bias].dtype)
+            if beta is not None and not site.keeps_bias:
+                out[bias] = (state[bias].double() + torch.tensordot(w, beta, dims=([reader.axis], [0]))).to(
+                    state[bias].dtype)
             if g is not None:
                 out[weight] = reader.absorb(w, g).to(state[weight].dtype)
         if site.weight:
             out[site.weight] = site.folded_weight(state[site.weight])
-        if site.bias:
-            out[site.bias] = torch.zeros_like(state[site.bias])
+        if site.keeps_bias and g is not None and bool((g == 0).any()):
+            raise FoldError(f"Cannot fold {site.describe()}: its bias {site.bias} stays in the norm (a reader has "
+                            f"no bias to take it), divided by the norm's weight, which has zeros.",
+                            hint="align without --fold.")
+        if site.bias:  # g x + b = g (x + b / g): the readers absorb g, the norm keeps b / g
+            kept = beta / g if site.keeps_bias and g is not None else beta
+            out[site.bias] = kept.to(state[site.bias].dtype) if site.keeps_bias else torch.zeros_like(state[site.bias])
     return out
 
 

@@ -30,9 +30,10 @@ from cli_runner import run, tree_digest
 
 SHIPPED = symgraph.__path__[0] + "/data/models"
 NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual writers centred, Q 1 = +-1)
-# every zoo family whose norms fold (the others are refused: post-LN, tied embeddings, Conv1D, bias-free heads);
+# every zoo family whose norms fold (the others are refused: post-LN, tied embeddings);
 # the mixtures of experts' norms fold into their dense experts' einsums (and the routers)
 FOLDABLE = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "phi": True, "vit": True,
+            "gptj": True, "gpt-neox": True,
             "mixtral": False, "qwen2-moe": False, "olmoe": False, "deepseek-v2": False, "gpt-oss": False}
 
 
@@ -159,7 +160,6 @@ def test_permutation_mode_aligns_a_folded_residual_by_its_permutations():
 @pytest.mark.parametrize("family,overrides,needle", [
     ("bert", {}, "bert.embeddings.LayerNorm"),  # post-LN: the norm's output is the residual stream
     ("llama-tied", {}, "tied"),  # lm_head is the embedding table: one fold cannot serve both
-    ("gpt-neox", {}, "has none"),  # a LayerNorm bias cannot move into a bias-free lm_head
     ("torch-relu-mlp", {}, "nothing to fold"),  # no norm at all
 ])
 def test_unfoldable_norms_are_refused_by_name(family, overrides, needle):
@@ -590,3 +590,55 @@ def test_a_norm_weight_cast_before_its_product_folds():
     result = fold(subject)
     assert len(result.norms) == 2 * 2 + 1 and result.verified_error < 1e-4
     assert Evaluator(model, (), _token_inputs(3, 11, 5)).check(result.state).ok
+
+
+def _tiny_causal_lm(model_type: str, **config):
+    """A tiny untied causal LM in float64 with every parameter moved by noise (LayerNorm weights and biases too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type, vocab_size=60, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        **config)).eval().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+UNUSUAL_READERS = {  # norms read through Conv1D's addmm, x @ W.T, or linears without the bias a LayerNorm bias needs
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bias=False),
+    "gpt_neox": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     rotary_pct=0.5, max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("model_type", list(UNUSUAL_READERS))
+def test_norms_read_by_conv1d_matmul_or_bias_free_linears_fold_to_the_constrained_stream(model_type):
+    model = _tiny_causal_lm(model_type, **UNUSUAL_READERS[model_type])
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    result = fold(subject)
+    assert result.verified_error < 1e-10 and len(result.norms) >= 3, result.to_json()
+    kept = [n for n in result.norms if n.keeps_bias]
+    if model_type != "gpt2":  # bias-free readers: the LayerNorm keeps its bias (over its weight), not zeros
+        assert kept and all(result.state[n.bias].abs().max() > 0 for n in kept)
+    assert all(torch.all(result.state[n.weight] == 1) for n in result.norms)
+    folded = folded_subject(subject)
+    stream = [g for g in folded.report.groups if g.motif == "residual"]
+    assert [(g.kind, g.fixes_ones) for g in stream] == [("orthogonal", True)], stream
+    if kept:
+        assert {n.bias for n in kept} <= {m.param for m in stream[0].members}  # the kept biases move with it
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+def test_a_kept_layernorm_bias_over_a_zero_weight_is_refused_and_nothing_changes():
+    model = _tiny_causal_lm("gpt_neox", **UNUSUAL_READERS["gpt_neox"])
+    with torch.no_grad():
+        model.gpt_neox.final_layer_norm.weight[3] = 0.0  # read by the bias-free head: its bias stays
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    before = {k: v.clone() for k, v in subject.state_dict().items()}
+    with pytest.raises(FoldError, match="final_layer_norm.*has zeros"):
+        fold(subject)
+    assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())
