@@ -124,9 +124,9 @@ def _full_names(name: str, plan: DepthPlan) -> list[str]:
 
 
 def _check_constants_have_values(cap) -> None:
-    """Raise :class:`NotReplicable` when the trace made tensor constants on the meta device (Falcon's
-    ``fused_qkv[..., [-2], :]``: the index list becomes a tensor on its operand's device): their values are
-    lost there, so the shallow copy would pin what the model with weights selects by them."""
+    """Raise :class:`NotReplicable` when the trace made tensor constants on the meta device (an index list such as
+    Falcon's ``fused_qkv[..., [-2], :]`` before transformers 5.25 becomes a tensor on its operand's device): their
+    values are lost there, so the shallow copy would pin what the model with weights selects by them."""
     lost = sorted(name for name in cap.buffers.values()
                   if getattr(cap.program.constants.get(name), "device", None) == torch.device("meta"))
     if lost:

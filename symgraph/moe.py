@@ -16,7 +16,9 @@ two are independent.
 A few experts modules (DBRX's, LongCat-Flash's) loop over the experts a batch hits in their own forward, outside
 that interface; ``specs/experts.yaml`` says where such a module keeps its weights (and how many identity experts,
 which pass the token on, follow the others), and :func:`layout_experts_forward` runs it in the same dense form (the
-module's own loop stays the reference).
+module's own loop stays the reference). A mixture-of-experts module that sends some picks to identity experts
+(LongCat-Flash's zero-computation ones, since transformers 5.25) turns them into zero-weight picks of routed experts
+by arithmetic on the indices; :func:`identity_routing_forward` runs it as one dense routing matrix instead.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from collections.abc import Iterator
 import torch
 
 from .groups import Member
-from .spec import ExpertsLayout, load_specs
+from .spec import ExpertsLayout, IdentityRouting, load_specs
 
 __all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
-           "layout_experts_forward", "note_shared_expert_units", "use_experts_implementation"]
+           "identity_routing_forward", "identity_routing_modules", "layout_experts_forward", "layout_modules",
+           "note_shared_expert_units", "use_experts_implementation"]
 
 DENSE = "symgraph_dense"  # registered in transformers' experts interface on first use
 REFERENCE = "eager"  # transformers' reference loop: runs in any dtype, not traceable
@@ -55,7 +58,12 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     >>> bool(torch.allclose(dense, reference, atol=1e-5))
     True
     """
-    routing = _routing(top_k_index, top_k_weights, self.num_experts)
+    return _mix(_every_expert(self, hidden_states), _routing(top_k_index, top_k_weights, self.num_experts),
+                hidden_states.dtype)
+
+
+def _every_expert(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output of every expert of an experts-interface module on every token: (tokens, experts, hidden)."""
     up = self.gate_up_proj if self.has_gate else self.up_proj
     hidden = _per_expert(hidden_states, up, self.is_transposed, "td")
     if self.has_bias:
@@ -66,7 +74,19 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         out = out + self.down_proj_bias
     if getattr(self, "has_post_expert_norm", False):  # transformers 5.17 has no post-expert norm
         out = self.post_expert_norm(out)
-    return _mix(out, routing, hidden_states.dtype)
+    return out
+
+
+def identity_routing_forward(self, hidden_states: torch.Tensor, *, layout: IdentityRouting) -> torch.Tensor:
+    """A mixture-of-experts module with identity experts (specs/experts.yaml ``identity_routing``) on every token:
+    its experts-interface module densely, plus each token times its identity experts' routing weights."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    picked = getattr(self, layout.router)(tokens)
+    routed = getattr(self, layout.routed)
+    routing = _routing(picked[layout.indices_output], picked[layout.weights_output],
+                       routed + getattr(self, layout.identity))
+    out = _mix(_every_expert(getattr(self, layout.experts), tokens), routing[:, :routed], hidden_states.dtype)
+    return (out + _passed_on(tokens, routing[:, routed:])).view(hidden_states.shape)
 
 
 def layout_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -84,10 +104,14 @@ def layout_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     hidden = operator.attrgetter(layout.activation)(self)(gate) * up
     out = _per_expert(hidden, _stacked(self, layout.down, experts), layout.down_rows == "units", "tei")
     routing = _routing(top_k_index, top_k_weights, experts + identity)
-    if not identity:
-        return _mix(out, routing, hidden_states.dtype).view(hidden_states.shape)
-    passed = tokens * routing[:, experts:].to(tokens.dtype).sum(-1, keepdim=True)
-    return (_mix(out, routing[:, :experts], hidden_states.dtype) + passed).view(hidden_states.shape)
+    mixed = _mix(out, routing[:, :experts], hidden_states.dtype)
+    return (mixed + _passed_on(tokens, routing[:, experts:]) if identity else mixed).view(hidden_states.shape)
+
+
+def _passed_on(tokens: torch.Tensor, identity_routing: torch.Tensor) -> torch.Tensor:
+    """What identity experts add: each token times the sum of its routing weights at them (summed in the weights'
+    dtype, as the modules do: a float32 router's sum otherwise rounds differently)."""
+    return tokens * identity_routing.sum(-1, keepdim=True).to(tokens.dtype)
 
 
 def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int) -> torch.Tensor:
@@ -119,8 +143,11 @@ def _per_expert(x: torch.Tensor, weight: torch.Tensor, transposed: bool, x_lette
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules whose routine transformers picks by ``config._experts_implementation`` (its experts decorator)."""
-    return [m for m in model.modules()
-            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "config")]
+    return [m for m in model.modules() if _runs_by_interface(m)]
+
+
+def _runs_by_interface(module: torch.nn.Module) -> bool:
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "config")
 
 
 def layout_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ExpertsLayout]]:
@@ -129,6 +156,30 @@ def layout_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Expert
     found = [(m, next((layout for layout in layouts if _matches(m, layout)), None))
              for m in model.modules() if _takes_routing(m)]
     return [(m, layout) for m, layout in found if layout is not None]
+
+
+def identity_routing_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, IdentityRouting]]:
+    """Mixture-of-experts modules of ``model`` with identity experts, with the entry of specs/experts.yaml
+    (``identity_routing``) each matches: a router, an experts-interface module, and at least one of each kind."""
+    layouts = load_specs().identity_routing.values()
+    found = [(m, next((layout for layout in layouts if _routes_to_identity(m, layout)), None))
+             for m in model.modules()]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
+def _routes_to_identity(module: torch.nn.Module, layout: IdentityRouting) -> bool:
+    counts = [getattr(module, layout.routed, None), getattr(module, layout.identity, None)]
+    experts = getattr(module, layout.experts, None)
+    return (all(isinstance(n, int) and n >= 1 for n in counts) and _runs_by_interface(experts)
+            and isinstance(getattr(module, layout.router, None), torch.nn.Module))
+
+
+def _dense_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, types.MethodType]]:
+    """The modules capture runs densely outside the experts interface, each with its dense forward."""
+    pairs = [(m, functools.partial(layout_experts_forward, layout=layout)) for m, layout in layout_modules(model)]
+    pairs += [(m, functools.partial(identity_routing_forward, layout=layout))
+              for m, layout in identity_routing_modules(model)]
+    return [(m, types.MethodType(forward, m)) for m, forward in pairs]
 
 
 def _takes_routing(module: torch.nn.Module) -> bool:
@@ -153,7 +204,7 @@ def experts_implementation(model: torch.nn.Module, name: str) -> Iterator[torch.
     """Run ``model``'s experts with routine ``name`` inside the block; the configs are restored afterwards."""
     configs = {id(m.config): m.config for m in experts_modules(model)}
     saved = {key: config._experts_implementation_internal for key, config in configs.items()}
-    forwards = {id(m): (m, m.__dict__.get("forward")) for m, _ in layout_modules(model)}
+    forwards = {id(m): (m, m.__dict__.get("forward")) for m, _ in _dense_forwards(model)}
     try:
         use_experts_implementation(model, name)
         yield model
@@ -167,13 +218,13 @@ def experts_implementation(model: torch.nn.Module, name: str) -> Iterator[torch.
 def use_experts_implementation(model: torch.nn.Module, name: str) -> torch.nn.Module:
     """Switch ``model``'s experts to routine ``name`` for good (for copies symgraph owns, never a caller's model).
 
-    Hand-written experts modules (specs/experts.yaml) run densely under ``DENSE`` and their own loop otherwise."""
+    Hand-written experts modules and modules with identity experts (specs/experts.yaml) run densely under ``DENSE``
+    and their own forward otherwise."""
     if name == DENSE:
         _register()
     for m in experts_modules(model):
         m.config._experts_implementation_internal = name
-    for m, layout in layout_modules(model):
-        dense = types.MethodType(functools.partial(layout_experts_forward, layout=layout), m)
+    for m, dense in _dense_forwards(model):
         _set_forward(m, dense if name == DENSE else None)
     return model
 

@@ -251,12 +251,25 @@ class ExpertsLayout(_Frozen):
                          "not both and not neither")
 
 
+class IdentityRouting(_Frozen):
+    """specs/experts.yaml: a mixture-of-experts module that sends some top-k picks to identity experts (which pass
+    the token on) and the others to an experts module of transformers' experts interface."""
+
+    router: str  # submodule: tokens -> a tuple holding the top-k weights and indices
+    weights_output: int  # where the router's tuple holds the top-k weights
+    indices_output: int  # and the top-k indices (identity experts: routed + i)
+    experts: str  # submodule run through the experts interface
+    routed: str  # attribute: the number of routed experts
+    identity: str  # attribute: the number of identity experts after them
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
     classify: dict[GroupFamily, tuple[str, ...]]  # per group family: motifs by precedence, the last the default
     branches: BranchSpecs = BranchSpecs()
     experts: dict[str, ExpertsLayout] = {}
+    identity_routing: dict[str, IdentityRouting] = {}
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -342,14 +355,15 @@ def load_specs() -> Specs:
     experts = _load_yaml("experts.yaml")
     try:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
-                     branches=branches, experts=experts.get("layouts", {}))
+                     branches=branches, experts=experts.get("layouts", {}),
+                     identity_routing=experts.get("identity_routing", {}))
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
 _FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
-         "experts": "experts.yaml"}
+         "experts": "experts.yaml", "identity_routing": "experts.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:

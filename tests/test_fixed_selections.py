@@ -3,13 +3,16 @@ select positions and leave the others unconstrained (Falcon's fused QKV, ``fused
 built from the input's shape, even when the trace bakes them in as constants, still pin what they skip."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 from transformers import FalconConfig, FalconForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 import symgraph
-from symgraph import depth
+from symgraph import depth, zoo
 from symgraph.analysis.selections import selections_of
 from symgraph.probes import shape_summary
 
@@ -49,15 +52,27 @@ def test_falcon_groups_are_invariant_in_float64_at_every_probe_shape(falcon_subj
     assert_fuzzed_at_two_shapes(falcon_subject)
 
 
-def test_a_deep_falcon_keeps_its_selections_at_full_depth():
-    """The depth fast path's meta-device copy traces Falcon's index lists as meta constants, whose values are
-    lost: it declines (symgraph.depth), and the report of 5 blocks is the full-depth one, with every block's
-    groups."""
-    fast = falcon("new_decoder_architecture", num_hidden_layers=5)
-    slow = symgraph.load(fast.model, fast.kwargs, full_depth=True)
-    assert depth.analyse_by_repeats(fast) is None
+def _reversed_units(self, x):
+    """A LLaMA MLP whose down projection reads its units through a constant index list (as Falcon read its key
+    and query heads through ``fused_qkv[..., [-2], :]`` before transformers 5.25)."""
+    units = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    return self.down_proj(units[..., list(range(units.shape[-1]))[::-1]])
+
+
+def test_a_deep_model_reading_index_lists_keeps_its_selections_at_full_depth(monkeypatch, caplog):
+    """The depth fast path's meta-device copy traces index lists as meta constants, whose values are lost: it
+    declines (symgraph.depth), and the report of 5 blocks is the full-depth one, with every block's groups."""
+    monkeypatch.setattr(LlamaMLP, "forward", _reversed_units)
+    model = zoo.build("llama", num_hidden_layers=5)
+    fast = symgraph.load(model, zoo.example_inputs_for("llama", model))
+    slow = symgraph.load(model, fast.kwargs, full_depth=True)
+    with caplog.at_level(logging.INFO, logger="symgraph.depth"):
+        assert depth.analyse_by_repeats(fast) is None
+    assert "tensor constants made while tracing the meta-device copy" in caplog.text
     assert fast.report.to_json() == slow.report.to_json()
-    assert sum(g.motif == "qk" for g in fast.report.groups) == 5
+    units = [g for g in fast.report.groups if g.motif == "ffn" and g.kind == "permutation"]
+    assert sorted(m.param for g in units for m in g.members if m.param.endswith("down_proj.weight")) == [
+        f"model.layers.{i}.mlp.down_proj.weight" for i in range(5)]
 
 
 class FusedPicks(nn.Module):

@@ -1,16 +1,19 @@
-"""Experts modules that loop over the experts a batch hits in their own forward (DBRX, LongCat-Flash), outside
-transformers' experts interface: capture runs them densely through specs/experts.yaml, and every group found is
-sound."""
+"""Experts modules that loop over the experts a batch hits in their own forward (DBRX, a hand-written module with
+identity experts laid out as LongCat-Flash's were before transformers 5.25), outside transformers' experts
+interface, and mixture-of-experts modules that route to identity experts by index arithmetic (LongCat-Flash since
+5.25): capture runs them densely through specs/experts.yaml, and every group found is sound."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import symgraph
 from symgraph.capture import capture
 from symgraph.fuzz import fuzz
-from symgraph.moe import DENSE, REFERENCE, experts_implementation, layout_modules
+from symgraph.spec import load_specs
+from symgraph.moe import DENSE, REFERENCE, experts_implementation, identity_routing_modules, layout_modules
 
 from group_checks import assert_fuzzed_at_two_shapes
 
@@ -59,9 +62,67 @@ def test_dbrx_experts_units_permute_per_expert_and_every_group_is_sound():
     assert fuzz(subject, samples=2, seed=1).ok
 
 
+class LoopExpertsWithIdentity(nn.Module):
+    """Routed experts in one (experts + identity, 2 units, hidden) gate/up parameter and identity experts after
+    them, run by a loop over the experts the batch hits (layout fused_gate_up_identity)."""
+
+    def __init__(self, routed=4, identity=2, hidden=16, units=8):
+        super().__init__()
+        self.num_routed_experts, self.zero_expert_num = routed, identity
+        self.gate_up_proj = nn.Parameter(0.3 * torch.randn(routed + identity, 2 * units, hidden))
+        self.down_proj = nn.Parameter(0.3 * torch.randn(routed, hidden, units))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_routed_experts + self.zero_expert_num):
+            rows, slot = torch.where(top_k_index == e)
+            weight = top_k_weights[rows, slot, None]
+            if e >= self.num_routed_experts:
+                out = out.index_add(0, rows, hidden_states[rows] * weight)
+                continue
+            gate, up = nn.functional.linear(hidden_states[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out.index_add(0, rows, nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]) * weight)
+        return out
+
+
+class TinyIdentityMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.router, self.head = nn.Embedding(60, 16), nn.Linear(16, 6, bias=False), nn.Linear(16, 60)
+        self.experts = LoopExpertsWithIdentity()
+
+    def forward(self, ids):
+        h = self.embed(ids).reshape(-1, 16)
+        weights, picked = self.router(h).softmax(-1).topk(2, dim=-1)
+        return self.head(h + self.experts(h, picked, weights))
+
+
+def test_a_loop_with_identity_experts_runs_densely_with_the_same_function_and_sound_groups():
+    torch.manual_seed(0)
+    model = TinyIdentityMoE().double()
+    ids = torch.randint(0, 60, (3, 9), generator=torch.Generator().manual_seed(1))
+    assert [layout for _, layout in layout_modules(model)] == [load_specs().experts["fused_gate_up_identity"]]
+    picked = model.router(model.embed(ids).reshape(-1, 16)).topk(2, dim=-1).indices
+    assert len(picked.unique()) >= 5  # routed and identity experts both chosen
+    with torch.no_grad():
+        dense, reference = _outputs(model, ids, DENSE), _outputs(model, ids, REFERENCE)
+    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    subject = symgraph.load(model.float(), (ids,))
+    experts = sorted(g.size for g in subject.report.groups if g.motif == "experts")
+    assert experts == [2, 4], experts  # routed experts, and identity experts among themselves
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+def _outputs(model, ids, name):
+    with experts_implementation(model, name):
+        return model(ids)
+
+
 def tiny_longcat(dtype=torch.float32, identity=2):
     """LongCat-Flash: 4 routed experts and ``identity`` zero-computation ones (the token passed on), a score
-    correction buffer that differs between experts, and the gate_up parameter holding rows for every expert."""
+    correction buffer that differs between experts, and a router spread enough that tokens pick different
+    experts."""
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         "longcat_flash", hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=60,
@@ -70,8 +131,8 @@ def tiny_longcat(dtype=torch.float32, identity=2):
         zero_expert_num=identity, expert_ffn_hidden_size=8, routed_scaling_factor=2.0)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            p.add_((2.0 if name.endswith("router.classifier.weight") else 0.02) * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
@@ -79,16 +140,16 @@ def tiny_longcat(dtype=torch.float32, identity=2):
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
-def test_longcat_dense_layout_computes_what_the_module_loop_computes(batch, seq):
+def test_longcat_dense_routing_computes_what_its_own_forward_computes(batch, seq):
     model = tiny_longcat(torch.float64)
-    assert len(layout_modules(model)) == 2
+    assert len(identity_routing_modules(model)) == 2
     input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
     dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
     assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
-    # the identity experts are chosen on these inputs, so the comparison covers them
+    # routed and identity experts are both chosen on these inputs, so the comparison covers them
     router = model.model.layers[0].mlp.router
-    hidden = model.model.embed_tokens(input_ids).reshape(-1, 32)
-    assert bool((router(hidden)[2] >= 4).any())
+    picked = router(model.model.embed_tokens(input_ids).reshape(-1, 32))[2]
+    assert bool((picked >= 4).any()) and len(picked[picked < 4].unique()) >= 2
 
 
 @pytest.mark.parametrize("identity", [2, 0])

@@ -122,6 +122,8 @@ EXAMPLES = {
     "aten.stack.default": lambda h, m: A.stack.default([h, h], 0),
     "aten.split.Tensor": lambda h, m: A.split.Tensor(h, 1, 1)[0],
     "aten.split_with_sizes.default": lambda h, m: A.split_with_sizes.default(h, [1, h.shape[1] - 1], 1)[1],
+    "aten.tensor_split.indices": lambda h, m: A.tensor_split.indices(h, [1, 3], 1)[2],  # Mamba's scan (5.25)
+    "aten.tensor_split.sections": lambda h, m: torch.cat(A.tensor_split.sections(h, 3, -1)[::-1], -1),  # 3, 3, 2
     "aten.chunk.default": lambda h, m: torch.cat(A.chunk.default(h, 2, -1), -1),
     "aten.unbind.int": lambda h, m: A.unbind.int(h, 0)[0],
     "aten.flatten.using_ints": lambda h, m: A.flatten.using_ints(h, 0, 1),
