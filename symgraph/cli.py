@@ -77,8 +77,12 @@ def transform(model, output, seed, overwrite, free_outputs):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write what was folded and centred.")
+@click.option("--untie", is_flag=True,
+              help="Give tied weights (an embedding that is also the LM head) tensors of their own first, so the "
+                   "final norm folds into the head; OUTPUT's config then says they are not tied (one more "
+                   "vocabulary-sized matrix on disk).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
-def fold(model, output, json_path, overwrite):
+def fold(model, output, json_path, untie, overwrite):
     from .api import load
     from .fold import fold as run_fold
     from .io import save_model
@@ -87,10 +91,12 @@ def fold(model, output, json_path, overwrite):
     _check_model_output(output, overwrite, [model])
     _check_file_output(json_path, [model])
     subject = load(model)
-    result = run_fold(subject)
+    result = run_fold(subject, untie=untie)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
-        save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
-    click.echo(f"wrote {output}: {len(result.norms)} norms folded, {len(result.centred)} residual writers centred; "
+        save_model(result.state, output, config=result.config, like=subject.path, overwrite=overwrite)
+    untied = f", tied weights untied: {', '.join(result.untied)}" if result.untied else ""
+    click.echo(f"wrote {output}: {len(result.norms)} norms folded, {len(result.centred)} residual writers centred"
+               f"{untied}; "
                f"outputs equal to the model's (relative error {result.verified_error:.1e}"
                f"{_rounded_note(result.verified_rounded)})")
 

@@ -98,26 +98,33 @@ class FoldResult:
     centred: list[str] = field(default_factory=list)
     verified_error: float | None = None
     verified_rounded: RoundedExact | None = None  # bf16/fp16 past the tolerance: judged as an exact result rounded
+    untied: list[str] = field(default_factory=list)  # names given their own tensor (``untie``)
+    config: object = None  # the config to write with ``state`` (the source's, or its untied copy)
 
     def to_json(self) -> dict:
         return {"norms": [{"node": n.node, "weight": n.weight, "bias": n.bias, "layer_norm": n.centres,
                            "bias_kept": n.keeps_bias,
                            "readers": [r.weight for r in n.readers]} for n in self.norms],
-                "centred": self.centred, "verified_relative_error": self.verified_error,
+                "centred": self.centred, "untied": self.untied, "verified_relative_error": self.verified_error,
                 **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {})}
 
 
-def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
+def fold(source, inputs=None, *, verify: bool = True, untie: bool = False) -> FoldResult:
     """Fold every norm of ``source`` (anything :func:`symgraph.load` accepts) into the linears that read it.
 
     Returns :class:`FoldResult` with a new state dict (``source`` is not modified): norms that multiply by 1 (weights 1,
     or 0 in ``1 + w``), biases 0, the same architecture, and for LayerNorm models every residual writer centred. With
     ``verify`` the folded model is first checked in float64 to compute what ``source`` computes. Raises
-    :class:`FoldError` naming the norm and the reason when a norm cannot be folded.
+    :class:`FoldError` naming the norm and the reason when a norm cannot be folded. With ``untie``, tied weights
+    (an embedding that is also the LM head) are first given tensors of their own (:func:`untied`), so a final norm
+    can fold into the head; the result's ``config`` then says the weights are not tied.
     """
     from .api import load
 
     subject = load(source, inputs)
+    names = []
+    if untie:
+        subject, names = untied(subject)
     if subject.config_only:
         raise FoldError(f"{subject.name} was built without weights (config only): there is nothing to fold.",
                         hint="fold a model with its weights.")
@@ -135,7 +142,8 @@ def fold(source, inputs=None, *, verify: bool = True) -> FoldResult:
         folded.update(_centred(folded, centred))
         return tie_aliases(subject.model, folded)
 
-    result = FoldResult(rewritten(state), norms, sorted({name for name, _ in centred}))
+    result = FoldResult(rewritten(state), norms, sorted({name for name, _ in centred}), untied=names,
+                        config=subject.config)
     if verify:  # the exact fold: the same rewrite of the weights in float64, nothing rounded
         _verify(subject, result, lambda: rewritten({k: v.double() if v.is_floating_point() else v
                                                     for k, v in state.items()}))
@@ -179,12 +187,54 @@ def folded_where_asked(subjects: list, fold: bool | None, check) -> tuple[list, 
     return folded, True, ""
 
 
-def folded_subject(subject, inputs=None):
+def untied(subject) -> tuple[object, list[str]]:
+    """``(subject, names)``: a copy of ``subject`` whose tied weights each have a tensor of their own (same values),
+    with a config that says so (``tie_word_embeddings`` false, in the config and its text config), and the names
+    given their own tensor; ``subject`` itself when nothing is tied. Refused (:class:`FoldError`) when the config
+    has no such flag: a model built from it would tie the weights again, and the folded head would be lost."""
+    ties = _aliases(subject.model)
+    if not ties:
+        return subject, []
+    model = copy.deepcopy(subject.model)  # its modules share one copy of the config
+    config = getattr(model, "config", None)
+    for c in [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else []):
+        if hasattr(c, "tie_word_embeddings"):
+            c.tie_word_embeddings = False
+    still = _ties_built_from(model)
+    if still:
+        raise FoldError(f"Cannot untie {subject.name}: a model built from its config with tie_word_embeddings false "
+                        f"still ties {', '.join(' = '.join(names) for names in still)}.",
+                        hint="fold without --untie (the norm read by the tied weights is then refused), or untie "
+                             "them in the model's code.")
+    names = [name for group in ties for name in group[1:]]
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        tensor = getattr(module, leaf)
+        setattr(module, leaf, torch.nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad))
+    name = subject.name if subject.name.endswith("(untied)") else f"{subject.name} (untied)"
+    return replace(subject, model=model, name=name, config=config if config is not None else subject.config,
+                   weights_from_path=False, _capture=None, _report=None), names
+
+
+def _ties_built_from(model: torch.nn.Module) -> list[list[str]]:
+    """The ties of a model of ``model``'s class built from its config on the meta device (no weights made); none
+    for a module without a Hugging Face config (nothing rebuilds it)."""
+    if getattr(model, "config", None) is None or not hasattr(type(model), "_from_config"):
+        return []
+    with torch.device("meta"):
+        built = type(model)._from_config(model.config)
+    return _aliases(built)
+
+
+def folded_subject(subject, inputs=None, untie: bool = False):
     """A :class:`~symgraph.api.Subject` of the folded model: a copy of ``subject``'s module holding the folded
-    weights, with the same example inputs, config and source folder."""
+    weights, with the same example inputs, config and source folder (untied first with ``untie``)."""
     from .api import Subject, load
 
     subject = load(subject, inputs)
+    if untie:
+        subject, _ = untied(subject)
     result = fold(subject)
     model = copy.deepcopy(subject.model)
     model.load_state_dict(result.state, strict=True)
@@ -358,7 +408,8 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Read
         if shared:
             raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
-                            hint="untie the weights (e.g. tie_word_embeddings=false), or align without --fold.")
+                            hint="untie the weights (symgraph fold --untie; fold(..., untie=True)), or align "
+                                 "without --fold.")
         readers.append(reader)
     return tuple(readers)
 
@@ -482,7 +533,8 @@ def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[f
            else "written into it along different axes, which one centring cannot serve")
     raise FoldError(f"Cannot centre the residual stream: {tensor} is written into it by graph node {writer.name}"
                     f"{_module_of(writer)}, and {why}.",
-                    hint="untie the weights (e.g. tie_word_embeddings=false), or align without --fold." if ties
+                    hint="untie the weights (symgraph fold --untie; fold(..., untie=True)), or align without "
+                         "--fold." if ties
                     else "align without --fold.")
 
 

@@ -592,13 +592,14 @@ def test_a_norm_weight_cast_before_its_product_folds():
     assert Evaluator(model, (), _token_inputs(3, 11, 5)).check(result.state).ok
 
 
-def _tiny_causal_lm(model_type: str, **config):
-    """A tiny untied causal LM in float64 with every parameter moved by noise (LayerNorm weights and biases too)."""
+def _tiny_causal_lm(model_type: str, tie: bool = False, **config):
+    """A tiny causal LM in float64 (untied unless ``tie``) with every parameter moved by noise (LayerNorm weights
+    and biases too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        model_type, vocab_size=60, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        model_type, vocab_size=60, tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=2,
         **config)).eval().double()
     with torch.no_grad():
         for p in model.parameters():
@@ -642,3 +643,49 @@ def test_a_kept_layernorm_bias_over_a_zero_weight_is_refused_and_nothing_changes
     with pytest.raises(FoldError, match="final_layer_norm.*has zeros"):
         fold(subject)
     assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())
+
+
+TIED = {"gpt2": UNUSUAL_READERS["gpt2"],  # LayerNorm: the tied embedding is centred once untied
+        "llama": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)}
+
+
+@pytest.mark.parametrize("model_type", list(TIED))
+def test_untie_lets_the_final_norm_fold_into_a_tied_head_and_opens_the_stream(model_type):
+    model = _tiny_causal_lm(model_type, tie=True, **TIED[model_type])
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    with pytest.raises(FoldError, match="tied") as refused:
+        fold(subject)
+    assert "--untie" in refused.value.hint
+    result = fold(subject, untie=True)
+    assert result.untied == ["lm_head.weight"] and result.verified_error < 1e-10
+    assert result.config.tie_word_embeddings is False and model.config.tie_word_embeddings is True
+    assert not torch.equal(result.state["lm_head.weight"], result.state[next(
+        k for k in result.state if k.endswith(("wte.weight", "embed_tokens.weight")))])
+    assert head is embedding and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    folded = folded_subject(subject, untie=True)
+    stream = [g for g in folded.report.groups if g.motif == "residual"]
+    assert [(g.kind, g.fixes_ones) for g in stream] == [("orthogonal", model_type == "gpt2")], stream
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+def test_cli_fold_untie_writes_an_untied_equivalent_folder_and_without_it_says_how(tmp_path):
+    import transformers
+
+    model = _tiny_causal_lm("gpt2", tie=True, **TIED["gpt2"]).float()
+    model.save_pretrained(tmp_path / "gpt2")
+    digest = tree_digest(tmp_path / "gpt2")
+    refused = run("fold", tmp_path / "gpt2", "-o", tmp_path / "refused")
+    assert refused.returncode == 2 and "--untie" in refused.stderr and not (tmp_path / "refused").exists()
+    res = run("fold", tmp_path / "gpt2", "-o", tmp_path / "folded", "--untie", "--json", tmp_path / "fold.json")
+    assert res.returncode == 0, res.stderr
+    assert "tied weights untied: lm_head.weight;" in res.stdout and tree_digest(tmp_path / "gpt2") == digest
+    assert json.loads((tmp_path / "fold.json").read_text())["untied"] == ["lm_head.weight"]
+    folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folded").eval()
+    assert folded.config.tie_word_embeddings is False
+    assert folded.lm_head.weight.data_ptr() != folded.transformer.wte.weight.data_ptr()
+    ids = torch.randint(3, 60, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(folded(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
