@@ -474,14 +474,14 @@ def _alignment_data(data, subject: Subject, batch_size: int, learn=False):
 
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None,
-                check) -> tuple[Subject, Subject, bool, str]:
-    """Both subjects folded when ``fold`` is True, or None and folding pays off; the note says why not when None
-    fell back (:func:`symgraph.fold.folded_where_asked`). ``check(first, second, groups=...)`` refuses models
-    that do not match."""
+                check, untie: bool = False) -> tuple[Subject, Subject, bool, str]:
+    """Both subjects folded (untied first with ``untie``) when ``fold`` is True, or None and folding pays off; the
+    note says why not when None fell back (:func:`symgraph.fold.folded_where_asked`). ``check(first, second,
+    groups=...)`` refuses models that do not match."""
     from .fold import folded_where_asked
 
     (first, second), folded, note = folded_where_asked([first, second], fold,
-                                                       lambda pair, groups: check(*pair, groups=groups))
+                                                       lambda pair, groups: check(*pair, groups=groups), untie)
     return first, second, folded, note
 
 

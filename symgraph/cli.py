@@ -106,6 +106,10 @@ _FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the res
 _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
                             help=f"{_FOLD_HELP} Default: fold whenever the norms can be folded (measured barriers "
                                  f"fell on the shipped pairs: examples/results/fold.json).")
+_UNTIE_OPTION = click.option("--untie", is_flag=True,
+                             help="Where folding, give tied weights (an embedding that is also the LM head) tensors "
+                                  "of their own first, so the final norm folds into the head (see `symgraph fold "
+                                  "--untie`).")
 
 
 # without data, how a full alignment chooses between its candidates (align, barrier, and merge's first alignments)
@@ -609,6 +613,7 @@ def demo(out_dir, quick, overwrite):
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 @_FOLD_OPTION
+@_UNTIE_OPTION
 @_learn_options
 @_FREE_OUTPUTS
 @_judge_options
@@ -618,8 +623,8 @@ def demo(out_dir, quick, overwrite):
                    "symgraph[ray] extra. Same result either way.")
 @_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
-          head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, learn,
-          free_outputs, workers, device, dtype, judge_starts, synthetic_activations, **learning):
+          head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, untie,
+          learn, free_outputs, workers, device, dtype, judge_starts, synthetic_activations, **learning):
     from .alignment import compute_device
     from .merging import merge as run_merge
 
@@ -631,7 +636,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     _check_model_output(output, overwrite, models)
     _check_file_output(json_path, models)
     if stream:
-        _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, learn)
+        _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, untie, learn)
         _merge_streamed(models, output, weights, _parse_size(shard_size), overwrite, json_path)
         return
     if head_from is not None and not 1 <= head_from <= len(models):
@@ -640,7 +645,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
     result = run_merge(list(models), method=method, align=align_mode, data=data, weights=_parse_weights(weights),
                        head_from=None if head_from is None else head_from - 1, head=head_patterns or None,
                        alpha=alpha, rounds=rounds, batch_size=batch_size, limit=limit, split=split,
-                       fold=fold, progress=not no_progress, frame=frame, free_outputs=free_outputs, workers=workers,
+                       fold=fold, untie=untie, progress=not no_progress, frame=frame, free_outputs=free_outputs,
+                       workers=workers,
                        learn=learn and _learning(**learning), device=device, dtype=dtype,
                        judge_starts=judge_starts, synthetic_activations=synthetic_activations)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -687,13 +693,14 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_FOLD_OPTION
+@_UNTIE_OPTION
 @functools.partial(_learn_options, flag=False)
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
             matching_start, judge_starts, synthetic_activations, general_linear, balance, residual, align_data,
-            learn_data_spec, data_batches, data_batch_size, data_groups, output, json_path, no_progress, fold, device,
-            dtype, **learning):
+            learn_data_spec, data_batches, data_batch_size, data_groups, output, json_path, no_progress, fold, untie,
+            device, dtype, **learning):
     from .alignment import compute_device
     from .connectivity import barrier as run_barrier, check_plot_path
 
@@ -704,7 +711,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     _check_file_output(json_path, [model_a, model_b])
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
     result = run_barrier(model_a, model_b, data, steps=steps, aligns=modes, batch_size=batch_size, limit=limit,
-                         split=split, progress=not no_progress, fold=fold, device=device, dtype=dtype,
+                         split=split, progress=not no_progress, fold=fold, untie=untie, device=device, dtype=dtype,
                          learn=_learning(**learning), learn_data=learn_data_spec,
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
                                                    synthetic_activations, general_linear, balance, residual),
@@ -729,10 +736,11 @@ def _given(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
-def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, learn) -> None:
+def _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, untie, learn) -> None:
     given = [f"--method {method}" if method != "simple" else "", f"--align {align_mode}" if align_mode != "none" else "",
              "--data" if data_specs else "", "--head-from" if head_from is not None else "",
-             "--head" if head_patterns else "", "--fold" if fold else "", "--learn" if learn else ""]
+             "--head" if head_patterns else "", "--fold" if fold else "", "--untie" if untie else "",
+             "--learn" if learn else ""]
     given = [g for g in given if g]
     if given:
         raise click.UsageError(

@@ -95,7 +95,7 @@ class BarrierResult:
 
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
-            align_options: Mapping[str, Any] | None = None, fold: bool | None = None,
+            align_options: Mapping[str, Any] | None = None, fold: bool | None = None, untie: bool = False,
             learn: Any = None, learn_data: Any = None, progress: bool = True, device="cpu",
             dtype=None) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
@@ -129,6 +129,8 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         functions at its ends), and every mode aligns within the folded model's groups. ``None``: where it pays
         off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose norms cannot
         be folded after all are compared unfolded, and ``result.fold_note`` says why.
+    untie
+        Where folding, first give tied weights tensors of their own (:func:`symgraph.fold.untied`).
     learn
         The :class:`symgraph.learn.LearnOptions` of the learned modes (None: the defaults). ``limit`` and
         ``split`` apply to the evaluation only.
@@ -162,7 +164,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
     first, second = load(a), load(b)
     dataset = load_data(data, model=first, batch_size=batch_size, limit=limit, split=split)
     options = _with_alignment_data({**(align_options or {}), **compute}, aligns, data, first)
-    second, first, _, fold_note = folded_pair(second, first, fold, check_same_architecture)  # after the data: slower
+    second, first, _, fold_note = folded_pair(second, first, fold, check_same_architecture, untie)  # after the data
     ts = np.linspace(0.0, 1.0, steps).tolist()
     path = _Path(first, dataset, ts, progress)
     learning = {"data": data if learn_data is None else learn_data, "learn": learn or True, "progress": progress}

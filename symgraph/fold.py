@@ -45,6 +45,10 @@ class FoldError(SymgraphError):
     """A norm cannot be folded into its readers without changing the model's function."""
 
 
+class TiedFoldError(FoldError):
+    """A fold refused because weights are tied (an embedding that is also the LM head): untying cures it."""
+
+
 @dataclass(frozen=True)
 class NormSite:
     """One norm of the graph and the linear layers that absorb its weight."""
@@ -165,24 +169,29 @@ def pays_off(subject) -> bool:
     return bool(norms)
 
 
-def folded_where_asked(subjects: list, fold: bool | None, check) -> tuple[list, bool, str]:
-    """``(subjects, folded, note)``: every subject folded (:func:`folded_subject`) when ``fold`` is True, or None
-    and folding pays off for the first; else unchanged. ``fold`` None was not a request: where folding is refused
-    after all (:func:`pays_off` finds the norms, not what centring needs) every subject stays unfolded, and
-    ``note`` says why. ``check(subjects, groups)`` refuses models that do not match: before folding without
-    comparing groups (a folded model and an unfolded one have different groups until both are folded), after
-    it with them."""
-    wanted = pays_off(subjects[0]) if fold is None else fold
+def folded_where_asked(subjects: list, fold: bool | None, check, untie: bool = False) -> tuple[list, bool, str]:
+    """``(subjects, folded, note)``: every subject folded (:func:`folded_subject`, untied first with ``untie``)
+    when ``fold`` is True, or None and folding pays off for the first; else unchanged. ``fold`` None was not a
+    request: where folding is refused after all (:func:`pays_off` finds the norms, not what centring needs) every
+    subject stays unfolded, and ``note`` says why. ``check(subjects, groups)`` refuses models that do not match:
+    before folding without comparing groups (a folded model and an unfolded one have different groups until both
+    are folded), after it with them."""
+    if untie and fold is False:
+        raise FoldError("Untying tied weights serves only a fold, and folding was turned off (--no-fold).",
+                        hint="leave out --untie, or fold (--fold, or the default).")
+    candidates = [untied(s)[0] for s in subjects] if untie else subjects
+    wanted = pays_off(candidates[0]) if fold is None else fold
     check(subjects, not wanted)
     if not wanted:
-        return subjects, False, ""
+        return subjects, False, "" if fold is False else _tied_note(candidates[0])
     try:
-        folded = [folded_subject(s) for s in subjects]
+        folded = [folded_subject(s) for s in candidates]
     except (FoldError, InvarianceError) as exc:  # the latter: the fold's own float64 check found it unsound
         if fold:
             raise
         check(subjects, True)
-        return subjects, False, f"norms not folded: {exc.message}"
+        cure = _UNTIE_CURES if isinstance(exc, TiedFoldError) else ""
+        return subjects, False, f"norms not folded: {exc.message}{cure}"
     check(folded, True)
     return folded, True, ""
 
@@ -225,6 +234,20 @@ def _ties_built_from(model: torch.nn.Module) -> list[list[str]]:
     with torch.device("meta"):
         built = type(model)._from_config(model.config)
     return _aliases(built)
+
+
+_UNTIE_CURES = " Pass --untie (untie=True) to fold them."
+
+
+def _tied_note(subject) -> str:
+    """Why a model whose norms would fold once untied was not folded (empty for any other reason)."""
+    try:
+        find_norms(subject.capture)
+    except TiedFoldError as exc:
+        return f"norms not folded: {exc.message}{_UNTIE_CURES}"
+    except FoldError:
+        pass
+    return ""
 
 
 def folded_subject(subject, inputs=None, untie: bool = False):
@@ -406,7 +429,8 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Read
         shared = _ties(tied, weight) or [u.name for u in placeholders[weight].users
                                          if not _only_feeds(u, placeholders[weight], user)]
         if shared:
-            raise FoldError(f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
+            raise (TiedFoldError if _ties(tied, weight) else FoldError)(
+                   f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
                             hint="untie the weights (symgraph fold --untie; fold(..., untie=True)), or align "
                                  "without --fold.")
@@ -531,7 +555,8 @@ def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[f
     readers = ", ".join(f"{u.target} (graph node {u.name}{_module_of(u)})" for u in others)
     why = (f"also read by {readers}, whose result centring would change" if others
            else "written into it along different axes, which one centring cannot serve")
-    raise FoldError(f"Cannot centre the residual stream: {tensor} is written into it by graph node {writer.name}"
+    raise (TiedFoldError if ties else FoldError)(
+           f"Cannot centre the residual stream: {tensor} is written into it by graph node {writer.name}"
                     f"{_module_of(writer)}, and {why}.",
                     hint="untie the weights (symgraph fold --untie; fold(..., untie=True)), or align without "
                          "--fold." if ties

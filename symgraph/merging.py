@@ -128,7 +128,8 @@ class MergeResult:
 def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
-          limit: int | None = None, split: str = "train", fold: bool | None = None, learn=False,
+          limit: int | None = None, split: str = "train", fold: bool | None = None, untie: bool = False,
+          learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
           workers: str = "local", device="cpu", dtype=None, judge_starts: bool = True,
           synthetic_activations: bool = True) -> MergeResult:
@@ -165,6 +166,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         the merge averages folded weights (norm weights folded into the linears that read them). ``None``: where
         it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose
         norms cannot be folded after all are merged unfolded, and ``result.fold_note`` says why.
+    untie
+        Where folding, first give tied weights tensors of their own (:func:`symgraph.fold.untied`), so a final norm
+        read by a tied LM head folds too; the merge's config then says the weights are not tied.
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
         learned matching on the training split of ``data`` (the first, if one per model); needs ``data``. In a
@@ -233,7 +237,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     # synthetic data serves learning alone (checked in _check_options): statistics and frames go without data
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None and not is_synthetic(
         data) else []
-    subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none")  # after the data: slower
+    subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none", untie=untie)  # after the data
     clock.lap("load")
     order = merge_order(subjects, w, exclude)
     tried, frames = [], _frames(frame, order, subjects, align, bool(learn) or on_data)
@@ -373,7 +377,8 @@ def _frame_note(tried: list, datasets, judged: Dataset | None) -> str:
     return f"chosen for the {what}: {scores}"
 
 
-def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool) -> tuple[list, str]:
+def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool,
+            untie: bool = False) -> tuple[list, str]:
     """``(subjects, note)``: every subject folded when ``fold``, or when None and it pays off, checked to match
     (:func:`check_compatible`, their groups too with ``groups``); the note says why not when None fell back
     (:func:`symgraph.fold.folded_where_asked`)."""
@@ -382,7 +387,7 @@ def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, group
     def check(models, groups_now):
         check_compatible(models, exclude, groups=groups and groups_now)
 
-    subjects, _, note = folded_where_asked(subjects, fold, check)
+    subjects, _, note = folded_where_asked(subjects, fold, check, untie)
     return subjects, note
 
 

@@ -689,3 +689,52 @@ def test_cli_fold_untie_writes_an_untied_equivalent_folder_and_without_it_says_h
     ids = torch.randint(3, 60, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(folded(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def _tied_gpt2_pair(tmp_path):
+    for seed in (0, 1):
+        model = _tiny_causal_lm("gpt2", tie=True, **TIED["gpt2"]).float()
+        torch.manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        model.save_pretrained(tmp_path / f"m{seed}")
+    return tmp_path / "m0", tmp_path / "m1"
+
+
+def test_cli_merge_untie_folds_tied_models_and_writes_an_untied_merge(tmp_path):
+    import transformers
+
+    a, b = _tied_gpt2_pair(tmp_path)
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "tied", "--align", "none")
+    assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "none", "--untie")
+    assert code == 0 and "norms folded first" in stdout, stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert merged.config.tie_word_embeddings is False
+    assert not torch.equal(merged.lm_head.weight, merged.transformer.wte.weight)
+    assert torch.all(merged.transformer.ln_f.weight == 1)
+    refused = run("merge", a, b, "-o", tmp_path / "refused", "--untie", "--no-fold")
+    assert refused.returncode == 2 and "--no-fold" in refused.stderr and not (tmp_path / "refused").exists()
+
+
+def test_barrier_untie_runs_between_the_folded_untied_models(tmp_path):
+    from symgraph.connectivity import barrier
+    from symgraph.datasets import Batch, Dataset
+
+    a, b = _tied_gpt2_pair(tmp_path)
+    ids = torch.randint(3, 60, (4, 9), generator=torch.Generator().manual_seed(0))
+    data = Dataset("tokens", "causal_lm", (Batch({"input_ids": ids, "labels": ids}),))
+    result = barrier(a, b, data, steps=3, aligns=("none",), untie=True, progress=False)
+    assert all(name.endswith("(folded)") for name in result.models) and not result.fold_note
+    ends = result.curves["none"].losses
+    reference = [float(transformers_loss(path, ids)) for path in (a, b)]
+    assert np.allclose([ends[0], ends[-1]], reference, rtol=1e-4)
+
+
+def transformers_loss(path, ids):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss
