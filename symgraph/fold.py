@@ -12,10 +12,11 @@ stream's coordinates: every reader of the stream is a LayerNorm, which subtracts
 sees mean-free inputs and computes what an RMSNorm would. A tensor is centred only when every use of it, under any of
 its tied names, writes into the stream (an embedding that is also the LM head is refused).
 
-What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` op, or an RMSNorm: a
-parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Its readers are linear
-layers, or einsums contracting its output with a parameter (a mixture of experts' dense experts, :mod:`symgraph.moe`,
-in any layout: the contracted axis absorbs the weight). Anything that would make the rewrite change the function is
+What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` or ``rms_norm``
+op, or an RMSNorm: a parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Its
+readers are linear layers (also through a product with or division by a number, where the norm has no bias), or
+einsums contracting its output with a parameter (a mixture of experts' dense experts, :mod:`symgraph.moe`, in any
+layout: the contracted axis absorbs the weight). Anything that would make the rewrite change the function is
 refused with the norm, the graph node and the reason.
 
 Examples
@@ -291,7 +292,7 @@ def find_norms(cap) -> list[NormSite]:
     for node in cap.graph.nodes:
         if node.op != "call_function":
             continue
-        found = _layer_norm(node, names) if _is_layer_norm(node) else _rms_norm(node, names)
+        found = _norm_op(node, names) if _is_norm_op(node) else _rms_norm(node, names)
         if found is None:
             continue
         weight, bias, centres, offset = found
@@ -310,7 +311,7 @@ def find_norms(cap) -> list[NormSite]:
 def _reads_residual_stream(norm: fx.Node) -> bool:
     """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts, dropout and scaling by
     one number (Gemma's embeddings times sqrt(width))."""
-    source = norm.args[0] if _is_layer_norm(norm) else _rms_input(norm)
+    source = norm.args[0] if _is_norm_op(norm) else _rms_input(norm)
     while True:
         source = _through_identity_back(source)
         factor = _scaled_by_a_number(source)
@@ -319,6 +320,16 @@ def _reads_residual_stream(norm: fx.Node) -> bool:
         source = factor
     return isinstance(source, fx.Node) and (str(source.target) in ("aten.add.Tensor", "aten.embedding.default")
                                             or source.op == "placeholder")
+
+
+def _scales_by_a_number(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` is ``node * c``, ``c * node`` or ``node / c`` for a Python number ``c`` (MiniCPM's logits scale):
+    a norm's weight still folds into the linear reading it, which commutes with the number."""
+    target = str(user.target)
+    if target not in ("aten.mul.Tensor", "aten.div.Tensor") or len(user.args) != 2 or user.kwargs:
+        return False
+    pairs = [user.args] + ([user.args[::-1]] if target == "aten.mul.Tensor" else [])
+    return any(x is node and isinstance(c, (int, float)) and not isinstance(c, bool) for x, c in pairs)
 
 
 def _scaled_by_a_number(node):
@@ -342,10 +353,17 @@ def _is_layer_norm(node: fx.Node) -> bool:
     return str(node.target) in ("aten.layer_norm.default", "aten.native_layer_norm.default")
 
 
-def _layer_norm(node, names):
+def _is_norm_op(node: fx.Node) -> bool:
+    """A layer_norm, or the rms_norm op (torch.nn.RMSNorm) that takes its weight as layer_norm does."""
+    return _is_layer_norm(node) or str(node.target) == "aten.rms_norm.default"
+
+
+def _norm_op(node, names):
     args = list(node.args) + [None] * (4 - len(node.args))
     if len(args[1]) != 1:
         return None  # normalised over several axes: not a residual-stream norm; left as it is
+    if not _is_layer_norm(node):  # rms_norm(input, shape, weight, eps): no bias, no centring
+        return _param(args[2], names), None, False, 0.0
     return _param(args[2], names), _param(args[3], names), True, 0.0
 
 
@@ -414,7 +432,8 @@ def _only_feeds(user: fx.Node, value: fx.Node, norm: fx.Node) -> bool:
 
 def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Reader, ...]:
     readers = []
-    for user, value in _readers(node):
+    # a number between norm and reader commutes with the weight, not with a bias folded into the reader's
+    for user, value in _readers(node, through_numbers=site.bias is None):
         reader = _absorbing_reader(cap, user, value)
         if reader is None:
             what = "the model's output" if user.op == "output" else f"{user.target} (graph node {user.name})"
@@ -477,14 +496,14 @@ def _absorbing_reader(cap, user: fx.Node, value: fx.Node) -> Reader | None:
     return Reader(weight, None, terms[other].index(letter))
 
 
-def _readers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+def _readers(node: fx.Node, through_numbers: bool = False) -> list[tuple[fx.Node, fx.Node]]:
     """(reader, the value it reads) for the nodes that consume ``node``'s value with its last axis intact (through
-    casts, dropout, row slices: the value is then the last of them), leaving out those that read only its
-    metadata."""
+    casts, dropout, row slices, and with ``through_numbers`` products with or divisions by a number: the value is
+    then the last of them), leaving out those that read only its metadata."""
     out = []
     for user in node.users:
-        if _passes_last_axis(user, node):
-            out.extend(_readers(user))
+        if _passes_last_axis(user, node) or through_numbers and _scales_by_a_number(user, node):
+            out.extend(_readers(user, through_numbers))
         elif not _reads_metadata_only(user, node):
             out.append((user, node))
     return out

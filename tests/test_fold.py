@@ -738,3 +738,76 @@ def transformers_loss(path, ids):
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         return model(input_ids=ids, labels=ids).loss
+
+
+def test_a_norm_read_through_a_number_folds_into_the_linear_after_it():
+    """MiniCPM3 divides the final norm's output by a number before the LM head: the norm's weight still folds."""
+    model = _tiny_causal_lm("minicpm3", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, intermediate_size=64, q_lora_rank=16, kv_lora_rank=8,
+                            qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64)
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    assert any(str(n.target) == "aten.div.Tensor" and "lm_head" not in n.name for n in subject.capture.graph.nodes)
+    result = fold(subject)
+    assert "model.norm.weight" in [n.weight for n in result.norms] and result.verified_error < 1e-10
+    folded = folded_subject(subject)
+    assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+class _ScaledHead(torch.nn.Module):
+    """An embedding, one norm (LayerNorm with a bias, or RMSNorm) and a head reading the norm's output / 4."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.emb, self.norm, self.head = torch.nn.Embedding(12, 8), norm, torch.nn.Linear(8, 12)
+        with torch.no_grad():
+            for p in self.norm.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids):
+        return self.head(self.norm(self.emb(ids)) / 4.0)
+
+
+def test_a_number_between_norm_and_reader_folds_a_weight_but_never_a_bias():
+    torch.manual_seed(0)
+    ids = (torch.randint(0, 12, (2, 5)),)
+    rms = symgraph.load(_ScaledHead(torch.nn.RMSNorm(8)).double(), ids)
+    assert fold(rms).verified_error < 1e-12
+    layer_norm = symgraph.load(_ScaledHead(torch.nn.LayerNorm(8)).double(), ids)
+    with pytest.raises(FoldError, match="aten.div.Tensor"):  # its bias would need dividing by the number too
+        fold(layer_norm)
+
+
+class _TorchRMSNormBlocks(torch.nn.Module):
+    """Pre-norm residual blocks normed by torch.nn.RMSNorm (the aten.rms_norm op, not x * rsqrt(...))."""
+
+    def __init__(self, d: int = 8, vocab: int = 12):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(d) for _ in range(2))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d) for _ in range(2))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(2 * d, d) for _ in range(2))
+        self.final, self.head = torch.nn.RMSNorm(d), torch.nn.Linear(d, vocab)
+        with torch.no_grad():
+            for p in [*self.norms.parameters(), *self.final.parameters()]:
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            h = h + down(torch.relu(up(norm(h))))
+        return self.head(self.final(h))
+
+
+def test_torch_rms_norm_ops_fold_and_open_the_orthogonal_stream():
+    torch.manual_seed(0)
+    subject = symgraph.load(_TorchRMSNormBlocks().double(), (torch.randint(0, 12, (2, 5)),))
+    assert sum(str(n.target) == "aten.rms_norm.default" for n in subject.capture.graph.nodes) == 3
+    assert [g.kind for g in subject.report.groups if g.motif == "residual"] != ["orthogonal"]
+    result = fold(subject)
+    assert len(result.norms) == 3 and result.verified_error < 1e-12
+    folded = folded_subject(subject)
+    assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
