@@ -631,13 +631,16 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Nod
         weight, reader, transposed = _matmul_weight(cap, node)
         if weight is not None:
             return [(weight, 0 if transposed else 1, reader)]
-    inner = _movement_source(node, axis)
+    inner = _einsum_source(node, axis) if target == "aten.einsum.default" else _movement_source(node, axis)
     if inner is None:
         raise FoldError(f"Cannot centre the residual stream: it is written by {target} (graph node {node.name}"
                         f"{_source_line(node)}), which has no parameter to centre.",
                         hint="align without --fold.")
     out = []
     for arg, arg_axis in inner:
+        if arg.op == "placeholder" and _param(arg, cap.params) is not None:  # a weight the einsum reads
+            out.append((_param(arg, cap.params), arg_axis, node))
+            continue
         if len(arg.users) > 1:
             raise FoldError(f"Cannot centre the residual stream: graph node {arg.name} writes into it and is also "
                             f"read elsewhere.", hint="align without --fold.")
@@ -647,6 +650,24 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Nod
 
 def _read_by(cap, node: fx.Node, args, axis: int) -> list[tuple[str, int, fx.Node]]:
     return [(p, axis, node) for p in (_param(a, cap.params) for a in args) if p is not None]
+
+
+def _einsum_source(node: fx.Node, axis: int):
+    """The one operand of einsum ``node`` (and its axis) that holds the letter of output ``axis``: the output is
+    linear in it along that letter, the other operands do not vary along it, so centring it there centres the
+    output (the dense experts of :mod:`symgraph.moe`: ``ted,te->td`` mixes experts' outputs, ``tei,edi->ted`` writes
+    them from the down projections); None when no single operand holds it."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    letter = output[axis] if axis < len(output) else None
+    holders = [(arg, spec.index(letter)) for arg, spec in zip(operands, inputs.split(","))
+               if letter is not None and letter in spec]
+    if len(holders) != 1 or not isinstance(holders[0][0], fx.Node) or holders[0][1] != inputs.split(",")[
+            operands.index(holders[0][0])].rindex(letter):
+        return None  # several operands vary along it (a product), or a repeated letter (a diagonal)
+    return holders
 
 
 def _movement_source(node: fx.Node, axis: int):

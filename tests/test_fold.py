@@ -811,3 +811,49 @@ def test_torch_rms_norm_ops_fold_and_open_the_orthogonal_stream():
     assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
     checked = fuzz(folded, samples=4)
     assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+def test_a_layernorm_mixture_of_experts_centres_its_experts_down_projections():
+    """PhiMoE (LayerNorm, dense experts): the stream is written by the einsum mixing the experts' outputs, which
+    the down projections' einsum writes; centring those centres the mixture."""
+    model = _tiny_causal_lm("phimoe", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=64)
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    result = fold(subject)
+    assert result.verified_error < 1e-10
+    assert [c for c in result.centred if c.endswith("experts.down_proj")] == [
+        f"model.layers.{i}.mlp.experts.down_proj" for i in range(2)]
+    folded = folded_subject(subject)
+    assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+class _EinsumWriter(torch.nn.Module):
+    """Pre-LN blocks whose stream is written by an einsum: ``btf,df->btd`` (linear in the weight along d) or
+    ``btd,d->btd`` (a product: both operands vary along d, so centring one would not centre the output)."""
+
+    def __init__(self, equation: str, d: int = 8, vocab: int = 12):
+        super().__init__()
+        self.equation = equation
+        self.emb, self.norm, self.final = torch.nn.Embedding(vocab, d), torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.up, self.head = torch.nn.Linear(d, d), torch.nn.Linear(d, vocab)
+        self.w = torch.nn.Parameter(torch.randn(d, d) / 3 if "df" in equation else torch.rand(d) + 0.5)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + torch.einsum(self.equation, torch.relu(self.up(self.norm(h))), self.w)
+        return self.head(self.final(h))
+
+
+@pytest.mark.parametrize("equation,centred", [("btf,df->btd", True), ("btd,d->btd", False)])
+def test_an_einsum_writer_is_centred_only_where_the_output_is_linear_in_one_operand(equation, centred):
+    torch.manual_seed(0)
+    subject = symgraph.load(_EinsumWriter(equation).double(), (torch.randint(0, 12, (2, 5)),))
+    if centred:
+        result = fold(subject)
+        assert "w" in result.centred and result.verified_error < 1e-12
+    else:
+        with pytest.raises(FoldError, match="aten.einsum.default"):
+            fold(subject)
