@@ -1,0 +1,45 @@
+"""examples/sweep_fold.py: one tied type folds once untied, refusals are grouped without names, the summary."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from example_scripts import EXAMPLES, example_module
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    with example_module("sweep_fold") as module:
+        yield module
+
+
+def test_refusals_are_grouped_by_what_stopped_them_not_by_names(sweep):
+    a = ("FoldError: Cannot fold norm bert.embeddings.LayerNorm.weight (graph node layer_norm, module "
+         "bert.embeddings.LayerNorm): its output is read by aten.add.Tensor (graph node add_4); only linear layers")
+    b = a.replace("bert.embeddings", "roberta.embeddings").replace("add_4", "add_7")
+    assert sweep.why(a) == sweep.why(b) and "aten.add.Tensor" in sweep.why(a) and "bert" not in sweep.why(a)
+
+
+def test_the_summary_keeps_the_last_row_per_type(sweep):
+    rows = [{"type": "gpt2", "class": "refused", "reason": "FoldError: tied"},
+            {"type": "gpt2", "class": "ok_untied", "verified_error": 1e-8},
+            {"type": "llama", "class": "ok", "verified_error": 2e-8},
+            {"type": "bert", "class": "refused", "reason": "FoldError: Cannot fold X: read by aten.add.Tensor"}]
+    summary = sweep.summarize(rows)
+    assert summary["counts"] == {"ok_untied": 1, "ok": 1, "refused": 1}
+    assert (summary["folded"], summary["folded_once_untied"]) == (["llama"], ["gpt2"])
+    assert summary["largest_verified_error"] == 2e-8 and sum(summary["refusals"].values()) == 1
+
+
+@pytest.mark.slow
+def test_a_tied_type_folds_once_untied():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_fold.py"), "--one", "gpt2"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["class"] == "ok_untied" and row["untied"] == ["lm_head.weight"] and "tied" in row["tied_reason"]
+    assert row["verified_error"] < 1e-5
