@@ -524,6 +524,8 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
         _check_stream_readers(node, todo)
         if _is_sum(node):
             for arg in node.args[:2]:
+                if isinstance(arg, (int, float)) and arg == 0:  # CTRL adds 0 where it has no token types
+                    continue
                 if not isinstance(arg, fx.Node):
                     raise FoldError(f"Cannot centre the residual stream: a constant {arg!r} is added to it at graph "
                                     f"node {node.name}{_source_line(node)}.", hint="align without --fold.")
@@ -631,7 +633,9 @@ def _writer_params(cap, node: fx.Node, axis: int) -> list[tuple[str, int, fx.Nod
         weight, reader, transposed = _matmul_weight(cap, node)
         if weight is not None:
             return [(weight, 0 if transposed else 1, reader)]
-    inner = _einsum_source(node, axis) if target == "aten.einsum.default" else _movement_source(node, axis)
+    scaled = _scaled_by_a_number(node)  # embeddings times sqrt(width) (Pegasus, BioGPT): centred with them
+    inner = [(scaled, axis)] if scaled is not None and scaled.meta["val"].dim() == rank else \
+        _einsum_source(node, axis) if target == "aten.einsum.default" else _movement_source(node, axis)
     if inner is None:
         raise FoldError(f"Cannot centre the residual stream: it is written by {target} (graph node {node.name}"
                         f"{_source_line(node)}), which has no parameter to centre.",

@@ -857,3 +857,31 @@ def test_an_einsum_writer_is_centred_only_where_the_output_is_linear_in_one_oper
     else:
         with pytest.raises(FoldError, match="aten.einsum.default"):
             fold(subject)
+
+
+class _ScaledEmbeddings(torch.nn.Module):
+    """Pre-LN blocks whose embeddings are multiplied by sqrt(width) (Pegasus, BioGPT) and have 0 added where a
+    model has no token types (CTRL): centring the embedding table centres what is written."""
+
+    def __init__(self, d: int = 8, vocab: int = 12):
+        super().__init__()
+        self.emb, self.norm, self.final = torch.nn.Embedding(vocab, d), torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.up, self.down, self.head = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d), torch.nn.Linear(d, vocab)
+        with torch.no_grad():
+            for p in [*self.norm.parameters(), *self.final.parameters()]:
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids):
+        h = self.emb(ids) * 8 ** 0.5 + 0
+        h = h + self.down(torch.relu(self.up(self.norm(h))))
+        return self.head(self.final(h))
+
+
+def test_embeddings_scaled_by_a_number_are_centred_and_an_added_zero_is_no_constant():
+    torch.manual_seed(0)
+    subject = symgraph.load(_ScaledEmbeddings().double(), (torch.randint(0, 12, (2, 5)),))
+    result = fold(subject)
+    assert {"emb.weight", "down.weight", "down.bias"} <= set(result.centred) and result.verified_error < 1e-12
+    folded = folded_subject(subject)
+    assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
+    assert fuzz(folded, samples=4).ok
