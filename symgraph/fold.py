@@ -310,16 +310,30 @@ def find_norms(cap) -> list[NormSite]:
 
 def _reads_residual_stream(norm: fx.Node) -> bool:
     """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts, dropout and scaling by
-    one number (Gemma's embeddings times sqrt(width))."""
-    source = norm.args[0] if _is_norm_op(norm) else _rms_input(norm)
+    one number (Gemma's embeddings times sqrt(width)); not a sum of products of tensors, such as the halves of a
+    rotary embedding that Hunyuan's per-head QK-norm reads."""
+    source = _unscaled(norm.args[0] if _is_norm_op(norm) else _rms_input(norm))
+    if not isinstance(source, fx.Node):
+        return False
+    if str(source.target) == "aten.add.Tensor":
+        return not all(_is_product(term) for term in source.args[:2])
+    return str(source.target) == "aten.embedding.default" or source.op == "placeholder"
+
+
+def _is_product(term) -> bool:
+    """``term`` is a product of two tensors, neither a number (``q * cos``)."""
+    term = _unscaled(term)
+    return isinstance(term, fx.Node) and str(term.target) == "aten.mul.Tensor"
+
+
+def _unscaled(source):
+    """``source`` back through casts, dropout and products with one number."""
     while True:
         source = _through_identity_back(source)
         factor = _scaled_by_a_number(source)
         if factor is None:
-            break
+            return source
         source = factor
-    return isinstance(source, fx.Node) and (str(source.target) in ("aten.add.Tensor", "aten.embedding.default")
-                                            or source.op == "placeholder")
 
 
 def _scales_by_a_number(user: fx.Node, node: fx.Node) -> bool:

@@ -885,3 +885,18 @@ def test_embeddings_scaled_by_a_number_are_centred_and_an_added_zero_is_no_const
     folded = folded_subject(subject)
     assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
     assert fuzz(folded, samples=4).ok
+
+
+def test_a_per_head_norm_after_rotary_is_no_stream_norm():
+    """Hunyuan normalises queries and keys per head after the rotary embedding, whose halves are summed: that sum
+    is no residual stream, so the norm stays (it was taken for a stream norm and refused the fold)."""
+    model = _tiny_causal_lm("hunyuan_v1_dense", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, head_dim=8, max_position_embeddings=64)
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    result = fold(subject)
+    assert not any("layernorm" in n.weight and "self_attn" in n.weight for n in result.norms)
+    assert len(result.norms) == 5 and result.verified_error < 1e-10  # 2 per layer and the final one
+    folded = folded_subject(subject)
+    assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
