@@ -503,11 +503,26 @@ def _absorbing_reader(cap, user: fx.Node, value: fx.Node) -> Reader | None:
     if "." in equation or not output or len(terms) != 2:
         return None
     mine, other = (0, 1) if user.args[1][0] is value else (1, 0)
-    weight = _param(_through_casts_back(user.args[1][other]), cap.params)
+    operand = _through_casts_back(user.args[1][other])
+    weight = _param(operand, cap.params)
     letter = terms[mine][-1:] if len(set(terms[mine])) == len(terms[mine]) else ""
-    if weight is None or not letter or letter in output or terms[other].count(letter) != 1:
+    if not letter or letter in output or terms[other].count(letter) != 1:
         return None
-    return Reader(weight, None, terms[other].index(letter))
+    axis = terms[other].index(letter)
+    if weight is None and axis == len(terms[other]) - 1:  # DBRX's experts: rows of a 2-D weight viewed per expert
+        weight = _param(_through_row_reshape(operand), cap.params)
+        axis = None if weight is None else len(cap.shapes[weight]) - 1
+    return None if weight is None else Reader(weight, None, axis)
+
+
+def _through_row_reshape(node):
+    """The tensor that reshape ``node`` regroups along its leading axes only (its last axis kept), or None."""
+    if not (isinstance(node, fx.Node) and str(node.target) in _KEEPS_LAST and node.args
+            and isinstance(node.args[0], fx.Node)):
+        return None
+    source = _through_casts_back(node.args[0])
+    shape, before = _shape(node), _shape(source)
+    return source if shape is not None and before is not None and shape[-1:] == before[-1:] else None
 
 
 def _readers(node: fx.Node, through_numbers: bool = False) -> list[tuple[fx.Node, fx.Node]]:

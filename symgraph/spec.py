@@ -180,6 +180,7 @@ class Rescale(_Frozen):
 class MotifSpec(_Frozen):
     description: str
     tag: str | None = None  # the role tag (attached by the rules) that marks the motif's coordinates
+    unless: str | None = None  # a tag that, carried by the same group, keeps this motif from naming it
     subgroup: Subgroup | None = None
     rescale: Rescale | None = None  # also emit the per-copy scalar rescale (a, 1/a) of the emitted subgroup
 
@@ -287,7 +288,8 @@ class Specs(_Frozen):
     def motif_for(self, family: GroupFamily, tagged) -> str:
         """The motif naming a group of ``family`` whose coordinates carry the tags for which ``tagged(tag)``."""
         names = self.classify[family]
-        return next((n for n in names[:-1] if tagged(self.motifs[n].tag)), names[-1])
+        return next((n for n in names[:-1] if tagged(self.motifs[n].tag)
+                     and not (self.motifs[n].unless and tagged(self.motifs[n].unless))), names[-1])
 
     @model_validator(mode="after")
     def _check_against_schemas(self):

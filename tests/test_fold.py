@@ -900,3 +900,27 @@ def test_a_per_head_norm_after_rotary_is_no_stream_norm():
     assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
     checked = fuzz(folded, samples=4)
     assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+def test_dbrx_experts_stacked_in_rows_absorb_the_norm_and_centre_the_stream():
+    """DBRX keeps each expert's rows of w1, v1, w2 in one 2-D weight, viewed per expert by the dense layout
+    (symgraph.moe): the view keeps the contracted axis, so the weight absorbs the norm along it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("dbrx", d_model=32, n_heads=4, n_layers=2, vocab_size=60, max_seq_len=64,
+                                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                  ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    subject = symgraph.load(model, _token_inputs(2, 7, 0))
+    result = fold(subject)
+    readers = {r.weight.rsplit(".", 1)[-1] for n in result.norms for r in n.readers}
+    assert {"w1", "v1"} <= readers and result.verified_error < 1e-10
+    assert any(c.endswith("mlp.w2") for c in result.centred)
+    folded = folded_subject(subject)
+    assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2

@@ -59,6 +59,9 @@ def test_dbrx_experts_units_permute_per_expert_and_every_group_is_sound():
     units = [g for g in groups if g.kind == "permutation" and {m.param.rsplit(".", 1)[-1] for m in g.members}
              == {"w1", "v1", "w2"}]
     assert len(units) == 2 and all(m.index.shape[:2] == (4, 16) for g in units for m in g.members)
+    # the stream passes the experts' einsums beside their row blocks as values pass heads: still the stream
+    assert [(g.kind, g.size) for g in groups if g.motif == "residual"] == [("permutation", 32)]
+    assert not any(g.motif == "vo" and any(m.param.endswith("wte.weight") for m in g.members) for g in groups)
     assert fuzz(subject, samples=2, seed=1).ok
 
 
