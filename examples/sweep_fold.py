@@ -4,7 +4,8 @@ For each model type of ``examples/sweep_architectures.py`` (its tiny config and 
 loaded with the inputs symgraph makes from its config and folded (``symgraph.fold``, which checks the folded model
 in float64 against the original before it returns); a fold refused because weights are tied is tried again with
 ``untie=True``. A row's class is ``ok``, ``ok_untied`` (folds once untied), ``refused`` (symgraph's own
-:class:`symgraph.fold.FoldError`, with the first line of its reason), ``crash`` (any other exception) or
+:class:`symgraph.fold.FoldError`, with the first line of its reason), ``unsupported`` (another
+:class:`symgraph.errors.SymgraphError`: the model cannot be captured), ``crash`` (any other exception) or
 ``skipped`` (transformers could not build the tiny model). The summary counts classes and groups refusals by what
 stopped them (the text before the first graph-node detail). Each type runs in its own process with a time limit;
 rows accumulate in ``--jsonl``::
@@ -28,6 +29,7 @@ import sweep_architectures as sweep  # noqa: E402  (the model list and the tiny 
 
 def fold_one(model_type: str) -> dict:
     import symgraph
+    from symgraph.errors import SymgraphError
     from symgraph.fold import FoldError, TiedFoldError
 
     row = {"type": model_type}
@@ -48,6 +50,8 @@ def fold_one(model_type: str) -> dict:
                    verified_error=result.verified_error)
     except FoldError as exc:
         row.update({"class": "refused", "reason": sweep.first_line(exc)})
+    except SymgraphError as exc:  # the model cannot be captured (torch.export), as the engine sweep says too
+        row.update({"class": "unsupported", "reason": sweep.first_line(exc)})
     except Exception as exc:  # noqa: BLE001
         row.update({"class": "crash", "reason": sweep.first_line(exc), "where": sweep.last_frame(exc)})
     return {**row, "seconds": sweep.elapsed(clock)}
@@ -68,6 +72,7 @@ def summarize(rows: list[dict]) -> dict:
             "folded": sorted(t for t, r in latest.items() if r["class"] == "ok"),
             "folded_once_untied": sorted(t for t, r in latest.items() if r["class"] == "ok_untied"),
             "refusals": dict(reasons.most_common()),
+            "unsupported": {t: r["reason"][:200] for t, r in latest.items() if r["class"] == "unsupported"},
             "crashes": {t: r["reason"] for t, r in latest.items() if r["class"] == "crash"},
             "largest_verified_error": max((r["verified_error"] for r in latest.values()
                                            if r.get("verified_error") is not None), default=None)}
