@@ -894,12 +894,12 @@ def run_variant_isolated(name: str, timeout: float) -> dict:
     return run_script_isolated(__file__, name, timeout, identity)
 
 
-def run_script_isolated(script: str, name: str, timeout: float, identity: dict) -> dict:
-    """``script --one name`` in its own process: the JSON line it prints, or ``identity`` with a timeout or crash
-    class and its reason."""
+def run_script_isolated(script: str, name: str, timeout: float, identity: dict, options: tuple = ()) -> dict:
+    """``script --one name [options]`` in its own process: the JSON line it prints, or ``identity`` with a timeout
+    or crash class and its reason."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
-        done = subprocess.run([sys.executable, script, "--one", name], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, script, "--one", name, *options], capture_output=True, text=True,
                               timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {**identity, "class": "timeout", "reason": f">{timeout:.0f} s"}

@@ -27,10 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_architectures as sweep  # noqa: E402  (the model list and the tiny builds)
 
 
-def fold_one(model_type: str) -> dict:
+def fold_one(model_type: str, engine: bool = False) -> dict:
+    """One row; with ``engine`` a model that folds is also analysed folded, and every group the engine reports on
+    it is checked independently (``sweep_architectures.judged``: random elements, float64, every sweep shape)."""
     import symgraph
     from symgraph.errors import SymgraphError
-    from symgraph.fold import FoldError, TiedFoldError
+    from symgraph.fold import FoldError, TiedFoldError, folded_subject
 
     row = {"type": model_type}
     clock = time.perf_counter()
@@ -48,6 +50,11 @@ def fold_one(model_type: str) -> dict:
             result, row["class"] = symgraph.fold(subject, untie=True), "ok_untied"
         row.update(norms=len(result.norms), centred=len(result.centred), untied=result.untied,
                    verified_error=result.verified_error)
+        if engine:
+            folded = folded_subject(subject, untie=bool(result.untied))
+            judged = sweep.judged(folded, sweep.Checker(folded.model), time.perf_counter())
+            row["engine"] = {k: judged[k] for k in ("class", "groups", "max_error", "tolerance", "bad_groups",
+                                                    "reason") if k in judged}
     except FoldError as exc:
         row.update({"class": "refused", "reason": sweep.first_line(exc)})
     except SymgraphError as exc:  # the model cannot be captured (torch.export), as the engine sweep says too
@@ -75,7 +82,20 @@ def summarize(rows: list[dict]) -> dict:
             "unsupported": {t: r["reason"][:200] for t, r in latest.items() if r["class"] == "unsupported"},
             "crashes": {t: r["reason"] for t, r in latest.items() if r["class"] == "crash"},
             "largest_verified_error": max((r["verified_error"] for r in latest.values()
-                                           if r.get("verified_error") is not None), default=None)}
+                                           if r.get("verified_error") is not None), default=None),
+            **_engine_summary([r for r in latest.values() if "engine" in r])}
+
+
+def _engine_summary(rows: list[dict]) -> dict:
+    """With ``--engine``: the classes of the folded models' groups, the unsound ones, and the residual groups."""
+    if not rows:
+        return {}
+    return {"engine_on_folded": dict(collections.Counter(r["engine"]["class"] for r in rows)),
+            "engine_unsound": {r["type"]: r["engine"].get("bad_groups") for r in rows
+                               if r["engine"]["class"] == "unsound"},
+            "engine_residual_groups": dict(collections.Counter(
+                group for r in rows for group in r["engine"].get("groups", {}) if group.startswith("residual"))),
+            "engine_largest_error": max(r["engine"].get("max_error") or 0.0 for r in rows)}
 
 
 def main() -> None:
@@ -85,11 +105,13 @@ def main() -> None:
     parser.add_argument("--skip-done", action="store_true", help="leave out types already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here")
+    parser.add_argument("--engine", action="store_true",
+                        help="also check the engine's groups on every folded model (minutes more)")
     parser.add_argument("--summarize", action="store_true", help="only summarize --jsonl")
     parser.add_argument("-o", "--output", type=Path, help="also write the summary JSON here (atomically)")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(fold_one(args.one)))
+        print(json.dumps(fold_one(args.one, args.engine)))
         return
     done = [json.loads(ln) for ln in args.jsonl.read_text().splitlines()] if args.jsonl and \
         args.jsonl.exists() else []
@@ -97,7 +119,9 @@ def main() -> None:
         names = args.types.split(",") if args.types else list(sweep.TYPES)
         if args.skip_done:
             names = [n for n in names if n not in {r["type"] for r in done}]
-        done += sweep.run_all(names, lambda n: sweep.run_script_isolated(__file__, n, args.timeout, {"type": n}),
+        options = ("--engine",) if args.engine else ()
+        done += sweep.run_all(names, lambda n: sweep.run_script_isolated(__file__, n, args.timeout, {"type": n},
+                                                                         options),
                               ("type", "class", "reason"), args.jsonl)
     sweep.report_summary(done, summarize, "type", [], args.output)
 

@@ -76,6 +76,8 @@ class AlignResult:
     path_losses: dict[str, float] = field(default_factory=dict)  # with data: each candidate's loss along the path
     cost_data: str = ""  # the data activation costs were recorded on (a Dataset's name), when they were
     judged_on: str = ""  # the data the cost candidates' path losses were measured on (a Dataset's name)
+    untied: list[str] = field(default_factory=list)  # tied weights given tensors of their own before folding
+    config: object = None  # the aligned model's config (the untied one when ``untied``); None: the source's
 
     def group_distances(self) -> dict[str, dict[str, float]]:
         """Per group: its distance to the anchor before the first solve and after the last."""
@@ -92,6 +94,7 @@ class AlignResult:
                 **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {}),
                 "starts": self.starts, "start": self.start, "folded": self.folded, "learned": self.learned,
                 **({"fold_note": self.fold_note} if self.fold_note else {}),
+                **({"untied": self.untied} if self.untied else {}),
                 **({"costs": self.costs, "cost_data": self.cost_data, "judged_on": self.judged_on}
                    if self.costs else {}),
                 **({"residual_group": self.residual} if self.residual else {}),

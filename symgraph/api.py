@@ -202,7 +202,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, learn_data=None,
           free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto",
-          judge_starts: bool = True, synthetic_activations: bool = True):
+          judge_starts: bool = True, synthetic_activations: bool = True, untie: bool = False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -231,6 +231,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
     off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`), and where the norms cannot be folded
     after all leaves both models unfolded; ``result.folded`` says what was done, ``result.fold_note`` why not.
+    With ``untie``, where folding, tied weights (an embedding that is also the LM head) first get tensors of their
+    own (:func:`symgraph.fold.untied`), so a final norm folds into the head; ``result.untied`` names them and
+    ``result.config`` is then the untied model's config (save the result with it).
     With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup. With ``balance`` (full mode) each parameter's cost is counted in units
@@ -278,6 +281,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     """
     from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
                             free_cost_members, relative_distance, select_groups)
+    from .fold import untied_names
     from .progress import StageBars, stage_callback
     from .synthetic import PathJudge
     from .verify import Evaluator
@@ -299,7 +303,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     timings["load"] = time.perf_counter() - clock
     clock = time.perf_counter()
     # reads both reports: capture and analysis (and folding, if asked) happen here
-    src, anc, folded, fold_note = folded_pair(src, anc, fold, check_same_architecture)
+    loaded = src
+    src, anc, folded, fold_note = folded_pair(src, anc, fold, check_same_architecture, untie)
     timings["analyse"] = time.perf_counter() - clock
     clock = time.perf_counter()
     _check_layers(layers, src.report.groups)
@@ -338,6 +343,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
     result.folded, result.fold_note = folded, fold_note
+    result.config, result.untied = src.config, untied_names(loaded.model) if folded and untie else []
     if verify:
         clock = time.perf_counter()
         _verify_alignment(evaluator, state, result)

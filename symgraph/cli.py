@@ -346,6 +346,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--fold/--no-fold", default=False, show_default=True,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
+@_UNTIE_OPTION
 @click.option("--data", "data_spec", help="Match groups on activations of this data (its train split; e.g. digits, "
                                           "pydoc-chars, FILE.txt, FILE.jsonl, FILE.npz, MEDIA_DIR) instead of on "
                                           "weights; with --learn, also what learned matching learns on.")
@@ -366,7 +367,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           judge_starts, synthetic_activations, general_linear, balance, residual, stats_path, overwrite, quiet, fold,
-          data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype,
+          untie, data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype,
           stream, shard_size,
           **learning):
     from .alignment import compute_device
@@ -384,7 +385,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                                        ("--general-linear", general_linear), ("--data", data_spec),
                                        ("--residual-group", residual != "auto"),
                                        ("--learn", learn), ("--learn-data", learn_data_spec),
-                                       ("--free-outputs", free_outputs)) if on]
+                                       ("--free-outputs", free_outputs), ("--untie", untie)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
                                    "align in memory (without --stream).")
@@ -394,8 +395,10 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     clock = time.perf_counter()
     subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
+    if untie and not fold:
+        raise click.UsageError("--untie serves only a fold: pass --fold with it (align does not fold by default).")
     result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=not quiet,
-                       fold=fold, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
+                       fold=fold, untie=untie, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
                        data_groups=data_groups, device=device, dtype=dtype,
                        learn=learn and _learning(**learning),
                        learn_data=learn_data_spec,
@@ -404,10 +407,12 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
-        save_model(result.state, output, config=subject.config, like=subject.path, overwrite=overwrite)
+        save_model(result.state, output, config=result.config or subject.config, like=subject.path,
+                   overwrite=overwrite)
         result.timings["write"] = time.perf_counter() - clock
+    untied = f", tied weights untied: {', '.join(result.untied)}" if result.untied else ""
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if result.folded else ''}"
+               f"(mode {mode}{', folded' if result.folded else ''}{untied}"
                f"{', residual stream by permutations' if result.residual == 'permutation' else ''}"
                f"{_cost_summary(alignment_summary(result))}"
                f"{_learned_note(result.learned)}, "

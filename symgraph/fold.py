@@ -12,12 +12,12 @@ stream's coordinates: every reader of the stream is a LayerNorm, which subtracts
 sees mean-free inputs and computes what an RMSNorm would. A tensor is centred only when every use of it, under any of
 its tied names, writes into the stream (an embedding that is also the LM head is refused).
 
-What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` or ``rms_norm``
-op, or an RMSNorm: a parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (or ``x / sqrt(...)``). Its
-readers are linear layers (also through a product with or division by a number, where the norm has no bias), or
-einsums contracting its output with a parameter (a mixture of experts' dense experts, :mod:`symgraph.moe`, in any
-layout: the contracted axis absorbs the weight). Anything that would make the rewrite change the function is
-refused with the norm, the graph node and the reason.
+What reads what comes from the captured graph, never from module names. A norm is a ``layer_norm`` or ``rms_norm`` op,
+or an RMSNorm: a parameter vector (or one plus it) multiplied into ``x * rsqrt(...)`` (``x * pow(..., -0.5)``,
+``x / sqrt(...)``). Its readers are linear layers (also through a product with or division by a number, where the norm
+has no bias), or einsums contracting its output with a parameter (a mixture of experts' dense experts,
+:mod:`symgraph.moe`, in any layout: the contracted axis absorbs the weight). Anything that would make the rewrite change
+the function is refused with the norm, the graph node and the reason.
 
 Examples
 --------
@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
+from .analysis.centring import centred_input, is_centring_mean
 from .errors import InvarianceError, SymgraphError
 from .spec import load_specs
 from .verify import RoundedExact, _aliases, tie_aliases
@@ -202,8 +203,7 @@ def untied(subject) -> tuple[object, list[str]]:
     with a config that says so (``tie_word_embeddings`` false, in the config and its text config), and the names
     given their own tensor; ``subject`` itself when nothing is tied. Refused (:class:`FoldError`) when the config
     has no such flag: a model built from it would tie the weights again, and the folded head would be lost."""
-    ties = _aliases(subject.model)
-    if not ties:
+    if not _aliases(subject.model):
         return subject, []
     model = copy.deepcopy(subject.model)  # its modules share one copy of the config
     config = getattr(model, "config", None)
@@ -216,7 +216,7 @@ def untied(subject) -> tuple[object, list[str]]:
                         f"still ties {', '.join(' = '.join(names) for names in still)}.",
                         hint="fold without --untie (the norm read by the tied weights is then refused), or untie "
                              "them in the model's code.")
-    names = [name for group in ties for name in group[1:]]
+    names = untied_names(subject.model)
     for name in names:
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -225,6 +225,11 @@ def untied(subject) -> tuple[object, list[str]]:
     name = subject.name if subject.name.endswith("(untied)") else f"{subject.name} (untied)"
     return replace(subject, model=model, name=name, config=config if config is not None else subject.config,
                    weights_from_path=False, _capture=None, _report=None), names
+
+
+def untied_names(model: torch.nn.Module) -> list[str]:
+    """The names :func:`untied` gives tensors of their own: every tied name but the first of its group."""
+    return [name for group in _aliases(model) for name in group[1:]]
 
 
 def _ties_built_from(model: torch.nn.Module) -> list[list[str]]:
@@ -312,12 +317,17 @@ def _reads_residual_stream(norm: fx.Node) -> bool:
     """The norm's input is a sum (a residual addition) or an embedding lookup, up to casts, dropout and scaling by
     one number (Gemma's embeddings times sqrt(width)); not a sum of products of tensors, such as the halves of a
     rotary embedding that Hunyuan's per-head QK-norm reads."""
-    source = _unscaled(norm.args[0] if _is_norm_op(norm) else _rms_input(norm))
+    source = _unscaled(_norm_input(norm))
     if not isinstance(source, fx.Node):
         return False
     if str(source.target) == "aten.add.Tensor":
         return not all(_is_product(term) for term in source.args[:2])
     return str(source.target) == "aten.embedding.default" or source.op == "placeholder"
+
+
+def _norm_input(norm: fx.Node):
+    """What the norm normalises: a norm op's first argument, the ``x`` of an RMSNorm or a LayerNorm written out."""
+    return norm.args[0] if _is_norm_op(norm) else _rms_input(norm)
 
 
 def _is_product(term) -> bool:
@@ -358,9 +368,15 @@ def _scaled_by_a_number(node):
 
 
 def _rms_input(mul: fx.Node):
-    """``x`` of ``g * (x * rsqrt(...))``."""
+    """``x`` of ``g * (x * rsqrt(...))``, or of ``g * ((x - mean(x)) * rsqrt(...))``."""
+    scaled = _rms_scaled(mul)
+    return centred_input(scaled) or scaled
+
+
+def _rms_scaled(mul: fx.Node):
+    """What ``g * (y * rsqrt(...))`` scales: ``y``."""
     normalised = next(_through_identity_back(a) for a in mul.args if _is_rms_normalised(a))
-    return next(a for a in normalised.args if isinstance(a, fx.Node) and str(a.target) != "aten.rsqrt.default")
+    return next(a for a in normalised.args if isinstance(a, fx.Node) and not _is_inverse_root(a))
 
 
 def _is_layer_norm(node: fx.Node) -> bool:
@@ -382,15 +398,16 @@ def _norm_op(node, names):
 
 
 def _rms_norm(node, names):
-    """``g * normalised`` (either order), ``normalised`` being ``x * rsqrt(...)`` or ``x / sqrt(...)`` up to
-    dtype casts, and ``g`` a vector parameter or ``c + g`` for a number ``c``: the RMSNorm of Hugging Face
-    LLaMA-family models and T5, and the ``(1 + w)`` one of Gemma and Qwen3-Next."""
+    """``g * normalised`` (either order), ``normalised`` being ``x * rsqrt(...)``, ``x * pow(..., -0.5)`` or
+    ``x / sqrt(...)`` up to dtype casts, and ``g`` a vector parameter or ``c + g`` for a number ``c``: the RMSNorm
+    of Hugging Face LLaMA-family models and T5, and the ``(1 + w)`` one of Gemma and Qwen3-Next."""
     if str(node.target) != "aten.mul.Tensor" or len(node.args) != 2:
         return None
     for weight, other in (node.args, node.args[::-1]):
         found = _offset_param(weight, names)
         if found is not None and weight.meta["val"].dim() == 1 and _is_rms_normalised(other):
-            return found[0], None, False, found[1]
+            centres = centred_input(_rms_scaled(node)) is not None  # a LayerNorm written out
+            return found[0], None, centres, found[1]
     return None
 
 
@@ -415,10 +432,18 @@ def _is_rms_normalised(node) -> bool:
         return False
     target = str(node.target)
     if target == "aten.mul.Tensor":
-        return any(isinstance(a, fx.Node) and str(a.target) == "aten.rsqrt.default" for a in node.args)
+        return any(_is_inverse_root(a) for a in node.args)
     if target == "aten.div.Tensor":
         return isinstance(node.args[1], fx.Node) and str(node.args[1].target) == "aten.sqrt.default"
     return False
+
+
+def _is_inverse_root(node) -> bool:
+    """``rsqrt(s)``, or ``pow(s, -0.5)`` (Gemma 4 writes its RMSNorm so, to match JAX)."""
+    if not isinstance(node, fx.Node):
+        return False
+    target = str(node.target)
+    return target == "aten.rsqrt.default" or (target == "aten.pow.Tensor_Scalar" and node.args[1] == -0.5)
 
 
 def _param(arg, names) -> str | None:
@@ -543,7 +568,7 @@ def residual_writers(cap, norms: list[NormSite]) -> list[tuple[str, int]]:
     """(parameter, axis) of everything written into the residual stream that the LayerNorms read, to be centred
     along that axis. Refuses when anything but a LayerNorm reads the stream (centring would change its input)."""
     nodes = {n.name: n for n in cap.graph.nodes}
-    todo = [nodes[n.node].args[0] for n in norms]
+    todo = [_norm_input(nodes[n.node]) for n in norms]
     stream, writes = set(), []
     while todo:
         node = todo.pop()
@@ -619,7 +644,7 @@ def _check_stream_readers(node: fx.Node, todo: list[fx.Node]) -> None:
     through a LayerNorm, which centring leaves unchanged: a LayerNorm, or an addition, whose sum is the stream
     further on (added to ``todo``, so its other terms are centred and its own readers checked)."""
     for user, value in _readers(node):
-        if _is_layer_norm(user) and user.args[0] is value:
+        if (_is_layer_norm(user) and user.args[0] is value) or _reads_centred(user, value):
             continue
         if _is_sum(user):
             todo.append(user)
@@ -628,6 +653,12 @@ def _check_stream_readers(node: fx.Node, todo: list[fx.Node]) -> None:
         raise FoldError(f"Cannot centre the residual stream: its value at graph node {value.name}"
                         f"{_source_line(value)} is read by {what} without a LayerNorm in between; centring "
                         f"would change what that reader sees.", hint="align without --fold.")
+
+
+def _reads_centred(user: fx.Node, value: fx.Node) -> bool:
+    """``user`` is ``value - mean(value)`` over the last axis, or that mean read by nothing else: a LayerNorm
+    written out sees the stream only so, and centring leaves it unchanged."""
+    return centred_input(user) is value or (is_centring_mean(user) and user.args[0] is value)
 
 
 def _reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:

@@ -718,6 +718,28 @@ def test_cli_merge_untie_folds_tied_models_and_writes_an_untied_merge(tmp_path):
     assert refused.returncode == 2 and "--no-fold" in refused.stderr and not (tmp_path / "refused").exists()
 
 
+def test_cli_align_fold_untie_writes_an_untied_folded_model_that_loads_and_computes_the_same(tmp_path):
+    import transformers
+
+    a, b = _tied_gpt2_pair(tmp_path)
+    digests = [tree_digest(path) for path in (a, b)]
+    code, stdout, stderr = run("align", b, a, "-o", tmp_path / "out", "--fold", "--untie", "--mode", "permutation",
+                               "--stats", tmp_path / "stats.json")
+    assert code == 0, stderr
+    assert "folded, tied weights untied: lm_head.weight" in stdout
+    assert [tree_digest(path) for path in (a, b)] == digests
+    assert json.loads((tmp_path / "stats.json").read_text())["untied"] == ["lm_head.weight"]
+    aligned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert aligned.config.tie_word_embeddings is False and torch.all(aligned.transformer.ln_f.weight == 1)
+    assert not torch.equal(aligned.lm_head.weight, aligned.transformer.wte.weight)
+    ids = torch.randint(3, 60, (2, 11), generator=torch.Generator().manual_seed(0))
+    source = transformers.AutoModelForCausalLM.from_pretrained(b).eval()
+    with torch.no_grad():
+        assert torch.allclose(aligned(ids).logits, source(ids).logits, atol=1e-4, rtol=1e-4)
+    refused = run("align", b, a, "-o", tmp_path / "refused", "--untie")
+    assert refused.returncode == 2 and "--fold" in refused.stderr and not (tmp_path / "refused").exists()
+
+
 def test_barrier_untie_runs_between_the_folded_untied_models(tmp_path):
     from symgraph.connectivity import barrier
     from symgraph.datasets import Batch, Dataset
@@ -779,16 +801,27 @@ def test_a_number_between_norm_and_reader_folds_a_weight_but_never_a_bias():
         fold(layer_norm)
 
 
-class _TorchRMSNormBlocks(torch.nn.Module):
-    """Pre-norm residual blocks normed by torch.nn.RMSNorm (the aten.rms_norm op, not x * rsqrt(...))."""
+class _PowRMSNorm(torch.nn.Module):
+    """Gemma 4's RMSNorm: ``x * pow(mean(x^2) + eps, -0.5) * w`` (pow, not rsqrt, to match JAX)."""
 
-    def __init__(self, d: int = 8, vocab: int = 12):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * self.weight
+
+
+class _RMSNormBlocks(torch.nn.Module):
+    """Pre-norm residual blocks normed by ``norm`` (torch.nn.RMSNorm, the aten.rms_norm op, or a hand-written one)."""
+
+    def __init__(self, norm=torch.nn.RMSNorm, d: int = 8, vocab: int = 12):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, d)
-        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(d) for _ in range(2))
+        self.norms = torch.nn.ModuleList(norm(d) for _ in range(2))
         self.ups = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d) for _ in range(2))
         self.downs = torch.nn.ModuleList(torch.nn.Linear(2 * d, d) for _ in range(2))
-        self.final, self.head = torch.nn.RMSNorm(d), torch.nn.Linear(d, vocab)
+        self.final, self.head = norm(d), torch.nn.Linear(d, vocab)
         with torch.no_grad():
             for p in [*self.norms.parameters(), *self.final.parameters()]:
                 p.add_(0.3 * torch.randn_like(p))
@@ -800,17 +833,60 @@ class _TorchRMSNormBlocks(torch.nn.Module):
         return self.head(self.final(h))
 
 
-def test_torch_rms_norm_ops_fold_and_open_the_orthogonal_stream():
+@pytest.mark.parametrize("norm,op", [(torch.nn.RMSNorm, "aten.rms_norm.default"),
+                                     (_PowRMSNorm, "aten.pow.Tensor_Scalar")])
+def test_rms_norm_ops_and_pow_norms_fold_and_open_the_orthogonal_stream(norm, op):
     torch.manual_seed(0)
-    subject = symgraph.load(_TorchRMSNormBlocks().double(), (torch.randint(0, 12, (2, 5)),))
-    assert sum(str(n.target) == "aten.rms_norm.default" for n in subject.capture.graph.nodes) == 3
+    subject = symgraph.load(_RMSNormBlocks(norm).double(), (torch.randint(0, 12, (2, 5)),))
+    ops = [n for n in subject.capture.graph.nodes if str(n.target) == op]
+    assert len([n for n in ops if n.args[-1] == -0.5 or op != "aten.pow.Tensor_Scalar"]) == 3
     assert [g.kind for g in subject.report.groups if g.motif == "residual"] != ["orthogonal"]
     result = fold(subject)
     assert len(result.norms) == 3 and result.verified_error < 1e-12
     folded = folded_subject(subject)
+    assert all(bool((folded.model.state_dict()[n.weight] == 1).all()) for n in result.norms)
     assert [g.kind for g in folded.report.groups if g.motif == "residual"] == ["orthogonal"]
     checked = fuzz(folded, samples=4)
     assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+class _WrittenLayerNorm(torch.nn.Module):
+    """Cohere's LayerNorm, written out: ``(x - mean(x)) * rsqrt(var(x) + eps) * w``, no bias."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - mean) * torch.rsqrt(variance + 1e-5))
+
+
+class _MeanReadStream(_RMSNormBlocks):
+    """The stream's mean also reaches the output directly: centring the writers would change it."""
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            h = h + down(torch.relu(up(norm(h))))
+        return self.head(self.final(h)) + h.mean(-1, keepdim=True)
+
+
+def test_a_written_out_layernorm_folds_and_centres_the_stream_it_reads():
+    torch.manual_seed(0)
+    subject = symgraph.load(_RMSNormBlocks(_WrittenLayerNorm).double(), (torch.randint(0, 12, (2, 5)),))
+    result = fold(subject)
+    assert len(result.norms) == 3 and all(n.centres for n in result.norms) and result.verified_error < 1e-12
+    assert set(result.centred) == {"emb.weight", "downs.0.weight", "downs.0.bias", "downs.1.weight", "downs.1.bias"}
+    folded = folded_subject(subject)
+    state = folded.model.state_dict()
+    assert float(state["emb.weight"].mean(-1).abs().max()) < 1e-12 and abs(float(state["downs.1.bias"].mean())) < 1e-12
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+    torch.manual_seed(0)
+    with pytest.raises(FoldError, match="Cannot centre the residual stream"):
+        fold(symgraph.load(_MeanReadStream(_WrittenLayerNorm).double(), (torch.randint(0, 12, (2, 5)),)))
 
 
 def test_a_layernorm_mixture_of_experts_centres_its_experts_down_projections():

@@ -13,6 +13,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from ..pattern import parse_pattern
 from ..spec import MovementSpec, aten_op, operand_names
+from .centring import centred_input, is_centring_mean
 from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
@@ -991,6 +992,8 @@ def rule_add(w, node: fx.Node, spec) -> Value:
 
 
 def rule_sub(w, node: fx.Node, spec) -> Value:
+    if not spec.swapped and centred_input(node) is not None and is_centring_mean(node.args[1]):
+        return _centred(w, node, w.value(node.args[0]))
     a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
@@ -998,6 +1001,21 @@ def rule_sub(w, node: fx.Node, spec) -> Value:
         b = Value(chans=[c if c.block else c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape,
                   invariant=b.invariant)
     return _add_values(w, node, a, b, residual=True)
+
+
+def _centred(w, node, x: Value) -> Value:
+    """``x - mean(x)`` over the last axis (a LayerNorm written out): a channel along that axis stays itself, moved
+    by orthogonal maps with Q 1 = +-1 (with which centring commutes), as a LayerNorm's input; any other pins."""
+    last = len(x.shape) - 1
+    for c in x.chans:
+        c = w.resolve(c, node.name)
+        if last not in chan_axes(c):
+            continue
+        if c.block or c.mixed or c.degree != 1 or chan_axes(c) != {last}:
+            _pin_chan(w, node, c, "centred together with coordinates it cannot follow")
+        else:
+            _normalise(w, node, c, frozenset({last}), Restriction(orthogonal=True, fixes_ones=True))
+    return Value(chans=[w.resolve(c, node.name) for c in x.chans], shape=_shape_of(node))
 
 
 def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
@@ -1568,6 +1586,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     results = len(node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else 0
     out_shape = _shape_of(node, 0 if results else None)
     passed, invariant, rows = [], False, []
+    centring = is_centring_mean(node)  # read only as x - mean(x): restricted there (rule_sub), not here
     for c in x.chans:
         c = w.resolve(c, node.name)
         caxes = chan_axes(c)
@@ -1575,6 +1594,9 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
+        if centring:
+            invariant = True
+            continue
         if c.block:
             invariant = True  # a sum over heads does not see their order
             continue
