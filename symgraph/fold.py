@@ -137,9 +137,7 @@ def fold(source, inputs=None, *, verify: bool = True, untie: bool = False) -> Fo
     cap = subject.capture
     norms = find_norms(cap)
     if not norms:
-        raise FoldError(f"{subject.name} has no norm on a residual stream (no layer_norm op, no RMSNorm "
-                        f"weight * x * rsqrt(...)) in its graph: there is nothing to fold.",
-                        hint="align without --fold.")
+        _refuse_nothing_to_fold(subject.name, cap)
     state = subject.state_dict()
     centred = residual_writers(cap, norms) if all(n.centres for n in norms) else []
 
@@ -154,6 +152,26 @@ def fold(source, inputs=None, *, verify: bool = True, untie: bool = False) -> Fo
         _verify(subject, result, lambda: rewritten({k: v.double() if v.is_floating_point() else v
                                                     for k, v in state.items()}))
     return result
+
+
+def _refuse_nothing_to_fold(name: str, cap) -> None:
+    """Why no norm can be folded: norms with weights that read no residual stream, weightless norms, or none."""
+    weighted = [(node, found[0]) for node in cap.graph.nodes if node.op == "call_function"
+                for found in [_norm_op(node, cap.params) if _is_norm_op(node) else _rms_norm(node, cap.params)]
+                if found is not None and found[0] is not None]
+    if weighted:
+        node, weight = weighted[0]
+        source = _unscaled(_norm_input(node))
+        raise FoldError(f"{name} has norms with weights ({len(weighted)}, the first {weight}, graph node "
+                        f"{node.name}{_source_line(node)}), but none normalises a residual stream (a sum of "
+                        f"residual branches or the embeddings): that one reads {getattr(source, 'target', source)} "
+                        f"(hyper-connections, or a per-head norm). There is nothing this fold can rewrite.",
+                        hint="align without --fold.")
+    if any(_is_rms_normalised(node) for node in cap.graph.nodes):
+        raise FoldError(f"{name} normalises by x * rsqrt(...) without a weight to fold: there is nothing to fold, "
+                        f"and the report already has the groups such norms allow.", hint="align without --fold.")
+    raise FoldError(f"{name} has no norm on a residual stream (no layer_norm op, no RMSNorm weight * x * rsqrt(...)) "
+                    f"in its graph: there is nothing to fold.", hint="align without --fold.")
 
 
 def pays_off(subject) -> bool:

@@ -850,6 +850,36 @@ def test_rms_norm_ops_and_pow_norms_fold_and_open_the_orthogonal_stream(norm, op
     assert checked.ok and len(set(checked.shapes)) >= 2
 
 
+class _WeightlessRMSNorm(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _GatedStreamNorm(_RMSNormBlocks):
+    """Norms with weights that read a gated product of the stream, never the stream itself."""
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            h = h + down(torch.relu(up(norm(h * torch.sigmoid(h)))))
+        return self.head(self.final(h * torch.sigmoid(h)))
+
+
+@pytest.mark.parametrize("model,needle", [
+    (lambda: _RMSNormBlocks(_WeightlessRMSNorm), "without a weight to fold"),
+    (lambda: _GatedStreamNorm(_PowRMSNorm), "has norms with weights (3, the first norms.0.weight, graph node"),
+    (lambda: torch.nn.Sequential(torch.nn.Embedding(12, 8), torch.nn.Linear(8, 12)), "has no norm on a residual"),
+])
+def test_nothing_to_fold_says_which_case_it_is(model, needle):
+    torch.manual_seed(0)
+    with pytest.raises(FoldError) as caught:
+        fold(symgraph.load(model().double(), (torch.randint(0, 12, (2, 5)),)))
+    assert needle in caught.value.message and "nothing" in caught.value.message
+
+
 class _WrittenLayerNorm(torch.nn.Module):
     """Cohere's LayerNorm, written out: ``(x - mean(x)) * rsqrt(var(x) + eps) * w``, no bias."""
 
