@@ -367,7 +367,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
           judge_starts, synthetic_activations, general_linear, balance, residual, stats_path, overwrite, quiet, fold,
-          untie, data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device, dtype,
+          untie, data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device,
+          dtype,
           stream, shard_size,
           **learning):
     from .alignment import compute_device
@@ -380,6 +381,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     _check_model_output(output, overwrite, [source, anchor])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
+    if untie and not fold:
+        raise click.UsageError("--untie serves only a fold: pass --fold with it (align does not fold by default).")
     if stream:
         given = [flag for flag, on in (("--only", only), ("--no-matching-start", not matching_start),
                                        ("--general-linear", general_linear), ("--data", data_spec),
@@ -395,10 +398,9 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
     clock = time.perf_counter()
     subject, anchor_subject = load(source, free_outputs=free_outputs), load(anchor, free_outputs=free_outputs)
     loading = time.perf_counter() - clock
-    if untie and not fold:
-        raise click.UsageError("--untie serves only a fold: pass --fold with it (align does not fold by default).")
     result = run_align(subject, anchor_subject, mode=mode, only=only, layers=span, progress=not quiet,
-                       fold=fold, untie=untie, data=data_spec, data_batches=data_batches, data_batch_size=data_batch_size,
+                       fold=fold, untie=untie, data=data_spec, data_batches=data_batches,
+                       data_batch_size=data_batch_size,
                        data_groups=data_groups, device=device, dtype=dtype,
                        learn=learn and _learning(**learning),
                        learn_data=learn_data_spec,
