@@ -43,3 +43,18 @@ def test_a_tied_type_folds_once_untied():
     row = json.loads(proc.stdout.splitlines()[-1])
     assert row["class"] == "ok_untied" and row["untied"] == ["lm_head.weight"] and "tied" in row["tied_reason"]
     assert row["verified_error"] < 1e-5
+
+
+def test_the_summary_counts_the_engine_classes_on_folded_models_and_names_the_unsound(sweep):
+    rows = [{"type": "llama", "class": "ok", "verified_error": 1e-8,
+             "engine": {"class": "sound", "groups": {"residual/orthogonal": 1, "ffn/permutation": 2}, "max_error": 1e-15}},
+            {"type": "gemma3", "class": "ok_untied", "verified_error": 1e-8,
+             "engine": {"class": "unsound", "groups": {"residual/signed_permutation": 1}, "max_error": 0.5,
+                        "bad_groups": ["g1 residual/signed_permutation (5.0e-01)"]}},
+            {"type": "bert", "class": "refused", "reason": "FoldError: post-LN"}]
+    summary = sweep.summarize(rows)
+    assert summary["engine_on_folded"] == {"sound": 1, "unsound": 1}
+    assert summary["engine_unsound"] == {"gemma3": ["g1 residual/signed_permutation (5.0e-01)"]}
+    assert summary["engine_residual_groups"] == {"residual/orthogonal": 1, "residual/signed_permutation": 1}
+    assert summary["engine_largest_error"] == 0.5
+    assert "engine_on_folded" not in sweep.summarize(rows[2:])
