@@ -47,7 +47,8 @@ def test_a_tied_type_folds_once_untied():
 
 def test_the_summary_counts_the_engine_classes_on_folded_models_and_names_the_unsound(sweep):
     rows = [{"type": "llama", "class": "ok", "verified_error": 1e-8,
-             "engine": {"class": "sound", "groups": {"residual/orthogonal": 1, "ffn/permutation": 2}, "max_error": 1e-15}},
+             "engine": {"class": "sound", "groups": {"residual/orthogonal": 1, "ffn/permutation": 2},
+                        "max_error": 1e-15}},
             {"type": "gemma3", "class": "ok_untied", "verified_error": 1e-8,
              "engine": {"class": "unsound", "groups": {"residual/signed_permutation": 1}, "max_error": 0.5,
                         "bad_groups": ["g1 residual/signed_permutation (5.0e-01)"]}},
