@@ -338,7 +338,7 @@ def _reads_residual_stream(norm: fx.Node) -> bool:
     source = _unscaled(_norm_input(norm))
     if not isinstance(source, fx.Node):
         return False
-    if str(source.target) == "aten.add.Tensor":
+    if _is_sum(source):
         return not all(_is_product(term) for term in source.args[:2])
     return str(source.target) == "aten.embedding.default" or source.op == "placeholder"
 

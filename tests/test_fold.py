@@ -868,6 +868,34 @@ class _GatedStreamNorm(_RMSNormBlocks):
         return self.head(self.final(h * torch.sigmoid(h)))
 
 
+class _InPlaceEmbeddingSum(_RMSNormBlocks):
+    """Megatron-BERT's embeddings: ``h = words + types; h += positions`` (an in-place sum) read by the first norm."""
+
+    def __init__(self, norm):
+        super().__init__(norm)
+        self.pos = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids) + 0.5 * self.emb(ids.flip(-1))
+        h += self.pos(torch.arange(ids.shape[-1]))
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            h = h + down(torch.relu(up(norm(h))))
+        return self.head(self.final(h))
+
+
+def test_a_norm_reading_embeddings_summed_in_place_folds_and_the_stream_is_centred():
+    torch.manual_seed(0)
+    subject = symgraph.load(_InPlaceEmbeddingSum(torch.nn.LayerNorm).double(), (torch.randint(0, 12, (2, 5)),))
+    assert any(str(n.target) == "aten.add_.Tensor" for n in subject.capture.graph.nodes)
+    result = fold(subject)
+    assert len(result.norms) == 3 and result.verified_error < 1e-12 and {"emb.weight", "pos.weight"} <= set(
+        result.centred)
+    folded = folded_subject(subject)
+    assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
+    checked = fuzz(folded, samples=4)
+    assert checked.ok and len(set(checked.shapes)) >= 2
+
+
 @pytest.mark.parametrize("model,needle", [
     (lambda: _RMSNormBlocks(_WeightlessRMSNorm), "without a weight to fold"),
     (lambda: _GatedStreamNorm(_PowRMSNorm), "has norms with weights (3, the first norms.0.weight, graph node"),
