@@ -303,8 +303,22 @@ def residual_note(cap, groups, config_only: bool) -> str | None:
         return f"residual stream: permutations only; its norms cannot be folded: {exc.message}"
     if not norms:
         return None
+    if all(_folded_already(cap, site) for site in norms):  # what limits the stream is no norm weight
+        limits = sorted({note for g in groups if g.motif == "residual" for note in g.notes
+                         if note.startswith("limited by")})
+        return ("residual stream: permutations only although its norms are folded (every norm multiplies by 1)"
+                + (f"; {'; '.join(limits)}" if limits else ""))
     return ("residual stream: permutations only, because its norm weights are not 1; `symgraph fold` (or --fold) "
             "folds them into the linears that read them, and the folded model's stream is orthogonal")
+
+
+def _folded_already(cap, site: NormSite) -> bool:
+    """The norm multiplies by one number, 1 (its weight is 1, or 0 in ``1 + w``), and adds no bias."""
+    from .analysis.walk import uniform_value
+
+    weight = uniform_value(cap.program.state_dict.get(site.weight))
+    bias = None if site.bias is None else uniform_value(cap.program.state_dict.get(site.bias))
+    return weight is not None and weight + site.offset == 1 and (site.bias is None or bias == 0)
 
 
 # -- finding norms -----------------------------------------------------------------------------------------------

@@ -850,6 +850,34 @@ def test_rms_norm_ops_and_pow_norms_fold_and_open_the_orthogonal_stream(norm, op
     assert checked.ok and len(set(checked.shapes)) >= 2
 
 
+class _SandwichBlocks(_RMSNormBlocks):
+    """Gemma's sandwich norms: each block's output is normed (a weight, no linear after it) before the residual add."""
+
+    def __init__(self):
+        super().__init__(_PowRMSNorm)
+        self.posts = torch.nn.ModuleList(_PowRMSNorm(8) for _ in range(2))
+        with torch.no_grad():
+            for p in self.posts.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for norm, up, down, post in zip(self.norms, self.ups, self.downs, self.posts):
+            h = h + post(down(torch.relu(up(norm(h)))))
+        return self.head(self.final(h))
+
+
+def test_a_folded_model_whose_stream_stays_permutations_is_not_told_to_fold_again():
+    torch.manual_seed(0)
+    subject = symgraph.load(_SandwichBlocks().double(), (torch.randint(0, 12, (2, 5)),))
+    assert any("norm weights are not 1" in n for n in subject.report.notes)
+    folded = folded_subject(subject)
+    assert [g.kind for g in folded.report.groups if g.motif == "residual"] != ["orthogonal"]
+    note = next(n for n in folded.report.notes if n.startswith("residual stream"))
+    assert "although its norms are folded" in note and "limited by" in note and "symgraph fold" not in note
+    assert fuzz(folded, samples=4).ok
+
+
 class _WeightlessRMSNorm(torch.nn.Module):
     def __init__(self, d: int):
         super().__init__()
