@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from .analysis.centring import centred_input, is_centring_mean
+from .analysis.walk import uniform_value
 from .errors import InvarianceError, SymgraphError
 from .spec import load_specs
 from .verify import RoundedExact, _aliases, tie_aliases
@@ -156,8 +157,7 @@ def fold(source, inputs=None, *, verify: bool = True, untie: bool = False) -> Fo
 
 def _refuse_nothing_to_fold(name: str, cap) -> None:
     """Why no norm can be folded: norms with weights that read no residual stream, weightless norms, or none."""
-    weighted = [(node, found[0]) for node in cap.graph.nodes if node.op == "call_function"
-                for found in [_norm_op(node, cap.params) if _is_norm_op(node) else _rms_norm(node, cap.params)]
+    weighted = [(node, found[0]) for node in cap.graph.nodes for found in [_norm_at(node, cap.params)]
                 if found is not None and found[0] is not None]
     if weighted:
         node, weight = weighted[0]
@@ -314,8 +314,6 @@ def residual_note(cap, groups, config_only: bool) -> str | None:
 
 def _folded_already(cap, site: NormSite) -> bool:
     """The norm multiplies by one number, 1 (its weight is 1, or 0 in ``1 + w``), and adds no bias."""
-    from .analysis.walk import uniform_value
-
     weight = uniform_value(cap.program.state_dict.get(site.weight))
     bias = None if site.bias is None else uniform_value(cap.program.state_dict.get(site.bias))
     return weight is not None and weight + site.offset == 1 and (site.bias is None or bias == 0)
@@ -327,9 +325,7 @@ def find_norms(cap) -> list[NormSite]:
     names, placeholders, tied = cap.params, _placeholders(cap), _tied_names(cap)
     sites = []
     for node in cap.graph.nodes:
-        if node.op != "call_function":
-            continue
-        found = _norm_op(node, names) if _is_norm_op(node) else _rms_norm(node, names)
+        found = _norm_at(node, names)
         if found is None:
             continue
         weight, bias, centres, offset = found
@@ -343,6 +339,14 @@ def find_norms(cap) -> list[NormSite]:
         _check_used_once(placeholders, node, site)
         sites.append(_with_bias_placement(replace(site, readers=_linear_readers(cap, placeholders, tied, node, site))))
     return sites
+
+
+def _norm_at(node: fx.Node, names):
+    """``(weight, bias, centres, offset)`` of the norm ``node`` computes (a norm op, or ``g * normalised``), or
+    None."""
+    if node.op != "call_function":
+        return None
+    return _norm_op(node, names) if _is_norm_op(node) else _rms_norm(node, names)
 
 
 def _reads_residual_stream(norm: fx.Node) -> bool:

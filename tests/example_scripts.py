@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,3 +21,12 @@ def example_module(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+def one_row(script: str, name: str, timeout: float = 120) -> dict:
+    """The JSON row ``examples/<script>.py --one <name>`` prints, run in its own process on one thread; the run must
+    exit 0 (its stderr's end is the failure message otherwise)."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{script}.py"), "--one", name], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])

@@ -1,14 +1,10 @@
 """examples/sweep_fold.py: one tied type folds once untied, refusals are grouped without names, the summary."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from example_scripts import EXAMPLES, example_module
+from example_scripts import example_module, one_row
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +33,7 @@ def test_the_summary_keeps_the_last_row_per_type(sweep):
 
 @pytest.mark.slow
 def test_a_tied_type_folds_once_untied():
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_fold.py"), "--one", "gpt2"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(proc.stdout.splitlines()[-1])
+    row = one_row("sweep_fold", "gpt2")
     assert row["class"] == "ok_untied" and row["untied"] == ["lm_head.weight"] and "tied" in row["tied_reason"]
     assert row["verified_error"] < 1e-5
 

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from example_scripts import EXAMPLES, example_module
+from example_scripts import example_module, one_row
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +66,7 @@ def test_summary_keeps_the_last_row_per_name_and_lists_failures(pipeline):
 
 @pytest.mark.slow
 def test_one_tiny_type_runs_every_stage():
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_pipeline.py"), "--one", "deit"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(proc.stdout.splitlines()[-1])
+    row = one_row("sweep_pipeline", "deit")
     assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
     assert row["class"] == "ok", row["stages"]
 
@@ -83,10 +76,7 @@ def test_one_variant_runs_every_stage():
     # a variant with batch norms: their running statistics get the variants sweep's noise and must move with
     # their channels through every stage
     name = 'resnet hidden_sizes=[16,32] depths=[1,1] embedding_size=16 @base'
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "sweep_pipeline.py"), "--one", name],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(proc.stdout.splitlines()[-1])
+    row = one_row("sweep_pipeline", name)
     assert (row["name"], row["variant"], row["type"], row["head"]) == (name, name, "resnet", "AutoModel")
     assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
     assert row["class"] == "ok", row["stages"]
