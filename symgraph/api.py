@@ -202,7 +202,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           inputs: Inputs = None, verify: bool = True, progress=None, data=None, data_batches: int = 4,
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, learn_data=None,
           free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto",
-          judge_starts: bool = True, synthetic_activations: bool = True, untie: bool = False):
+          judge_starts: bool = True, synthetic_activations: bool = True, synthetic_learning: bool = True,
+          untie: bool = False):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -222,9 +223,14 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     (the default) as well, full mode also aligns on activations of those synthetic examples (as with ``data``,
     below) and keeps that alignment where its path loss on them is lower (``result.costs``, ``cost_data`` and
     ``path_losses`` say so; not where the weights removed most of the distance, a reparametrised source, nor
-    before learning, which starts from the weight-matched alignment). Without
-    ``data``, full mode never returns a source farther from the anchor than it was: where every start ends
-    farther, the source is returned unmoved (``result.start`` is then ``none``).
+    before learning, which starts from the weight-matched alignment). Without ``data``, and with
+    ``synthetic_learning`` (the default) as well, where the path still rises above its ends on those examples,
+    full mode then tunes the weight-matched alignment by a short learned matching (:mod:`symgraph.learn`, 50 steps)
+    on other synthetic examples and keeps it where its path loss on the judge's examples is lower
+    (``result.learned`` holds its record, ``path_losses`` its loss as ``learned``; test barriers of the shipped
+    pairs: examples/RESULTS.md). Without ``data``, full mode's weight matching never returns a source farther
+    from the anchor than it was (where every start ends farther, the source is returned unmoved, and
+    ``result.start`` is then ``none``); only an alignment kept for its lower path loss may end farther.
     With ``fold`` both models are first folded (:func:`symgraph.fold`): the residual stream then has an
     orthogonal group, and the result is the folded source moved within it (same architecture and function).
     Off by default: the result is then in the folded frame and must be compared with (or merged into) the
@@ -323,9 +329,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
             judge = PathJudge(src.model, state, anchor_state) if judge_starts else None
             result = align_states(groups, state, anchor_state, **options, judge=judge)
             # learning starts from the weight-matched alignment: from activations it ended higher on llama-chars
+            on_weights = result
             if judge is not None and synthetic_activations and mode == "full" and not learn:
                 result = _or_synthetic_activations(result, judge, src, anc, groups, state, anchor_state, data_groups,
                                                    options, timings)
+            if judge is not None and synthetic_learning and mode == "full" and not learn:
+                result = _or_synthetic_learning(result, on_weights, judge, src, groups, state, anchor_state, free,
+                                                bool(report), timings)
         else:
             on_activations = _on_activations(src, anc, groups, state, anchor_state, dataset, data_batches,
                                              data_groups, options, timings)
@@ -407,6 +417,56 @@ def _or_synthetic_activations(on_weights, judge, src: Subject, anc: Subject, gro
                               judged, len(judged.batches))
     result.path_losses = {**starts, **result.path_losses}
     timings["judge_costs"] = time.perf_counter() - clock
+    return result
+
+
+def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, state, anchor_state, free,
+                           progress: bool, timings: dict):
+    """Full mode without data: ``aligned`` (the alignment kept so far), or ``on_weights`` (the weight-matched one)
+    tuned by a short learned matching on synthetic examples (the models' own samples, or a classifier's inverted
+    inputs, the endpoints' mean prediction as soft targets; steps, checks and examples:
+    :data:`symgraph.learn.SYNTHETIC_LEARNING_STEPS` and the rest), whichever has the lower path loss on the judge's
+    examples (other draws). Skipped where the weights found the reparametrisation the source is, where no
+    synthetic data can be made, and where the path of ``aligned`` on the judge's examples rises above the line
+    between its ends by no more than :data:`~symgraph.learn.SYNTHETIC_LEARNING_RISE` of their loss: no barrier for
+    learning to lower (fine-tunes, random twins). ``result.learned`` holds the record where the learned one is kept.
+    Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
+    barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986): from the weights,
+    both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
+    from .alignment import found_share, recovered
+    from .consensus import shared_float_names
+    from .errors import DataError
+    from .learn import (SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES, SYNTHETIC_LEARNING_RISE,
+                        SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions, path_rise)
+    from .synthetic import SPEC
+
+    if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
+        return aligned
+    judged = judge.examples.inverted()
+    if judged is None:
+        return aligned
+    clock = time.perf_counter()
+    rise, ends = path_rise(src.model, anchor_state, aligned.state, shared_float_names(anchor_state, frozenset()),
+                           judged)
+    timings["judge_rise"] = time.perf_counter() - clock
+    if not rise > SYNTHETIC_LEARNING_RISE * abs(ends):
+        _log.info("full mode learns nothing on synthetic data: its path rises %.3g above its ends' loss %.3g on %s",
+                  rise, ends, judged.name)
+        return aligned
+    clock = time.perf_counter()
+    options = LearnOptions(steps=SYNTHETIC_LEARNING_STEPS, checks=SYNTHETIC_LEARNING_CHECKS,
+                           synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, seed=1)
+    try:
+        tuned = learned(src, groups, state, anchor_state, on_weights, SPEC, options, free, progress)
+    except (DataError, LearnError) as error:  # a candidate only: its failure costs the alignment made so far
+        _log.info("full mode keeps its alignment: learning on synthetic data failed (%s: %s)",
+                  type(error).__name__, error)
+        return aligned
+    timings["synthetic_learning"] = time.perf_counter() - clock
+    earlier = aligned.path_losses
+    result = lowest_path_loss({"aligned": aligned, "learned": tuned}, src.model, anchor_state, judged,
+                              len(judged.batches))
+    result.path_losses = {**earlier, **result.path_losses}
     return result
 
 

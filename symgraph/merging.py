@@ -132,7 +132,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
           workers: str = "local", device="cpu", dtype=None, judge_starts: bool = True,
-          synthetic_activations: bool = True) -> MergeResult:
+          synthetic_activations: bool = True, synthetic_learning: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -199,11 +199,13 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         ``float32`` or ``float64`` (default float64): the alignment's costs, SVDs and moves
         (:func:`symgraph.alignment.align_states`) and RegMean's solves. Statistics, means and the result stay
         float64 on the CPU. A device this machine lacks, or another dtype, is refused before any model is read.
-    judge_starts, synthetic_activations
+    judge_starts, synthetic_activations, synthetic_learning
         ``align="full"`` without learning or heads of their own: each model's first alignment onto the reference is
         made as :func:`symgraph.align` makes it without data (with ``judge_starts``, its descent starts judged by
         their path loss on synthetic examples; with ``synthetic_activations`` too, the alignment on activations of
-        those examples kept where its path loss is lower), in this process; ``result.alignments`` says what each
+        those examples kept where its path loss is lower; with ``synthetic_learning``, that alignment tuned by a
+        short learned matching on other synthetic examples where the path rises above its ends, and kept where its
+        path loss is lower), in this process; ``result.alignments`` says what each
         kept. Otherwise, and in the rounds of three or more models and of the common frame, by weights alone. With
         ``data``, each frame is also tried with its first alignments by weights alone, and each model's frame with
         them on activations of the data (as ``"full+data"``), the merge with the lowest loss on the data kept (the
@@ -247,7 +249,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     judged = merge_examples(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
         len(frames) > 1 and not datasets and not learn and not exclude) else None
     scored_on = datasets or ([judged] if judged is not None else [])
-    first_pass = _FirstAlignments(subjects, synthetic_activations, device, dtype) if (
+    first_pass = _FirstAlignments(subjects, synthetic_activations, synthetic_learning, device, dtype) if (
         align == "full" and judge_starts and not learn and not exclude) else None
     for label, reference, common, passing, activations in _candidates(frames, first_pass, bool(datasets), on_data):
         records: list[dict] = []  # what learning did, model by model, in this frame
@@ -918,8 +920,9 @@ class _FirstAlignments:
     losses where weights alone did not (README.md, merges align as align does; the wide ViT's merge 2.10 -> 0.65).
     Only the elements and what was kept are held, not the aligned states."""
 
-    def __init__(self, subjects: list[Subject], synthetic_activations: bool, device, dtype):
+    def __init__(self, subjects: list[Subject], synthetic_activations: bool, synthetic_learning: bool, device, dtype):
         self.subjects, self.synthetic_activations = subjects, synthetic_activations
+        self.synthetic_learning = synthetic_learning
         self.device, self.dtype = device, dtype
         self.made: dict[tuple[int, int], tuple[list, dict]] = {}  # (model, reference) -> (elements, summary)
 
@@ -929,6 +932,7 @@ class _FirstAlignments:
         if (index, reference) not in self.made:  # checked with the consensus, at its end
             result = align_pair(self.subjects[index], self.subjects[reference], mode="full", fold=False,
                                 verify=False, progress=False, synthetic_activations=self.synthetic_activations,
+                                synthetic_learning=self.synthetic_learning,
                                 device=self.device, dtype=self.dtype)
             self.made[index, reference] = result.elements, alignment_summary(result)
         return self.made[index, reference][0]

@@ -10,6 +10,7 @@ import torch
 
 import symgraph
 import symgraph.activations
+import symgraph.learn
 from symgraph import alignment, zoo
 from symgraph.alignment import (PROBE_ROUNDS, Aligner, align_states, balanced_weights, free_cost_members,
                                 key_bias_candidates, relative_distance, select_groups, weight_matching)
@@ -264,8 +265,8 @@ def test_api_align_judges_the_starts_on_synthetic_data_unless_told_not_to():
 
 def test_api_full_mode_without_data_keeps_the_alignment_on_synthetic_activations_where_its_path_loss_is_lower():
     a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
-    on_weights = symgraph.align(b, a, synthetic_activations=False)
-    result = symgraph.align(b, a)  # checked to compute what B computes
+    on_weights = symgraph.align(b, a, synthetic_activations=False, synthetic_learning=False)
+    result = symgraph.align(b, a, synthetic_learning=False)  # checked to compute what B computes
     assert result.cost_data == "synthetic (64 examples, random inputs)"
     losses = result.path_losses
     kept = "activations" if "activations" in result.costs.values() else "weights"
@@ -283,6 +284,56 @@ def test_api_full_mode_without_data_keeps_the_alignment_on_synthetic_activations
     assert judge(result.state) == pytest.approx(losses[kept], rel=1e-9)
     assert result.distance_after <= result.distance_before
     assert (result.distance_after == on_weights.distance_after) == (kept == "weights")
+
+
+def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rises_and_keeps_the_lower_path():
+    """vit-digits' path rises far above its ends after weight matching (0.87 of their loss on the judge's
+    examples): full mode tunes the weight-matched alignment by a short learned matching on other synthetic
+    examples, and keeps whichever alignment has the lower path loss on the judge's examples."""
+    a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
+    before = symgraph.align(b, a, synthetic_learning=False)
+    result = symgraph.align(b, a)  # checked to compute what B computes
+    assert result.verified_error <= result.verified_tolerance
+    losses = result.path_losses
+    assert {"weights", "activations", "aligned", "learned"} <= losses.keys()
+    kept = "learned" if result.learned is not None else "aligned"
+    assert kept == min(("aligned", "learned"), key=losses.get)
+    assert losses["aligned"] == pytest.approx(before.path_losses[min(("weights", "activations"),
+                                                                     key=before.path_losses.get)], rel=1e-9)
+    judged = PathJudge(b.model, b.state_dict(), a.state_dict()).examples.inverted()
+    judge = path_loss(b.model, a.state_dict(), result.state, shared_float_names(a.state_dict(), frozenset()), judged,
+                      len(judged.batches))
+    assert result.judged_on == judged.name and judge == pytest.approx(losses[kept], rel=1e-9)
+    assert kept == "learned"  # measured: 1.85 -> 0.89 on the judge's examples; test barrier 2.88 -> 0.99
+    assert 0 < result.learned["steps"] <= symgraph.learn.SYNTHETIC_LEARNING_STEPS
+    assert result.learned["end_path_loss"] < result.learned["start_path_loss"]
+
+
+def test_api_full_mode_learns_nothing_where_the_path_does_not_rise(caplog):
+    """Random twins: their path hardly rises above its ends on synthetic examples, so there is no barrier to
+    learn away, and full mode does not spend the time."""
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    assert "learned" not in result.path_losses and result.learned is None
+    assert "learns nothing on synthetic data: its path rises" in caplog.text
+
+
+def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fails(monkeypatch, caplog):
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+
+    def fails(*args, **kwargs):
+        raise symgraph.learn.LearnError("the loss stopped being finite at step 3")
+    monkeypatch.setattr(symgraph.api, "learned", fails)
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), synthetic_learning=False)
+    assert result.learned is None and "learned" not in result.path_losses
+    assert "learning on synthetic data failed" in caplog.text and "stopped being finite" in caplog.text
+    assert max(float((result.state[k] - unlearned.state[k]).abs().max()) for k in result.state) == 0
 
 
 def test_api_full_mode_keeps_the_weights_where_synthetic_activations_cannot_be_recorded(monkeypatch, caplog):
@@ -489,7 +540,7 @@ def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to
 def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
     outputs = {}
-    for name, extra in (("default", ()), ("judged", ("--no-synthetic-activations",)),
+    for name, extra in (("default", ()), ("judged", ("--no-synthetic-activations", "--no-synthetic-learning")),
                         ("unjudged", ("--no-judge-starts",))):
         res = run("align", source, anchor, "-o", tmp_path / name, "--stats", tmp_path / f"{name}.json", *extra)
         assert res.returncode == 0, res.stderr
@@ -498,6 +549,7 @@ def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told
                                  for name in ("default", "judged", "unjudged"))
     assert default["cost_data"].startswith("synthetic") and "costs" not in judged and "costs" not in unjudged
     assert "lower path loss on synthetic (64 examples, inverted inputs)" in outputs["default"]
+    assert "tuned by learning on synthetic data, kept" in outputs["default"] and default["learned"]["steps"] > 0
     assert "path loss" not in outputs["judged"] + outputs["unjudged"]
     candidates = {k: default["path_losses"][k] for k in ("weights", "activations")}
     assert ("activations" in default["costs"].values()) == (min(candidates, key=candidates.get) == "activations")

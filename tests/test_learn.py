@@ -479,7 +479,9 @@ def test_cli_align_learn_data_learns_from_the_weight_matched_start(vit_pair, tmp
 def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     a, b = vit_pair
     data = load_data("digits", split="test", limit=96)
+    # full mode without its own short learning on synthetic data: the alignment full+learn starts from
     result = barrier(a, b, data, steps=5, aligns=("full", "full+learn"), progress=False,
+                     align_options={"synthetic_learning": False},
                      learn=LearnOptions(steps=25, patience=0))  # all 25 steps: checks every 2 would stop it
     full, learned = result.curves["full"], result.curves["full+learn"]
     assert learned.loss_barrier < full.loss_barrier - 0.2

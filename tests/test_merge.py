@@ -13,6 +13,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 import symgraph
+import symgraph.learn
 from symgraph import zoo
 from symgraph.datasets import Batch, Dataset
 from symgraph.elements import apply
@@ -248,6 +249,20 @@ def test_full_merges_align_each_model_first_as_align_does():
     by_weights = merge([a, b], method="simple", fold=True, frame="reference", progress=False, judge_starts=False)
     assert by_weights.alignments == () and by_weights.consensus.reference == reference
     assert max_difference(by_weights.state, merged.state) > 1e-3  # the judge kept another alignment here
+
+
+def test_full_merges_learn_on_synthetic_data_as_align_does_unless_told_not_to(monkeypatch):
+    """A full merge's first alignment takes align's short learning on synthetic data where the path rises (here on
+    any path: random twins hardly rise), and leaves it out with ``synthetic_learning=False``."""
+    a, b = (symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1))
+    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)
+    kwargs = dict(method="simple", fold=True, frame="reference", progress=False)
+    learning, plain = merge([a, b], **kwargs), merge([a, b], **kwargs, synthetic_learning=False)
+    other = 1 - learning.consensus.reference
+    assert {"aligned", "learned"} <= learning.alignments[other]["path_losses"].keys()
+    assert not {"aligned", "learned"} & plain.alignments[other]["path_losses"].keys()
+    aligned = symgraph.align([a, b][other], [a, b][learning.consensus.reference], fold=True)
+    assert learning.alignments[other]["path_losses"] == aligned.path_losses
 
 
 @pytest.mark.parametrize("method", ["fisher", "regmean"])

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import symgraph
+import symgraph.synthetic
 from symgraph import zoo
 from symgraph.datasets import Batch, batch_loss, load_data
 from symgraph.demo import shipped_pair
@@ -50,6 +51,29 @@ def test_a_causal_lm_learns_on_samples_of_both_models_labelled_by_their_mean_pre
     other = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=4)
     assert all(torch.equal(x.inputs["input_ids"], y.inputs["input_ids"]) for x, y in zip(data.batches, again.batches))
     assert not torch.equal(ids, torch.cat([batch.inputs["input_ids"] for batch in other.batches]))
+
+
+def test_samples_drawn_in_chunks_keep_each_row_with_the_model_that_wrote_it(monkeypatch):
+    """Each endpoint samples its rows of every batch in calls of at most SAMPLED_TOGETHER sequences; cut into
+    chunks of 3 across batches of 4, even rows still come from the first model and odd rows from the second."""
+    a, b = zoo.build("llama", seed=0).eval(), zoo.build("llama", seed=1).eval()
+    monkeypatch.setattr(symgraph.synthetic, "SAMPLED_TOGETHER", 3)
+    calls = []
+    real = symgraph.synthetic._sampled
+    monkeypatch.setattr(symgraph.synthetic, "_sampled", lambda model, first, *rest: calls.append(len(first))
+                        or real(model, first, *rest))
+    data = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=3)
+    assert calls == [3, 2, 3, 2]  # 5 rows per model, in chunks of 3
+    ids = torch.cat([batch.inputs["input_ids"] for batch in data.batches])
+    assert [len(batch.inputs["input_ids"]) for batch in data.batches] == [4, 4, 2]
+    monkeypatch.setattr(symgraph.synthetic, "SAMPLED_TOGETHER", 128)
+    whole = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=10, batch_size=4, seed=3)
+    # each row's first token is drawn before sampling, whatever the chunks: the rows come back in their places
+    assert torch.equal(ids[:, 0], torch.cat([batch.inputs["input_ids"][:, 0] for batch in whole.batches]))
+    with torch.no_grad():
+        likelihood = [m(input_ids=ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean((1, 2))
+                      for m in (a, b)]
+    assert (likelihood[0] - likelihood[1])[0::2].mean() > 0 > (likelihood[0] - likelihood[1])[1::2].mean()
 
 
 def test_a_classifier_learns_on_inverted_inputs_of_its_config_labelled_by_both_models():
