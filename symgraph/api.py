@@ -431,13 +431,13 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     between its ends by no more than :data:`~symgraph.learn.SYNTHETIC_LEARNING_RISE` of their loss: no barrier for
     learning to lower (fine-tunes, random twins). ``result.learned`` holds the record where the learned one is kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
-    barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986): from the weights,
-    both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
+    barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
+    tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
     from .alignment import found_share, recovered
     from .consensus import shared_float_names
     from .errors import DataError
-    from .learn import (SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES, SYNTHETIC_LEARNING_RISE,
-                        SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions, path_rise)
+    from .learn import (SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES, SYNTHETIC_LEARNING_LENGTH,
+                        SYNTHETIC_LEARNING_RISE, SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions, path_rise)
     from .synthetic import SPEC
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
@@ -455,7 +455,8 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
         return aligned
     clock = time.perf_counter()
     options = LearnOptions(steps=SYNTHETIC_LEARNING_STEPS, checks=SYNTHETIC_LEARNING_CHECKS,
-                           synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, seed=1)
+                           synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, synthetic_length=SYNTHETIC_LEARNING_LENGTH,
+                           seed=1)
     try:
         tuned = learned(src, groups, state, anchor_state, on_weights, SPEC, options, free, progress)
     except (DataError, LearnError) as error:  # a candidate only: its failure costs the alignment made so far

@@ -69,6 +69,7 @@ from .elements import apply
 from .errors import SymgraphError
 from .progress import progress_bar
 from .solve.kernels import MAX_CONDITION
+from .synthetic import LENGTH as SYNTHETIC_LENGTH
 
 __all__ = ["LearnError", "LearnOptions", "held_out", "learn_alignment", "path_loss", "training_data"]
 
@@ -95,6 +96,7 @@ T_CONCENTRATION = 4.0
 # (measured after data-free full alignment: the trained pairs with a barrier 0.71-0.87, random twins and a pair
 # without one below 0.005). Its examples are drawn with seed 1, the judge's with seed 0.
 SYNTHETIC_LEARNING_STEPS, SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES = 50, 2, 256
+SYNTHETIC_LEARNING_LENGTH = 64  # tokens per sampled sequence (the judge's have 128)
 SYNTHETIC_LEARNING_RISE = 0.05
 
 
@@ -159,6 +161,7 @@ class LearnOptions:
     seconds: float | None = None
     max_condition: float = MAX_CONDITION
     synthetic_examples: int = 1600
+    synthetic_length: int = SYNTHETIC_LENGTH
     t_concentration: float = T_CONCENTRATION
     holdout: bool = False
     mixup: float = MIXUP
@@ -166,7 +169,7 @@ class LearnOptions:
 
     def checked(self) -> LearnOptions:
         """``self``, or a :class:`LearnError` naming the first option out of range."""
-        for name in ("steps", "batch_size", "eval_batches", "checks", "synthetic_examples"):
+        for name in ("steps", "batch_size", "eval_batches", "checks", "synthetic_examples", "synthetic_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LearnError(f"Learning option {name} must be a whole number >= 1, not {value!r}.",
@@ -318,7 +321,7 @@ def training_data(spec, model, options: LearnOptions, endpoints: Sequence[State]
 
     if is_synthetic(spec):
         return synthetic_data(getattr(model, "model", model), endpoints, examples=options.synthetic_examples,
-                              batch_size=options.batch_size, seed=options.seed)
+                              batch_size=options.batch_size, seed=options.seed, length=options.synthetic_length)
     return load_data(spec, model=model, batch_size=options.batch_size, split="train")
 
 

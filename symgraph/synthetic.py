@@ -75,12 +75,14 @@ def learning_only() -> DataError:
 
 
 def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, examples: int, batch_size: int,
-                   seed: int = 0, invert: bool = True, max_elements: float | None = None) -> Dataset:
+                   seed: int = 0, invert: bool = True, max_elements: float | None = None,
+                   length: int = LENGTH) -> Dataset:
     """``examples`` synthetic training examples (module docstring) in batches of ``batch_size``, labelled by the
     mean prediction of ``model`` carrying each state of ``endpoints`` (the source and the anchor of a learned
     alignment: one architecture, ``model``'s); a classifier's inputs inverted unless ``invert`` is False. ``seed``
     fixes every draw; the global random state is left as it was. With ``max_elements``, examples whose one forward
-    pass would write more tensor elements than that (:func:`elements_written`) are refused before any is made."""
+    pass would write more tensor elements than that (:func:`elements_written`) are refused before any is made.
+    Sequences are ``length`` tokens (frames) long at most."""
     config = getattr(model, "config", None)
     if config is None:
         raise DataError(f"Synthetic data needs the model's Hugging Face config to know its inputs, and "
@@ -99,7 +101,7 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         # one private copy: the endpoints' states are swapped into it
         twin = use_experts_implementation(copy.deepcopy(model), REFERENCE).eval()
         twin.requires_grad_(False)  # inversion differentiates the inputs only
-        length = _length(twin, endpoints[0], config, seed)
+        length = _length(twin, endpoints[0], config, seed, length)
         if max_elements is not None:
             _check_cost(twin, endpoints[0], config, length, examples, seed, max_elements)
         sampled = _samples(twin, task)
@@ -208,12 +210,12 @@ def _inverted(model: torch.nn.Module, endpoints: Sequence[State], inputs: dict[s
     return {**inputs, **{k: v.detach() for k, v in moving.items()}}
 
 
-def _length(model: torch.nn.Module, state: State, config, seed: int) -> int:
-    """The longest sequence, up to :data:`LENGTH` and the config's position count, that ``model`` carrying
+def _length(model: torch.nn.Module, state: State, config, seed: int, longest: int = LENGTH) -> int:
+    """The longest sequence, up to ``longest`` and the config's position count, that ``model`` carrying
     ``state`` runs on (bisected down from there to :data:`TASK_LENGTH`, which :func:`_task` ran): a position
     table may hold fewer usable rows than its size (RoBERTa's positions start after the padding index)."""
     positions = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")]
-    high = min([LENGTH, *(int(p) for p in positions if isinstance(p, int) and p > 1)])
+    high = min([longest, *(int(p) for p in positions if isinstance(p, int) and p > 1)])
     low = min(TASK_LENGTH, high)
     if _runs_at(model, state, config, high, seed):
         return high

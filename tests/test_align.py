@@ -325,11 +325,19 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
     inputs = zoo.example_inputs_for("vit", a)
     monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
 
-    def fails(*args, **kwargs):
+    asked = []
+
+    def fails(subject, groups, state, anchor_state, start, data, options, *rest):
+        asked.append((data, options))
         raise symgraph.learn.LearnError("the loss stopped being finite at step 3")
     monkeypatch.setattr(symgraph.api, "learned", fails)
     with caplog.at_level("INFO", logger="symgraph.api"):
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    (data, options), = asked  # a short run on synthetic examples drawn apart from the judge's (seed 0)
+    assert data == "synthetic" and options.seed != 0
+    assert (options.steps, options.checks, options.synthetic_examples, options.synthetic_length) == (
+        symgraph.learn.SYNTHETIC_LEARNING_STEPS, symgraph.learn.SYNTHETIC_LEARNING_CHECKS,
+        symgraph.learn.SYNTHETIC_LEARNING_EXAMPLES, symgraph.learn.SYNTHETIC_LEARNING_LENGTH)
     unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), synthetic_learning=False)
     assert result.learned is None and "learned" not in result.path_losses
     assert "learning on synthetic data failed" in caplog.text and "stopped being finite" in caplog.text

@@ -74,6 +74,8 @@ def test_samples_drawn_in_chunks_keep_each_row_with_the_model_that_wrote_it(monk
         likelihood = [m(input_ids=ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean((1, 2))
                       for m in (a, b)]
     assert (likelihood[0] - likelihood[1])[0::2].mean() > 0 > (likelihood[0] - likelihood[1])[1::2].mean()
+    short = synthetic_data(a, [a.state_dict(), b.state_dict()], examples=4, batch_size=4, seed=3, length=16)
+    assert short.batches[0].inputs["input_ids"].shape == (4, 16)
 
 
 def test_a_classifier_learns_on_inverted_inputs_of_its_config_labelled_by_both_models():
