@@ -330,12 +330,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
             result = align_states(groups, state, anchor_state, **options, judge=judge)
             # learning starts from the weight-matched alignment: from activations it ended higher on llama-chars
             on_weights = result
-            if judge is not None and synthetic_activations and mode == "full" and not learn:
-                result = _or_synthetic_activations(result, judge, src, anc, groups, state, anchor_state, data_groups,
-                                                   options, timings)
-            if judge is not None and synthetic_learning and mode == "full" and not learn:
-                result = _or_synthetic_learning(result, on_weights, judge, src, groups, state, anchor_state, free,
-                                                bool(report), timings)
+            if judge is not None and mode == "full" and not learn:
+                if synthetic_activations:
+                    result = _or_synthetic_activations(result, judge, src, anc, groups, state, anchor_state,
+                                                       data_groups, options, timings)
+                if synthetic_learning:
+                    result = _or_synthetic_learning(result, on_weights, judge, src, groups, state, anchor_state,
+                                                    free, bool(report), timings)
         else:
             on_activations = _on_activations(src, anc, groups, state, anchor_state, dataset, data_batches,
                                              data_groups, options, timings)
@@ -437,7 +438,8 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     from .consensus import shared_float_names
     from .errors import DataError
     from .learn import (SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES, SYNTHETIC_LEARNING_LENGTH,
-                        SYNTHETIC_LEARNING_RISE, SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions, path_rise)
+                        SYNTHETIC_LEARNING_RISE, SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions,
+                        path_and_end_losses)
     from .synthetic import SPEC
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
@@ -446,9 +448,10 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     if judged is None:
         return aligned
     clock = time.perf_counter()
-    rise, ends = path_rise(src.model, anchor_state, aligned.state, shared_float_names(anchor_state, frozenset()),
-                           judged)
+    along, ends = path_and_end_losses(src.model, anchor_state, aligned.state,
+                                      shared_float_names(anchor_state, frozenset()), judged)
     timings["judge_rise"] = time.perf_counter() - clock
+    rise = along - ends
     if not rise > SYNTHETIC_LEARNING_RISE * abs(ends):
         _log.info("full mode learns nothing on synthetic data: its path rises %.3g above its ends' loss %.3g on %s",
                   rise, ends, judged.name)
@@ -466,25 +469,26 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     timings["synthetic_learning"] = time.perf_counter() - clock
     earlier = aligned.path_losses
     result = lowest_path_loss({"aligned": aligned, "learned": tuned}, src.model, anchor_state, judged,
-                              len(judged.batches))
+                              len(judged.batches), known={"aligned": along})
     result.path_losses = {**earlier, **result.path_losses}
     return result
 
 
-def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int):
+def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int, known: dict | None = None):
     """The candidate alignment (name -> AlignResult) whose interpolated model has the lowest mean loss at t = 1/4,
-    1/2, 3/4 on the first ``batches`` batches of ``data`` (:func:`symgraph.learn.path_loss`), every candidate's
-    loss in its ``path_losses``. Activation costs and weight costs each win on some pairs (examples/RESULTS.md:
-    activations on vit-digits and llama-chars, weights on bert-topics and vit-digits-wide), and distance does not
-    rank barriers, so with data at hand the data decides; the first candidate wins a tie (and any non-finite loss)."""
+    1/2, 3/4 on the first ``batches`` batches of ``data`` (:func:`symgraph.learn.path_loss`; ``known``: name ->
+    that loss, already measured there, not measured again), every candidate's loss in its ``path_losses``.
+    Activation costs and weight costs each win on some pairs (examples/RESULTS.md: activations on vit-digits and
+    llama-chars, weights on bert-topics and vit-digits-wide), and distance does not rank barriers, so with data at
+    hand the data decides; the first candidate wins a tie (and any non-finite loss)."""
     from .alignment import tied_lowest
     from .consensus import shared_float_names
     from .learn import path_loss
 
     names = shared_float_names(anchor_state, frozenset())
     try:
-        losses = {name: path_loss(model, anchor_state, c.state, names, data, batches)
-                  for name, c in candidates.items()}
+        losses = {name: path_loss(model, anchor_state, c.state, names, data, batches) if name not in (known or {})
+                  else known[name] for name, c in candidates.items()}
     except (ValueError, RuntimeError) as err:  # e.g. a base model's hidden states against next-token labels
         first = next(iter(candidates))
         warnings.warn(f"The data gives no {data.task} loss on this model ({err}); the {first} alignment is kept "

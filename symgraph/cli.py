@@ -683,9 +683,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
         if learned is not None:  # the reference does not move
             click.echo(f"model {i + 1} ({result.models[i]}){_learned_note(learned)}")
     for i, summary in enumerate(result.alignments):
-        if summary and _cost_summary(summary):  # the reference does not move
-            click.echo(f"model {i + 1} ({result.models[i]}), first aligned onto the reference"
-                       f"{_cost_summary(summary)}")
+        if summary and (kept := _cost_summary(summary)):  # the reference does not move
+            click.echo(f"model {i + 1} ({result.models[i]}), first aligned onto the reference{kept}")
 
 
 @cli.command(help="Loss barrier along the linear path from MODEL_A to MODEL_B, with MODEL_B aligned to MODEL_A in "

@@ -333,13 +333,13 @@ def path_loss(model: torch.nn.Module, anchor: State, other: State, names: Sequen
     return _InterpolatedLoss(model, anchor, names, data.task).evaluate(other, data.batches[:batches])
 
 
-def path_rise(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str],
+def path_and_end_losses(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str],
               data) -> tuple[float, float]:
-    """How far the path loss (:func:`path_loss`, every batch of ``data``) lies above the straight line between the
-    path's ends, and the mean loss of those ends (the line's mean at ``CHECKED_T``): what learning could lower."""
+    """The path loss (:func:`path_loss`, every batch of ``data``) and the mean loss of the path's ends (the mean of
+    the straight line between them at ``CHECKED_T``): how far the first lies above the second is what learning
+    could lower."""
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
-    ends = loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
-    return loss_at.evaluate(other, data.batches) - ends, ends
+    return loss_at.evaluate(other, data.batches), loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
 
 
 def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *, model: torch.nn.Module, data,
