@@ -148,6 +148,26 @@ def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
     assert code == 2 and "mean" in stderr and not (tmp_path / "bad").exists()
 
 
+def test_cli_merge_says_whether_the_first_alignment_learned_on_synthetic_data_unless_told_not_to(pair, tmp_path,
+                                                                                                  monkeypatch):
+    import symgraph.learn
+
+    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+    folders = saved(pair, tmp_path)
+    outputs, summaries = {}, {}
+    for name, extra in (("learning", ()), ("not learning", ("--no-synthetic-learning",))):
+        summary = tmp_path / f"{name}.json"
+        code, stdout, stderr = run("merge", *folders, "-o", tmp_path / name, "--frame", "reference", "--no-progress",
+                                   "--json", summary, *extra)
+        assert code == 0, stderr
+        outputs[name], summaries[name] = stdout, json.loads(summary.read_text())
+    other = next(a for a in summaries["learning"]["alignments"] if a is not None)
+    assert {"aligned", "learned"} <= other["path_losses"].keys()
+    assert "tuned by learning on synthetic data" in outputs["learning"]
+    assert "learning on synthetic data" not in outputs["not learning"]
+    assert not any(a and "learned" in a["path_losses"] for a in summaries["not learning"]["alignments"])
+
+
 def test_cli_merge_says_what_each_first_alignment_kept_unless_told_not_to_judge(pair, tmp_path):
     folders = saved(pair, tmp_path)
     summaries, outputs = {}, {}
