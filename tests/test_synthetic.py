@@ -312,3 +312,29 @@ def test_cli_barrier_align_and_merge_learn_on_synthetic_data(tmp_path, monkeypat
     assert made.count(48) >= 3 and LearnOptions.synthetic_examples not in made
     code, _, stderr = run("merge", a, b, "-o", tmp_path / "fisher", "--method", "fisher", "--data", "synthetic")
     assert code == 2 and "learned matching only" in stderr and not (tmp_path / "fisher").exists()
+
+
+def test_inputs_inverted_in_chunks_across_batches_come_back_in_their_places(monkeypatch):
+    """Classifier inputs are inverted INVERTED_TOGETHER examples at a time across batches, and each example comes
+    back in its batch and row; inverting an example among others moves it as inverting it alone does (its own
+    loss, Adam's steps per entry)."""
+    a, b = (symgraph.load(str(p)).model.eval() for p in shipped_pair("vit-digits"))
+    endpoints = [a.state_dict(), b.state_dict()]
+    monkeypatch.setattr(symgraph.synthetic, "INVERTED_TOGETHER", 3)
+    calls = []
+    monkeypatch.setattr(symgraph.synthetic, "_inverted", lambda model, states, inputs: calls.append(
+        len(inputs["pixel_values"])) or {k: v + 1 for k, v in inputs.items()})
+    data = synthetic_data(a, endpoints, examples=10, batch_size=4, seed=3)
+    assert calls == [3, 3, 3, 1] and [batch.size for batch in data.batches] == [4, 4, 2]
+    for index, batch in enumerate(data.batches):
+        drawn = example_inputs(a.config, batch=batch.size, seq=8, seed=3 + index)["pixel_values"]
+        assert torch.equal(batch.inputs["pixel_values"], drawn + 1)
+    monkeypatch.undo()
+    pixels = example_inputs(a.config, batch=2, seq=8, seed=0)["pixel_values"]
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        together = symgraph.synthetic._inverted(a, endpoints, {"pixel_values": pixels})["pixel_values"]
+        torch.manual_seed(5)
+        alone = symgraph.synthetic._inverted(a, endpoints, {"pixel_values": pixels[:1]})["pixel_values"]
+    assert not torch.equal(together[0], pixels[0])
+    torch.testing.assert_close(alone[0], together[0], rtol=1e-4, atol=1e-4)
