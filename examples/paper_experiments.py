@@ -283,9 +283,17 @@ def run_wide_pair(name: str, settings: Settings, figures: Path, wide_root: Path 
 
 def training_records(pair: Pair) -> dict:
     """What examples/train_models.py recorded for the pair's two models (seed, steps, test metrics, time)."""
-    folders = [Path(pair.a.path), Path(pair.b.path)]
-    records = json.loads((folders[0].parent / "training.json").read_text())["models"]
-    return {f.name: records[f.name] for f in folders}
+    folders = [Path(pair.a.path), Path(pair.b.path)]  # where the models were read from, links followed
+    found = {}
+    for folder in folders:
+        record = folder.parent / "training.json"
+        models = json.loads(record.read_text())["models"] if record.is_file() else {}
+        if folder.name not in models:
+            sys.exit(f"{record} has no record of {folder.name}: keep each wide pair's two models in one folder "
+                     f"with the training.json train_models.py wrote there (a folder of links to models trained "
+                     f"elsewhere is read where the links point)")
+        found[folder.name] = models[folder.name]
+    return found
 
 
 def best_alignment_merge(pair: Pair, result: dict, settings: Settings) -> dict:
