@@ -289,9 +289,9 @@ def training_records(pair: Pair) -> dict:
         record = folder.parent / "training.json"
         models = json.loads(record.read_text())["models"] if record.is_file() else {}
         if folder.name not in models:
-            sys.exit(f"{record} has no record of {folder.name}: keep each wide pair's two models in one folder "
-                     f"with the training.json train_models.py wrote there (a folder of links to models trained "
-                     f"elsewhere is read where the links point)")
+            sys.exit(f"{record} has no record of {folder.name}: a wide model is read with the training.json that "
+                     f"examples/train_models.py wrote beside it (through links, beside where they point); train "
+                     f"the pair with --wide-models FOLDER, or copy that record there")
         found[folder.name] = models[folder.name]
     return found
 
