@@ -427,8 +427,8 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     tuned by a short learned matching on synthetic examples (the models' own samples, or a classifier's inverted
     inputs, the endpoints' mean prediction as soft targets; steps, checks and examples:
     :data:`symgraph.learn.SYNTHETIC_LEARNING_STEPS` and the rest), whichever has the lower path loss on the judge's
-    examples (other draws). Skipped where the weights found the reparametrisation the source is, where no
-    synthetic data can be made, and where the path of ``aligned`` on the judge's examples rises above the line
+    examples (other draws). Skipped where the weights found the reparametrisation the source is, where the groups
+    aligned have no continuous part to learn (``only``, ``layers``), where no synthetic data can be made, and where the path of ``aligned`` on the judge's examples rises above the line
     between its ends by no more than :data:`~symgraph.learn.SYNTHETIC_LEARNING_RISE` of their loss: no barrier for
     learning to lower (fine-tunes, random twins). ``result.learned`` holds the record where the learned one is kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
@@ -436,13 +436,20 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
     from .alignment import found_share, recovered
     from .consensus import shared_float_names
-    from .errors import DataError
     from .learn import (SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES, SYNTHETIC_LEARNING_LENGTH,
                         SYNTHETIC_LEARNING_RISE, SYNTHETIC_LEARNING_STEPS, LearnError, LearnOptions,
-                        path_and_end_losses)
+                        check_learnable, path_and_end_losses)
     from .synthetic import SPEC
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
+        return aligned
+    options = LearnOptions(steps=SYNTHETIC_LEARNING_STEPS, checks=SYNTHETIC_LEARNING_CHECKS,
+                           synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, synthetic_length=SYNTHETIC_LEARNING_LENGTH,
+                           seed=1)
+    try:
+        check_learnable(groups, options)
+    except LearnError as error:  # groups chosen with --only or --layers may hold no continuous part
+        _log.info("full mode learns nothing on synthetic data: %s", error)
         return aligned
     judged = judge.examples.inverted()
     if judged is None:
@@ -457,12 +464,9 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
                   rise, ends, judged.name)
         return aligned
     clock = time.perf_counter()
-    options = LearnOptions(steps=SYNTHETIC_LEARNING_STEPS, checks=SYNTHETIC_LEARNING_CHECKS,
-                           synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, synthetic_length=SYNTHETIC_LEARNING_LENGTH,
-                           seed=1)
     try:
         tuned = learned(src, groups, state, anchor_state, on_weights, SPEC, options, free, progress)
-    except (DataError, LearnError) as error:  # a candidate only: its failure costs the alignment made so far
+    except (SymgraphError, RuntimeError, ValueError) as error:  # a candidate only: its failure costs the alignment
         _log.info("full mode keeps its alignment: learning on synthetic data failed (%s: %s)",
                   type(error).__name__, error)
         return aligned
@@ -504,9 +508,10 @@ def learned(subject: Subject, groups, state, anchor_state, start, data, learn, f
     """``start`` (an alignment of ``state`` to ``anchor_state`` within ``groups``) tuned by learned matching on the
     training split of ``data`` (:func:`symgraph.learn.learn_alignment`); ``learn`` is True or the options."""
     from .consensus import shared_float_names
-    from .learn import LearnOptions, learn_alignment, training_data
+    from .learn import LearnOptions, check_learnable, learn_alignment, training_data
 
     options = (learn if isinstance(learn, LearnOptions) else LearnOptions()).checked()
+    check_learnable(groups, options)  # before the data is made
     dataset = training_data(data, subject, options, (state, anchor_state))
     result, record = learn_alignment(groups, state, anchor_state, start, model=subject.model, data=dataset,
                                      names=shared_float_names(anchor_state, exclude), options=options,

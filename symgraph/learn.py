@@ -71,7 +71,7 @@ from .progress import progress_bar
 from .solve.kernels import MAX_CONDITION
 from .synthetic import LENGTH as SYNTHETIC_LENGTH
 
-__all__ = ["LearnError", "LearnOptions", "held_out", "learn_alignment", "path_loss", "training_data"]
+__all__ = ["LearnError", "LearnOptions", "check_learnable", "held_out", "learn_alignment", "path_loss", "training_data"]
 
 State = dict[str, torch.Tensor]
 T_CHOICES = ("auto", "midpoint", "random")
@@ -101,7 +101,8 @@ SYNTHETIC_LEARNING_RISE = 0.05
 
 
 class LearnError(SymgraphError):
-    """Learned matching could not finish (the loss, the proxy weights or the elements stopped being finite)."""
+    """Learned matching could not start (nothing in the groups to learn) or finish (the loss, the proxy weights or
+    the elements stopped being finite)."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +343,25 @@ def path_and_end_losses(model: torch.nn.Module, anchor: State, other: State, nam
     return loss_at.evaluate(other, data.batches), loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
 
 
+def check_learnable(groups, options: LearnOptions) -> None:
+    """Refuse, before any data is made, groups in which ``options.method`` has nothing to move: the direct method
+    learns continuous parts (rotations, general linear maps, scales), and permutations and signs stay where the
+    start put them; the straight-through method learns permutations too."""
+    from .continuous import has_continuous_part
+
+    moves = has_continuous_part if options.method == "direct" else (
+        lambda g: has_continuous_part(g) or (g.kind == "permutation" and g.size > 1))
+    if not any(map(moves, groups)):
+        kinds = sorted({g.kind for g in groups})
+        raise LearnError(f"Learned matching ({options.method} method) has nothing to learn in the "
+                         f"{len(groups)} groups aligned (kinds: {', '.join(kinds) or 'none'}): it moves "
+                         f"{'continuous group elements' if options.method == 'direct' else 'group elements'}, "
+                         f"and these have none.",
+                         hint="align more groups (drop --only or --layers), or learn permutations with "
+                              "--learn-method ste." if options.method == "direct" else
+                              "align more groups (drop --only or --layers).")
+
+
 def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *, model: torch.nn.Module, data,
                     names: Sequence[str], options: LearnOptions = LearnOptions(), cost_excluded=(),
                     progress: bool = True) -> tuple[AlignResult, LearnRecord]:
@@ -353,6 +373,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     ``options.backtracks`` are spent.
     """
     options = resolved_t(options.checked())  # ``auto`` left to here: the whole path
+    check_learnable(groups, options)
     clock = time.perf_counter()
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
     run = (_DirectRun(groups, start, loss_at, data, options) if options.method == "direct" else

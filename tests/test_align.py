@@ -344,6 +344,26 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
     assert max(float((result.state[k] - unlearned.state[k]).abs().max()) for k in result.state) == 0
 
 
+def test_full_mode_learns_nothing_in_groups_without_a_continuous_part_and_learn_says_so_before_any_data(
+        monkeypatch, caplog):
+    """A ViT's FFN groups are permutations alone (GELU pins their scales): the direct method has nothing to move
+    there. Full mode skips its short learning before measuring anything (it crashed in torch's Adam on an empty
+    parameter list), and an explicit --learn is refused with what to do before its data is made."""
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), only="ffn")
+    assert {e.group.kind for e in result.elements} == {"permutation"}
+    assert result.learned is None and "judge_rise" not in result.timings
+    assert "learns nothing on synthetic data: Learned matching (direct method) has nothing to learn" in caplog.text
+    monkeypatch.setattr(symgraph.learn, "training_data", lambda *args, **kwargs: pytest.fail("data was made"))
+    with pytest.raises(symgraph.learn.LearnError, match="nothing to learn") as refused:
+        symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), only="ffn", learn=True,
+                       learn_data="synthetic")
+    assert "--learn-method ste" in refused.value.hint
+
+
 def test_api_full_mode_keeps_the_weights_where_synthetic_activations_cannot_be_recorded(monkeypatch, caplog):
     a, b = (zoo.build("vit", seed=s) for s in (0, 1))
     inputs = zoo.example_inputs_for("vit", a)
