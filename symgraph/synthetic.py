@@ -41,8 +41,10 @@ TASK_LENGTH = 8  # tokens the task is found at
 CANNOT_RUN = (IndexError, RuntimeError, ValueError)
 SAMPLED_TOGETHER = 128  # sequences one generate() call samples (their key-value caches are held together)
 # examples inverted together: a small classifier's steps cost little more for 128 than for 32 (vit-digits, one
-# thread: 0.75 s per 32 examples inverted 32 at a time, 0.35 s 128 at a time; the wide ViT's cost grows with them)
-INVERTED_TOGETHER = 128
+# thread: 0.75 s per 32 examples inverted 32 at a time, 0.35 s 128 at a time; the wide ViT's cost grows with them),
+# more than a batch only while one forward over them writes at most INVERTED_ELEMENTS tensor elements (memory:
+# both endpoints' passes are held for the backward; the wide ViT writes some 1e8 over 128)
+INVERTED_TOGETHER, INVERTED_ELEMENTS = 128, 1e8
 TOP = 64  # classes (tokens) per soft target: a large vocabulary's tail is left out (memory)
 JUDGE_EXAMPLES = 64  # synthetic examples a judge scores candidate alignments or merges on
 # the largest model a judge makes examples for, refused without running it (one of 58M parameters, vocabulary
@@ -191,16 +193,18 @@ def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, 
 
 def _inverted_together(model: torch.nn.Module, endpoints: Sequence[State], batches: list[dict[str, torch.Tensor]]
                        ) -> list[dict[str, torch.Tensor]]:
-    """``batches`` inverted (:func:`_inverted`) :data:`INVERTED_TOGETHER` examples at a time, across batches where
-    every input leads with the examples' axis (each batch alone otherwise); each example is moved by its own loss
-    (the steps' mean loss over the examples, Adam's steps per entry), so the chunks change the draws of the
-    classes, not the method."""
+    """``batches`` inverted (:func:`_inverted`) up to :data:`INVERTED_TOGETHER` examples at a time across batches
+    (more than the first batch holds only within :data:`INVERTED_ELEMENTS`), where every input leads with the
+    examples' axis (each batch alone otherwise); each example is moved by its own loss (the steps' mean loss over
+    the examples, Adam's steps per entry), so the chunks change the draws of the classes, not the method."""
     sizes = [len(next(iter(batch.values()))) for batch in batches]
     if not all(v.dim() and len(v) == size for batch, size in zip(batches, sizes) for v in batch.values()):
         return [_inverted(model, endpoints, batch) for batch in batches]
     whole = {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}
-    chunks = [_inverted(model, endpoints, {key: v[start:start + INVERTED_TOGETHER] for key, v in whole.items()})
-              for start in range(0, sum(sizes), INVERTED_TOGETHER)]
+    one = max(1, elements_written(model, endpoints[0], {key: v[:1] for key, v in whole.items()}))
+    together = min(INVERTED_TOGETHER, max(sizes[0], int(INVERTED_ELEMENTS // one)))
+    chunks = [_inverted(model, endpoints, {key: v[start:start + together] for key, v in whole.items()})
+              for start in range(0, sum(sizes), together)]
     moved = {key: torch.cat([chunk[key] for chunk in chunks]).split(sizes) for key in whole}
     return [{key: moved[key][index] for key in whole} for index in range(len(batches))]
 

@@ -329,6 +329,16 @@ def test_inputs_inverted_in_chunks_across_batches_come_back_in_their_places(monk
     for index, batch in enumerate(data.batches):
         drawn = example_inputs(a.config, batch=batch.size, seq=8, seed=3 + index)["pixel_values"]
         assert torch.equal(batch.inputs["pixel_values"], drawn + 1)
+    # past INVERTED_ELEMENTS (memory: both passes are held for the backward) chunks stay at a batch's size
+    monkeypatch.setattr(symgraph.synthetic, "INVERTED_TOGETHER", 128)
+    monkeypatch.setattr(symgraph.synthetic, "INVERTED_ELEMENTS", 1)
+    calls.clear()
+    synthetic_data(a, endpoints, examples=10, batch_size=4, seed=3)
+    assert calls == [4, 4, 2]
+    monkeypatch.setattr(symgraph.synthetic, "INVERTED_ELEMENTS", 1e8)
+    calls.clear()
+    synthetic_data(a, endpoints, examples=10, batch_size=4, seed=3)
+    assert calls == [10]
     monkeypatch.undo()
     pixels = example_inputs(a.config, batch=2, seq=8, seed=0)["pixel_values"]
     with torch.random.fork_rng():
