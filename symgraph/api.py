@@ -429,8 +429,9 @@ def _or_synthetic_learning(aligned, on_weights, judge, src: Subject, groups, sta
     :data:`symgraph.learn.SYNTHETIC_LEARNING_STEPS` and the rest), whichever has the lower path loss on the judge's
     examples (other draws). Skipped where the weights found the reparametrisation the source is, where the groups
     aligned have no continuous part to learn (``only``, ``layers``), where no synthetic data can be made, and where
-    the path of ``aligned`` on the judge's examples rises above the line between its ends by no more than :data:`~symgraph.learn.SYNTHETIC_LEARNING_RISE` of their loss: no barrier for
-    learning to lower (fine-tunes, random twins). ``result.learned`` holds the record where the learned one is kept.
+    the path of ``aligned`` on the judge's examples rises above the line between its ends by no more than
+    :data:`~symgraph.learn.SYNTHETIC_LEARNING_RISE` of their loss: no barrier for learning to lower (fine-tunes,
+    random twins). ``result.learned`` holds the record where the learned one is kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
     barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
     tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
