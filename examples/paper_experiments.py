@@ -1000,8 +1000,9 @@ WIDE_NOTES = """\
   distance to A from 0.71 to 2.39; its merged loss falls (1.3187 -> 1.2063), and the output is checked as every
   alignment is.
 - **A crash the rerun found (stop 53).** The first attempt at these tables stopped in the ablations: full mode with
-  `only="residual"` on llama-chars (unfolded: its residual group is permutations alone) started the short learning
-  on groups with nothing continuous to learn, and torch's Adam refused an empty parameter list (`ValueError`).
+  `only="ffn"` on vit-digits (GELU pins the FFN's scales: its groups are permutations alone) started the short
+  learning on groups with nothing continuous to learn, and torch's Adam refused an empty parameter list
+  (`ValueError`).
   Learned matching now refuses such groups before any data is made (`symgraph.learn.check_learnable`: the direct
   method needs a continuous part, the straight-through one a permutation), and full mode skips its short learning
   there; a test covers both through `align`. To look for more of the kind, the short learning was forced on every
