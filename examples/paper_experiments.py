@@ -1025,8 +1025,12 @@ WIDE_NOTES = """\
   one thread beside other runs): 0.477, above the default's 0.424. Its checks every 600 steps found the best path
   loss at the first (1.468 on the training batches), then 1.470, 1.484, 1.504 at the full rate, and patience
   stopped it at step 2400 (466 s). The 2000-step run of Beta(16, 16) that gave 0.357 gained in its annealed half;
-  a long run at the full rate only wanders. An average of the iterates (Polyak, or an exponential moving average)
-  gives the annealed point's calm without its length and is the next thing to try.
+  a long run at the full rate only wanders. Checking an exponential moving average of the iterates instead of the
+  iterate (a scratch patch: the element parameters and bases averaged after every step, orthogonal bases projected
+  back by SVD, the average reset on a backtrack) did not break through either: 1000 steps at the defaults 0.418
+  (decay 0.99; 0.424 without), Beta(16, 16) with 2000 steps 0.364 (0.99) and with 3000 steps 0.376 (0.995). Both
+  long runs' checks flattened near 1.434-1.438 on the training batches and patience stopped them at steps 1600 and
+  1800 (211 s and 238 s).
 """
 
 
