@@ -71,7 +71,8 @@ from .progress import progress_bar
 from .solve.kernels import MAX_CONDITION
 from .synthetic import LENGTH as SYNTHETIC_LENGTH
 
-__all__ = ["LearnError", "LearnOptions", "check_learnable", "held_out", "learn_alignment", "path_loss", "training_data"]
+__all__ = ["LearnError", "LearnOptions", "check_learnable", "held_out", "learn_alignment", "path_loss",
+           "training_data"]
 
 State = dict[str, torch.Tensor]
 T_CHOICES = ("auto", "midpoint", "random")
@@ -344,22 +345,19 @@ def path_and_end_losses(model: torch.nn.Module, anchor: State, other: State, nam
 
 
 def check_learnable(groups, options: LearnOptions) -> None:
-    """Refuse, before any data is made, groups in which ``options.method`` has nothing to move: the direct method
-    learns continuous parts (rotations, general linear maps, scales), and permutations and signs stay where the
-    start put them; the straight-through method learns permutations too."""
+    """Refuse, before any data is made, groups in which the direct method has nothing to move: it learns the
+    continuous parts (rotations, general linear maps, scales), and permutations and signs stay where the start put
+    them. The straight-through method moves proxy weights and projects them onto every group: it always runs."""
     from .continuous import has_continuous_part
 
-    moves = has_continuous_part if options.method == "direct" else (
-        lambda g: has_continuous_part(g) or (g.kind == "permutation" and g.size > 1))
-    if not any(map(moves, groups)):
-        kinds = sorted({g.kind for g in groups})
-        raise LearnError(f"Learned matching ({options.method} method) has nothing to learn in the "
-                         f"{len(groups)} groups aligned (kinds: {', '.join(kinds) or 'none'}): it moves "
-                         f"{'continuous group elements' if options.method == 'direct' else 'group elements'}, "
-                         f"and these have none.",
-                         hint="align more groups (drop --only or --layers), or learn permutations with "
-                              "--learn-method ste." if options.method == "direct" else
-                              "align more groups (drop --only or --layers).")
+    if options.method != "direct" or any(map(has_continuous_part, groups)):
+        return
+    kinds = sorted({g.kind for g in groups})
+    raise LearnError(f"Learned matching (direct method) has nothing to learn in the {len(groups)} groups aligned "
+                     f"(kinds: {', '.join(kinds) or 'none'}): it moves continuous group elements, and these have "
+                     f"none.",
+                     hint="align more groups (drop --only or --layers), or learn permutations with --learn-method "
+                          "ste.")
 
 
 def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *, model: torch.nn.Module, data,

@@ -362,6 +362,9 @@ def test_full_mode_learns_nothing_in_groups_without_a_continuous_part_and_learn_
         symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), only="ffn", learn=True,
                        learn_data="synthetic")
     assert "--learn-method ste" in refused.value.hint
+    # the straight-through method moves proxy weights and projects them onto every group: never refused
+    ffn = symgraph.alignment.select_groups(symgraph.load(a, inputs).report.groups, only="ffn")
+    symgraph.learn.check_learnable(ffn, symgraph.learn.LearnOptions(method="ste"))
 
 
 def test_api_full_mode_keeps_the_weights_where_synthetic_activations_cannot_be_recorded(monkeypatch, caplog):

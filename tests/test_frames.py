@@ -148,42 +148,41 @@ def test_cli_merge_says_which_frame_and_why(pair, tmp_path):
     assert code == 2 and "mean" in stderr and not (tmp_path / "bad").exists()
 
 
-def test_cli_merge_says_whether_the_first_alignment_learned_on_synthetic_data_unless_told_not_to(pair, tmp_path,
-                                                                                                  monkeypatch):
-    import symgraph.learn
-
-    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
-    folders = saved(pair, tmp_path)
+def merged_without_and_with(folders, tmp_path, flag: str) -> tuple[dict, dict]:
+    """``merge --frame reference`` of ``folders`` through the CLI without and with ``flag``: each run's stdout and
+    its --json summary, keyed ``without`` and ``with``."""
     outputs, summaries = {}, {}
-    for name, extra in (("learning", ()), ("not learning", ("--no-synthetic-learning",))):
+    for name, extra in (("without", ()), ("with", (flag,))):
         summary = tmp_path / f"{name}.json"
         code, stdout, stderr = run("merge", *folders, "-o", tmp_path / name, "--frame", "reference", "--no-progress",
                                    "--json", summary, *extra)
         assert code == 0, stderr
         outputs[name], summaries[name] = stdout, json.loads(summary.read_text())
-    other = next(a for a in summaries["learning"]["alignments"] if a is not None)
+    return outputs, summaries
+
+
+def test_cli_merge_says_whether_the_first_alignment_learned_on_synthetic_data_unless_told_not_to(pair, tmp_path,
+                                                                                                  monkeypatch):
+    import symgraph.learn
+
+    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+    outputs, summaries = merged_without_and_with(saved(pair, tmp_path), tmp_path, "--no-synthetic-learning")
+    other = next(a for a in summaries["without"]["alignments"] if a is not None)
     assert {"aligned", "learned"} <= other["path_losses"].keys()
-    assert "tuned by learning on synthetic data" in outputs["learning"]
-    assert "learning on synthetic data" not in outputs["not learning"]
-    assert not any(a and "learned" in a["path_losses"] for a in summaries["not learning"]["alignments"])
+    assert "tuned by learning on synthetic data" in outputs["without"]
+    assert "learning on synthetic data" not in outputs["with"]
+    assert not any(a and "learned" in a["path_losses"] for a in summaries["with"]["alignments"])
 
 
 def test_cli_merge_says_what_each_first_alignment_kept_unless_told_not_to_judge(pair, tmp_path):
-    folders = saved(pair, tmp_path)
-    summaries, outputs = {}, {}
-    for name, extra in (("judged", ()), ("by weights", ("--no-judge-starts",))):
-        summary = tmp_path / f"{name}.json"
-        code, stdout, stderr = run("merge", *folders, "-o", tmp_path / name, "--frame", "reference", "--no-progress",
-                                   "--json", summary, *extra)
-        assert code == 0, stderr
-        summaries[name], outputs[name] = json.loads(summary.read_text()), stdout
-    alignments = summaries["judged"]["alignments"]
-    reference = summaries["judged"]["consensus"]["reference"]
+    outputs, summaries = merged_without_and_with(saved(pair, tmp_path), tmp_path, "--no-judge-starts")
+    alignments = summaries["without"]["alignments"]
+    reference = summaries["without"]["consensus"]["reference"]
     other = alignments[1 - reference]
     assert alignments[reference] is None and other["judged_on"].startswith("synthetic")
     kept = min(("weights", "activations"), key=other["path_losses"].get)
     assert (kept == "activations") == ("activations" in other["costs"])
-    assert f"model {2 - reference} (" in outputs["judged"]
-    assert "first aligned onto the reference; costs:" in outputs["judged"]
-    assert "lower path loss on synthetic" in outputs["judged"]
-    assert summaries["by weights"]["alignments"] == [] and "path loss" not in outputs["by weights"]
+    assert f"model {2 - reference} (" in outputs["without"]
+    assert "first aligned onto the reference; costs:" in outputs["without"]
+    assert "lower path loss on synthetic" in outputs["without"]
+    assert summaries["with"]["alignments"] == [] and "path loss" not in outputs["with"]
