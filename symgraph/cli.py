@@ -123,10 +123,12 @@ _JUDGE_OPTIONS = [
                  help="Full mode without data: also align the residual stream on activations of the judge's "
                       "synthetic examples and keep that alignment where its path loss on them is lower (the "
                       "wide ViT pair's barrier 2.35 -> 0.57; see README.md)."),
-    click.option("--synthetic-learning/--no-synthetic-learning", default=True, show_default=True,
-                 help="Full mode without data: where the path rises above its ends on the judge's synthetic "
-                      "examples, tune the alignment by a short learned matching (50 steps) on other synthetic "
-                      "examples and keep it where its path loss on the judge's is lower (see README.md)."),
+    click.option("--short-learning/--no-short-learning", default=True, show_default=True,
+                 help="Full mode without --learn: where the path rises above its ends on the judged examples "
+                      "(without --data the judge's synthetic ones, with it the batches of the activation costs), "
+                      "tune the alignment by a short learned matching (50 steps) on other examples (synthetic, or "
+                      "the data's other batches) and keep it where its path loss on the judged ones is lower (see "
+                      "README.md)."),
 ]
 
 
@@ -326,11 +328,11 @@ def _learning(learn_steps, learn_lr, learn_batch_size, learn_t, learn_t_concentr
 
 
 def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts, synthetic_activations,
-             synthetic_learning, general_linear, balance, residual) -> dict:
+             short_learning, general_linear, balance, residual) -> dict:
     """The :func:`symgraph.align` keywords of :func:`_descent_options`."""
     return dict(rescale=not no_rescale, refine_rounds=refine_rounds, tolerance=tolerance,
                 matching_start=matching_start, judge_starts=judge_starts,
-                synthetic_activations=synthetic_activations, synthetic_learning=synthetic_learning,
+                synthetic_activations=synthetic_activations, short_learning=short_learning,
                 general_linear=general_linear, balance=balance,
                 residual=residual)
 
@@ -371,7 +373,7 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --stream: the largest output shard (e.g. 2GB, 500MB).")
 def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds, tolerance, matching_start,
-          judge_starts, synthetic_activations, synthetic_learning, general_linear, balance, residual, stats_path,
+          judge_starts, synthetic_activations, short_learning, general_linear, balance, residual, stats_path,
           overwrite, quiet, fold,
           untie, data_spec, data_batches, data_batch_size, data_groups, learn, learn_data_spec, free_outputs, device,
           dtype,
@@ -411,7 +413,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                        learn=learn and _learning(**learning),
                        learn_data=learn_data_spec,
                        **_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
-                                  synthetic_activations, synthetic_learning, general_linear, balance, residual))
+                                  synthetic_activations, short_learning, general_linear, balance, residual))
     result.timings["load"] = loading
     clock = time.perf_counter()
     with _side_file(stats_path, lambda: json.dumps(result.to_json(), indent=1)):
@@ -477,7 +479,7 @@ def _learned_note(learned: dict | None) -> str:
 
 def _cost_summary(summary: dict) -> str:
     """How many groups took which cost, and the candidates' path losses the data (or, without it, the synthetic
-    examples) chose between, then whether full mode's short learning on synthetic data was kept; ``summary`` is
+    examples) chose between, then whether full mode's short learning was kept; ``summary`` is
     :func:`symgraph.connectivity.alignment_summary`'s."""
     counts, losses = summary.get("costs"), summary.get("path_losses", {})
     text = ""
@@ -488,7 +490,7 @@ def _cost_summary(summary: dict) -> str:
         text = "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
     if "learned" in losses:  # the record is there only when the learned alignment was kept
         verdict = "kept" if summary.get("learned") else "not kept"
-        text += (f"; tuned by learning on synthetic data, {verdict} (path loss on {summary.get('judged_on')}: "
+        text += (f"; tuned by a short learning, {verdict} (path loss on {summary.get('judged_on')}: "
                  f"{losses['aligned']:.4g} before, {losses['learned']:.4g} learned)")
     return text
 
@@ -642,7 +644,7 @@ def demo(out_dir, quick, overwrite):
 @_compute_options("the alignment's costs, SVDs and moves and RegMean's solves run", "float64")
 def merge(models, output, method, align_mode, data_specs, split, batch_size, limit, weights, head_from,
           head_patterns, alpha, rounds, frame, json_path, overwrite, no_progress, stream, shard_size, fold, untie,
-          learn, free_outputs, workers, device, dtype, judge_starts, synthetic_activations, synthetic_learning,
+          learn, free_outputs, workers, device, dtype, judge_starts, synthetic_activations, short_learning,
           **learning):
     from .alignment import compute_device
     from .merging import merge as run_merge
@@ -668,7 +670,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
                        workers=workers,
                        learn=learn and _learning(**learning), device=device, dtype=dtype,
                        judge_starts=judge_starts, synthetic_activations=synthetic_activations,
-                       synthetic_learning=synthetic_learning)
+                       short_learning=short_learning)
     with _side_file(json_path, lambda: json.dumps(result.to_json(), indent=1)):
         result.save(output, overwrite=overwrite)
     distances = ", ".join(f"{d:.3g}" for d in result.distances)
@@ -717,7 +719,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @_compute_options("every alignment computes its costs and applies its moves",
                   "float64 for float64 models, float32 otherwise")
 def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_rescale, refine_rounds, tolerance,
-            matching_start, judge_starts, synthetic_activations, synthetic_learning, general_linear, balance, residual,
+            matching_start, judge_starts, synthetic_activations, short_learning, general_linear, balance, residual,
             align_data,
             learn_data_spec, data_batches, data_batch_size, data_groups, output, json_path, no_progress, fold, untie,
             device, dtype, **learning):
@@ -734,7 +736,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
                          split=split, progress=not no_progress, fold=fold, untie=untie, device=device, dtype=dtype,
                          learn=_learning(**learning), learn_data=learn_data_spec,
                          align_options={**_descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
-                                                   synthetic_activations, synthetic_learning, general_linear,
+                                                   synthetic_activations, short_learning, general_linear,
                                                    balance, residual),
                                         **({"align_data": align_data} if align_data else {}),
                                         **(dict(data_batches=data_batches, data_batch_size=data_batch_size,

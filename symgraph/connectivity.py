@@ -119,9 +119,10 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         How a data SPEC is loaded.
     align_options
         Passed to every :func:`symgraph.align` call: ``only``, ``rescale``, ``layers``, ``refine_rounds``,
-        ``tolerance``, ``matching_start``, ``judge_starts``, ``synthetic_activations``, ``synthetic_learning``,
+        ``tolerance``, ``matching_start``, ``judge_starts``, ``synthetic_activations``, ``short_learning``,
         ``general_linear``, ``balance`` (the ablations, the descent's length, the choice of start, full mode's
-        alignment on activations of synthetic examples and its short learning on them without data, GL heads, costs
+        alignment on activations of synthetic examples, its short learning (without data on synthetic examples,
+        in ``full+data`` on the alignment data's other batches), GL heads, costs
         in units of each tensor's scale),
         and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
         ``data_batch_size`` and ``data_groups``.
@@ -370,7 +371,7 @@ def _save_figure(figure, path: Path) -> Path:
 
 DATA_OPTIONS = ("align_data", "data_batches", "data_batch_size", "data_groups")  # for full+data only
 ALIGN_OPTIONS = ("only", "rescale", "layers", "refine_rounds", "tolerance", "matching_start", "judge_starts",
-                 "synthetic_activations", "synthetic_learning", "general_linear", "balance", "residual",
+                 "synthetic_activations", "short_learning", "general_linear", "balance", "residual",
                  *DATA_OPTIONS)
 
 

@@ -93,7 +93,7 @@ MIXUP = 1.0
 T_CONCENTRATION = 4.0
 
 # Full mode without data ends with a short learned matching on synthetic examples (:func:`symgraph.align`), where
-# the judge's examples show the path rising above its ends by more than SYNTHETIC_LEARNING_RISE of their loss. Its
+# the judge's examples show the path rising above its ends by more than SHORT_LEARNING_RISE of their loss. Its
 # examples are drawn with seed 1, the judge's with seed 0. Where the path rises little, the judge's synthetic
 # examples hold little barrier to lower, and learning fits their distribution instead: the wide ViT (rise 0.043 of
 # its ends' loss after data-free full alignment) learned there raised its test barrier from 0.622 to 1.560 (0.997
@@ -101,9 +101,9 @@ T_CONCENTRATION = 4.0
 # helps, the path rises far: llama-chars 0.68 (test barrier 1.572 -> 0.716), vit-digits 0.81 (2.878 -> 0.986),
 # the wide LLaMA 0.42; random twins and bert-topics below 0.005. The bound sits between, about 3x from
 # each side (0.05 until stop 54, just above the wide ViT).
-SYNTHETIC_LEARNING_STEPS, SYNTHETIC_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES = 50, 2, 256
+SHORT_LEARNING_STEPS, SHORT_LEARNING_CHECKS, SYNTHETIC_LEARNING_EXAMPLES = 50, 2, 256
 SYNTHETIC_LEARNING_LENGTH = 64  # tokens per sampled sequence (the judge's have 128)
-SYNTHETIC_LEARNING_RISE = 0.15
+SHORT_LEARNING_RISE = 0.15
 
 
 class LearnError(SymgraphError):

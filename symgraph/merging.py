@@ -132,7 +132,7 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
           learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
           workers: str = "local", device="cpu", dtype=None, judge_starts: bool = True,
-          synthetic_activations: bool = True, synthetic_learning: bool = True) -> MergeResult:
+          synthetic_activations: bool = True, short_learning: bool = True) -> MergeResult:
     """Merge two or more models of one architecture.
 
     Parameters
@@ -199,17 +199,18 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         ``float32`` or ``float64`` (default float64): the alignment's costs, SVDs and moves
         (:func:`symgraph.alignment.align_states`) and RegMean's solves. Statistics, means and the result stay
         float64 on the CPU. A device this machine lacks, or another dtype, is refused before any model is read.
-    judge_starts, synthetic_activations, synthetic_learning
+    judge_starts, synthetic_activations, short_learning
         ``align="full"`` without learning or heads of their own: each model's first alignment onto the reference is
         made as :func:`symgraph.align` makes it without data (with ``judge_starts``, its descent starts judged by
         their path loss on synthetic examples; with ``synthetic_activations`` too, the alignment on activations of
-        those examples kept where its path loss is lower; with ``synthetic_learning``, that alignment tuned by a
+        those examples kept where its path loss is lower; with ``short_learning``, that alignment tuned by a
         short learned matching on other synthetic examples where the path rises above its ends, and kept where its
         path loss is lower), in this process; ``result.alignments`` says what each
         kept. Otherwise, and in the rounds of three or more models and of the common frame, by weights alone. With
         ``data``, each frame is also tried with its first alignments by weights alone, and each model's frame with
-        them on activations of the data (as ``"full+data"``), the merge with the lowest loss on the data kept (the
-        frame's label then ends in "aligned by weights" or "aligned on activations of the data").
+        them on activations of the data (as ``"full+data"``, with its short learning on the data's other batches
+        unless ``short_learning`` is False or the merge learns), the merge with the lowest loss on the data kept
+        (the frame's label then ends in "aligned by weights" or "aligned on activations of the data").
 
     Examples
     --------
@@ -249,15 +250,16 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     judged = merge_examples(subjects[0].model, [subjects[i].state_dict() for i in order]) if (
         len(frames) > 1 and not datasets and not learn and not exclude) else None
     scored_on = datasets or ([judged] if judged is not None else [])
-    first_pass = _FirstAlignments(subjects, synthetic_activations, synthetic_learning, device, dtype) if (
+    first_pass = _FirstAlignments(subjects, synthetic_activations, short_learning, device, dtype) if (
         align == "full" and judge_starts and not learn and not exclude) else None
     for label, reference, common, passing, activations in _candidates(frames, first_pass, bool(datasets), on_data):
         records: list[dict] = []  # what learning did, model by model, in this frame
         learner = _learner(subjects[0], data, _merge_learning(learn, method, w, reference), exclude, progress,
                            records) if learn else None
         try:
-            moved, kept_on_activations = _aligned_on_activations(subjects, datasets, reference, device, dtype) if (
-                activations) else (subjects, ())
+            moved, kept_on_activations = _aligned_on_activations(
+                subjects, datasets, reference, device, dtype, short_learning and not learn) if activations else (
+                subjects, ())
         except (SymgraphError, RuntimeError, ValueError) as error:
             if on_data:  # asked for: its failure is the merge's
                 raise
@@ -895,9 +897,10 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
 
 # -- data and states ------------------------------------------------------------------------------------------------
 def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: int, device="cpu",
-                            dtype=None) -> tuple[list[Subject], tuple[dict | None, ...]]:
+                            dtype=None, short_learning: bool = True) -> tuple[list[Subject], tuple[dict | None, ...]]:
     """The reference model, and every other aligned to it in full mode with activation costs on its own data
-    (checked to compute what it computed); and per model what its alignment kept (None for the reference)."""
+    (checked to compute what it computed; with ``short_learning``, tuned on the data's other batches as
+    :func:`symgraph.align` tunes it); and per model what its alignment kept (None for the reference)."""
     from .connectivity import alignment_summary
 
     out, summaries = list(subjects), [None] * len(subjects)
@@ -905,7 +908,7 @@ def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: 
         if i == reference:
             continue
         result = align_pair(subject, subjects[reference], mode="full", data=data, fold=False, device=device,
-                            dtype=dtype)
+                            dtype=dtype, short_learning=short_learning)
         model = copy.deepcopy(subject.model)
         model.load_state_dict(result.state)
         out[i] = dataclasses.replace(subject, model=model, weights_from_path=False, _capture=None, _report=None)
@@ -920,9 +923,9 @@ class _FirstAlignments:
     losses where weights alone did not (README.md, merges align as align does; the wide ViT's merge 2.10 -> 0.65).
     Only the elements and what was kept are held, not the aligned states."""
 
-    def __init__(self, subjects: list[Subject], synthetic_activations: bool, synthetic_learning: bool, device, dtype):
+    def __init__(self, subjects: list[Subject], synthetic_activations: bool, short_learning: bool, device, dtype):
         self.subjects, self.synthetic_activations = subjects, synthetic_activations
-        self.synthetic_learning = synthetic_learning
+        self.short_learning = short_learning
         self.device, self.dtype = device, dtype
         self.made: dict[tuple[int, int], tuple[list, dict]] = {}  # (model, reference) -> (elements, summary)
 
@@ -932,7 +935,7 @@ class _FirstAlignments:
         if (index, reference) not in self.made:  # checked with the consensus, at its end
             result = align_pair(self.subjects[index], self.subjects[reference], mode="full", fold=False,
                                 verify=False, progress=False, synthetic_activations=self.synthetic_activations,
-                                synthetic_learning=self.synthetic_learning,
+                                short_learning=self.short_learning,
                                 device=self.device, dtype=self.dtype)
             self.made[index, reference] = result.elements, alignment_summary(result)
         return self.made[index, reference][0]

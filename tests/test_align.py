@@ -265,8 +265,8 @@ def test_api_align_judges_the_starts_on_synthetic_data_unless_told_not_to():
 
 def test_api_full_mode_without_data_keeps_the_alignment_on_synthetic_activations_where_its_path_loss_is_lower():
     a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
-    on_weights = symgraph.align(b, a, synthetic_activations=False, synthetic_learning=False)
-    result = symgraph.align(b, a, synthetic_learning=False)  # checked to compute what B computes
+    on_weights = symgraph.align(b, a, synthetic_activations=False, short_learning=False)
+    result = symgraph.align(b, a, short_learning=False)  # checked to compute what B computes
     assert result.cost_data == "synthetic (64 examples, random inputs)"
     losses = result.path_losses
     kept = "activations" if "activations" in result.costs.values() else "weights"
@@ -291,7 +291,7 @@ def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rise
     examples): full mode tunes the weight-matched alignment by a short learned matching on other synthetic
     examples, and keeps whichever alignment has the lower path loss on the judge's examples."""
     a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
-    before = symgraph.align(b, a, synthetic_learning=False)
+    before = symgraph.align(b, a, short_learning=False)
     result = symgraph.align(b, a)  # checked to compute what B computes
     assert result.verified_error <= result.verified_tolerance
     losses = result.path_losses
@@ -305,8 +305,39 @@ def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rise
                       len(judged.batches))
     assert result.judged_on == judged.name and judge == pytest.approx(losses[kept], rel=1e-9)
     assert kept == "learned"  # measured: 1.85 -> 0.89 on the judge's examples; test barrier 2.88 -> 0.99
-    assert 0 < result.learned["steps"] <= symgraph.learn.SYNTHETIC_LEARNING_STEPS
+    assert 0 < result.learned["steps"] <= symgraph.learn.SHORT_LEARNING_STEPS
     assert result.learned["end_path_loss"] < result.learned["start_path_loss"]
+
+
+def test_api_full_mode_with_data_learns_briefly_on_the_batches_its_costs_did_not_use(monkeypatch, caplog):
+    """With data, full mode ends with the short learning it takes without: from the weight-matched alignment, on
+    the data's batches the activation costs did not use, judged on those they did, and kept where its path loss
+    there is lower (test barriers, 11 points: vit-digits 1.507 -> 0.722). Data with no other batch learns
+    nothing, and says so."""
+    from symgraph.datasets import Dataset, load_data
+
+    a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
+    data = load_data("digits", model=b, batch_size=16, split="train", limit=160)
+    stepped_on, real = [], symgraph.api.learned
+
+    def spy(subject, groups, state, anchor_state, start, learn_data, *rest):
+        stepped_on.append(learn_data)
+        return real(subject, groups, state, anchor_state, start, learn_data, *rest)
+    monkeypatch.setattr(symgraph.api, "learned", spy)
+    before = symgraph.align(b, a, data=data, data_batches=2, short_learning=False)
+    result = symgraph.align(b, a, data=data, data_batches=2)  # checked to compute what B computes
+    assert result.verified_error <= result.verified_tolerance
+    (learned_on,) = stepped_on
+    assert [id(batch) for batch in learned_on.batches] == [id(batch) for batch in data.batches[2:]]
+    losses = result.path_losses
+    assert losses["aligned"] == pytest.approx(min(before.path_losses[k] for k in ("weights", "activations")),
+                                              rel=1e-9)
+    assert result.judged_on == data.name and losses["learned"] < losses["aligned"]  # measured: 0.86 -> 0.39
+    assert result.learned["steps"] > 0 and relative_distance(result.state, before.state) > 1e-3
+    few = Dataset(data.name, data.task, data.batches[:2])
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        assert symgraph.align(b, a, data=few, data_batches=2).learned is None
+    assert len(stepped_on) == 1 and "no batches besides those its costs were computed on" in caplog.text
 
 
 def test_api_full_mode_learns_nothing_where_the_path_does_not_rise(caplog):
@@ -317,13 +348,13 @@ def test_api_full_mode_learns_nothing_where_the_path_does_not_rise(caplog):
     with caplog.at_level("INFO", logger="symgraph.api"):
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
     assert "learned" not in result.path_losses and result.learned is None
-    assert "learns nothing on synthetic data: its path rises" in caplog.text
+    assert "learns nothing: its path rises" in caplog.text
 
 
 def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fails(monkeypatch, caplog):
     a, b = (zoo.build("vit", seed=s) for s in (0, 1))
     inputs = zoo.example_inputs_for("vit", a)
-    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)  # learn on any path
 
     asked = []
 
@@ -336,9 +367,9 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
     (data, options), = asked  # a short run on synthetic examples drawn apart from the judge's (seed 0)
     assert data == "synthetic" and options.seed != 0
     assert (options.steps, options.checks, options.synthetic_examples, options.synthetic_length) == (
-        symgraph.learn.SYNTHETIC_LEARNING_STEPS, symgraph.learn.SYNTHETIC_LEARNING_CHECKS,
+        symgraph.learn.SHORT_LEARNING_STEPS, symgraph.learn.SHORT_LEARNING_CHECKS,
         symgraph.learn.SYNTHETIC_LEARNING_EXAMPLES, symgraph.learn.SYNTHETIC_LEARNING_LENGTH)
-    unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), synthetic_learning=False)
+    unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), short_learning=False)
     assert result.learned is None and "learned" not in result.path_losses
     assert "learning on synthetic data failed" in caplog.text and "stopped being finite" in caplog.text
     assert max(float((result.state[k] - unlearned.state[k]).abs().max()) for k in result.state) == 0
@@ -351,12 +382,12 @@ def test_full_mode_learns_nothing_in_groups_without_a_continuous_part_and_learn_
     parameter list), and an explicit --learn is refused with what to do before its data is made."""
     a, b = (zoo.build("vit", seed=s) for s in (0, 1))
     inputs = zoo.example_inputs_for("vit", a)
-    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)  # learn on any path
     with caplog.at_level("INFO", logger="symgraph.api"):
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), only="ffn")
     assert {e.group.kind for e in result.elements} == {"permutation"}
     assert result.learned is None and "judge_rise" not in result.timings
-    assert "learns nothing on synthetic data: Learned matching (direct method) has nothing to learn" in caplog.text
+    assert "learns nothing: Learned matching (direct method) has nothing to learn" in caplog.text
     monkeypatch.setattr(symgraph.learn, "training_data", lambda *args, **kwargs: pytest.fail("data was made"))
     with pytest.raises(symgraph.learn.LearnError, match="nothing to learn") as refused:
         symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), only="ffn", learn=True,
@@ -571,7 +602,7 @@ def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to
 def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
     outputs = {}
-    for name, extra in (("default", ()), ("judged", ("--no-synthetic-activations", "--no-synthetic-learning")),
+    for name, extra in (("default", ()), ("judged", ("--no-synthetic-activations", "--no-short-learning")),
                         ("unjudged", ("--no-judge-starts",))):
         res = run("align", source, anchor, "-o", tmp_path / name, "--stats", tmp_path / f"{name}.json", *extra)
         assert res.returncode == 0, res.stderr
@@ -580,7 +611,7 @@ def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told
                                  for name in ("default", "judged", "unjudged"))
     assert default["cost_data"].startswith("synthetic") and "costs" not in judged and "costs" not in unjudged
     assert "lower path loss on synthetic (64 examples, inverted inputs)" in outputs["default"]
-    assert "tuned by learning on synthetic data, kept" in outputs["default"] and default["learned"]["steps"] > 0
+    assert "tuned by a short learning, kept" in outputs["default"] and default["learned"]["steps"] > 0
     assert "path loss" not in outputs["judged"] + outputs["unjudged"]
     candidates = {k: default["path_losses"][k] for k in ("weights", "activations")}
     assert ("activations" in default["costs"].values()) == (min(candidates, key=candidates.get) == "activations")

@@ -189,12 +189,12 @@ def test_cli_barrier_passes_the_descent_options_to_every_alignment(folders, tmp_
     monkeypatch.setattr(symgraph.connectivity, "align", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     code, _, stderr = run("barrier", folders / "a", folders / "twin", "--data", folders / "tokens.npz", "--steps", 3,
                           "--align", "permutation,full", "--no-rescale", "--refine-rounds", 0, "--tolerance", 0.5,
-                          "--no-matching-start", "--no-synthetic-activations", "--no-synthetic-learning",
+                          "--no-matching-start", "--no-synthetic-activations", "--no-short-learning",
                           "-o", tmp_path / "barrier.png")
     assert code == 0, stderr
     assert [kw["mode"] for kw in seen] == ["permutation", "full"]
     assert all((kw["rescale"], kw["refine_rounds"], kw["tolerance"], kw["matching_start"],
-                kw["synthetic_activations"], kw["synthetic_learning"]) == (False, 0, 0.5, False, False, False)
+                kw["synthetic_activations"], kw["short_learning"]) == (False, 0, 0.5, False, False, False)
                for kw in seen)
 
 

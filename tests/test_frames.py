@@ -165,11 +165,11 @@ def test_cli_merge_says_whether_the_first_alignment_learned_on_synthetic_data_un
                                                                                                   monkeypatch):
     import symgraph.learn
 
-    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)  # learn on any path
-    outputs, summaries = merged_without_and_with(saved(pair, tmp_path), tmp_path, "--no-synthetic-learning")
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)  # learn on any path
+    outputs, summaries = merged_without_and_with(saved(pair, tmp_path), tmp_path, "--no-short-learning")
     other = next(a for a in summaries["without"]["alignments"] if a is not None)
     assert {"aligned", "learned"} <= other["path_losses"].keys()
-    assert "tuned by learning on synthetic data" in outputs["without"]
+    assert "tuned by a short learning" in outputs["without"]
     assert "learning on synthetic data" not in outputs["with"]
     assert not any(a and "learned" in a["path_losses"] for a in summaries["with"]["alignments"])
 

@@ -62,7 +62,8 @@ def test_learning_lowers_the_path_loss_and_keeps_the_source_function(vit_pair, m
 def test_a_learned_alignment_no_better_than_its_start_is_not_kept(vit_pair, monkeypatch):
     a, b = vit_pair
     monkeypatch.setattr(symgraph.learn._Run, "checked_loss", lambda self, state: 1.0)
-    start = symgraph.align(b, a, data="digits")  # with data, learning starts from the activation-matched alignment
+    # with data, learning starts from the alignment data chose (no short learning: --learn replaces it)
+    start = symgraph.align(b, a, data="digits", short_learning=False)
     result = symgraph.align(b, a, data="digits", learn=LearnOptions(steps=2, eval_batches=1))
     assert not result.learned["kept"] and result.start != "learned"
     assert all(torch.equal(result.state[k], start.state[k]) for k in start.state)
@@ -481,7 +482,7 @@ def test_barrier_full_learn_is_lower_than_full_on_the_shipped_vit(vit_pair):
     data = load_data("digits", split="test", limit=96)
     # full mode without its own short learning on synthetic data: the alignment full+learn starts from
     result = barrier(a, b, data, steps=5, aligns=("full", "full+learn"), progress=False,
-                     align_options={"synthetic_learning": False},
+                     align_options={"short_learning": False},
                      learn=LearnOptions(steps=25, patience=0))  # all 25 steps: checks every 2 would stop it
     full, learned = result.curves["full"], result.curves["full+learn"]
     assert learned.loss_barrier < full.loss_barrier - 0.2

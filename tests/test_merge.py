@@ -253,11 +253,11 @@ def test_full_merges_align_each_model_first_as_align_does():
 
 def test_full_merges_learn_on_synthetic_data_as_align_does_unless_told_not_to(monkeypatch):
     """A full merge's first alignment takes align's short learning on synthetic data where the path rises (here on
-    any path: random twins hardly rise), and leaves it out with ``synthetic_learning=False``."""
+    any path: random twins hardly rise), and leaves it out with ``short_learning=False``."""
     a, b = (symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1))
-    monkeypatch.setattr(symgraph.learn, "SYNTHETIC_LEARNING_RISE", -1.0)
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)
     kwargs = dict(method="simple", fold=True, frame="reference", progress=False)
-    learning, plain = merge([a, b], **kwargs), merge([a, b], **kwargs, synthetic_learning=False)
+    learning, plain = merge([a, b], **kwargs), merge([a, b], **kwargs, short_learning=False)
     other = 1 - learning.consensus.reference
     assert {"aligned", "learned"} <= learning.alignments[other]["path_losses"].keys()
     assert not {"aligned", "learned"} & plain.alignments[other]["path_losses"].keys()
