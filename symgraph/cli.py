@@ -482,13 +482,17 @@ def _cost_summary(summary: dict) -> str:
     examples) chose between, then whether full mode's short learning was kept; ``summary`` is
     :func:`symgraph.connectivity.alignment_summary`'s."""
     counts, losses = summary.get("costs"), summary.get("path_losses", {})
+    short_learning = "learned" in losses  # full mode's own, not --learn's: judged against the alignment before it
     text = ""
     if counts:
         costs = {name: loss for name, loss in losses.items() if name in ("activations", "weights")}
-        chosen = (f" (kept for its lower path loss on {summary.get('judged_on') or 'the data'}, t = 1/4, 1/2, 3/4: "
+        # a kept short learning started from the weights' alignment, whatever the costs' comparison chose
+        why = ("the start of the short learning" if short_learning and summary.get("learned") else
+               "kept for its lower path loss")
+        chosen = (f" ({why}; path loss on {summary.get('judged_on') or 'the data'}, t = 1/4, 1/2, 3/4: "
                   f"{', '.join(f'{name} {loss:.4g}' for name, loss in costs.items())})" if costs else "")
         text = "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
-    if "learned" in losses:  # the record is there only when the learned alignment was kept
+    if short_learning:  # the record is there only when the learned alignment was kept
         verdict = "kept" if summary.get("learned") else "not kept"
         text += (f"; tuned by a short learning, {verdict} (path loss on {summary.get('judged_on')}: "
                  f"{losses['aligned']:.4g} before, {losses['learned']:.4g} learned)")
