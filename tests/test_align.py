@@ -599,6 +599,20 @@ def test_cli_permutation_mode_keeps_the_weight_matching_start_unless_told_not_to
     assert both["distance_after"] != first["distance_after"]  # two different alignments, the textbook's kept
 
 
+def test_cli_align_with_data_says_its_short_learning_was_kept_unless_told_not_to(tmp_path):
+    anchor, source = shipped_pair("vit-digits")
+    outputs, stats = {}, {}
+    for name, extra in (("default", ()), ("off", ("--no-short-learning",))):
+        res = run("align", source, anchor, "-o", tmp_path / name, "--data", "digits", "--stats",
+                  tmp_path / f"{name}.json", *extra)
+        assert res.returncode == 0, res.stderr
+        outputs[name], stats[name] = res.stdout, json.loads((tmp_path / f"{name}.json").read_text())
+    assert "tuned by a short learning, kept (path loss on digits:train" in outputs["default"]
+    assert "(the start of the short learning; path loss on digits:train" in outputs["default"]
+    assert stats["default"]["learned"]["steps"] > 0 and "learned" in stats["default"]["path_losses"]
+    assert "short learning" not in outputs["off"] and "learned" not in stats["off"]["path_losses"]
+
+
 def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
     outputs = {}
