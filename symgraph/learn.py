@@ -341,12 +341,13 @@ def path_loss(model: torch.nn.Module, anchor: State, other: State, names: Sequen
 
 
 def path_and_end_losses(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str],
-              data) -> tuple[float, float]:
-    """The path loss (:func:`path_loss`, every batch of ``data``) and the mean loss of the path's ends (the mean of
-    the straight line between them at ``CHECKED_T``): how far the first lies above the second is what learning
-    could lower."""
+                        data, along: float | None = None) -> tuple[float, float]:
+    """The path loss (:func:`path_loss`, every batch of ``data``; ``along``: that loss, measured already) and the
+    mean loss of the path's ends (the mean of the straight line between them at ``CHECKED_T``): how far the first
+    lies above the second is what learning could lower."""
     loss_at = _InterpolatedLoss(model, anchor, names, data.task)
-    return loss_at.evaluate(other, data.batches), loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
+    along = loss_at.evaluate(other, data.batches) if along is None else along
+    return along, loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
 
 
 def check_learnable(groups, options: LearnOptions) -> None:

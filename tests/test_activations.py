@@ -155,6 +155,25 @@ def test_a_batch_is_recorded_a_few_examples_at_a_time_with_the_activations_it_gi
         torch.testing.assert_close(a @ a.T, x @ x.T)
 
 
+@pytest.mark.parametrize("mean_free", [False, True])
+def test_sites_with_more_positions_than_features_keep_every_cost_in_a_basis_of_their_rows(mean_free):
+    """Compressed rows give the inner products the solvers read (within and across the models) and the norms, in
+    as many columns as both models' rows together; rows that are mean-free across features (a folded LayerNorm's
+    stream) leave the Gram matrix singular, which must not break it."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(6, 50, generator=g, dtype=torch.float64) * torch.logspace(0, 6, 6, dtype=torch.float64)[:, None]
+            for _ in range(2))
+    if mean_free:
+        x, y = x - x.mean(0), y - y.mean(0)
+    a, b = symgraph.activations._compressed(x, y)
+    assert a.shape == b.shape == (6, 12)
+    for left, right, left_in, right_in in ((a, b, x, y), (a, a, x, x), (b, b, y, y)):
+        scale = left_in.norm(dim=1)[:, None] * right_in.norm(dim=1)[None]  # each product to its rows' precision
+        assert ((left @ right.T - left_in @ right_in.T).abs() / scale).max() < 1e-13
+    short = x[:, :12], y[:, :12]  # no more positions than both models' rows: kept as they are
+    assert all(u is v for u, v in zip(symgraph.activations._compressed(*short), short))
+
+
 def test_runs_cover_every_example_in_one_shape_unless_an_input_is_not_per_example():
     batch = Batch({"input_ids": torch.arange(5)[:, None].expand(5, 3), "attention_mask": torch.ones(5, 3)})
     runs = symgraph.activations._runs(batch, 2)

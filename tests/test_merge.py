@@ -265,6 +265,29 @@ def test_full_merges_learn_on_synthetic_data_as_align_does_unless_told_not_to(mo
     assert learning.alignments[other]["path_losses"] == aligned.path_losses
 
 
+def test_merges_aligned_on_activations_learn_on_the_other_batches_as_align_does_unless_told_not_to(monkeypatch):
+    """``full+data`` merges align each model as ``align --data`` does: its short learning runs on the batches the
+    activation costs left (here on any path: random twins hardly rise), and ``short_learning=False`` leaves it
+    out; the merge states what was kept."""
+    a, b = (symgraph.load(zoo.build("vit", seed=s)) for s in (0, 1))
+    g = torch.Generator().manual_seed(1)
+    data = Dataset("pixels", "classification", tuple(
+        Batch({"pixel_values": torch.randn(8, 3, 16, 16, generator=g)}, torch.randint(0, 3, (8,), generator=g))
+        for _ in range(6)))  # 4 for the costs (align's default), 2 to learn on
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)
+    kwargs = dict(method="simple", data=data, align="full+data", fold=False, frame="reference", progress=False)
+    learning, plain = merge([a, b], **kwargs), merge([a, b], **kwargs, short_learning=False)
+    other = 1 - learning.consensus.reference
+    learned, unlearned = learning.alignments[other], plain.alignments[other]
+    assert learned["judged_on"] == unlearned["judged_on"] == "pixels"
+    assert {"aligned", "learned"} <= learned["path_losses"].keys()
+    assert not {"aligned", "learned"} & unlearned["path_losses"].keys()
+    assert learned["path_losses"]["aligned"] == pytest.approx(min(unlearned["path_losses"].values()), rel=1e-9)
+    kept = min(("aligned", "learned"), key=learned["path_losses"].get)
+    assert ("learned" in learned) == (kept == "learned")  # the learning record, where the learned one was kept
+    assert (max_difference(learning.state, plain.state) > 1e-6) == (kept == "learned")
+
+
 @pytest.mark.parametrize("method", ["fisher", "regmean"])
 def test_with_data_each_frame_is_also_tried_by_weights_and_on_activations_and_the_data_decides(method):
     """The first alignments `align` makes without data are judged on simple interpolation of synthetic examples;
