@@ -303,16 +303,17 @@ def _by_features(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     """``x`` as (features, positions): ``axes`` flattened in order, every other axis a position."""
     rest = [a for a in range(x.dim()) if a not in axes]
     features = int(np.prod([x.shape[a] for a in axes]))
-    return x.permute(*axes, *rest).reshape(features, -1).to(torch.float64)
+    return x.permute(*axes, *rest).reshape(features, -1)  # in the model's dtype until thinned (memory)
 
 
 def _finish(rows: dict[str, list[torch.Tensor]], max_positions: int) -> dict[str, torch.Tensor]:
-    """Each site's batches joined, thinned to ``max_positions`` evenly spaced positions, and centred."""
+    """Each site's batches joined, thinned to ``max_positions`` evenly spaced positions, and centred in float64."""
     out = {}
     for node, parts in rows.items():
         x = torch.cat(parts, 1)
         if x.shape[1] > max_positions:
             x = x[:, torch.linspace(0, x.shape[1] - 1, max_positions).round().long()]
+        x = x.to(torch.float64)
         out[node] = x - x.mean(1, keepdim=True)
     return out
 

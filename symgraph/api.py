@@ -444,7 +444,8 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
     aligned have no continuous part to learn (``only``, ``layers``), and where the path of ``aligned`` on the judged
     examples rises above the line between its ends by no more than :data:`~symgraph.learn.SHORT_LEARNING_RISE` of
     their loss: no barrier for learning to lower (fine-tunes, random twins), or one the synthetic examples hardly
-    show (:mod:`symgraph.learn`). ``result.learned`` holds the record where the learned one is kept.
+    show (:mod:`symgraph.learn`). Without data, the learned alignment must also end no farther from the anchor
+    than the source began, as the activations' must. ``result.learned`` holds the record where it is kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
     barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
     tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
@@ -452,6 +453,7 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
     from .consensus import shared_float_names
     from .learn import (SHORT_LEARNING_CHECKS, SHORT_LEARNING_RISE, SHORT_LEARNING_STEPS, SYNTHETIC_LEARNING_EXAMPLES,
                         SYNTHETIC_LEARNING_LENGTH, LearnError, LearnOptions, check_learnable, path_and_end_losses)
+    from .synthetic import is_synthetic
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
         return aligned
@@ -487,6 +489,11 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
             learn_data, "name", f"{learn_data} data"), type(error).__name__, error)
         return aligned
     timings["short_learning"] = time.perf_counter() - clock
+    if is_synthetic(learn_data) and tuned.distance_after > on_weights.distance_before:  # as its activations' candidate
+        _log.info("full mode keeps its alignment: the learned one ends farther from the anchor (%.4g) than the source "
+                  "began (%.4g), and without data full mode ends no farther", tuned.distance_after,
+                  on_weights.distance_before)
+        return aligned
     earlier = aligned.path_losses
     result = lowest_path_loss({"aligned": aligned, "learned": tuned}, src.model, anchor_state, judged,
                               len(judged.batches), known={"aligned": along})

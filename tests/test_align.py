@@ -385,6 +385,28 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
     assert max(float((result.state[k] - unlearned.state[k]).abs().max()) for k in result.state) == 0
 
 
+def test_api_full_mode_without_data_keeps_no_learned_alignment_farther_from_the_anchor_than_the_source_began(
+        monkeypatch, caplog):
+    """Without data full mode ends no farther from the anchor than the source began (the promise its activations'
+    candidate keeps too): a learned alignment past that is not kept, whatever its path loss."""
+    a, b = (zoo.build("vit", seed=s) for s in (0, 1))
+    inputs = zoo.example_inputs_for("vit", a)
+    monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)  # learn on any path
+    real = symgraph.api.learned
+
+    def far(*args):
+        tuned = real(*args)
+        tuned.distance_after = 2 * tuned.distance_before  # as if learning had carried it away
+        return tuned
+    monkeypatch.setattr(symgraph.api, "learned", far)
+    with caplog.at_level("INFO", logger="symgraph.api"):
+        result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
+    unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), short_learning=False)
+    assert result.learned is None and "learned" not in result.path_losses
+    assert "ends farther from the anchor" in caplog.text
+    assert result.distance_after == unlearned.distance_after <= result.distance_before
+
+
 def test_full_mode_learns_nothing_in_groups_without_a_continuous_part_and_learn_says_so_before_any_data(
         monkeypatch, caplog):
     """A ViT's FFN groups are permutations alone (GELU pins their scales): the direct method has nothing to move
