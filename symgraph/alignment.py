@@ -76,7 +76,7 @@ class AlignResult:
     path_losses: dict[str, float] = field(default_factory=dict)  # with data: each candidate's loss along the path
     cost_data: str = ""  # the data activation costs were recorded on (a Dataset's name), when they were
     judged_on: str = ""  # the data the cost candidates' path losses were measured on (a Dataset's name)
-    path_loss: float | None = None  # this alignment's own path loss there (None: not measured)
+    path_loss: float | None = None  # its own path loss there, set where it was judged (None: not measured)
     untied: list[str] = field(default_factory=list)  # tied weights given tensors of their own before folding
     config: object = None  # the aligned model's config (the untied one when ``untied``); None: the source's
 

@@ -339,9 +339,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                 if synthetic_activations:
                     result = _or_synthetic_activations(result, judge, src, anc, groups, state, anchor_state,
                                                        data_groups, options, timings)
-                if short_learning:
+                if short_learning:  # result.path_loss: measured on the judge's examples inverted, if judged
                     result = _or_short_learning(result, on_weights, judge.examples.inverted, SPEC, src, groups,
-                                                state, anchor_state, free, bool(report), timings)
+                                                state, anchor_state, free, bool(report), timings, result.path_loss)
         else:
             on_activations = _on_activations(src, anc, groups, state, anchor_state, dataset, data_batches,
                                              data_groups, options, timings)
@@ -356,7 +356,8 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                 rest = Dataset(f"{dataset.name} (after the {len(judged.batches)} batches of its costs)", dataset.task,
                                dataset.batches[data_batches:])
                 result = _or_short_learning(result, on_weights, lambda: judged, rest if rest.batches else None, src,
-                                            groups, state, anchor_state, free, bool(report), timings)
+                                            groups, state, anchor_state, free, bool(report), timings,
+                                            result.path_loss)  # measured on those batches just above
         if learn:
             clock = time.perf_counter()
             result = learned(src, groups, state, anchor_state, result, learn_data, learn, free, bool(report))
@@ -433,7 +434,7 @@ def _or_synthetic_activations(on_weights, judge, src: Subject, anc: Subject, gro
 
 
 def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Subject, groups, state, anchor_state,
-                       free, progress: bool, timings: dict):
+                       free, progress: bool, timings: dict, along: float | None = None):
     """Full mode's last step: ``aligned`` (the alignment kept so far), or ``on_weights`` (the weight-matched one)
     tuned by a short learned matching on ``learn_data`` (steps and checks: :data:`symgraph.learn.SHORT_LEARNING_STEPS`
     and the rest), whichever has the lower path loss on the examples ``judged_examples()`` gives (None: no judge,
@@ -444,8 +445,9 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
     aligned have no continuous part to learn (``only``, ``layers``), and where the path of ``aligned`` on the judged
     examples rises above the line between its ends by no more than :data:`~symgraph.learn.SHORT_LEARNING_RISE` of
     their loss: no barrier for learning to lower (fine-tunes, random twins), or one the synthetic examples hardly
-    show (:mod:`symgraph.learn`). Without data, the learned alignment must also end no farther from the anchor
-    than the source began, as the activations' must. ``result.learned`` holds the record where it is kept.
+    show (:mod:`symgraph.learn`); ``along``: the path loss of ``aligned`` on those examples, where the caller has
+    measured it there (None: measured here). Without data, the learned alignment must also end no farther from
+    the anchor than the source began, as the activations' must. ``result.learned`` holds the record where kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
     barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
     tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
@@ -473,8 +475,7 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
         return aligned
     clock = time.perf_counter()
     along, ends = path_and_end_losses(src.model, anchor_state, aligned.state,
-                                      shared_float_names(anchor_state, frozenset()), judged,
-                                      along=aligned.path_loss if aligned.judged_on == judged.name else None)
+                                      shared_float_names(anchor_state, frozenset()), judged, along=along)
     timings["judge_rise"] = time.perf_counter() - clock
     rise = along - ends
     if not rise > SHORT_LEARNING_RISE * abs(ends):

@@ -819,7 +819,7 @@ def _composed(start: AlignResult, learned: list, source: State, anchor: State) -
     state = apply(start.state, learned, dtype=torch.float64)
     return replace(start, state=state, elements=start.elements + learned,
                    distance_before=relative_distance(source, anchor), distance_after=relative_distance(state, anchor),
-                   start="learned")
+                   start="learned", path_loss=None)  # the start's loss is not the learned state's
 
 
 def _recovered(groups, source: State, anchor: State, learned: State, cost_excluded) -> AlignResult:

@@ -305,7 +305,7 @@ def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rise
     assert kept == min(("aligned", "learned"), key=losses.get)
     assert losses["aligned"] == pytest.approx(before.path_losses[min(("weights", "activations"),
                                                                      key=before.path_losses.get)], rel=1e-9)
-    assert known == [losses["aligned"]]
+    assert known == [losses["aligned"]] and result.path_loss == losses[kept]
     judged = PathJudge(b.model, b.state_dict(), a.state_dict()).examples.inverted()
     judge = path_loss(b.model, a.state_dict(), result.state, shared_float_names(a.state_dict(), frozenset()), judged,
                       len(judged.batches))
