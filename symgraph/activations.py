@@ -106,8 +106,7 @@ def _compressed(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """``(x Q, y Q)`` for an orthonormal basis ``Q`` of the span of both row sets: every cost the solvers read
     (``X Y^T``, ``X X^T``, norms) is unchanged, and group elements act on rows, so they commute with it. Made from
     the rows' Gram matrix ``G = U S^2 U^T``: with ``Q`` the right singular vectors, the rows in it are ``U S``
-    (half the time of a QR of the positions: the wide LLaMA's 35 residual sites of 4096 positions, one thread,
-    7.4 s -> 3 s)."""
+    (half the time of a QR of the positions: 2 x 256 rows of 4096 positions, one thread, 0.196 -> 0.093 s)."""
     if x.shape[1] <= 2 * x.shape[0]:
         return x, y
     rows = torch.cat([x, y])
