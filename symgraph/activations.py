@@ -113,7 +113,8 @@ def _compressed(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.T
     # rows of unit norm first: each inner product then keeps its own relative precision (features' scales differ
     # by orders of magnitude), not one relative to the largest
     norms = rows.norm(dim=1, keepdim=True).clamp(min=torch.finfo(rows.dtype).tiny)
-    values, vectors = torch.linalg.eigh((rows / norms) @ (rows / norms).T)
+    unit = rows / norms
+    values, vectors = torch.linalg.eigh(unit @ unit.T)
     in_basis = norms * vectors * values.clamp(min=0).sqrt()  # rounding can leave a null direction a little below 0
     return in_basis[:len(x)], in_basis[len(x):]
 
