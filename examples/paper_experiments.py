@@ -81,10 +81,13 @@ class Settings:
     stats_limit: int  # train examples for Fisher / RegMean statistics
     learn_steps: int  # optimiser steps of learned matching (full+learn)
     batch_size: int = 64
+    # train examples full+data is given (None: the whole split, as `barrier --align full+data` takes it: costs on
+    # the first 4 batches of 16, the short learning on the others); a quick run gives too few to learn on
+    data_mode_limit: int | None = None
 
 
 FULL = Settings(steps=21, test_limit=None, stats_limit=256, learn_steps=LearnOptions.steps)
-QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3)
+QUICK = Settings(steps=3, test_limit=32, stats_limit=32, learn_steps=3, data_mode_limit=32)
 # The wide pairs get the barrier in every mode, not the whole study: one alignment of a 3M-parameter pair takes
 # tens of seconds; the ViT (the issue's merge bar) also one merge. Both learn the default 1000 steps (about 0.3 s a
 # step on the wide ViT on an idle machine, one thread). The LLaMA reads 128-character windows (about 1 s a step), so
@@ -165,8 +168,9 @@ def aligned_and_merged(pair: Pair, **options) -> dict:
 # -- the experiments -------------------------------------------------------------------------------------------------
 def barrier_experiment(pair: Pair, settings: Settings, figure: Path) -> dict:
     """Figs. 4 and 5: distance and loss/accuracy along the linear path, per alignment mode; the plot."""
+    align_data = load_data(pair.data, model=pair.a, split="train", limit=settings.data_mode_limit, batch_size=16)
     result = symgraph.barrier(pair.a, pair.b, pair.test, steps=settings.steps, aligns=(*MODES, DATA_MODE, LEARNED),
-                              align_options={"align_data": pair.train}, learn_data=pair.data,
+                              align_options={"align_data": align_data}, learn_data=pair.data,
                               learn=LearnOptions(steps=settings.learn_steps), progress=False)
     result.plot(figure)
     modes = {mode: curve.to_json() for mode, curve in result.curves.items()}
@@ -548,11 +552,12 @@ def render(results: dict, settings: Settings, command: str, seconds: float, wide
         "folded. The "
         "`textbook` column is a reference, not a mode: Git Re-Basin weight matching (every permutation group "
         "solved by a Hungarian with all its members, from the identity, in a random order (seed 0) until a round "
-        "changes nothing; `symgraph.alignment.weight_matching`). `full+data` aligns on activations of the train split "
-        "(the residual stream; `symgraph.activations`) and keeps the weight-matched alignment instead where its "
-        "loss along the path on those batches is lower, then (since stop 54) tunes the weight-matched alignment "
-        "by full mode's short learning (50 steps) on the split's other batches and keeps it where its loss on "
-        "those batches is lower; `full+learn` tunes the weight-matched alignment by "
+        "changes nothing; `symgraph.alignment.weight_matching`). `full+data` is what `barrier --align full+data` "
+        "does by default: it aligns on activations of the train split's first 4 batches of 16 examples (the "
+        "residual stream; `symgraph.activations`) and keeps the weight-matched alignment instead where its loss "
+        "along the path on those batches is lower, then tunes the weight-matched alignment by full mode's short "
+        "learning (50 steps) on the split's other batches and keeps it where its loss on the first 4 is lower; "
+        "`full+learn` tunes the weight-matched alignment by "
         "learned matching on the train split (`symgraph.learn`, "
         f"{settings.learn_steps} steps), and `full+learn (synthetic)` the "
         "same on 1600 synthetic examples instead (`--learn-data synthetic`, `symgraph.synthetic`: the models' "

@@ -34,6 +34,13 @@ _log = logging.getLogger(__name__)
 # full mode's synthetic activations are left out where the graph at the examples' shape has more than this many
 # times the nodes of the model's own capture (transformers: the same; RecurrentGemma 377 -> 2070 at 128 tokens)
 GROWN_GRAPH = 2
+# with data that teaches learning no soft targets (token ids: :func:`symgraph.learn.mixes_inputs`), full mode's
+# short learning also learns on synthetic examples, kept where the data judges it better: the causal LMs learned
+# more from their own samples with both models' soft targets than from the text's next characters (test barriers,
+# 11 points, data's batches / synthetic: llama-chars 0.796 / 0.716, the wide LLaMA 0.405 / 0.327). The ViTs, whose
+# digits are mixed and distilled on, learned more from them (vit-digits 0.722 / 0.986, judged 0.39 / 0.49; the
+# wide ViT judged 0.36 / 0.93 after 60 s of inverting images): no synthetic candidate there.
+SYNTHETIC_LEARNED = "learned (synthetic)"
 
 Inputs = tuple | dict | None
 
@@ -264,9 +271,11 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     alignment is computed too, and the one whose interpolated model has the lower loss on those batches is kept
     (:func:`lowest_path_loss`; ``result.path_losses`` holds both). In full mode, with ``short_learning`` (the
     default) and without ``learn``, the weight-matched alignment is then tuned by the same short learned matching
-    as without data, on the data's other batches, and kept where its path loss on the costs' batches is lower
-    (test barriers with it and without, 11 points: llama-chars 0.796 and 1.645, vit-digits 0.722 and 1.507, the
-    wide ViT 0.661 and 0.758, the wide LLaMA 0.405 and 1.104; examples/RESULTS.md).
+    as without data, on the data's other batches and, for data learning cannot mix (token ids), also on synthetic
+    examples (:mod:`symgraph.synthetic`, where they can be made; :data:`SYNTHETIC_LEARNED`), and a tuned one is
+    kept where its path loss on the costs' batches is lower (test barriers, 11 points, with it and without:
+    llama-chars 0.716 and 1.645, vit-digits 0.722 and 1.507, the wide ViT 0.661 and 0.758, the wide LLaMA 0.327
+    and 1.104). Models with more parameters than :data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS` learn nothing.
 
     With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) that alignment is then tuned on the loss of
     the interpolated model on the training split of ``data`` (required): :mod:`symgraph.learn`.
@@ -293,6 +302,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                             free_cost_members, relative_distance, select_groups)
     from .datasets import Dataset
     from .fold import untied_names
+    from .learn import mixes_inputs
     from .progress import StageBars, stage_callback
     from .synthetic import SPEC, PathJudge
     from .verify import Evaluator
@@ -340,8 +350,9 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                     result = _or_synthetic_activations(result, judge, src, anc, groups, state, anchor_state,
                                                        data_groups, options, timings)
                 if short_learning:  # result.path_loss: measured on the judge's examples inverted, if judged
-                    result = _or_short_learning(result, on_weights, judge.examples.inverted, SPEC, src, groups,
-                                                state, anchor_state, free, bool(report), timings, result.path_loss)
+                    result = _or_short_learning(result, on_weights, judge.examples.inverted, {"learned": SPEC},
+                                                src, groups, state, anchor_state, free, bool(report), timings,
+                                                result.path_loss, without_data=True)
         else:
             on_activations = _on_activations(src, anc, groups, state, anchor_state, dataset, data_batches,
                                              data_groups, options, timings)
@@ -355,8 +366,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
                 judged = Dataset(dataset.name, dataset.task, dataset.batches[:data_batches])
                 rest = Dataset(f"{dataset.name} (after the {len(judged.batches)} batches of its costs)", dataset.task,
                                dataset.batches[data_batches:])
-                result = _or_short_learning(result, on_weights, lambda: judged, rest if rest.batches else None, src,
-                                            groups, state, anchor_state, free, bool(report), timings,
+                learn_on = {"learned": rest if rest.batches else None,
+                            SYNTHETIC_LEARNED: None if mixes_inputs(judged) else SPEC}
+                if not rest.batches:
+                    _log.info("full mode learns %s: the data has no batches besides those its costs were computed on",
+                              "nothing" if learn_on[SYNTHETIC_LEARNED] is None else "on synthetic examples only")
+                result = _or_short_learning(result, on_weights, lambda: judged, learn_on, src, groups, state,
+                                            anchor_state, free, bool(report), timings,
                                             result.path_loss)  # measured on those batches just above
         if learn:
             clock = time.perf_counter()
@@ -433,29 +449,33 @@ def _or_synthetic_activations(on_weights, judge, src: Subject, anc: Subject, gro
     return result
 
 
-def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Subject, groups, state, anchor_state,
-                       free, progress: bool, timings: dict, along: float | None = None):
+def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src: Subject, groups, state, anchor_state,
+                       free, progress: bool, timings: dict, along: float | None = None, without_data: bool = False):
     """Full mode's last step: ``aligned`` (the alignment kept so far), or ``on_weights`` (the weight-matched one)
-    tuned by a short learned matching on ``learn_data`` (steps and checks: :data:`symgraph.learn.SHORT_LEARNING_STEPS`
-    and the rest), whichever has the lower path loss on the examples ``judged_examples()`` gives (None: no judge,
-    no learning). Without data, those are the judge's synthetic examples and ``learn_data`` is other synthetic
-    examples (the models' own samples, or a classifier's inverted inputs, the endpoints' mean prediction as soft
-    targets); with data, the batches the activation costs were computed on and the data's other batches (None when
-    it has no others). Skipped where the weights found the reparametrisation the source is, where the groups
-    aligned have no continuous part to learn (``only``, ``layers``), and where the path of ``aligned`` on the judged
-    examples rises above the line between its ends by no more than :data:`~symgraph.learn.SHORT_LEARNING_RISE` of
-    their loss: no barrier for learning to lower (fine-tunes, random twins), or one the synthetic examples hardly
-    show (:mod:`symgraph.learn`); ``along``: the path loss of ``aligned`` on those examples, where the caller has
-    measured it there (None: measured here). Without data, the learned alignment must also end no farther from
-    the anchor than the source began, as the activations' must. ``result.learned`` holds the record where kept.
-    Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
-    barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
-    tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
+    tuned by a short learned matching (steps and checks: :data:`symgraph.learn.SHORT_LEARNING_STEPS` and the rest)
+    on each data of ``learn_on`` (candidate name -> data; None: none there), whichever has the lowest path loss on
+    the examples ``judged_examples()`` gives (None: no judge, no learning). Without data, those are the judge's
+    synthetic examples and ``learn_on`` holds other synthetic examples (the models' own samples, or a classifier's
+    inverted inputs, the endpoints' mean prediction as soft targets); with data, the batches the activation costs
+    were computed on, and ``learn_on`` the data's other batches and, for token data, synthetic examples, which
+    taught the causal LMs more in 50 steps (the data judged which to keep; :data:`SYNTHETIC_LEARNED`). Skipped where
+    the weights found the reparametrisation the source is, where the groups aligned have no continuous part to learn
+    (``only``, ``layers``), where the model has more parameters than a judge makes examples for
+    (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`: 50 steps with a backward pass cost far more than aligning it),
+    and where the path of ``aligned`` on the judged examples rises above the line between its ends by no more than
+    :data:`~symgraph.learn.SHORT_LEARNING_RISE` of their loss: no barrier for learning to lower (fine-tunes, random
+    twins), or one the synthetic examples hardly show (:mod:`symgraph.learn`); ``along``: the path loss of
+    ``aligned`` on those examples, where the caller has measured it there (None: measured here). ``without_data``: a
+    learned alignment must also end no farther from the anchor than the source began, as the activations' must.
+    ``result.learned`` holds the record where one is kept. Learned from the activations' alignment instead, the
+    judge ranked the two starts' outcomes as their test barriers did (llama-chars 0.626 against 0.695 from weights,
+    vit-digits 1.300 against 0.986; sequences of 128 tokens): from the weights, both pairs meet 0.35x of their
+    unaligned barrier, and one learning costs half of two."""
     from .alignment import found_share, recovered
     from .consensus import shared_float_names
     from .learn import (SHORT_LEARNING_CHECKS, SHORT_LEARNING_RISE, SHORT_LEARNING_STEPS, SYNTHETIC_LEARNING_EXAMPLES,
                         SYNTHETIC_LEARNING_LENGTH, LearnError, LearnOptions, check_learnable, path_and_end_losses)
-    from .synthetic import is_synthetic
+    from .synthetic import JUDGE_MAX_PARAMETERS
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
         return aligned
@@ -467,8 +487,13 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
     except LearnError as error:  # groups chosen with --only or --layers may hold no continuous part
         _log.info("full mode learns nothing: %s", error)
         return aligned
-    if learn_data is None:
-        _log.info("full mode learns nothing: the data has no batches besides those its costs were computed on")
+    size = sum(p.numel() for p in src.model.parameters())
+    if size > JUDGE_MAX_PARAMETERS:
+        _log.info("full mode learns nothing: %s has %s parameters, more than the %s a short learning runs on",
+                  type(src.model).__name__, f"{size:,}", f"{JUDGE_MAX_PARAMETERS:,}")
+        return aligned
+    learn_on = {name: data for name, data in learn_on.items() if data is not None}
+    if not learn_on:
         return aligned
     judged = judged_examples()
     if judged is None:
@@ -483,20 +508,25 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_data, src: Su
                   judged.name)
         return aligned
     clock = time.perf_counter()
-    try:
-        tuned = learned(src, groups, state, anchor_state, on_weights, learn_data, options, free, progress)
-    except (SymgraphError, RuntimeError, ValueError) as error:  # a candidate only: its failure costs the alignment
-        _log.info("full mode keeps its alignment: learning on %s failed (%s: %s)", getattr(
-            learn_data, "name", f"{learn_data} data"), type(error).__name__, error)
-        return aligned
+    candidates = {}
+    for name, data in learn_on.items():
+        try:
+            tuned = learned(src, groups, state, anchor_state, on_weights, data, options, free, progress)
+        except (SymgraphError, RuntimeError, ValueError) as error:  # a candidate only: its failure costs nothing
+            _log.info("full mode does not keep the alignment %s: learning on %s failed (%s: %s)", name,
+                      getattr(data, "name", f"{data} data"), type(error).__name__, error)
+            continue
+        if without_data and tuned.distance_after > on_weights.distance_before:  # as its activations' candidate
+            _log.info("full mode does not keep the alignment %s: it ends farther from the anchor (%.4g) than the "
+                      "source began (%.4g), and without data full mode ends no farther", name, tuned.distance_after,
+                      on_weights.distance_before)
+            continue
+        candidates[name] = tuned
     timings["short_learning"] = time.perf_counter() - clock
-    if is_synthetic(learn_data) and tuned.distance_after > on_weights.distance_before:  # as its activations' candidate
-        _log.info("full mode keeps its alignment: the learned one ends farther from the anchor (%.4g) than the source "
-                  "began (%.4g), and without data full mode ends no farther", tuned.distance_after,
-                  on_weights.distance_before)
+    if not candidates:
         return aligned
     earlier = aligned.path_losses
-    result = lowest_path_loss({"aligned": aligned, "learned": tuned}, src.model, anchor_state, judged,
+    result = lowest_path_loss({"aligned": aligned, **candidates}, src.model, anchor_state, judged,
                               len(judged.batches), known={"aligned": along})
     result.path_losses = {**earlier, **result.path_losses}
     return result
@@ -541,7 +571,7 @@ def learned(subject: Subject, groups, state, anchor_state, start, data, learn, f
     result, record = learn_alignment(groups, state, anchor_state, start, model=subject.model, data=dataset,
                                      names=shared_float_names(anchor_state, exclude), options=options,
                                      cost_excluded=free, progress=progress)
-    result.learned = record.to_json()
+    result.learned = {**record.to_json(), "data": dataset.name}
     return result
 
 

@@ -126,9 +126,9 @@ _JUDGE_OPTIONS = [
     click.option("--short-learning/--no-short-learning", default=True, show_default=True,
                  help="Full mode without --learn: where the path rises above its ends on the judged examples "
                       "(without --data the judge's synthetic ones, with it the batches of the activation costs), "
-                      "tune the alignment by a short learned matching (50 steps) on other examples (synthetic, or "
-                      "the data's other batches) and keep it where its path loss on the judged ones is lower (see "
-                      "README.md)."),
+                      "tune the alignment by a short learned matching (50 steps) on other examples (synthetic; "
+                      "with --data, also the data's other batches) and keep it where its path loss on the judged "
+                      "ones is lower (see README.md)."),
 ]
 
 
@@ -482,7 +482,9 @@ def _cost_summary(summary: dict) -> str:
     examples) chose between, then whether full mode's short learning was kept; ``summary`` is
     :func:`symgraph.connectivity.alignment_summary`'s."""
     counts, losses = summary.get("costs"), summary.get("path_losses", {})
-    short_learning = "learned" in losses  # full mode's own, not --learn's: judged against the alignment before it
+    # full mode's own, not --learn's: each tuned alignment judged against the alignment before it
+    learned = {name: loss for name, loss in losses.items() if name.startswith("learned")}
+    short_learning = bool(learned)
     text = ""
     if counts:
         costs = {name: loss for name, loss in losses.items() if name in ("activations", "weights")}
@@ -492,10 +494,12 @@ def _cost_summary(summary: dict) -> str:
         chosen = (f" ({why}; path loss on {summary.get('judged_on') or 'the data'}, t = 1/4, 1/2, 3/4: "
                   f"{', '.join(f'{name} {loss:.4g}' for name, loss in costs.items())})" if costs else "")
         text = "; costs: " + ", ".join(f"{n} group{'s' * (n != 1)} from {c}" for c, n in counts.items()) + chosen
-    if short_learning:  # the record is there only when the learned alignment was kept
-        verdict = "kept" if summary.get("learned") else "not kept"
+    if short_learning:  # the record is there only when a learned alignment was kept
+        kept = summary.get("learned")
+        verdict = f"kept (learned on {kept.get('data', 'its data')})" if kept else "not kept"
         text += (f"; tuned by a short learning, {verdict} (path loss on {summary.get('judged_on')}: "
-                 f"{losses['aligned']:.4g} before, {losses['learned']:.4g} learned)")
+                 f"{losses['aligned']:.4g} before, "
+                 f"{', '.join(f'{loss:.4g} {name}' for name, loss in learned.items())})")
     return text
 
 

@@ -122,7 +122,7 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         ``tolerance``, ``matching_start``, ``judge_starts``, ``synthetic_activations``, ``short_learning``,
         ``general_linear``, ``balance`` (the ablations, the descent's length, the choice of start, full mode's
         alignment on activations of synthetic examples, its short learning (without data on synthetic examples,
-        in ``full+data`` on the alignment data's other batches), GL heads, costs
+        in ``full+data`` on the alignment data's other batches, and synthetic ones for token data), GL heads, costs
         in units of each tensor's scale),
         and to ``full+data`` ``align_data`` (default: the ``data`` SPEC, train split), ``data_batches``,
         ``data_batch_size`` and ``data_groups``.

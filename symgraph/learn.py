@@ -741,6 +741,14 @@ class _InterpolatedLoss:
         return float(np.mean([float(self(other, t, b)) for t in points for b in batches]))
 
 
+def mixes_inputs(data) -> bool:
+    """Whether learning on ``data`` distils the endpoints on mixed inputs (:class:`_MixedDistillation`, with
+    ``LearnOptions.mixup`` > 0): a classifier whose inputs are all floating point (token ids cannot be mixed), on
+    data without soft targets of its own."""
+    return data.task == "classification" and all(
+        b.targets is None and all(v.is_floating_point() for v in b.inputs.values()) for b in data.batches)
+
+
 class _MixedDistillation:
     """Distillation on mixed inputs (mixup, Zhang et al., ICLR 2018, used here without labels): each example of a
     batch mixed with another of the same batch, ``lam x + (1 - lam) x'`` with ``lam`` uniform in [0, 1] per example,
@@ -757,9 +765,7 @@ class _MixedDistillation:
         """The distillation ``options.mixup`` asks for, where it applies: a classifier whose inputs are all
         floating point (token ids cannot be mixed), on data without soft targets (synthetic data,
         :mod:`symgraph.synthetic`, is the endpoints' own distillation already); else None."""
-        applies = data.task == "classification" and all(
-            b.targets is None and all(v.is_floating_point() for v in b.inputs.values()) for b in data.batches)
-        return cls(loss_at, options.seed) if options.mixup > 0 and applies else None
+        return cls(loss_at, options.seed) if options.mixup > 0 and mixes_inputs(data) else None
 
     def __call__(self, other: State, t: float, batch, generator: torch.Generator | None = None) -> torch.Tensor:
         """The term on ``batch`` mixed by ``generator`` (by default the run's, a new mix each step)."""

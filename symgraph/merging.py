@@ -209,8 +209,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         kept. Otherwise, and in the rounds of three or more models and of the common frame, by weights alone. With
         ``data``, each frame is also tried with its first alignments by weights alone, and each model's frame with
         them on activations of the data (as ``"full+data"``, with its short learning on the data's other batches
-        unless ``short_learning`` is False or the merge learns), the merge with the lowest loss on the data kept
-        (the frame's label then ends in "aligned by weights" or "aligned on activations of the data").
+        and, for token data, synthetic examples unless ``short_learning`` is False or the merge learns), the merge
+        with the lowest loss on the data kept (the frame's label then ends in "aligned by weights" or "aligned on
+        activations of the data").
 
     Examples
     --------
@@ -899,8 +900,9 @@ def _check_options(count, method, align, data, alpha, rounds, head_from, head, l
 def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: int, device="cpu",
                             dtype=None, short_learning: bool = True) -> tuple[list[Subject], tuple[dict | None, ...]]:
     """The reference model, and every other aligned to it in full mode with activation costs on its own data
-    (checked to compute what it computed; with ``short_learning``, tuned on the data's other batches as
-    :func:`symgraph.align` tunes it); and per model what its alignment kept (None for the reference)."""
+    (checked to compute what it computed; with ``short_learning``, tuned on the data's other batches (and
+    synthetic examples) as :func:`symgraph.align` tunes it); and per model what its alignment kept (None for the
+    reference)."""
     from .connectivity import alignment_summary
 
     out, summaries = list(subjects), [None] * len(subjects)
