@@ -1132,17 +1132,18 @@ WIDE_NOTES = """\
   (synthetic)`; the output line names the data the kept one learned on); images learn on the data alone (the synthetic
   candidate cost the wide ViT 60 s of inverting images and lost). So `full+data` is no longer above data-free `full`
   on a LLaMA: llama-chars 0.796 -> 0.716, the wide LLaMA 0.405 -> 0.327 (same scratch script). The short learning also
-  runs only on models a judge makes examples for (at most 50M parameters), with data as without: with data it had no
-  bound, and 50 steps with a backward pass cost far more than the alignment past it. The user's whole flow
-  (`examples/sweep_pipeline.py`: fold, align, merge and a self-merge of two independently initialised tiny models,
-  each result checked in float64 by an independent checker) passed on 105 of 109 types of the sweep's 241 (every third
-  of its list and 28 others, this stop's code; `results/sweep_pipeline_recheck.json`); the other 4 do not run at the
-  sweep's shapes and were skipped, as before. This stop's rerun of the shipped tables: `full+data` llama-chars 0.716
-  (was 1.643 with nothing learned), vit-digits 0.722 (1.856), bert-topics 0.008 (0.020). Two vit-digits studies moved
-  with stop 55's promise that full mode without data ends no farther from A than B began: aligned within a family or a
-  layer only, its short learning ended farther (attention only 1.007 against B's 0.896) and is no longer kept, so
-  those merges lost what it gave them (attention only 1.813 -> 2.616, layer 0 2.416 -> 3.443; the RegMean merge after
-  full alignment 2.234 -> 2.291); the full alignments of every table are unchanged.
+  runs only on models a judge makes examples for (at most 50M parameters, and a forward pass over the judged examples
+  writing at most 1e9 tensor elements), with data as without: with data it had no bound, and 50 steps with a backward
+  pass cost far more than the alignment past it. The user's whole flow (`examples/sweep_pipeline.py`: fold, align,
+  merge and a self-merge of two independently initialised tiny models, each result checked in float64 by an
+  independent checker) passed on 105 of 109 types of the sweep's 241 (every third of its list and 28 others, this
+  stop's code; `results/sweep_pipeline_recheck.json`); the other 4 do not run at the sweep's shapes and were skipped,
+  as before. This stop's rerun of the shipped tables: `full+data` llama-chars 0.716 (was 1.643 with nothing learned),
+  vit-digits 0.722 (1.856), bert-topics 0.008 (0.020). Two vit-digits studies moved with stop 55's promise that full
+  mode without data ends no farther from A than B began: aligned within a family or a layer only, its short learning
+  ended farther (attention only 1.007 against B's 0.896) and is no longer kept, so those merges lost what it gave them
+  (attention only 1.813 -> 2.616, layer 0 2.416 -> 3.443; the RegMean merge after full alignment 2.234 -> 2.291); the
+  full alignments of every table are unchanged.
 """
 
 

@@ -275,7 +275,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     examples (:mod:`symgraph.synthetic`, where they can be made; :data:`SYNTHETIC_LEARNED`), and a tuned one is
     kept where its path loss on the costs' batches is lower (test barriers, 11 points, with it and without:
     llama-chars 0.716 and 1.645, vit-digits 0.722 and 1.507, the wide ViT 0.661 and 0.758, the wide LLaMA 0.327
-    and 1.104). Models with more parameters than :data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS` learn nothing.
+    and 1.104). Models past a judge's bounds learn nothing (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`).
 
     With ``learn`` (True, or a :class:`symgraph.learn.LearnOptions`) that alignment is then tuned on the loss of
     the interpolated model on the training split of ``data`` (required): :mod:`symgraph.learn`.
@@ -461,21 +461,22 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     taught the causal LMs more in 50 steps (the data judged which to keep; :data:`SYNTHETIC_LEARNED`). Skipped where
     the weights found the reparametrisation the source is, where the groups aligned have no continuous part to learn
     (``only``, ``layers``), where the model has more parameters than a judge makes examples for
-    (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`: 50 steps with a backward pass cost far more than aligning it),
-    and where the path of ``aligned`` on the judged examples rises above the line between its ends by no more than
-    :data:`~symgraph.learn.SHORT_LEARNING_RISE` of their loss: no barrier for learning to lower (fine-tunes, random
-    twins), or one the synthetic examples hardly show (:mod:`symgraph.learn`); ``along``: the path loss of
-    ``aligned`` on those examples, where the caller has measured it there (None: measured here). ``without_data``: a
-    learned alignment must also end no farther from the anchor than the source began, as the activations' must.
-    ``result.learned`` holds the record where one is kept. Learned from the activations' alignment instead, the
-    judge ranked the two starts' outcomes as their test barriers did (llama-chars 0.626 against 0.695 from weights,
-    vit-digits 1.300 against 0.986; sequences of 128 tokens): from the weights, both pairs meet 0.35x of their
-    unaligned barrier, and one learning costs half of two."""
+    (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`), or with data whose forward pass over the judged batches
+    writes more tensor elements than a judge's examples may (:data:`~symgraph.synthetic.JUDGE_MAX_ELEMENTS`): 50
+    steps with a backward pass cost far more than aligning it, and where the path of ``aligned`` on the judged
+    examples rises above the line between its ends by no more than :data:`~symgraph.learn.SHORT_LEARNING_RISE` of
+    their loss: no barrier for learning to lower (fine-tunes, random twins), or one the synthetic examples hardly
+    show (:mod:`symgraph.learn`); ``along``: the path loss of ``aligned`` on those examples, where the caller has
+    measured it there (None: measured here). ``without_data``: a learned alignment must also end no farther from the
+    anchor than the source began, as the activations' must. ``result.learned`` holds the record where one is kept.
+    Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
+    barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
+    tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
     from .alignment import found_share, recovered
     from .consensus import shared_float_names
     from .learn import (SHORT_LEARNING_CHECKS, SHORT_LEARNING_RISE, SHORT_LEARNING_STEPS, SYNTHETIC_LEARNING_EXAMPLES,
                         SYNTHETIC_LEARNING_LENGTH, LearnError, LearnOptions, check_learnable, path_and_end_losses)
-    from .synthetic import JUDGE_MAX_PARAMETERS
+    from .synthetic import JUDGE_MAX_ELEMENTS, JUDGE_MAX_PARAMETERS, elements_over
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
         return aligned
@@ -497,6 +498,13 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
         return aligned
     judged = judged_examples()
     if judged is None:
+        return aligned
+    # without data the judge's examples were bounded when made; data given is bounded here, as they were
+    written = None if without_data else elements_over(src.model, state, judged, JUDGE_MAX_ELEMENTS)
+    if written is not None:
+        _log.info("full mode learns nothing: one forward pass of %s over %s writes %s tensor elements, more than the "
+                  "%s a judge's examples may cost", type(src.model).__name__, judged.name, f"{written:,}",
+                  f"{JUDGE_MAX_ELEMENTS:,.0f}")
         return aligned
     clock = time.perf_counter()
     along, ends = path_and_end_losses(src.model, anchor_state, aligned.state,

@@ -387,22 +387,29 @@ def test_api_full_mode_with_text_also_learns_briefly_on_synthetic_examples_and_k
     assert "learns on synthetic examples only: the data has no batches besides" in caplog.text
 
 
+@pytest.mark.parametrize("bound", ["parameters", "elements"])
 def test_api_full_mode_with_data_learns_nothing_on_a_model_larger_than_a_judge_makes_examples_for(
-        monkeypatch, caplog):
-    """The short learning runs where a judge would (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`), with data
-    as without: 50 steps with a backward pass through a larger model cost far more than aligning it."""
+        bound, monkeypatch, caplog):
+    """The short learning runs where a judge would, with data as without: on models of at most
+    :data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS` parameters whose forward pass over the judged examples writes
+    at most :data:`~symgraph.synthetic.JUDGE_MAX_ELEMENTS` tensor elements (50 steps with a backward pass through
+    a larger model cost far more than aligning it)."""
     from symgraph.datasets import load_data
 
     a, b = (symgraph.load(folder) for folder in shipped_pair("vit-digits"))
     data = load_data("digits", model=b, batch_size=16, split="train", limit=96)
     size = sum(p.numel() for p in b.model.parameters())
-    monkeypatch.setattr(symgraph.synthetic, "JUDGE_MAX_PARAMETERS", size - 1)
+    if bound == "parameters":
+        monkeypatch.setattr(symgraph.synthetic, "JUDGE_MAX_PARAMETERS", size - 1)
+        said = f"{size:,} parameters, more than the {size - 1:,} a short learning runs on"
+    else:
+        monkeypatch.setattr(symgraph.synthetic, "JUDGE_MAX_ELEMENTS", 1e3)
+        said = "tensor elements, more than the 1,000 a judge's examples may cost"
     monkeypatch.setattr(symgraph.api, "learned", lambda *args: pytest.fail("learned on a model past the bound"))
     with caplog.at_level("INFO", logger="symgraph.api"):
         result = symgraph.align(b, a, data=data, data_batches=2)
     assert result.learned is None and not any(k.startswith("learned") for k in result.path_losses)
-    assert f"{size:,} parameters, more than the {size - 1:,} a short learning runs on" in caplog.text
-    assert result.verified_error <= result.verified_tolerance
+    assert said in caplog.text and result.verified_error <= result.verified_tolerance
 
 
 def test_api_full_mode_learns_nothing_where_the_path_does_not_rise(caplog):
