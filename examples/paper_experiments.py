@@ -1142,8 +1142,8 @@ WIDE_NOTES = """\
   vit-digits 0.722 (1.856), bert-topics 0.008 (0.020). Two vit-digits studies moved with stop 55's promise that full
   mode without data ends no farther from A than B began: aligned within a family or a layer only, its short learning
   ended farther (attention only 1.007 against B's 0.896) and is no longer kept, so those merges lost what it gave them
-  (attention only 1.813 -> 2.616, layer 0 2.416 -> 3.443; the RegMean merge after full alignment 2.234 -> 2.291); the
-  full alignments of every table are unchanged.
+  (attention only 1.813 -> 2.616, layer 0 2.416 -> 3.443). The RegMean merge after full alignment also moved (2.234 ->
+  2.291; not traced). The full alignments of every table are unchanged.
 """
 
 
