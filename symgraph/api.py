@@ -476,7 +476,7 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     from .consensus import shared_float_names
     from .learn import (SHORT_LEARNING_CHECKS, SHORT_LEARNING_RISE, SHORT_LEARNING_STEPS, SYNTHETIC_LEARNING_EXAMPLES,
                         SYNTHETIC_LEARNING_LENGTH, LearnError, LearnOptions, check_learnable, path_and_end_losses)
-    from .synthetic import JUDGE_MAX_ELEMENTS, JUDGE_MAX_PARAMETERS, elements_over
+    from .synthetic import JUDGE_MAX_ELEMENTS, JUDGE_MAX_PARAMETERS, elements_over, parameters_over
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
         return aligned
@@ -488,8 +488,8 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     except LearnError as error:  # groups chosen with --only or --layers may hold no continuous part
         _log.info("full mode learns nothing: %s", error)
         return aligned
-    size = sum(p.numel() for p in src.model.parameters())
-    if size > JUDGE_MAX_PARAMETERS:
+    size = parameters_over(src.model, JUDGE_MAX_PARAMETERS)
+    if size is not None:
         _log.info("full mode learns nothing: %s has %s parameters, more than the %s a short learning runs on",
                   type(src.model).__name__, f"{size:,}", f"{JUDGE_MAX_PARAMETERS:,}")
         return aligned

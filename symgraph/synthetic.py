@@ -263,6 +263,12 @@ def _check_cost(model: torch.nn.Module, state: State, config, length: int, examp
                         f"more than the {limit:,.0f} these examples may cost.")
 
 
+def parameters_over(model: torch.nn.Module, limit: int) -> int | None:
+    """The parameters of ``model`` where they are more than ``limit`` (a judge's bound); None within it."""
+    size = sum(p.numel() for p in model.parameters())
+    return size if size > limit else None
+
+
 def elements_over(model: torch.nn.Module, state: State, data: Dataset, limit: float) -> int | None:
     """The tensor elements one forward pass of ``model`` carrying ``state`` over every example of ``data`` writes
     (:func:`elements_written` of its first example, times their number), where that is more than ``limit``; None
@@ -359,8 +365,8 @@ class _JudgeExamples:
         return self.made[invert]
 
     def _make(self, invert: bool) -> Dataset | None:
-        size = sum(p.numel() for p in self.model.parameters())
-        if size > JUDGE_MAX_PARAMETERS:
+        size = parameters_over(self.model, JUDGE_MAX_PARAMETERS)
+        if size is not None:
             _log.info("%s are not judged on synthetic data: %s has %s parameters, more than the %s a judge makes "
                       "examples for", self.judged, type(self.model).__name__, f"{size:,}", f"{JUDGE_MAX_PARAMETERS:,}")
             return None
