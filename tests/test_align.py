@@ -707,6 +707,20 @@ def test_cli_align_with_data_says_its_short_learning_was_kept_unless_told_not_to
     assert "short learning" not in outputs["off"] and "learned" not in stats["off"]["path_losses"]
 
 
+def test_cli_align_with_text_data_lists_both_short_learnings_and_names_the_data_of_the_one_kept(tmp_path):
+    anchor, source = shipped_pair("llama-chars")
+    res = run("align", source, anchor, "-o", tmp_path / "out", "--data", "pydoc-chars", "--data-batches", "2",
+              "--stats", tmp_path / "stats.json")
+    assert res.returncode == 0, res.stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    losses = stats["path_losses"]
+    assert {"learned", SYNTHETIC_LEARNED} <= losses.keys()
+    assert f"{losses['learned']:.4g} learned, {losses[SYNTHETIC_LEARNED]:.4g} {SYNTHETIC_LEARNED})" in res.stdout
+    kept = min(("aligned", "learned", SYNTHETIC_LEARNED), key=losses.get)
+    assert kept != "aligned" and f"kept (learned on {stats['learned']['data']})" in res.stdout
+    assert stats["learned"]["data"].startswith("synthetic" if kept == SYNTHETIC_LEARNED else "pydoc-chars")
+
+
 def test_cli_align_judges_the_starts_and_the_costs_on_synthetic_data_unless_told_not_to(tmp_path):
     anchor, source = shipped_pair("vit-digits")
     outputs = {}
