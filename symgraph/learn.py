@@ -332,20 +332,30 @@ def training_data(spec, model, options: LearnOptions, endpoints: Sequence[State]
     return load_data(spec, model=model, batch_size=options.batch_size, split="train")
 
 
+def written_by(groups) -> frozenset[str]:
+    """The names the elements of ``groups`` write. A state they moved holds, of a tie (an embedding that is also
+    the LM head), the moved value under the name the graph reads and the old one under its aliases until
+    :func:`symgraph.verify.tie_aliases`: what scores such a state must read that name (a GPT-2 read through its
+    stale embedding scored 5.1 where it computes 1.7)."""
+    return frozenset(p for g in groups for p in g.params)
+
+
 def path_loss(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str], data,
-              batches: int) -> float:
+              batches: int, written: frozenset[str] = frozenset()) -> float:
     """The mean loss of ``(1 - t) anchor + t other`` at ``t`` = 1/4, 1/2, 3/4 on the first ``batches`` batches
     of ``data`` (a :class:`~symgraph.datasets.Dataset`): how learned matching scores its candidates, and how
-    alignment on data chooses between its own (lower is better). ``names`` are the entries interpolated."""
-    return _InterpolatedLoss(model, anchor, names, data.task).evaluate(other, data.batches[:batches])
+    alignment on data chooses between its own (lower is better). ``names`` are the entries interpolated;
+    ``written``: the names the elements that moved ``other`` write (:func:`written_by`)."""
+    return _InterpolatedLoss(model, anchor, names, data.task, written).evaluate(other, data.batches[:batches])
 
 
 def path_and_end_losses(model: torch.nn.Module, anchor: State, other: State, names: Sequence[str],
-                        data, along: float | None = None) -> tuple[float, float]:
+                        data, along: float | None = None,
+                        written: frozenset[str] = frozenset()) -> tuple[float, float]:
     """The path loss (:func:`path_loss`, every batch of ``data``; ``along``: that loss, measured already) and the
     mean loss of the path's ends (the mean of the straight line between them at ``CHECKED_T``): how far the first
     lies above the second is what learning could lower."""
-    loss_at = _InterpolatedLoss(model, anchor, names, data.task)
+    loss_at = _InterpolatedLoss(model, anchor, names, data.task, written)
     along = loss_at.evaluate(other, data.batches) if along is None else along
     return along, loss_at.evaluate(other, data.batches, points=(0.0, 1.0))
 
@@ -379,7 +389,7 @@ def learn_alignment(groups, source: State, anchor: State, start: AlignResult, *,
     options = resolved_t(options.checked())  # ``auto`` left to here: the whole path
     check_learnable(groups, options)
     clock = time.perf_counter()
-    loss_at = _InterpolatedLoss(model, anchor, names, data.task)
+    loss_at = _InterpolatedLoss(model, anchor, names, data.task, written_by(groups))
     run = (_DirectRun(groups, start, loss_at, data, options) if options.method == "direct" else
            _SteRun(groups, start.state, loss_at, data, options, cost_excluded))
     bar = progress_bar(range(options.steps), desc="learning the alignment", enabled=progress)
@@ -704,15 +714,17 @@ class _DirectRun(_Run):
 
 class _InterpolatedLoss:
     """The loss of ``(1 - t) anchor + t other`` on a batch, differentiable in ``other`` (torch.func.functional_call
-    on a private copy of the model; the anchor's entries outside ``names`` are used as they are)."""
+    on a private copy of the model; the anchor's entries outside ``names`` are used as they are). ``written``: the
+    names group elements write, so that of tied names the one they moved is the one passed (:func:`written_by`)."""
 
-    def __init__(self, model: torch.nn.Module, anchor: State, names: Sequence[str], task: str):
+    def __init__(self, model: torch.nn.Module, anchor: State, names: Sequence[str], task: str,
+                 written: frozenset[str] = frozenset()):
         from .verify import tied_copies
 
         self.module = _Functional(copy.deepcopy(model).eval())
         self.anchor, self.names, self.task = anchor, list(names), task
-        # tied names share one tensor in the module: passing one of them is enough
-        self.skip = tied_copies(model)
+        # tied names share one tensor in the module: passing one of them is enough, the one the elements moved
+        self.skip = tied_copies(model, written)
 
     def __call__(self, other: State, t: float, batch) -> torch.Tensor:
         from .datasets import batch_loss

@@ -393,10 +393,12 @@ class PathJudge:
     ``anchor`` to it on ``examples`` synthetic examples made on the first call (:class:`_JudgeExamples`; the inputs
     as drawn ranked the trained pairs' starts right, examples/RESULTS.md), or None when synthetic data cannot be
     made for ``model``: the caller then decides without it. :attr:`examples` gives those examples (or None), which
-    full mode also records activations on (:func:`symgraph.align`)."""
+    full mode also records activations on (:func:`symgraph.align`). ``written``: the names the elements that
+    move the source write (:func:`symgraph.learn.written_by`)."""
 
-    def __init__(self, model: torch.nn.Module, source: State, anchor: State, *, examples: int = JUDGE_EXAMPLES):
-        self.model, self.anchor = model, anchor
+    def __init__(self, model: torch.nn.Module, source: State, anchor: State, *, examples: int = JUDGE_EXAMPLES,
+                 written: frozenset[str] = frozenset()):
+        self.model, self.anchor, self.written = model, anchor, written
         self.examples = _JudgeExamples(model, (source, anchor), examples, "the starts")
 
     def __call__(self, aligned: State) -> float | None:
@@ -406,7 +408,7 @@ class PathJudge:
         made = self.examples()
         return None if made is None else path_loss(self.model, self.anchor, aligned,
                                                    shared_float_names(self.anchor, frozenset()), made,
-                                                   len(made.batches))
+                                                   len(made.batches), self.written)
 
 
 def merge_examples(model: torch.nn.Module, states: Sequence[State], *,

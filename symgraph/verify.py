@@ -328,10 +328,16 @@ def _tied(aliases: list[list[str]], state: dict[str, torch.Tensor], original: di
     return out
 
 
-def tied_copies(model: torch.nn.Module) -> set[str]:
-    """Every name of a tie but its first: a functional call (torch.func.functional_call) on ``model`` takes one
-    name of each tie, the others sharing its tensor."""
-    return {name for names in _aliases(model) for name in names[1:]}
+def tied_copies(model: torch.nn.Module, written: frozenset[str] = frozenset()) -> set[str]:
+    """Every name of a tie but one: a functional call (torch.func.functional_call) on ``model`` takes one name of
+    each tie, the others sharing its tensor. The one taken is the name in ``written`` where there is one (the names
+    group elements write: the one the graph reads, which need not be the first; its aliases keep their old value
+    until :func:`tie_aliases`), else the first."""
+    copies = set()
+    for names in _aliases(model):
+        taken = next((n for n in names if n in written), names[0])
+        copies.update(n for n in names if n != taken)
+    return copies
 
 
 # Relative tolerance by the lowest float precision seen during the forward pass: float64 end to end gives ~1e-15;

@@ -296,7 +296,7 @@ def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rise
     before = symgraph.align(b, a, short_learning=False)
     known, measure = [], symgraph.learn.path_and_end_losses
     monkeypatch.setattr(symgraph.learn, "path_and_end_losses",
-                        lambda *args, along=None: known.append(along) or measure(*args, along=along))
+                        lambda *args, along=None, **rest: known.append(along) or measure(*args, along=along, **rest))
     result = symgraph.align(b, a)  # checked to compute what B computes
     assert result.verified_error <= result.verified_tolerance
     losses = result.path_losses
@@ -339,7 +339,7 @@ def test_api_full_mode_with_data_learns_briefly_on_the_batches_its_costs_did_not
     stepped_on = _learning_spy(monkeypatch)
     known, measure = [], symgraph.learn.path_and_end_losses
     monkeypatch.setattr(symgraph.learn, "path_and_end_losses",
-                        lambda *args, along=None: known.append(along) or measure(*args, along=along))
+                        lambda *args, along=None, **rest: known.append(along) or measure(*args, along=along, **rest))
     before = symgraph.align(b, a, data=data, data_batches=2, short_learning=False)
     result = symgraph.align(b, a, data=data, data_batches=2)  # checked to compute what B computes
     assert result.verified_error <= result.verified_tolerance
@@ -447,10 +447,11 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
     assert max(float((result.state[k] - unlearned.state[k]).abs().max()) for k in result.state) == 0
 
 
-def test_api_full_mode_without_data_keeps_no_learned_alignment_farther_from_the_anchor_than_the_source_began(
+def test_api_full_mode_without_data_judges_a_learned_alignment_by_its_path_loss_wherever_it_ends(
         monkeypatch, caplog):
-    """Without data full mode ends no farther from the anchor than the source began (the promise its activations'
-    candidate keeps too): a learned alignment past that is not kept, whatever its path loss."""
+    """Without data, a learned alignment that ends farther from the anchor than the source began is still judged
+    by its path loss (learning lowers the loss along the path, not the distance): held to the distance, a held-out
+    ViT pair kept a test barrier of 1.718 where its learned alignment gave 1.409."""
     a, b = (zoo.build("vit", seed=s) for s in (0, 1))
     inputs = zoo.example_inputs_for("vit", a)
     monkeypatch.setattr(symgraph.learn, "SHORT_LEARNING_RISE", -1.0)  # learn on any path
@@ -463,10 +464,9 @@ def test_api_full_mode_without_data_keeps_no_learned_alignment_farther_from_the_
     monkeypatch.setattr(symgraph.api, "learned", far)
     with caplog.at_level("INFO", logger="symgraph.api"):
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
-    unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), short_learning=False)
-    assert result.learned is None and "learned" not in result.path_losses
-    assert "ends farther from the anchor" in caplog.text
-    assert result.distance_after == unlearned.distance_after <= result.distance_before
+    assert "learned" in result.path_losses  # judged, not dropped for its distance
+    losses = result.path_losses
+    assert result.path_loss == min(losses["learned"], losses["aligned"])
 
 
 def test_full_mode_learns_nothing_in_groups_without_a_continuous_part_and_learn_says_so_before_any_data(

@@ -1,0 +1,151 @@
+"""Held-out twins: pairs no default was measured on, to see whether the shipped pairs' figures generalise. Prints JSON.
+
+Every default of full mode (the judge, the rise that starts the short learning, its steps, ...) was chosen on the
+shipped and wide pairs. This study trains twins of architectures and recipes outside them, the way
+``examples/train_models.py`` trains its pairs (AdamW, warm-up and cosine decay, one thread, deterministic), with
+seeds 11 and 12, into a cache (``$SYMGRAPH_HELDOUT_MODELS``, default ``~/.cache/symgraph/heldout-v1``; a few
+minutes a model on one thread), then measures the loss barrier of every mode asked for on the test split (B
+aligned to A, folded as ``barrier`` folds)::
+
+    python examples/study_heldout_pairs.py --pairs gpt2-chars,vit4-digits --modes none,permutation,full
+    python examples/study_heldout_pairs.py --out examples/results/heldout_pairs.json
+
+Pairs: ``gpt2-chars`` (GPT-2: pre-LayerNorm, learned positions, Conv1D, tied LM head), ``llama-mha-chars`` (LLaMA of
+width 96, 2 layers, 6 heads without grouping, tied LM head), ``phi-chars`` (Phi: parallel attention and MLP, half
+the head rotary, LayerNorm), ``vit4-digits`` (ViT of width 64, 4 layers, 2 heads, no query/key/value bias).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_models  # noqa: E402  (the shipped pairs' training loop, reused)
+
+from symgraph.datasets import char_vocabulary, load_data  # noqa: E402
+from symgraph.io import write_text_atomic  # noqa: E402
+
+SEEDS = {"a": 11, "b": 12}
+CACHE = Path(os.environ.get("SYMGRAPH_HELDOUT_MODELS", Path.home() / ".cache" / "symgraph" / "heldout-v1"))
+CHARS = dict(vocab_size=len(char_vocabulary()), max_position_embeddings=train_models.WINDOW, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=CHARS["vocab_size"], n_positions=train_models.WINDOW, n_embd=64,
+                                      n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=0))
+
+
+def _llama_mha():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=True,
+                                        **CHARS))
+
+
+def _phi():
+    from transformers import PhiConfig, PhiForCausalLM
+
+    return PhiForCausalLM(PhiConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                    partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                    **CHARS))
+
+
+def _vit4():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(
+        image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=256, qkv_bias=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        num_labels=10, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
+
+
+# pair -> (builder, the training loop's family: data, steps, learning rate, batch)
+PAIRS = {
+    "gpt2-chars": (_gpt2, train_models.Family("gpt2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "llama-mha-chars": (_llama_mha, train_models.Family("llama-mha-chars", "pydoc-chars", steps=1000, lr=2e-3,
+                                                        batch=32)),
+    "phi-chars": (_phi, train_models.Family("phi-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "vit4-digits": (_vit4, train_models.Family("vit4-digits", "digits", steps=2000, lr=1e-3, batch=64)),
+}
+for _name, (_build, _family) in PAIRS.items():  # the training loop finds a family's builder, batches and task
+    train_models.BUILDERS[_name] = _build
+    text = _family.data != "digits"
+    train_models.SAMPLERS[_name] = train_models._char_windows if text else train_models._digit_batches
+    train_models.TASKS[_name] = "causal_lm" if text else "classification"
+
+
+def trained(pair: str, root: Path) -> tuple[Path, Path]:
+    """The pair's folders under ``root``, trained there first where missing (deterministic)."""
+    _, family = PAIRS[pair]
+    folders = tuple(root / f"{pair}-{suffix}" for suffix in SEEDS)
+    torch.set_num_threads(1)
+    for folder, seed in zip(folders, SEEDS.values()):
+        if (folder / "config.json").is_file():
+            continue
+        print(f"training {folder.name} (seed {seed})", file=sys.stderr, flush=True)
+        torch.use_deterministic_algorithms(True)
+        model = train_models.train(family, seed)
+        train_models.save(model, folder, char_tokenizer=family.data != "digits")
+    return folders
+
+
+def measure(pair: str, modes: tuple[str, ...], points: int, root: Path) -> dict:
+    import symgraph
+    from symgraph.connectivity import barrier
+
+    folders = trained(pair, root)
+    a, b = (symgraph.load(f) for f in folders)
+    _, family = PAIRS[pair]
+    test = load_data(family.data, model=a, split="test", batch_size=64)
+    clock = time.perf_counter()
+    result = barrier(a, b, test, steps=points, aligns=modes, progress=False,
+                     align_options={"align_data": family.data})
+    none = result.curves["none"].loss_barrier if "none" in result.curves else None
+    rows = {}
+    for mode, curve in result.curves.items():
+        alignment = curve.alignment or {}
+        rows[mode] = {"barrier": round(curve.loss_barrier, 4),
+                      "of_unaligned": None if not none else round(curve.loss_barrier / none, 3),
+                      "align_seconds": round(curve.align_seconds, 1), "distance": round(curve.distance, 4),
+                      "start": alignment.get("start"), "path_losses": alignment.get("path_losses"),
+                      "learned_on": (alignment.get("learned") or {}).get("data")}
+    first = next(iter(result.curves.values())).losses
+    return {"data": family.data, "endpoint_losses": [round(first[0], 4), round(first[-1], 4)], "modes": rows,
+            "seconds": round(time.perf_counter() - clock, 1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {', '.join(PAIRS)}")
+    parser.add_argument("--modes", default="none,permutation,full,full+data",
+                        help="barrier modes (symgraph barrier --align), comma-separated")
+    parser.add_argument("--points", type=int, default=11, help="points along the path")
+    parser.add_argument("--root", type=Path, default=CACHE, help=f"model cache (default {CACHE})")
+    parser.add_argument("--out", type=Path, help="also write the JSON here (atomically)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    pairs = args.pairs.split(",")
+    unknown = sorted(set(pairs) - set(PAIRS))
+    if unknown:
+        parser.error(f"unknown pairs {unknown}; choose from {', '.join(PAIRS)}")
+    out = {"seeds": SEEDS, "modes": args.modes.split(","), "points": args.points,
+           "pairs": {pair: measure(pair, tuple(args.modes.split(",")), args.points, args.root) for pair in pairs}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        write_text_atomic(args.out, text + "\n")
+
+
+if __name__ == "__main__":
+    main()
