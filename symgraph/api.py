@@ -232,7 +232,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     ``path_losses`` say so; not where the weights removed most of the distance, a reparametrised source, nor
     before learning, which starts from the weight-matched alignment). Without ``data``, and with
     ``short_learning`` (the default) as well, where the path still rises above its ends on those examples,
-    full mode then tunes the weight-matched alignment by a short learned matching (:mod:`symgraph.learn`, 50 steps)
+    full mode then tunes the weight-matched alignment by a short learned matching (:mod:`symgraph.learn`, 50-300 steps)
     on other synthetic examples and keeps it where its path loss on the judge's examples is lower
     (``result.learned`` holds its record, ``path_losses`` its loss as ``learned``; test barriers of the shipped
     pairs: examples/RESULTS.md). Without ``data``, full mode's weight matching never returns a source farther
@@ -459,11 +459,11 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     synthetic examples and ``learn_on`` holds other synthetic examples (the models' own samples, or a classifier's
     inverted inputs, the endpoints' mean prediction as soft targets); with data, the batches the activation costs
     were computed on, and ``learn_on`` the data's other batches and, for token data, synthetic examples, which
-    taught the causal LMs more in 50 steps (the data judged which to keep; :data:`SYNTHETIC_LEARNED`). Skipped where
+    taught the causal LMs more (the data judged which to keep; :data:`SYNTHETIC_LEARNED`). Skipped where
     the weights found the reparametrisation the source is, where the groups aligned have no continuous part to learn
     (``only``, ``layers``), where the model has more parameters than a judge makes examples for
     (:data:`symgraph.synthetic.JUDGE_MAX_PARAMETERS`), or with data whose forward pass over the judged batches
-    writes more tensor elements than a judge's examples may (:data:`~symgraph.synthetic.JUDGE_MAX_ELEMENTS`): 50
+    writes more tensor elements than a judge's examples may (:data:`~symgraph.synthetic.JUDGE_MAX_ELEMENTS`): its
     steps with a backward pass cost far more than aligning it, and where the path of ``aligned`` on the judged
     examples rises above the line between its ends by no more than :data:`~symgraph.learn.SHORT_LEARNING_RISE` of
     their loss: no barrier for learning to lower (fine-tunes, random twins), or one the synthetic examples hardly
@@ -481,12 +481,12 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     from .consensus import shared_float_names
     from .learn import (SHORT_LEARNING_CHECKS, SHORT_LEARNING_RISE, SHORT_LEARNING_STEPS, SYNTHETIC_LEARNING_EXAMPLES,
                         SYNTHETIC_LEARNING_LENGTH, LearnError, LearnOptions, check_learnable, path_and_end_losses,
-                        written_by)
-    from .synthetic import JUDGE_MAX_ELEMENTS, JUDGE_MAX_PARAMETERS, elements_over, parameters_over
+                        short_learning_steps, written_by)
+    from .synthetic import JUDGE_MAX_ELEMENTS, JUDGE_MAX_PARAMETERS, elements_per_example, parameters_over
 
     if recovered(on_weights.distance_after, on_weights.distance_before, found_share("full")):
         return aligned
-    options = LearnOptions(steps=SHORT_LEARNING_STEPS, checks=SHORT_LEARNING_CHECKS,
+    options = LearnOptions(steps=SHORT_LEARNING_STEPS[0], checks=SHORT_LEARNING_CHECKS,
                            synthetic_examples=SYNTHETIC_LEARNING_EXAMPLES, synthetic_length=SYNTHETIC_LEARNING_LENGTH,
                            seed=1)
     try:
@@ -505,9 +505,10 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     judged = judged_examples()
     if judged is None:
         return aligned
+    per_example = elements_per_example(src.model, state, judged)
     # without data the judge's examples were bounded when made; data given is bounded here, as they were
-    written = None if without_data else elements_over(src.model, state, judged, JUDGE_MAX_ELEMENTS)
-    if written is not None:
+    written = None if without_data or per_example is None else per_example * len(judged)
+    if written is not None and written > JUDGE_MAX_ELEMENTS:
         _log.info("full mode learns nothing: one forward pass of %s over %s writes %s tensor elements, more than the "
                   "%s a judge's examples may cost", type(src.model).__name__, judged.name, f"{written:,}",
                   f"{JUDGE_MAX_ELEMENTS:,.0f}")
@@ -523,6 +524,7 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
                   judged.name)
         return aligned
     clock = time.perf_counter()
+    options = dataclasses.replace(options, steps=short_learning_steps(per_example, options.batch_size))
     candidates = {}
     for name, data in learn_on.items():
         try:

@@ -126,8 +126,9 @@ _JUDGE_OPTIONS = [
     click.option("--short-learning/--no-short-learning", default=True, show_default=True,
                  help="Full mode without --learn: where the path rises above its ends on the judged examples "
                       "(without --data the judge's synthetic ones, with it the batches of the activation costs), "
-                      "tune the alignment by a short learned matching (50 steps) on other examples (without --data "
-                      "synthetic ones; with it the data's other batches, and for token data synthetic ones too) and "
+                      "tune the alignment by a short learned matching (50-300 steps, fewer the costlier a step) on "
+                      "other examples (without --data synthetic ones; with it the data's other batches, and for "
+                      "token data synthetic ones too) and "
                       "keep the one whose path loss on the judged examples is lowest (see README.md)."),
 ]
 

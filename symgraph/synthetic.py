@@ -269,22 +269,20 @@ def parameters_over(model: torch.nn.Module, limit: int) -> int | None:
     return size if size > limit else None
 
 
-def elements_over(model: torch.nn.Module, state: State, data: Dataset, limit: float) -> int | None:
-    """The tensor elements one forward pass of ``model`` carrying ``state`` over every example of ``data`` writes
-    (:func:`elements_written` of its first example, times their number), where that is more than ``limit``; None
-    within it, and where the count cannot be made (inputs that do not lead with the examples' axis, an operator the
-    count cannot follow): the judge's bound on what its examples may cost, for data given."""
+def elements_per_example(model: torch.nn.Module, state: State, data: Dataset) -> int | None:
+    """The tensor elements one forward pass of ``model`` carrying ``state`` writes per example of ``data``
+    (:func:`elements_written` of its first example); None where the count cannot be made (inputs that do not lead
+    with the examples' axis, an operator the count cannot follow). What a forward pass over data given costs: the
+    judge's bound on it, and the short learning's steps (:func:`symgraph.learn.short_learning_steps`)."""
     from .verify import tied_copies
 
     tied = tied_copies(model)
     first = data.batches[0].inputs
-    examples = sum(len(next(iter(batch.inputs.values()))) for batch in data.batches)
     try:
-        written = examples * elements_written(model, {k: v for k, v in state.items() if k not in tied},
-                                              {key: v[:1] for key, v in first.items()})
+        return elements_written(model, {k: v for k, v in state.items() if k not in tied},
+                                {key: v[:1] for key, v in first.items()})
     except Exception:  # noqa: BLE001 - uncountable: no bound to keep
         return None
-    return written if written > limit else None
 
 
 def elements_written(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> int:

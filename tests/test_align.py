@@ -311,7 +311,8 @@ def test_api_full_mode_without_data_learns_on_synthetic_data_where_the_path_rise
                       len(judged.batches))
     assert result.judged_on == judged.name and judge == pytest.approx(losses[kept], rel=1e-9)
     assert kept == "learned"  # measured: 1.85 -> 0.89 on the judge's examples; test barrier 2.88 -> 0.99
-    assert 0 < result.learned["steps"] <= symgraph.learn.SHORT_LEARNING_STEPS
+    judged_example = symgraph.synthetic.elements_per_example(b.model, b.state_dict(), judged)
+    assert result.learned["steps"] == symgraph.learn.short_learning_steps(judged_example, 32)
     assert result.learned["end_path_loss"] < result.learned["start_path_loss"]
 
 
@@ -438,8 +439,9 @@ def test_api_full_mode_keeps_its_alignment_where_learning_on_synthetic_data_fail
         result = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs))
     (data, options), = asked  # a short run on synthetic examples drawn apart from the judge's (seed 0)
     assert data == "synthetic" and options.seed != 0
-    assert (options.steps, options.checks, options.synthetic_examples, options.synthetic_length) == (
-        symgraph.learn.SHORT_LEARNING_STEPS, symgraph.learn.SHORT_LEARNING_CHECKS,
+    assert options.steps in range(symgraph.learn.SHORT_LEARNING_STEPS[0], symgraph.learn.SHORT_LEARNING_STEPS[1] + 1)
+    assert (options.checks, options.synthetic_examples, options.synthetic_length) == (
+        symgraph.learn.SHORT_LEARNING_CHECKS,
         symgraph.learn.SYNTHETIC_LEARNING_EXAMPLES, symgraph.learn.SYNTHETIC_LEARNING_LENGTH)
     unlearned = symgraph.align(symgraph.load(b, inputs), symgraph.load(a, inputs), short_learning=False)
     assert result.learned is None and "learned" not in result.path_losses

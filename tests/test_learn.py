@@ -919,3 +919,16 @@ def test_a_tied_head_moved_by_group_elements_is_scored_through_the_name_they_wro
     assert abs(stale - own) > 1e-2  # read through the stale embedding it computes something else
     judge = PathJudge(model, state, state, written=written, examples=8)
     assert judge(moved) == pytest.approx(judge(tie_aliases(model, moved)), rel=1e-4)
+
+
+def test_the_short_learning_takes_fewer_steps_the_more_a_step_writes_within_its_bounds():
+    from symgraph.learn import SHORT_LEARNING_ELEMENTS, SHORT_LEARNING_STEPS, short_learning_steps
+
+    fewest, most = SHORT_LEARNING_STEPS
+    assert short_learning_steps(None, 32) == fewest  # uncountable: the cost it always had
+    assert short_learning_steps(10, 32) == most
+    assert short_learning_steps(10**12, 32) == fewest
+    middle = int(SHORT_LEARNING_ELEMENTS // (32 * (fewest + most) // 2)) + 1
+    steps = [short_learning_steps(n, 32) for n in (middle // 2, middle, 2 * middle)]
+    assert fewest < steps[-1] < steps[1] < steps[0] <= most
+    assert short_learning_steps(middle, 16) > steps[1]  # smaller batches: more of them
