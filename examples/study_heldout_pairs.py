@@ -80,9 +80,9 @@ PAIRS = {
 }
 for _name, (_build, _family) in PAIRS.items():  # the training loop finds a family's builder, batches and task
     train_models.BUILDERS[_name] = _build
-    text = _family.data != "digits"
-    train_models.SAMPLERS[_name] = train_models._char_windows if text else train_models._digit_batches
-    train_models.TASKS[_name] = "causal_lm" if text else "classification"
+    _text = _family.data != "digits"
+    train_models.SAMPLERS[_name] = train_models._char_windows if _text else train_models._digit_batches
+    train_models.TASKS[_name] = "causal_lm" if _text else "classification"
 
 
 def trained(pair: str, root: Path) -> tuple[Path, Path]:

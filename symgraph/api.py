@@ -336,12 +336,13 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     free = free_cost_members(src, groups, mode, evaluator)
     timings["free_parameters"] = time.perf_counter() - clock
     anchor_state = anc.state_dict()
+    moved = written_by(groups)  # of tied names, the one the elements write is the one a path loss reads
     with bars:
         options = dict(mode=mode, rescale=rescale, rounds=refine_rounds, tolerance=tolerance,
                        matching_start=matching_start, progress=report, cost_excluded=free, device=device, dtype=dtype,
                        balance=balance, residual=residual)
         if dataset is None:  # the starts are judged by their path loss on synthetic data where it can be made
-            judge = PathJudge(src.model, state, anchor_state, written=written_by(groups)) if judge_starts else None
+            judge = PathJudge(src.model, state, anchor_state, written=moved) if judge_starts else None
             result = align_states(groups, state, anchor_state, **options, judge=judge)
             # learning starts from the weight-matched alignment: from activations it ended higher on llama-chars
             on_weights = result
@@ -361,7 +362,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
             on_weights.costs = {g.id: "weights" for g in groups}
             timings["align_on_weights"] = time.perf_counter() - clock
             result = lowest_path_loss({"activations": on_activations, "weights": on_weights}, src.model, anchor_state,
-                                      dataset, data_batches, written=written_by(groups))
+                                      dataset, data_batches, written=moved)
             if mode == "full" and short_learning and not learn:  # judged where the costs were, learned on the rest
                 judged = Dataset(dataset.name, dataset.task, dataset.batches[:data_batches])
                 rest = Dataset(f"{dataset.name} (after the {len(judged.batches)} batches of its costs)", dataset.task,
@@ -470,10 +471,10 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
     show (:mod:`symgraph.learn`); ``along``: the path loss of ``aligned`` on those examples, where the caller has
     measured it there (None: measured here). ``without_data``: the judged examples are a judge's own, bounded when
     made. A learned alignment is kept for its path loss, wherever it ends: held to end no farther from the anchor
-    than the source began, a held-out ViT pair (width 64, 4 layers) kept its activations'
-    alignment, test barrier 1.718, where the learned one (0.6887 from A against 0.6772) gave 1.409, and vit-digits
-    aligned in its attention groups only lost its learning (merged loss 1.813 -> 2.616). ``result.learned`` holds the
-    record where one is kept.
+    than the source began, a held-out ViT pair (width 64, 4 layers) kept its activations' alignment, test barrier
+    1.718, where the learned one (0.6887 from A against 0.6772) gave 1.409, and vit-digits aligned in its attention
+    groups only lost its learning (merged loss 1.813 -> 2.616). ``result.learned`` holds the record where one is
+    kept.
     Learned from the activations' alignment instead, the judge ranked the two starts' outcomes as their test
     barriers did (llama-chars 0.626 against 0.695 from weights, vit-digits 1.300 against 0.986; sequences of 128
     tokens): from the weights, both pairs meet 0.35x of their unaligned barrier, and one learning costs half of two."""
@@ -507,16 +508,17 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
         return aligned
     per_example = elements_per_example(src.model, state, judged)
     # without data the judge's examples were bounded when made; data given is bounded here, as they were
-    written = None if without_data or per_example is None else per_example * len(judged)
-    if written is not None and written > JUDGE_MAX_ELEMENTS:
+    cost = None if without_data or per_example is None else per_example * len(judged)
+    if cost is not None and cost > JUDGE_MAX_ELEMENTS:
         _log.info("full mode learns nothing: one forward pass of %s over %s writes %s tensor elements, more than the "
-                  "%s a judge's examples may cost", type(src.model).__name__, judged.name, f"{written:,}",
+                  "%s a judge's examples may cost", type(src.model).__name__, judged.name, f"{cost:,}",
                   f"{JUDGE_MAX_ELEMENTS:,.0f}")
         return aligned
     clock = time.perf_counter()
+    moved = written_by(groups)
     along, ends = path_and_end_losses(src.model, anchor_state, aligned.state,
                                       shared_float_names(anchor_state, frozenset()), judged, along=along,
-                                      written=written_by(groups))
+                                      written=moved)
     timings["judge_rise"] = time.perf_counter() - clock
     rise = along - ends
     if not rise > SHORT_LEARNING_RISE * abs(ends):
@@ -539,7 +541,7 @@ def _or_short_learning(aligned, on_weights, judged_examples, learn_on: dict, src
         return aligned
     earlier = aligned.path_losses
     result = lowest_path_loss({"aligned": aligned, **candidates}, src.model, anchor_state, judged,
-                              len(judged.batches), known={"aligned": along}, written=written_by(groups))
+                              len(judged.batches), known={"aligned": along}, written=moved)
     result.path_losses = {**earlier, **result.path_losses}
     return result
 
