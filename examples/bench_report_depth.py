@@ -4,7 +4,8 @@ The config is LLaMA-2/3-70B's shape (hidden 8192, 64 query / 8 KV heads, SwiGLU 
 head, ``LlamaForCausalLM``). Each depth runs in a child process of its own, so its peak RSS (``ru_maxrss``) is
 its own. Stages: ``load`` (build on the meta device from config.json), ``analyse`` (capture and analysis; with
 repeated blocks only a shallow copy is analysed, see :mod:`symgraph.depth`), ``render_json`` (the report as
-JSON, what ``symgraph report --format json`` writes). ``--full-depth`` also times the full-depth analysis
+JSON, what ``symgraph report --format json`` writes), ``render_markdown`` and ``render_html`` (the other formats,
+whose pictures draw each distinct block once). ``--full-depth`` also times the full-depth analysis
 (``symgraph report --full-depth``) at the smallest depth, for comparison, and checks that both reports are
 byte-identical (``full_depth_report_identical``).
 
@@ -50,8 +51,13 @@ def measure(depth: int, full_depth: bool) -> dict:
         analysed = time.perf_counter()
         text = render(report, "json")
         done = time.perf_counter()
+        render(report, "md")
+        as_markdown = time.perf_counter()
+        render(report, "html")
+        as_html = time.perf_counter()
     return {"layers": depth, "full_depth": full_depth, "load_s": round(loaded - clock, 2),
             "analyse_s": round(analysed - loaded, 2), "render_json_s": round(done - analysed, 2),
+            "render_markdown_s": round(as_markdown - done, 2), "render_html_s": round(as_html - as_markdown, 2),
             "total_s": round(done - clock, 2), "groups": len(report.groups), "json_bytes": len(text),
             "json_sha1": hashlib.sha1(text.encode()).hexdigest(),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from html.parser import HTMLParser
 
@@ -291,12 +290,11 @@ def test_pinned_params_are_truncated_and_notes_listed():
     assert _summary_value(markdown, "unknown ops") == "aten.mystery.default x2"
 
 
-def test_big_report_renders_quickly_and_draws_one_block():
+def test_big_report_draws_each_distinct_block_once():
+    # its render time is a benchmark's (examples/bench_report_depth.py), not a unit test's
     report = _synthetic(n_layers=100, per_layer=10)
     assert len(report.groups) == 1000 and len(report.parameters) == 600
-    start = time.perf_counter()
     markdown, page = to_markdown(report), to_html(report)
-    assert time.perf_counter() - start < 10
     assert int(_summary_value(markdown, "groups")) == 1000
     first, second, rest = sections(report)  # the synthetic pin covers the 10 parameters of blocks 0 and 1
     assert [s.title for s in (first, second)] == ["model.layers.*   x 1 of 100   (blocks 0)",
