@@ -44,7 +44,7 @@ def fold_one(model_type: str, engine: bool = False) -> dict:
     try:
         subject = symgraph.load(model)
         try:
-            result, row["class"] = symgraph.fold(subject), "ok"
+            result, row["class"] = symgraph.fold(subject, untie=False), "ok"
         except TiedFoldError as exc:
             row["tied_reason"] = sweep.first_line(exc)
             result, row["class"] = symgraph.fold(subject, untie=True), "ok_untied"

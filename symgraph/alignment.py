@@ -69,7 +69,7 @@ class AlignResult:
     starts: dict[str, float] = field(default_factory=dict)  # distance each descent start reached (full mode)
     start: str = "recovery"  # the start kept ("none": full mode left the source as it was, align_states)
     folded: bool = False  # both models were folded first (symgraph.fold)
-    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded); or the ties undone
     learned: dict | None = None  # what learned matching did (symgraph.learn.LearnRecord.to_json), when asked
     costs: dict[str, str] = field(default_factory=dict)  # group id -> "activations" or "weights" (with data)
     residual: str | None = None  # full mode on an orthogonal residual stream: the group it was aligned in

@@ -210,7 +210,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
           data_batch_size: int = 16, data_groups: str = "residual", learn=False, learn_data=None,
           free_outputs: bool = False, device="cpu", dtype=None, balance: bool = False, residual: str = "auto",
           judge_starts: bool = True, synthetic_activations: bool = True, short_learning: bool = True,
-          untie: bool = False):
+          untie: bool | None = None):
     """Move ``source`` inside its symmetry groups as close to ``anchor`` as they allow.
 
     ``source`` and ``anchor`` are anything :func:`load` accepts. ``mode`` is ``full`` (every detected group,
@@ -244,9 +244,10 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     folded anchor, as :func:`symgraph.merge` and :func:`symgraph.barrier` do (they fold by default where it pays
     off); ``None`` folds where it pays off (:func:`symgraph.fold.pays_off`), and where the norms cannot be folded
     after all leaves both models unfolded; ``result.folded`` says what was done, ``result.fold_note`` why not.
-    With ``untie``, where folding, tied weights (an embedding that is also the LM head) first get tensors of their
-    own (:func:`symgraph.fold.untied`), so a final norm folds into the head; ``result.untied`` names them and
-    ``result.config`` is then the untied model's config (save the result with it).
+    Where folding, tied weights (an embedding that is also the LM head) first get tensors of their own
+    (:func:`symgraph.fold.untied`) where the tie keeps the final norm from folding into the head (``untie`` None),
+    always (True) or never (False: such a fold is refused, or skipped with ``fold`` None); ``result.untied`` names
+    them and ``result.config`` is then the untied model's config (save the result with it).
     With ``general_linear`` (full mode) QK and VO groups whose exact group is GL(d_head) are aligned in it
     (least squares from either side or Procrustes, whichever is closest, maps worse conditioned than 100 refused)
     instead of in its orthogonal subgroup. With ``balance`` (full mode) each parameter's cost is counted in units
@@ -301,7 +302,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     from .alignment import (align_states, check_same_architecture, compute_device, compute_dtype,
                             free_cost_members, relative_distance, select_groups)
     from .datasets import Dataset
-    from .fold import untied_names
+    from .fold import untied_by_fold
     from .learn import mixes_inputs, written_by
     from .progress import StageBars, stage_callback
     from .synthetic import SPEC, PathJudge
@@ -383,7 +384,7 @@ def align(source, anchor, *, mode: str = "full", only: str | None = None, rescal
     result.distance_after = relative_distance(result.state, anchor_state)  # tied copies now follow
     result.free = [m.param for m in free]
     result.folded, result.fold_note = folded, fold_note
-    result.config, result.untied = src.config, untied_names(loaded.model) if folded and untie else []
+    result.config, result.untied = src.config, untied_by_fold(loaded.model, src.model) if folded else []
     if verify:
         clock = time.perf_counter()
         _verify_alignment(evaluator, state, result)
@@ -622,8 +623,8 @@ def _alignment_data(data, subject: Subject, batch_size: int, learn=False):
 
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None,
-                check, untie: bool = False) -> tuple[Subject, Subject, bool, str]:
-    """Both subjects folded (untied first with ``untie``) when ``fold`` is True, or None and folding pays off; the
+                check, untie: bool | None = None) -> tuple[Subject, Subject, bool, str]:
+    """Both subjects folded (untied first as ``untie`` says: :func:`symgraph.fold.fold`) when ``fold`` is True, or None and folding pays off; the
     note says why not when None fell back (:func:`symgraph.fold.folded_where_asked`). ``check(first, second,
     groups=...)`` refuses models that do not match."""
     from .fold import folded_where_asked

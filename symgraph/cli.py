@@ -77,10 +77,11 @@ def transform(model, output, seed, overwrite, free_outputs):
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write what was folded and centred.")
-@click.option("--untie", is_flag=True,
+@click.option("--untie/--no-untie", default=None,
               help="Give tied weights (an embedding that is also the LM head) tensors of their own first, so the "
                    "final norm folds into the head; OUTPUT's config then says they are not tied (one more "
-                   "vocabulary-sized matrix on disk).")
+                   "vocabulary-sized matrix on disk). Default: where a tie keeps a norm from folding; --no-untie "
+                   "refuses such a fold.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new copy is complete).")
 def fold(model, output, json_path, untie, overwrite):
     from .api import load
@@ -106,10 +107,11 @@ _FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the res
 _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
                             help=f"{_FOLD_HELP} Default: fold whenever the norms can be folded (measured barriers "
                                  f"fell on the shipped pairs: examples/results/fold.json).")
-_UNTIE_OPTION = click.option("--untie", is_flag=True,
+_UNTIE_OPTION = click.option("--untie/--no-untie", default=None,
                              help="Where folding, give tied weights (an embedding that is also the LM head) tensors "
                                   "of their own first, so the final norm folds into the head (see `symgraph fold "
-                                  "--untie`).")
+                                  "--untie`). Default: where a tie keeps a norm from folding, which the output "
+                                  "says; --no-untie keeps ties (tied models then stay unfolded).")
 
 
 # without data, how a full alignment chooses between its candidates (align, barrier, and merge's first alignments)

@@ -81,7 +81,7 @@ class BarrierResult:
     ts: list[float]
     curves: dict[str, BarrierCurve]
     seconds: float = 0.0
-    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded); or the ties undone
 
     def to_json(self) -> dict:
         return {"models": list(self.models), "data": self.data, "task": self.task, "ts": self.ts,
@@ -95,7 +95,7 @@ class BarrierResult:
 
 def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str] = ALIGN_MODES[::-1],
             batch_size: int = 32, limit: int | None = None, split: str = "test",
-            align_options: Mapping[str, Any] | None = None, fold: bool | None = None, untie: bool = False,
+            align_options: Mapping[str, Any] | None = None, fold: bool | None = None, untie: bool | None = None,
             learn: Any = None, learn_data: Any = None, progress: bool = True, device="cpu",
             dtype=None) -> BarrierResult:
     """Measure the loss barrier between ``a`` and ``b`` for each alignment mode in ``aligns``.
@@ -132,7 +132,9 @@ def barrier(a: Any, b: Any, data: Any, *, steps: int = 21, aligns: Sequence[str]
         off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose norms cannot
         be folded after all are compared unfolded, and ``result.fold_note`` says why.
     untie
-        Where folding, first give tied weights tensors of their own (:func:`symgraph.fold.untied`).
+        Where folding, give tied weights tensors of their own first (:func:`symgraph.fold.untied`): where the tie
+        keeps a norm from folding (None, the default; ``result.fold_note`` then says so), always (True), never
+        (False: tied models are compared unfolded).
     learn
         The :class:`symgraph.learn.LearnOptions` of the learned modes (None: the defaults). ``limit`` and
         ``split`` apply to the evaluation only.

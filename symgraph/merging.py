@@ -89,7 +89,7 @@ class MergeResult:
     frames: dict[str, float] = field(default_factory=dict)  # the score of every frame tried (lower is better)
     inputs: tuple[Path, ...] = ()  # the folders the models were read from: save never writes over one
     learned: tuple[dict | None, ...] = ()  # per model, what learned matching did in the frame kept (with learn)
-    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded)
+    fold_note: str = ""  # fold None, not folded after all: why (the norms cannot be folded); or the ties undone
     # per model, what its first alignment onto the reference kept (starts, costs, path losses: the JSON of
     # symgraph.connectivity.alignment_summary; None for the reference), where merge made it as align does (or on
     # activations of the data)
@@ -128,7 +128,7 @@ class MergeResult:
 def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full", data: Any = None,
           weights: Sequence[float] | None = None, head_from: int | None = None,
           head: Sequence[str] | None = None, alpha: float = 0.9, rounds: int = 5, batch_size: int = 32,
-          limit: int | None = None, split: str = "train", fold: bool | None = None, untie: bool = False,
+          limit: int | None = None, split: str = "train", fold: bool | None = None, untie: bool | None = None,
           learn=False,
           frame: str = "best", progress: bool = True, free_outputs: bool = False,
           workers: str = "local", device="cpu", dtype=None, judge_starts: bool = True,
@@ -167,8 +167,10 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose
         norms cannot be folded after all are merged unfolded, and ``result.fold_note`` says why.
     untie
-        Where folding, first give tied weights tensors of their own (:func:`symgraph.fold.untied`), so a final norm
-        read by a tied LM head folds too; the merge's config then says the weights are not tied.
+        Where folding, give tied weights tensors of their own first (:func:`symgraph.fold.untied`), so a final norm
+        read by a tied LM head folds too: where the tie keeps a norm from folding (None, the default;
+        ``result.fold_note`` then says so), always (True), never (False: tied models are merged unfolded). The
+        merge's config then says the weights are not tied.
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
         learned matching on the training split of ``data`` (the first, if one per model); needs ``data``. In a
@@ -383,7 +385,7 @@ def _frame_note(tried: list, datasets, judged: Dataset | None) -> str:
 
 
 def _folded(subjects: list, fold: bool | None, exclude: frozenset[str], *, groups: bool,
-            untie: bool = False) -> tuple[list, str]:
+            untie: bool | None = None) -> tuple[list, str]:
     """``(subjects, note)``: every subject folded when ``fold``, or when None and it pays off, checked to match
     (:func:`check_compatible`, their groups too with ``groups``); the note says why not when None fell back
     (:func:`symgraph.fold.folded_where_asked`)."""

@@ -20,7 +20,7 @@ from symgraph import zoo
 from symgraph.alignment import align_states, select_groups
 from symgraph.elements import apply, sample
 from symgraph.errors import InvarianceError
-from symgraph.fold import FoldError, find_norms, fold, folded_subject, pays_off
+from symgraph.fold import FoldError, find_norms, fold, folded_subject, pays_off, untied, untied_by_fold
 from symgraph.fuzz import fuzz
 from symgraph.io import save_model
 from symgraph.solve import kernels
@@ -166,7 +166,7 @@ def test_unfoldable_norms_are_refused_by_name(family, overrides, needle):
     subject = _subject(family)
     before = {k: v.clone() for k, v in subject.state_dict().items()}
     with pytest.raises(FoldError, match=needle):
-        fold(subject)
+        fold(subject, untie=False)  # a tied model folds once untied, as it is by default
     assert all(torch.equal(v, subject.state_dict()[k]) for k, v in before.items())
     if family == "bert":  # the report says why the residual stream keeps permutations
         assert any("cannot be folded" in n and "post-LN" in n for n in subject.report.notes)
@@ -283,8 +283,9 @@ def test_a_tied_embedding_read_by_the_head_is_not_centred():
         result = fold(subject)
     except FoldError as exc:
         assert "tied" in exc.message and "word_embeddings.weight" in exc.message and "decoder" in exc.message
-    else:  # folding it is fine too, as long as the model a user loads computes the same
-        assert _difference(subject, result.state) < 1e-9
+    else:  # untied first (the default), folding it is fine too, as long as the model a user loads computes the same
+        assert result.untied == ["lm_head.decoder.weight", "lm_head.decoder.bias"]
+        assert _difference(untied(subject)[0], result.state) < 1e-6  # float32 weights, rounded once
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
@@ -352,18 +353,21 @@ def test_a_tied_tensor_used_only_as_residual_writes_is_centred_under_every_name(
 
 def test_default_fold_falls_back_on_a_model_whose_norms_cannot_be_folded():
     """pays_off finds the norms; centring is refused only when fold runs: fold=None (not asked) then merges and
-    aligns unfolded, saying why, while fold=True still refuses."""
+    aligns unfolded, saying why, while fold=True still refuses (ties kept: untied, the default, it folds)."""
     a, b = (symgraph.load(_xlmr_xl(s)) for s in (0, 1))
-    assert pays_off(a)
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)
+    assert pays_off(a, untie=False)
+    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False, untie=False)
     assert not any(name.endswith("(folded)") for name in result.models)
     assert "norms not folded" in result.fold_note and "tied" in result.fold_note
     assert result.to_json()["fold_note"] == result.fold_note
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
-    aligned = symgraph.align(b, a, mode="permutation", fold=None)
+    aligned = symgraph.align(b, a, mode="permutation", fold=None, untie=False)
     assert not aligned.folded and "tied" in aligned.fold_note
     with pytest.raises(FoldError, match="tied"):
-        symgraph.merge([a, b], align="none", fold=True, progress=False)
+        symgraph.merge([a, b], align="none", fold=True, progress=False, untie=False)
+    aligned = symgraph.align(b, a, mode="permutation", fold=None)
+    assert aligned.folded and aligned.untied == ["lm_head.decoder.bias", "lm_head.decoder.weight"]
+    assert "lm_head.decoder.weight" in aligned.fold_note
 
 
 def test_cli_merge_says_why_it_did_not_fold(tmp_path):
@@ -371,7 +375,7 @@ def test_cli_merge_says_why_it_did_not_fold(tmp_path):
     for seed, name in ((0, "a"), (1, "b")):
         _xlmr_xl(seed).save_pretrained(tmp_path / name)
     code, stdout, stderr = run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--align", "none",
-                               "--json", tmp_path / "merge.json")
+                               "--json", tmp_path / "merge.json", "--no-untie")
     assert code == 0, stderr
     assert "norms not folded" in stdout and "tied" in stdout
     assert "norms not folded" in json.loads((tmp_path / "merge.json").read_text())["fold_note"]
@@ -656,30 +660,31 @@ def test_untie_lets_the_final_norm_fold_into_a_tied_head_and_opens_the_stream(mo
     before = {k: v.clone() for k, v in model.state_dict().items()}
     subject = symgraph.load(model, _token_inputs(2, 7, 0))
     with pytest.raises(FoldError, match="tied") as refused:
-        fold(subject)
-    assert "--untie" in refused.value.hint
-    result = fold(subject, untie=True)
+        fold(subject, untie=False)
+    assert "--no-untie" in refused.value.hint
+    result = fold(subject)  # untied by default where the tie keeps the final norm from folding
     assert result.untied == ["lm_head.weight"] and result.verified_error < 1e-10
     assert result.config.tie_word_embeddings is False and model.config.tie_word_embeddings is True
     assert not torch.equal(result.state["lm_head.weight"], result.state[next(
         k for k in result.state if k.endswith(("wte.weight", "embed_tokens.weight")))])
     assert head is embedding and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    folded = folded_subject(subject, untie=True)
+    folded = folded_subject(subject)
+    assert untied_by_fold(model, folded.model) == ["lm_head.weight"]
     stream = [g for g in folded.report.groups if g.motif == "residual"]
     assert [(g.kind, g.fixes_ones) for g in stream] == [("orthogonal", model_type == "gpt2")], stream
     checked = fuzz(folded, samples=4)
     assert checked.ok and len(set(checked.shapes)) >= 2
 
 
-def test_cli_fold_untie_writes_an_untied_equivalent_folder_and_without_it_says_how(tmp_path):
+def test_cli_fold_unties_by_default_writes_an_untied_equivalent_folder_and_with_no_untie_says_how(tmp_path):
     import transformers
 
     model = _tiny_causal_lm("gpt2", tie=True, **TIED["gpt2"]).float()
     model.save_pretrained(tmp_path / "gpt2")
     digest = tree_digest(tmp_path / "gpt2")
-    refused = run("fold", tmp_path / "gpt2", "-o", tmp_path / "refused")
-    assert refused.returncode == 2 and "--untie" in refused.stderr and not (tmp_path / "refused").exists()
-    res = run("fold", tmp_path / "gpt2", "-o", tmp_path / "folded", "--untie", "--json", tmp_path / "fold.json")
+    refused = run("fold", tmp_path / "gpt2", "-o", tmp_path / "refused", "--no-untie")
+    assert refused.returncode == 2 and "--no-untie" in refused.stderr and not (tmp_path / "refused").exists()
+    res = run("fold", tmp_path / "gpt2", "-o", tmp_path / "folded", "--json", tmp_path / "fold.json")
     assert res.returncode == 0, res.stderr
     assert "tied weights untied: lm_head.weight;" in res.stdout and tree_digest(tmp_path / "gpt2") == digest
     assert json.loads((tmp_path / "fold.json").read_text())["untied"] == ["lm_head.weight"]
@@ -702,14 +707,17 @@ def _tied_gpt2_pair(tmp_path):
     return tmp_path / "m0", tmp_path / "m1"
 
 
-def test_cli_merge_untie_folds_tied_models_and_writes_an_untied_merge(tmp_path):
+def test_cli_merge_unties_and_folds_tied_models_by_default_and_writes_an_untied_merge(tmp_path):
     import transformers
 
     a, b = _tied_gpt2_pair(tmp_path)
-    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "tied", "--align", "none")
-    assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
-    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "none", "--untie")
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "tied", "--align", "none", "--no-untie")
+    assert code == 0 and "norms not folded" in stdout and "--no-untie" in stdout, stderr
+    kept = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+    assert kept.config.tie_word_embeddings is True and kept.lm_head.weight is kept.transformer.wte.weight
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "none")
     assert code == 0 and "norms folded first" in stdout, stderr
+    assert "tied weights untied so the norm they read folds: lm_head.weight" in stdout
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert merged.config.tie_word_embeddings is False
     assert not torch.equal(merged.lm_head.weight, merged.transformer.wte.weight)
@@ -740,7 +748,7 @@ def test_cli_align_fold_untie_writes_an_untied_folded_model_that_loads_and_compu
     assert refused.returncode == 2 and "--fold" in refused.stderr and not (tmp_path / "refused").exists()
 
 
-def test_barrier_untie_runs_between_the_folded_untied_models(tmp_path):
+def test_barrier_unties_by_default_and_runs_between_the_folded_untied_models(tmp_path):
     from symgraph.connectivity import barrier
     from symgraph.datasets import Batch, Dataset
 
@@ -749,6 +757,9 @@ def test_barrier_untie_runs_between_the_folded_untied_models(tmp_path):
     data = Dataset("tokens", "causal_lm", (Batch({"input_ids": ids, "labels": ids}),))
     result = barrier(a, b, data, steps=3, aligns=("none",), untie=True, progress=False)
     assert all(name.endswith("(folded)") for name in result.models) and not result.fold_note
+    by_default = barrier(a, b, data, steps=3, aligns=("none",), progress=False)
+    assert by_default.models == result.models and "lm_head.weight" in by_default.fold_note
+    assert np.allclose(by_default.curves["none"].losses, result.curves["none"].losses)
     ends = result.curves["none"].losses
     reference = [float(transformers_loss(path, ids)) for path in (a, b)]
     assert np.allclose([ends[0], ends[-1]], reference, rtol=1e-4)
