@@ -1165,6 +1165,16 @@ WIDE_NOTES = """\
   are earlier runs: the wide LLaMA now learns about 70 steps instead of 50 there, and its row was not rerun. It costs
   time: `BENCH_THREADS=1 python examples/bench_align.py --pair llama-chars --modes full,permutation` (one other run on
   the machine) took 26.9 s against 5.4 s (4.96x; 19.0 s of learning), where stop 56 measured 12.2 s against 5.2 s.
+- Stop 58: tied LMs are untied where the tie keeps a norm from folding, by default (`--untie/--no-untie`; the output
+  names the weights untied and a written config says `tie_word_embeddings: false`), so `merge` and `barrier` fold
+  them too. Held-out tied twins, rerun (`python examples/study_heldout_pairs.py`, `results/heldout_pairs.json`),
+  data-free full tied -> untied and folded: the GPT-2 0.901 (0.44x) -> 0.569 (0.28x of its unaligned 2.034 as
+  trained; 0.27x of the folded pair's 2.126), the LLaMA of width 96 0.836 (0.30x) -> 0.400 (0.14x); permutation
+  mode 1.996 -> 1.931 and 2.012 -> 2.079. All four held-out pairs now meet 0.35x without data. A cheaper short
+  learning does not keep it: batches of 16 / 8 sequences instead of 32 (300 steps, scratch runs, one thread each)
+  gave llama-chars 0.538 / 0.558 against 0.520 (align 16.8 s / 13.6 s against 22.1 s), the held-out ViT 1.129 /
+  0.977 against 0.640, the GPT-2 0.600 (16) against 0.569, vit-digits 0.912 (16) against 0.911; so full mode's time
+  stays about 5x permutation mode's on llama-chars.
 """
 
 
