@@ -624,9 +624,10 @@ def _alignment_data(data, subject: Subject, batch_size: int, learn=False):
 
 def folded_pair(first: Subject, second: Subject, fold: bool | None,
                 check, untie: bool | None = None) -> tuple[Subject, Subject, bool, str]:
-    """Both subjects folded (untied first as ``untie`` says: :func:`symgraph.fold.fold`) when ``fold`` is True, or None and folding pays off; the
-    note says why not when None fell back (:func:`symgraph.fold.folded_where_asked`). ``check(first, second,
-    groups=...)`` refuses models that do not match."""
+    """Both subjects folded (untied first as ``untie`` says: :func:`symgraph.fold.fold`) when ``fold`` is True, or
+    None and folding pays off; the note says why not when None fell back, or which tied weights were untied
+    (:func:`symgraph.fold.folded_where_asked`). ``check(first, second, groups=...)`` refuses models that do not
+    match."""
     from .fold import folded_where_asked
 
     (first, second), folded, note = folded_where_asked([first, second], fold,

@@ -110,8 +110,9 @@ _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
 _UNTIE_OPTION = click.option("--untie/--no-untie", default=None,
                              help="Where folding, give tied weights (an embedding that is also the LM head) tensors "
                                   "of their own first, so the final norm folds into the head (see `symgraph fold "
-                                  "--untie`). Default: where a tie keeps a norm from folding, which the output "
-                                  "says; --no-untie keeps ties (tied models then stay unfolded).")
+                                  "--untie`). Default: where a tie keeps a norm from folding (merge: when it "
+                                  "aligns), which the output says; --no-untie keeps ties (tied models then stay "
+                                  "unfolded).")
 
 
 # without data, how a full alignment chooses between its candidates (align, barrier, and merge's first alignments)

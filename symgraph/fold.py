@@ -286,7 +286,7 @@ def _ties_built_from(model: torch.nn.Module) -> list[list[str]]:
     return _aliases(built)
 
 
-_UNTIE_CURES = " Leave out --no-untie (untie=None or True) to fold them."
+_UNTIE_CURES = " Pass --untie (untie=True) to fold them."
 
 
 def _tied_note(subject, untie: bool | None) -> str:
@@ -554,8 +554,7 @@ def _linear_readers(cap, placeholders, tied, node, site: NormSite) -> tuple[Read
             raise (TiedFoldError if _ties(tied, weight) else FoldError)(
                    f"Cannot fold {site.describe()} into {weight}: that weight is shared with {shared[0]} "
                             f"(tied weights), which would need a different fold.",
-                            hint="untie the weights (leave out --no-untie; fold(..., untie=None or True)), or "
-                                 "align without --fold.")
+                            hint="untie the weights (--untie; fold(..., untie=True)), or align without --fold.")
         readers.append(reader)
     return tuple(readers)
 
@@ -697,8 +696,7 @@ def _refuse_centring(name: str, ties: list[str], writer: fx.Node, others: list[f
     raise (TiedFoldError if ties else FoldError)(
            f"Cannot centre the residual stream: {tensor} is written into it by graph node {writer.name}"
                     f"{_module_of(writer)}, and {why}.",
-                    hint="untie the weights (leave out --no-untie; fold(..., untie=None or True)), or align "
-                         "without --fold." if ties
+                    hint="untie the weights (--untie; fold(..., untie=True)), or align without --fold." if ties
                     else "align without --fold.")
 
 

@@ -168,9 +168,9 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
         norms cannot be folded after all are merged unfolded, and ``result.fold_note`` says why.
     untie
         Where folding, give tied weights tensors of their own first (:func:`symgraph.fold.untied`), so a final norm
-        read by a tied LM head folds too: where the tie keeps a norm from folding (None, the default;
-        ``result.fold_note`` then says so), always (True), never (False: tied models are merged unfolded). The
-        merge's config then says the weights are not tied.
+        read by a tied LM head folds too: where the tie keeps a norm from folding and ``align`` is not "none"
+        (None, the default; ``result.fold_note`` then says so), always (True), never (False: tied models are
+        merged unfolded). The merge's config then says the weights are not tied.
     learn
         True, or a :class:`symgraph.learn.LearnOptions`: each model's alignment to the reference is tuned by
         learned matching on the training split of ``data`` (the first, if one per model); needs ``data``. In a
@@ -243,6 +243,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     # synthetic data serves learning alone (checked in _check_options): statistics and frames go without data
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None and not is_synthetic(
         data) else []
+    # without alignment the untied head's larger group serves nothing, and a merge of tied fine-tunes keeps its size
+    untie = False if untie is None and align == "none" else untie
     subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none", untie=untie)  # after the data
     clock.lap("load")
     order = merge_order(subjects, w, exclude)

@@ -661,7 +661,7 @@ def test_untie_lets_the_final_norm_fold_into_a_tied_head_and_opens_the_stream(mo
     subject = symgraph.load(model, _token_inputs(2, 7, 0))
     with pytest.raises(FoldError, match="tied") as refused:
         fold(subject, untie=False)
-    assert "--no-untie" in refused.value.hint
+    assert "--untie" in refused.value.hint
     result = fold(subject)  # untied by default where the tie keeps the final norm from folding
     assert result.untied == ["lm_head.weight"] and result.verified_error < 1e-10
     assert result.config.tie_word_embeddings is False and model.config.tie_word_embeddings is True
@@ -683,7 +683,7 @@ def test_cli_fold_unties_by_default_writes_an_untied_equivalent_folder_and_with_
     model.save_pretrained(tmp_path / "gpt2")
     digest = tree_digest(tmp_path / "gpt2")
     refused = run("fold", tmp_path / "gpt2", "-o", tmp_path / "refused", "--no-untie")
-    assert refused.returncode == 2 and "--no-untie" in refused.stderr and not (tmp_path / "refused").exists()
+    assert refused.returncode == 2 and "--untie" in refused.stderr and not (tmp_path / "refused").exists()
     res = run("fold", tmp_path / "gpt2", "-o", tmp_path / "folded", "--json", tmp_path / "fold.json")
     assert res.returncode == 0, res.stderr
     assert "tied weights untied: lm_head.weight;" in res.stdout and tree_digest(tmp_path / "gpt2") == digest
@@ -711,11 +711,16 @@ def test_cli_merge_unties_and_folds_tied_models_by_default_and_writes_an_untied_
     import transformers
 
     a, b = _tied_gpt2_pair(tmp_path)
-    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "tied", "--align", "none", "--no-untie")
-    assert code == 0 and "norms not folded" in stdout and "--no-untie" in stdout, stderr
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "tied", "--align", "permutation", "--no-untie")
+    assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
     kept = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
     assert kept.config.tie_word_embeddings is True and kept.lm_head.weight is kept.transformer.wte.weight
-    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "none")
+    # without alignment nothing gains from untying: a soup of tied models keeps its ties unless asked
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "soup", "--align", "none")
+    assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
+    soup = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "soup")
+    assert soup.config.tie_word_embeddings is True
+    code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "permutation")
     assert code == 0 and "norms folded first" in stdout, stderr
     assert "tied weights untied so the norm they read folds: lm_head.weight" in stdout
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
