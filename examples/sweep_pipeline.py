@@ -6,7 +6,8 @@ what a user runs on two models: for each model type two tiny models are built fr
 (seeds 0 and 1), each with ``perturb``'s noise and noise of its own (so their norms differ too), in float32. Then,
 each a *stage* timed and caught on its own:
 
-* ``fold``: ``symgraph.fold(B)``; the folded state, loaded into a copy of B, must compute B's function;
+* ``fold``: ``symgraph.fold(B)``; the folded state, loaded into a copy of B (untied where the config written
+  with it says so), must compute B's function;
 * ``align``: ``symgraph.align(B, A)``; the aligned state must compute B's function and, where weight matching was
   kept, must not end farther from A than B began (``alignment.relative_distance``);
 * ``merge``: ``symgraph.merge([A, B])``; the merged state must have A's keys, shapes and dtypes, leave integer
@@ -209,8 +210,24 @@ def untied(model, state: dict) -> list[str]:
             if any(not torch.equal(state[names[0]], state[n]) for n in names[1:] if n in state)]
 
 
-def function_kept(out: dict, state: dict, model, checker, tol: float) -> dict:
-    """``out`` with the function check of ``state`` loaded into ``model``: its error, tolerance and class."""
+def as_written(model, config):
+    """``model``, or its untied copy where ``config`` (written with a result) unties what ``model`` ties: the model
+    a user builds from that config (fold, align --fold and merge untie tied weights to fold the norm they read)."""
+    if getattr(config, "tie_word_embeddings", None) is not False or not tied_names(model):
+        return model
+    import symgraph
+    from symgraph.fold import untied as untied_copy
+
+    return untied_copy(symgraph.load(model))[0].model
+
+
+def function_kept(out: dict, state: dict, model, checker, tol: float, config=None) -> dict:
+    """``out`` with the function check of ``state`` loaded into ``model`` (as written with ``config``,
+    :func:`as_written`): its error, tolerance and class."""
+    written = as_written(model, config)
+    if written is not model:
+        out["untied"] = True
+        model, checker = written, Checker(written)
     problems = key_problems(model.state_dict(), state)
     out.update(max_rel_err=error_of(checker, loaded(model, state)), tol=tol)
     if untied_names := untied(model, state):
@@ -240,7 +257,7 @@ def fold_stage(pair: Pair) -> dict:
 
     result = symgraph.fold(pair.b)
     out = {"norms": len(result.norms), "centred": len(result.centred), "verified_error": result.verified_error}
-    return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
+    return function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b), result.config)
 
 
 def align_stage(pair: Pair, **options) -> dict:
@@ -256,7 +273,7 @@ def align_stage(pair: Pair, **options) -> dict:
            "verified_error": result.verified_error, "folded": result.folded, "start": result.start}
     if result.fold_note:
         out["fold_note"] = result.fold_note[:300]
-    out = function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b))
+    out = function_kept(out, result.state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b), result.config)
     before, after = relative_distance(pair.state_b, pair.state_a), relative_distance(result.state, pair.state_a)
     out.update(my_before=before, my_after=after)
     by_path_loss = result.start == "learned" or "activations" in (result.costs or {}).values()
@@ -285,7 +302,8 @@ def self_merge_stage(pair: Pair) -> dict:
 
     result = symgraph.merge([pair.a, copy.deepcopy(pair.a)], progress=False)
     out = {"frame": result.frame, "distances": result.distances}
-    return function_kept(out, result.state, pair.a, pair.checker_a, pair.tolerance(pair.checker_a, SELF_MERGE_TOL))
+    return function_kept(out, result.state, pair.a, pair.checker_a, pair.tolerance(pair.checker_a, SELF_MERGE_TOL),
+                         result.config)
 
 
 def learn_options():

@@ -80,3 +80,17 @@ def test_one_variant_runs_every_stage():
     assert (row["name"], row["variant"], row["type"], row["head"]) == (name, name, "resnet", "AutoModel")
     assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
     assert row["class"] == "ok", row["stages"]
+
+
+def test_a_result_written_untied_is_checked_on_the_untied_model_its_config_builds(pipeline):
+    import symgraph
+    from symgraph import zoo
+
+    model = zoo.build("llama-tied", seed=0).float().eval()
+    folded = symgraph.fold(symgraph.load(model, zoo.example_inputs_for("llama-tied", model)))
+    assert folded.untied == ["lm_head.weight"]
+    checker = pipeline.Checker(model)
+    on_tied = pipeline.function_kept({}, folded.state, model, checker, 1e-5)  # both names in one tensor
+    assert on_tied["class"] == "wrong" and on_tied["tied_inconsistent"]
+    as_written = pipeline.function_kept({}, folded.state, model, checker, 1e-5, folded.config)
+    assert as_written["untied"] and "class" not in as_written and as_written["max_rel_err"] < 1e-5
