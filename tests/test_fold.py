@@ -33,7 +33,7 @@ NORM_FAMILIES = {"llama": False, "vit": True}  # family -> LayerNorm (residual w
 # every zoo family whose norms fold (the others are refused: post-LN, tied embeddings);
 # the mixtures of experts' norms fold into their dense experts' einsums (and the routers)
 FOLDABLE = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "phi": True, "vit": True,
-            "gptj": True, "gpt-neox": True,
+            "gptj": True, "gpt-neox": True, "gpt2": True, "llama-tied": False,  # tied: untied to fold
             "mixtral": False, "qwen2-moe": False, "olmoe": False, "deepseek-v2": False, "gpt-oss": False}
 
 
