@@ -130,7 +130,11 @@ def fold(source, inputs=None, *, verify: bool = True, untie: bool | None = None)
     """
     from .api import load
 
-    subject = load(source, inputs)
+    return _fold_as_asked(load(source, inputs), verify, untie)[0]
+
+
+def _fold_as_asked(subject, verify: bool, untie: bool | None) -> tuple[FoldResult, object]:
+    """:func:`fold`'s result and the subject it folded: ``subject``, or its untied copy where it untied."""
     try:
         return _fold(subject, verify, bool(untie))
     except TiedFoldError:
@@ -139,7 +143,7 @@ def fold(source, inputs=None, *, verify: bool = True, untie: bool | None = None)
         return _fold(subject, verify, True)
 
 
-def _fold(subject, verify: bool, untie: bool) -> FoldResult:
+def _fold(subject, verify: bool, untie: bool) -> tuple[FoldResult, object]:
     names = []
     if untie:
         subject, names = untied(subject)
@@ -163,7 +167,7 @@ def _fold(subject, verify: bool, untie: bool) -> FoldResult:
     if verify:  # the exact fold: the same rewrite of the weights in float64, nothing rounded
         _verify(subject, result, lambda: rewritten({k: v.double() if v.is_floating_point() else v
                                                     for k, v in state.items()}))
-    return result
+    return result, subject
 
 
 def _refuse_nothing_to_fold(name: str, cap) -> None:
@@ -232,8 +236,8 @@ def folded_where_asked(subjects: list, fold: bool | None, check,
         return subjects, False, f"norms not folded: {exc.message}{cure}"
     check(folded, True)
     untied_now = untied_by_fold(subjects[0].model, folded[0].model)
-    return folded, True, (f"tied weights untied so the norm they read folds: {', '.join(untied_now)} (the models "
-                          f"written say tie_word_embeddings false; --no-untie keeps them tied, unfolded)"
+    return folded, True, (f"tied weights untied so the norm they read folds: {', '.join(untied_now)} (their "
+                          f"config now says tie_word_embeddings false; --no-untie keeps them tied, unfolded)"
                           if untied_now and untie is None else "")
 
 
@@ -307,10 +311,7 @@ def folded_subject(subject, inputs=None, untie: bool | None = None):
     weights, with the same example inputs, config and source folder (untied first as ``untie`` says: :func:`fold`)."""
     from .api import Subject, load
 
-    subject = load(subject, inputs)
-    result = fold(subject, untie=untie)
-    if result.untied:
-        subject, _ = untied(subject)
+    result, subject = _fold_as_asked(load(subject, inputs), True, untie)
     model = copy.deepcopy(subject.model)
     model.load_state_dict(result.state, strict=True)
     name = subject.name if subject.name.endswith("(folded)") else f"{subject.name} (folded)"
