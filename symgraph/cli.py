@@ -400,11 +400,11 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                                        ("--general-linear", general_linear), ("--data", data_spec),
                                        ("--residual-group", residual != "auto"),
                                        ("--learn", learn), ("--learn-data", learn_data_spec),
-                                       ("--free-outputs", free_outputs), ("--untie", untie)) if on]
+                                       ("--free-outputs", free_outputs)) if on]
         if given:
             raise click.UsageError(f"--stream cannot be combined with {', '.join(given)} yet. Leave those out, or "
                                    "align in memory (without --stream).")
-        _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold,
+        _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, untie,
                         _parse_size(shard_size), overwrite, stats_path, quiet, device, dtype)
         return
     clock = time.perf_counter()
@@ -435,8 +435,8 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
                f"{_free_note(subject)})")
 
 
-def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, shard_bytes,
-                    overwrite, stats_path, quiet, device, dtype) -> None:
+def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_rounds, tolerance, fold, untie,
+                    shard_bytes, overwrite, stats_path, quiet, device, dtype) -> None:
     from .progress import StageBars
     from .streamed_align import align_streamed
 
@@ -445,11 +445,13 @@ def _align_streamed(source, anchor, output, mode, span, no_rescale, refine_round
             StageBars(enabled=not quiet) as bar:
         done["result"] = result = align_streamed(source, anchor, output, mode=mode, rescale=not no_rescale,
                                                  layers=span, rounds=refine_rounds, tolerance=tolerance,
-                                                 fold=fold, shard_bytes=shard_bytes, overwrite=overwrite,
-                                                 progress=bar.update, device=device, dtype=dtype)
+                                                 fold=fold, untie=untie, shard_bytes=shard_bytes,
+                                                 overwrite=overwrite, progress=bar.update, device=device,
+                                                 dtype=dtype)
     groups = len({s.group for s in result.stats})
+    untied = f", tied weights untied: {', '.join(result.untied)}" if result.untied else ""
     click.echo(f"wrote {output}: distance to anchor {result.distance_before:.4g} -> {result.distance_after:.4g} "
-               f"(mode {mode}{', folded' if fold else ''}, streamed block by block, {groups} groups"
+               f"(mode {mode}{', folded' if fold else ''}{untied}, streamed block by block, {groups} groups"
                f"{f', {len(result.unsolved)} spanning groups left at the identity' if result.unsolved else ''}; "
                f"outputs checked against the source in float64 block by block (a whole float64 copy is not made): "
                f"relative error {result.verified_error:.1e}, tolerance {result.verified_tolerance:.0e}"

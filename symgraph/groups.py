@@ -151,6 +151,19 @@ class Group:
     def with_notes(self, *notes: str) -> "Group":
         return dataclasses.replace(self, notes=self.notes + tuple(notes))
 
+    def renamed(self, names: dict[str, str]) -> "Group":
+        """The group acting on the same slices of the same tensors, called by the names ``names`` maps them to
+        (a tensor not in ``names`` keeps its own)."""
+        if not set(self.params) & set(names):
+            return self
+
+        def member(m):
+            if isinstance(m, TensorMember):
+                return dataclasses.replace(m, slots=tuple(tuple(names.get(s, s) for s in row) for row in m.slots))
+            return dataclasses.replace(m, param=names.get(m.param, m.param))
+
+        return dataclasses.replace(self, members=tuple(map(member, self.members)))
+
     def to_json(self) -> dict:
         out = {
             "id": self.id,

@@ -703,6 +703,11 @@ def _build_meta(cls, config, config_file: Path, *, name: str, folder: Path, dtyp
             hint="check the sizes in config.json; if the model's constructor needs real tensors, load it with "
             "weights instead of --config-only.",
         ) from exc
+    if hasattr(model, "tie_weights"):
+        # Built with its parameters registered on the meta device, a model does not tie its weights as it does
+        # when built from the same config otherwise; untied, its graph has symmetries the real model lacks (a tied
+        # LLaMA's final norm rescaled against its LM head, not against its embedding).
+        model.tie_weights()
     model.eval()
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
 

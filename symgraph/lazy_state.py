@@ -27,7 +27,7 @@ import torch
 from .errors import MismatchError, ModelLoadError
 from .shards import SAFETENSORS_DTYPES, TensorInfo
 
-__all__ = ["LazyState", "check_same_tensors", "safetensors_files"]
+__all__ = ["LazyState", "UntiedState", "check_same_tensors", "safetensors_files"]
 
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -119,6 +119,36 @@ class ReadThrough(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+
+class UntiedState(ReadThrough):
+    """``state`` with tied names it does not store read as tensors of their own: ``untied`` maps each such name
+    (an LM head tied to the embedding) to the stored name it ties to, whose numbers it reads. What an untied model
+    (``tie_word_embeddings`` false) loads from the checkpoint, so that a fold can move the two apart. A name
+    ``state`` stores reads its own tensor."""
+
+    def __init__(self, state: "LazyState | ReadThrough", untied: dict[str, str]):
+        self.state, self.untied = state, {name: tie for name, tie in untied.items() if name not in state}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.state[self.untied.get(name, name)]
+
+    def __contains__(self, name) -> bool:
+        return name in self.untied or name in self.state
+
+    def __iter__(self):
+        yield from self.state
+        yield from self.untied
+
+    def __len__(self) -> int:
+        return len(self.state) + len(self.untied)
+
+    def info(self, name: str) -> TensorInfo:
+        stored = self.state.info(self.untied.get(name, name))
+        return TensorInfo(name, stored.shape, stored.dtype)
+
+    def infos(self) -> list[TensorInfo]:
+        return [self.info(name) for name in self]
 
 
 def safetensors_files(source) -> list[Path]:

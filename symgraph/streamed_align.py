@@ -19,6 +19,9 @@ With ``fold`` both models are read folded (:class:`FoldedState`: each RMSNorm we
 columns of the linears that read it as the tensor is read, the norm weight read as 1; :mod:`symgraph.fold` finds
 the norms in the graph), so the residual stream has its orthogonal group; OUT is then the folded source, as with
 ``symgraph align --fold``. LayerNorm models (whose folding centres every residual writer) are not streamed yet.
+A tied checkpoint (the LM head is the embedding, stored once) is aligned under the name it stores the tie by; with
+``fold``, where the tie keeps the final norm from folding, the head is untied first (:class:`Analysed`, as
+:func:`symgraph.fold.fold` unties) and written as a tensor of its own.
 
 What this does not do (yet): coordinate descent between the residual stream and the blocks (the residual is
 solved once, from the outside members; exact for a reparametrised copy, thin evidence between independent
@@ -31,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +44,7 @@ from .alignment import (DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, c
 from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
-from .lazy_state import LazyState, ReadThrough
+from .lazy_state import LazyState, ReadThrough, UntiedState
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
@@ -59,6 +63,7 @@ class StreamedAlignment:
     timings: dict[str, float]
     unsolved: list[str] = field(default_factory=list)  # groups spanning blocks with no member outside them
     folded: bool = False  # both models were read folded: OUT is the folded source
+    untied: list[str] = field(default_factory=list)  # tied names given tensors of their own so a norm folds
     verified_error: float | None = None
     verified_tolerance: float | None = None
     verified_rounded: RoundedExact | None = None  # past the tolerance: judged as an exact result rounded
@@ -67,6 +72,7 @@ class StreamedAlignment:
 
     def to_json(self) -> dict:
         return {"streamed": True, "path": str(self.path), "mode": self.mode, "folded": self.folded,
+                "untied": self.untied,
                 "distance_before": self.distance_before, "distance_after": self.distance_after,
                 "verified_relative_error": self.verified_error, "verified_tolerance": self.verified_tolerance,
                 **({"verified_rounded_exact": asdict(self.verified_rounded)} if self.verified_rounded else {}),
@@ -78,7 +84,8 @@ class StreamedAlignment:
 
 def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = True,
                    layers: tuple[int, int] | None = None, rounds: int | None = None, tolerance: float = 1e-4,
-                   fold: bool = False, shard_bytes: int | None = None, overwrite: bool = False,
+                   fold: bool = False, untie: bool | None = None, shard_bytes: int | None = None,
+                   overwrite: bool = False,
                    verify: bool = True, progress: Callable | None = None, device="cpu",
                    dtype=None) -> StreamedAlignment:
     """Align the safetensors checkpoint ``source`` to ``anchor`` (Hugging Face folders of one architecture) block
@@ -86,7 +93,10 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
 
     ``mode``, ``rescale``, ``layers``, ``tolerance`` and ``progress`` are as for
     :func:`symgraph.alignment.align_states`; ``rounds`` (default 8) bounds the descent inside each block;
-    ``fold`` reads both models folded (see the module docstring). ``device`` and ``dtype`` are where and in what
+    ``fold`` reads both models folded (see the module docstring), untied first where tied weights (an embedding
+    that is also the LM head) keep a norm from folding, as :func:`symgraph.fold.fold` does (``untie``: None, the
+    default; True: always; False: refused); OUT then stores the untied tensors and says ``tie_word_embeddings``
+    false. ``device`` and ``dtype`` are where and in what
     each block's working copies are solved (as for :func:`symgraph.alignment.align_states`); blocks are read and
     written on the CPU in their stored dtype either way. With ``verify`` the written model is run against
     ``source`` in float64 block by block (:func:`symgraph.streamed_verify.verify_streamed`: a whole float64 copy
@@ -111,15 +121,22 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     from .shards import DEFAULT_SHARD_BYTES, TensorInfo, write_checkpoint
 
     refuse_overlap(out, [source, anchor])
+    if untie and not fold:
+        from .fold import FoldError
+
+        raise FoldError("untie=True serves only a fold, and this alignment does not fold.",
+                        hint="leave out untie (--untie), or fold (fold=True, --fold).")
     device, dtype = compute_device(device), compute_dtype(dtype)  # before anything is read
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     src, anc = LazyState(source, finite=True), LazyState(anchor, finite=True)
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
-    model, config, groups, norms = streamed_groups(source, src, fold=fold)
+    model, config, groups, norms, untied = streamed_groups(source, src, fold=fold, untie=untie)
+    if untied:
+        src, anc = UntiedState(src, untied), UntiedState(anc, untied)
     if fold:
         src, anc = FoldedState(src, norms), FoldedState(anc, norms)
-    check_same_config(config, _config(anchor))
+    check_same_config(_config(source) if untied else config, _config(anchor))  # as stored, before untying
     _check_same_vectors(src, anc, source, anchor)
     _check_layers(layers, groups)
     groups = select_groups(groups, mode, rescale=rescale, layers=layers)
@@ -140,8 +157,8 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
         from .streamed_verify import verify_streamed
 
         clock = time.perf_counter()
-        exact = ExactResult(LazyState(source), job.elements, prefixes, norms if fold else None)
-        outcome["verify"] = result = verify_streamed(source, staged, exact=exact)
+        exact = ExactResult(UntiedState(LazyState(source), untied), job.elements, prefixes, norms if fold else None)
+        outcome["verify"] = result = verify_streamed(source, staged, exact=exact, untied=untied)
         timings["verify"] = time.perf_counter() - clock
         if not result.ok:
             raise InvarianceError(f"The aligned model computes something else than '{source}' ("
@@ -151,27 +168,42 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     clock = time.perf_counter()
     infos = [TensorInfo(k, src.info(k).shape, src.info(k).dtype) for k in src]
     path = write_checkpoint(out, infos, job.produce, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
-                            like=src.folder, overwrite=overwrite, check=check if verify else None)
+                            like=src.folder, config=config if untied else None, overwrite=overwrite,
+                            check=check if verify else None)
     timings["blocks_and_write"] = time.perf_counter() - clock - timings.get("verify", 0.0)
     timings.update(job.timings)
     before, after, anchor_sq = job.parts
     verified = outcome.get("verify")
     return StreamedAlignment(path, mode, float(np.sqrt(before / max(anchor_sq, 1e-300))),
                              float(np.sqrt(after / max(anchor_sq, 1e-300))), job.elements, job.stats, timings,
-                             unsolved=job.unsolved, folded=fold,
+                             unsolved=job.unsolved, folded=fold, untied=sorted(untied),
                              verified_error=verified and verified.relative_error,
                              verified_tolerance=verified and verified.tolerance,
                              verified_rounded=verified and verified.rounded_exact,
                              bytes_read=src.nbytes + anc.nbytes, bytes_written=sum(i.nbytes for i in infos))
 
 
-def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = False):
-    """(meta-device model, config, symmetry groups, folded norms) of the checkpoint at ``folder``, without reading
-    its matrices: the architecture is captured on the meta device and analysed at full depth with the stored
-    vectors (norm weights, biases) in place, so norm weights stored as exactly 1 give the groups a folded model
-    has. With ``fold``, those of the model read through :class:`FoldedState` (the norms it folds are returned)."""
-    from .analysis import analyse_capture
+class Analysed(NamedTuple):
+    """What :func:`streamed_groups` finds in a checkpoint without reading its matrices."""
+
+    model: torch.nn.Module  # the architecture on the meta device (untied where ``untied`` says)
+    config: object
+    groups: list[Group]  # every tensor under the name the checkpoint stores it by (or ``untied`` reads it under)
+    norms: list  # the norms folded (:class:`symgraph.fold.NormSite`; empty without ``fold``)
+    untied: dict[str, str]  # tied name given a tensor of its own to fold -> the stored name it reads (empty: none)
+
+
+def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = False,
+                    untie: bool | None = None) -> Analysed:
+    """The architecture of the checkpoint at ``folder`` and its symmetry groups, without reading its matrices:
+    the architecture is captured on the meta device and analysed at full depth with the stored vectors (norm
+    weights, biases) in place, so norm weights stored as exactly 1 give the groups a folded model has. With
+    ``fold``, those of the model read through :class:`FoldedState` (the norms it folds are returned); where tied
+    weights keep a norm from folding, the model is untied first (``untie`` None or True, as
+    :func:`symgraph.fold.fold` does; False: refused), and the tied names it does not store then read the stored
+    tensor they tie to (:class:`~symgraph.lazy_state.UntiedState`)."""
     from .api import Subject, _inputs_for
+    from .fold import TiedFoldError, untied
     from .io import load_model
 
     state = state or LazyState(folder)
@@ -179,17 +211,83 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     args, kwargs = _inputs_for(loaded.model, loaded.config, None)
     subject = Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only=True,
                       inputs_from_config=True, full_depth=True)
+    ties = _ties(loaded.model)
+    if fold and untie:
+        return _analysed(*untied(subject), state, fold, ties)
+    try:
+        return _analysed(subject, [], state, fold, ties)
+    except TiedFoldError:
+        if untie is not None:
+            raise
+    return _analysed(*untied(subject), state, fold, ties)
+
+
+def _analysed(subject, untied: list[str], state, fold: bool, ties: list[list[str]]) -> Analysed:
+    """:func:`streamed_groups` for ``subject``: the checkpoint's model, or its copy with the tied names ``untied``
+    given tensors of their own, which read the stored tensor they tie to where the checkpoint does not store
+    them."""
+    from .analysis import analyse_capture
+    from .fold import find_norms
+
+    stored = _stored_names(ties, state)
+    if untied:
+        untied = {name: stored.get(name, name) for name in untied}
+        state = UntiedState(state, untied)
     norms = []
     if fold:
-        from .fold import find_norms
-
         norms = find_norms(subject.capture)
         state = FoldedState(state, norms)
     program_state = subject.capture.program.state_dict
     for name, value in list(program_state.items()):
         if value.dim() <= 1 and name in state:  # the analysis reads vector values (a norm weight of exactly 1)
             program_state[name] = state[name]
-    return loaded.model, loaded.config, analyse_capture(subject.capture).groups, norms
+    groups = analyse_capture(subject.capture).groups
+    if untied:
+        return Analysed(subject.model, subject.config, groups, norms, untied)
+    _refuse_ties_stored_twice(ties, state, groups)
+    return Analysed(subject.model, subject.config, [g.renamed(stored) for g in groups], norms, {})
+
+
+def _ties(model) -> list[list[str]]:
+    """The names of each tie of ``model`` (an embedding that is also the LM head): shared tensors, and the ties
+    its class declares for its config (a model built on the meta device may not have made them)."""
+    from .checkpoint import _declared_ties
+    from .verify import _aliases
+
+    ties = [list(tie) for tie in _aliases(model)]
+    for tied, kept in _declared_ties(model).items():
+        tie = next((t for t in ties if tied in t or kept in t), None)
+        if tie is None:
+            ties.append([kept, tied])
+        else:
+            tie += [n for n in (kept, tied) if n not in tie]
+    return ties
+
+
+def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
+    """Each tied name ``state`` does not store -> the name of the tie it does store (ties stored once). The graph
+    reads a tie under one of its names, not always the stored one: a tied LLaMA's reads ``lm_head.weight``, its
+    checkpoint holds ``model.embed_tokens.weight``."""
+    names = {}
+    for tie in ties:
+        stored = [n for n in tie if n in state]
+        if len(stored) == 1:
+            names.update({n: stored[0] for n in tie if n != stored[0]})
+    return names
+
+
+def _refuse_ties_stored_twice(ties: list[list[str]], state, groups) -> None:
+    """A tie stored under several names, which a group moves: streamed, the copies would be written differently,
+    and a model loading them keeps one."""
+    moved = {p for g in groups for p in g.params}
+    for tie in ties:
+        stored = [n for n in tie if n in state]
+        if len(stored) > 1 and moved & set(tie):
+            raise MismatchError(f"The checkpoint '{state.folder}' stores the tied tensors {' and '.join(stored)} "
+                                f"separately, and a symmetry group moves {sorted(moved & set(tie))[0]}: streamed, "
+                                "the copies would be written differently.",
+                                hint="align it in memory (without --stream), or re-save it with one copy of the tie "
+                                     "(save_pretrained does).")
 
 
 class FoldedState(ReadThrough):
@@ -281,7 +379,7 @@ class _Job:
         missing = sorted({p for g in groups for p in g.params} - set(src))[:3]
         if missing:
             raise MismatchError(f"The checkpoint '{src.folder}' has no tensor {missing[0]}, which a symmetry group "
-                                "moves (tied or renamed parameters are not streamed).",
+                                "moves (parameters stored under other names than the model's are not streamed).",
                                 hint="align it in memory (without --stream), or re-save it with save_pretrained.")
         self.fixed: list[Element] = []  # elements of the spanning groups, solved first
         self.elements: list[Element] = []

@@ -28,14 +28,14 @@ from torch import nn
 
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
-from .lazy_state import LazyState, ReadThrough, check_same_tensors
+from .lazy_state import LazyState, ReadThrough, UntiedState, check_same_tensors
 from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, relative_change,
                      rounding_distance)
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
 
-def verify_streamed(source, other, inputs=None, exact=None) -> Outcome:
+def verify_streamed(source, other, inputs=None, exact=None, untied: dict[str, str] | None = None) -> Outcome:
     """Do the safetensors checkpoints ``source`` and ``other`` (Hugging Face folders of one architecture) compute
     the same outputs? Each runs in float64, block by block (see the module docstring), on ``inputs`` (example
     inputs built from the config when None); the relative error of ``other``'s outputs against ``source``'s is
@@ -45,8 +45,12 @@ def verify_streamed(source, other, inputs=None, exact=None) -> Outcome:
     :class:`symgraph.streamed_align.ExactResult`): where a bf16/fp16 ``other`` misses the tolerance, it passes if
     ``exact`` computes what ``source`` computes (within what the model computes in) and every tensor of ``other``
     lies within :data:`~symgraph.verify.ROUNDINGS` roundings of ``exact``'s (:class:`~symgraph.verify.RoundedExact`):
-    a sensitive model's rounding is then told from a change of function."""
-    check_one_architecture(source, other)
+    a sensitive model's rounding is then told from a change of function.
+
+    ``untied``: names ``other`` stores that ``source`` ties and does not store (an LM head given its own tensor
+    by a streamed fold) -> the stored name of ``source`` they tie to; each model runs as its own config builds it.
+    """
+    check_one_architecture(source, other, untied)
     with _LowestFloat() as seen:
         reference = streamed_outputs(source, inputs)
     outputs = streamed_outputs(other, inputs)
@@ -82,10 +86,11 @@ class _Compared(ReadThrough):
         return value
 
 
-def check_one_architecture(source, other) -> None:
+def check_one_architecture(source, other, untied: dict[str, str] | None = None) -> None:
     """Refuse two checkpoints of different model classes, or whose tensors differ in name or shape
-    (:func:`~symgraph.lazy_state.check_same_tensors`), naming what differs (their outputs would differ, but not
-    because of their weights)."""
+    (:func:`~symgraph.lazy_state.check_same_tensors`; ``other`` may also store ``untied``'s names, as
+    :func:`verify_streamed` says), naming what differs (their outputs would differ, but not because of their
+    weights)."""
     kinds = [_model_class(f) for f in (source, other)]
     if None in kinds:
         return
@@ -93,7 +98,7 @@ def check_one_architecture(source, other) -> None:
         raise MismatchError(f"'{source}' is a {kinds[0]} and '{other}' a {kinds[1]}: they are different "
                             "architectures.", hint="compare two checkpoints of one architecture (an aligned, folded "
                                                    "or merged model against its source).")
-    check_same_tensors(LazyState(source), LazyState(other), f"'{source}' and '{other}'",
+    check_same_tensors(UntiedState(LazyState(source), untied or {}), LazyState(other), f"'{source}' and '{other}'",
                        hint="compare two checkpoints of one configuration.")
 
 

@@ -2,6 +2,7 @@
 the two algorithms coincide, exact recovery of a reparametrised copy, atomic output, inputs left unchanged."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -16,6 +17,7 @@ import symgraph
 from symgraph import streamed_align, zoo
 from symgraph.alignment import align_states, select_groups
 from symgraph.errors import InvarianceError, MismatchError
+from symgraph.fold import FoldError
 from symgraph.lazy_state import LazyState
 from symgraph.verify import Outcome
 
@@ -174,7 +176,7 @@ def test_a_bf16_result_past_its_tolerance_passes_only_as_an_exact_result_rounded
     assert "past the fixed tolerance, but computed without rounding" in cli.stdout
     assert json.loads((tmp_path / "s.json").read_text())["verified_rounded_exact"]["roundings"] <= ROUNDINGS
 
-    model, config, _, norms = streamed_align.streamed_groups(source, fold=True)
+    model, config, _, norms, _ = streamed_align.streamed_groups(source, fold=True)
     exact = streamed_align.ExactResult(LazyState(source), result.elements, list(_block_list(model, config)), norms)
     assert verify_streamed(source, result.path, exact=exact).ok
     moved = tmp_path / "moved"
@@ -235,6 +237,110 @@ def test_streamed_alignment_on_the_command_line(tmp_path, pair):
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.fixture(scope="module")
+def tied_pair(tmp_path_factory):
+    """Two independent zoo LLaMAs whose LM head is their embedding (stored once, as model.embed_tokens.weight,
+    while the graph reads it as lm_head.weight), float32, one file each; and B itself."""
+    from symgraph.io import model_config, save_model
+
+    root = tmp_path_factory.mktemp("tied")
+    models = [zoo.build("llama-tied", seed=s) for s in (0, 1)]
+    return [save_model(m.state_dict(), root / f"m{i}", config=model_config(m)) for i, m in enumerate(models)], models[1]
+
+
+def _computes(folder, model) -> float:
+    """The largest relative change of ``model``'s logits when transformers loads ``folder`` instead (float64)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        want, got = reference(x).logits, loaded(x).logits
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.slow
+def test_a_tied_checkpoint_streams_under_the_names_it_stores(tmp_path, tied_pair):
+    """Without folding the tie is kept: the groups move the stored embedding once (as the LM head it also is),
+    the written checkpoint stores what the source stores and computes B's function as transformers loads it."""
+    (a, b), model = tied_pair
+    result = streamed_align.align_streamed(b, a, tmp_path / "out", mode="full")
+    assert result.distance_after < result.distance_before and not result.untied and not result.unsolved
+    assert set(LazyState(result.path)) == set(LazyState(b)) and "lm_head.weight" not in LazyState(b)
+    assert json.loads((result.path / "config.json").read_text())["tie_word_embeddings"] is True
+    assert result.verified_error < result.verified_tolerance and _computes(result.path, model) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_tied_checkpoint_folds_streamed_untied_as_in_memory(tmp_path, tied_pair):
+    """The final norm is read by the tied LM head: folding unties it by default, as symgraph.fold does. The
+    first pass equals the in-memory one, OUT stores the head apart and says so in its config, and it computes B's
+    function; --no-untie refuses and writes nothing."""
+    (a, b), model = tied_pair
+    result = streamed_align.align_streamed(b, a, tmp_path / "out", mode="full", fold=True, rounds=0)
+    expected = symgraph.align(b, a, mode="full", fold=True, refine_rounds=0, matching_start=False,
+                              synthetic_activations=False, short_learning=False)  # the first pass alone
+    assert result.folded and result.untied == expected.untied == ["lm_head.weight"]
+    assert same_elements(result.elements, expected.elements)
+    assert result.distance_after == pytest.approx(expected.distance_after, rel=1e-9)
+    assert any(e.group.kind == "orthogonal" and e.group.id.startswith("residual") for e in result.elements)
+    written = LazyState(result.path)
+    assert set(written) == set(LazyState(b)) | {"lm_head.weight"}
+    assert json.loads((result.path / "config.json").read_text())["tie_word_embeddings"] is False
+    assert result.verified_error < result.verified_tolerance and _computes(result.path, model) < 1e-5
+
+    code, out, err = run("align", b, a, "-o", tmp_path / "cli", "--stream", "--fold", "--quiet")
+    assert code == 0, err
+    assert "tied weights untied: lm_head.weight" in out and (tmp_path / "cli" / "config.json").is_file()
+    code, _, err = run("align", b, a, "-o", tmp_path / "kept", "--stream", "--fold", "--no-untie")
+    assert code != 0 and "tied weights" in err and "--untie" in err
+    assert not (tmp_path / "kept").exists()
+    with pytest.raises(FoldError, match="serves only a fold"):
+        streamed_align.align_streamed(b, a, tmp_path / "plain", untie=True)
+    assert not (tmp_path / "plain").exists()
+
+
+@pytest.mark.slow
+def test_a_tie_stored_twice_is_refused_kept_and_untied_when_folded(tmp_path, tied_pair):
+    """A checkpoint holding both names of its tie: moving one copy would write two different tensors, of which a
+    model loading them keeps one; folded, both are untied and OUT's config says so."""
+    from safetensors.torch import save_file
+
+    (a, b), model = tied_pair
+    folders = {}
+    for name, folder, tied in (("both", b, model), ("anchor", a, zoo.build("llama-tied", seed=0))):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        shutil.copy(Path(folder) / "config.json", folders[name] / "config.json")
+        save_file({k: v.clone() for k, v in tied.state_dict().items()}, folders[name] / "model.safetensors")
+    both, anchor = folders["both"], folders["anchor"]
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(LazyState(both))
+    with pytest.raises(MismatchError, match="stores the tied tensors .* separately"):
+        streamed_align.align_streamed(both, anchor, tmp_path / "kept", mode="full")
+    assert not (tmp_path / "kept").exists()
+    result = streamed_align.align_streamed(both, anchor, tmp_path / "out", mode="full", fold=True)
+    assert result.untied == ["lm_head.weight"] and set(LazyState(result.path)) == set(LazyState(both))
+    assert json.loads((result.path / "config.json").read_text())["tie_word_embeddings"] is False
+    assert result.verified_error < result.verified_tolerance and _computes(result.path, model) < 1e-5
+
+
+def test_a_model_built_from_its_config_alone_is_tied_as_with_its_weights(tmp_path, tied_pair):
+    """Built on the meta device (report --config-only, streaming), a tied model must tie as it does with its
+    weights: untied, its graph had a symmetry the model lacks (the final norm rescaled against the LM head
+    alone, not against the embedding it is)."""
+    from symgraph.io import load_model
+
+    (_, b), _ = tied_pair
+    meta = load_model(Path(b), config_only=True).model
+    assert meta.lm_head.weight is meta.model.embed_tokens.weight
+    with_weights = {(g.id, g.kind) for g in symgraph.analyze(b).groups}
+    config_only = {(g.id, g.kind) for g in symgraph.analyze(symgraph.load(Path(b), config_only=True)).groups}
+    assert config_only == with_weights
+    assert not any("lm_head" in g.id for g in symgraph.analyze(symgraph.load(Path(b), config_only=True)).groups
+                   if g.kind == "scale")
+
+
 def _tiny_gemma():
     """RMSNorms that multiply by 1 + w (folded, w reads 0 and its readers absorb 1 + w)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -260,7 +366,7 @@ def test_folded_reads_are_the_numbers_symgraph_fold_writes(tmp_path, family):
     model = zoo.build("llama", seed=0) if family == "llama" else _tiny_gemma()
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     folder = save_model(state, tmp_path / "m", config=model_config(model))
-    _, _, _, norms = streamed_align.streamed_groups(folder, fold=True)
+    norms = streamed_align.streamed_groups(folder, fold=True).norms
     folded = streamed_align.FoldedState(LazyState(folder), norms)
     expected = symgraph.fold(symgraph.load(folder)).state
     assert any(not torch.equal(folded[k], LazyState(folder)[k]) for k in folded)
