@@ -272,9 +272,9 @@ def _config_of(like_dir: Path | None):
     file = like_dir / "config.json" if like_dir is not None else None
     if file is None or not file.is_file():
         return None
-    from .io import _read_json
+    from .io import read_config_json
 
-    return _read_json(file, what="config file")
+    return read_config_json(file)
 
 
 def _checked(state_dict) -> dict[str, torch.Tensor]:

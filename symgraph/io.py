@@ -331,7 +331,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         raise ModelLoadError(f"Model path '{path}' is neither a file nor a folder.")
 
     folder = folder.resolve()
-    config_dict = _read_json(config_file, what="config file")
+    config_dict = read_config_json(config_file)
     config, cls = _build_config(config_dict, config_file)
     try:
         config.name_or_path = str(folder)
@@ -554,6 +554,14 @@ def nonfinite_error(where: str, names) -> ModelLoadError:
         hint="symgraph needs finite weights; the checkpoint is damaged or training diverged: use an earlier "
         "or re-saved checkpoint.",
     )
+
+
+def read_config_json(file: Path) -> dict:
+    """A config.json as transformers reads it: JSON, with the floats JSON has no number for (``inf``, NaN) decoded
+    from the objects transformers writes them as (``{"__float__": "Infinity"}``: Mamba2's ``time_step_limit``)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig._decode_special_floats(_read_json(file, what="config file"))
 
 
 def _read_json(file: Path, *, what: str) -> dict:

@@ -598,3 +598,31 @@ def test_all_finite_finds_every_nan_and_inf(dtype):
             t = base.clone()
             t[where] = bad
             assert not all_finite(t) and not torch.isfinite(t).all()
+
+
+@pytest.mark.slow
+def test_a_config_holding_infinity_loads_as_transformers_writes_it(tmp_path):
+    """transformers writes floats JSON has no number for as objects ({"__float__": "Infinity"}: Mamba2's
+    time_step_limit); such a checkpoint must load, be aligned and merged, and what is written must load again."""
+    import symgraph
+    from cli_runner import run
+
+    config = transformers.AutoConfig.for_model(
+        "mamba2", num_heads=8, head_dim=16, vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2,
+        n_groups=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    assert config.time_step_limit[1] == float("inf")
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(tmp_path / f"m{seed}")
+        folders.append(tmp_path / f"m{seed}")
+    assert "__float__" in (folders[0] / "config.json").read_text()
+    loaded = sio.load_model(folders[0])
+    assert loaded.config.time_step_limit[1] == float("inf")
+    assert symgraph.analyze(symgraph.load(folders[0], config_only=True)).groups
+    code, _, err = run("merge", folders[0], folders[1], "-o", tmp_path / "merged", "--no-progress", "--align",
+                       "permutation")
+    assert code == 0, err
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "merged").time_step_limit[1] == float("inf")
+    assert sio.load_model(tmp_path / "merged").config.time_step_limit[1] == float("inf")
