@@ -22,7 +22,12 @@ each a *stage* timed and caught on its own:
   on activations of them (checked as ``align`` but for the distance: activation costs do not aim at it), and Fisher
   and RegMean merges with them as statistics (every frame also aligned by weights and on activations of the data,
   the data choosing), each checked as ``merge``. A type synthetic data cannot be made for (an encoder-decoder, a
-  base model) is skipped.
+  base model) is skipped;
+* with ``--disk`` instead: what a user runs on files. Both models are saved by ``save_pretrained``, the commands
+  ``symgraph fold B``, ``symgraph align B A`` and ``symgraph merge A B`` run on the folders (in this process, as
+  the console runs them), and each output is loaded by transformers from disk with the pair's Auto class: fold and
+  align checked as ``align`` (without the distance), merge as ``merge``, and any tensor transformers reports
+  missing, unexpected or of another shape on loading (re-initialised or dropped) is ``wrong``.
 
 A function is checked *independently of symgraph's own verification*, with ``sweep_architectures.Checker``: the
 state is loaded into a copy of the model with ``load_state_dict`` (so tied weights hold what loading left in them),
@@ -36,8 +41,8 @@ failed: ``max_rel_err`` over ``tol``, or ``problems`` listed), ``refused`` (symg
 class is its worst stage's (``wrong`` < ``crash`` < ``refused`` < ``ok``), where fold refusing is no failure
 (most norms cannot be folded: a bias, an offset, a centring that does not pay); besides ``timeout`` (over the
 limit) and ``skipped`` (transformers could not build or run the tiny model). Rows are keyed by ``name``: the type,
-``TYPE+learn`` with ``--learn``, ``TYPE+data`` with ``--data`` (``--types`` takes such names too). Run in chunks
-under load; rows accumulate in ``--jsonl`` (the last line per name wins)::
+``TYPE+learn`` with ``--learn``, ``TYPE+data`` with ``--data``, ``TYPE+disk`` with ``--disk`` (``--types`` takes
+such names too). Run in chunks under load; rows accumulate in ``--jsonl`` (the last line per name wins)::
 
     python examples/sweep_pipeline.py --types gpt_neo,deit --timeout 300 --jsonl /tmp/pipeline.jsonl
     python examples/sweep_pipeline.py --types qwen3_moe --learn --jsonl /tmp/pipeline.jsonl
@@ -69,6 +74,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from symgraph.errors import SymgraphError  # noqa: E402
 from sweep_architectures import (HEADS, NAMED, TYPES, VARIANT_BY_NAME, Checker, build, first_line,  # noqa: E402
                                  perturb_buffers, report_summary, run_all, run_script_isolated, tied_names,
                                  variant_heads)
@@ -314,8 +320,68 @@ def learn_options():
     return LearnOptions(**LEARN)
 
 
+# -- through the files a user has: --disk ---------------------------------------------------------------------
+def cli(*args) -> str:
+    """``symgraph --debug ARGS`` in this process, as a user runs it: its output; a refusal (symgraph's own message
+    and exit code) as :class:`Refused`; a bug raises its own exception (``--debug``), for its frames."""
+    import contextlib
+    import io
+
+    from symgraph.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["--debug", *map(str, args)])
+        except SystemExit as exc:
+            if exc.code:
+                raise Refused(f"symgraph {args[0]} exited {exc.code}: {err.getvalue()[-600:]}") from None
+    return out.getvalue()
+
+
+class Refused(SymgraphError):
+    """A command refused its input, with its own message (what the user sees)."""
+
+
+def from_disk(pair: Pair, folder: Path):
+    """The model at ``folder`` as transformers loads it with the pair's Auto class, and what loading reported
+    (keys missing from the files, unexpected, or of another shape: each a tensor re-initialised or dropped)."""
+    import transformers
+
+    model, info = getattr(transformers, pair.head).from_pretrained(folder, output_loading_info=True)
+    lost = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
+                                                                  "mismatched_keys") and v}
+    return model.float().eval(), lost
+
+
+def disk_stage(pair: Pair, command: str) -> dict:
+    """``symgraph COMMAND`` on the pair saved by ``save_pretrained`` (as users have them), its output loaded by
+    transformers from disk: for ``fold`` and ``align`` it must compute B's function, for ``merge`` load every
+    tensor (nothing re-initialised) and give finite outputs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        for name, model in (("a", pair.a), ("b", pair.b)):
+            model.save_pretrained(root / name)
+        args = {"fold": ("fold", root / "b"), "align": ("align", root / "b", root / "a"),
+                "merge": ("merge", root / "a", root / "b", "--no-progress")}[command]
+        cli(*args, "-o", root / "out")
+        model, lost = from_disk(pair, root / "out")
+        out = {"lost_on_loading": lost} if lost else {}
+        state = model.state_dict()
+        if command == "merge":
+            out = merged_sound(out, state, pair)
+        else:
+            out = function_kept(out, state, pair.b, pair.checker_b, pair.tolerance(pair.checker_b), model.config)
+        if lost:
+            out.update({"class": "wrong"}, problems=out.get("problems", []) + [f"loading lost {lost}"])
+        return out
+
+
 STAGES = {
     "base": {"fold": fold_stage, "align": align_stage, "merge": merge_stage, "self_merge": self_merge_stage},
+    "disk": {f"disk_{c}": functools.partial(disk_stage, command=c) for c in ("fold", "align", "merge")},
     "learn": {"learn_merge": lambda pair: merge_stage(pair, data="synthetic", learn=learn_options()),
               "learn_align": lambda pair: align_stage(pair, data="synthetic", learn=learn_options())},
     "data": {"data_align": lambda pair: align_stage(pair, data=pair.data),
@@ -343,14 +409,17 @@ def frames(exc: BaseException) -> list[str]:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-6:]]
 
 
+FOLDS = ("fold", "disk_fold")  # stages whose refusal is no failure (most norms cannot be folded)
+
+
 def type_class(stages: dict) -> str:
     """The worst class of ``stages`` (``ORDER``), fold's refusal left out: most norms cannot be folded."""
-    classes = [s["class"] for name, s in stages.items() if not (name == "fold" and s["class"] == "refused")]
+    classes = [s["class"] for name, s in stages.items() if not (name in FOLDS and s["class"] == "refused")]
     return min(classes, key=ORDER.index) if classes else "ok"
 
 
 def failed_stages(stages: dict) -> list[str]:
-    return [name for name, s in stages.items() if s["class"] != "ok" and not (name == "fold" and
+    return [name for name, s in stages.items() if s["class"] != "ok" and not (name in FOLDS and
                                                                               s["class"] == "refused")]
 
 
@@ -448,7 +517,7 @@ def names_of(args) -> list[str]:
         subjects = args.variants or [n for n, v in VARIANT_BY_NAME.items() if types is None or v[0] in types]
     else:
         subjects = types or TYPES
-    mode = "learn" if args.learn else "data" if args.data else "base"
+    mode = "learn" if args.learn else "data" if args.data else "disk" if args.disk else "base"
     return [s if "+" in s else name_of(s, mode) for s in subjects]
 
 
@@ -465,6 +534,9 @@ def main(argv=None) -> None:
     modes.add_argument("--learn", action="store_true", help="run the learned stages (synthetic data) instead")
     modes.add_argument("--data", action="store_true",
                        help="run the stages with data instead (alignment on activations, Fisher and RegMean merges)")
+    modes.add_argument("--disk", action="store_true",
+                       help="run the commands (fold, align, merge) on the pair saved by save_pretrained instead, their "
+                            "outputs loaded by transformers from disk")
     parser.add_argument("--skip-done", action="store_true", help="leave out names already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
