@@ -1175,6 +1175,13 @@ WIDE_NOTES = """\
   gave llama-chars 0.538 / 0.558 against 0.520 (align 16.8 s / 13.6 s against 22.1 s), the held-out ViT 1.129 /
   0.977 against 0.640, the GPT-2 0.600 (16) against 0.569, vit-digits 0.912 (16) against 0.911; so full mode's time
   stays about 5x permutation mode's on llama-chars.
+- Stop 59: is llama-chars' `full+learn` (0.424, 0.135x; bar 0.315) held up by Adam's noisy steps? A scratch run
+  polished the default's result (1000 steps) by full-batch L-BFGS (strong Wolfe line search, history 20) on the
+  fixed objective: every one of the 43 training batches at t = 1/4, 1/2, 3/4, 6 rounds of 15 iterations with the
+  generators absorbed between rounds (`symgraph.learn`'s `_DirectRun` elements, 1992 s on one thread beside two other
+  jobs). The objective fell 1.4510 -> 1.4252 and the checked path loss 1.4070 -> 1.3938, and the test barrier (11
+  points) 0.424 -> 0.418 (0.133x). Adam ends near a minimum of the objective it descends: the optimiser is not what
+  holds the bar up; the objective's minimum on this narrow pair (width 64, 3 layers) is above 0.10x.
 """
 
 
