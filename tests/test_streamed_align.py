@@ -325,20 +325,21 @@ def test_a_tie_stored_twice_is_refused_kept_and_untied_when_folded(tmp_path, tie
     assert result.verified_error < result.verified_tolerance and _computes(result.path, model) < 1e-5
 
 
-def test_a_model_built_from_its_config_alone_is_tied_as_with_its_weights(tmp_path, tied_pair):
+@pytest.mark.parametrize("family", ["llama-tied", "gpt2", "opt", "t5", "bart"])
+def test_a_model_built_from_its_config_alone_is_tied_as_with_its_weights(tmp_path, family):
     """Built on the meta device (report --config-only, streaming), a tied model must tie as it does with its
-    weights: untied, its graph had a symmetry the model lacks (the final norm rescaled against the LM head
-    alone, not against the embedding it is)."""
-    from symgraph.io import load_model
+    weights: untied, its graph had symmetries the model lacks (GPT-2, OPT, T5: the final norm rescaled against the
+    LM head alone, not against the embedding it is; 58 of the architecture sweep's 240 types differed)."""
+    from symgraph.io import load_model, model_config, save_model
+    from symgraph.verify import _aliases
 
-    (_, b), _ = tied_pair
-    meta = load_model(Path(b), config_only=True).model
-    assert meta.lm_head.weight is meta.model.embed_tokens.weight
-    with_weights = {(g.id, g.kind) for g in symgraph.analyze(b).groups}
-    config_only = {(g.id, g.kind) for g in symgraph.analyze(symgraph.load(Path(b), config_only=True)).groups}
+    model = zoo.build(family, seed=0)
+    folder = save_model(model.state_dict(), tmp_path / "m", config=model_config(model))
+    meta = load_model(Path(folder), config_only=True).model
+    assert _aliases(meta) == _aliases(model) != []
+    with_weights = {(g.id, g.kind) for g in symgraph.analyze(folder).groups}
+    config_only = {(g.id, g.kind) for g in symgraph.analyze(symgraph.load(Path(folder), config_only=True)).groups}
     assert config_only == with_weights
-    assert not any("lm_head" in g.id for g in symgraph.analyze(symgraph.load(Path(b), config_only=True)).groups
-                   if g.kind == "scale")
 
 
 def _tiny_gemma():
