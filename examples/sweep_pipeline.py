@@ -27,7 +27,9 @@ each a *stage* timed and caught on its own:
   ``symgraph fold B``, ``symgraph align B A`` and ``symgraph merge A B`` run on the folders (in this process, as
   the console runs them), and each output is loaded by transformers from disk with the pair's Auto class: fold and
   align checked as ``align`` (without the distance), merge as ``merge``, and any tensor transformers reports
-  missing, unexpected or of another shape on loading (re-initialised or dropped) is ``wrong``.
+  missing, unexpected or of another shape on loading (re-initialised or dropped) is ``wrong``;
+* with ``--stream`` instead: the same for ``symgraph align B A --stream`` and ``--stream --fold`` (block by block,
+  7B and up; a refused streamed fold is no failure, as for ``fold``).
 
 A function is checked *independently of symgraph's own verification*, with ``sweep_architectures.Checker``: the
 state is loaded into a copy of the model with ``load_state_dict`` (so tied weights hold what loading left in them),
@@ -41,8 +43,9 @@ failed: ``max_rel_err`` over ``tol``, or ``problems`` listed), ``refused`` (symg
 class is its worst stage's (``wrong`` < ``crash`` < ``refused`` < ``ok``), where fold refusing is no failure
 (most norms cannot be folded: a bias, an offset, a centring that does not pay); besides ``timeout`` (over the
 limit) and ``skipped`` (transformers could not build or run the tiny model). Rows are keyed by ``name``: the type,
-``TYPE+learn`` with ``--learn``, ``TYPE+data`` with ``--data``, ``TYPE+disk`` with ``--disk`` (``--types`` takes
-such names too). Run in chunks under load; rows accumulate in ``--jsonl`` (the last line per name wins)::
+``TYPE+learn`` with ``--learn``, ``TYPE+data`` with ``--data``, ``TYPE+disk`` with ``--disk``, ``TYPE+stream`` with
+``--stream`` (``--types`` takes such names too). Run in chunks under load; rows accumulate in ``--jsonl`` (the
+last line per name wins)::
 
     python examples/sweep_pipeline.py --types gpt_neo,deit --timeout 300 --jsonl /tmp/pipeline.jsonl
     python examples/sweep_pipeline.py --types qwen3_moe --learn --jsonl /tmp/pipeline.jsonl
@@ -365,7 +368,9 @@ def disk_stage(pair: Pair, command: str) -> dict:
         for name, model in (("a", pair.a), ("b", pair.b)):
             model.save_pretrained(root / name)
         args = {"fold": ("fold", root / "b"), "align": ("align", root / "b", root / "a"),
-                "merge": ("merge", root / "a", root / "b", "--no-progress")}[command]
+                "merge": ("merge", root / "a", root / "b", "--no-progress"),
+                "stream_align": ("align", root / "b", root / "a", "--stream", "--quiet"),
+                "stream_fold": ("align", root / "b", root / "a", "--stream", "--fold", "--quiet")}[command]
         cli(*args, "-o", root / "out")
         model, lost = from_disk(pair, root / "out")
         out = {"lost_on_loading": lost} if lost else {}
@@ -382,6 +387,7 @@ def disk_stage(pair: Pair, command: str) -> dict:
 STAGES = {
     "base": {"fold": fold_stage, "align": align_stage, "merge": merge_stage, "self_merge": self_merge_stage},
     "disk": {f"disk_{c}": functools.partial(disk_stage, command=c) for c in ("fold", "align", "merge")},
+    "stream": {c: functools.partial(disk_stage, command=c) for c in ("stream_align", "stream_fold")},
     "learn": {"learn_merge": lambda pair: merge_stage(pair, data="synthetic", learn=learn_options()),
               "learn_align": lambda pair: align_stage(pair, data="synthetic", learn=learn_options())},
     "data": {"data_align": lambda pair: align_stage(pair, data=pair.data),
@@ -409,7 +415,7 @@ def frames(exc: BaseException) -> list[str]:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-6:]]
 
 
-FOLDS = ("fold", "disk_fold")  # stages whose refusal is no failure (most norms cannot be folded)
+FOLDS = ("fold", "disk_fold", "stream_fold")  # stages whose refusal is no failure (most norms cannot be folded)
 
 
 def type_class(stages: dict) -> str:
@@ -517,7 +523,8 @@ def names_of(args) -> list[str]:
         subjects = args.variants or [n for n, v in VARIANT_BY_NAME.items() if types is None or v[0] in types]
     else:
         subjects = types or TYPES
-    mode = "learn" if args.learn else "data" if args.data else "disk" if args.disk else "base"
+    mode = ("learn" if args.learn else "data" if args.data else "disk" if args.disk else "stream" if args.stream
+            else "base")
     return [s if "+" in s else name_of(s, mode) for s in subjects]
 
 
@@ -537,6 +544,9 @@ def main(argv=None) -> None:
     modes.add_argument("--disk", action="store_true",
                        help="run the commands (fold, align, merge) on the pair saved by save_pretrained instead, their "
                             "outputs loaded by transformers from disk")
+    modes.add_argument("--stream", action="store_true",
+                       help="run the streamed commands (align --stream, with and without --fold) on the pair saved by "
+                            "save_pretrained instead, their outputs loaded by transformers from disk")
     parser.add_argument("--skip-done", action="store_true", help="leave out names already in --jsonl")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--jsonl", type=Path, help="append one line per type here (accumulates across chunks)")
