@@ -650,9 +650,32 @@ def _build_config(config_dict: dict, config_file: Path):
             f"transformers could not build a {config_cls.__name__} from '{config_file}': {_describe(exc)}",
             hint="check the values in config.json against the model's documentation.",
         ) from exc
-    if arch_cls is not None and not isinstance(config, arch_cls.config_class):
-        arch_cls = None  # architectures disagrees with model_type: let AutoModel pick from the config
-    return config, (arch_cls or transformers.AutoModel)
+    return config, (_builds(arch_cls, config) or transformers.AutoModel)
+
+
+def _builds(cls, config):
+    """``cls`` (the class ``architectures`` names) where it is ``config``'s model, else None: architectures then
+    disagrees with model_type, and AutoModel picks from the config."""
+    return cls if cls is not None and (isinstance(config, cls.config_class) or _built_by_auto(config, cls)) else None
+
+
+def _built_by_auto(config, cls) -> bool:
+    """Whether one of transformers' Auto classes builds ``cls`` for ``config``: a model type that reuses another's
+    classes (InternLM3's causal LM is LlamaForCausalLM, whose own config class is LlamaConfig) names them in its
+    architectures, and they are its architecture, not a disagreement with its model_type."""
+    from transformers.models.auto import modeling_auto
+
+    for name in dir(modeling_auto):
+        mapping = getattr(modeling_auto, name)
+        if not (name.endswith("_MAPPING") and isinstance(mapping, modeling_auto._LazyAutoMapping)):
+            continue
+        try:
+            built = mapping[type(config)]
+        except (KeyError, ValueError, AttributeError, ImportError):  # unmapped, or its module fails to import
+            continue
+        if cls in (built if isinstance(built, (tuple, list)) else (built,)):
+            return True
+    return False
 
 
 def _custom_code_error(config_dict: Mapping[str, Any], config_file: Path) -> ModelLoadError:
@@ -680,10 +703,7 @@ def _model_class(config) -> tuple[Any, Any]:
     if isinstance(config, Mapping):
         config, cls = _build_config(as_dict, Path("config.json"))
         return cls, config
-    cls = _architecture_class(as_dict)
-    if cls is not None and not isinstance(config, cls.config_class):
-        cls = None
-    return cls or transformers.AutoModel, config
+    return _builds(_architecture_class(as_dict), config) or transformers.AutoModel, config
 
 
 def _cls_name(cls) -> str:

@@ -626,3 +626,29 @@ def test_a_config_holding_infinity_loads_as_transformers_writes_it(tmp_path):
     assert code == 0, err
     assert transformers.AutoConfig.from_pretrained(tmp_path / "merged").time_step_limit[1] == float("inf")
     assert sio.load_model(tmp_path / "merged").config.time_step_limit[1] == float("inf")
+
+
+def test_a_model_type_that_reuses_another_types_classes_loads_and_saves_with_its_head(tmp_path):
+    """InternLM3's causal LM is LlamaForCausalLM (whose own config class is LlamaConfig): its architectures names
+    it, transformers' Auto classes build it for InternLM3Config, and so must loading and saving, head included
+    (the bare LlamaModel had refused the lm_head in the file, and every write)."""
+    import symgraph
+    from cli_runner import run
+
+    config = transformers.AutoConfig.for_model("internlm3", hidden_size=32, intermediate_size=48,
+                                               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                               vocab_size=64, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model) is LlamaForCausalLM and type(model.config).__name__ == "InternLM3Config"
+    model.save_pretrained(tmp_path / "m")
+    loaded = sio.load_model(tmp_path / "m")
+    assert type(loaded.model) is LlamaForCausalLM
+    assert torch.equal(loaded.model.lm_head.weight, model.lm_head.weight)
+    code, _, err = run("fold", tmp_path / "m", "-o", tmp_path / "folded")
+    assert code == 0, err
+    folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folded")
+    x = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(folded(x).logits, model(x).logits, atol=1e-5)
+    assert symgraph.analyze(symgraph.load(tmp_path / "m", config_only=True)).groups
