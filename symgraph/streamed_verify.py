@@ -29,8 +29,8 @@ from torch import nn
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
 from .lazy_state import LazyState, ReadThrough, UntiedState, check_same_tensors
-from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, relative_change,
-                     rounding_distance)
+from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, float64_default,
+                     relative_change, rounding_distance)
 
 __all__ = ["check_one_architecture", "verify_streamed", "streamed_outputs"]
 
@@ -130,7 +130,7 @@ def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
         for prefix, block in blocks.items():
             own = {n: names[n] for n in names if n.startswith(f"{prefix}.")}
             hooks.enter_context(_streamed_block(model, block, own, state))
-        with torch.no_grad():
+        with torch.no_grad(), float64_default():  # as the in-memory check runs (XGLM's constants overflow float32)
             args, kwargs = _cast_inputs(args, kwargs, torch.float64)
             return flat_outputs(model(*args, **kwargs))
 

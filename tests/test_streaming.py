@@ -266,6 +266,21 @@ def test_compare_on_the_command_line(tmp_path, llama_pair):
     assert code == 1 and "DIFFERENT" in stdout
 
 
+def test_a_model_whose_code_builds_constants_in_the_default_dtype_compares_in_float64(tmp_path):
+    """XGLM builds torch.full((), finfo(float64).min) in the default dtype: block by block in float64 it overflowed
+    float32 and crashed compare and every streamed alignment's check, as the in-memory check would without its
+    float64 default."""
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    torch.manual_seed(0)
+    model = XGLMForCausalLM(XGLMConfig(vocab_size=64, d_model=32, ffn_dim=48, num_layers=2, attention_heads=4,
+                                       max_position_embeddings=64)).eval()
+    model.save_pretrained(tmp_path / "x")
+    code, stdout, stderr = run("compare", tmp_path / "x", tmp_path / "x")
+    assert code == 0 and "the same function" in stdout, stderr
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_writing_to_a_read_tensor_never_reaches_the_checkpoint(llama_pair):
     (folder, _), (model, _) = llama_pair
     key = "model.embed_tokens.weight"
