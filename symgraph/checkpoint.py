@@ -69,6 +69,24 @@ def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) ->
     return revert_weight_conversion(model, out)
 
 
+def renamed_on_save(model) -> dict[str, str]:
+    """The parameters ``model`` stores under another name (transformers' weight conversion renames them on save: a
+    ViT's ``vit.layers.0.attention.k_proj.weight`` is ``vit.encoder.layer.0.attention.attention.key.weight`` in its
+    checkpoint, ESM's LayerNorm weight ``gamma``): model name -> stored name. Tensors that conversion splits,
+    concatenates or stacks (fused experts, a fused QKV) are not renames and are left out. Read from the model's
+    own conversion on save, applied to its (meta) tensors: a renamed tensor is passed through as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = dict(model.state_dict())
+    name_of = {id(tensor): name for name, tensor in state.items()}
+    try:
+        stored = revert_weight_conversion(model, dict(state))
+    except Exception:  # a conversion that cannot run on meta tensors: nothing known to be renamed
+        return {}
+    return {name_of[id(tensor)]: key for key, tensor in stored.items()
+            if id(tensor) in name_of and name_of[id(tensor)] != key}
+
+
 def _meta_model(config: Any):
     """An empty model (parameters on the meta device) of ``config``'s class, or None without a usable config."""
     from .io import _build_meta, _model_class

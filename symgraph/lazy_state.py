@@ -27,7 +27,7 @@ import torch
 from .errors import MismatchError, ModelLoadError
 from .shards import SAFETENSORS_DTYPES, TensorInfo
 
-__all__ = ["LazyState", "UntiedState", "check_same_tensors", "safetensors_files"]
+__all__ = ["LazyState", "RenamedState", "UntiedState", "check_same_tensors", "safetensors_files"]
 
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -119,6 +119,40 @@ class ReadThrough(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+
+class RenamedState(ReadThrough):
+    """``state`` (a checkpoint, keyed as stored) keyed by the model's own names: ``renamed`` maps each model name the
+    checkpoint stores under another name to that name (:func:`symgraph.checkpoint.renamed_on_save`). Reading a
+    stored name still works, so what was written can be compared name by name."""
+
+    def __init__(self, state: "LazyState | ReadThrough", renamed: dict[str, str]):
+        self.state, self.stored_of = state, dict(renamed)
+        self.named_of = {stored: name for name, stored in self.stored_of.items()}
+
+    def stored(self, name: str) -> str:
+        """The name ``name`` (a model name) is stored under."""
+        return self.stored_of.get(name, name)
+
+    def named(self, stored: str) -> str:
+        """The model's name for the stored name ``stored``."""
+        return self.named_of.get(stored, stored)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.state[self.stored(name)]
+
+    def __contains__(self, name) -> bool:
+        return name in self.stored_of or (name in self.state and name not in self.named_of)
+
+    def __iter__(self):
+        return (self.named(stored) for stored in self.state)
+
+    def info(self, name: str) -> TensorInfo:
+        stored = self.state.info(self.stored(name))
+        return TensorInfo(name, stored.shape, stored.dtype)
+
+    def infos(self) -> list[TensorInfo]:
+        return [self.info(name) for name in self]
 
 
 class UntiedState(ReadThrough):

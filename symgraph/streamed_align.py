@@ -44,7 +44,7 @@ from .alignment import (DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, c
 from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
-from .lazy_state import LazyState, ReadThrough, UntiedState
+from .lazy_state import LazyState, ReadThrough, RenamedState, UntiedState
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
@@ -131,7 +131,8 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     clock = time.perf_counter()
     src, anc = LazyState(source, finite=True), LazyState(anchor, finite=True)
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
-    model, config, groups, norms, untied = streamed_groups(source, src, fold=fold, untie=untie)
+    model, config, groups, norms, untied, renamed = streamed_groups(source, src, fold=fold, untie=untie)
+    src, anc = RenamedState(src, renamed), RenamedState(anc, renamed)  # the model's names (renamed: as stored)
     if untied:
         src, anc = UntiedState(src, untied), UntiedState(anc, untied)
     if fold:
@@ -157,7 +158,8 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
         from .streamed_verify import verify_streamed
 
         clock = time.perf_counter()
-        exact = ExactResult(UntiedState(LazyState(source), untied), job.elements, prefixes, norms if fold else None)
+        exact = ExactResult(UntiedState(RenamedState(LazyState(source), renamed), untied), job.elements, prefixes,
+                            norms if fold else None)
         outcome["verify"] = result = verify_streamed(source, staged, exact=exact, untied=untied)
         timings["verify"] = time.perf_counter() - clock
         if not result.ok:
@@ -166,8 +168,10 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
                                   hint="this is a symgraph bug: report it with both checkpoints' config.json.")
 
     clock = time.perf_counter()
-    infos = [TensorInfo(k, src.info(k).shape, src.info(k).dtype) for k in src]
-    path = write_checkpoint(out, infos, job.produce, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+    stored = RenamedState(LazyState(source), renamed)  # written under the names the source stores them by
+    infos = [TensorInfo(stored.stored(k), src.info(k).shape, src.info(k).dtype) for k in src]
+    path = write_checkpoint(out, infos, lambda key: job.produce(stored.named(key)),
+                            shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
                             like=src.folder, config=config if untied else None, overwrite=overwrite,
                             check=check if verify else None)
     timings["blocks_and_write"] = time.perf_counter() - clock - timings.get("verify", 0.0)
@@ -191,6 +195,7 @@ class Analysed(NamedTuple):
     groups: list[Group]  # every tensor under the name the checkpoint stores it by (or ``untied`` reads it under)
     norms: list  # the norms folded (:class:`symgraph.fold.NormSite`; empty without ``fold``)
     untied: dict[str, str]  # tied name given a tensor of its own to fold -> the stored name it reads (empty: none)
+    renamed: dict[str, str] = {}  # model name -> the name the checkpoint stores it by (checkpoint.renamed_on_save)
 
 
 def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = False,
@@ -203,6 +208,7 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     :func:`symgraph.fold.fold` does; False: refused), and the tied names it does not store then read the stored
     tensor they tie to (:class:`~symgraph.lazy_state.UntiedState`)."""
     from .api import Subject, _inputs_for
+    from .checkpoint import renamed_on_save
     from .fold import TiedFoldError, untied
     from .io import load_model
 
@@ -211,15 +217,18 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     args, kwargs = _inputs_for(loaded.model, loaded.config, None)
     subject = Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only=True,
                       inputs_from_config=True, full_depth=True)
+    renamed = renamed_on_save(loaded.model)
+    if renamed:
+        state = RenamedState(state, renamed)
     ties = _ties(loaded.model)
     if fold and untie:
-        return _analysed(*untied(subject), state, fold, ties)
+        return _analysed(*untied(subject), state, fold, ties)._replace(renamed=renamed)
     try:
-        return _analysed(subject, [], state, fold, ties)
+        return _analysed(subject, [], state, fold, ties)._replace(renamed=renamed)
     except TiedFoldError:
         if untie is not None:
             raise
-    return _analysed(*untied(subject), state, fold, ties)
+    return _analysed(*untied(subject), state, fold, ties)._replace(renamed=renamed)
 
 
 def _analysed(subject, untied: list[str], state, fold: bool, ties: list[list[str]]) -> Analysed:
@@ -379,7 +388,8 @@ class _Job:
         missing = sorted({p for g in groups for p in g.params} - set(src))[:3]
         if missing:
             raise MismatchError(f"The checkpoint '{src.folder}' has no tensor {missing[0]}, which a symmetry group "
-                                "moves (parameters stored under other names than the model's are not streamed).",
+                                "moves (tensors transformers splits, concatenates or stacks on saving, such as "
+                                "fused experts or a fused QKV projection, are not streamed).",
                                 hint="align it in memory (without --stream), or re-save it with save_pretrained.")
         self.fixed: list[Element] = []  # elements of the spanning groups, solved first
         self.elements: list[Element] = []

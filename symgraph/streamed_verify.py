@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
-from .lazy_state import LazyState, ReadThrough, UntiedState, check_same_tensors
+from .lazy_state import LazyState, ReadThrough, RenamedState, UntiedState, check_same_tensors
 from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, float64_default,
                      relative_change, rounding_distance)
 
@@ -64,6 +64,7 @@ def verify_streamed(source, other, inputs=None, exact=None, untied: dict[str, st
     low = {info.dtype for info in written.infos()} & {torch.bfloat16, torch.float16}
     if error <= tolerance or exact is None or not low:
         return Outcome(error, tolerance)
+    written = RenamedState(written, _renamed(other))  # the model's names, as ``exact`` has them
     compared = _Compared(exact, written)  # each tensor compared as the model reads it: every part computed once
     exact_error = relative_change(streamed_outputs(source, inputs, state=compared), reference)
     unread = [k for k in written if k not in compared.distances]  # tensors the model has no parameter for
@@ -135,18 +136,30 @@ def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
             return flat_outputs(model(*args, **kwargs))
 
 
-def _checkpoint_names(model: nn.Module, state: LazyState, folder) -> dict[str, str]:
-    """Model parameter -> the checkpoint key holding it (tied parameters read their source's key)."""
-    from .checkpoint import _declared_ties
+def _renamed(folder) -> dict[str, str]:
+    """The model names the checkpoint at ``folder`` stores under other names
+    (:func:`~symgraph.checkpoint.renamed_on_save`)."""
+    from .checkpoint import renamed_on_save
+    from .io import load_model
 
-    ties = _declared_ties(model)
+    return renamed_on_save(load_model(Path(folder), config_only=True).model)
+
+
+def _checkpoint_names(model: nn.Module, state: LazyState, folder) -> dict[str, str]:
+    """Model parameter -> the checkpoint key holding it (tied parameters read their source's key; parameters
+    transformers renames on save, the name they are stored by: :func:`~symgraph.checkpoint.renamed_on_save`)."""
+    from .checkpoint import _declared_ties, renamed_on_save
+
+    ties, renamed = _declared_ties(model), renamed_on_save(model)
     names = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
-        key = name if name in state else ties.get(name)
-        if key not in state:
+        tie = ties.get(name)
+        key = next((k for k in (name, renamed.get(name), tie, renamed.get(tie)) if k is not None and k in state),
+                   None)
+        if key is None:
             raise MismatchError(f"The checkpoint '{folder}' has no tensor '{name}', which "
-                                f"{type(model).__name__} needs; streamed verification reads tensors under the "
-                                "model's own names.", hint="re-save the model with save_pretrained (or symgraph).")
+                                f"{type(model).__name__} needs (under that name, its tie's, or the name transformers "
+                                "saves it by).", hint="re-save the model with save_pretrained (or symgraph).")
         names[name] = key
     return names
 

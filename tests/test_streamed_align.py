@@ -176,7 +176,7 @@ def test_a_bf16_result_past_its_tolerance_passes_only_as_an_exact_result_rounded
     assert "past the fixed tolerance, but computed without rounding" in cli.stdout
     assert json.loads((tmp_path / "s.json").read_text())["verified_rounded_exact"]["roundings"] <= ROUNDINGS
 
-    model, config, _, norms, _ = streamed_align.streamed_groups(source, fold=True)
+    model, config, _, norms, *_ = streamed_align.streamed_groups(source, fold=True)
     exact = streamed_align.ExactResult(LazyState(source), result.elements, list(_block_list(model, config)), norms)
     assert verify_streamed(source, result.path, exact=exact).ok
     moved = tmp_path / "moved"
@@ -323,6 +323,33 @@ def test_a_tie_stored_twice_is_refused_kept_and_untied_when_folded(tmp_path, tie
     assert result.untied == ["lm_head.weight"] and set(LazyState(result.path)) == set(LazyState(both))
     assert json.loads((result.path / "config.json").read_text())["tie_word_embeddings"] is False
     assert result.verified_error < result.verified_tolerance and _computes(result.path, model) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_storing_tensors_under_other_names_streams_and_compares(tmp_path):
+    """transformers renames a ViT's attention on saving (vit.layers.0.attention.k_proj.weight is stored as
+    vit.encoder.layer.0.attention.attention.key.weight): the streamed alignment reads and writes the stored names,
+    and what it writes computes B's function as transformers loads it (compare agrees)."""
+    from transformers import AutoModelForImageClassification
+
+    from symgraph.checkpoint import renamed_on_save
+    from symgraph.io import model_config, save_model
+
+    models = [zoo.build("vit", seed=s) for s in (0, 1)]
+    a, b = (save_model(m.state_dict(), tmp_path / f"m{i}", config=model_config(m)) for i, m in enumerate(models))
+    renamed = renamed_on_save(models[1])
+    assert renamed and not set(renamed) & set(LazyState(b)) and set(renamed.values()) <= set(LazyState(b))
+    result = streamed_align.align_streamed(b, a, tmp_path / "out", mode="full")
+    assert result.distance_after < result.distance_before and result.verified_error < result.verified_tolerance
+    assert set(LazyState(result.path)) == set(LazyState(b))
+    loaded = AutoModelForImageClassification.from_pretrained(result.path, dtype=torch.float64).eval()
+    pixels = torch.randn(2, 3, models[1].config.image_size, models[1].config.image_size, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = copy.deepcopy(models[1]).double()(pixel_values=pixels).logits, loaded(pixel_values=pixels).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    code, out, err = run("compare", b, result.path)
+    assert code == 0 and "the same function" in out, err
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "gpt2", "opt", "t5", "bart"])
