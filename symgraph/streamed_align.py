@@ -192,7 +192,7 @@ class Analysed(NamedTuple):
 
     model: torch.nn.Module  # the architecture on the meta device (untied where ``untied`` says)
     config: object
-    groups: list[Group]  # every tensor under the name the checkpoint stores it by (or ``untied`` reads it under)
+    groups: list[Group]  # under the model's names; a tie under the one of its names the checkpoint stores
     norms: list  # the norms folded (:class:`symgraph.fold.NormSite`; empty without ``fold``)
     untied: dict[str, str]  # tied name given a tensor of its own to fold -> the stored name it reads (empty: none)
     renamed: dict[str, str] = {}  # model name -> the name the checkpoint stores it by (checkpoint.renamed_on_save)
