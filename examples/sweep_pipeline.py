@@ -25,7 +25,7 @@ each a *stage* timed and caught on its own:
   base model) is skipped;
 * with ``--disk`` instead: what a user runs on files. Both models are saved by ``save_pretrained``, the commands
   ``symgraph fold B``, ``symgraph align B A`` and ``symgraph merge A B`` run on the folders (in this process, as
-  the console runs them), and each output is loaded by transformers from disk with the pair's Auto class: fold and
+  the console runs them), and each output is loaded by transformers from disk with the pair's class: fold and
   align checked as ``align`` (without the distance), merge as ``merge``, and any tensor transformers reports
   missing, unexpected or of another shape on loading (re-initialised or dropped) is ``wrong``;
 * with ``--stream`` instead: the same for ``symgraph align B A --stream`` and ``--stream --fold`` (block by block,
@@ -347,11 +347,9 @@ class Refused(SymgraphError):
 
 
 def from_disk(pair: Pair, folder: Path):
-    """The model at ``folder`` as transformers loads it with the pair's Auto class, and what loading reported
-    (keys missing from the files, unexpected, or of another shape: each a tensor re-initialised or dropped)."""
-    import transformers
-
-    model, info = getattr(transformers, pair.head).from_pretrained(folder, output_loading_info=True)
+    """The model at ``folder`` as transformers loads it with the pair's class, and what loading reported (keys
+    missing from the files, unexpected, or of another shape: each a tensor re-initialised or dropped)."""
+    model, info = type(pair.b).from_pretrained(folder, output_loading_info=True)
     lost = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
                                                                   "mismatched_keys") and v}
     return model.float().eval(), lost

@@ -281,6 +281,17 @@ def test_a_model_whose_code_builds_constants_in_the_default_dtype_compares_in_fl
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_a_mixture_of_experts_compares_in_float64_by_the_reference_loop(tmp_path):
+    """transformers runs experts by grouped_mm by default, which has no float64 kernel: block by block, compare and
+    every streamed check run them by its reference loop, as the in-memory check does."""
+    from symgraph.io import model_config, save_model
+
+    model = zoo.build("gpt-oss", seed=0)  # its checkpoints store the experts as the model holds them
+    folder = save_model(model.state_dict(), tmp_path / "m", config=model_config(model))
+    code, stdout, stderr = run("compare", folder, folder)
+    assert code == 0 and "the same function" in stdout, stderr
+
+
 def test_writing_to_a_read_tensor_never_reaches_the_checkpoint(llama_pair):
     (folder, _), (model, _) = llama_pair
     key = "model.embed_tokens.weight"
