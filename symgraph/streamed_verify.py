@@ -195,8 +195,9 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def _streamed_block(model: nn.Module, block: nn.Module, names: dict[str, str], state: LazyState):
-    """Hooks that read the block's parameters in float64 before it runs and put them back on the meta device
-    after."""
+    """The block's ``forward`` replaced, while the context lasts, by one that reads the block's parameters in
+    float64, runs it and puts them back on the meta device. Not forward hooks: a model that calls
+    ``layer.forward(...)`` itself (SqueezeBERT's encoder) would bypass them and run the block on the meta device."""
     def load(*_):
         _materialise(model, names, state, state.folder)
 
@@ -205,9 +206,21 @@ def _streamed_block(model: nn.Module, block: nn.Module, names: dict[str, str], s
             _set_parameter(model, name, torch.empty(state.info(names[name]).shape, device="meta",
                                                     dtype=torch.float64))
 
-    handles = [block.register_forward_pre_hook(load), block.register_forward_hook(drop)]
+    own = block.__dict__.get("forward")  # a forward the instance already has of its own (symgraph.moe sets some)
+    run = block.forward
+
+    def forward(*args, **kwargs):
+        load()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            drop()
+
+    block.forward = forward
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        if own is None:
+            del block.forward
+        else:
+            block.forward = own

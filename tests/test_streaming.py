@@ -292,6 +292,20 @@ def test_a_mixture_of_experts_compares_in_float64_by_the_reference_loop(tmp_path
     assert code == 0 and "the same function" in stdout, stderr
 
 
+def test_a_model_that_calls_its_blocks_forward_itself_compares_block_by_block(tmp_path):
+    """SqueezeBERT's encoder calls layer.forward(...) directly, past any forward hook: each block's weights must
+    still be read before it runs (it ran on the meta device: an internal error)."""
+    from transformers import SqueezeBertConfig, SqueezeBertModel
+
+    torch.manual_seed(0)
+    model = SqueezeBertModel(SqueezeBertConfig(vocab_size=64, hidden_size=32, embedding_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=48,
+                                               max_position_embeddings=64)).eval()
+    model.save_pretrained(tmp_path / "s")
+    code, stdout, stderr = run("compare", tmp_path / "s", tmp_path / "s")
+    assert code == 0 and "the same function" in stdout, stderr
+
+
 def test_writing_to_a_read_tensor_never_reaches_the_checkpoint(llama_pair):
     (folder, _), (model, _) = llama_pair
     key = "model.embed_tokens.weight"
