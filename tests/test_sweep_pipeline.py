@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -33,8 +34,9 @@ def test_names_carry_the_mode(pipeline):
     assert pipeline.parse_name("olmo") == ("olmo", "base")
     assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "learn")) == ("qwen3_moe", "learn")
     assert pipeline.parse_name(pipeline.name_of("qwen3_moe", "data")) == ("qwen3_moe", "data")
-    for learn, data, mode in ((False, False, "base"), (True, False, "learn"), (False, True, "data")):
-        args = argparse.Namespace(types="olmo,gpt2+learn", variants=None, learn=learn, data=data)
+    for mode in ("base", "learn", "data", "disk", "stream"):
+        flags = {flag: flag == mode for flag in ("learn", "data", "disk", "stream")}
+        args = argparse.Namespace(types="olmo,gpt2+learn", variants=None, **flags)
         assert pipeline.names_of(args) == [pipeline.name_of("olmo", mode), "gpt2+learn"]
         assert set(pipeline.STAGES[mode]) >= {"align" if mode == "base" else f"{mode}_align"}
 
@@ -69,6 +71,37 @@ def test_one_tiny_type_runs_every_stage():
     row = one_row("sweep_pipeline", "deit")
     assert set(row["stages"]) == {"fold", "align", "merge", "self_merge"}
     assert row["class"] == "ok", row["stages"]
+
+
+@pytest.mark.slow
+def test_the_streamed_commands_run_on_files_and_are_checked_from_disk():
+    row = one_row("sweep_pipeline", "qwen2+stream")
+    assert set(row["stages"]) == {"stream_align", "stream_fold"}
+    assert row["class"] == "ok", row["stages"]
+    assert all(s["max_rel_err"] <= s["tol"] for s in row["stages"].values())
+
+
+@pytest.mark.slow
+def test_a_command_that_loses_a_tensor_on_loading_is_wrong(pipeline, tmp_path, monkeypatch):
+    """What transformers re-initialises or drops on loading an output is a failure, whatever the function check
+    says (a merge has no function to keep)."""
+    import symgraph.cli
+
+    pair = pipeline.Pair("qwen2")
+    real_main = symgraph.cli.main
+
+    def dropping(argv):  # the command runs, then loses one tensor of what it wrote
+        from safetensors.torch import load_file, save_file
+
+        real_main(argv)
+        out = Path(argv[argv.index("-o") + 1]) / "model.safetensors"
+        tensors = load_file(out)
+        tensors.pop(next(k for k in tensors if k.endswith("down_proj.weight")))
+        save_file(tensors, out, metadata={"format": "pt"})
+
+    monkeypatch.setattr(symgraph.cli, "main", dropping)
+    out = pipeline.disk_stage(pair, "merge")
+    assert out["class"] == "wrong" and out["lost_on_loading"]["missing_keys"]
 
 
 @pytest.mark.slow
