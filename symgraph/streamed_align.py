@@ -133,6 +133,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
     model, config, groups, norms, untied, renamed = streamed_groups(source, src, fold=fold, untie=untie)
     src, anc = RenamedState(src, renamed), RenamedState(anc, renamed)  # the model's names (renamed: as stored)
+    names = src  # model name <-> stored name, for writing under the stored ones
     if untied:
         src, anc = UntiedState(src, untied), UntiedState(anc, untied)
     if fold:
@@ -168,9 +169,8 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
                                   hint="this is a symgraph bug: report it with both checkpoints' config.json.")
 
     clock = time.perf_counter()
-    stored = RenamedState(LazyState(source), renamed)  # written under the names the source stores them by
-    infos = [TensorInfo(stored.stored(k), src.info(k).shape, src.info(k).dtype) for k in src]
-    path = write_checkpoint(out, infos, lambda key: job.produce(stored.named(key)),
+    infos = [TensorInfo(names.stored(k), src.info(k).shape, src.info(k).dtype) for k in src]
+    path = write_checkpoint(out, infos, lambda key: job.produce(names.named(key)),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
                             like=src.folder, config=config if untied else None, overwrite=overwrite,
                             check=check if verify else None)
@@ -211,6 +211,7 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     from .checkpoint import renamed_on_save
     from .fold import TiedFoldError, untied
     from .io import load_model
+    from .verify import _aliases
 
     state = state or LazyState(folder)
     loaded = load_model(Path(folder), config_only=True)
@@ -220,15 +221,14 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     renamed = renamed_on_save(loaded.model)
     if renamed:
         state = RenamedState(state, renamed)
-    ties = _ties(loaded.model)
-    if fold and untie:
-        return _analysed(*untied(subject), state, fold, ties)._replace(renamed=renamed)
+    ties = _aliases(loaded.model)
     try:
-        return _analysed(subject, [], state, fold, ties)._replace(renamed=renamed)
+        analysed = _analysed(*(untied(subject) if fold and untie else (subject, [])), state, fold, ties)
     except TiedFoldError:
         if untie is not None:
             raise
-    return _analysed(*untied(subject), state, fold, ties)._replace(renamed=renamed)
+        analysed = _analysed(*untied(subject), state, fold, ties)
+    return analysed._replace(renamed=renamed)
 
 
 def _analysed(subject, untied: list[str], state, fold: bool, ties: list[list[str]]) -> Analysed:
@@ -255,22 +255,6 @@ def _analysed(subject, untied: list[str], state, fold: bool, ties: list[list[str
         return Analysed(subject.model, subject.config, groups, norms, untied)
     _refuse_ties_stored_twice(ties, state, groups)
     return Analysed(subject.model, subject.config, [g.renamed(stored) for g in groups], norms, {})
-
-
-def _ties(model) -> list[list[str]]:
-    """The names of each tie of ``model`` (an embedding that is also the LM head): shared tensors, and the ties
-    its class declares for its config (a model built on the meta device may not have made them)."""
-    from .checkpoint import _declared_ties
-    from .verify import _aliases
-
-    ties = [list(tie) for tie in _aliases(model)]
-    for tied, kept in _declared_ties(model).items():
-        tie = next((t for t in ties if tied in t or kept in t), None)
-        if tie is None:
-            ties.append([kept, tied])
-        else:
-            tie += [n for n in (kept, tied) if n not in tie]
-    return ties
 
 
 def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
