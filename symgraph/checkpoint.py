@@ -10,10 +10,12 @@ equal another's (all-zero biases, norms all ones are ordinary after folding or f
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -23,8 +25,9 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "stored_weight_names", "owned_tensors", "output_folder", "staged_folder",
-           "write_side_files", "not_carried_over", "carried_metadata", "file_metadata"]
+__all__ = ["save_model", "hf_layout", "stored_weight_names", "StoredLayout", "StoredUnit", "owned_tensors",
+           "output_folder", "staged_folder", "write_side_files", "not_carried_over", "carried_metadata",
+           "file_metadata"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,22 +72,107 @@ def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) ->
     return revert_weight_conversion(model, out)
 
 
-def renamed_on_save(model) -> dict[str, str]:
-    """The parameters ``model`` stores under another name (transformers' weight conversion renames them on save: a
-    ViT's ``vit.layers.0.attention.k_proj.weight`` is ``vit.encoder.layer.0.attention.attention.key.weight`` in its
-    checkpoint, ESM's LayerNorm weight ``gamma``): model name -> stored name. Tensors that conversion splits,
-    concatenates or stacks (fused experts, a fused QKV) are not renames and are left out. Read from the model's
-    own conversion on save, applied to its (meta) tensors: a renamed tensor is passed through as it is."""
-    from transformers.core_model_loading import revert_weight_conversion
+@dataclass(frozen=True)
+class StoredUnit:
+    """Parameters a checkpoint stores under other names or in another layout: transformers' conversion on loading
+    makes the model's tensors ``model`` from the stored tensors ``stored`` (``patterns``: the conversion's source
+    pattern each matched, ``converter`` the conversion; None for a rename, one name each side), and its reverse
+    on saving makes them back. Fused experts (``experts.gate_up_proj`` stacks every expert's ``gate_proj`` and
+    ``up_proj``), a fused QKV split on loading, a ViT's ``attention.attention.key`` read as ``attention.k_proj``."""
 
-    state = dict(model.state_dict())
-    name_of = {id(tensor): name for name, tensor in state.items()}
-    try:
-        stored = revert_weight_conversion(model, dict(state))
-    except Exception:  # a conversion that cannot run on meta tensors: nothing known to be renamed
-        return {}
-    return {name_of[id(tensor)]: key for key, tensor in stored.items()
-            if id(tensor) in name_of and name_of[id(tensor)] != key}
+    model: tuple[str, ...]
+    stored: tuple[str, ...]
+    patterns: tuple[str, ...] = ()
+    converter: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def renames(self) -> bool:
+        return self.converter is None
+
+
+class StoredLayout:
+    """How the checkpoints of ``model``'s class store its parameters (read off ``model``, built on the meta device
+    from its config): the :class:`StoredUnit` of every parameter stored under another name or layout, found by
+    running transformers' conversion on saving over the model's (meta) tensors and its conversion on loading back.
+    Parameters stored as they are named belong to no unit. A model transformers' conversions cannot be run for
+    (no conversion mapping, one that fails on meta tensors) has no units: its checkpoints are read by the model's
+    own names, and one that stores them otherwise is refused where a name is missing.
+
+    :meth:`to_model` and :meth:`to_stored` convert one unit's tensors either way, with transformers' own
+    operations (what ``from_pretrained`` and ``save_pretrained`` do), so what is read and written is what
+    transformers loads and saves."""
+
+    def __init__(self, model):
+        self.model = model
+        try:
+            self.units = _stored_units(model)
+        except Exception:  # transformers' conversion could not run on this model: no units
+            self.units = []
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    def to_model(self, unit: StoredUnit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's tensors of ``unit`` from its stored ones (``tensors``, keyed by ``unit.stored``)."""
+        return _loaded(self.model, unit, tensors)
+
+    def to_stored(self, unit: StoredUnit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stored tensors of ``unit`` from the model's (``tensors``, keyed by ``unit.model``)."""
+        if unit.renames:
+            return {unit.stored[0]: tensors[unit.model[0]]}
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, {k: tensors[k] for k in unit.model})
+
+
+def _stored_units(model) -> list[StoredUnit]:
+    """:class:`StoredLayout`'s units: the model's meta tensors saved as transformers saves them, each stored name
+    traced back by the conversion on loading (renamings, then at most one converter, as ``from_pretrained``
+    applies them), the converted units run on the meta tensors to name their model tensors and check their
+    shapes."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (PrefixChange, WeightConverter, WeightRenaming,
+                                                 revert_weight_conversion, rename_source_key)
+
+    meta = dict(model.state_dict())
+    stored = revert_weight_conversion(model, dict(meta))  # what save_pretrained writes (without its tie dropping)
+    # the transformations revert_weight_conversion reverses for a model not loaded by from_pretrained
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+    renames, converted = [], {}
+    for name in stored:
+        key, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        if key not in meta:  # from_pretrained then loads a model name as it is (no conversion fits it)
+            continue
+        if pattern is None:
+            if key != name:
+                renames.append(StoredUnit((key,), (name,)))
+        else:
+            converted.setdefault(key, []).append((name, pattern))
+    units = renames
+    for key, parts in converted.items():
+        unit = StoredUnit((key,), tuple(n for n, _ in parts), tuple(p for _, p in parts),
+                          copy.deepcopy(converter_of[parts[0][1]]))
+        made = _loaded(model, unit, {n: stored[n] for n, _ in parts})
+        wrong = [k for k, v in made.items() if k not in meta or tuple(v.shape) != tuple(meta[k].shape)]
+        if wrong:
+            raise ValueError(f"the conversion of {unit.stored[0]} makes {wrong[0]}, which the model does not have")
+        units.append(replace(unit, model=tuple(made)))
+    return units
+
+
+def _loaded(model, unit: StoredUnit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:meth:`StoredLayout.to_model`: the unit's stored tensors given to a copy of its converter in the order
+    ``from_pretrained`` gives them (experts by their index), converted."""
+    if unit.renames:
+        return {unit.model[0]: tensors[unit.stored[0]]}
+    from transformers.core_model_loading import dot_natural_key
+
+    converter = copy.deepcopy(unit.converter)
+    for name, pattern in sorted(zip(unit.stored, unit.patterns), key=lambda item: dot_natural_key(item[0])):
+        converter.add_tensor(unit.model[0], name, pattern, tensors[name])
+    made = converter.convert(unit.model[0], model=model, config=model.config)
+    return {k: (v[0] if isinstance(v, list) else v) for k, v in made.items()}
 
 
 def _meta_model(config: Any):

@@ -27,7 +27,7 @@ import torch
 from .errors import MismatchError, ModelLoadError
 from .shards import SAFETENSORS_DTYPES, TensorInfo
 
-__all__ = ["LazyState", "RenamedState", "UntiedState", "check_same_tensors", "safetensors_files"]
+__all__ = ["LazyState", "ConvertedState", "UntiedState", "check_same_tensors", "safetensors_files"]
 
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -121,38 +121,109 @@ class ReadThrough(Mapping[str, torch.Tensor]):
         return self.state.nbytes
 
 
-class RenamedState(ReadThrough):
-    """``state`` (a checkpoint, keyed as stored) keyed by the model's own names: ``renamed`` maps each model name the
-    checkpoint stores under another name to that name (:func:`symgraph.checkpoint.renamed_on_save`). Reading a
-    stored name still works, so what was written can be compared name by name."""
+class ConvertedState(ReadThrough):
+    """``state`` (a checkpoint, keyed as stored) keyed by the model's own names: ``layout``
+    (:class:`symgraph.checkpoint.StoredLayout`) says which parameters the checkpoint stores under other names or
+    in another layout (experts stored one by one that the model stacks, a renamed attention key), and each is read
+    by converting its unit's stored tensors as transformers does on loading. Every converted unit is converted
+    back as on saving and must give the stored tensors again, bit for bit (a conversion that is not a
+    rearrangement could not be written back: refused). The last unit converted is kept, as a block reads its
+    tensors one by one."""
 
-    def __init__(self, state: "LazyState | ReadThrough", renamed: dict[str, str]):
-        self.state, self.stored_of = state, dict(renamed)
-        self.named_of = {stored: name for name, stored in self.stored_of.items()}
-
-    def stored(self, name: str) -> str:
-        """The name ``name`` (a model name) is stored under."""
-        return self.stored_of.get(name, name)
-
-    def named(self, stored: str) -> str:
-        """The model's name for the stored name ``stored``."""
-        return self.named_of.get(stored, stored)
+    def __init__(self, state: "LazyState | ReadThrough", layout):
+        self.state, self.layout = state, layout
+        units = [u for u in layout.units if any(n in state for n in u.stored)]
+        self.unit_of = {name: u for u in units for name in u.model}
+        self.unit_of_stored = {name: u for u in units for name in u.stored}
+        self._unit, self._tensors = None, {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.state[self.stored(name)]
+        unit = self.unit_of.get(name)
+        if unit is None:
+            return self.state[name]
+        if unit.renames:
+            return self.state[unit.stored[0]]
+        if unit is not self._unit:
+            self._unit, self._tensors = None, {}  # the previous unit let go before the next is read
+            self._tensors, self._unit = self._converted(unit), unit
+        return self._tensors[name]
+
+    def _converted(self, unit) -> dict[str, torch.Tensor]:
+        missing = [n for n in unit.stored if n not in self.state]
+        if missing:
+            raise ModelLoadError(f"The checkpoint '{self.folder}' stores {unit.stored[0]} but not {missing[0]}, "
+                                 f"which transformers reads with it into {unit.model[0]}.",
+                                 hint="the checkpoint is incomplete: re-save it with save_pretrained.")
+        stored = {n: self.state[n] for n in unit.stored}
+        tensors = self.layout.to_model(unit, stored)
+        back = self.layout.to_stored(unit, tensors)
+        if back.keys() != stored.keys() or not all(torch.equal(back[n], stored[n]) for n in stored):
+            raise ModelLoadError(f"transformers' conversion of {unit.stored[0]} (and {len(stored) - 1} more) into "
+                                 f"{', '.join(unit.model)} of '{self.folder}' does not give the stored tensors back "
+                                 "when reverted, so an aligned checkpoint could not be written in its layout.",
+                                 hint="align it in memory (without --stream).")
+        return tensors
 
     def __contains__(self, name) -> bool:
-        return name in self.stored_of or (name in self.state and name not in self.named_of)
+        return name in self.unit_of or (name in self.state and name not in self.unit_of_stored)
 
     def __iter__(self):
-        return (self.named(stored) for stored in self.state)
+        seen = set()
+        for stored in self.state:
+            unit = self.unit_of_stored.get(stored)
+            if unit is None:
+                yield stored
+            elif unit not in seen:
+                seen.add(unit)
+                yield from unit.model
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
     def info(self, name: str) -> TensorInfo:
-        stored = self.state.info(self.stored(name))
-        return TensorInfo(name, stored.shape, stored.dtype)
+        unit = self.unit_of.get(name)
+        if unit is None:
+            return self.state.info(name)
+        stored = self.state.info(unit.stored[0])
+        return TensorInfo(name, self.layout.shapes[name], stored.dtype)
 
     def infos(self) -> list[TensorInfo]:
         return [self.info(name) for name in self]
+
+    def stored_infos(self, model_state) -> list[TensorInfo]:
+        """The stored tensors that hold the tensors of ``model_state`` (this state or one reading through it, keyed
+        by model names; a name no unit converts is stored as it is named, its info ``model_state``'s), each once,
+        in the order of the first name each holds."""
+        infos, seen = [], set()
+        for name in model_state:
+            unit = self.unit_of.get(name)
+            if unit is None:
+                infos.append(model_state.info(name))
+            elif unit not in seen:
+                seen.add(unit)
+                infos += [self.state.info(n) for n in unit.stored]
+        return infos
+
+    def stored_producer(self, produce):
+        """``produce`` (model name -> tensor) made a producer of stored tensors by stored name: a unit's stored
+        tensors are converted from its model tensors when the first of them is asked for, and kept until each has
+        been taken."""
+        pending: dict = {}
+
+        def stored(name: str) -> torch.Tensor:
+            unit = self.unit_of_stored.get(name)
+            if unit is None:
+                return produce(name)
+            if unit.renames:
+                return produce(unit.model[0])
+            if unit not in pending:
+                pending[unit] = self.layout.to_stored(unit, {n: produce(n) for n in unit.model})
+            out = pending[unit].pop(name)
+            if not pending[unit]:
+                del pending[unit]
+            return out
+
+        return stored
 
 
 class UntiedState(ReadThrough):

@@ -21,7 +21,9 @@ the norms in the graph), so the residual stream has its orthogonal group; OUT is
 ``symgraph align --fold``. LayerNorm models (whose folding centres every residual writer) are not streamed yet.
 A tied checkpoint (the LM head is the embedding, stored once) is aligned under the name it stores the tie by; with
 ``fold``, where the tie keeps the final norm from folding, the head is untied first (:class:`Analysed`, as
-:func:`symgraph.fold.fold` unties) and written as a tensor of its own.
+:func:`symgraph.fold.fold` unties) and written as a tensor of its own. Tensors stored otherwise than the model
+names them (renamed, experts stored one by one, a projection stored fused) are read by the model's names and
+written in the source's layout (:class:`~symgraph.lazy_state.ConvertedState`).
 
 What this does not do (yet): coordinate descent between the residual stream and the blocks (the residual is
 solved once, from the outside members; exact for a reparametrised copy, thin evidence between independent
@@ -44,7 +46,7 @@ from .alignment import (DEFAULT_ROUNDS, Aligner, GroupStat, check_same_config, c
 from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
-from .lazy_state import LazyState, ReadThrough, RenamedState, UntiedState
+from .lazy_state import ConvertedState, LazyState, ReadThrough, UntiedState
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
@@ -118,7 +120,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     from .api import _check_layers
     from .files import refuse_overlap
     from .merging import _streamed_plan
-    from .shards import DEFAULT_SHARD_BYTES, TensorInfo, write_checkpoint
+    from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
 
     refuse_overlap(out, [source, anchor])
     if untie and not fold:
@@ -131,9 +133,9 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     clock = time.perf_counter()
     src, anc = LazyState(source, finite=True), LazyState(anchor, finite=True)
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
-    model, config, groups, norms, untied, renamed = streamed_groups(source, src, fold=fold, untie=untie)
-    src, anc = RenamedState(src, renamed), RenamedState(anc, renamed)  # the model's names (renamed: as stored)
-    names = src  # model name <-> stored name, for writing under the stored ones
+    model, config, groups, norms, untied, layout = streamed_groups(source, src, fold=fold, untie=untie)
+    src, anc = ConvertedState(src, layout), ConvertedState(anc, layout)  # the model's names and layout
+    stored = src  # model tensors <-> stored tensors, for writing in the checkpoint's layout
     if untied:
         src, anc = UntiedState(src, untied), UntiedState(anc, untied)
     if fold:
@@ -159,7 +161,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
         from .streamed_verify import verify_streamed
 
         clock = time.perf_counter()
-        exact = ExactResult(UntiedState(RenamedState(LazyState(source), renamed), untied), job.elements, prefixes,
+        exact = ExactResult(UntiedState(ConvertedState(LazyState(source), layout), untied), job.elements, prefixes,
                             norms if fold else None)
         outcome["verify"] = result = verify_streamed(source, staged, exact=exact, untied=untied)
         timings["verify"] = time.perf_counter() - clock
@@ -169,8 +171,8 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
                                   hint="this is a symgraph bug: report it with both checkpoints' config.json.")
 
     clock = time.perf_counter()
-    infos = [TensorInfo(names.stored(k), src.info(k).shape, src.info(k).dtype) for k in src]
-    path = write_checkpoint(out, infos, lambda key: job.produce(names.named(key)),
+    infos = stored.stored_infos(src)
+    path = write_checkpoint(out, infos, stored.stored_producer(job.produce),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
                             like=src.folder, config=config if untied else None, overwrite=overwrite,
                             check=check if verify else None)
@@ -195,7 +197,7 @@ class Analysed(NamedTuple):
     groups: list[Group]  # under the model's names; a tie under the one of its names the checkpoint stores
     norms: list  # the norms folded (:class:`symgraph.fold.NormSite`; empty without ``fold``)
     untied: dict[str, str]  # tied name given a tensor of its own to fold -> the stored name it reads (empty: none)
-    renamed: dict[str, str] = {}  # model name -> the name the checkpoint stores it by (checkpoint.renamed_on_save)
+    layout: object = None  # how the checkpoint stores the model's tensors (symgraph.checkpoint.StoredLayout)
 
 
 def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = False,
@@ -208,7 +210,7 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     :func:`symgraph.fold.fold` does; False: refused), and the tied names it does not store then read the stored
     tensor they tie to (:class:`~symgraph.lazy_state.UntiedState`)."""
     from .api import Subject, _inputs_for
-    from .checkpoint import renamed_on_save
+    from .checkpoint import StoredLayout
     from .fold import TiedFoldError, untied
     from .io import load_model
     from .verify import _aliases
@@ -218,9 +220,8 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
     args, kwargs = _inputs_for(loaded.model, loaded.config, None)
     subject = Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only=True,
                       inputs_from_config=True, full_depth=True)
-    renamed = renamed_on_save(loaded.model)
-    if renamed:
-        state = RenamedState(state, renamed)
+    layout = StoredLayout(loaded.model)
+    state = ConvertedState(state, layout)
     ties = _aliases(loaded.model)
     try:
         analysed = _analysed(*(untied(subject) if fold and untie else (subject, [])), state, fold, ties)
@@ -228,7 +229,7 @@ def streamed_groups(folder, state: LazyState | None = None, *, fold: bool = Fals
         if untie is not None:
             raise
         analysed = _analysed(*untied(subject), state, fold, ties)
-    return analysed._replace(renamed=renamed)
+    return analysed._replace(layout=layout)
 
 
 def _analysed(subject, untied: list[str], state, fold: bool, ties: list[list[str]]) -> Analysed:
@@ -372,8 +373,8 @@ class _Job:
         missing = sorted({p for g in groups for p in g.params} - set(src))[:3]
         if missing:
             raise MismatchError(f"The checkpoint '{src.folder}' has no tensor {missing[0]}, which a symmetry group "
-                                "moves (tensors transformers splits, concatenates or stacks on saving, such as "
-                                "fused experts or a fused QKV projection, are not streamed).",
+                                "moves (nor does transformers' conversion on loading make it from the tensors "
+                                "stored).",
                                 hint="align it in memory (without --stream), or re-save it with save_pretrained.")
         self.fixed: list[Element] = []  # elements of the spanning groups, solved first
         self.elements: list[Element] = []

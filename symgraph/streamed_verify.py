@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import MismatchError
 from .io import all_finite, nonfinite_error
-from .lazy_state import LazyState, ReadThrough, RenamedState, UntiedState, check_same_tensors
+from .lazy_state import ConvertedState, LazyState, ReadThrough, UntiedState, check_same_tensors
 from .moe import REFERENCE, use_experts_implementation
 from .verify import (TOLERANCE, Outcome, RoundedExact, _cast_inputs, _LowestFloat, flat_outputs, float64_default,
                      relative_change, rounding_distance)
@@ -65,7 +65,7 @@ def verify_streamed(source, other, inputs=None, exact=None, untied: dict[str, st
     low = {info.dtype for info in written.infos()} & {torch.bfloat16, torch.float16}
     if error <= tolerance or exact is None or not low:
         return Outcome(error, tolerance)
-    written = RenamedState(written, _renamed(other))  # the model's names, as ``exact`` has them
+    written = ConvertedState(written, _layout(other))  # the model's names, as ``exact`` has them
     compared = _Compared(exact, written)  # each tensor compared as the model reads it: every part computed once
     exact_error = relative_change(streamed_outputs(source, inputs, state=compared), reference)
     unread = [k for k in written if k not in compared.distances]  # tensors the model has no parameter for
@@ -117,14 +117,16 @@ def _model_class(folder) -> str | None:
 
 def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
     """The flattened float64 outputs of the model at ``folder`` on ``inputs``, its weights read block by block
-    (from ``state``, a mapping with the checkpoint's names and ``info``, when given)."""
+    (from ``state``, a mapping keyed by the model's names with ``info``, when given)."""
     from .api import _inputs_for
+    from .checkpoint import StoredLayout
     from .io import load_model
 
     loaded = load_model(Path(folder), config_only=True)
     # experts by transformers' reference loop, as the in-memory check runs them (grouped_mm has no float64 kernel)
     model = use_experts_implementation(loaded.model, REFERENCE).to(torch.float64)
-    state = LazyState(folder) if state is None else state
+    if state is None:
+        state = ConvertedState(LazyState(folder), StoredLayout(loaded.model))
     args, kwargs = _inputs_for(model, loaded.config, inputs)
     names = _checkpoint_names(model, state, folder)
     blocks = _block_list(model, loaded.config)
@@ -139,30 +141,27 @@ def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
             return flat_outputs(model(*args, **kwargs))
 
 
-def _renamed(folder) -> dict[str, str]:
-    """The model names the checkpoint at ``folder`` stores under other names
-    (:func:`~symgraph.checkpoint.renamed_on_save`)."""
-    from .checkpoint import renamed_on_save
+def _layout(folder):
+    """How the checkpoint at ``folder`` stores its model's tensors (:class:`~symgraph.checkpoint.StoredLayout`)."""
+    from .checkpoint import StoredLayout
     from .io import load_model
 
-    return renamed_on_save(load_model(Path(folder), config_only=True).model)
+    return StoredLayout(load_model(Path(folder), config_only=True).model)
 
 
-def _checkpoint_names(model: nn.Module, state: LazyState, folder) -> dict[str, str]:
-    """Model parameter -> the checkpoint key holding it (tied parameters read their source's key; parameters
-    transformers renames on save, the name they are stored by: :func:`~symgraph.checkpoint.renamed_on_save`)."""
-    from .checkpoint import _declared_ties, renamed_on_save
+def _checkpoint_names(model: nn.Module, state, folder) -> dict[str, str]:
+    """Model parameter -> the name ``state`` (keyed by the model's names) holds it by: its own, or for a tied
+    parameter its tie's."""
+    from .checkpoint import _declared_ties
 
-    ties, renamed = _declared_ties(model), renamed_on_save(model)
+    ties = _declared_ties(model)
     names = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
-        tie = ties.get(name)
-        key = next((k for k in (name, renamed.get(name), tie, renamed.get(tie)) if k is not None and k in state),
-                   None)
+        key = next((k for k in (name, ties.get(name)) if k is not None and k in state), None)
         if key is None:
             raise MismatchError(f"The checkpoint '{folder}' has no tensor '{name}', which "
-                                f"{type(model).__name__} needs (under that name, its tie's, or the name transformers "
-                                "saves it by).", hint="re-save the model with save_pretrained (or symgraph).")
+                                f"{type(model).__name__} needs (under that name, its tie's, or stored as transformers "
+                                "saves it).", hint="re-save the model with save_pretrained (or symgraph).")
         names[name] = key
     return names
 

@@ -332,13 +332,14 @@ def test_a_checkpoint_storing_tensors_under_other_names_streams_and_compares(tmp
     and what it writes computes B's function as transformers loads it (compare agrees)."""
     from transformers import AutoModelForImageClassification
 
-    from symgraph.checkpoint import renamed_on_save
+    from symgraph.checkpoint import StoredLayout
     from symgraph.io import model_config, save_model
 
     models = [zoo.build("vit", seed=s) for s in (0, 1)]
     a, b = (save_model(m.state_dict(), tmp_path / f"m{i}", config=model_config(m)) for i, m in enumerate(models))
-    renamed = renamed_on_save(models[1])
-    assert renamed and not set(renamed) & set(LazyState(b)) and set(renamed.values()) <= set(LazyState(b))
+    units = StoredLayout(models[1]).units
+    assert units and all(u.renames for u in units)
+    assert not {u.model[0] for u in units} & set(LazyState(b)) and {u.stored[0] for u in units} <= set(LazyState(b))
     result = streamed_align.align_streamed(b, a, tmp_path / "out", mode="full")
     assert result.distance_after < result.distance_before and result.verified_error < result.verified_tolerance
     assert set(LazyState(result.path)) == set(LazyState(b))
@@ -350,6 +351,84 @@ def test_a_checkpoint_storing_tensors_under_other_names_streams_and_compares(tmp
     assert float((got - want).norm() / want.norm()) < 1e-5
     code, out, err = run("compare", b, result.path)
     assert code == 0 and "the same function" in out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_experts_stored_one_by_one_stream_in_the_layout_stored(tmp_path, family):
+    """transformers stores each expert's matrices apart (Mixtral: block_sparse_moe.experts.3.w1.weight) and stacks
+    them on loading (mlp.experts.gate_up_proj): the streamed alignment reads the stacks, moves experts and their
+    hidden units, and writes every expert back where it was stored; transformers loads OUT as B's function, and
+    ``compare`` agrees."""
+    from transformers import AutoModelForCausalLM
+
+    from symgraph.io import model_config, save_model
+    from symgraph.moe import REFERENCE, use_experts_implementation
+
+    models = [zoo.build(family, seed=s) for s in (0, 1)]
+    a, b = (save_model(m.state_dict(), tmp_path / f"m{i}", config=model_config(m)) for i, m in enumerate(models))
+    stored = set(LazyState(b))
+    assert not any(n.endswith("experts.gate_up_proj") for n in stored), "experts are stored one by one"
+    code, out, err = run("align", b, a, "-o", tmp_path / "out", "--stream")
+    assert code == 0, err
+    assert set(LazyState(tmp_path / "out")) == stored
+    loaded = use_experts_implementation(AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64),
+                                        REFERENCE).eval()
+    reference = use_experts_implementation(copy.deepcopy(models[1]), REFERENCE).double().eval()
+    x = torch.randint(0, reference.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(x).logits, loaded(x).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    moved = [n for n in stored if ".experts." in n
+             and not torch.equal(LazyState(tmp_path / "out")[n], LazyState(b)[n])]
+    assert moved, "the alignment moved no expert tensor"
+    code, out, err = run("compare", b, tmp_path / "out")
+    assert code == 0 and "the same function" in out, err
+
+
+def test_a_stored_layout_that_does_not_convert_back_is_refused(tmp_path, monkeypatch):
+    """A stored unit is read only if converting it back gives the stored tensors bit for bit: otherwise the
+    aligned checkpoint could not be written in the source's layout (refused, nothing written)."""
+    from symgraph.checkpoint import StoredLayout
+    from symgraph.errors import ModelLoadError
+    from symgraph.io import model_config, save_model
+
+    models = [zoo.build("mixtral", seed=s) for s in (0, 1)]
+    a, b = (save_model(m.state_dict(), tmp_path / f"m{i}", config=model_config(m)) for i, m in enumerate(models))
+    to_stored = StoredLayout.to_stored
+    monkeypatch.setattr(StoredLayout, "to_stored",
+                        lambda self, unit, tensors: {k: v + 1 for k, v in to_stored(self, unit, tensors).items()})
+    with pytest.raises(ModelLoadError, match="does not give the stored tensors back"):
+        streamed_align.align_streamed(b, a, tmp_path / "out", mode="full")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_projection_stored_fused_streams_split_and_is_written_fused(tmp_path):
+    """GTE stores its MLP's up and gate projections as one tensor (mlp.up_gate_proj) that transformers splits on
+    loading: the two halves are read apart (a permutation of the hidden units moves both), and written back as
+    one."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model("gte", hidden_size=32, num_attention_heads=4, intermediate_size=48,
+                                  num_hidden_layers=2, vocab_size=50, max_position_embeddings=64, num_labels=3)
+    folders, models = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(AutoModelForSequenceClassification.from_config(config).eval())
+        folders.append(tmp_path / f"m{seed}")
+        models[-1].save_pretrained(folders[-1])
+    a, b = folders
+    stored = set(LazyState(b))
+    assert any(n.endswith("mlp.up_gate_proj.weight") for n in stored)
+    result = streamed_align.align_streamed(b, a, tmp_path / "out", mode="full")
+    assert result.distance_after < result.distance_before and result.verified_error < result.verified_tolerance
+    assert set(LazyState(result.path)) == stored
+    loaded = AutoModelForSequenceClassification.from_pretrained(result.path, dtype=torch.float64).eval()
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = copy.deepcopy(models[1]).double()(x).logits, loaded(x).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "gpt2", "opt", "t5", "bart"])
