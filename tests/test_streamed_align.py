@@ -386,6 +386,26 @@ def test_experts_stored_one_by_one_stream_in_the_layout_stored(tmp_path, family)
     assert code == 0 and "the same function" in out, err
 
 
+@pytest.mark.slow
+def test_the_moe_pair_script_writes_two_models_stored_as_transformers_stores_them(tmp_path):
+    """examples/make_moe_pair.py (the large MoE benchmark's pair, here at tiny sizes): two different models, each
+    expert stored apart, that stream-align with the float64 check passing."""
+    from example_scripts import example_module
+
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, vocab_size=64)
+    with example_module("make_moe_pair") as script:
+        report = script.main(["--out", str(tmp_path), "--sizes", json.dumps(sizes)])
+    assert json.loads((tmp_path / "READY").read_text()) == report
+    a, b = LazyState(tmp_path / "A"), LazyState(tmp_path / "B")
+    assert set(a) == set(b) and "model.layers.1.mlp.experts.3.up_proj.weight" in set(a)
+    assert all(a.info(k).dtype == torch.bfloat16 for k in a)
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    assert not torch.equal(a[name], b[name])
+    result = streamed_align.align_streamed(tmp_path / "B", tmp_path / "A", tmp_path / "out", mode="full")
+    assert result.distance_after < result.distance_before and result.verified_error < result.verified_tolerance
+
+
 def test_a_stored_layout_that_does_not_convert_back_is_refused(tmp_path, monkeypatch):
     """A stored unit is read only if converting it back gives the stored tensors bit for bit: otherwise the
     aligned checkpoint could not be written in the source's layout (refused, nothing written)."""
