@@ -1599,6 +1599,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
             continue
         if c.block:
             invariant = True  # a sum over heads does not see their order
+            _pin_grouped_heads(w, node, c, axes & caxes, "reduced over groups of heads")
             continue
         if spec.norm and (c.mixed or c.degree != 1):
             _pin_chan(w, node, c, "a vector norm of products or squares")
@@ -1632,13 +1633,41 @@ def rule_softmax(w, node: fx.Node, spec) -> Value:
 
 
 def _softmax_value(w, node, x: Value, axis: int) -> Value:
+    """Each row along ``axis`` normalised on its own: coordinates permute within a row (rows are kept apart, as a
+    reduction keeps them: ``view(4, 8).softmax(-1)`` normalises 4 groups of 8 units, and ``chunk`` halves
+    softmaxed by two nodes), heads only where every row holds all of them."""
     chans = []
     for c in x.chans:
         c = w.resolve(c, node.name)
-        if axis in chan_axes(c) and not c.block:
-            w.c.restrict(c.ids, NEUTRAL, "softmax over this axis", node.name)
+        if axis in chan_axes(c):
+            if c.block:
+                _pin_grouped_heads(w, node, c, {axis}, "a softmax over groups of heads")
+            else:
+                w.c.separate(unique_rows(c.ids, [axis]), node.name)
+                w.c.passes_through(c.ids, node.name)  # halves softmaxed apart (chunk) then joined may not mix
+                w.c.restrict(c.ids, NEUTRAL, "softmax over this axis", node.name)
         chans.append(c)
     return Value(chans=chans, shape=x.shape)
+
+
+def _pin_grouped_heads(w, node, c: Chan, axes, why: str) -> None:
+    """Heads (a block channel) reduced or softmaxed along ``axes`` in groups (heads viewed as (2, H / 2), a
+    softmax over each half) are not free to move between the groups: pinned (kept out of the head group). Every
+    row holding the same heads (a sum over all of them) leaves their order free."""
+    rows = unique_rows(c.ids, sorted(axes))
+    if rows.shape[0] > 1 or not _all_heads(w, rows[0]):
+        _pin_chan(w, node, c, why)
+
+
+def _all_heads(w, row: torch.Tensor) -> bool:
+    """Whether ``row`` (head ids) holds every head of each attention op it holds heads of: heads split by
+    ``chunk`` and reduced piece by piece are reduced in groups too."""
+    held = set(row.tolist())
+    for r in w.ids.ranges:
+        if r.block and r.start < max(held) + 1 and min(held) < r.start + r.size:
+            if not set(range(r.start, r.start + r.size)) <= held:
+                return False
+    return True
 
 
 def rule_where(w, node: fx.Node, spec) -> Value:

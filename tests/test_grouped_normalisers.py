@@ -1,0 +1,111 @@
+"""Softmaxes and reductions over groups of an axis: units viewed as (4, 8) and softmaxed per row, halves softmaxed
+apart, heads summed or softmaxed in pairs.
+
+A softmax over all of an axis lets its coordinates permute; over groups of it (``view(4, 8).softmax(-1)``, a
+``chunk``'s halves, an uneven ``split``) a permutation may only move coordinates within a group, as a reduction's
+rows already kept apart. The rule for softmax skipped that and emitted a permutation of all 32 units (relative
+output change 0.15-0.38 in float64; log_softmax and softmin too, and a MoE router softmaxed in two halves moved
+experts across them). Heads (block channels) were left free whenever a sum, maximum or softmax ran over the heads
+axis, though it ran over pairs of heads (``view(b, 2, 2, ...)``, chunks): the head permutation moved a head into
+the other pair (0.40-1.23). Found by a red-team sweep of hand-written models; each case must now fuzz clean, and
+the groups that remain must still be there.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+
+from group_checks import assert_fuzzed_at_two_shapes, noisy
+
+D, H, DH = 16, 4, 4
+
+
+class Units(nn.Module):
+    """32 hidden units, normalised by ``read``, then read by a linear."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.a, self.o, self.read = nn.Linear(D, 32), nn.Linear(32, 3), read
+
+    def forward(self, x):
+        return self.o(self.read(self.a(x)))
+
+
+UNIT_READS = {  # name -> (the normalisation, the sizes of the unit permutations that must remain)
+    "view (4, 8), softmax": (lambda h: h.unflatten(-1, (4, 8)).softmax(-1).flatten(-2), [8]),
+    "view (4, 8), log_softmax": (lambda h: h.unflatten(-1, (4, 8)).log_softmax(-1).flatten(-2), [8]),
+    "view (4, 8), softmin": (lambda h: torch.nn.functional.softmin(h.unflatten(-1, (4, 8)), -1).flatten(-2), [8]),
+    "chunk, softmax each half": (lambda h: torch.cat([t.softmax(-1) for t in h.chunk(2, -1)], -1), [16, 16]),
+    "uneven split, softmax each": (lambda h: torch.cat([t.softmax(-1) for t in h.split([12, 20], -1)], -1),
+                                   [12, 20]),
+    "softmax over all": (lambda h: h.softmax(-1), [32]),
+}
+
+
+@pytest.mark.parametrize("name", list(UNIT_READS))
+def test_units_softmaxed_in_groups_permute_within_their_group_only(name):
+    read, sizes = UNIT_READS[name]
+    subject = symgraph.load(noisy(Units(read)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
+    groups = [g for g in subject.report.groups
+              if g.kind == "permutation" and any(m.param == "a.weight" and m.axis == 0 for m in g.members)]
+    assert groups, "the units of each group still permute"
+    assert max(g.size for g in groups) == max(sizes), [(g.size, g.copies) for g in groups]
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class Attention(nn.Module):
+    """Causal attention whose heads meet ``combine``: of the (b, H, n, n) logits, or of the (b, H, n, DH) output,
+    which may come out with ``heads_out`` heads for the output projection."""
+
+    def __init__(self, where, combine, heads_out=H):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(D, D) for _ in range(3))
+        self.o = nn.Linear(heads_out * DH, D)
+        self.where, self.combine = where, combine
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, H, DH).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        s = q @ k.transpose(-1, -2) / math.sqrt(DH)
+        if self.where == "logits":
+            s = self.combine(s)
+        out = (s + torch.triu(torch.full((n, n), -1e9, dtype=x.dtype), 1)).softmax(-1) @ v
+        if self.where == "output":
+            out = self.combine(out)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+HEAD_COMBINES = {  # name -> (where, combine, heads out)
+    "output, heads summed in pairs": ("output", lambda t: t.unflatten(1, (2, 2)).sum(2), 2),
+    "output, heads' maximum in pairs": ("output", lambda t: t.unflatten(1, (2, 2)).amax(2), 2),
+    "output, heads summed per chunk": ("output", lambda t: torch.stack([c.sum(1) for c in t.chunk(2, 1)], 1), 2),
+    "logits, heads summed in pairs": ("logits", lambda s: s.unflatten(1, (2, 2)).sum(2).repeat_interleave(2, 1), H),
+    "logits, softmax over head pairs": ("logits", lambda s: s.unflatten(1, (2, 2)).softmax(2).flatten(1, 2), H),
+    "logits, softmax over head chunks": ("logits", lambda s: torch.cat([c.softmax(1) for c in s.chunk(2, 1)], 1), H),
+}
+
+
+def _head_groups(subject) -> list:
+    return [g for g in subject.report.groups if g.motif == "heads"]
+
+
+@pytest.mark.parametrize("name", list(HEAD_COMBINES))
+def test_heads_reduced_in_groups_are_not_permuted_across_them(name):
+    subject = symgraph.load(noisy(Attention(*HEAD_COMBINES[name])).double(),
+                            (torch.randn(2, 7, D, dtype=torch.float64),))
+    assert not _head_groups(subject), [g.id for g in _head_groups(subject)]
+    assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("combine", [lambda s: s.softmax(1), lambda s: s - s.amax(1, keepdim=True)],
+                         ids=["softmax over all heads", "maximum over all heads"])
+def test_heads_normalised_over_all_of_them_still_permute(combine):
+    subject = symgraph.load(noisy(Attention("logits", combine)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
+    assert [g.size for g in _head_groups(subject)] == [H]
+    assert_fuzzed_at_two_shapes(subject)
