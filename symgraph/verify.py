@@ -127,6 +127,7 @@ class Evaluator:
         return [self._run(state, args, kwargs, transforms) for args, kwargs in self.probes]
 
     def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
+        state = dict(state)  # functional_call rewrites its dict where one module is reached by two names
         with torch.no_grad(), float64_default(), attributes_kept(self.model):  # a run at one shape sets nothing
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         return flat_outputs(out, self.free_outputs, transforms)

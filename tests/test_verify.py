@@ -3,6 +3,7 @@ and only where its elements, applied without rounding, are exact; one stored in 
 stored tensor is the rounding of theirs."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -174,3 +175,38 @@ def test_a_bf16_fold_past_its_tolerance_passes_as_its_float64_rewrite_rounded(tm
     refused = run("fold", bf16_llamas[0], "-o", tmp_path / "wrong")
     assert refused.returncode != 0 and "not the rounding of an exact result" in refused.stderr
     assert not (tmp_path / "wrong").exists()
+
+
+class _SharedOutputLM(torch.nn.Module):
+    """Two attention blocks whose output projection is one module (``blocks[1].o = blocks[0].o``)."""
+
+    def __init__(self, width=16, heads=4, vocab=50):
+        super().__init__()
+        self.heads = heads
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({n: torch.nn.Linear(width, width) for n in "qkvo"})
+                                          for _ in range(2))
+        self.blocks[1].o = self.blocks[0].o
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            b, n, _ = x.shape
+            q, k, v = (block[m](x).view(b, n, self.heads, -1).transpose(1, 2) for m in "qkv")
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + block["o"](attended.transpose(1, 2).reshape(b, n, -1))
+        return self.head(x)
+
+
+def test_a_module_used_in_two_places_is_evaluated_with_the_state_given_every_time():
+    """``functional_call`` rewrites the state dict it is given where one module is reached by two names, and the
+    evaluator passed one dict to the runs at every probe shape: the valid groups of a model sharing a module
+    between blocks failed their check at every shape after the first (relative change 0.3-0.6), and ``transform``
+    refused the model."""
+    torch.manual_seed(0)
+    model = _SharedOutputLM().eval()
+    ids = torch.randint(0, 50, (2, 7))
+    subject = symgraph.load(model, (ids,))
+    assert any(g.motif == "vo" for g in subject.report.groups)
+    moved = symgraph.transform(subject, seed=1)  # checked in float64 at every probe shape, or refused
+    assert not torch.equal(moved["blocks.0.o.weight"], model.state_dict()["blocks.0.o.weight"])
