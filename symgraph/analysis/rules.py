@@ -1654,15 +1654,16 @@ def _pin_grouped_heads(w, node, c: Chan, axes, why: str) -> None:
     """Heads (a block channel) reduced or softmaxed along ``axes`` in groups (heads viewed as (2, H / 2), a
     softmax over each half) are not free to move between the groups: pinned (kept out of the head group). Every
     row holding the same heads (a sum over all of them) leaves their order free."""
-    rows = unique_rows(c.ids, sorted(axes))
-    if rows.shape[0] > 1 or not _all_heads(w, rows[0]):
+    rows = [set(row[row >= 0].tolist()) for row in unique_rows(c.ids, sorted(axes))]
+    if all(len(heads) <= 1 for heads in rows):
+        return  # each row one head's own entries (a sink logit beside its scores): no head meets another
+    if any(heads != rows[0] for heads in rows) or not _all_heads(w, rows[0]):
         _pin_chan(w, node, c, why)
 
 
-def _all_heads(w, row: torch.Tensor) -> bool:
-    """Whether ``row`` (head ids) holds every head of each attention op it holds heads of: heads split by
+def _all_heads(w, held: set[int]) -> bool:
+    """Whether ``held`` (head ids) holds every head of each attention op it holds heads of: heads split by
     ``chunk`` and reduced piece by piece are reduced in groups too."""
-    held = set(row.tolist())
     for r in w.ids.ranges:
         if r.block and r.start < max(held) + 1 and min(held) < r.start + r.size:
             if not set(range(r.start, r.start + r.size)) <= held:
