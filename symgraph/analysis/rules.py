@@ -1608,9 +1608,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
         elif spec.norm:
             _normalise(w, node, c, axes & caxes, monomial("sign"))
         else:
-            w.c.separate(unique_rows(c.ids, sorted(axes & caxes)), node.name)
-            w.c.passes_through(c.ids, node.name)  # see _normalise
-            w.c.restrict(c.ids, NEUTRAL, "reduced over this axis", node.name)
+            _permuted_within_rows(w, node, c, axes & caxes, "reduced over this axis")
         invariant = True
     follows = rows[0] if len(rows) == 1 and varying_axes(rows[0]) else None
     value = Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
@@ -1643,11 +1641,18 @@ def _softmax_value(w, node, x: Value, axis: int) -> Value:
             if c.block:
                 _pin_grouped_heads(w, node, c, {axis}, "a softmax over groups of heads")
             else:
-                w.c.separate(unique_rows(c.ids, [axis]), node.name)
-                w.c.passes_through(c.ids, node.name)  # halves softmaxed apart (chunk) then joined may not mix
-                w.c.restrict(c.ids, NEUTRAL, "softmax over this axis", node.name)
+                _permuted_within_rows(w, node, c, {axis}, "softmax over this axis")
         chans.append(c)
     return Value(chans=chans, shape=x.shape)
+
+
+def _permuted_within_rows(w, node, c: Chan, axes, why: str) -> None:
+    """``c``'s coordinates taken a row along ``axes`` at a time by a statistic blind to their order (a sum, a
+    maximum, a softmax): they permute within their row only, and coordinates that pass different such nodes (a
+    ``chunk``'s halves, each reduced on its own, then joined) never mix (see _normalise)."""
+    w.c.separate(unique_rows(c.ids, sorted(axes)), node.name)
+    w.c.passes_through(c.ids, node.name)
+    w.c.restrict(c.ids, NEUTRAL, why, node.name)
 
 
 def _pin_grouped_heads(w, node, c: Chan, axes, why: str) -> None:
@@ -1664,11 +1669,9 @@ def _pin_grouped_heads(w, node, c: Chan, axes, why: str) -> None:
 def _all_heads(w, held: set[int]) -> bool:
     """Whether ``held`` (head ids) holds every head of each attention op it holds heads of: heads split by
     ``chunk`` and reduced piece by piece are reduced in groups too."""
-    for r in w.ids.ranges:
-        if r.block and r.start < max(held) + 1 and min(held) < r.start + r.size:
-            if not set(range(r.start, r.start + r.size)) <= held:
-                return False
-    return True
+    low, high = min(held), max(held)
+    return all(set(range(r.start, r.start + r.size)) <= held for r in w.ids.ranges
+               if r.block and r.start <= high and low < r.start + r.size)
 
 
 def rule_where(w, node: fx.Node, spec) -> Value:
