@@ -13,21 +13,21 @@ attribute (an int equal to the block's own index in every block, such as ``layer
 parameter names, shapes and dtypes, which vector parameters hold one number (the analysis reads that of a folded
 norm weight; the shallow copy's vectors are given such values), buffer values, and the block's entries in per-layer
 config lists (``layer_types``). The shallow copy must match the full model on all of that block for block, and
-outside the stack on parameters (and their ties), buffer values, module attributes and config fields. Graph node
-names in the notes are renumbered as the full graph numbers them (the shift per period is read off two consecutive
-equal periods). Whatever cannot be replicated exactly (forward hooks, an unknown op, a group whose name would
-change at full depth, a note naming a node of another block, a copy torch.export cannot trace on the meta device)
-sends the model back to the full-depth analysis. The report is the one the full-depth analysis gives
-(``tests/test_depth.py`` compares them on every zoo family).
+outside the stack on parameters (and their ties), buffer values, module attributes and config fields. Alike is not
+enough: a forward may decide by the block's index (``if self.layer_idx >= config.sorted_from``), so the full model
+is rebuilt on the meta device and captured too (a trace of 32 LLaMA blocks takes 2.7 s where their analysis takes
+39 s), and its graph must be the shallow graph unrolled, op for op (:mod:`symgraph.depth_check`). Graph node
+names in the notes become the full graph's names of the same ops. Whatever cannot be replicated exactly (forward
+hooks, an unknown op, a group whose name would change at full depth, a note naming a node of another block, a copy
+torch.export cannot trace on the meta device) sends the model back to the full-depth analysis. The report is the
+one the full-depth analysis gives (``tests/test_depth.py`` compares them on every zoo family).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -36,21 +36,17 @@ from torch import nn
 from .analysis import Analysis, assemble_capture
 from .analysis.walk import uniform_value
 from .capture import capture
+from .depth_check import NotReplicable, Unrolled, tensor_key
 from .errors import CaptureError
 from .groups import TensorMember
 
 log = logging.getLogger(__name__)
 
 _NOTE_NODE = re.compile(r"\(([A-Za-z_]\w*)\)$")  # "limited by: <why> (<node>)"
-_COUNTER = re.compile(r"^(.*?)(?:_(\d+))?$")
 # config fields the shallow copy may differ in: its depth, and the dtype it was built in (parameter dtypes are
 # compared one by one instead)
 _NOT_COMPARED = ("num_hidden_layers", "dtype", "torch_dtype")
 _MIN_DEPTH = 5  # a period-1 stack keeps 3 blocks: shallower models gain too little to be worth a second build
-
-
-class NotReplicable(Exception):
-    """The shallow analysis cannot be carried over exactly; the caller analyses the full depth instead."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +78,26 @@ def analyse_by_repeats(subject) -> Analysis | None:
         return None
     try:
         cap = capture(shallow, subject.args, subject.kwargs)
+        names = _unrolled(subject, cap, plan)
         if not getattr(subject, "config_only", False):
             _check_constants_have_values(cap)
             _give_uniform_vectors(cap, subject.model, plan)
         analysis, assembler = assemble_capture(cap, free_outputs=getattr(subject, "free_outputs", False))
-        return replicate(analysis, assembler.pinned_sizes, cap, plan, subject.model)
+        return replicate(analysis, assembler.pinned_sizes, names, subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
         log.info("analysing the full depth: the shallow meta-device copy could not be captured (%s)", exc)
         return None
     except NotReplicable as exc:
         log.info("analysing the full depth: %s", exc)
         return None
+
+
+def _unrolled(subject, shallow_cap, plan: DepthPlan) -> Unrolled:
+    """The full model, rebuilt on the meta device and captured, checked to be the shallow graph unrolled
+    (:mod:`symgraph.depth_check`): blocks that look alike may still run differently by index."""
+    full_plan = dataclasses.replace(plan, reduced=plan.depth, source=tuple(range(plan.depth)))
+    full = _build_shallow(subject.model, getattr(subject, "config", None), full_plan)
+    return Unrolled(capture(full, subject.args, subject.kwargs), shallow_cap, plan)
 
 
 def _give_uniform_vectors(cap, model: nn.Module, plan: DepthPlan) -> None:
@@ -206,7 +211,7 @@ def _fingerprint(block: nn.Module, attrs: dict) -> tuple:
     for name, module in block.named_modules():
         params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
                        for n, p in module.named_parameters(recurse=False))
-        buffers = tuple((n, _tensor_key(b)) for n, b in module.named_buffers(recurse=False))
+        buffers = tuple((n, tensor_key(b)) for n, b in module.named_buffers(recurse=False))
         parts.append((name, type(module).__module__, type(module).__qualname__, params, buffers))
     return tuple(parts) + (tuple(sorted((k, v) for k, v in attrs.items())),)
 
@@ -221,18 +226,10 @@ def _attribute_key(value):
     if isinstance(value, PretrainedConfig):
         return "<config>"  # shared by every block; its per-layer lists enter the fingerprint separately
     if isinstance(value, torch.Tensor):
-        return _tensor_key(value)
+        return tensor_key(value)
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     return repr(value)  # objects without a value repr show their address: blocks then differ (conservative)
-
-
-def _tensor_key(t: torch.Tensor) -> tuple:
-    meta = (tuple(t.shape), str(t.dtype))
-    if t.device.type == "meta":
-        return meta + ("meta",)
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return meta + (hashlib.sha1(raw.tobytes()).hexdigest(),)
 
 
 def _per_layer_fields(config, depth: int) -> dict[str, list]:
@@ -307,7 +304,7 @@ def _outside(model: nn.Module, stack: str) -> tuple:
         tied_to = first_name.setdefault(id(p), n)
         if not n.startswith(inside) or not tied_to.startswith(inside) or tied_to != n:
             params.append((n, tuple(p.shape), str(p.dtype), tied_to))
-    buffers = tuple((n, _tensor_key(b)) for n, b in model.named_buffers(remove_duplicate=False)
+    buffers = tuple((n, tensor_key(b)) for n, b in model.named_buffers(remove_duplicate=False)
                     if not n.startswith(inside))
     return tuple(params), buffers
 
@@ -336,12 +333,13 @@ def _same_modules_outside(model: nn.Module, shallow: nn.Module, plan: DepthPlan)
 
 
 # -- replication --------------------------------------------------------------------------------------------------
-def replicate(analysis: Analysis, pinned_sizes: dict, cap, plan: DepthPlan, model: nn.Module) -> Analysis:
+def replicate(analysis: Analysis, pinned_sizes: dict, names: Unrolled, model: nn.Module) -> Analysis:
     """The shallow ``analysis`` carried onto every block of the full stack (see the module docstring);
-    ``pinned_sizes`` counts each pinned space's coordinates per parameter."""
+    ``pinned_sizes`` counts each pinned space's coordinates per parameter; ``names`` gives the full graph's node
+    names."""
     if analysis.unknown_ops:
         raise NotReplicable(f"unknown ops {sorted(analysis.unknown_ops)} (their pins are not replicated)")
-    names = NodeNames(cap, plan)
+    plan = names.plan
     rename = _Renamer(plan)
     groups = []
     for g in analysis.groups:
@@ -378,76 +376,6 @@ class _Renamer:
         return re.search(rf"(?<![\w.]){re.escape(self.plan.stack)}\.\d+(?=$|[.:+])", text) is not None
 
 
-class NodeNames:
-    """Names the full graph gives to the shallow graph's nodes.
-
-    torch.export numbers nodes per op (``silu``, ``silu_1``, ...) in tracing order, so a node ``t`` periods
-    later in the full graph has its number shifted by ``t`` times what one period adds; that shift is read off
-    two consecutive equal periods of the shallow graph, which must agree node for node.
-    """
-
-    def __init__(self, cap, plan: DepthPlan):
-        self.plan = plan
-        self.segment: dict[str, int] = {}
-        per_segment: dict[int, list[tuple[str, int]]] = defaultdict(list)
-        current = -1
-        for node in cap.graph.nodes:
-            block = _block_of_node(node, plan.stack)
-            if block is not None and block > current:
-                current = block
-            self.segment[node.name] = current
-            per_segment[current].append(_split_counter(node.name))
-        self.shift = self._period_shift(per_segment)
-
-    def _period_shift(self, per_segment) -> dict[str, int]:
-        p = self.plan.period
-        start = 0 if self.plan.first_repeats else p
-        first = [n for s in range(start, start + p) for n in per_segment[s]]
-        second = [n for s in range(start + p, start + 2 * p) for n in per_segment[s]]
-        if [b for b, _ in first] != [b for b, _ in second]:
-            raise NotReplicable("two periods that should repeat differ in the shallow graph")
-        shift: dict[str, int] = {}
-        for (base, c1), (_, c2) in zip(first, second):
-            if shift.setdefault(base, c2 - c1) != c2 - c1:
-                raise NotReplicable(f"node numbers of {base!r} do not advance evenly from period to period")
-        return shift
-
-    def full_name(self, name: str, segment: int, target: int) -> str:
-        """Name in the full graph of shallow node ``name`` from ``segment``, placed at full block ``target``."""
-        if self.segment.get(name) != segment:
-            raise NotReplicable(f"node {name!r} lies outside the block it is moved with")
-        if segment < 0 or target == segment:
-            return name
-        base, counter = _split_counter(name)
-        periods, rest = divmod(target - segment, self.plan.period)
-        if rest or periods < 0:
-            raise NotReplicable(f"node {name!r} cannot move from block {segment} to block {target}")
-        moved = counter + periods * self.shift.get(base, 0)
-        return name if moved == counter else f"{base}_{moved}"
-
-    def embedded(self, name: str) -> str:
-        """Name in the full graph of a node that is not moved with a block (global groups and pins)."""
-        segment = self.segment.get(name)
-        if segment is None:
-            raise NotReplicable(f"node {name!r} is not in the shallow graph")
-        return self.full_name(name, segment, self.plan.shallow_to_full(segment) if segment >= 0 else segment)
-
-
-def _block_of_node(node, stack: str) -> int | None:
-    prefix = stack + "."
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-        if path.startswith(prefix):
-            head = path[len(prefix):].split(".", 1)[0]
-            if head.isdigit():
-                return int(head)
-    return None
-
-
-def _split_counter(name: str) -> tuple[str, int]:
-    base, digits = _COUNTER.match(name).groups()
-    return base, int(digits) if digits else 0
-
-
 def _renamed_notes(notes, rename_node) -> tuple[str, ...]:
     out = []
     for note in notes:
@@ -456,7 +384,7 @@ def _renamed_notes(notes, rename_node) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _moved_group(g, s: int, j: int, rename: _Renamer, names: NodeNames):
+def _moved_group(g, s: int, j: int, rename: _Renamer, names: Unrolled):
     if j == s:
         return g
     members = tuple(_moved_member(m, lambda name: rename.move(name, s, j)) for m in g.members)
@@ -473,7 +401,7 @@ def _moved_member(m, move):
     return dataclasses.replace(m, param=move(m.param))
 
 
-def _spread_group(g, rename: _Renamer, names: NodeNames):
+def _spread_group(g, rename: _Renamer, names: Unrolled):
     """A group whose members lie in several blocks (the residual stream): every block's members, in every copy."""
     from .analysis.naming import common_prefix
 
@@ -496,7 +424,7 @@ def _spread_group(g, rename: _Renamer, names: NodeNames):
     return dataclasses.replace(g, members=tuple(members), notes=_renamed_notes(g.notes, names.embedded))
 
 
-def _replicate_pins(pinned, pinned_sizes: dict, rename: _Renamer, names: NodeNames) -> list:
+def _replicate_pins(pinned, pinned_sizes: dict, rename: _Renamer, names: Unrolled) -> list:
     out = []
     for pin in pinned:
         blocks = {rename.block_of(p) for p in pin.params}
@@ -512,7 +440,7 @@ def _replicate_pins(pinned, pinned_sizes: dict, rename: _Renamer, names: NodeNam
     return sorted(out, key=lambda p: (p.reason, p.node))
 
 
-def _spread_pin(pin, sizes: dict[str, int], rename: _Renamer, names: NodeNames):
+def _spread_pin(pin, sizes: dict[str, int], rename: _Renamer, names: Unrolled):
     """A pinned space over several blocks (the residual stream of a model whose output is the hidden state)."""
     spread: dict[str, int] = {}
     for param, size in sizes.items():

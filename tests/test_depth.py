@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 import symgraph
 from symgraph import depth, zoo
@@ -137,3 +139,73 @@ def test_replicated_groups_keep_the_function(family):
     elements = symgraph.sample_elements(subject.report, seed=1)
     outcome = Evaluator(model, subject.args, subject.kwargs).check(apply(subject.state_dict(), elements))
     assert outcome.ok, outcome.relative_error
+
+
+# -- blocks that look alike but run differently by index ---------------------------------------------------------
+class _IndexedConfig(PretrainedConfig):
+    model_type = "symgraph_test_indexed_blocks"
+
+    def __init__(self, num_hidden_layers=6, special_from=4, where="block", **kwargs):
+        self.num_hidden_layers, self.special_from, self.where = num_hidden_layers, special_from, where
+        super().__init__(**kwargs)
+
+
+class _IndexedBlock(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.norm = nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, sort=False):
+        h = torch.nn.functional.gelu(self.up(self.norm(x)))
+        # the block decides by its index and a config number: every block's attributes look the same
+        if sort or (self.config.where == "block" and self.layer_idx >= self.config.special_from):
+            h = h.sort(-1).values
+        return x + self.down(h)
+
+
+class _IndexedModel(PreTrainedModel):
+    config_class = _IndexedConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList(_IndexedBlock(config, i) for i in range(config.num_hidden_layers))
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):  # or the parent's loop treats one index apart
+            x = layer(x, sort=self.config.where == "parent" and i == self.config.special_from)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("where", ["block", "parent"])
+def test_blocks_that_run_differently_by_index_are_analysed_at_full_depth(where):
+    """A sort of the FFN's hidden units at layer 4 only (decided at run time, so no fingerprint differs) pins that
+    layer's FFN permutation; the 3-block copy never reaches index 4 and would replicate layer 1's group onto it."""
+    from symgraph.elements import apply
+    from symgraph.verify import Evaluator
+
+    torch.manual_seed(0)
+    model = _IndexedModel(_IndexedConfig(where=where)).eval()
+    inputs = (torch.randint(0, 50, (2, 7)),)
+    assert depth.shallow_copy(model, model.config)[1].reduced == 3  # the blocks do look alike
+    fast, slow, used = _reports(model, inputs)
+    assert not used and fast.to_json() == slow.to_json()
+    ffn = {g.id for g in fast.groups if g.motif == "ffn"}
+    assert "ffn:layers.3:down+up" in ffn and "ffn:layers.4:down+up" not in ffn
+    subject = symgraph.load(model, inputs)
+    elements = symgraph.sample_elements(subject.report, seed=1)
+    for shape in ((2, 7), (3, 5)):
+        ids = torch.randint(0, 50, shape)
+        outcome = Evaluator(model, (ids,), {}).check(apply(subject.state_dict(), elements))
+        assert outcome.ok, outcome.relative_error
+
+
+def test_blocks_that_run_alike_by_index_keep_the_shallow_path():
+    torch.manual_seed(0)
+    model = _IndexedModel(_IndexedConfig(special_from=99)).eval()  # no block reaches the index
+    fast, slow, used = _reports(model, (torch.randint(0, 50, (2, 7)),))
+    assert used and fast.to_json() == slow.to_json()
