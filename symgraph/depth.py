@@ -403,7 +403,7 @@ def _moved_member(m, move):
 
 def _spread_group(g, rename: _Renamer, names: Unrolled):
     """A group whose members lie in several blocks (the residual stream): every block's members, in every copy."""
-    from .analysis.naming import common_prefix
+    from .analysis.naming import common_prefix, short_members
 
     if rename.mentions_block(g.id) or any(rename.mentions_block(link) for link in g.links):
         raise NotReplicable(f"group {g.id} spans blocks but is named after one")
@@ -421,6 +421,8 @@ def _spread_group(g, rename: _Renamer, names: Unrolled):
     members.sort(key=key)
     if common_prefix([m.param for m in members]) != g.layer:
         raise NotReplicable(f"group {g.id} would change its layer at full depth")
+    if short_members(members) != short_members(g.members):  # a member named after its block (Doge's
+        raise NotReplicable(f"group {g.id} would change its name at full depth")  # layers.0.input_residual)
     return dataclasses.replace(g, members=tuple(members), notes=_renamed_notes(g.notes, names.embedded))
 
 

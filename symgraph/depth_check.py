@@ -56,6 +56,7 @@ class Segments:
         self.stack = stack
         self.nodes: dict[tuple[str, int], list[fx.Node]] = {}
         self.where: dict[str, _Ref] = {}  # node name -> where it is
+        self.placeholders: dict[tuple[str, int, str], str] = {}  # (kind, block, name in the block) -> node name
         self._placeholders(cap)
         current, in_block = -1, False
         for node in cap.graph.nodes:
@@ -94,6 +95,7 @@ class Segments:
             elif target.startswith(prefix) and target[len(prefix):].partition(".")[0].isdigit():
                 block, _, rest = target[len(prefix):].partition(".")
                 self.where[name] = _Ref(f"tensor:{spec.kind.name}", int(block), -1, (rest,))
+                self.placeholders[f"tensor:{spec.kind.name}", int(block), rest] = name
             else:
                 self.where[name] = _Ref(f"tensor:{spec.kind.name}", -1, -1, (target,))
 
@@ -151,19 +153,20 @@ class Unrolled:
         """Name in the full graph of shallow op ``name`` from block ``segment`` (with the ops after it; -1: before
         the blocks), placed at full block ``target``."""
         ref = self.small.where.get(name)
-        if ref is None or ref.block != segment or (ref.index < 0 and segment >= 0):
+        if ref is None or ref.block != segment:
             raise NotReplicable(f"node {name!r} lies outside the block it is moved with")
-        if ref.index < 0:  # a placeholder outside the blocks: named after its tensor in both graphs
+        if ref.index >= 0:
+            return self.full.nodes[ref.kind, target if segment >= 0 else segment][ref.index].name
+        if segment < 0:  # a placeholder outside the blocks: named after its tensor in both graphs
             return name
-        return self.full.nodes[ref.kind, target if segment >= 0 else segment][ref.index].name
+        return self.full.placeholders[ref.kind, target, ref.anchor[0]]  # a block's tensor, in block target
 
     def embedded(self, name: str) -> str:
         """Name in the full graph of a node that is not moved with a block (global groups and pins)."""
         ref = self.small.where.get(name)
         if ref is None:
             raise NotReplicable(f"node {name!r} is not in the shallow graph")
-        segment = ref.block if ref.index >= 0 else -1
-        return self.full_name(name, segment, self.plan.shallow_to_full(segment) if segment >= 0 else segment)
+        return self.full_name(name, ref.block, self.plan.shallow_to_full(ref.block) if ref.block >= 0 else -1)
 
 
 def _same(x, y, at: tuple[str, int], there: tuple[str, int], own: int) -> bool:

@@ -209,3 +209,20 @@ def test_blocks_that_run_alike_by_index_keep_the_shallow_path():
     model = _IndexedModel(_IndexedConfig(special_from=99)).eval()  # no block reaches the index
     fast, slow, used = _reports(model, (torch.randint(0, 50, (2, 7)),))
     assert used and fast.to_json() == slow.to_json()
+
+
+def test_a_group_named_after_a_block_takes_the_full_depth():
+    """Doge scales its residual by a parameter held by the block itself (``layers.0.input_residual``): the
+    residual group's name lists ``0``, ``1``, ``2`` from the 3-block copy and ``3`` too at full depth."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("doge", hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # trained residual scales differ from one (a uniform one leaves the stream orthogonal)
+        for block in model.model.layers:
+            block.input_residual.add_(0.1 * torch.randn(32))
+    fast, slow, used = _reports(model, (torch.randint(0, 64, (2, 7)),))
+    assert not used and fast.to_json() == slow.to_json()
+    assert any(g.motif == "residual" and ":0+1+2+3+" in g.id for g in fast.groups)
