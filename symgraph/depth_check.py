@@ -8,7 +8,8 @@ its analysis would be replicated onto blocks that compute something else. The fu
 each block's ops and the ops after each block, and every segment must equal, op for op, the shallow segment that
 stands for it. An input of an op is the same when it is the same parameter, buffer or example input, or the same op
 output of an earlier segment, found at the same distance back (the residual stream from the block before) or in the
-same front block that stands only for itself (T5's position bias computed in block 0 and read by every block).
+same front block, at the same index in both graphs (T5's position bias computed in block 0 and read by every block).
+The check also gives the full graph's name of each shallow op (:meth:`Unrolled.full_name`), for the notes.
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ class Unrolled:
         self.plan = plan
         self.full = Segments(full_cap, plan.stack, plan.depth)
         self.small = Segments(shallow_cap, plan.stack, plan.reduced)
-        own = plan.reduced - plan.period  # blocks below this index stand only for themselves
+        own = plan.reduced - plan.period  # blocks below this index sit at the same index in both graphs
         for kind, j in [(_PRE, -1)] + [(kind, j) for j in range(plan.depth) for kind in (_BLOCK, _AFTER)]:
             s = plan.source[j] if j >= 0 else j
             ours, theirs = self.full.nodes.get((kind, j), []), self.small.nodes.get((kind, s), [])
@@ -171,7 +172,7 @@ class Unrolled:
 
 def _same(x, y, at: tuple[str, int], there: tuple[str, int], own: int) -> bool:
     """``x`` (from the full graph's segment ``at``) and ``y`` (from the shallow segment ``there``) describe the same
-    op; blocks below ``own`` stand only for themselves."""
+    op; blocks below ``own`` sit at the same index in both graphs."""
     if isinstance(x, _Ref) or isinstance(y, _Ref):
         if not (isinstance(x, _Ref) and isinstance(y, _Ref)) or x.kind != y.kind:
             return False
