@@ -71,8 +71,8 @@ class Segments:
             elif block == current + 1:
                 current, in_block, key = block, True, (_BLOCK, block)
             else:
-                raise NotReplicable(f"the ops of {stack}.{block} do not run as one stretch after block {current} "
-                               f"(node {node.name})")
+                raise NotReplicable(f"the ops of {stack}.{block} do not run as one stretch after block "
+                                    f"{current} (node {node.name})")
             self.nodes.setdefault(key, []).append(node)
         if current != depth - 1:
             raise NotReplicable(f"the graph runs {current + 1} of the {depth} blocks of {stack}")
@@ -111,7 +111,7 @@ class Segments:
                 return tuple((k, arg(v)) for k, v in value.items())
             if isinstance(value, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
                 return str(value)
-            return value
+            return _plain(value)
 
         return (node.op, _target(node), arg(node.args), arg(node.kwargs), _value_key(node.meta.get("val")),
                 self._module(node))
@@ -193,9 +193,15 @@ def _target(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
 
 
+def _plain(value):
+    """A size torch.export left symbolic (an expert's token count from ``.item()``) as one mark: its symbol is
+    numbered per graph. (Such graphs hold unknown ops, which send the model to full depth anyway.)"""
+    return "<symbolic>" if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) else value
+
+
 def _value_key(value):
     if isinstance(value, torch.Tensor):
-        return tuple(value.shape), str(value.dtype)
+        return tuple(_plain(n) for n in value.shape), str(value.dtype)
     if isinstance(value, (list, tuple)):
         return tuple(_value_key(v) for v in value)
     return type(value).__name__

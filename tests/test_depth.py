@@ -226,3 +226,17 @@ def test_a_group_named_after_a_block_takes_the_full_depth():
     fast, slow, used = _reports(model, (torch.randint(0, 64, (2, 7)),))
     assert not used and fast.to_json() == slow.to_json()
     assert any(g.motif == "residual" and ":0+1+2+3+" in g.id for g in fast.groups)
+
+
+def test_sizes_computed_from_data_do_not_break_the_comparison():
+    """JetMoE's router counts tokens per expert with ``.item()``: the traced shapes hold symbols, which the
+    full-depth comparison must take without failing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("jetmoe", hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                  num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                                  vocab_size=64, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    fast, slow, _ = _reports(model, (torch.randint(0, 64, (2, 7)),))
+    assert fast.to_json() == slow.to_json()
