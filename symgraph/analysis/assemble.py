@@ -21,6 +21,7 @@ from ..groups import Group, Member, PinnedSpace
 from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction, monomial
 from .experts import with_expert_groups
+from .head_rows import HeadRows
 from .labels import IdSpace
 from .naming import common_prefix, short_members, unique_ids
 from .partition import parity_classes, union_sets
@@ -391,7 +392,9 @@ class Assembler:
         piece_of = [{int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
                     for pieces, _node in self.c.pieces]  # each piece's classes, by the piece they lie in
         parts = union_sets([{same[h] for h in op} for op in ops])  # one op's heads, or ops sharing head classes
-        for joint in union_sets(self._with_content_classes(parts, content)):
+        link = self._link_classes()
+        together = HeadRows(self.c.taken, sorted(set(same.values())), content, link)
+        for joint in union_sets(self._with_content_classes(parts, content, link)):
             heads = sorted(h for h in joint if not isinstance(h, tuple))
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
             if len(heads) < 2 or pinned & set(heads) or cls_pinned[self.cls[ids]].any():
@@ -400,7 +403,7 @@ class Assembler:
                 continue  # a factor shared by some of these heads only would have to stay and move at once
             if self._split_by_pieces(heads, content, piece_of):
                 continue  # some heads went through other ops than the rest (rotary on half of them)
-            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint]))
+            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint], together))
         return groups
 
     def _split_by_pieces(self, heads: list[int], content, piece_of: list[dict[int, int]]) -> bool:
@@ -414,12 +417,11 @@ class Assembler:
                 return True
         return False
 
-    def _with_content_classes(self, parts: list[set[int]], content) -> list[set]:
+    def _with_content_classes(self, parts: list[set[int]], content, cls: np.ndarray) -> list[set]:
         """Each part's heads with the coordinate classes they use (as ``("class", c)``): parts that share a class
         are permuted together. A class two attention ops read (the first layer's values added to every later
         layer's; keys and values one layer computes and another attends to) moves with the heads of both, so the
-        heads of one may not be permuted without the other's."""
-        cls = self._link_classes()
+        heads of one may not be permuted without the other's (``cls``: :meth:`_link_classes`)."""
         linked = []
         for heads in parts:
             ids = np.fromiter(set().union(*(content[h] for h in heads)), dtype=np.int64)
@@ -496,9 +498,11 @@ class Assembler:
                     sharing.append(heads)
         return sharing
 
-    def _head_permutations(self, heads: list[int], content, parts: list[set[int]]) -> list[Group]:
+    def _head_permutations(self, heads: list[int], content, parts: list[set[int]],
+                           together: HeadRows) -> list[Group]:
         """The permutations of ``heads`` (of several ``parts`` that share coordinates: each part's heads correspond
-        to the others' through the rows they share, and one permutation moves them all; no within-group one)."""
+        to the others' through the rows they share, and one permutation moves them all; no within-group one),
+        as far as the rows of statistics that hold several heads ``together`` allow (:mod:`.head_rows`)."""
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
                      for g in union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
         kv_groups = sorted((g for g in kv_groups if g), key=lambda g: g[0])
@@ -507,17 +511,18 @@ class Assembler:
         if len(parts) > 1 and len({tuple(len(p.intersection(g)) for p in parts) for g in kv_groups}) != 1:
             return []  # the parts' heads do not correspond one group to one group
         rep = len(kv_groups[0]) if len(parts) == 1 else 1
+        whole, within = together.keep(kv_groups), all(together.keep([[h] for h in g]) for g in kv_groups)
         motif = self.motif_for("heads", np.asarray(heads))
         groups = []
         blocks = self._whole_classes([set().union(*(content[h] for h in g)) for g in kv_groups])
         outer = self._positions_members(blocks) if blocks else []
-        if outer and len(kv_groups) > 1:
+        if outer and len(kv_groups) > 1 and whole:
             layer = common_prefix([m.param for m in outer])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
             groups.append(Group(id=f"{motif}:{layer or 'model'}:{short_members(outer)}", motif=motif,
                                 kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
                                 layer=layer, notes=(note,)))
-        if rep > 1:
+        if rep > 1 and within:
             per_group = []
             for g in kv_groups:
                 shared = set.intersection(*(content[h] for h in g))

@@ -98,6 +98,9 @@ class Constraints:
     # their permutation; each factor keeps its own scale)
     restricts: list[tuple[np.ndarray, Restriction, str, str, bool]] = field(default_factory=list)
     separates: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (R, K) rows that may not mix
+    # (R, K) rows that one statistic takes a row at a time (a softmax, a sum, a norm), kept even when R is 1: a head
+    # permutation must map each row holding several heads onto itself (see analysis/head_rows.py)
+    taken: list[tuple[np.ndarray, str]] = field(default_factory=list)
     # ids of the pieces of one tensor, cut apart and joined again after different ops: no piece's coordinates
     # (or heads) may mix with another's (see rules._separate_unlike_pieces)
     pieces: list[tuple[list[np.ndarray], str]] = field(default_factory=list)
@@ -144,6 +147,12 @@ class Constraints:
         rows = _np(rows)
         if rows.ndim == 2 and rows.shape[0] > 1:
             self.separates.append((rows, node))
+
+    def take_rows(self, rows: torch.Tensor | np.ndarray, node: str) -> None:
+        """``node`` computes one statistic per row of ``rows`` (R, K) from all of its coordinates at once."""
+        rows = _np(rows)
+        if rows.size:
+            self.taken.append((rows.reshape(-1, rows.shape[-1]), node))
 
     def separate_pieces(self, pieces: list, node: str) -> None:
         pieces = [p for p in (_ids(p) for p in pieces) if p.size]

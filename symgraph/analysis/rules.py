@@ -1531,6 +1531,7 @@ def _normalise(w, node, chan: Chan, axes: frozenset[int], restriction: Restricti
     ids = chan.ids
     rows = unique_rows(ids, sorted(axes))
     w.c.separate(rows, node.name)
+    w.c.take_rows(rows, node.name)
     # one statistic over these coordinates: no map may mix them with coordinates of their space it leaves out
     # (the units a slice cut away: ``c[..., :3].sum(-1)`` permutes the three, never with the other two)
     w.c.passes_through(ids, node.name)
@@ -1650,7 +1651,9 @@ def _permuted_within_rows(w, node, c: Chan, axes, why: str) -> None:
     """``c``'s coordinates taken a row along ``axes`` at a time by a statistic blind to their order (a sum, a
     maximum, a softmax): they permute within their row only, and coordinates that pass different such nodes (a
     ``chunk``'s halves, each reduced on its own, then joined) never mix (see _normalise)."""
-    w.c.separate(unique_rows(c.ids, sorted(axes)), node.name)
+    rows = unique_rows(c.ids, sorted(axes))
+    w.c.separate(rows, node.name)
+    w.c.take_rows(rows, node.name)
     w.c.passes_through(c.ids, node.name)
     w.c.restrict(c.ids, NEUTRAL, why, node.name)
 
