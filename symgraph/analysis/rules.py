@@ -1592,6 +1592,8 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
         c = w.resolve(c, node.name)
         caxes = chan_axes(c)
         if not (caxes & axes):
+            if spec.order_free or spec.norm:  # each coordinate's own statistic along another axis: not linear
+                w.c.restrict(c.ids, NEUTRAL, "a statistic of each coordinate along another axis", node.name)
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
@@ -1643,6 +1645,8 @@ def _softmax_value(w, node, x: Value, axis: int) -> Value:
                 _pin_grouped_heads(w, node, c, {axis}, "a softmax over groups of heads")
             else:
                 _permuted_within_rows(w, node, c, {axis}, "softmax over this axis")
+        else:  # each coordinate softmaxed along another axis (tokens): an activation of its own entries
+            w.c.restrict(c.ids, NEUTRAL, "softmax of each coordinate along another axis", node.name)
         chans.append(c)
     return Value(chans=chans, shape=x.shape)
 
