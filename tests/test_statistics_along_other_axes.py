@@ -18,6 +18,8 @@ STATISTICS = {
     "max over tokens subtracted": lambda h: h - h.amax(1, keepdim=True),
     "logsumexp over tokens subtracted": lambda h: h - torch.logsumexp(h, 1, keepdim=True),
     "norm over tokens": lambda h: h * torch.linalg.vector_norm(h, dim=1, keepdim=True),
+    "layer norm over tokens": lambda h: nn.functional.layer_norm(h.transpose(1, 2), (h.shape[1],)).transpose(1, 2),
+    "rms norm over tokens": lambda h: nn.functional.rms_norm(h.transpose(1, 2), (h.shape[1],)).transpose(1, 2),
 }
 LINEAR = {"cumulative sum over tokens": lambda h: h.cumsum(1),
           "mean over tokens added": lambda h: h + h.mean(1)[:, None]}

@@ -1349,6 +1349,8 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         axes = chan_axes(c)
         if axes & norm_axes and not c.block:
             _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=spec.centres))
+        elif not c.block:  # each coordinate normalised along other axes (over tokens): not linear in it
+            w.c.restrict(c.ids, NEUTRAL, "normalisation of each coordinate along another axis", node.name)
         chans.append(c)
     return _with_saved_stats(node, _affine_output(w, node, chans, weight, bias, norm_axes, out_shape))
 
