@@ -1349,8 +1349,8 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         axes = chan_axes(c)
         if axes & norm_axes and not c.block:
             _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=spec.centres))
-        elif not c.block:  # each coordinate normalised along other axes (over tokens): not linear in it
-            w.c.restrict(c.ids, NEUTRAL, "normalisation of each coordinate along another axis", node.name)
+        elif not c.block:
+            _each_coordinate_along_another_axis(w, node, c, "normalisation")
         chans.append(c)
     return _with_saved_stats(node, _affine_output(w, node, chans, weight, bias, norm_axes, out_shape))
 
@@ -1594,8 +1594,8 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
         c = w.resolve(c, node.name)
         caxes = chan_axes(c)
         if not (caxes & axes):
-            if spec.order_free or spec.norm:  # each coordinate's own statistic along another axis: not linear
-                w.c.restrict(c.ids, NEUTRAL, "a statistic of each coordinate along another axis", node.name)
+            if spec.order_free or spec.norm:  # not linear, as a sum or a mean would be
+                _each_coordinate_along_another_axis(w, node, c, "a statistic")
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
@@ -1647,10 +1647,17 @@ def _softmax_value(w, node, x: Value, axis: int) -> Value:
                 _pin_grouped_heads(w, node, c, {axis}, "a softmax over groups of heads")
             else:
                 _permuted_within_rows(w, node, c, {axis}, "softmax over this axis")
-        else:  # each coordinate softmaxed along another axis (tokens): an activation of its own entries
-            w.c.restrict(c.ids, NEUTRAL, "softmax of each coordinate along another axis", node.name)
+        else:
+            _each_coordinate_along_another_axis(w, node, c, "softmax")
         chans.append(c)
     return Value(chans=chans, shape=x.shape)
+
+
+def _each_coordinate_along_another_axis(w, node, c: Chan, what: str) -> None:
+    """``c``'s coordinates each taken through a nonlinear statistic of their own entries along an axis they do not
+    vary along (a softmax, a maximum or a layer norm over tokens, per hidden unit): an activation of each
+    coordinate, which only permutations pass."""
+    w.c.restrict(c.ids, NEUTRAL, f"{what} of each coordinate along another axis", node.name)
 
 
 def _permuted_within_rows(w, node, c: Chan, axes, why: str) -> None:
