@@ -78,12 +78,13 @@ def analyse_by_repeats(subject) -> Analysis | None:
         return None
     try:
         cap = capture(shallow, subject.args, subject.kwargs)
-        names = _unrolled(subject, cap, plan)
         if not getattr(subject, "config_only", False):
             _check_constants_have_values(cap)
             _give_uniform_vectors(cap, subject.model, plan)
         analysis, assembler = assemble_capture(cap, free_outputs=getattr(subject, "free_outputs", False))
-        return replicate(analysis, assembler.pinned_sizes, names, subject.model)
+        if analysis.unknown_ops:  # refused before the full-depth capture, which would be spent for nothing
+            raise NotReplicable(f"unknown ops {sorted(analysis.unknown_ops)} (their pins are not replicated)")
+        return replicate(analysis, assembler.pinned_sizes, _unrolled(subject, cap, plan), subject.model)
     except CaptureError as exc:  # some models trace only with real weights; the full model is captured as given
         log.info("analysing the full depth: the shallow meta-device copy could not be captured (%s)", exc)
         return None
@@ -336,9 +337,7 @@ def _same_modules_outside(model: nn.Module, shallow: nn.Module, plan: DepthPlan)
 def replicate(analysis: Analysis, pinned_sizes: dict, names: Unrolled, model: nn.Module) -> Analysis:
     """The shallow ``analysis`` carried onto every block of the full stack (see the module docstring);
     ``pinned_sizes`` counts each pinned space's coordinates per parameter; ``names`` gives the full graph's node
-    names."""
-    if analysis.unknown_ops:
-        raise NotReplicable(f"unknown ops {sorted(analysis.unknown_ops)} (their pins are not replicated)")
+    names (the analysis has no unknown ops: their pins are not replicated)."""
     plan = names.plan
     rename = _Renamer(plan)
     groups = []
