@@ -28,9 +28,10 @@ _TMP, _OLD = "tmp", "old"
 
 def refuse_overlap(output, inputs, *, folder: bool = True) -> None:
     """Raise :class:`OutputError` when writing ``output`` would change an input: a model folder that is, contains or
-    lies inside an input's folder, or a file (``folder=False``) that is an input file or one of the files a model
-    folder is read from (config, weights, tokenizer). Inputs that are not existing paths (modules, factory
-    strings) are skipped."""
+    lies inside an input's folder, or a file (``folder=False``) that is an input file, any file already in an input's
+    folder (its model card, licence or code, which the rename would replace) or one of the files a model folder is
+    read from (config, weights, tokenizer). Inputs that are not existing paths (modules, factory strings) are
+    skipped."""
     from .io import MODEL_FILES
 
     out = _absolute(output)
@@ -41,9 +42,14 @@ def refuse_overlap(output, inputs, *, folder: bool = True) -> None:
         for home in _homes(src):
             if folder:
                 clash = out in (src, home) or home in out.parents or out in home.parents
-            else:
-                clash = out == src or (out.parent == home and (
+            else:  # a file of the input's folder, or one a model folder is read from (a shard to come)
+                clash = out == src or home in out.parents and (out.exists() or out.parent == home and (
                     out.name in MODEL_FILES or out.suffix in (".safetensors", ".bin")))
+            if clash and not folder and out != src and out.exists():
+                raise OutputError(
+                    f"The output '{output}' would replace the file '{out.name}' already in the input folder "
+                    f"'{home}' (a model card, licence, code or an earlier output: symgraph cannot tell which).",
+                    hint="write to a new file name or outside the input folder, or move the existing file first.")
             if clash:
                 relation = "is" if out in (src, home) else "lies inside" if home in out.parents else "contains"
                 linked = "" if home in (src, src.parent) else f" (its files are links into '{home}')"

@@ -183,6 +183,21 @@ def test_a_report_may_not_replace_an_input_file(tmp_path, bert_folder):
     assert (bert_folder / "config.json").read_text().startswith("{")
 
 
+@pytest.mark.parametrize("command", ["report", "merge"])
+def test_a_side_file_may_not_replace_any_file_of_an_input_folder(tmp_path, bert_folder, command):
+    """Not only the model files: a model card, licence or custom code beside the weights is the input's too."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(bert_folder, model)
+    (model / "README.md").write_text("# card\n")
+    args = ["report", model, "-o", model / "README.md"] if command == "report" else \
+        ["merge", model, bert_folder, "-o", tmp_path / "out", "--align", "none", "--json", model / "README.md"]
+    code, _, err = run(*args)
+    assert code == 2 and "input" in err, err
+    assert (model / "README.md").read_text() == "# card\n" and not (tmp_path / "out").exists()
+
+
 def test_overwrite_recovers_a_replacement_that_died_between_its_renames(tmp_path, bert_folder):
     """Without renameat2, --overwrite moves the old folder aside first; if the process dies right then, the next
     run to the same output puts the old folder back (and without --overwrite refuses, the old folder intact)."""
@@ -483,10 +498,15 @@ def test_fused_moe_experts_are_written_per_expert_like_save_pretrained(tmp_path)
 
 
 def test_a_report_may_sit_beside_the_model_files(tmp_path):
+    """A new file beside the model files is fine; replacing one already there is not, even an earlier report:
+    symgraph cannot tell it from the folder's model card, and the message says what to do."""
     folder = _saved("bert", tmp_path / "model")
-    for _ in range(2):  # the second run replaces the first report: allowed, it is no model file
-        code, _, err = run("report", folder, "-o", folder / "report.md")
-        assert code == 0, err
+    code, _, err = run("report", folder, "-o", folder / "report.md")
+    assert code == 0, err
+    written = (folder / "report.md").read_text()
+    code, _, err = run("report", folder, "-o", folder / "report.md", "--format", "json")
+    assert code == 2 and "already in the input folder" in err and "new file name" in err, err
+    assert (folder / "report.md").read_text() == written
     code, _, err = run("report", folder, "-o", folder / "tokenizer.json")
     assert code == 2 and "input" in err
 
