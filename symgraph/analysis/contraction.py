@@ -119,6 +119,7 @@ class Contraction:
         passed_a, passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch, outs, out_letters, out_shape)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
             self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
+            self._pin_heads_beside_unlabelled_data(chan, letters & batch - _constant_letters(other), other)
             if not chan.block:
                 self.w.c.passes_through(chan.ids, self._matrix_key(other, op, out_letters))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
@@ -213,6 +214,17 @@ class Contraction:
         spell = "".join
         return f"{other.source}|{spell(map(rename.get, other.letters))},{spell(map(rename.get, op.letters))}" \
                f"->{spell(map(rename.get, out_letters))}"
+
+    def _pin_heads_beside_unlabelled_data(self, chan: Chan, letters: set[str], other: Operand) -> None:
+        """Heads (a block channel) passing a product whose other operand differs from head to head along
+        ``letters`` must carry that operand's per-head values with them: only coordinates that vary along those
+        letters move there. Where none do (values joined from pieces along the heads axis, then tied as a data
+        axis; labels lost to an unknown op), a head permutation would leave the values in place: pin the heads."""
+        if not chan.block or not letters:
+            return
+        if not any(not c.block and letters <= _letters_of(c, other.letters) for c in other.chans):
+            self.w.c.pin(chan.ids, "heads multiplied by values that differ from head to head without moving with "
+                         "them", self.node)
 
     def _separate_batch_indices(self, chan: Chan, op: Operand, letters: set[str]) -> None:
         """Coordinates at different indices of ``letters`` meet different data there: keep them apart."""

@@ -3,6 +3,7 @@ node's :class:`Value` (or a list of them for multi-output ops)."""
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import replace
 
@@ -76,7 +77,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     if spec.cuts:
         w.note_cut(node, tensors[0], [r for r in results if r is not None])
     return Value(chans=[r for r in results if r is not None], shape=_shape_of(node),
-                 constant_axes=repeated_axes(node, spec, tensors[0]))
+                 constant_axes=_constant_axes_after(w, node, spec, tensors))
 
 
 def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
@@ -140,6 +141,30 @@ def repeated_axes(node: fx.Node, spec, x: Value | None) -> frozenset[int]:
     if not getattr(spec, "broadcasts", False) or x is None:
         return frozenset()
     return _broadcast_axes(x.shape, _shape_of(node))
+
+
+def _constant_axes_after(w, node: fx.Node, spec, tensors: list[Value | None]) -> frozenset[int]:
+    """Output axes along which a movement of one operand keeps the values constant: those it repeats (an expand,
+    ``repeat_interleave`` of a one-head axis into query heads) and those it carries over from axes its operand is
+    known constant along (that expand, then a reshape). Found by replaying the op on a tensor that differs
+    exactly where the operand may; asked only where the op repeats entries or the operand has such axes."""
+    repeated = repeated_axes(node, spec, tensors[0] if tensors else None)
+    out_shape = _shape_of(node)
+    if len(tensors) != 1 or tensors[0] is None or tensors[0].shape is None or out_shape is None:
+        return repeated
+    x = tensors[0]
+    if not x.constant_axes and math.prod(out_shape) <= math.prod(x.shape):
+        return repeated
+    probe = torch.arange(math.prod(x.shape), dtype=torch.int64).reshape(tuple(x.shape))
+    for axis in x.constant_axes:
+        probe = probe.narrow(axis, 0, 1).expand(probe.shape)
+    try:
+        out = _replay(w, node, spec, lambda v, shape: probe if v is x else torch.full(shape, -1))
+    except (RuntimeError, TypeError, ValueError, IndexError):  # a run-time size the stand-in does not fit
+        return repeated
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(out_shape):
+        return repeated
+    return repeated | (frozenset(range(out.dim())) - varying_axes(out))
 
 
 def _broadcast_axes(in_shape, out_shape) -> frozenset[int]:

@@ -1,0 +1,112 @@
+"""Values whose heads axis is rebuilt from pieces, and heads that meet values carrying no head labels.
+
+Values viewed (b, n, kv, dh), cut into one piece per KV head (``chunk(kv, dim=2)``), treated, and joined again on
+dim 2: each piece has size 1 along the heads axis, so the join looked like one along a data axis (a class token in
+front of patches) and tied every piece to the first piece's coordinates. The heads axis of the values then carried
+no head labels, and the head permutation, read from the query/key product, moved the heads of q, k and o but not
+of v (relative output change 0.35-1.8 in float64). The same held for values built from one head's slice by a
+different linear per head (a real data axis): heads multiplied by values that differ from head to head must move
+those values with them, or they stay put (analysis/contraction.py, ``_pin_heads_beside_unlabelled_data``). Values
+shared by every head (one KV head repeated, MQA) do not differ from head to head and keep the head group; a
+``repeat_interleave`` of that one head is now known to repeat it (``rules._constant_axes_after``).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+
+from group_checks import assert_fuzzed_at_two_shapes, noisy
+
+D, DH, H = 16, 4, 4
+
+
+def _one_linear_per_piece(m, v):
+    return torch.cat([lin(c) for lin, c in zip(m.per_head, v.chunk(m.kv, dim=2))], 2)
+
+
+VALUES_REJOINED = {  # name -> values (b, n, kv, dh) -> values of the same shape
+    "chunks softmaxed, joined again": lambda m, v: torch.cat([c.softmax(-1) for c in v.chunk(m.kv, dim=2)], 2),
+    "chunks treated unlike, joined again": lambda m, v: torch.cat(
+        [v.chunk(m.kv, dim=2)[0].softmax(-1)] + [c * 2.0 for c in v.chunk(m.kv, dim=2)[1:]], 2),
+    "chunks joined in reverse": lambda m, v: torch.cat(v.chunk(m.kv, dim=2)[::-1], 2),
+    "one linear per chunk": _one_linear_per_piece,
+    "one head's slice through a linear per head": lambda m, v: torch.cat([lin(v[:, :, :1]) for lin in m.per_head], 2),
+}
+
+VALUES_KEEPING_HEADS = {  # name -> (values, KV heads, head group sizes)
+    "plain": (lambda m, v: v, H, [H]),
+    "heads unbound, softmaxed, stacked": (lambda m, v: torch.stack([c.softmax(-1) for c in v.unbind(2)], 2), H, [H]),
+    "heads selected and stacked": (lambda m, v: torch.stack([v[:, :, i] for i in range(m.kv)], 2), H, [H]),
+    "GQA, heads unbound and stacked": (lambda m, v: torch.stack(v.unbind(2), 2), 2, [2, 2]),
+    "MQA, one KV head": (lambda m, v: v, 1, [H]),
+}
+
+
+class Attention(nn.Module):
+    """Causal attention with ``kv`` key/value heads shared by ``H`` query heads (``repeat_interleave``); the values,
+    viewed (b, n, kv, dh), pass ``values`` before the heads axis moves in front."""
+
+    def __init__(self, values, kv):
+        super().__init__()
+        self.values, self.kv = values, kv
+        self.q, self.o = nn.Linear(D, H * DH), nn.Linear(H * DH, D)
+        self.k, self.v = nn.Linear(D, kv * DH), nn.Linear(D, kv * DH)
+        self.per_head = nn.ModuleList(nn.Linear(DH, DH) for _ in range(kv))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, H, DH).transpose(1, 2)
+        k = self.k(x).view(b, n, self.kv, DH).transpose(1, 2)
+        v = self.values(self, self.v(x).view(b, n, self.kv, DH)).transpose(1, 2)
+        k, v = (t.repeat_interleave(H // self.kv, 1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(DH) + torch.triu(torch.full((n, n), -1e9, dtype=x.dtype), 1)
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
+
+
+def _load(values, kv):
+    return symgraph.load(noisy(Attention(values, kv)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
+
+
+def _head_groups(subject) -> list:
+    return [g for g in subject.report.groups if g.motif == "heads"]
+
+
+@pytest.mark.parametrize("kv", [2, H])
+@pytest.mark.parametrize("name", list(VALUES_REJOINED))
+def test_values_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv):
+    subject = _load(VALUES_REJOINED[name], kv)
+    assert not _head_groups(subject), [g.id for g in _head_groups(subject)]
+    assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("name", list(VALUES_KEEPING_HEADS))
+def test_values_that_move_with_their_heads_keep_the_head_group(name):
+    values, kv, sizes = VALUES_KEEPING_HEADS[name]
+    subject = _load(values, kv)
+    assert sorted(g.size for g in _head_groups(subject)) == sorted(sizes), [g.id for g in _head_groups(subject)]
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_the_head_permutation_left_out_changes_the_function():
+    """What the removed group did: heads 0 and 1 swapped in q, k and o but not in the values (one linear per head
+    on head 0's slice) change the output at two input shapes."""
+    model = noisy(Attention(VALUES_REJOINED["one head's slice through a linear per head"], H)).double()
+    swapped = copy.deepcopy(model)
+    order = torch.arange(H * DH).view(H, DH)
+    order[[0, 1]] = order[[1, 0]]
+    order = order.flatten()
+    with torch.no_grad():
+        for lin in (swapped.q, swapped.k):
+            lin.weight.copy_(lin.weight[order])
+            lin.bias.copy_(lin.bias[order])
+        swapped.o.weight.copy_(swapped.o.weight[:, order])
+    for shape in ((2, 7), (3, 11)):
+        x = torch.randn(*shape, D, dtype=torch.float64)
+        assert (model(x) - swapped(x)).norm() > 1e-3 * model(x).norm()
