@@ -15,7 +15,10 @@ Values normalised a group of heads at a time before the view that splits them in
 coordinates there, not heads: the coordinate groups kept the halves apart, but the head group, read from the
 attention op's links, still moved a head into the other half (0.02-0.03). A head permutation now has to map every
 row of such a statistic that holds several heads onto itself (analysis/head_rows.py); rows of one head (heads in a
-loop), of every head, or of whole KV groups keep their groups.
+loop), of every head, or of whole KV groups keep their groups. A top-k over rows of several heads is such a
+statistic too (its rows were not listed: 0.21). Kept entries scattered back by top-k indices within rows of a view
+(``view(2, 8)``, top-k along the last axis) name positions that a permutation within a row moves, and nothing
+followed them: the units were permuted within their rows (0.63); they are now pinned where the indices are read.
 """
 from __future__ import annotations
 
@@ -139,6 +142,12 @@ class ValueAttention(nn.Module):
         return self.o((out.softmax(-1) @ v).transpose(1, 2).flatten(2))
 
 
+def _top(t, k):
+    """``t`` with all but the ``k`` largest entries of each row along the last axis zeroed (top-k, then scatter)."""
+    values, indices = t.topk(k, -1)
+    return torch.zeros_like(t).scatter(-1, indices, values)
+
+
 def _by_heads(t, fn):
     """``fn`` on ``t`` viewed as (..., heads, DH)."""
     return fn(t.unflatten(-1, (-1, DH))).flatten(-2)
@@ -155,6 +164,8 @@ VALUES_NORMALISED_IN_GROUPS = {  # name -> the values' normalisation; each row h
         t, lambda h: torch.cat([c.softmax(-2) for c in h.chunk(2, -2)], -2)),
     "halves of the heads axis, softmax over both heads' entries": lambda t: _by_heads(
         t, lambda h: torch.cat([c.flatten(-2).softmax(-1).view_as(c) for c in h.chunk(2, -2)], -2)),
+    "halves, top 3 of each kept (chunks)": lambda t: torch.cat([_top(c, 3) for c in t.chunk(2, -1)], -1),
+    "halves, top 3 of each kept (view)": lambda t: _top(t.unflatten(-1, (2, 2 * DH)), 3).flatten(-2),
 }
 
 

@@ -8,7 +8,8 @@ of v (relative output change 0.35-1.8 in float64). The same held for values buil
 different linear per head (a real data axis): heads multiplied by values that differ from head to head must move
 those values with them, or they stay put (analysis/contraction.py, ``_pin_heads_beside_unlabelled_data``). Values
 shared by every head (one KV head repeated, MQA) do not differ from head to head and keep the head group; a
-``repeat_interleave`` of that one head is now known to repeat it (``rules._constant_axes_after``).
+``repeat_interleave`` of that one head, transformers' expand-and-reshape and SDPA's ``enable_gqa`` are now known to
+repeat it (``rules._constant_axes_after``, ``rules._repeat_heads``; Falcon's multi-query head group depends on it).
 """
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ VALUES_KEEPING_HEADS = {  # name -> (values, KV heads, head group sizes)
 
 
 class Attention(nn.Module):
-    """Causal attention with ``kv`` key/value heads shared by ``H`` query heads (``repeat_interleave``); the values,
-    viewed (b, n, kv, dh), pass ``values`` before the heads axis moves in front."""
+    """Causal attention with ``kv`` key/value heads shared by ``H`` query heads; the values, viewed (b, n, kv, dh),
+    pass ``values`` before the heads axis moves in front. ``share`` repeats the KV heads: ``repeat_interleave``,
+    transformers' ``repeat_kv`` (a new axis expanded, then reshaped), or SDPA with ``enable_gqa``."""
 
-    def __init__(self, values, kv):
+    def __init__(self, values, kv, share="repeat_interleave"):
         super().__init__()
-        self.values, self.kv = values, kv
+        self.values, self.kv, self.share = values, kv, share
         self.q, self.o = nn.Linear(D, H * DH), nn.Linear(H * DH, D)
         self.k, self.v = nn.Linear(D, kv * DH), nn.Linear(D, kv * DH)
         self.per_head = nn.ModuleList(nn.Linear(DH, DH) for _ in range(kv))
@@ -64,32 +66,46 @@ class Attention(nn.Module):
         q = self.q(x).view(b, n, H, DH).transpose(1, 2)
         k = self.k(x).view(b, n, self.kv, DH).transpose(1, 2)
         v = self.values(self, self.v(x).view(b, n, self.kv, DH)).transpose(1, 2)
-        k, v = (t.repeat_interleave(H // self.kv, 1) for t in (k, v))
+        if self.share == "sdpa":
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.o(out.transpose(1, 2).flatten(2))
+        if self.share == "repeat_kv":
+            k, v = (t[:, :, None].expand(b, self.kv, H // self.kv, n, DH).reshape(b, H, n, DH) for t in (k, v))
+        else:
+            k, v = (t.repeat_interleave(H // self.kv, 1) for t in (k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(DH) + torch.triu(torch.full((n, n), -1e9, dtype=x.dtype), 1)
         return self.o((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
 
 
-def _load(values, kv):
-    return symgraph.load(noisy(Attention(values, kv)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
+def _load(values, kv, share="repeat_interleave"):
+    return symgraph.load(noisy(Attention(values, kv, share)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
 
 
 def _head_groups(subject) -> list:
     return [g for g in subject.report.groups if g.motif == "heads"]
 
 
-@pytest.mark.parametrize("kv", [2, H])
-@pytest.mark.parametrize("name", list(VALUES_REJOINED))
-def test_values_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv):
-    subject = _load(VALUES_REJOINED[name], kv)
+SHARES = ["repeat_interleave", "repeat_kv", "sdpa"]
+
+
+REJOINED_CASES = [(name, kv, "repeat_interleave") for name in VALUES_REJOINED for kv in (2, H)] + [
+    (name, kv, share) for name in ("chunks joined in reverse", "one linear per chunk") for kv in (2, H)
+    for share in SHARES[1:]]
+
+
+@pytest.mark.parametrize("name, kv, share", REJOINED_CASES)
+def test_values_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv, share):
+    subject = _load(VALUES_REJOINED[name], kv, share)
     assert not _head_groups(subject), [g.id for g in _head_groups(subject)]
     assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"
     assert_fuzzed_at_two_shapes(subject)
 
 
+@pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("name", list(VALUES_KEEPING_HEADS))
-def test_values_that_move_with_their_heads_keep_the_head_group(name):
+def test_values_that_move_with_their_heads_keep_the_head_group(name, share):
     values, kv, sizes = VALUES_KEEPING_HEADS[name]
-    subject = _load(values, kv)
+    subject = _load(values, kv, share)
     assert sorted(g.size for g in _head_groups(subject)) == sorted(sizes), [g.id for g in _head_groups(subject)]
     assert_fuzzed_at_two_shapes(subject)
 

@@ -147,10 +147,11 @@ def _constant_axes_after(w, node: fx.Node, spec, tensors: list[Value | None]) ->
     """Output axes along which a movement of one operand keeps the values constant: those it repeats (an expand,
     ``repeat_interleave`` of a one-head axis into query heads) and those it carries over from axes its operand is
     known constant along (that expand, then a reshape). Found by replaying the op on a tensor that differs
-    exactly where the operand may; asked only where the op repeats entries or the operand has such axes."""
+    exactly where the operand may; asked only where the op repeats entries or the operand has such axes, and
+    only where every other input is known."""
     repeated = repeated_axes(node, spec, tensors[0] if tensors else None)
-    out_shape = _shape_of(node)
-    if len(tensors) != 1 or tensors[0] is None or tensors[0].shape is None or out_shape is None:
+    out_shape, moved = _shape_of(node), moved_operands(node)
+    if len(tensors) != 1 or len(moved) != 1 or tensors[0] is None or tensors[0].shape is None or out_shape is None:
         return repeated
     x = tensors[0]
     if not x.constant_axes and math.prod(out_shape) <= math.prod(x.shape):
@@ -158,9 +159,26 @@ def _constant_axes_after(w, node: fx.Node, spec, tensors: list[Value | None]) ->
     probe = torch.arange(math.prod(x.shape), dtype=torch.int64).reshape(tuple(x.shape))
     for axis in x.constant_axes:
         probe = probe.narrow(axis, 0, 1).expand(probe.shape)
+
+    def load(a):
+        if a is moved[0]:
+            return probe
+        if isinstance(a, fx.Node):
+            v = w.values.get(a.name)
+            if not isinstance(v, Value) or v.chans or v.points_to is not None or v.data is None:
+                raise LookupError(a.name)  # an input whose values are unknown here: claim nothing
+            return v.data
+        return a
+
     try:
-        out = _replay(w, node, spec, lambda v, shape: probe if v is x else torch.full(shape, -1))
-    except (RuntimeError, TypeError, ValueError, IndexError):  # a run-time size the stand-in does not fit
+        args, kwargs = fx.node.map_aggregate(node.args, load), fx.node.map_aggregate(node.kwargs, load)
+        try:
+            out = node.target(*args, **kwargs)
+        except RuntimeError:
+            if not spec.replay_as:
+                raise
+            out = aten_op(spec.replay_as)(*args, **kwargs)  # a view of the expanded probe: reshape copies
+    except (LookupError, RuntimeError, TypeError, ValueError, IndexError):
         return repeated
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(out_shape):
         return repeated
@@ -987,8 +1005,9 @@ def rule_attention(w, node: fx.Node, spec) -> Value:
         ks, vs = k.shape, v.shape
     lead = "".join("ABCDEFG"[i] for i in range(len(qs) - 3))
     scores_shape = (*qs[:-1], ks[-2])
-    score_chans = Contraction(w, node.name).run(Operand(q.chans, qs, lead + "hnd"), Operand(k.chans, ks, lead + "hmd"),
-                                                 lead + "hnm", scores_shape)
+    score_chans = Contraction(w, node.name).run(
+        Operand(q.chans, qs, lead + "hnd", constant_axes=q.constant_axes),
+        Operand(k.chans, ks, lead + "hmd", constant_axes=k.constant_axes), lead + "hnm", scores_shape)
     scores = Value(chans=score_chans, shape=scores_shape)
     mask_value = w.value(mask) if isinstance(mask, fx.Node) else None
     if mask_value is not None:
@@ -996,14 +1015,18 @@ def rule_attention(w, node: fx.Node, spec) -> Value:
     scores = _softmax_value(w, node, scores, len(scores_shape) - 1)
     out_shape = _shape_of(node)
     chans = Contraction(w, node.name, step=1).run(Operand(scores.chans, scores_shape, lead + "hnm"),
-                                                  Operand(v.chans, vs, lead + "hmd"), lead + "hnd", out_shape)
+                                                  Operand(v.chans, vs, lead + "hmd", constant_axes=v.constant_axes),
+                                                  lead + "hnd", out_shape)
     return Value(chans=chans, shape=out_shape)
 
 
 def _repeat_heads(v: Value, rep: int) -> Value:
     chans = [c.map(lambda t: t.repeat_interleave(rep, dim=-3)) for c in v.chans]
     shape = (*v.shape[:-3], v.shape[-3] * rep, *v.shape[-2:])
-    return Value(chans=chans, shape=shape)
+    heads = len(shape) - 3  # one KV head repeated for every query head: the same values along the heads axis
+    kept = {a for a in v.constant_axes if a != heads} | ({heads} if v.shape[-3] == 1 or heads in v.constant_axes
+                                                          else set())
+    return Value(chans=chans, shape=shape, constant_axes=frozenset(kept))
 
 
 # -- arithmetic ------------------------------------------------------------------------------------------------
@@ -1828,11 +1851,13 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
         if followable and not c.block and dim in chan_axes(c):
             w.c.passes_through(c.ids, node.name)  # ranked together: never mixed with coordinates left out
         if pointed is None and followable and not c.block and chan_axes(c) == {dim}:
-            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k over this axis", node.name)
+            _permuted_within_rows(w, node, c, {dim}, "ranked by top-k over this axis")
             pointed = ids_along(c.ids, dim)
         elif followable and not c.block and dim in chan_axes(c) and _disjoint_rows(c.ids, dim) is not None:
-            w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within rows of this axis", node.name)
-            w.c.separate(_disjoint_rows(c.ids, dim), node.name)
+            if _indices_read(node):  # positions within a row, which a permutation within it changes: unfollowed
+                _pin_chan(w, node, c, "ranked by top-k within rows of this axis, whose indices are read")
+            else:
+                _permuted_within_rows(w, node, c, {dim}, "ranked by top-k within rows of this axis")
             by_rows = True
         elif not c.mixed and chan_axes(c) and dim not in chan_axes(c):
             rows.append(c)  # a coordinate (or head) per row, ranked within it (experts choosing their tokens)
@@ -1853,6 +1878,11 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     if pointed is None:
         return [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
     return [Value(invariant=True, shape=shapes[0]), Value(points_to=pointed, shape=shapes[1])]
+
+
+def _indices_read(topk: fx.Node) -> bool:
+    """Whether anything reads the indices ``topk`` returns (its second result)."""
+    return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in topk.users)
 
 
 def _disjoint_rows(ids: torch.Tensor, dim: int) -> torch.Tensor | None:
