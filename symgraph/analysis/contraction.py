@@ -193,11 +193,17 @@ class Contraction:
         self.w.c.tag("qk", first_b)
         n_blocks = first_a.shape[0]
         blocks = self.w.ids.allocate(n_blocks, block=True)
-        for rows, op in ((rows_a, a), (rows_b, b)):
-            if set(fiber) - _constant_letters(op) and any(bool((r < 0).any()) for head in rows for r in head):
+        for rows, op, chan in ((rows_a, a, ca), (rows_b, b, cb)):
+            differs = set(fiber) - _constant_letters(op)
+            if differs and any(bool((r < 0).any()) for head in rows for r in head):
                 # some of a head's entries carry no coordinate (a pinned query times a rotary table one of whose
                 # rows is a parameter: MLCD): that data differs per head and stays when the heads move
                 self.w.c.pin(blocks, "a head's entries include data that differs from head to head", self.node)
+            elif differs - _letters_of(chan, op.letters):
+                # keys that differ from head to head with the same coordinates in every head (rebuilt from pieces
+                # along the heads axis): a head permutation would leave them in place
+                self.w.c.pin(blocks, "heads multiplied by keys that differ from head to head without moving with "
+                             "them", self.node)
         self.w.c.rowlinks.append((blocks.numpy(), first_a.numpy(), self.node))
         self.w.c.rowlinks.append((blocks.numpy(), first_b.numpy(), self.node))
         view = [sizes[l] if l in fiber else 1 for l in out_letters]

@@ -1,4 +1,4 @@
-"""Values whose heads axis is rebuilt from pieces, and heads that meet values carrying no head labels.
+"""Values or keys whose heads axis is rebuilt from pieces, and heads that meet operands carrying no head labels.
 
 Values viewed (b, n, kv, dh), cut into one piece per KV head (``chunk(kv, dim=2)``), treated, and joined again on
 dim 2: each piece has size 1 along the heads axis, so the join looked like one along a data axis (a class token in
@@ -6,7 +6,9 @@ front of patches) and tied every piece to the first piece's coordinates. The hea
 no head labels, and the head permutation, read from the query/key product, moved the heads of q, k and o but not
 of v (relative output change 0.35-1.8 in float64). The same held for values built from one head's slice by a
 different linear per head (a real data axis): heads multiplied by values that differ from head to head must move
-those values with them, or they stay put (analysis/contraction.py, ``_pin_heads_beside_unlabelled_data``). Values
+those values with them, or they stay put (analysis/contraction.py, ``_pin_heads_beside_unlabelled_data``). Keys
+rebuilt the same way left them out of the head permutation of q, v and o the same way (0.08-1.15): a query/key
+product whose operand differs from head to head without coordinates that vary there pins its heads too. Values
 shared by every head (one KV head repeated, MQA) do not differ from head to head and keep the head group; a
 ``repeat_interleave`` of that one head, transformers' expand-and-reshape and SDPA's ``enable_gqa`` are now known to
 repeat it (``rules._constant_axes_after``, ``rules._repeat_heads``; Falcon's multi-query head group depends on it).
@@ -50,13 +52,13 @@ VALUES_KEEPING_HEADS = {  # name -> (values, KV heads, head group sizes)
 
 
 class Attention(nn.Module):
-    """Causal attention with ``kv`` key/value heads shared by ``H`` query heads; the values, viewed (b, n, kv, dh),
-    pass ``values`` before the heads axis moves in front. ``share`` repeats the KV heads: ``repeat_interleave``,
+    """Causal attention with ``kv`` key/value heads shared by ``H`` query heads; the values (or the keys, with
+    ``keys``), viewed (b, n, kv, dh), pass ``values`` before the heads axis moves in front. ``share`` repeats the KV heads: ``repeat_interleave``,
     transformers' ``repeat_kv`` (a new axis expanded, then reshaped), or SDPA with ``enable_gqa``."""
 
-    def __init__(self, values, kv, share="repeat_interleave"):
+    def __init__(self, values, kv, share="repeat_interleave", keys=False):
         super().__init__()
-        self.values, self.kv, self.share = values, kv, share
+        self.values, self.kv, self.share, self.keys = values, kv, share, keys
         self.q, self.o = nn.Linear(D, H * DH), nn.Linear(H * DH, D)
         self.k, self.v = nn.Linear(D, kv * DH), nn.Linear(D, kv * DH)
         self.per_head = nn.ModuleList(nn.Linear(DH, DH) for _ in range(kv))
@@ -64,8 +66,9 @@ class Attention(nn.Module):
     def forward(self, x):
         b, n, _ = x.shape
         q = self.q(x).view(b, n, H, DH).transpose(1, 2)
-        k = self.k(x).view(b, n, self.kv, DH).transpose(1, 2)
-        v = self.values(self, self.v(x).view(b, n, self.kv, DH)).transpose(1, 2)
+        k, v = (p(x).view(b, n, self.kv, DH) for p in (self.k, self.v))
+        k, v = (self.values(self, t) if treated else t for t, treated in ((k, self.keys), (v, not self.keys)))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.share == "sdpa":
             out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return self.o(out.transpose(1, 2).flatten(2))
@@ -77,8 +80,9 @@ class Attention(nn.Module):
         return self.o((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
 
 
-def _load(values, kv, share="repeat_interleave"):
-    return symgraph.load(noisy(Attention(values, kv, share)).double(), (torch.randn(2, 7, D, dtype=torch.float64),))
+def _load(values, kv, share="repeat_interleave", keys=False):
+    return symgraph.load(noisy(Attention(values, kv, share, keys)).double(),
+                         (torch.randn(2, 7, D, dtype=torch.float64),))
 
 
 def _head_groups(subject) -> list:
@@ -88,14 +92,15 @@ def _head_groups(subject) -> list:
 SHARES = ["repeat_interleave", "repeat_kv", "sdpa"]
 
 
-REJOINED_CASES = [(name, kv, "repeat_interleave") for name in VALUES_REJOINED for kv in (2, H)] + [
-    (name, kv, share) for name in ("chunks joined in reverse", "one linear per chunk") for kv in (2, H)
+REJOINED_CASES = [(name, kv, "repeat_interleave", keys) for name in VALUES_REJOINED for kv in (2, H)
+                  for keys in (False, True)] + [
+    (name, kv, share, False) for name in ("chunks joined in reverse", "one linear per chunk") for kv in (2, H)
     for share in SHARES[1:]]
 
 
-@pytest.mark.parametrize("name, kv, share", REJOINED_CASES)
-def test_values_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv, share):
-    subject = _load(VALUES_REJOINED[name], kv, share)
+@pytest.mark.parametrize("name, kv, share, keys", REJOINED_CASES)
+def test_values_or_keys_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv, share, keys):
+    subject = _load(VALUES_REJOINED[name], kv, share, keys)
     assert not _head_groups(subject), [g.id for g in _head_groups(subject)]
     assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"
     assert_fuzzed_at_two_shapes(subject)
