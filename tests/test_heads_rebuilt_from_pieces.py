@@ -53,8 +53,9 @@ VALUES_KEEPING_HEADS = {  # name -> (values, KV heads, head group sizes)
 
 class Attention(nn.Module):
     """Causal attention with ``kv`` key/value heads shared by ``H`` query heads; the values (or the keys, with
-    ``keys``), viewed (b, n, kv, dh), pass ``values`` before the heads axis moves in front. ``share`` repeats the KV heads: ``repeat_interleave``,
-    transformers' ``repeat_kv`` (a new axis expanded, then reshaped), or SDPA with ``enable_gqa``."""
+    ``keys``), viewed (b, n, kv, dh), pass ``values`` before the heads axis moves in front. ``share`` repeats the
+    KV heads: ``repeat_interleave``, transformers' ``repeat_kv`` (a new axis expanded, then reshaped), or SDPA with
+    ``enable_gqa``."""
 
     def __init__(self, values, kv, share="repeat_interleave", keys=False):
         super().__init__()
