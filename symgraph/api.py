@@ -17,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -60,6 +60,8 @@ class Subject:
     full_depth: bool = False  # analyse every block even when the blocks repeat (see symgraph.depth)
     free_outputs: bool = False  # residual-read outputs move with the residual stream (see symgraph.outputs)
     weights_from_path: bool = False  # ``path`` holds exactly these weights (a job may read them from there)
+    # parameters stored narrower than the model holds them (a checkpoint of mixed dtypes, loaded in the widest)
+    stored_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     _capture: Capture | None = None
     _report: Report | None = None
 
@@ -96,7 +98,8 @@ class Subject:
         return self._report
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The model's tensors, each in the dtype its checkpoint stores it in (results are written in it)."""
+        return {k: v.detach().to(self.stored_dtypes.get(k, v.dtype)) for k, v in self.model.state_dict().items()}
 
 
 def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False,
@@ -122,7 +125,7 @@ def load(source, inputs: Inputs = None, *, config_only: bool = False, full_depth
     args, kwargs = _inputs_for(loaded.model, loaded.config, given)
     return Subject(loaded.model, loaded.name, args, kwargs, loaded.config, loaded.path, config_only,
                    inputs_from_config=given is None, full_depth=full_depth, free_outputs=free_outputs,
-                   weights_from_path=loaded.path is not None and not config_only)
+                   weights_from_path=loaded.path is not None and not config_only, stored_dtypes=loaded.stored_dtypes)
 
 
 def analyze(source, inputs: Inputs = None, *, config_only: bool = False, full_depth: bool = False,

@@ -316,7 +316,8 @@ def folded_subject(subject, inputs=None, untie: bool | None = None):
     model.load_state_dict(result.state, strict=True)
     name = subject.name if subject.name.endswith("(folded)") else f"{subject.name} (folded)"
     return Subject(model, name, subject.args, dict(subject.kwargs), subject.config,
-                   subject.path, subject.config_only, free_outputs=subject.free_outputs)
+                   subject.path, subject.config_only, free_outputs=subject.free_outputs,
+                   stored_dtypes=subject.stored_dtypes)
 
 
 def residual_note(cap, groups, config_only: bool) -> str | None:

@@ -121,6 +121,8 @@ class LoadedModel:
     path: Path | None
     name: str
     inputs: tuple[tuple, dict] | None = None  # example (args, kwargs) a factory returned with its module
+    # the parameters the checkpoint stores in a narrower dtype than the model holds them (see _load_path)
+    stored_dtypes: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
     @property
     def is_meta(self) -> bool:
@@ -365,9 +367,13 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         )
     _check_weights(folder, weights[0])
 
+    from .shards import widest_dtype
+
     kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "output_loading_info": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    stored = {} if dtype is not None else _stored_float_dtypes(folder, weights[0])
+    if dtype is not None or stored:
+        kwargs["dtype"] = dtype if dtype is not None else widest_dtype(stored.values())
+    config_dtype = getattr(config, "dtype", None)
     try:
         model, loading_info = cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
@@ -396,7 +402,10 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
     _check_stored_dtypes(model, folder, weights[0])
     check_finite(model, f"the weights in '{folder}'")
     model.eval()
-    return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name)
+    if stored:
+        model.config.dtype = config_dtype  # the dtype config.json names, not the one the model was loaded in
+    return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name,
+                       stored_dtypes=_narrower_stored(model, stored))
 
 
 def _refuse_foreign(paths) -> None:
@@ -484,6 +493,28 @@ def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
             hint="the checkpoint was written wrongly (or quantised in a format transformers cannot read back): "
             "re-save it from the floating-point model.",
         )
+
+
+def _stored_float_dtypes(folder: Path, weights: Path) -> dict[str, torch.dtype]:
+    """Stored key -> dtype of every floating-point tensor the checkpoint stores. transformers loads a checkpoint
+    in one dtype (config.json's): one that stores some tensors wider (float32 norms beside bfloat16 weights) is
+    loaded in the widest (each value exact, the model runs in one dtype) and written back in the stored dtypes
+    (:func:`_narrower_stored`), as a streamed alignment writes it."""
+    from .shards import SAFETENSORS_DTYPES
+
+    by_name = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    found = {key: by_name.get(name) or getattr(torch, name, None)
+             for key, name, is_float, _ in _stored_dtypes(folder, weights) if is_float}
+    return {key: dtype for key, dtype in found.items() if isinstance(dtype, torch.dtype)}
+
+
+def _narrower_stored(model, stored: Mapping[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """Model key -> stored dtype of the parameters ``stored`` (stored key -> dtype) holds in a dtype other than
+    the model's."""
+    own = model.state_dict()
+    floating = {k for k, v in own.items() if v.is_floating_point()}
+    by_key = {_model_key(model, key, floating): dtype for key, dtype in stored.items()}
+    return {key: dtype for key, dtype in by_key.items() if key in floating and own[key].dtype != dtype}
 
 
 def _stored_dtypes(folder: Path, weights: Path):

@@ -44,6 +44,7 @@ from .workers import check_workers
 from .errors import DataError, MismatchError, ModelLoadError, SymgraphError
 from .activations import DATA_MODE as DATA_ALIGN
 from .io import check_finite
+from .shards import widest_dtype
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 from .datasets import Dataset
 from .synthetic import is_synthetic, learning_only, merge_examples
@@ -475,7 +476,7 @@ def _streamed_plan(states, models) -> list:
                            hint="merge checkpoints of one architecture and configuration.")
         check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
-    return [TensorInfo(k, first.info(k).shape, _widest(s.info(k).dtype for s in states)) for k in first]
+    return [TensorInfo(k, first.info(k).shape, widest_dtype(s.info(k).dtype for s in states)) for k in first]
 
 
 def _check_fixed_tensors(states: Sequence[State], models: Sequence[str]) -> None:
@@ -522,7 +523,7 @@ def _streamed_average(states, w, name: str, models) -> torch.Tensor:
     """One output tensor: the weighted sum accumulated in place (the other models' tensors are promoted on the
     fly, not copied), checked for NaN/Inf once at the end (a non-finite input makes the sum non-finite)."""
     tensors = [s[name] for s in states]
-    out_dtype = _widest(t.dtype for t in tensors)
+    out_dtype = widest_dtype(t.dtype for t in tensors)
     if not out_dtype.is_floating_point:
         return _fixed_tensor(name, tensors, models)
     total = tensors[0].to(torch.promote_types(out_dtype, torch.float32)).mul_(float(w[0]))
@@ -983,18 +984,13 @@ def _finished_state(merged: State, subjects, consensus: Consensus, head_from, ex
         if k in exclude:
             out[k] = head_state[k].to(originals[head_from][k].dtype)
         elif k in merged:
-            out[k] = merged[k].to(_widest(o[k].dtype for o in originals))
+            out[k] = merged[k].to(widest_dtype(o[k].dtype for o in originals))
         else:
             out[k] = v
     owner = subjects[head_from if head_from is not None else consensus.reference]
     return tie_aliases(owner.model, out)
 
 
-def _widest(dtypes) -> torch.dtype:
-    result = None
-    for d in dtypes:
-        result = d if result is None else torch.promote_types(result, d)
-    return result
 
 
 def _with_aliases(model: torch.nn.Module, names: set[str]) -> set[str]:

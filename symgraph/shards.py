@@ -46,6 +46,15 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def widest_dtype(dtypes) -> torch.dtype:
+    """The dtype that holds a value of each of ``dtypes`` exactly (torch's promotion: float32 for bfloat16 and
+    float16, which do not nest)."""
+    result = None
+    for dtype in dtypes:
+        result = dtype if result is None else torch.promote_types(result, dtype)
+    return result
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """What a checkpoint stores under ``name``, without its values."""

@@ -551,3 +551,72 @@ def test_missing_batchnorm_counters_are_no_missing_weights(tmp_path):
     with pytest.raises(ModelLoadError) as info:
         load_model(tmp_path / "m")
     assert f"initialise them afresh, weights at random): {mean}." in str(info.value)
+
+
+# -- checkpoints of mixed dtypes ------------------------------------------------------------------------------------
+def _mixed_dtypes(folder, seed: int):
+    """A llama checkpoint as some are stored: bfloat16 weights, float32 norm weights, config dtype bfloat16."""
+    model = zoo.build("llama", seed=seed, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.data = (1 + 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mixed_pair(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mixed")
+    return _mixed_dtypes(base / "m0", 0), _mixed_dtypes(base / "m1", 1)
+
+
+def _stored_dtypes_of(folder) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in safetensors.torch.load_file(folder / "model.safetensors").items()}
+
+
+def _computes_what(source, written) -> float:
+    """The relative difference of the two folders' logits, both run in float64."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [transformers.AutoModelForCausalLM.from_pretrained(f, dtype=torch.float64)(input_ids=ids).logits
+                  for f in (source, written)]
+    return float((logits[0] - logits[1]).norm() / logits[0].norm())
+
+
+@pytest.mark.parametrize("command", [
+    ["align", "{m1}", "{m0}", "--only", "attention"], ["align", "{m1}", "{m0}"], ["fold", "{m1}"],
+    ["transform", "{m1}", "--seed", "2"],
+])
+def test_a_checkpoint_of_mixed_dtypes_is_written_in_its_stored_dtypes(tmp_path, mixed_pair, command):
+    m0, m1 = mixed_pair
+    before = tree_digest(m1)
+    code, out, err = run(*[a.format(m0=m0, m1=m1) for a in command], "-o", tmp_path / "out")
+    assert code == 0, err
+    assert _stored_dtypes_of(tmp_path / "out") == _stored_dtypes_of(m1)  # float32 norms stay float32
+    assert _computes_what(m1, tmp_path / "out") < 3e-2  # bfloat16 weights rounded once
+    assert tree_digest(m1) == before
+    if "--only" in command:  # no attention group moves a norm, an embedding or an MLP: bit for bit the source's
+        source = safetensors.torch.load_file(m1 / "model.safetensors")
+        written = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+        unmoved = [k for k in source if "self_attn" not in k]
+        assert unmoved and all(torch.equal(written[k], source[k]) for k in unmoved)
+
+
+def test_a_merge_of_mixed_dtypes_keeps_the_stored_dtypes(tmp_path, mixed_pair):
+    m0, m1 = mixed_pair
+    code, out, err = run("merge", m0, m1, "-o", tmp_path / "out")
+    assert code == 0, err
+    assert _stored_dtypes_of(tmp_path / "out") == _stored_dtypes_of(m0)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"  # as the inputs' config.json says: transformers loads them so
+
+
+def test_streamed_and_in_memory_alignments_of_mixed_dtypes_agree(tmp_path, mixed_pair):
+    m0, m1 = mixed_pair
+    for extra in ([], ["--stream"]):
+        code, out, err = run("align", m1, m0, "-o", tmp_path / f"out{len(extra)}", "--no-fold", *extra)
+        assert code == 0, err
+    assert _stored_dtypes_of(tmp_path / "out0") == _stored_dtypes_of(tmp_path / "out1") == _stored_dtypes_of(m1)
+    configs = [json.loads((tmp_path / f"out{i}" / "config.json").read_text()) for i in (0, 1)]
+    assert configs[0]["dtype"] == configs[1]["dtype"] == "bfloat16"
