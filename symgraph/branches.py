@@ -83,7 +83,7 @@ def check_traced_paths(cap: Capture, probes: list[tuple[tuple, dict]]) -> None:
     from .probes import shape_summary
 
     read = {cap.params[n.name] for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params
-            and n.users}
+            and n.users} | cap.read_unused
     for args, kwargs in probes[1:]:
         try:
             used = parameters_used(cap.model, args, kwargs)

@@ -35,6 +35,8 @@ class Capture:
     buffers: dict[str, str]  # placeholder name -> buffer or lifted-constant name
     user_inputs: tuple[str, ...]  # placeholder names of the example inputs, in graph order
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter name -> shape
+    # parameters the traced run read only in ops whose results nothing used (removed from the graph)
+    read_unused: frozenset[str] = frozenset()
 
     @property
     def graph(self) -> fx.Graph:
@@ -67,6 +69,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
     sig = program.graph_signature
     _put_back_values(program, real)
+    read_unused = _drop_unused_ops(program)
     params, buffers, users = {}, {}, []
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -77,7 +80,20 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         elif spec.kind == InputKind.USER_INPUT:
             users.append(name)
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
-    return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes)
+    return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes,
+                   frozenset(params[name] for name in read_unused))
+
+
+def _drop_unused_ops(program: torch.export.ExportedProgram) -> set[str]:
+    """Remove the ops whose results nothing reads (export keeps them: a product computed, then overwritten);
+    their links would describe reads the model never makes (a head that seems to read another head's values).
+    Returns the placeholders that only such ops read."""
+    graph = program.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    read_before = {n.name for n in placeholders if n.users}
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+    return read_before - {n.name for n in placeholders if n.users}
 
 
 def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -375,12 +375,14 @@ class Assembler:
         group) but occupy different rows, and it is rows that a head permutation moves.
         """
         content: dict[int, set[int]] = defaultdict(set)
+        read: dict[int, set[int]] = defaultdict(set)  # the ids each head's links name, before factors join them
         ops = []
         factor_of, shared = self._product_factor_components()
         for block_ids, rows, _node in self.c.rowlinks:
             heads = self.cls[block_ids]
             for h, row in zip(heads, rows):
                 content[int(h)].update(int(i) for i in factor_of(row[row >= 0]))
+                read[int(h)].update(int(i) for i in row[row >= 0])
             ops.append([int(h) for h in np.unique(heads)])
         for h in content:  # parameters tied to the heads themselves (T5 relative-bias columns)
             content[h].update(int(i) for i in self.ids_of(h))
@@ -403,7 +405,7 @@ class Assembler:
                 continue  # a factor shared by some of these heads only would have to stay and move at once
             if self._split_by_pieces(heads, content, piece_of):
                 continue  # some heads went through other ops than the rest (rotary on half of them)
-            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint], together))
+            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint], together, read))
         return groups
 
     def _split_by_pieces(self, heads: list[int], content, piece_of: list[dict[int, int]]) -> bool:
@@ -499,10 +501,12 @@ class Assembler:
         return sharing
 
     def _head_permutations(self, heads: list[int], content, parts: list[set[int]],
-                           together: HeadRows) -> list[Group]:
+                           together: HeadRows, read: dict[int, set[int]]) -> list[Group]:
         """The permutations of ``heads`` (of several ``parts`` that share coordinates: each part's heads correspond
         to the others' through the rows they share, and one permutation moves them all; no within-group one),
-        as far as the rows of statistics that hold several heads ``together`` allow (:mod:`.head_rows`)."""
+        as far as the rows of statistics that hold several heads ``together`` allow (:mod:`.head_rows`). Query
+        heads permute within a KV group only where each reads the same shared rows (``read``: the ids its links
+        name) and its own rows are its alone."""
         kv_groups = [sorted(x for x in g if not isinstance(x, tuple))
                      for g in union_sets([{h} | {("id", i) for i in content[h]} for h in heads])]
         kv_groups = sorted((g for g in kv_groups if g), key=lambda g: g[0])
@@ -526,8 +530,14 @@ class Assembler:
             per_group = []
             for g in kv_groups:
                 shared = set.intersection(*(content[h] for h in g))
-                per_group.append(self._positions_members([content[h] - shared for h in g]))
-            if all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
+                own = [content[h] - shared for h in g]
+                if sum(map(len, own)) != len(set().union(*own)) or len({frozenset(read[h] & shared) for h in g}) > 1:
+                    # not the query heads of one KV group: heads that share rows with some of their group only, or
+                    # read different rows of what they share (each its own values and its neighbour's, summed)
+                    per_group = []
+                    break
+                per_group.append(self._positions_members(own))
+            if per_group and all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
                 inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
                          for k, m in enumerate(per_group[0])]
                 layer = common_prefix([m.param for m in inner])
