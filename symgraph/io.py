@@ -371,9 +371,11 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
 
     kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "output_loading_info": True}
     stored = {} if dtype is not None else _stored_float_dtypes(folder, weights[0])
-    if dtype is not None or stored:
-        kwargs["dtype"] = dtype if dtype is not None else widest_dtype(stored.values())
     config_dtype = getattr(config, "dtype", None)
+    if dtype is not None or stored:  # never narrower than config.json's dtype, which transformers would load in
+        named = getattr(torch, config_dtype, None) if isinstance(config_dtype, str) else config_dtype
+        kwargs["dtype"] = dtype if dtype is not None else widest_dtype(
+            [*stored.values(), *([named] if isinstance(named, torch.dtype) else [])])
     try:
         model, loading_info = cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:

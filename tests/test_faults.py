@@ -620,3 +620,18 @@ def test_streamed_and_in_memory_alignments_of_mixed_dtypes_agree(tmp_path, mixed
     assert _stored_dtypes_of(tmp_path / "out0") == _stored_dtypes_of(tmp_path / "out1") == _stored_dtypes_of(m1)
     configs = [json.loads((tmp_path / f"out{i}" / "config.json").read_text()) for i in (0, 1)]
     assert configs[0]["dtype"] == configs[1]["dtype"] == "bfloat16"
+
+
+def test_a_checkpoint_stored_narrower_than_its_config_is_computed_in_the_config_dtype(tmp_path):
+    """config.json says float32 and the weights are stored in bfloat16: the model runs in float32, as transformers
+    would load it (never narrower), and results are written in the stored bfloat16."""
+    folder = _saved("llama", tmp_path / "model")
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in stored.items()}, folder / "model.safetensors",
+                                metadata={"format": "pt"})
+    loaded = load_model(folder)
+    assert loaded.model.dtype == torch.float32
+    assert set(loaded.stored_dtypes.values()) == {torch.bfloat16}
+    code, _, err = run("transform", folder, "-o", tmp_path / "out")
+    assert code == 0, err
+    assert set(_stored_dtypes_of(tmp_path / "out").values()) == {torch.bfloat16}
