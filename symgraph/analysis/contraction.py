@@ -191,8 +191,12 @@ class Contraction:
         self.w.c.separate(first_b, self.node)
         self.w.c.tag("qk", first_a)
         self.w.c.tag("qk", first_b)
-        n_blocks = first_a.shape[0]
-        blocks = self.w.ids.allocate(n_blocks, block=True)
+        # Batch indices whose query and key coordinates are the same rows are one head (a batch axis merged into
+        # the heads axis, ``view(b * h, ...)``, then split again): one block, as for a batch axis kept apart
+        heads: dict = {}
+        same = [heads.setdefault((tuple(tuple(r.tolist()) for r in ra), tuple(tuple(r.tolist()) for r in rb)),
+                                 len(heads)) for ra, rb in zip(rows_a, rows_b)]
+        blocks = self.w.ids.allocate(len(heads), block=True)[torch.tensor(same)]
         for rows, op, chan in ((rows_a, a, ca), (rows_b, b, cb)):
             differs = set(fiber) - _constant_letters(op)
             if differs and any(bool((r < 0).any()) for head in rows for r in head):
