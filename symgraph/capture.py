@@ -81,13 +81,13 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             users.append(name)
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
     return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes,
-                   frozenset(params[name] for name in read_unused))
+                   frozenset(params[name] for name in read_unused if name in params))
 
 
 def _drop_unused_ops(program: torch.export.ExportedProgram) -> set[str]:
     """Remove the ops whose results nothing reads (export keeps them: a product computed, then overwritten);
     their links would describe reads the model never makes (a head that seems to read another head's values).
-    Returns the placeholders that only such ops read."""
+    Returns the placeholders (parameters, buffers, constants) that only such ops read."""
     graph = program.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     read_before = {n.name for n in placeholders if n.users}
