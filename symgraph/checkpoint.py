@@ -351,6 +351,9 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
         # OSError: disk full, permissions; safetensors reports I/O problems as SafetensorError. Anything else (a
         # failure computing the tensors a streamed writer asks for) is no writing problem: it propagates as is.
         reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        involved = [f for f in (getattr(exc, "filename", None), getattr(exc, "filename2", None)) if f]
+        if involved:  # the file it failed on: a source to copy (a tokenizer file) or a file written in the folder
+            reason += f" ({' -> '.join(map(str, involved))})"
         raise OutputError(
             f"Writing the model to '{out}' failed: {reason}. Nothing was written (the partly written files were "
             "removed)" + (" and the existing folder was left as it was." if out.exists() else "."),

@@ -486,6 +486,21 @@ def test_save_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, bert_dir):
     assert leftovers(tmp_path) == []
 
 
+def test_a_failed_copy_of_a_side_file_names_the_file(tmp_path, monkeypatch, bert_dir):
+    """A tokenizer or config file that cannot be copied is named, with where it was copied to."""
+    import shutil
+
+    def unreadable(src, dst, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(src), None, str(dst))
+
+    monkeypatch.setattr(shutil, "copy2", unreadable)
+    out = tmp_path / "out"
+    with pytest.raises(OutputError) as info:
+        sio.save_model(sio.state_dict_of(sio.load_model(bert_dir).model), out, like=bert_dir, config=None)
+    assert "Permission denied" in str(info.value) and str(bert_dir) in str(info.value), info.value
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
 def test_save_failure_keeps_existing_folder_untouched(tmp_path, monkeypatch):
     out = tmp_path / "out"
     sio.save_model({"w": torch.zeros(2)}, out)
