@@ -991,8 +991,6 @@ def _finished_state(merged: State, subjects, consensus: Consensus, head_from, ex
     return tie_aliases(owner.model, out)
 
 
-
-
 def _with_aliases(model: torch.nn.Module, names: set[str]) -> set[str]:
     from .verify import _aliases
 

@@ -118,8 +118,10 @@ class Contraction:
             passed_b.append((cb, vb))
         passed_a, passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch, outs, out_letters, out_shape)
         for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
-            self._separate_batch_indices(chan, op, letters & batch - _constant_letters(other))
-            self._pin_heads_beside_unlabelled_data(chan, letters & batch - _constant_letters(other), other)
+            differs = letters & batch - _constant_letters(other)
+            self._separate_batch_indices(chan, op, differs)
+            if chan.block:
+                self._pin_heads_beside_unlabelled_data(chan.ids, differs, other.chans, other, "values")
             if not chan.block:
                 self.w.c.passes_through(chan.ids, self._matrix_key(other, op, out_letters))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
@@ -203,11 +205,8 @@ class Contraction:
                 # some of a head's entries carry no coordinate (a pinned query times a rotary table one of whose
                 # rows is a parameter: MLCD): that data differs per head and stays when the heads move
                 self.w.c.pin(blocks, "a head's entries include data that differs from head to head", self.node)
-            elif differs - _letters_of(chan, op.letters):
-                # keys that differ from head to head with the same coordinates in every head (rebuilt from pieces
-                # along the heads axis): a head permutation would leave them in place
-                self.w.c.pin(blocks, "heads multiplied by keys that differ from head to head without moving with "
-                             "them", self.node)
+            else:  # keys rebuilt from pieces along the heads axis: the same coordinates in every head
+                self._pin_heads_beside_unlabelled_data(blocks, differs, [chan], op, "keys")
         self.w.c.rowlinks.append((blocks.numpy(), first_a.numpy(), self.node))
         self.w.c.rowlinks.append((blocks.numpy(), first_b.numpy(), self.node))
         view = [sizes[l] if l in fiber else 1 for l in out_letters]
@@ -225,15 +224,14 @@ class Contraction:
         return f"{other.source}|{spell(map(rename.get, other.letters))},{spell(map(rename.get, op.letters))}" \
                f"->{spell(map(rename.get, out_letters))}"
 
-    def _pin_heads_beside_unlabelled_data(self, chan: Chan, letters: set[str], other: Operand) -> None:
-        """Heads (a block channel) passing a product whose other operand differs from head to head along
-        ``letters`` must carry that operand's per-head values with them: only coordinates that vary along those
-        letters move there. Where none do (values joined from pieces along the heads axis, then tied as a data
-        axis; labels lost to an unknown op), a head permutation would leave the values in place: pin the heads."""
-        if not chan.block or not letters:
-            return
-        if not any(not c.block and letters <= _letters_of(c, other.letters) for c in other.chans):
-            self.w.c.pin(chan.ids, "heads multiplied by values that differ from head to head without moving with "
+    def _pin_heads_beside_unlabelled_data(self, heads, letters: set[str], chans: list[Chan], op: Operand,
+                                          what: str) -> None:
+        """Heads (block ids) multiplied by ``op``, which differs from head to head along ``letters``, must carry
+        its per-head entries with them: only coordinates of ``chans`` that vary along those letters move there.
+        Where none do (values or keys joined from pieces along the heads axis, then tied as a data axis; labels
+        lost to an unknown op), a head permutation would leave those entries in place: pin the heads."""
+        if letters and not any(not c.block and letters <= _letters_of(c, op.letters) for c in chans):
+            self.w.c.pin(heads, f"heads multiplied by {what} that differ from head to head without moving with "
                          "them", self.node)
 
     def _separate_batch_indices(self, chan: Chan, op: Operand, letters: set[str]) -> None:
