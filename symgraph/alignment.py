@@ -523,9 +523,9 @@ class Aligner:
                                else torch.float32)
         # costs in these units (balance); tensors that trade slots share their role's unit
         self.weights = _slot_weights({k: float((weights or {}).get(k, 1.0)) for k in names}, self.groups)
-        src = {k: _scaled(source[k].detach().to(device=device, dtype=self.dtype), self.weights[k], copy=True)
+        src = {k: _scaled(source[k].detach().to(device=device, dtype=self.dtype, copy=True), self.weights[k])
                for k in names}
-        anc = {k: _scaled(anchor[k].detach().to(device=device, dtype=self.dtype), self.weights[k]) for k in names}
+        anc = {k: _anchor_copy(anchor[k], self.weights[k], device, self.dtype) for k in names}
         self.ws = Workspace(src, anc, tuple(cost_excluded))
         self.anchor_sq = sum(squared_distance(a) for a in anc.values())  # the anchor never moves
         self.elements: list[Element] = []
@@ -918,11 +918,19 @@ def _stage(g: Group) -> float:
     return {"permutation": 1.0, "signed_permutation": 1.0, "scale": 3.0}.get(g.kind, 2.0)
 
 
-def _scaled(x: torch.Tensor, weight: float, *, copy: bool = False) -> torch.Tensor:
-    """``x * weight``; for weight 1, ``x`` itself (the anchor is only read) or, with ``copy``, a copy of it."""
-    if weight != 1.0:
-        return x * weight
-    return x.clone() if copy else x
+def _anchor_copy(x: torch.Tensor, weight: float, device, dtype: torch.dtype) -> torch.Tensor:
+    """The anchor as the aligner reads it: in its own dtype where ``dtype`` holds its values exactly and no weight
+    rescales it (a bf16 anchor beside float32 working copies; the workspace promotes each slice it gathers), which
+    halves a large anchor's copy; else in ``dtype``, times ``weight``."""
+    x = x.detach().to(device=device)
+    if weight == 1.0 and x.is_floating_point() and torch.promote_types(x.dtype, dtype) == dtype:
+        return x
+    return _scaled(x.to(dtype), weight)
+
+
+def _scaled(x: torch.Tensor, weight: float) -> torch.Tensor:
+    """``x * weight``; for weight 1, ``x`` itself."""
+    return x * weight if weight != 1.0 else x
 
 
 def _unique_params(*groups) -> list[str]:

@@ -156,17 +156,31 @@ def apply_in_place(state: dict[str, torch.Tensor], elements: list[Element], *, i
             if isinstance(m, TensorMember):
                 swap_tensors(state, m, e)
                 continue
-            y = state[m.param].movedim(m.axis, 0)  # a view: writing into it writes the tensor
             run = contiguous_run(m.index)
-            if run is not None:  # a whole axis (residual members): slice views, no index gather and scatter
-                block = y[run]
+            idx = None if run is not None else torch.as_tensor(m.index, device=state[m.param].device)
+            for part in split_beside(state[m.param], m.axis):
+                y = part.movedim(m.axis, 0)  # a view: writing into it writes the tensor
+                if run is None:
+                    y[idx] = transform_slice(y[idx], m, e, inverses=inverses)
+                    continue
+                block = y[run]  # a whole axis (residual members): slice views, no index gather and scatter
                 view = block.reshape(*m.index.shape, *block.shape[1:])  # splits the first axis: still a view
                 moved = transform_slice(view, m, e, in_place=True, inverses=inverses)
                 if moved is not view:
                     block.copy_(moved.reshape(block.shape))
-                continue
-            idx = torch.as_tensor(m.index, device=y.device)
-            y[idx] = transform_slice(y[idx], m, e, inverses=inverses)
+
+
+PART = 1 << 24  # elements of a large tensor read or moved at a time (64 MiB of float32)
+
+
+def split_beside(x: torch.Tensor, axis: int) -> list[torch.Tensor]:
+    """``x`` as views split along its longest axis other than ``axis``, each of at most about :data:`PART`
+    elements. An element acts along ``axis`` alone, so it moves ``x`` part by part, and a cost sums over the parts:
+    the temporaries are a part's, not the tensor's (a 3-D expert tensor of a 7B MoE is several GB in float32)."""
+    if x.dim() < 2 or x.numel() <= PART:
+        return [x]
+    other = max((d for d in range(x.dim()) if d != axis % x.dim()), key=lambda d: x.shape[d])
+    return list(x.split(max(1, PART * x.shape[other] // x.numel()), dim=other))
 
 
 def swap_tensors(state: dict[str, torch.Tensor], m: TensorMember, e: Element) -> None:

@@ -47,6 +47,7 @@ from .elements import Element, apply_in_place
 from .errors import InvarianceError, MismatchError
 from .groups import Group
 from .lazy_state import ConvertedState, LazyState, ReadThrough, UntiedState
+from .solve.reduce import squared_distance
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
@@ -470,11 +471,8 @@ class _Job:
     def _add_distance(self, before: torch.Tensor, after: torch.Tensor, anchor: torch.Tensor) -> None:
         if not anchor.is_floating_point():
             return
-        work = _compute_dtype(anchor.dtype)
-        a = anchor.to(work)
-        self.parts += [float((before.to(work) - a).pow(2).sum(dtype=torch.float64)),
-                       float((after.to(work) - a).pow(2).sum(dtype=torch.float64)),
-                       float(a.pow(2).sum(dtype=torch.float64))]
+        # float64 a chunk at a time: whole-tensor differences are several GB for a 7B MoE layer's experts
+        self.parts += [squared_distance(before, anchor), squared_distance(after, anchor), squared_distance(anchor)]
 
 
 def replace_group(e: Element, group: Group) -> Element:

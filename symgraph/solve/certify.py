@@ -26,6 +26,7 @@ from ..elements import Element, transform_slice
 from ..groups import Group, Member
 from .reduce import row_sums
 from .sums import signature
+from .workspace import COPY_BUDGET
 
 BF16_ERROR = 2.0 ** -8  # a float32 rounded to bfloat16 moves by at most 2^-9 of itself; twice that, for safety
 ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
@@ -66,7 +67,7 @@ def keep(ws, g: Group, members: list[Member], margin: np.ndarray, element: Eleme
     ws.certificates.pop(g.id, None)
     if signed_entries is not None and any(m.exponent != 1 for m in members if m.action != "permute"):
         return  # a sign squared does not flip the member: the cost after the move is not the cost permuted
-    if not (margin > 0).all():
+    if not (margin > 0).all() or 2 * ws.elements(g, members) > COPY_BUDGET:  # the snapshot is bf16
         return
     snapshot, sigma, alpha = [], 0.0, 0.0
     for m in members:

@@ -39,6 +39,7 @@ from ..groups import Group, Member
 from . import certify
 from .reduce import CHUNK
 from .sums import layer_of
+from .workspace import COPY_BUDGET
 
 BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits), rounding to nearest
 FP32 = 2.0 ** -24
@@ -58,8 +59,9 @@ def pays_off(ws, g: Group, members: list[Member]) -> bool:
     x = next(iter(ws.src.values()))
     layers = {layer_of(p) for m in members for p in m.params}
     chosen = kernel()
+    copies = 2 * (1 if chosen == "int8" else 2) * ws.elements(g, members)  # both models' members, kept throughout
     return (g.size >= MIN_SIZE and x.device.type == "cpu" and len(layers) == 1 and not g.global_sign
-            and chosen is not None
+            and chosen is not None and copies <= COPY_BUDGET
             and (chosen != "int8" or max(ws.features(m) for m in members) <= INT8_MAX_FEATURES))
 
 

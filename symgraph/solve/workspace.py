@@ -1,8 +1,11 @@
 """The two state dicts a solver reads, and the member slices and cost matrices it gathers from them.
 
-Every solver sees the same :class:`Workspace`: float64 working copies of the source (which moves) and the anchor
-(which never does), restricted to the parameters some group touches. Parameters in ``cost_excluded`` (functionally
-free slices, like a plain-softmax key bias) are still transformed but never enter a cost.
+Every solver sees the same :class:`Workspace`: working copies of the source (which moves) and the anchor (which
+never does), restricted to the parameters some group touches. The anchor may stay in a narrower dtype that the
+source's promotes exactly (a bf16 checkpoint's anchor beside float32 working copies): it is only read, and each slice
+is promoted as it is gathered, which halves what a streamed block of a 7B or MoE model holds. Parameters in
+``cost_excluded`` (functionally free slices, like a plain-softmax key bias) are still transformed but never enter
+a cost.
 """
 from __future__ import annotations
 
@@ -11,10 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..elements import apply_in_place, contiguous_run
+from ..elements import apply_in_place, contiguous_run, split_beside
 from ..groups import Group, Member, TensorMember
 from .reduce import row_sums, squared_distance
 from .sums import COLUMNS, ROWS, SCALAR, MemberSums
+
+
+# bytes of copies of a group's members that a speed-up (the low-precision screen, a descent certificate's
+# snapshot) may keep: past it (the FFN units a 7B MoE layer's experts share, 2.8 GB per bf16 copy) the copies would
+# double a streamed block's peak, and the solve goes without the speed-up
+COPY_BUDGET = 1 << 30
 
 
 @dataclass
@@ -42,23 +51,47 @@ class Workspace:
         free = self._free.get((m.param, m.axis))
         return bool(free) and set(m.index.reshape(-1).tolist()) <= free
 
-    def gather(self, which: str, m: Member) -> torch.Tensor:
+    def gather(self, which: str, m: Member, *, stored: bool = False) -> torch.Tensor:
         """Member slice of ``which`` ("src" or "anc") as (copies, size, block, rest); a tensor member's slots as
-        (copies, size, 1, the tensor flattened)."""
+        (copies, size, 1, the tensor flattened). In the source's working dtype, or with ``stored`` in the dtype
+        it is kept in (for readers that promote as they go)."""
         state = getattr(self, which)
         if isinstance(m, TensorMember):
-            return torch.stack([torch.stack([state[p].reshape(1, -1) for p in row]) for row in m.slots])
-        return gather(state[m.param], m)
+            out = torch.stack([torch.stack([state[p].reshape(1, -1) for p in row]) for row in m.slots])
+        else:
+            out = gather(state[m.param], m)
+        return out if stored else _working(out, self.src[m.params[0]].dtype)
 
-    def flat(self, which: str, m: Member) -> torch.Tensor:
+    def flat(self, which: str, m: Member, *, stored: bool = False) -> torch.Tensor:
         """Member slice as (copies, size, features): block and other axes flattened together."""
-        g = self.gather(which, m)
+        g = self.gather(which, m, stored=stored)
         return g.reshape(g.shape[0], g.shape[1], -1)
+
+    def product(self, first: str, second: str, m: Member) -> np.ndarray:
+        """P[c, i, j] = <coordinate i of ``first``'s slice of ``m``, coordinate j of ``second``'s>, summed a part
+        of the parameter at a time (split beside the axis ``m`` moves): a gathered slice is a copy, and a 3-D
+        expert tensor's is several GB at 7B MoE sizes."""
+        out = None
+        for a, b in zip(self._flat_parts(first, m), self._flat_parts(second, m)):
+            p = torch.einsum("cif,cjf->cij", a, b)
+            out = p if out is None else out.add_(p)
+        return out.cpu().numpy()
+
+    def _flat_parts(self, which: str, m: Member, *, stored: bool = False):
+        """``flat(which, m)`` a part of the parameter at a time (features split beside the axis ``m`` moves)."""
+        if isinstance(m, TensorMember):
+            yield self.flat(which, m, stored=stored)
+            return
+        working = self.src[m.param].dtype
+        for part in split_beside(getattr(self, which)[m.param], m.axis):
+            g = gather(part, m)
+            g = g if stored else _working(g, working)
+            yield g.reshape(g.shape[0], g.shape[1], -1)
 
     def cross(self, members, g: Group) -> np.ndarray:
         """M[c] = sum over members X_src X_anchor^T (source coordinate first)."""
         def term(m):
-            return torch.einsum("cif,cjf->cij", self.flat("src", m), self.flat("anc", m)).cpu().numpy()
+            return self.product("src", "anc", m)
 
         return self.sums.total("cross", ROWS, g, members, term, self.features, (g.copies, g.size, g.size))
 
@@ -66,8 +99,7 @@ class Workspace:
         """G[c] = sum over members X X^T of one model."""
         out = np.zeros((g.copies, g.size, g.size))
         for m in members:
-            x = self.flat(which, m)
-            out += torch.einsum("cif,cjf->cij", x, x).cpu().numpy()
+            out += self.product(which, which, m)
         return out
 
     def sq(self, members, g: Group) -> np.ndarray:
@@ -82,7 +114,7 @@ class Workspace:
         vectors (a per-coordinate scale solved afterwards must not bias the matching). Accumulated member by
         member: the residual stream's members are the whole model, never concatenated."""
         def term(m):
-            return torch.einsum("cif,cjf->cij", self.flat("anc", m), self.flat("src", m)).cpu().numpy()
+            return self.product("anc", "src", m)
 
         shape = (g.copies, g.size, g.size)
         if not normalise:
@@ -99,7 +131,13 @@ class Workspace:
     def unit_sums(self, m: Member, which: str, other: str | None = None) -> np.ndarray:
         """Per coordinate of ``m`` (copies, size): the float64 squared norm of its ``which`` slice, or with
         ``other`` its inner product with that model's slice (read in chunks: no float64 copy of the member)."""
-        return row_sums(self.flat(which, m), None if other is None else self.flat(other, m))
+        others = self._flat_parts(other, m, stored=True) if other is not None else None
+        return sum(row_sums(x, None if others is None else next(others))
+                   for x in self._flat_parts(which, m, stored=True))
+
+    def elements(self, g: Group, members) -> int:
+        """Entries of the members' slices of one model: what a copy of them holds."""
+        return g.copies * g.size * sum(self.features(m) for m in members)
 
     def features(self, m: Member) -> int:
         """Features per coordinate of a member: its block times the size of the parameter's other axes (a
@@ -127,6 +165,10 @@ class Workspace:
         for e in elements:
             for p in e.group.params:
                 self._distance_sq.pop(p, None)
+
+
+def _working(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
