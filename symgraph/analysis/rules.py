@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .constraints import ORTHOGONAL, PRODUCT_FACTOR, PRODUCT_WEIGHT, Restriction, from_group_name, monomial
 from ..pattern import parse_pattern
-from ..spec import MovementSpec, aten_op, operand_names
+from ..spec import MapSpec, MovementSpec, aten_op, operand_names
 from .centring import centred_input, is_centring_mean
 from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
@@ -654,12 +654,19 @@ def _is_labelled_position(node: fx.Node, arg: fx.Node) -> bool:
 
 
 # -- identity, activations -------------------------------------------------------------------------------
+# a cast of real values to an integer or bool dtype: trunc(x) or x != 0 for each coordinate, which only
+# permutations pass
+_ROUNDED = MapSpec(rule="activation", group="permutation")
+
+
 def rule_identity(w, node: fx.Node, spec) -> Value:
     v = w.value(node.args[0])
     if v.points_to is not None and not v.chans:  # indices cast or copied still point there; negated do not
         if not spec.negates:
             return Value(points_to=v.points_to, shape=_shape_of(node))
         return _pin_moved(w, node, "indices negated")
+    if v.chans and _integer(node) and not _integer(node.args[0]):
+        return rule_activation(w, node, _ROUNDED)  # no scale passes a rounding: (2.4 c).long() != c * 2
     chans = v.chans
     if spec.negates:
         chans = [c.scaled(-1.0) for c in chans]
