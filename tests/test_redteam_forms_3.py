@@ -43,3 +43,61 @@ def test_a_cast_between_float_types_keeps_the_scale():
     subject = cast_subject(lambda h: h.float().double())
     assert census(subject).get("ffn scale/positive 12x1") == 1, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Rms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class WeightedStream(nn.Module):
+    """An embedding, one RMSNorm MLP block and a head; ``form`` multiplies a vector read from a parameter into the
+    block: a norm-like weight of its own, the embedding's column sums, or the bias of the layer it multiplies; or
+    adds the norm's weight to the stream."""
+
+    def __init__(self, form: str, vocab: int = 11):
+        super().__init__()
+        self.form = form
+        self.emb, self.norm, self.final = nn.Embedding(vocab, D), Rms(), Rms()
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D, bias=False)
+        self.alpha = nn.Parameter(torch.ones(D))
+        self.head = nn.Linear(D, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = torch.relu(self.a(self.norm(x)))
+        if self.form == "own bias":
+            h = h * self.a.bias
+        out = self.b(h)
+        if self.form == "embedding column sums":
+            out = out * self.emb.weight.sum(0)
+        if self.form == "weight of its own":
+            out = out * self.alpha
+        if self.form == "norm weight added":
+            out = out + self.norm.weight
+        return self.head(self.final(x + out))
+
+
+def weighted_subject(form):
+    return symgraph.load(noisy(WeightedStream(form)).double(), (torch.randint(0, 11, (2, 5)),))
+
+
+@pytest.mark.parametrize("form", ["embedding column sums", "own bias", "norm weight added"])
+def test_a_weight_vector_that_also_moves_as_a_coordinate_is_no_pure_weight(form):
+    """A vector multiplied in as a weight was only permuted by every group, also where the same entries are an
+    embedding's columns (signed with the stream), its own layer's bias (scaled with the ReLU units) or a vector
+    added to the stream: the embedding lost its signs, the bias its scale, the added norm weight its signs."""
+    subject = weighted_subject(form)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_weight_vector_of_its_own_keeps_the_signed_stream():
+    subject = weighted_subject("weight of its own")
+    kinds = census(subject)
+    assert kinds.get("residual signed_permutation 8x1") == 1, kinds
+    assert kinds.get("ffn permutation/positive 12x1") == 1, kinds
+    assert_fuzzed_at_two_shapes(subject)

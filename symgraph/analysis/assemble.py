@@ -194,6 +194,10 @@ class Assembler:
                 r = Restriction(r.orthogonal, r.monomial, r.fixes_ones).normalised()  # (Gemma's 1 + w norm weight)
             table.meet(np.unique(self.cls[ids]), r, reason=f"{why} ({node})")
         table.meet(np.unique(self.cls[self.self_dual]), ORTHOGONAL)  # used as x and as its dual (tied embeddings)
+        self._permute_only_mask()
+        table.meet(np.unique(self.cls[self._moved_weights]), monomial("one"),
+                   reason="a weight vector that also moves as a coordinate (a bias, an embedding column) multiplies "
+                          "its own coordinate: a scale or sign would count twice")
         return table
 
     def _rotary_roles(self) -> dict[str, np.ndarray]:
@@ -294,10 +298,17 @@ class Assembler:
         return flip
 
     def _permute_only_mask(self) -> np.ndarray:
+        """Weight-vector ids that groups only permute. An id whose scale is tied to another coordinate's (a bias
+        added to its linear's rows, an embedding column summed into a weight) moves with that coordinate instead:
+        it is kept in ``_moved_weights``, and its products keep no scale or sign (:meth:`_class_restrictions`)."""
         if not hasattr(self, "_permute_mask"):
             mask = np.zeros(self.n, bool)
             for ids in self.c.permute_only:
                 mask[ids] = True
+            scale_cls = parity_classes(self.n, self.c.ties, keep=lambda product: not product)[0]
+            moved = np.bincount(scale_cls[~mask], minlength=int(scale_cls.max()) + 1 if self.n else 0) > 0
+            self._moved_weights = np.nonzero(mask & moved[scale_cls])[0]
+            mask[self._moved_weights] = False
             self._permute_mask = mask
         return self._permute_mask
 
