@@ -13,7 +13,6 @@ Examples
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from .activations import DATA_MODE
 from .consensus import ALIGN_MODES, shared_float_names
 from .errors import OutputError, SymgraphError
 from .progress import progress_bar
+from .module_state import copied_module
 
 LEARNED = "+learn"  # suffix of a learned mode: the base mode's alignment, then learned matching
 BARRIER_MODES = (*ALIGN_MODES[::-1], DATA_MODE,
@@ -233,7 +233,7 @@ class _Path:
     """Evaluates ``(1 - t) A + t B'`` on the data in one working copy of A's model; ``t = 0`` is evaluated once."""
 
     def __init__(self, anchor: Subject, data, ts: list[float], progress: bool):
-        self.model = copy.deepcopy(anchor.model).eval()
+        self.model = copied_module(anchor.model).eval()
         self.anchor = anchor.state_dict()
         self.names = shared_float_names(self.anchor, frozenset())
         self.data, self.ts, self.progress = data, ts, progress

@@ -12,7 +12,6 @@ for tests and examples.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import OutputError
+from .module_state import copied_module
 
 __all__ = ["SHIPPED_PAIRS", "demo_models", "run_demo", "shipped_pair"]
 
@@ -221,7 +221,7 @@ def _metrics(subject, state, data) -> dict:
     """Test loss and accuracy of ``subject``'s architecture carrying ``state``."""
     from .datasets import evaluate
 
-    model = copy.deepcopy(subject.model)
+    model = copied_module(subject.model)
     model.load_state_dict(state)
     m = evaluate(model, data)
     return {"loss": m.loss, "accuracy": m.accuracy}

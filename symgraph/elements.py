@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .groups import Group, Member, TensorMember
+from .module_state import copied_module
 
 MATRIX_KINDS = ("general_linear", "orthogonal", "rotary")
 
@@ -295,9 +296,7 @@ def _inverse_transpose(e: Element, dtype: torch.dtype, device, inverses: dict | 
 
 def apply_to_model(model: torch.nn.Module, elements: list[Element]) -> torch.nn.Module:
     """A transformed deep copy of ``model`` (the original is untouched); tied weights stay tied."""
-    import copy
-
-    new = copy.deepcopy(model)
+    new = copied_module(model)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     new.load_state_dict(apply(state, elements, dtype=torch.float64), strict=True, assign=False)
     return new

@@ -30,7 +30,6 @@ True
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ from .analysis.walk import uniform_value
 from .errors import InvarianceError, SymgraphError
 from .spec import load_specs
 from .verify import RoundedExact, _aliases, tie_aliases
+from .module_state import copied_module
 
 
 class FoldError(SymgraphError):
@@ -248,7 +248,7 @@ def untied(subject) -> tuple[object, list[str]]:
     has no such flag: a model built from it would tie the weights again, and the folded head would be lost."""
     if not _aliases(subject.model):
         return subject, []
-    model = copy.deepcopy(subject.model)  # its modules share one copy of the config
+    model = copied_module(subject.model)  # its modules share one copy of the config
     config = getattr(model, "config", None)
     for c in [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else []):
         if hasattr(c, "tie_word_embeddings"):
@@ -312,7 +312,7 @@ def folded_subject(subject, inputs=None, untie: bool | None = None):
     from .api import Subject, load
 
     result, subject = _fold_as_asked(load(subject, inputs), True, untie)
-    model = copy.deepcopy(subject.model)
+    model = copied_module(subject.model)
     model.load_state_dict(result.state, strict=True)
     name = subject.name if subject.name.endswith("(folded)") else f"{subject.name} (folded)"
     return Subject(model, name, subject.args, dict(subject.kwargs), subject.config,

@@ -31,7 +31,7 @@ import torch
 from .checkpoint import save_model
 from .errors import ModelLoadError
 from .files import write_atomic, write_text_atomic
-from .module_state import private_tree
+from .module_state import copied_module, private_tree
 
 if TYPE_CHECKING:  # importing transformers is slow; the loaders import it lazily
     from transformers import PretrainedConfig
@@ -283,7 +283,7 @@ def _wrap_module(model: torch.nn.Module, *, name: str, path: Path | None, dtype)
     """A module given to symgraph (by the caller or a factory, which may hand out a module it keeps) is never
     changed: converted in a copy, or put in eval mode in a tree of its own that shares its tensors."""
     if dtype not in (None, "auto") and any(t.is_floating_point() and t.dtype != dtype for t in _tensors(model)):
-        model = copy.deepcopy(model).to(dtype)  # .to(dtype) converts the parameters in place
+        model = copied_module(model).to(dtype)  # .to(dtype) converts the parameters in place
     else:
         model = private_tree(model)
     check_finite(model, f"the parameters of {name}")

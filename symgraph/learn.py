@@ -55,7 +55,6 @@ Examples
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Sequence
@@ -70,6 +69,7 @@ from .errors import SymgraphError
 from .progress import progress_bar
 from .solve.kernels import MAX_CONDITION
 from .synthetic import LENGTH as SYNTHETIC_LENGTH
+from .module_state import copied_module
 
 __all__ = ["LearnError", "LearnOptions", "check_learnable", "held_out", "learn_alignment", "path_loss",
            "training_data"]
@@ -739,7 +739,7 @@ class _InterpolatedLoss:
                  written: frozenset[str] = frozenset()):
         from .verify import tied_copies
 
-        self.module = _Functional(copy.deepcopy(model).eval())
+        self.module = _Functional(copied_module(model).eval())
         self.anchor, self.names, self.task = anchor, list(names), task
         # tied names share one tensor in the module: passing one of them is enough, the one the elements moved
         self.skip = tied_copies(model, written)

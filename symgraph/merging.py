@@ -48,6 +48,7 @@ from .shards import widest_dtype
 from .statistics import LinearLayer, fisher_diagonal, input_grams, linear_layers
 from .datasets import Dataset
 from .synthetic import is_synthetic, learning_only, merge_examples
+from .module_state import copied_module
 
 __all__ = ["METHODS", "MergeResult", "merge", "fisher_average", "regmean_solution", "head_parameters",
            "StreamedMerge", "merge_streamed"]
@@ -916,7 +917,7 @@ def _aligned_on_activations(subjects: list[Subject], datasets: list, reference: 
             continue
         result = align_pair(subject, subjects[reference], mode="full", data=data, fold=False, device=device,
                             dtype=dtype, short_learning=short_learning)
-        model = copy.deepcopy(subject.model)
+        model = copied_module(subject.model)
         model.load_state_dict(result.state)
         out[i] = dataclasses.replace(subject, model=model, weights_from_path=False, _capture=None, _report=None)
         summaries[i] = alignment_summary(result)
@@ -967,7 +968,7 @@ def _datasets_for(data, subjects, batch_size, limit, split) -> list:
 
 def _model_with(subject: Subject, state: State) -> torch.nn.Module:
     """A private copy of the subject's model holding ``state``, in at least float32 (statistics need the range)."""
-    model = copy.deepcopy(subject.model)
+    model = copied_module(subject.model)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     model.to(dtype).load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
     return model

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["attributes_kept", "private_tree", "eval_mode", "gradients_on"]
+__all__ = ["attributes_kept", "copied_module", "private_tree", "eval_mode", "gradients_on"]
 
 #: Per-module dicts a module tree of its own must not share with the caller's (the rest of ``__dict__`` is
 #: shared by a shallow copy: the config, plain attributes; tensors stay the caller's).
@@ -59,6 +59,15 @@ def private_tree(module: torch.nn.Module) -> torch.nn.Module:
         return copies[id(original)]
 
     return own(module)
+
+
+def copied_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(module)``, also where a module keeps a tensor computed from its parameters as a plain
+    attribute (``torch.nn.utils.weight_norm``'s ``weight``, recomputed by a pre-forward hook), which deepcopy
+    refuses: such tensors are copied detached, and the hook computes them anew from the copy's parameters."""
+    memo = {id(value): value.detach().clone() for m in module.modules() for value in vars(m).values()
+            if isinstance(value, torch.Tensor) and not value.is_leaf}
+    return copy.deepcopy(module, memo)
 
 
 @contextlib.contextmanager

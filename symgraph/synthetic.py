@@ -17,7 +17,6 @@ noise they start from. examples/RESULTS.md has every pair.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import math
@@ -31,6 +30,7 @@ from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
 from .inputs import example_inputs
 from .moe import REFERENCE, experts_implementation, use_experts_implementation
+from .module_state import copied_module
 
 __all__ = ["SPEC", "PathJudge", "is_synthetic", "learning_only", "merge_examples", "synthetic_data"]
 
@@ -104,7 +104,7 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         with experts_implementation(model, REFERENCE):
             task = _task(model, endpoints[0], config, seed)  # before copying: a refused model costs no copy
         # one private copy: the endpoints' states are swapped into it
-        twin = use_experts_implementation(copy.deepcopy(model), REFERENCE).eval()
+        twin = use_experts_implementation(copied_module(model), REFERENCE).eval()
         twin.requires_grad_(False)  # inversion differentiates the inputs only
         length = _length(twin, endpoints[0], config, seed, length)
         if max_elements is not None:

@@ -17,7 +17,6 @@ a state changed speaks for all of them (:func:`tie_aliases`), and a state changi
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import InvarianceError, UnverifiableError
-from .module_state import attributes_kept
+from .module_state import attributes_kept, copied_module
 from .moe import REFERENCE, use_experts_implementation
 
 FLOAT64_TOL = 1e-9
@@ -84,7 +83,7 @@ class Evaluator:
 
         self.free_outputs = tuple(free_outputs or ())
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
-        self.model = use_experts_implementation(copy.deepcopy(model), REFERENCE).to(torch.float64).eval()
+        self.model = use_experts_implementation(copied_module(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = _cast_inputs(args, kwargs or {}, torch.float64)
         with float64_default():
             self.probes = every_probe(self.model, args, kwargs) if shapes else [(args, kwargs)]
@@ -257,7 +256,7 @@ def _refusal(name: str, model64: torch.nn.Module, probes: list, exc: Exception) 
     every probe; where that fails too, the model's own code is at fault (it may change itself as it runs)."""
     from .probes import shape_summary
 
-    model32 = copy.deepcopy(model64).to(torch.float32)
+    model32 = copied_module(model64).to(torch.float32)
     for args, kwargs in probes:
         try:
             args32, kwargs32 = _cast_inputs(args, kwargs, torch.float32)

@@ -101,3 +101,36 @@ def test_a_weight_vector_of_its_own_keeps_the_signed_stream():
     assert kinds.get("residual signed_permutation 8x1") == 1, kinds
     assert kinds.get("ffn permutation/positive 12x1") == 1, kinds
     assert_fuzzed_at_two_shapes(subject)
+
+
+WEIGHT_NORMED = '''
+import torch
+from torch import nn
+
+
+def factory():
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(8, 12)), nn.ReLU(), nn.Linear(12, 8))
+    return model, (torch.randn(2, 5, 8),)
+'''
+
+
+def test_a_module_holding_a_computed_weight_is_copied_checked_and_transformed(tmp_path):
+    """torch.nn.utils.weight_norm keeps ``weight`` as a tensor computed from ``weight_g`` and ``weight_v`` (a
+    pre-forward hook recomputes it), which ``copy.deepcopy`` refuses: the float64 check, ``apply_to_model`` and
+    the command line's fuzz crashed with a RuntimeError from deepcopy."""
+    from cli_runner import assert_fuzzed
+
+    model = noisy(nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(D, H)), nn.ReLU(), nn.Linear(H, D))).double()
+    subject = symgraph.load(model, (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject).get("ffn permutation 12x1") == 1, census(subject)  # g would take a scale
+    assert_fuzzed_at_two_shapes(subject)
+    elements = symgraph.sample_elements(subject.report, seed=1)
+    moved = symgraph.apply_to_model(model, elements)
+    x = torch.randn(3, 4, D, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(moved(x), model(x), rtol=1e-10, atol=1e-12)
+        assert not torch.equal(moved[0].weight_v, model[0].weight_v)
+    factory = tmp_path / "weight_normed.py"
+    factory.write_text(WEIGHT_NORMED)
+    assert_fuzzed(f"{factory}:factory", tmp_path)
