@@ -1017,6 +1017,8 @@ def rule_attention(w, node: fx.Node, spec) -> Value:
         Operand(k.chans, ks, lead + "hmd", constant_axes=k.constant_axes), lead + "hnm", scores_shape)
     scores = Value(chans=score_chans, shape=scores_shape)
     mask_value = w.value(mask) if isinstance(mask, fx.Node) else None
+    if args["is_causal"]:  # the mask the op builds itself differs along both token axes, as a mask passed in does
+        mask_value = Value(data=_causal_mask(scores_shape[-2:]), shape=scores_shape[-2:])
     if mask_value is not None:
         scores = _add_values(w, node, scores, mask_value, residual=False, out_shape=scores_shape)
     scores = _softmax_value(w, node, scores, len(scores_shape) - 1)
@@ -1025,6 +1027,10 @@ def rule_attention(w, node: fx.Node, spec) -> Value:
                                                   Operand(v.chans, vs, lead + "hmd", constant_axes=v.constant_axes),
                                                   lead + "hnd", out_shape)
     return Value(chans=chans, shape=out_shape)
+
+
+def _causal_mask(shape) -> torch.Tensor:
+    return torch.zeros(shape).masked_fill(~torch.ones(shape, dtype=torch.bool).tril(), float("-inf"))
 
 
 def _repeat_heads(v: Value, rep: int) -> Value:
