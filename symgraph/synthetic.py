@@ -135,7 +135,12 @@ def _example_inputs(model: torch.nn.Module, config, **shape) -> dict[str, torch.
 
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits of ``model`` carrying ``state`` (one name of each tie; entries missing from it as the model has
-    them)."""
+    them), run in the widest floating dtype ``state`` holds: a checkpoint's stored dtypes (bfloat16 weights beside
+    float32 norms) would meet float32 activations with bfloat16 weights."""
+    from .shards import widest_dtype
+
+    wide = widest_dtype(v.dtype for v in state.values() if v.is_floating_point())
+    state = {k: v.to(wide) if v.is_floating_point() else v for k, v in state.items()}
     return logits_of(torch.func.functional_call(model, state, (), inputs, strict=False))
 
 
