@@ -402,6 +402,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
     _check_stored_dtypes(model, folder, weights[0])
+    _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
     model.eval()
     if stored:
@@ -495,6 +496,27 @@ def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
             hint="the checkpoint was written wrongly (or quantised in a format transformers cannot read back): "
             "re-save it from the floating-point model.",
         )
+
+
+def _check_ties_kept(model, folder: Path) -> None:
+    """transformers leaves a tie untied (and only warns) where the checkpoint stores both tensors with different
+    values: refused, as the model loaded is not the one config.json describes, and written back it would be tied."""
+    from .checkpoint import _declared_ties
+
+    state = model.state_dict()
+    for tied, source in _declared_ties(model).items():
+        if tied in state and source in state and state[tied].data_ptr() != state[source].data_ptr():
+            raise tied_copies_differ(folder, tied, source)
+
+
+def tied_copies_differ(folder: Path, tied: str, source: str) -> ModelLoadError:
+    """The error for a checkpoint storing both tensors of a tie (``tied`` and ``source``) with different values."""
+    return ModelLoadError(
+        f"config.json in '{folder}' ties {tied} to {source}, but the checkpoint stores both with different values: "
+        "transformers then leaves them untied (and only warns), so the model it loads is not the one config.json "
+        "describes, and a written copy would keep one of the two.",
+        hint="if the two are meant to differ, untie them in config.json (e.g. \"tie_word_embeddings\": false); "
+        "else re-save the checkpoint with one copy of the tie (save_pretrained does).")
 
 
 def _stored_float_dtypes(folder: Path, weights: Path) -> dict[str, torch.dtype]:

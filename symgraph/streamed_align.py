@@ -272,11 +272,16 @@ def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
 
 
 def _refuse_ties_stored_twice(ties: list[list[str]], state, groups) -> None:
-    """A tie stored under several names, which a group moves: streamed, the copies would be written differently,
-    and a model loading them keeps one."""
+    """A tie stored under several names with different values (transformers loads them untied), or which a group
+    moves: streamed, the copies would be written differently, and a model loading them keeps one."""
+    from .io import tied_copies_differ
+
     moved = {p for g in groups for p in g.params}
     for tie in ties:
         stored = [n for n in tie if n in state]
+        differ = next((n for n in stored[1:] if not torch.equal(state[n], state[stored[0]])), None)
+        if differ is not None:
+            raise tied_copies_differ(state.folder, differ, stored[0])
         if len(stored) > 1 and moved & set(tie):
             raise MismatchError(f"The checkpoint '{state.folder}' stores the tied tensors {' and '.join(stored)} "
                                 f"separately, and a symmetry group moves {sorted(moved & set(tie))[0]}: streamed, "
