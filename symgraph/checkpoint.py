@@ -25,8 +25,8 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "stored_weight_names", "StoredLayout", "StoredUnit", "owned_tensors",
-           "output_folder", "staged_folder", "write_side_files", "not_carried_over", "carried_metadata",
+__all__ = ["save_model", "hf_layout", "buffer_copies", "stored_weight_names", "StoredLayout", "StoredUnit",
+           "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over", "carried_metadata",
            "file_metadata"]
 
 _log = logging.getLogger(__name__)
@@ -39,7 +39,11 @@ def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch
     ``model_type``). Without a config that transformers can build a model from, ``state`` is returned as is.
     Raises :class:`OutputError` when the keys are not the model's, or when tensors the model ties differ.
     """
-    model = _meta_model(config)
+    return _laid_out(state, _meta_model(config))
+
+
+def _laid_out(state: Mapping[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """:func:`hf_layout` for the empty model ``model`` (None: ``state`` as it is)."""
     if model is None:
         return dict(state)
     _check_keys(state, model)
@@ -55,6 +59,16 @@ def stored_weight_names(config: Any) -> set[str] | None:
         return None
     floating = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
     return set(_as_stored(model, floating, check_ties=False))
+
+
+def buffer_copies(model, names) -> list[str]:
+    """Of the stored ``names``, those that copy a buffer ``model`` computes itself and does not store (a
+    ``rotary_emb.inv_freq`` stored in every layer, ``embeddings.position_ids``: older versions of its class stored
+    them). transformers skips them on loading and the model never reads them, so a written model keeps them as
+    stored."""
+    stored = set(model.state_dict())
+    own = {tuple(n.split(".")[-2:]) for n, _ in model.named_buffers() if n not in stored}
+    return [n for n in names if n not in stored and tuple(n.split(".")[-2:]) in own]
 
 
 def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) -> dict[str, torch.Tensor]:
@@ -275,11 +289,23 @@ def save_model(
     ['config.json', 'model.safetensors']
     """
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
-    tensors = owned_tensors(hf_layout(_checked(state_dict), config if config is not None else _config_of(like_dir)))
+    model = _meta_model(config if config is not None else _config_of(like_dir))
+    tensors = _laid_out(_checked(state_dict), model)
+    tensors = owned_tensors({**tensors, **_carried_buffers(like_dir, model, tensors)})
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
+
+
+def _carried_buffers(like_dir: Path | None, model, written) -> dict[str, torch.Tensor]:
+    """The copies of ``model``'s own buffers (:func:`buffer_copies`) that ``like_dir``'s checkpoint stores and
+    ``written`` lacks, as stored: transformers skipped them loading the input, and the output keeps them."""
+    if like_dir is None or model is None:
+        return {}
+    from .io import stored_tensors
+
+    return stored_tensors(like_dir, lambda names: [n for n in buffer_copies(model, names) if n not in written])
 
 
 def carried_metadata(folders) -> dict[str, str]:

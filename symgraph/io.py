@@ -42,6 +42,7 @@ __all__ = [
     "load_model",
     "save_model",
     "state_dict_of",
+    "stored_tensors",
     "write_atomic",
     "write_text_atomic",
     "WEIGHT_FILES",
@@ -377,7 +378,8 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         kwargs["dtype"] = dtype if dtype is not None else widest_dtype(
             [*stored.values(), *([named] if isinstance(named, torch.dtype) else [])])
     try:
-        model, loading_info = cls.from_pretrained(str(folder), **kwargs)
+        with _skipped_keys() as skipped:
+            model, loading_info = cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
         mismatches = _shape_mismatches(cls, config, folder, weights[0])
         if mismatches:  # transformers only logs these; spell them out
@@ -395,12 +397,17 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
             hint="check that the weights match config.json (same model_type and sizes) and are complete; "
             "re-download or re-save the checkpoint if a file is damaged.",
         ) from exc
+    # a parameter the class may go without is still filled at random; a buffer starts from its fixed value
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [*(loading_info.get("missing_keys") or ()), *(k for k in skipped["missing_keys"] if k in params)]
+    loading_info = {**loading_info, "missing_keys": missing}
     try:
         _check_loading_info(loading_info, model, folder, weights[0])
     except ModelLoadError as exc:
         if _architecture_class(config_dict) is not None:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
+    _check_skipped(skipped["unexpected_keys"], model, folder, weights[0])
     _check_stored_dtypes(model, folder, weights[0])
     _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
@@ -478,6 +485,54 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
             "config.json's \"architectures\" and sizes describe these weights, or re-save the checkpoint from the "
             "model it came from.",
         )
+
+
+@contextlib.contextmanager
+def _skipped_keys():
+    """The keys transformers leaves out of its loading report because the model's class declares it may go
+    without them or skip them (``_keys_to_ignore_on_load_missing`` / ``_unexpected``: multi-token-prediction
+    layers, buffers older versions stored), recorded as ``{"missing_keys": set, "unexpected_keys": set}``."""
+    from transformers import PreTrainedModel
+
+    skipped: dict[str, set[str]] = {"missing_keys": set(), "unexpected_keys": set()}
+    adjust = getattr(PreTrainedModel, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is None:  # another transformers: nothing left out that we could see
+        yield skipped
+        return
+
+    def recording(model, info):
+        before = {key: set(getattr(info, key)) for key in skipped}
+        adjust(model, info)
+        for key in skipped:
+            skipped[key] |= before[key] - set(getattr(info, key))
+
+    PreTrainedModel._adjust_missing_and_unexpected_keys = recording
+    try:
+        yield skipped
+    finally:
+        PreTrainedModel._adjust_missing_and_unexpected_keys = adjust
+
+
+def _check_skipped(names, model, folder: Path, weights: Path) -> None:
+    """Stored tensors the model's class skips on loading are refused, but for copies of its own buffers (carried
+    into written models as stored): symgraph cannot move them with the weights it changes, and leaving them out
+    or unmoved would lose them or break what reads them (transformers' MtpModel reads multi-token-prediction
+    layers beside the model)."""
+    from .checkpoint import buffer_copies
+
+    lost = sorted(set(names) - set(buffer_copies(model, names)))
+    if lost:
+        raise unloaded_tensors_error(f"The weights in '{folder}' ({weights.name})", model, lost)
+
+
+def unloaded_tensors_error(where: str, model, names: list[str]) -> ModelLoadError:
+    """The error for stored tensors ``names`` that ``model`` does not load (and that are no buffer copies)."""
+    return ModelLoadError(
+        f"{where} hold {len(names)} tensor(s) that {type(model).__name__} skips on loading (multi-token-prediction "
+        f"layers or the like): {_some(names)}. symgraph cannot move them with the weights it changes, so a written "
+        "model would lose them or hold them unmoved.",
+        hint="to work on the model without them, pass a copy of the checkpoint that leaves them out (the written "
+        "model then lacks them too).")
 
 
 def _some(names: list[str], limit: int = 4) -> str:
@@ -560,6 +615,23 @@ def _stored_dtypes(folder: Path, weights: Path):
         for key, value in stored.items():
             if isinstance(value, torch.Tensor):
                 yield key, str(value.dtype).removeprefix("torch."), value.is_floating_point(), file
+
+
+def stored_tensors(folder: Path, pick) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint in ``folder`` that ``pick`` (stored names -> the names wanted) picks, as
+    stored (safetensors or .bin); none without weights."""
+    from safetensors import safe_open
+
+    weights = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    out: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder, weights) if weights is not None else ():
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as handle:
+                out.update({key: handle.get_tensor(key) for key in pick(list(handle.keys()))})
+        else:
+            stored = torch.load(file, map_location="cpu", weights_only=True)
+            out.update({key: stored[key] for key in pick([k for k, v in stored.items() if torch.is_tensor(v)])})
+    return out
 
 
 def _model_key(model, stored_key: str, model_keys: set[str]) -> str:

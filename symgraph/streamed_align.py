@@ -136,6 +136,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
     model, config, groups, norms, untied, layout = streamed_groups(source, src, fold=fold, untie=untie)
     src, anc = ConvertedState(src, layout), ConvertedState(anc, layout)  # the model's names and layout
+    _refuse_unloaded(src, model)
     stored = src  # model tensors <-> stored tensors, for writing in the checkpoint's layout
     if untied:
         src, anc = UntiedState(src, untied), UntiedState(anc, untied)
@@ -269,6 +270,19 @@ def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
         if len(stored) == 1:
             names.update({n: stored[0] for n in tie if n != stored[0]})
     return names
+
+
+def _refuse_unloaded(state, model) -> None:
+    """Stored tensors the model does not hold (multi-token-prediction layers) would be written unmoved beside
+    moved weights: refused, as loading refuses them; copies of the model's own buffers are written as stored."""
+    from .checkpoint import buffer_copies
+    from .io import unloaded_tensors_error
+
+    own = set(model.state_dict())
+    foreign = [n for n in state if n not in own]
+    lost = sorted(set(foreign) - set(buffer_copies(model, foreign)))
+    if lost:
+        raise unloaded_tensors_error(f"The weights in '{state.folder}'", model, lost)
 
 
 def _refuse_ties_stored_twice(ties: list[list[str]], state, groups) -> None:

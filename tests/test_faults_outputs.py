@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import safetensors.torch
 import torch
+import transformers
 
 from cli_runner import run
 from symgraph import zoo
@@ -61,3 +63,70 @@ def test_tied_copies_stored_with_different_values_are_refused(tmp_path):
         assert not (tmp_path / "out").exists()
     code, _, err = run("transform", anchor, "-o", tmp_path / "out")  # equal copies: one tie, as transformers loads
     assert code == 0, err
+
+
+def _with_extra(folder, family: str, extra: dict[str, torch.Tensor], **overrides):
+    """``family``'s checkpoint saved by transformers, with ``extra`` tensors added to it."""
+    zoo.build(family, **overrides).save_pretrained(folder)
+    file = folder / "model.safetensors"
+    safetensors.torch.save_file({**safetensors.torch.load_file(file), **extra}, file, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("llama", {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8) for i in range(2)}),
+    ("bert", {"bert.embeddings.position_ids": torch.arange(64)[None]}),
+])
+def test_stored_copies_of_buffers_are_written_as_stored(tmp_path, family, extra):
+    """Older checkpoints store buffers the model now computes itself; transformers skips them on loading, and
+    written models dropped them."""
+    folder = _with_extra(tmp_path / "m", family, extra)
+    for args in (["transform", folder], ["align", folder, folder, "--quiet"]):
+        code, _, err = run(*args, "-o", tmp_path / args[0])
+        assert code == 0, err
+        written = _stored(tmp_path / args[0])
+        assert written.keys() == _stored(folder).keys()
+        assert all(written[k].dtype == v.dtype and torch.equal(written[k], v) for k, v in extra.items())
+
+
+def _deepseek_v3_with_mtp(folder, seed: int):
+    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer, stored as model.layers.61 (its class skips
+    those keys on loading; transformers' MtpModel reads them beside the model)."""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    file = folder / "model.safetensors"
+    mtp = {"model.layers.61.eh_proj.weight": torch.randn(32, 64), "model.layers.61.enorm.weight": torch.ones(32)}
+    safetensors.torch.save_file({**safetensors.torch.load_file(file), **mtp}, file, metadata={"format": "pt"})
+    return folder
+
+
+def test_tensors_the_model_skips_on_loading_are_refused(tmp_path):
+    """A written model lost them (in memory) or held them unmoved beside a moved residual stream (streamed)."""
+    folder, anchor = _deepseek_v3_with_mtp(tmp_path / "m", 0), _deepseek_v3_with_mtp(tmp_path / "anchor", 1)
+    for args in (["transform", folder], ["align", folder, anchor, "--stream", "--quiet"]):
+        code, _, err = run(*args, "-o", tmp_path / "out")
+        assert code == 2 and "model.layers.61.eh_proj.weight" in err and "skips on loading" in err, err
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_parameter_the_class_may_go_without_is_still_missing(tmp_path, monkeypatch):
+    """transformers leaves keys a class lists in _keys_to_ignore_on_load_missing out of its report, and fills
+    them at random all the same."""
+    from symgraph.errors import ModelLoadError
+    from symgraph.io import load_model
+
+    monkeypatch.setattr(transformers.BertForSequenceClassification, "_keys_to_ignore_on_load_missing",
+                        [r"classifier\.bias"])
+    zoo.build("bert").save_pretrained(tmp_path / "m")
+    file = tmp_path / "m" / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    del stored["classifier.bias"]
+    safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing from the file .*: classifier\.bias"):
+        load_model(tmp_path / "m")
