@@ -26,8 +26,8 @@ from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
 __all__ = ["save_model", "hf_layout", "buffer_copies", "stored_weight_names", "StoredLayout", "StoredUnit",
-           "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over", "carried_metadata",
-           "file_metadata"]
+           "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
+           "carried_metadata", "file_metadata"]
 
 _log = logging.getLogger(__name__)
 
