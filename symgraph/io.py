@@ -415,7 +415,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
     if stored:
         model.config.dtype = config_dtype  # the dtype config.json names, not the one the model was loaded in
     return LoadedModel(model=model, config=getattr(model, "config", config), path=folder, name=name,
-                       stored_dtypes=_narrower_stored(model, stored))
+                       stored_dtypes=_narrower_stored(model, stored, folder))
 
 
 def _refuse_foreign(paths) -> None:
@@ -587,13 +587,33 @@ def _stored_float_dtypes(folder: Path, weights: Path) -> dict[str, torch.dtype]:
     return {key: dtype for key, dtype in found.items() if isinstance(dtype, torch.dtype)}
 
 
-def _narrower_stored(model, stored: Mapping[str, torch.dtype]) -> dict[str, torch.dtype]:
+def _narrower_stored(model, stored: Mapping[str, torch.dtype], folder: Path) -> dict[str, torch.dtype]:
     """Model key -> stored dtype of the parameters ``stored`` (stored key -> dtype) holds in a dtype other than
-    the model's."""
+    the model's. Tensors loaded into one parameter (experts stored one by one) must share their dtype."""
     own = model.state_dict()
     floating = {k for k, v in own.items() if v.is_floating_point()}
-    by_key = {_model_key(model, key, floating): dtype for key, dtype in stored.items()}
+    parts: dict[str, dict[str, torch.dtype]] = {}
+    for key, dtype in stored.items():
+        parts.setdefault(_model_key(model, key, floating), {})[key] = dtype
+    mixed = next((key for key, dtypes in parts.items() if len(set(dtypes.values())) > 1), None)
+    if mixed is not None:
+        raise mixed_dtypes_error(folder, mixed, parts[mixed])
+    by_key = {key: next(iter(dtypes.values())) for key, dtypes in parts.items()}
     return {key: dtype for key, dtype in by_key.items() if key in floating and own[key].dtype != dtype}
+
+
+def mixed_dtypes_error(folder: Path, model_key: str, dtypes: Mapping[str, torch.dtype]) -> ModelLoadError:
+    """The error for stored tensors (``dtypes``: name -> dtype) of different dtypes that transformers loads into
+    the one parameter ``model_key``."""
+    first: dict[torch.dtype, str] = {}  # a tensor of each dtype
+    for name, dtype in sorted(dtypes.items()):
+        first.setdefault(dtype, name)
+    named = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for dtype, name in first.items())
+    return ModelLoadError(
+        f"The checkpoint '{folder}' stores the tensors transformers loads into {model_key} in different dtypes "
+        f"({named}): symgraph writes them back from that one tensor, in one dtype, so some would not keep their "
+        "stored dtype.",
+        hint="convert them to one dtype first (the widest, to lose nothing), then pass that checkpoint.")
 
 
 def _stored_dtypes(folder: Path, weights: Path):

@@ -137,6 +137,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     model, config, groups, norms, untied, layout = streamed_groups(source, src, fold=fold, untie=untie)
     src, anc = ConvertedState(src, layout), ConvertedState(anc, layout)  # the model's names and layout
     _refuse_unloaded(src, model)
+    _refuse_mixed_units(src)
     stored = src  # model tensors <-> stored tensors, for writing in the checkpoint's layout
     if untied:
         src, anc = UntiedState(src, untied), UntiedState(anc, untied)
@@ -283,6 +284,17 @@ def _refuse_unloaded(state, model) -> None:
     lost = sorted(set(foreign) - set(buffer_copies(model, foreign)))
     if lost:
         raise unloaded_tensors_error(f"The weights in '{state.folder}'", model, lost)
+
+
+def _refuse_mixed_units(state: ConvertedState) -> None:
+    """Stored tensors of different dtypes that transformers loads into one parameter (experts stored one by one)
+    are refused, as loading refuses them: written back from that parameter, in one dtype, some would change."""
+    from .io import mixed_dtypes_error
+
+    for unit in dict.fromkeys(state.unit_of_stored.values()):
+        dtypes = {n: state.state.info(n).dtype for n in unit.stored if n in state.state}
+        if len(set(dtypes.values())) > 1:
+            raise mixed_dtypes_error(state.folder, unit.model[0], dtypes)
 
 
 def _refuse_ties_stored_twice(ties: list[list[str]], state, groups) -> None:

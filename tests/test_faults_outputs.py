@@ -3,6 +3,7 @@ which and why), in its stored dtype, and checkpoints transformers would load oth
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import safetensors.torch
@@ -130,3 +131,43 @@ def test_a_parameter_the_class_may_go_without_is_still_missing(tmp_path, monkeyp
     safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"missing from the file .*: classifier\.bias"):
         load_model(tmp_path / "m")
+
+
+def _mixtral(folder, seed: int, dtype_of):
+    """A Mixtral checkpoint (experts stored one by one, fused on loading) whose tensors ``dtype_of(name)`` stores."""
+    zoo.build("mixtral", seed=seed).save_pretrained(folder)
+    file = folder / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    safetensors.torch.save_file({k: v.to(dtype_of(k)) for k, v in stored.items()}, file, metadata={"format": "pt"})
+    return folder
+
+
+def test_experts_stored_in_different_dtypes_are_refused(tmp_path):
+    """transformers loads every expert's w1 and w3 into one fused parameter, written back in one dtype: expert 0's
+    bfloat16 tensors came back float32 (in memory) or stopped the write with an error blaming symgraph
+    (streamed)."""
+    def dtype_of(name):
+        return torch.bfloat16 if ".experts.0." in name else torch.float32
+
+    folder, anchor = _mixtral(tmp_path / "m", 0, dtype_of), _mixtral(tmp_path / "anchor", 1, dtype_of)
+    for args in (["transform", folder], ["align", folder, anchor, "--stream", "--quiet"]):
+        code, _, err = run(*args, "-o", tmp_path / "out")
+        pair = r"experts\.0\.(w\d)\.weight bfloat16, \S+experts\.1\.\1\.weight float32"  # one of each dtype
+        assert code == 2 and re.search(pair, err), err
+        assert not (tmp_path / "out").exists()
+
+
+def test_experts_stored_narrower_than_the_rest_keep_their_dtype(tmp_path):
+    """bfloat16 experts beside a float32 router and norms (config dtype bfloat16), and the reverse."""
+    for experts, rest in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        def dtype_of(name):
+            return experts if ".experts." in name else rest
+
+        folder = _mixtral(tmp_path / f"m-{experts}", 0, dtype_of)
+        anchor = _mixtral(tmp_path / f"anchor-{experts}", 1, dtype_of)
+        for args in (["transform", folder], ["align", folder, anchor, "--quiet"],
+                     ["align", folder, anchor, "--stream", "--quiet"]):
+            out = tmp_path / f"out-{experts}-{len(args)}"
+            code, _, err = run(*args, "-o", out)
+            assert code == 0, err
+            assert {k: v.dtype for k, v in _stored(out).items()} == {k: v.dtype for k, v in _stored(folder).items()}
