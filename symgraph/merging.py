@@ -474,7 +474,7 @@ def _streamed_plan(states, models) -> list:
     first = states[0]
     for position, other in enumerate(states[1:], start=2):
         check_same_tensors(first, other, f"Model 1 ({models[0]}) and model {position} ({models[position - 1]})",
-                           hint="merge checkpoints of one architecture and configuration.")
+                           hint="pass checkpoints of one architecture and configuration.")
         check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, widest_dtype(s.info(k).dtype for s in states)) for k in first]
@@ -504,8 +504,8 @@ def _fixed_tensor(name: str, tensors: Sequence[torch.Tensor], models: Sequence[A
 
 
 def _check_complete(state, model) -> None:
-    """Refuse a checkpoint that lacks weights its config's architecture needs: the merge would be written without
-    them, and loading it would fill them in at random."""
+    """Refuse a checkpoint that lacks weights its config's architecture needs: the merge (or alignment) would be
+    written without them, and loading it would fill them in at random."""
     from .checkpoint import _config_of, stored_weight_names
     from .io import _some
 
@@ -513,10 +513,10 @@ def _check_complete(state, model) -> None:
     missing = sorted(needed - set(state)) if needed is not None else []
     if missing:
         raise ModelLoadError(
-            f"The checkpoint of model 1 ({model}) lacks {len(missing)} tensor(s) that the architecture in its "
-            f"config.json needs: {_some(missing)}. Every model stores the same tensors, so the merge would lack "
-            "them too, and loading it would initialise them at random.",
-            hint="merge complete checkpoints (re-save them with save_pretrained), or check that config.json "
+            f"The checkpoint '{model}' lacks {len(missing)} tensor(s) that the architecture in its config.json "
+            f"needs: {_some(missing)}. Every input stores the same tensors, so the model written would lack them "
+            "too, and loading it would initialise them at random.",
+            hint="pass complete checkpoints (re-save them with save_pretrained), or check that config.json "
                  "describes these weights.")
 
 

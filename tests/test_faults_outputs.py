@@ -171,3 +171,16 @@ def test_experts_stored_narrower_than_the_rest_keep_their_dtype(tmp_path):
             code, _, err = run(*args, "-o", out)
             assert code == 0, err
             assert {k: v.dtype for k, v in _stored(out).items()} == {k: v.dtype for k, v in _stored(folder).items()}
+
+
+def test_a_streamed_alignment_of_incomplete_checkpoints_names_no_merge(tmp_path):
+    """align --stream checks completeness as merge --stream does; its message spoke of a merge."""
+    folders = []
+    for seed in (0, 1):
+        folder = _llama(tmp_path / f"m{seed}", seed, torch.float32)
+        stored = safetensors.torch.load_file(folder / "model.safetensors")
+        del stored["model.norm.weight"]
+        safetensors.torch.save_file(stored, folder / "model.safetensors", metadata={"format": "pt"})
+        folders.append(folder)
+    code, _, err = run("align", *folders, "--stream", "--quiet", "-o", tmp_path / "out")
+    assert code == 2 and "model.norm.weight" in err and "at random" in err and "merge" not in err, err
