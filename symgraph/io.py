@@ -397,17 +397,13 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
             hint="check that the weights match config.json (same model_type and sizes) and are complete; "
             "re-download or re-save the checkpoint if a file is damaged.",
         ) from exc
-    # a parameter the class may go without is still filled at random; a buffer starts from its fixed value
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [*(loading_info.get("missing_keys") or ()), *(k for k in skipped["missing_keys"] if k in params)]
-    loading_info = {**loading_info, "missing_keys": missing}
     try:
         _check_loading_info(loading_info, model, folder, weights[0])
     except ModelLoadError as exc:
         if _architecture_class(config_dict) is not None:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
-    _check_skipped(skipped["unexpected_keys"], model, folder, weights[0])
+    _check_skipped(skipped, model, folder, weights[0])
     _check_stored_dtypes(model, folder, weights[0])
     _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
@@ -489,22 +485,22 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
 
 @contextlib.contextmanager
 def _skipped_keys():
-    """The keys transformers leaves out of its loading report because the model's class declares it may go
-    without them or skip them (``_keys_to_ignore_on_load_missing`` / ``_unexpected``: multi-token-prediction
-    layers, buffers older versions stored), recorded as ``{"missing_keys": set, "unexpected_keys": set}``."""
+    """The stored keys transformers leaves out of its loading report because the model's class declares it skips
+    them (``_keys_to_ignore_on_load_unexpected``: multi-token-prediction layers, buffers older versions stored),
+    recorded in a set. (Keys a class declares it may go without, ``_keys_to_ignore_on_load_missing``, it builds
+    itself: Marian's sinusoidal position embeddings, which it never saves.)"""
     from transformers import PreTrainedModel
 
-    skipped: dict[str, set[str]] = {"missing_keys": set(), "unexpected_keys": set()}
+    skipped: set[str] = set()
     adjust = getattr(PreTrainedModel, "_adjust_missing_and_unexpected_keys", None)
     if adjust is None:  # another transformers: nothing left out that we could see
         yield skipped
         return
 
     def recording(model, info):
-        before = {key: set(getattr(info, key)) for key in skipped}
+        before = set(info.unexpected_keys)
         adjust(model, info)
-        for key in skipped:
-            skipped[key] |= before[key] - set(getattr(info, key))
+        skipped.update(before - set(info.unexpected_keys))
 
     PreTrainedModel._adjust_missing_and_unexpected_keys = recording
     try:

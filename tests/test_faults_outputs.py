@@ -116,23 +116,6 @@ def test_tensors_the_model_skips_on_loading_are_refused(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
-def test_a_parameter_the_class_may_go_without_is_still_missing(tmp_path, monkeypatch):
-    """transformers leaves keys a class lists in _keys_to_ignore_on_load_missing out of its report, and fills
-    them at random all the same."""
-    from symgraph.errors import ModelLoadError
-    from symgraph.io import load_model
-
-    monkeypatch.setattr(transformers.BertForSequenceClassification, "_keys_to_ignore_on_load_missing",
-                        [r"classifier\.bias"])
-    zoo.build("bert").save_pretrained(tmp_path / "m")
-    file = tmp_path / "m" / "model.safetensors"
-    stored = safetensors.torch.load_file(file)
-    del stored["classifier.bias"]
-    safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"missing from the file .*: classifier\.bias"):
-        load_model(tmp_path / "m")
-
-
 def _mixtral(folder, seed: int, dtype_of):
     """A Mixtral checkpoint (experts stored one by one, fused on loading) whose tensors ``dtype_of(name)`` stores."""
     zoo.build("mixtral", seed=seed).save_pretrained(folder)
@@ -184,3 +167,17 @@ def test_a_streamed_alignment_of_incomplete_checkpoints_names_no_merge(tmp_path)
         folders.append(folder)
     code, _, err = run("align", *folders, "--stream", "--quiet", "-o", tmp_path / "out")
     assert code == 2 and "model.norm.weight" in err and "at random" in err and "merge" not in err, err
+
+
+def test_tensors_a_class_builds_itself_need_not_be_stored(tmp_path):
+    """Marian never saves its sinusoidal position embeddings (parameters it builds itself and lists as keys it may
+    go without): its checkpoints load, and written ones leave them out as save_pretrained does."""
+    config = transformers.MarianConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        decoder_start_token_id=0)
+    torch.manual_seed(0)
+    transformers.MarianMTModel(config).eval().save_pretrained(tmp_path / "m")
+    code, _, err = run("transform", tmp_path / "m", "-o", tmp_path / "out")
+    assert code == 0, err
+    assert _stored(tmp_path / "out").keys() == _stored(tmp_path / "m").keys()
