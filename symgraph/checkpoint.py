@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from .errors import OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
-__all__ = ["save_model", "hf_layout", "buffer_copies", "stored_weight_names", "StoredLayout", "StoredUnit",
+__all__ = ["save_model", "hf_layout", "carried_as_stored", "stored_weight_names", "StoredLayout", "StoredUnit",
            "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
            "carried_metadata", "file_metadata"]
 
@@ -61,14 +61,32 @@ def stored_weight_names(config: Any) -> set[str] | None:
     return set(_as_stored(model, floating, check_ties=False))
 
 
-def buffer_copies(model, names) -> list[str]:
-    """Of the stored ``names``, those that copy a buffer ``model`` computes itself and does not store (a
-    ``rotary_emb.inv_freq`` stored in every layer, ``embeddings.position_ids``: older versions of its class stored
-    them). transformers skips them on loading and the model never reads them, so a written model keeps them as
-    stored."""
-    stored = set(model.state_dict())
-    own = {tuple(n.split(".")[-2:]) for n, _ in model.named_buffers() if n not in stored}
-    return [n for n in names if n not in stored and tuple(n.split(".")[-2:]) in own]
+def carried_as_stored(model, names) -> list[str]:
+    """Of the stored ``names``, those a written model keeps as stored: tensors ``model`` does not hold, which
+    transformers skips on loading (the class's ``_keys_to_ignore_on_load_unexpected``) and which no weight of the
+    model concerns: copies of a buffer it computes itself (a ``rotary_emb.inv_freq`` stored in every layer,
+    ``embeddings.position_ids``), or stale entries of a module it has (GPT-2's causal mask ``attn.bias``), all of
+    which older versions of its class stored. Anything else it skips (multi-token-prediction layers, a decoder
+    beside an encoder) lies in modules it does not have and reads its weights."""
+    own = set(model.state_dict())
+    foreign = [n for n in names if n not in own]
+    skipped = _skipped_on_load(model, foreign)
+    buffers = {tuple(n.split(".")[-2:]) for n, _ in model.named_buffers() if n not in own}
+    modules = dict(model.named_modules())
+    return [n for n in foreign if n in skipped and (
+        tuple(n.split(".")[-2:]) in buffers or n.rpartition(".")[0] in modules)]
+
+
+def _skipped_on_load(model, names) -> set[str]:
+    """Of the stored ``names`` the model does not hold, those transformers' loading leaves out of its report."""
+    from types import SimpleNamespace
+
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is None:  # another transformers: nothing is known to be skipped
+        return set()
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(names))
+    adjust(info)
+    return set(names) - set(info.unexpected_keys)
 
 
 def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) -> dict[str, torch.Tensor]:
@@ -291,21 +309,21 @@ def save_model(
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     model = _meta_model(config if config is not None else _config_of(like_dir))
     tensors = _laid_out(_checked(state_dict), model)
-    tensors = owned_tensors({**tensors, **_carried_buffers(like_dir, model, tensors)})
+    tensors = owned_tensors({**tensors, **_carried_as_stored(like_dir, model, tensors)})
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
 
 
-def _carried_buffers(like_dir: Path | None, model, written) -> dict[str, torch.Tensor]:
-    """The copies of ``model``'s own buffers (:func:`buffer_copies`) that ``like_dir``'s checkpoint stores and
-    ``written`` lacks, as stored: transformers skipped them loading the input, and the output keeps them."""
+def _carried_as_stored(like_dir: Path | None, model, written) -> dict[str, torch.Tensor]:
+    """The tensors ``like_dir``'s checkpoint stores that a written model keeps as stored (:func:`carried_as_stored`)
+    and ``written`` lacks: transformers skipped them loading the input, and the output keeps them."""
     if like_dir is None or model is None:
         return {}
     from .io import stored_tensors
 
-    return stored_tensors(like_dir, lambda names: [n for n in buffer_copies(model, names) if n not in written])
+    return stored_tensors(like_dir, lambda names: [n for n in carried_as_stored(model, names) if n not in written])
 
 
 def carried_metadata(folders) -> dict[str, str]:

@@ -378,8 +378,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         kwargs["dtype"] = dtype if dtype is not None else widest_dtype(
             [*stored.values(), *([named] if isinstance(named, torch.dtype) else [])])
     try:
-        with _skipped_keys() as skipped:
-            model, loading_info = cls.from_pretrained(str(folder), **kwargs)
+        model, loading_info = cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
         mismatches = _shape_mismatches(cls, config, folder, weights[0])
         if mismatches:  # transformers only logs these; spell them out
@@ -403,7 +402,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         if _architecture_class(config_dict) is not None:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
-    _check_skipped(skipped, model, folder, weights[0])
+    _check_skipped(model, folder, weights[0])
     _check_stored_dtypes(model, folder, weights[0])
     _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
@@ -483,40 +482,16 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
         )
 
 
-@contextlib.contextmanager
-def _skipped_keys():
-    """The stored keys transformers leaves out of its loading report because the model's class declares it skips
-    them (``_keys_to_ignore_on_load_unexpected``: multi-token-prediction layers, buffers older versions stored),
-    recorded in a set. (Keys a class declares it may go without, ``_keys_to_ignore_on_load_missing``, it builds
-    itself: Marian's sinusoidal position embeddings, which it never saves.)"""
-    from transformers import PreTrainedModel
+def _check_skipped(model, folder: Path, weights: Path) -> None:
+    """Stored tensors transformers skips on loading, without a word, are refused unless a written model keeps them
+    as stored (:func:`~symgraph.checkpoint.carried_as_stored`): symgraph cannot move them with the weights it
+    changes, and leaving them out or unmoved would lose them or break what reads them (transformers' MtpModel
+    reads multi-token-prediction layers beside the model)."""
+    from .checkpoint import _skipped_on_load, carried_as_stored
 
-    skipped: set[str] = set()
-    adjust = getattr(PreTrainedModel, "_adjust_missing_and_unexpected_keys", None)
-    if adjust is None:  # another transformers: nothing left out that we could see
-        yield skipped
-        return
-
-    def recording(model, info):
-        before = set(info.unexpected_keys)
-        adjust(model, info)
-        skipped.update(before - set(info.unexpected_keys))
-
-    PreTrainedModel._adjust_missing_and_unexpected_keys = recording
-    try:
-        yield skipped
-    finally:
-        PreTrainedModel._adjust_missing_and_unexpected_keys = adjust
-
-
-def _check_skipped(names, model, folder: Path, weights: Path) -> None:
-    """Stored tensors the model's class skips on loading are refused, but for copies of its own buffers (carried
-    into written models as stored): symgraph cannot move them with the weights it changes, and leaving them out
-    or unmoved would lose them or break what reads them (transformers' MtpModel reads multi-token-prediction
-    layers beside the model)."""
-    from .checkpoint import buffer_copies
-
-    lost = sorted(set(names) - set(buffer_copies(model, names)))
+    own = set(model.state_dict())
+    foreign = [key for key, *_ in _stored_dtypes(folder, weights) if _model_key(model, key, own) not in own]
+    lost = sorted(_skipped_on_load(model, foreign) - set(carried_as_stored(model, foreign)))
     if lost:
         raise unloaded_tensors_error(f"The weights in '{folder}' ({weights.name})", model, lost)
 
@@ -524,7 +499,7 @@ def _check_skipped(names, model, folder: Path, weights: Path) -> None:
 def unloaded_tensors_error(where: str, model, names: list[str]) -> ModelLoadError:
     """The error for stored tensors ``names`` that ``model`` does not load (and that are no buffer copies)."""
     return ModelLoadError(
-        f"{where} hold {len(names)} tensor(s) that {type(model).__name__} skips on loading (multi-token-prediction "
+        f"{where} hold {len(names)} tensor(s) that {type(model).__name__} does not load (multi-token-prediction "
         f"layers or the like): {_some(names)}. symgraph cannot move them with the weights it changes, so a written "
         "model would lose them or hold them unmoved.",
         hint="to work on the model without them, pass a copy of the checkpoint that leaves them out (the written "

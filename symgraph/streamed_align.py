@@ -275,13 +275,14 @@ def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
 
 def _refuse_unloaded(state, model) -> None:
     """Stored tensors the model does not hold (multi-token-prediction layers) would be written unmoved beside
-    moved weights: refused, as loading refuses them; copies of the model's own buffers are written as stored."""
-    from .checkpoint import buffer_copies
+    moved weights: refused, as loading refuses them, but for those a written model keeps as stored
+    (:func:`~symgraph.checkpoint.carried_as_stored`)."""
+    from .checkpoint import carried_as_stored
     from .io import unloaded_tensors_error
 
     own = set(model.state_dict())
     foreign = [n for n in state if n not in own]
-    lost = sorted(set(foreign) - set(buffer_copies(model, foreign)))
+    lost = sorted(set(foreign) - set(carried_as_stored(model, foreign)))
     if lost:
         raise unloaded_tensors_error(f"The weights in '{state.folder}'", model, lost)
 
