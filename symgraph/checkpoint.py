@@ -42,12 +42,13 @@ def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch
     return _laid_out(state, _meta_model(config))
 
 
-def _laid_out(state: Mapping[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """:func:`hf_layout` for the empty model ``model`` (None: ``state`` as it is)."""
+def _laid_out(state: Mapping[str, torch.Tensor], model, stored=frozenset()) -> dict[str, torch.Tensor]:
+    """:func:`hf_layout` for the empty model ``model`` (None: ``state`` as it is); a tie is kept under the name
+    the input checkpoint stores it by (``stored``: its names), where that is one."""
     if model is None:
         return dict(state)
     _check_keys(state, model)
-    return _as_stored(model, state, check_ties=True)
+    return _as_stored(model, state, check_ties=True, stored=stored)
 
 
 def stored_weight_names(config: Any) -> set[str] | None:
@@ -89,14 +90,16 @@ def _skipped_on_load(model, names) -> set[str]:
     return set(names) - set(info.unexpected_keys)
 
 
-def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool) -> dict[str, torch.Tensor]:
-    """``state`` without the keys ``model`` ties to another or ignores on save, renamed to its checkpoint format."""
+def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool,
+               stored=frozenset()) -> dict[str, torch.Tensor]:
+    """``state`` without the keys ``model`` ties to another (or, where ``stored`` holds the tie by that key alone,
+    without the other) or ignores on save, renamed to its checkpoint format."""
     out = dict(state)
     for tied, source in _declared_ties(model).items():
         if tied in out and source in out:
             if check_ties:
                 _check_tie(out, tied, source, model)
-            del out[tied]
+            del out[source if tied in stored and source not in stored else tied]
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         out.pop(key, None)
     from transformers.core_model_loading import revert_weight_conversion
@@ -306,24 +309,19 @@ def save_model(
     >>> sorted(p.name for p in out.iterdir())
     ['config.json', 'model.safetensors']
     """
+    from .io import stored_names, stored_tensors
+
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     model = _meta_model(config if config is not None else _config_of(like_dir))
-    tensors = _laid_out(_checked(state_dict), model)
-    tensors = owned_tensors({**tensors, **_carried_as_stored(like_dir, model, tensors)})
+    stored = stored_names(like_dir) if like_dir is not None else set()
+    tensors = _laid_out(_checked(state_dict), model, stored)
+    # what transformers skipped loading the input, the output keeps as stored
+    carried = [n for n in carried_as_stored(model, stored) if n not in tensors] if model is not None else []
+    tensors = owned_tensors({**tensors, **(stored_tensors(like_dir, carried) if carried else {})})
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
-
-
-def _carried_as_stored(like_dir: Path | None, model, written) -> dict[str, torch.Tensor]:
-    """The tensors ``like_dir``'s checkpoint stores that a written model keeps as stored (:func:`carried_as_stored`)
-    and ``written`` lacks: transformers skipped them loading the input, and the output keeps them."""
-    if like_dir is None or model is None:
-        return {}
-    from .io import stored_tensors
-
-    return stored_tensors(like_dir, lambda names: [n for n in carried_as_stored(model, names) if n not in written])
 
 
 def carried_metadata(folders) -> dict[str, str]:

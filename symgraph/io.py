@@ -42,6 +42,7 @@ __all__ = [
     "load_model",
     "save_model",
     "state_dict_of",
+    "stored_names",
     "stored_tensors",
     "write_atomic",
     "write_text_atomic",
@@ -608,21 +609,31 @@ def _stored_dtypes(folder: Path, weights: Path):
                 yield key, str(value.dtype).removeprefix("torch."), value.is_floating_point(), file
 
 
-def stored_tensors(folder: Path, pick) -> dict[str, torch.Tensor]:
-    """The tensors of the checkpoint in ``folder`` that ``pick`` (stored names -> the names wanted) picks, as
-    stored (safetensors or .bin); none without weights."""
+def stored_names(folder: Path) -> set[str]:
+    """The names of the tensors the checkpoint in ``folder`` stores (safetensors or .bin); none without weights."""
+    weights = _weights_in(folder)
+    return {key for key, *_ in _stored_dtypes(folder, weights)} if weights is not None else set()
+
+
+def stored_tensors(folder: Path, names) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` as the checkpoint in ``folder`` stores them (safetensors or .bin)."""
     from safetensors import safe_open
 
-    weights = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
-    out: dict[str, torch.Tensor] = {}
+    wanted, out = set(names), {}
+    weights = _weights_in(folder) if wanted else None
     for file in _weight_files(folder, weights) if weights is not None else ():
         if file.suffix == ".safetensors":
             with safe_open(str(file), framework="pt") as handle:
-                out.update({key: handle.get_tensor(key) for key in pick(list(handle.keys()))})
+                out.update({key: handle.get_tensor(key) for key in wanted & set(handle.keys())})
         else:
             stored = torch.load(file, map_location="cpu", weights_only=True)
-            out.update({key: stored[key] for key in pick([k for k, v in stored.items() if torch.is_tensor(v)])})
+            out.update({key: stored[key] for key in wanted & set(stored)})
     return out
+
+
+def _weights_in(folder: Path) -> Path | None:
+    """The weights file ``from_pretrained`` reads in ``folder`` (None: none)."""
+    return next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
 
 
 def _model_key(model, stored_key: str, model_keys: set[str]) -> str:

@@ -506,11 +506,15 @@ def _fixed_tensor(name: str, tensors: Sequence[torch.Tensor], models: Sequence[A
 def _check_complete(state, model) -> None:
     """Refuse a checkpoint that lacks weights its config's architecture needs: the merge (or alignment) would be
     written without them, and loading it would fill them in at random."""
-    from .checkpoint import _config_of, stored_weight_names
+    from .checkpoint import _config_of, _declared_ties, _meta_model, stored_weight_names
     from .io import _some
 
-    needed = stored_weight_names(_config_of(state.folder))
+    config = _config_of(state.folder)
+    needed = stored_weight_names(config)
     missing = sorted(needed - set(state)) if needed is not None else []
+    if missing:  # a tie is stored under either of its names (transformers loads the other from it)
+        stored_as = {source: tied for tied, source in _declared_ties(_meta_model(config)).items() if tied in state}
+        missing = [name for name in missing if name not in stored_as]
     if missing:
         raise ModelLoadError(
             f"The checkpoint '{model}' lacks {len(missing)} tensor(s) that the architecture in its config.json "

@@ -151,13 +151,16 @@ def _layout(folder):
 
 def _checkpoint_names(model: nn.Module, state, folder) -> dict[str, str]:
     """Model parameter -> the name ``state`` (keyed by the model's names) holds it by: its own, or for a tied
-    parameter its tie's."""
+    parameter another of its tie (a tied LM head may be stored under either name)."""
     from .checkpoint import _declared_ties
 
-    ties = _declared_ties(model)
+    partners: dict[str, list[str]] = {}
+    for tied, source in _declared_ties(model).items():
+        partners.setdefault(tied, []).append(source)
+        partners.setdefault(source, []).append(tied)
     names = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
-        key = next((k for k in (name, ties.get(name)) if k is not None and k in state), None)
+        key = next((k for k in (name, *partners.get(name, ())) if k in state), None)
         if key is None:
             raise MismatchError(f"The checkpoint '{folder}' has no tensor '{name}', which "
                                 f"{type(model).__name__} needs (under that name, its tie's, or stored as transformers "

@@ -182,3 +182,27 @@ def test_tensors_a_class_builds_itself_need_not_be_stored(tmp_path):
     code, _, err = run("transform", tmp_path / "m", "-o", tmp_path / "out")
     assert code == 0, err
     assert _stored(tmp_path / "out").keys() == _stored(tmp_path / "m").keys()
+
+
+def _tied_stored_as_head(folder, seed: int):
+    """A tied llama checkpoint storing the tie under lm_head.weight (transformers loads the embedding from it)."""
+    zoo.build("llama-tied", seed=seed).save_pretrained(folder)
+    file = folder / "model.safetensors"
+    stored = safetensors.torch.load_file(file)
+    stored["lm_head.weight"] = stored.pop("model.embed_tokens.weight")
+    safetensors.torch.save_file(stored, file, metadata={"format": "pt"})
+    return folder
+
+
+def test_a_tie_stored_under_its_other_name_keeps_that_name(tmp_path):
+    """Written in memory, the tie was renamed to model.embed_tokens.weight (compare then refused the pair);
+    streamed, the checkpoint was refused as lacking the embedding, 'initialised at random'."""
+    folder, anchor = _tied_stored_as_head(tmp_path / "m", 0), _tied_stored_as_head(tmp_path / "anchor", 1)
+    for args in (["transform", folder], ["align", folder, anchor, "--stream", "--quiet"],
+                 ["merge", folder, anchor, "--stream", "--align", "none"]):
+        out = tmp_path / args[0]
+        code, _, err = run(*args, "-o", out)
+        assert code == 0, err
+        assert _stored(out).keys() == _stored(folder).keys()
+    code, out, err = run("compare", folder, tmp_path / "transform")
+    assert code == 0 and "the same function" in out, out + err
