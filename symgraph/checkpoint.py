@@ -43,8 +43,8 @@ def hf_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch
 
 
 def _laid_out(state: Mapping[str, torch.Tensor], model, stored=frozenset()) -> dict[str, torch.Tensor]:
-    """:func:`hf_layout` for the empty model ``model`` (None: ``state`` as it is); a tie is kept under the name
-    the input checkpoint stores it by (``stored``: its names), where that is one."""
+    """:func:`hf_layout` for the empty model ``model`` (None: ``state`` as it is); a tie is kept under the names
+    the input checkpoint stores it by (``stored``: its names)."""
     if model is None:
         return dict(state)
     _check_keys(state, model)
@@ -92,14 +92,15 @@ def _skipped_on_load(model, names) -> set[str]:
 
 def _as_stored(model, state: Mapping[str, torch.Tensor], *, check_ties: bool,
                stored=frozenset()) -> dict[str, torch.Tensor]:
-    """``state`` without the keys ``model`` ties to another (or, where ``stored`` holds the tie by that key alone,
-    without the other) or ignores on save, renamed to its checkpoint format."""
+    """``state`` without the keys ``model`` ties to another or ignores on save, renamed to its checkpoint format.
+    A tie is kept under the names ``stored`` (the input checkpoint's names) holds it by, where it holds any."""
     out = dict(state)
     for tied, source in _declared_ties(model).items():
         if tied in out and source in out:
             if check_ties:
                 _check_tie(out, tied, source, model)
-            del out[source if tied in stored and source not in stored else tied]
+            if not {tied, source} <= stored:  # a tie the input stores twice is written twice (equal)
+                del out[source if tied in stored else tied]
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         out.pop(key, None)
     from transformers.core_model_loading import revert_weight_conversion

@@ -206,3 +206,16 @@ def test_a_tie_stored_under_its_other_name_keeps_that_name(tmp_path):
         assert _stored(out).keys() == _stored(folder).keys()
     code, out, err = run("compare", folder, tmp_path / "transform")
     assert code == 0 and "the same function" in out, out + err
+
+
+def test_a_tie_stored_twice_is_written_twice(tmp_path):
+    """Both copies equal (transformers ties them on loading): the written model stores both, equal; lm_head.weight
+    was dropped."""
+    folder = _tied_stored_twice(tmp_path / "m", 0, 0.0)
+    for command in ("transform", "fold"):
+        code, _, err = run(command, folder, "-o", tmp_path / command)
+        assert code == 0, err
+        written = _stored(tmp_path / command)
+        assert written.keys() == _stored(folder).keys()
+    written = _stored(tmp_path / "transform")
+    assert torch.equal(written["lm_head.weight"], written["model.embed_tokens.weight"])
