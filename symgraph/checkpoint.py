@@ -66,16 +66,22 @@ def carried_as_stored(model, names) -> list[str]:
     """Of the stored ``names``, those a written model keeps as stored: tensors ``model`` does not hold, which
     transformers skips on loading (the class's ``_keys_to_ignore_on_load_unexpected``) and which no weight of the
     model concerns: copies of a buffer it computes itself (a ``rotary_emb.inv_freq`` stored in every layer,
-    ``embeddings.position_ids``), or stale entries of a module it has (GPT-2's causal mask ``attn.bias``), all of
-    which older versions of its class stored. Anything else it skips (multi-token-prediction layers, a decoder
-    beside an encoder) lies in modules it does not have and reads its weights."""
+    ``embeddings.position_ids``), stale entries of a module it has (GPT-2's causal mask ``attn.bias``), all of
+    which older versions of its class stored, or a submodule its config leaves out (DeBERTa's position embeddings
+    without ``position_biased_input``), which nothing reads. Anything else it skips (multi-token-prediction layers,
+    a decoder beside an encoder) lies in modules it does not have and reads its weights."""
     own = set(model.state_dict())
     foreign = [n for n in names if n not in own]
     skipped = _skipped_on_load(model, foreign)
     buffers = {tuple(n.split(".")[-2:]) for n, _ in model.named_buffers() if n not in own}
     modules = dict(model.named_modules())
-    return [n for n in foreign if n in skipped and (
-        tuple(n.split(".")[-2:]) in buffers or n.rpartition(".")[0] in modules)]
+
+    def in_own_module(name: str) -> bool:
+        owner = name.rpartition(".")[0]
+        parent, _, slot = owner.rpartition(".")
+        return owner in modules or (parent in modules and getattr(modules[parent], slot, False) is None)
+
+    return [n for n in foreign if n in skipped and (tuple(n.split(".")[-2:]) in buffers or in_own_module(n))]
 
 
 def _skipped_on_load(model, names) -> set[str]:

@@ -219,3 +219,21 @@ def test_a_tie_stored_twice_is_written_twice(tmp_path):
         assert written.keys() == _stored(folder).keys()
     written = _stored(tmp_path / "transform")
     assert torch.equal(written["lm_head.weight"], written["model.embed_tokens.weight"])
+
+
+def test_a_submodule_the_config_leaves_out_is_written_as_stored(tmp_path):
+    """DeBERTa checkpoints store position embeddings that a model without position_biased_input has no module
+    for and never reads (its class skips them on loading)."""
+    config = transformers.DebertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=64, position_biased_input=False,
+                                        relative_attention=True, pos_att_type=["c2p", "p2c"], num_labels=3)
+    torch.manual_seed(0)
+    transformers.DebertaForSequenceClassification(config).eval().save_pretrained(tmp_path / "m")
+    file = tmp_path / "m" / "model.safetensors"
+    extra = {"deberta.embeddings.position_embeddings.weight": torch.randn(64, 32)}
+    safetensors.torch.save_file({**safetensors.torch.load_file(file), **extra}, file, metadata={"format": "pt"})
+    code, _, err = run("transform", tmp_path / "m", "-o", tmp_path / "out")
+    assert code == 0, err
+    written = _stored(tmp_path / "out")
+    assert written.keys() == _stored(tmp_path / "m").keys()
+    assert torch.equal(written["deberta.embeddings.position_embeddings.weight"], extra[next(iter(extra))])
