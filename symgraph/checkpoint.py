@@ -5,7 +5,9 @@ tied) and renames keys back to the checkpoint format of the model type (DINOv2 w
 ``attention.attention.key``, which loads as ``attention.k_proj``; MoE experts fused on load are split again). We
 do the same from the model's own information, read off an empty (meta-device) model built from the config: its
 declared ties and transformers' conversion mapping. Tensors are never dropped because their values happen to
-equal another's (all-zero biases, norms all ones are ordinary after folding or for a fresh model).
+equal another's (all-zero biases, norms all ones are ordinary after folding or for a fresh model). Written from
+an input checkpoint (``like``), a tie keeps the names the input stores it by, and the tensors transformers skipped
+loading it that no weight concerns are written as stored (:func:`carried_as_stored`).
 """
 from __future__ import annotations
 
