@@ -372,7 +372,8 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
     from .shards import widest_dtype
 
     kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "output_loading_info": True}
-    stored = {} if dtype is not None else _stored_float_dtypes(folder, weights[0])
+    listing = list(_stored_dtypes(folder, weights[0]))  # read once for every check below
+    stored = {} if dtype is not None else _stored_float_dtypes(listing)
     config_dtype = getattr(config, "dtype", None)
     if dtype is not None or stored:  # never narrower than config.json's dtype, which transformers would load in
         named = getattr(torch, config_dtype, None) if isinstance(config_dtype, str) else config_dtype
@@ -403,8 +404,8 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         if _architecture_class(config_dict) is not None:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
-    _check_skipped(model, folder, weights[0])
-    _check_stored_dtypes(model, folder, weights[0])
+    _check_skipped(model, folder, weights[0], listing)
+    _check_stored_dtypes(model, folder, listing)
     _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
     model.eval()
@@ -483,7 +484,7 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
         )
 
 
-def _check_skipped(model, folder: Path, weights: Path) -> None:
+def _check_skipped(model, folder: Path, weights: Path, listing) -> None:
     """Stored tensors transformers skips on loading, without a word, are refused unless a written model keeps them
     as stored (:func:`~symgraph.checkpoint.carried_as_stored`): symgraph cannot move them with the weights it
     changes, and leaving them out or unmoved would lose them or break what reads them (transformers' MtpModel
@@ -491,7 +492,7 @@ def _check_skipped(model, folder: Path, weights: Path) -> None:
     from .checkpoint import _skipped_on_load, carried_as_stored
 
     own = set(model.state_dict())
-    foreign = [key for key, *_ in _stored_dtypes(folder, weights) if _model_key(model, key, own) not in own]
+    foreign = [key for key, *_ in listing if _model_key(model, key, own) not in own]
     lost = sorted(_skipped_on_load(model, foreign) - set(carried_as_stored(model, foreign)))
     if lost:
         raise unloaded_tensors_error(f"The weights in '{folder}' ({weights.name})", model, lost)
@@ -511,10 +512,11 @@ def _some(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _check_stored_dtypes(model, folder: Path, weights: Path) -> None:
-    """transformers casts an integer tensor into a float parameter without a word; refuse it."""
+def _check_stored_dtypes(model, folder: Path, listing) -> None:
+    """transformers casts an integer tensor into a float parameter without a word; refuse it (``listing``:
+    :func:`_stored_dtypes`'s)."""
     floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
-    bad = [f"{key} ({dtype} in {file.name})" for key, dtype, is_float, file in _stored_dtypes(folder, weights)
+    bad = [f"{key} ({dtype} in {file.name})" for key, dtype, is_float, file in listing
            if not is_float and _model_key(model, key, floating) in floating]
     if bad:
         raise ModelLoadError(
@@ -546,16 +548,17 @@ def tied_copies_differ(folder: Path, tied: str, source: str) -> ModelLoadError:
         "else re-save the checkpoint with one copy of the tie (save_pretrained does).")
 
 
-def _stored_float_dtypes(folder: Path, weights: Path) -> dict[str, torch.dtype]:
-    """Stored key -> dtype of every floating-point tensor the checkpoint stores. transformers loads a checkpoint
-    in one dtype (config.json's): one that stores some tensors wider (float32 norms beside bfloat16 weights) is
-    loaded in the widest (each value exact, the model runs in one dtype) and written back in the stored dtypes
-    (:func:`_narrower_stored`), as a streamed alignment writes it."""
+def _stored_float_dtypes(listing) -> dict[str, torch.dtype]:
+    """Stored key -> dtype of every floating-point tensor the checkpoint stores (``listing``: what
+    :func:`_stored_dtypes` yields). transformers loads a checkpoint in one dtype (config.json's): one that stores
+    some tensors wider (float32 norms beside bfloat16 weights) is loaded in the widest (each value exact, the model
+    runs in one dtype) and written back in the stored dtypes (:func:`_narrower_stored`), as a streamed alignment
+    writes it."""
     from .shards import SAFETENSORS_DTYPES
 
     by_name = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     found = {key: by_name.get(name) or getattr(torch, name, None)
-             for key, name, is_float, _ in _stored_dtypes(folder, weights) if is_float}
+             for key, name, is_float, _ in listing if is_float}
     return {key: dtype for key, dtype in found.items() if isinstance(dtype, torch.dtype)}
 
 

@@ -60,7 +60,7 @@ class Workspace:
             out = torch.stack([torch.stack([state[p].reshape(1, -1) for p in row]) for row in m.slots])
         else:
             out = gather(state[m.param], m)
-        return out if stored else _working(out, self.src[m.params[0]].dtype)
+        return out if stored else out.to(self.src[m.params[0]].dtype)  # a no-op in that dtype
 
     def flat(self, which: str, m: Member, *, stored: bool = False) -> torch.Tensor:
         """Member slice as (copies, size, features): block and other axes flattened together."""
@@ -84,8 +84,7 @@ class Workspace:
             return
         working = self.src[m.param].dtype
         for part in split_beside(getattr(self, which)[m.param], m.axis):
-            g = gather(part, m)
-            g = g if stored else _working(g, working)
+            g = gather(part, m) if stored else gather(part, m).to(working)
             yield g.reshape(g.shape[0], g.shape[1], -1)
 
     def cross(self, members, g: Group) -> np.ndarray:
@@ -131,9 +130,10 @@ class Workspace:
     def unit_sums(self, m: Member, which: str, other: str | None = None) -> np.ndarray:
         """Per coordinate of ``m`` (copies, size): the float64 squared norm of its ``which`` slice, or with
         ``other`` its inner product with that model's slice (read in chunks: no float64 copy of the member)."""
-        others = self._flat_parts(other, m, stored=True) if other is not None else None
-        return sum(row_sums(x, None if others is None else next(others))
-                   for x in self._flat_parts(which, m, stored=True))
+        parts = self._flat_parts(which, m, stored=True)
+        if other is None:
+            return sum(row_sums(x) for x in parts)
+        return sum(row_sums(x, y) for x, y in zip(parts, self._flat_parts(other, m, stored=True)))
 
     def elements(self, g: Group, members) -> int:
         """Entries of the members' slices of one model: what a copy of them holds."""
@@ -165,10 +165,6 @@ class Workspace:
         for e in elements:
             for p in e.group.params:
                 self._distance_sq.pop(p, None)
-
-
-def _working(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def gather(x: torch.Tensor, m: Member) -> torch.Tensor:
