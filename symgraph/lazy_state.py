@@ -90,6 +90,9 @@ class LazyState(Mapping[str, torch.Tensor]):
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self._infos.values())
 
+    def forget(self) -> None:
+        """Nothing is kept between reads: each read is a tensor of its own (see :meth:`ReadThrough.forget`)."""
+
 
 class ReadThrough(Mapping[str, torch.Tensor]):
     """A mapping over the names of ``self.state`` (a :class:`LazyState`, or another of these) whose tensors are
@@ -119,6 +122,10 @@ class ReadThrough(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+    def forget(self) -> None:
+        """Let go of any tensors kept for the next read (a block done with them frees their memory)."""
+        self.state.forget()
 
 
 class ConvertedState(ReadThrough):
@@ -166,6 +173,10 @@ class ConvertedState(ReadThrough):
 
     def __contains__(self, name) -> bool:
         return name in self.unit_of or (name in self.state and name not in self.unit_of_stored)
+
+    def forget(self) -> None:
+        self._unit, self._tensors = None, {}
+        self.state.forget()
 
     def __iter__(self):
         seen = set()

@@ -450,7 +450,7 @@ class _Job:
             out = self._outside.pop(name, None)
             if out is None:
                 out = self._moved({name: self.src[name]})[name]
-            self._add_distance(self.src[name], out, self.anc[name])
+            self._add_distance(self.anc[name], before=self.src[name], after=out)
             return out
         if block not in self._ready:
             self._ready[block] = self._align_block(block)
@@ -463,14 +463,19 @@ class _Job:
     def _align_block(self, prefix: str) -> dict[str, torch.Tensor]:
         clock = time.perf_counter()
         names = [k for k in self.src if k.startswith(prefix + ".")]
-        stored = {k: self.src[k] for k in names}
+        dtypes = {k: self.src.info(k).dtype for k in names}
         groups = self.blocks[prefix]
+        grouped = {p for g in groups for p in g.params}
+        block, anchor = {k: self.src[k] for k in names}, {k: self.anc[k] for k in names}
+        for k in names:
+            self._add_distance(anchor[k], before=block[k])
+        rest = {k: block[k] for k in names if k not in grouped}  # the tensors no group of the block moves
         work: dict[str, torch.Tensor] = {}
         if groups:
-            anchor = {k: self.anc[k] for k in {p for g in groups for p in g.params}}
-            aligner = Aligner(groups, stored, anchor, mode=self.mode, rescale=self.rescale, device=self.device,
+            aligner = Aligner(groups, block, anchor, mode=self.mode, rescale=self.rescale, device=self.device,
                               dtype=self.dtype)
-            del anchor  # the aligner holds working copies of both (one fp32 copy of each block, no more)
+            del block, anchor  # from here the aligner's working copy is the one copy of the source block kept
+            self.src.forget()
             self._apply_fixed(aligner.src)
             aligner.first_pass(self.progress)
             if self.mode != "paper":
@@ -479,10 +484,12 @@ class _Job:
             self.stats += aligner.stats
             work = aligner.src
             del aligner
-        work.update(self._moved({k: stored[k] for k in names if k not in work}, work=True))
-        out = {k: work.pop(k).to(device="cpu", dtype=stored[k].dtype) for k in names}
+        work.update(self._moved(rest, work=True))
+        del rest
+        out = {k: work.pop(k).to(device="cpu", dtype=dtypes[k]) for k in names}
         for k in names:
-            self._add_distance(stored[k], out[k], self.anc[k])
+            self._add_distance(self.anc[k], after=out[k])
+        self.anc.forget()
         self.timings["blocks"] += time.perf_counter() - clock
         return out
 
@@ -500,11 +507,17 @@ class _Job:
         apply_in_place(tensors, [e for e in (_restricted(e, tensors) for e in self.fixed) if e is not None],
                        inverses=self._inverses)
 
-    def _add_distance(self, before: torch.Tensor, after: torch.Tensor, anchor: torch.Tensor) -> None:
+    def _add_distance(self, anchor: torch.Tensor, *, before=None, after=None) -> None:
+        """Add a tensor's squared distances to ``anchor`` before and after aligning (with ``before``, also the
+        anchor's squared norm)."""
         if not anchor.is_floating_point():
             return
         # float64 a chunk at a time: whole-tensor differences are several GB for a 7B MoE layer's experts
-        self.parts += [squared_distance(before, anchor), squared_distance(after, anchor), squared_distance(anchor)]
+        if before is not None:
+            self.parts[0] += squared_distance(before, anchor)
+            self.parts[2] += squared_distance(anchor)
+        if after is not None:
+            self.parts[1] += squared_distance(after, anchor)
 
 
 def replace_group(e: Element, group: Group) -> Element:
