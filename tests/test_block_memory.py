@@ -1,7 +1,7 @@
 """What a block of a large model holds while it is aligned (streamed 7B and MoE alignments): tensors moved and costs
 summed a part at a time, a bf16 anchor read in its own dtype, and speed-ups that would copy a whole MoE layer's
-experts skipped. Each must give what the whole-tensor computation gives; the memory itself is measured by
-examples/bench_7b_align.py, not here."""
+experts skipped, and a streamed block's source tensors let go once the aligner holds its copy. Each must give what
+the whole-tensor computation gives; the memory itself is measured by examples/bench_7b_align.py, not here."""
 from __future__ import annotations
 
 import numpy as np
