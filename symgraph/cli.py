@@ -359,8 +359,8 @@ def _descent(no_rescale, refine_rounds, tolerance, matching_start, judge_starts,
               help=f"{_FOLD_HELP} OUT is then folded too: compare or merge it with the folded ANCHOR.")
 @_UNTIE_OPTION
 @click.option("--data", "data_spec", help="Match groups on activations of this data (its train split; e.g. digits, "
-                                          "pydoc-chars, FILE.txt, FILE.jsonl, FILE.npz, MEDIA_DIR) instead of on "
-                                          "weights; with --learn, also what learned matching learns on.")
+                                          "pydoc-chars, FILE.txt, FILE.jsonl, FILE.parquet, FILE.npz, MEDIA_DIR) "
+                                          "instead of on weights; with --learn, also what learned matching learns on.")
 @_data_options
 @_learn_options
 @click.option("--learn-data", "learn_data_spec",
@@ -619,7 +619,7 @@ def demo(out_dir, quick, overwrite):
                    "costs from activations on --data (each model after the first aligned to it).")
 @click.option("--data", "data_specs", multiple=True,
               help="Statistics data for fisher/regmean (e.g. digits, pydoc-chars, FILE.txt, FILE.jsonl, "
-                   "FILE.npz, MEDIA_DIR): once for every model, or once per model in the models' order.")
+                   "FILE.parquet, FILE.npz, MEDIA_DIR): once for every model, or once per model in the models' order.")
 @click.option("--split", default="train", show_default=True, help="Split of a shipped dataset.")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")
@@ -709,7 +709,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
 @click.argument("model_a")
 @click.argument("model_b")
 @click.option("--data", required=True,
-              help="Evaluation data (e.g. digits, pydoc-chars, FILE.txt, FILE.jsonl, FILE.npz, MEDIA_DIR).")
+              help="Evaluation data (e.g. digits, pydoc-chars, FILE.txt, FILE.jsonl, FILE.parquet, FILE.npz, "
+                   "MEDIA_DIR).")
 @click.option("--split", default="test", show_default=True, help="Split of a shipped dataset.")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N examples.")

@@ -15,6 +15,9 @@ spec                                what it loads
                                     a list of them or columns of equal length): the text field
                                     (``text``, ``sentence``, ``content``, ``prompt`` or ``input``, else the
                                     one text field) tokenised, ``label`` the class of a classifier
+``FILE.parquet``, ``.arrow``,       records as above, read with pyarrow: what the Hugging Face Hub serves, what
+``DIR[:split]``                     ``datasets`` caches, or a folder its ``save_to_disk`` wrote (a DatasetDict's
+                                    split named after a colon, else the split asked for)
 ``FILE.npz``                        arrays named after forward keywords, plus optional ``labels`` (1-D: classes,
                                     2-D: token ids)
 ``DIR``                             images or WAV sounds, one subfolder per class (its name a class id or an
@@ -46,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import tables
 from .errors import DataError
 from .module_state import eval_mode
 
@@ -134,7 +138,8 @@ def load_data(spec: Any, *, model: Any = None, batch_size: int = 32, limit: int 
     ----------
     spec
         A shipped dataset name (``digits``, ``pydoc-chars``, ``pydoc-topics``, optionally ``:train``/``:test``),
-        a ``.txt``, ``.jsonl``, ``.json``, ``.csv``, ``.tsv`` or ``.npz`` path, a folder of images or sounds, a
+        a ``.txt``, ``.jsonl``, ``.json``, ``.csv``, ``.tsv``, ``.parquet``, ``.arrow`` or ``.npz`` path, a folder
+        of images or sounds or one ``datasets``' ``save_to_disk`` wrote (``FOLDER:SPLIT`` for a DatasetDict), a
         factory ``package.module:func`` / ``path/file.py:func``, or a Dataset.
     model
         The model the data is for: a Hugging Face folder, a :class:`symgraph.Subject` or a loaded module. Text is
@@ -289,24 +294,30 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     if name in DATASETS:
         return DATASETS[name](_split_of(name, suffix or split), target, batch_size, limit)
     path = Path(spec).expanduser()
+    saved = Path(name).expanduser()
+    if suffix and saved.is_dir() and tables.is_saved_dataset(saved):  # FOLDER:SPLIT of a saved DatasetDict
+        return _load_records(saved, target, batch_size, limit, split=(suffix, split))
     if path.suffix in FILE_LOADERS:
         if not path.is_file():
             raise DataError(f"Data file '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
         return FILE_LOADERS[path.suffix](path, target, batch_size, limit)
     if ":" in spec and not path.exists():
         return _load_factory(spec, target)
+    if path.is_dir() and tables.is_saved_dataset(path):
+        return _load_records(path, target, batch_size, limit, split=(None, split))
     if path.is_dir():
         return _load_media_folder(path, target, batch_size, limit)
     if path.exists():
-        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, or a "
-                        "folder of images or sounds).",
+        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, a "
+                        "folder of images or sounds, or one datasets' save_to_disk wrote).",
                         hint=_FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
 
 _FORMS_HINT = ("pass a shipped dataset name (digits, pydoc-chars, pydoc-topics; add ':train' or ':test'), a "
-               "FILE.txt (one example per line), a FILE.jsonl / .json / .csv / .tsv (records with a 'text' field "
-               "and, for a classifier, a 'label'), a FILE.npz (arrays named after forward arguments, optional "
+               "FILE.txt (one example per line), a FILE.jsonl / .json / .csv / .tsv / .parquet / .arrow or a "
+               "datasets save_to_disk folder (records with a 'text' field and, for a classifier, a 'label'), a "
+               "FILE.npz (arrays named after forward arguments, optional "
                "'labels'), a folder of images or WAV files (one subfolder per class), or a factory "
                "'package.module:func' / 'path/file.py:func'.")
 
@@ -622,31 +633,43 @@ def _class_ids(labels: list[Any], target: _Target) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# records (.jsonl, .json, .csv, .tsv)
+# records (.jsonl, .json, .csv, .tsv; Parquet and Arrow files and saved datasets: symgraph.tables)
 # ----------------------------------------------------------------------------------------------------------------
 
 TEXT_FIELDS = ("text", "sentence", "content", "prompt", "input")  # the first present is an example's text
 LABEL_FIELDS = ("label", "labels")  # the first present is a classifier's class (an id or an id2label name)
 
 
-def _load_records(path: Path, target: _Target, batch_size: int, limit: int | None) -> Dataset:
+def _load_records(path: Path, target: _Target, batch_size: int, limit: int | None,
+                  split: tuple[str | None, str] = (None, "test")) -> Dataset:
     """One example per record: a JSON object per line (``.jsonl``), one of a list of them or a row of columns
-    (``.json``: :func:`_json_document_records`), or a row under a header (``.csv``, ``.tsv``).
-    Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text; a
-    classifier's class is the first of :data:`LABEL_FIELDS` (every record has it, or none does)."""
-    read = {".jsonl": _json_records, ".json": _json_document_records}.get(path.suffix, _table_records)
-    records = read(path)[:limit]
+    (``.json``: :func:`_json_document_records`), a row under a header (``.csv``, ``.tsv``), or a row of a Parquet
+    or Arrow file or of a folder ``datasets`` saved (:mod:`symgraph.tables`; ``split``: the split named after the
+    folder, if any, and the one asked for by default).
+    Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text (or, in an
+    image dataset, the field holding an image as ``datasets`` stores one); a classifier's class is the first of
+    :data:`LABEL_FIELDS` (every record has it, or none does)."""
+    if path.is_dir():
+        records = tables.saved_dataset_records(path, *split, limit)
+    elif path.suffix in tables.SUFFIXES:
+        records = tables.table_records(path, limit)
+    else:
+        read = {".jsonl": _json_records, ".json": _json_document_records}.get(path.suffix, _table_records)
+        records = read(path)[:limit]
     if not records:
-        raise DataError(f"Data file '{path}' has no records.",
+        raise DataError(f"Data '{path}' has no records.",
                         hint="put one JSON object per line (.jsonl), or rows under a header line (.csv, .tsv).")
     label = next((f for f in LABEL_FIELDS if f in records[0]), None)
-    text = _text_field(path, records, exclude=label)
+    image = next((f for f, value in records[0].items() if _image_cell(value)), None)
+    text = None if image else _text_field(path, records, exclude=label)
     for number, record in enumerate(records, 1):
         for field, what in ((text, "text"), (label, "class")):
             if field is not None and (record.get(field) in (None, "") or what == "text"
                                       and not isinstance(record[field], str)):
                 raise DataError(f"Record {number} of '{path}' has no {what} in field '{field}' (the first has).",
                                 hint=f"give every record its {what} in '{field}', or leave the field out of all.")
+    if image is not None:
+        return _load_record_images(path, records, image, label, target, batch_size)
     texts = [r[text] for r in records]
     classifier = target.task == "classification"  # a causal LM's labels are its tokens: a label field is ignored
     labels = _class_ids([r[label] for r in records], target) if label and classifier else None
@@ -763,13 +786,61 @@ def _load_media_folder(path: Path, target: _Target, batch_size: int, limit: int 
     where the files sit in class subfolders."""
     from .media_folders import media_batches
 
-    if target.task == "causal_lm":
-        raise DataError(f"'{path}' is a folder of images or sounds, and the model is a causal language model.",
-                        hint="give a language model text (a .txt, .jsonl, .csv or .tsv file, or token ids in a .npz).")
-    config = getattr(target.config, "vision_config", None) or target.config
-    inputs, names = media_batches(path, model_folder=target.folder, channels=getattr(config, "num_channels", None),
+    _refuse_media_for_lm(path, target, "a folder of images or sounds")
+    inputs, names = media_batches(path, model_folder=target.folder, channels=_channels(target),
                                   batch_size=batch_size, limit=limit)
-    labels = None if names is None else torch.tensor(_class_ids(names, target), dtype=torch.long)
+    return _media_dataset(path, inputs, None if names is None else _class_ids(names, target))
+
+
+def _image_cell(value: Any) -> bool:
+    """A record's field holding an image as ``datasets``' Image feature stores it: its file's bytes, or a path."""
+    return isinstance(value, dict) and set(value) == {"bytes", "path"} and (
+        isinstance(value["bytes"], bytes) or isinstance(value["path"], str))
+
+
+def _load_record_images(path: Path, records: list[dict], field: str, label: str | None, target: _Target,
+                        batch_size: int) -> Dataset:
+    """Records whose ``field`` holds images (a Parquet or Arrow image dataset), made the model's inputs by its image
+    processor as a folder's images are; ``label`` their classes."""
+    from .media_folders import EncodedImage, image_batches
+
+    _refuse_media_for_lm(path, target, "a dataset of images")
+    images = []
+    for number, record in enumerate(records, 1):
+        cell = record.get(field)
+        if not _image_cell(cell):
+            raise DataError(f"Record {number} of '{path}' has no image in field '{field}' (the first has).",
+                            hint=f"give every record an image in '{field}'.")
+        if isinstance(cell["bytes"], bytes):
+            images.append(EncodedImage(f"the image of record {number} of '{path}'", cell["bytes"]))
+        else:  # stored as a path, as datasets keeps images it read from files and did not embed
+            file = path.parent / cell["path"] if path.is_file() else Path(cell["path"])
+            if not file.is_file():
+                raise DataError(f"Record {number} of '{path}' names its image by the path '{cell['path']}', and "
+                                "there is no such file.",
+                                hint="embed the images in the dataset (datasets' embed_table_storage, or save it "
+                                     "with to_parquet), or run from the folder the paths are relative to.")
+            images.append(file)
+    labels = _class_ids([r.get(label) for r in records], target) if label else None
+    chunks = [images[i:i + batch_size] for i in range(0, len(images), batch_size)]
+    return _media_dataset(path, image_batches(chunks, path, model_folder=target.folder, channels=_channels(target)),
+                          labels)
+
+
+def _refuse_media_for_lm(path: Path, target: _Target, what: str) -> None:
+    if target.task == "causal_lm":
+        raise DataError(f"'{path}' is {what}, and the model is a causal language model.",
+                        hint="give a language model text (a .txt, .jsonl, .csv or .tsv file, or token ids in a .npz).")
+
+
+def _channels(target: _Target) -> int | None:
+    config = getattr(target.config, "vision_config", None) or target.config
+    return getattr(config, "num_channels", None)
+
+
+def _media_dataset(path: Path, inputs: list[dict[str, torch.Tensor]], classes: list[int] | None) -> Dataset:
+    """The batches of images or sounds made inputs, each with its examples' classes (if any)."""
+    labels = None if classes is None else torch.tensor(classes, dtype=torch.long)
     batches, start = [], 0
     for batch in inputs:
         size = int(next(iter(batch.values())).shape[0])
@@ -779,7 +850,7 @@ def _load_media_folder(path: Path, target: _Target, batch_size: int, limit: int 
 
 
 FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".json": _load_records, ".csv": _load_records,
-                ".tsv": _load_records,
+                ".tsv": _load_records, ".parquet": _load_records, ".arrow": _load_records,
                 ".npz": lambda path, target, batch_size, limit: _load_npz(path, target, batch_size)}
 
 

@@ -11,11 +11,12 @@ is refused with what to add.
 """
 from __future__ import annotations
 
+import io
 import itertools
 import wave
 from math import gcd
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,11 +46,28 @@ def media_batches(root: Path, *, model_folder: Path | None, channels: int | None
                                                 padding=True, return_tensors="pt"), model_folder, chunk)
                    for chunk in chunks]
     else:
-        processor = _processor(root, model_folder, "AutoImageProcessor", "images")
-        mode = "L" if channels == 1 else "RGB"
-        batches = [_processed(lambda: processor(images=[_image(f, mode) for f in chunk], return_tensors="pt"),
-                              model_folder, chunk) for chunk in chunks]
+        batches = image_batches(chunks, root, model_folder=model_folder, channels=channels)
     return batches, names
+
+
+class EncodedImage(NamedTuple):
+    """An image file's bytes held in memory (a row of a Parquet or Arrow dataset), ``name`` saying where from."""
+
+    name: str
+    data: bytes
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def image_batches(chunks: list[list], root, *, model_folder: Path | None, channels: int | None) \
+        -> list[dict[str, torch.Tensor]]:
+    """The model's inputs for each chunk of images (files, or :class:`EncodedImage`), from the model folder's
+    image processor; ``root`` names where they come from. Grey for a one-channel model, RGB otherwise."""
+    processor = _processor(root, model_folder, "AutoImageProcessor", "images")
+    mode = "L" if channels == 1 else "RGB"
+    return [_processed(lambda: processor(images=[_image(f, mode) for f in chunk], return_tensors="pt"),
+                       model_folder, chunk) for chunk in chunks]
 
 
 def _layout(root: Path) -> tuple[list[Path], list[str] | None]:
@@ -110,11 +128,11 @@ def _processor(root: Path, model_folder: Path | None, auto_class: str, what: str
         logging.set_verbosity(verbosity)
 
 
-def _image(file: Path, mode: str) -> Any:
+def _image(file: "Path | EncodedImage", mode: str) -> Any:
     from PIL import Image
 
     try:
-        with Image.open(file) as image:
+        with Image.open(io.BytesIO(file.data) if isinstance(file, EncodedImage) else file) as image:
             return image.convert(mode)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DataError(f"Cannot read image '{file}': {exc}.",

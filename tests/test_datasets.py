@@ -103,10 +103,10 @@ def test_bad_specs_raise_data_error_with_hints(spec, expected):
 
 
 def test_unsupported_file_type_is_named(tmp_path):
-    file = tmp_path / "data.parquet"
+    file = tmp_path / "data.xlsx"
     file.write_text("1,2\n")
-    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .npz files, or a folder of images or "
-                                        "sounds"):
+    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .parquet, .arrow, .npz files, a "
+                                        "folder of images or sounds, or one datasets' save_to_disk wrote"):
         load_data(str(file))
 
 
