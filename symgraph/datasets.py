@@ -646,8 +646,8 @@ def _load_records(path: Path, target: _Target, batch_size: int, limit: int | Non
     (``.json``: :func:`_json_document_records`), a row under a header (``.csv``, ``.tsv``), or a row of a Parquet
     or Arrow file or of a folder ``datasets`` saved (:mod:`symgraph.tables`; ``split``: the split named after the
     folder, if any, and the one asked for by default).
-    Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text (or, in an
-    image dataset, the field holding an image as ``datasets`` stores one); a classifier's class is the first of
+    Its text is the first of :data:`TEXT_FIELDS` the records have, else their one field holding text (or, in a
+    dataset of images or sounds, the field holding one as ``datasets`` stores it); a classifier's class is the first of
     :data:`LABEL_FIELDS` (every record has it, or none does)."""
     if path.is_dir():
         records = tables.saved_dataset_records(path, *split, limit)
@@ -660,16 +660,16 @@ def _load_records(path: Path, target: _Target, batch_size: int, limit: int | Non
         raise DataError(f"Data '{path}' has no records.",
                         hint="put one JSON object per line (.jsonl), or rows under a header line (.csv, .tsv).")
     label = next((f for f in LABEL_FIELDS if f in records[0]), None)
-    image = next((f for f, value in records[0].items() if _image_cell(value)), None)
-    text = None if image else _text_field(path, records, exclude=label)
+    media = next((f for f, value in records[0].items() if _media_cell(value)), None)
+    text = None if media else _text_field(path, records, exclude=label)
     for number, record in enumerate(records, 1):
         for field, what in ((text, "text"), (label, "class")):
             if field is not None and (record.get(field) in (None, "") or what == "text"
                                       and not isinstance(record[field], str)):
                 raise DataError(f"Record {number} of '{path}' has no {what} in field '{field}' (the first has).",
                                 hint=f"give every record its {what} in '{field}', or leave the field out of all.")
-    if image is not None:
-        return _load_record_images(path, records, image, label, target, batch_size)
+    if media is not None:
+        return _load_record_media(path, records, media, label, target, batch_size)
     texts = [r[text] for r in records]
     classifier = target.task == "classification"  # a causal LM's labels are its tokens: a label field is ignored
     labels = _class_ids([r[label] for r in records], target) if label and classifier else None
@@ -792,38 +792,40 @@ def _load_media_folder(path: Path, target: _Target, batch_size: int, limit: int 
     return _media_dataset(path, inputs, None if names is None else _class_ids(names, target))
 
 
-def _image_cell(value: Any) -> bool:
-    """A record's field holding an image as ``datasets``' Image feature stores it: its file's bytes, or a path."""
+def _media_cell(value: Any) -> bool:
+    """A record's field holding an image or a sound as ``datasets``' Image and Audio features store them: the
+    file's bytes, or its path."""
     return isinstance(value, dict) and set(value) == {"bytes", "path"} and (
         isinstance(value["bytes"], bytes) or isinstance(value["path"], str))
 
 
-def _load_record_images(path: Path, records: list[dict], field: str, label: str | None, target: _Target,
-                        batch_size: int) -> Dataset:
-    """Records whose ``field`` holds images (a Parquet or Arrow image dataset), made the model's inputs by its image
-    processor as a folder's images are; ``label`` their classes."""
-    from .media_folders import EncodedImage, image_batches
+def _load_record_media(path: Path, records: list[dict], field: str, label: str | None, target: _Target,
+                       batch_size: int) -> Dataset:
+    """Records whose ``field`` holds images or sounds (a Parquet or Arrow dataset of them), made the model's inputs
+    by its processor as a folder's files are; ``label`` their classes."""
+    from .media_folders import EncodedFile, file_batches
 
-    _refuse_media_for_lm(path, target, "a dataset of images")
-    images = []
+    _refuse_media_for_lm(path, target, "a dataset of images or sounds")
+    files = []
     for number, record in enumerate(records, 1):
         cell = record.get(field)
-        if not _image_cell(cell):
-            raise DataError(f"Record {number} of '{path}' has no image in field '{field}' (the first has).",
-                            hint=f"give every record an image in '{field}'.")
+        if not _media_cell(cell):
+            raise DataError(f"Record {number} of '{path}' has no image or sound in field '{field}' (the first has).",
+                            hint=f"give every record its file in '{field}'.")
         if isinstance(cell["bytes"], bytes):
-            images.append(EncodedImage(f"the image of record {number} of '{path}'", cell["bytes"]))
-        else:  # stored as a path, as datasets keeps images it read from files and did not embed
+            files.append(EncodedFile(f"record {number} of '{path}'" + (f" ({cell['path']})" if cell["path"] else ""),
+                                     cell["bytes"]))
+        else:  # stored as a path, as datasets keeps files it read and did not embed
             file = path.parent / cell["path"] if path.is_file() else Path(cell["path"])
             if not file.is_file():
-                raise DataError(f"Record {number} of '{path}' names its image by the path '{cell['path']}', and "
+                raise DataError(f"Record {number} of '{path}' names its file by the path '{cell['path']}', and "
                                 "there is no such file.",
-                                hint="embed the images in the dataset (datasets' embed_table_storage, or save it "
-                                     "with to_parquet), or run from the folder the paths are relative to.")
-            images.append(file)
+                                hint="embed the files in the dataset (datasets' save_to_disk or push_to_hub embeds "
+                                     "them), or run from the folder the paths are relative to.")
+            files.append(file)
     labels = _class_ids([r.get(label) for r in records], target) if label else None
-    chunks = [images[i:i + batch_size] for i in range(0, len(images), batch_size)]
-    return _media_dataset(path, image_batches(chunks, path, model_folder=target.folder, channels=_channels(target)),
+    chunks = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
+    return _media_dataset(path, file_batches(chunks, path, model_folder=target.folder, channels=_channels(target)),
                           labels)
 
 

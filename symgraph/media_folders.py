@@ -39,19 +39,12 @@ def media_batches(root: Path, *, model_folder: Path | None, channels: int | None
     files, names = _layout(root)
     files, names = files[:limit], (names[:limit] if names is not None else None)
     chunks = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
-    if files[0].suffix.lower() in AUDIO_SUFFIXES:
-        extractor = _processor(root, model_folder, "AutoFeatureExtractor", "sounds")
-        rate = int(getattr(extractor, "sampling_rate", 0) or 16000)
-        batches = [_processed(lambda: extractor([_sound(f, rate) for f in chunk], sampling_rate=rate,
-                                                padding=True, return_tensors="pt"), model_folder, chunk)
-                   for chunk in chunks]
-    else:
-        batches = image_batches(chunks, root, model_folder=model_folder, channels=channels)
-    return batches, names
+    return file_batches(chunks, root, model_folder=model_folder, channels=channels), names
 
 
-class EncodedImage(NamedTuple):
-    """An image file's bytes held in memory (a row of a Parquet or Arrow dataset), ``name`` saying where from."""
+class EncodedFile(NamedTuple):
+    """An image or sound file's bytes held in memory (a row of a Parquet or Arrow dataset), ``name`` saying where
+    from."""
 
     name: str
     data: bytes
@@ -60,14 +53,26 @@ class EncodedImage(NamedTuple):
         return self.name
 
 
-def image_batches(chunks: list[list], root, *, model_folder: Path | None, channels: int | None) \
+def file_batches(chunks: list[list], root, *, model_folder: Path | None, channels: int | None) \
         -> list[dict[str, torch.Tensor]]:
-    """The model's inputs for each chunk of images (files, or :class:`EncodedImage`), from the model folder's
-    image processor; ``root`` names where they come from. Grey for a one-channel model, RGB otherwise."""
+    """The model's inputs for each chunk of image or sound files (paths, or :class:`EncodedFile`), from the model
+    folder's processor; ``root`` names where they come from. Sounds (WAV) are padded within their chunk; images
+    are converted to grey for a one-channel model, to RGB otherwise."""
+    if _is_sound(chunks[0][0]):
+        extractor = _processor(root, model_folder, "AutoFeatureExtractor", "sounds")
+        rate = int(getattr(extractor, "sampling_rate", 0) or 16000)
+        return [_processed(lambda: extractor([_sound(f, rate) for f in chunk], sampling_rate=rate, padding=True,
+                                             return_tensors="pt"), model_folder, chunk) for chunk in chunks]
     processor = _processor(root, model_folder, "AutoImageProcessor", "images")
     mode = "L" if channels == 1 else "RGB"
     return [_processed(lambda: processor(images=[_image(f, mode) for f in chunk], return_tensors="pt"),
                        model_folder, chunk) for chunk in chunks]
+
+
+def _is_sound(file: "Path | EncodedFile") -> bool:
+    if isinstance(file, EncodedFile):
+        return file.data[:4] == b"RIFF" or Path(file.name).suffix.lower() in AUDIO_SUFFIXES
+    return file.suffix.lower() in AUDIO_SUFFIXES
 
 
 def _layout(root: Path) -> tuple[list[Path], list[str] | None]:
@@ -128,21 +133,26 @@ def _processor(root: Path, model_folder: Path | None, auto_class: str, what: str
         logging.set_verbosity(verbosity)
 
 
-def _image(file: "Path | EncodedImage", mode: str) -> Any:
+def _image(file: "Path | EncodedFile", mode: str) -> Any:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(file.data) if isinstance(file, EncodedImage) else file) as image:
+        with Image.open(_opened(file)) as image:
             return image.convert(mode)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DataError(f"Cannot read image '{file}': {exc}.",
                         hint="remove or replace the file; symgraph reads what Pillow reads.") from exc
 
 
-def _sound(file: Path, rate: int) -> np.ndarray:
+def _opened(file: "Path | EncodedFile") -> Any:
+    """What Pillow and ``wave`` open: a file's path, or its bytes as a file."""
+    return io.BytesIO(file.data) if isinstance(file, EncodedFile) else str(file)
+
+
+def _sound(file: "Path | EncodedFile", rate: int) -> np.ndarray:
     """The samples of a PCM WAV file in [-1, 1], channels averaged, resampled to ``rate``."""
     try:
-        with wave.open(str(file), "rb") as sound:
+        with wave.open(_opened(file), "rb") as sound:
             width, count, own_rate = sound.getsampwidth(), sound.getnchannels(), sound.getframerate()
             raw = sound.readframes(sound.getnframes())
     except (OSError, EOFError, wave.Error) as exc:

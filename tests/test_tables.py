@@ -1,13 +1,14 @@
 """Data in Arrow's formats (symgraph.tables): Parquet files as the Hugging Face Hub serves them, Arrow IPC files as
 ``datasets`` caches them, and folders ``save_to_disk`` writes (a Dataset's shards, a DatasetDict's splits). Each
-must give the batches the same rows give as JSON Lines; images stored as ``datasets``' Image feature (the file's
-bytes, or its path) the pixels their files give in an image folder. The files are written here with pyarrow in the
+must give the batches the same rows give as JSON Lines; images and sounds stored as ``datasets``' Image and Audio
+features store them (the file's bytes, or its path) the inputs their files give in a folder. The files are written here with pyarrow in the
 layout ``datasets`` 5.2 writes (checked against files it wrote)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
@@ -16,7 +17,10 @@ import torch
 
 from symgraph.datasets import load_data
 from symgraph.errors import DataError
-from tests.test_datasets import MODELS, _digit_images, _same_batches, _vit_with_processor
+from tests.test_datasets import (MODELS, _audio_classifier, _digit_images, _same_batches, _vit_with_processor,
+                                 _write_wav)
+
+MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Image and Audio storage
 
 LINES = [(1, "x + y"), (0, "if x:"), (3, 'say "hi", then go'), (2, "def __add__(self, other):"), (1, "a or b")]
 
@@ -123,10 +127,9 @@ def test_images_stored_as_bytes_or_paths_give_the_pixels_of_the_image_folder(tmp
     columns = [by_class[c] for c in sorted(by_class, key=str)]
     listed = [col[rank] for rank in range(max(map(len, columns))) for col in columns if rank < len(col)]
     assert [int(f.parent.name) for f in listed] == labels
-    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    embedded = pa.table({"image": pa.array([{"bytes": f.read_bytes(), "path": None} for f in listed], image_type),
+    embedded = pa.table({"image": pa.array([{"bytes": f.read_bytes(), "path": None} for f in listed], MEDIA),
                          "label": labels})
-    linked = pa.table({"image": pa.array([{"bytes": None, "path": str(f)} for f in listed], image_type),
+    linked = pa.table({"image": pa.array([{"bytes": None, "path": str(f)} for f in listed], MEDIA),
                        "label": labels})
     pq.write_table(embedded, tmp_path / "embedded.parquet")
     pq.write_table(linked, tmp_path / "linked.parquet")  # what datasets' to_parquet writes for images read from files
@@ -135,8 +138,19 @@ def test_images_stored_as_bytes_or_paths_give_the_pixels_of_the_image_folder(tmp
         assert data.task == "classification" and [b.size for b in data.batches] == [5, 5, 2], spec
         assert torch.equal(torch.cat([b.inputs["pixel_values"] for b in data.batches]), pixels), spec
         assert torch.cat([b.labels for b in data.batches]).tolist() == labels
-    with pytest.raises(DataError, match="is a dataset of images, and the model is a causal language model"):
+    with pytest.raises(DataError, match="is a dataset of images or sounds, and the model is a causal language"):
         load_data(tmp_path / "embedded.parquet", model=MODELS / "llama-chars-a")
+
+
+def test_sounds_stored_as_bytes_give_the_inputs_of_the_sound_folder(tmp_path):
+    model = _audio_classifier(tmp_path / "model")
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        _write_wav(tmp_path / "sounds" / str(c) / "0.wav", rng.uniform(-0.5, 0.5, 800 + 160 * c), 16000)
+    want = load_data(tmp_path / "sounds", model=model)  # classes 0, 1, 2 in that order
+    rows = [{"bytes": (tmp_path / "sounds" / str(c) / "0.wav").read_bytes(), "path": f"{c}.wav"} for c in range(3)]
+    pq.write_table(pa.table({"audio": pa.array(rows, MEDIA), "label": [0, 1, 2]}), tmp_path / "sounds.parquet")
+    assert _same_batches(load_data(tmp_path / "sounds.parquet", model=model), want)
 
 
 def test_broken_tables_and_saved_folders_say_what_is_wrong(tmp_path):
@@ -160,12 +174,11 @@ def test_broken_tables_and_saved_folders_say_what_is_wrong(tmp_path):
     pq.write_table(pa.table({"a": ["x"], "b": ["y"]}), tmp_path / "two.parquet")
     with pytest.raises(DataError, match="Cannot tell which field .* holds the text"):
         load_data(tmp_path / "two.parquet", model=model)
-    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    pq.write_table(pa.table({"image": pa.array([{"bytes": None, "path": "gone.png"}], image_type)}),
+    pq.write_table(pa.table({"image": pa.array([{"bytes": None, "path": "gone.png"}], MEDIA)}),
                    tmp_path / "gone.parquet")
-    with pytest.raises(DataError, match="names its image by the path 'gone.png', and there is no such file"):
+    with pytest.raises(DataError, match="names its file by the path 'gone.png', and there is no such file"):
         load_data(tmp_path / "gone.parquet", model=_vit_with_processor(tmp_path))
-    pq.write_table(pa.table({"image": pa.array([{"bytes": b"\x89PNG broken", "path": None}], image_type)}),
+    pq.write_table(pa.table({"image": pa.array([{"bytes": b"\x89PNG broken", "path": None}], MEDIA)}),
                    tmp_path / "bad.parquet")
-    with pytest.raises(DataError, match="Cannot read image 'the image of record 1 of"):
+    with pytest.raises(DataError, match="Cannot read image 'record 1 of"):
         load_data(tmp_path / "bad.parquet", model=_vit_with_processor(tmp_path / "m"))
