@@ -32,7 +32,9 @@ at the identity (listed in ``unsolved``). ``paper`` mode has no such groups and 
 """
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -154,6 +156,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
 
     prefixes = list(_block_list(model, config))
     job = _Job(src, anc, groups, prefixes, mode, rescale, rounds, tolerance, progress, device, dtype)
+    job.warn_if_short_of_memory()
     clock = time.perf_counter()
     job.solve_spanning()
     timings["residual"] = time.perf_counter() - clock
@@ -419,6 +422,30 @@ class _Job:
         self._outside: dict[str, torch.Tensor] = {}
         self._inverses: dict = {}  # the fixed elements' inverse transposes, for their dual members in every block
 
+    def warn_if_short_of_memory(self) -> None:
+        """Warn before any block is read when the largest block's copies cannot fit in the memory available: a
+        mixture of experts with hundreds of experts a layer holds tens of GB a block, and running out hours later
+        (killed by the system) helps no one. A lower bound: each tensor's working copy, and its anchor's and its
+        output's tensors in their stored dtypes."""
+        if self.device.type != "cpu" or not self.prefixes:
+            return
+        available = available_memory()
+        sizes = {p: 0 for p in self.prefixes}
+        for name in self.src:
+            block = self.block_of(name)
+            if block is not None:
+                info = self.src.info(name)
+                work = 8 if info.dtype == torch.float64 else 4
+                sizes[block] += math.prod(info.shape) * (work + self.anc.info(name).dtype.itemsize
+                                                         + info.dtype.itemsize)
+        block, need = max(sizes.items(), key=lambda item: item[1])
+        if available is not None and need > available:
+            warnings.warn(f"The largest block, {block}, needs at least {need / 1e9:.2f} GB while it is aligned "
+                          f"(working copies of its tensors, its anchor's and its output's), and this machine has "
+                          f"{available / 1e9:.2f} GB available: the alignment will most likely run out of "
+                          "memory. Use a machine with more memory, or --device cuda (the working copies on the GPU).",
+                          stacklevel=3)
+
     def block_of(self, name: str) -> str | None:
         return next((p for p in self.prefixes if name.startswith(p + ".")), None)
 
@@ -534,6 +561,18 @@ def _restricted(e: Element, tensors) -> Element | None:
                             "which cannot be streamed block by block.", hint="align the model in memory (without "
                                                                              "--stream).")
     return replace_group(e, replace(e.group, members=members)) if members else None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give without swapping (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -154,3 +154,26 @@ def test_a_streamed_block_lets_go_of_the_source_tensors_it_read(tmp_path, monkey
 
     assert streamed.distance_before == pytest.approx(relative(sb), rel=1e-9)
     assert streamed.distance_after == pytest.approx(relative(out), rel=1e-6) and relative(out) < relative(sb)
+
+
+def test_a_streamed_alignment_warns_before_reading_when_its_largest_block_cannot_fit(tmp_path, monkeypatch):
+    """The largest block's copies (float32 working copy, anchor and output in their stored dtypes) against the memory
+    available: a warning before any block is read, naming the block; none where it fits."""
+    import warnings
+
+    from symgraph import streamed_align, zoo
+    from symgraph.io import model_config, save_model
+
+    models = [zoo.build("mixtral", seed=s) for s in (0, 1)]
+    a, b = (save_model(m.state_dict(), tmp_path / f"m{i}", config=model_config(m)) for i, m in enumerate(models))
+    layer = sum(v.numel() for k, v in models[0].state_dict().items() if k.startswith("model.layers.1."))
+    need = layer * (4 + 4 + 4)  # float32 checkpoints
+    monkeypatch.setattr(streamed_align, "available_memory", lambda: need - 1)
+    with pytest.warns(UserWarning, match=rf"The largest block, model.layers.[01], needs at least "
+                                             rf"{need / 1e9:.2f} GB .* --device cuda"):
+        streamed_align.align_streamed(b, a, tmp_path / "out", mode="permutation", verify=False)
+    monkeypatch.setattr(streamed_align, "available_memory", lambda: need)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="The largest block")
+        streamed_align.align_streamed(b, a, tmp_path / "out2", mode="permutation", verify=False)
+    assert streamed_align.available_memory() is None or streamed_align.available_memory() > 0
