@@ -14,7 +14,8 @@ spec                                what it loads
 ``FILE.jsonl``, ``.csv``, ``.tsv``  one record per line (JSON objects; rows under a header; a ``.json`` file holds
                                     a list of them or columns of equal length): the text field
                                     (``text``, ``sentence``, ``content``, ``prompt`` or ``input``, else the
-                                    one text field) tokenised, ``label`` the class of a classifier
+                                    one text field) tokenised, ``label`` the class of a classifier; text files
+                                    may be compressed (``FILE.jsonl.gz``, ``.bz2``, ``.xz``)
 ``FILE.parquet``, ``.arrow``,       records as above, read with pyarrow: what the Hugging Face Hub serves, what
 ``DIR[:split]``                     ``datasets`` caches, or a folder its ``save_to_disk`` wrote (a DatasetDict's
                                     split named after a colon, else the split asked for)
@@ -297,10 +298,10 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     saved = Path(name).expanduser()
     if suffix and saved.is_dir() and tables.is_saved_dataset(saved):  # FOLDER:SPLIT of a saved DatasetDict
         return _load_records(saved, target, batch_size, limit, split=(suffix, split))
-    if path.suffix in FILE_LOADERS:
+    if _form(path) in FILE_LOADERS and (_form(path) in TEXT_FORMS or path.suffix == _form(path)):
         if not path.is_file():
             raise DataError(f"Data file '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
-        return FILE_LOADERS[path.suffix](path, target, batch_size, limit)
+        return FILE_LOADERS[_form(path)](path, target, batch_size, limit)
     if ":" in spec and not path.exists():
         return _load_factory(spec, target)
     if path.is_dir() and tables.is_saved_dataset(path):
@@ -308,8 +309,9 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     if path.is_dir():
         return _load_media_folder(path, target, batch_size, limit)
     if path.exists():
-        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, a "
-                        "folder of images or sounds, or one datasets' save_to_disk wrote).",
+        raise DataError(f"'{path}' is not a data file symgraph reads (only {', '.join(FILE_LOADERS)} files, the text "
+                        "ones also compressed (.gz, .bz2, .xz), a folder of images or sounds, or one datasets' "
+                        "save_to_disk wrote).",
                         hint=_FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
@@ -599,11 +601,27 @@ def _text_dataset(path: Path, texts: list[str], labels: list[int] | None, target
     return Dataset(path.name, task, _padded_batches(ids, labels, task, _pad_id(tokenizer), batch_size))
 
 
+# text files may come compressed (data.jsonl.gz, as datasets are often shipped); the suffix before says the form
+DECOMPRESS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+
+
+def _form(path: Path) -> str:
+    """The suffix that says how to read ``path``: its own, or the one before a compression suffix."""
+    suffixes = path.suffixes
+    return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in DECOMPRESS else path.suffix
+
+
 def _read_text(path: Path) -> str:
+    import importlib
+
     try:
+        if path.suffix in DECOMPRESS:
+            with importlib.import_module(DECOMPRESS[path.suffix]).open(path, "rt", encoding="utf-8") as file:
+                return file.read()
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"Cannot read '{path}' as UTF-8 text: {exc}.", hint="save the file as UTF-8.") from exc
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:  # gzip's BadGzipFile is an OSError
+        raise DataError(f"Cannot read '{path}' as UTF-8 text: {exc}.",
+                        hint="save the file as UTF-8 (compressed or not: .gz, .bz2 and .xz are read).") from exc
 
 
 def _line_labels(lines: list[str], target: _Target) -> tuple[list[int] | None, list[str]]:
@@ -654,7 +672,7 @@ def _load_records(path: Path, target: _Target, batch_size: int, limit: int | Non
     elif path.suffix in tables.SUFFIXES:
         records = tables.table_records(path, limit)
     else:
-        read = {".jsonl": _json_records, ".json": _json_document_records}.get(path.suffix, _table_records)
+        read = {".jsonl": _json_records, ".json": _json_document_records}.get(_form(path), _table_records)
         records = read(path)[:limit]
     if not records:
         raise DataError(f"Data '{path}' has no records.",
@@ -728,7 +746,7 @@ def _record(value: Any, where: str, hint: str) -> dict:
 
 
 def _table_records(path: Path) -> list[dict]:
-    rows = csv.DictReader(io.StringIO(_read_text(path)), delimiter="\t" if path.suffix == ".tsv" else ",")
+    rows = csv.DictReader(io.StringIO(_read_text(path)), delimiter="\t" if _form(path) == ".tsv" else ",")
     try:
         records = [row for row in rows if any((v or "").strip() for v in row.values() if isinstance(v, str))]
     except csv.Error as exc:
@@ -851,6 +869,7 @@ def _media_dataset(path: Path, inputs: list[dict[str, torch.Tensor]], classes: l
     return Dataset(path.name, "classification", tuple(batches))
 
 
+TEXT_FORMS = (".txt", ".jsonl", ".json", ".csv", ".tsv")  # read by _read_text: may be compressed
 FILE_LOADERS = {".txt": _load_txt, ".jsonl": _load_records, ".json": _load_records, ".csv": _load_records,
                 ".tsv": _load_records, ".parquet": _load_records, ".arrow": _load_records,
                 ".npz": lambda path, target, batch_size, limit: _load_npz(path, target, batch_size)}

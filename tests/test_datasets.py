@@ -105,9 +105,12 @@ def test_bad_specs_raise_data_error_with_hints(spec, expected):
 def test_unsupported_file_type_is_named(tmp_path):
     file = tmp_path / "data.xlsx"
     file.write_text("1,2\n")
-    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .parquet, .arrow, .npz files, a "
-                                        "folder of images or sounds, or one datasets' save_to_disk wrote"):
+    with pytest.raises(DataError, match="only .txt, .jsonl, .json, .csv, .tsv, .parquet, .arrow, .npz files, the "
+                                        "text ones also compressed .* or one datasets' save_to_disk wrote"):
         load_data(str(file))
+    (tmp_path / "data.npz.gz").write_bytes(b"")
+    with pytest.raises(DataError, match="is not a data file symgraph reads"):
+        load_data(tmp_path / "data.npz.gz")
 
 
 # ---- text files ------------------------------------------------------------------------------------------------
@@ -197,6 +200,19 @@ def test_records_give_the_batches_of_the_same_lines_as_text(tmp_path):
     assert text.batches[0].labels.tolist() == [1, 0]
     for name in ("rows.jsonl", "rows.csv", "rows.tsv", "list.json", "columns.json", "lines.json"):
         assert _same_batches(load_data(tmp_path / name, model=model, batch_size=2), text), name
+    # compressed, as datasets are often shipped
+    import bz2
+    import gzip
+    import lzma
+
+    for name, module, suffix in (("lines.txt", gzip, "gz"), ("rows.jsonl", gzip, "gz"), ("rows.tsv", bz2, "bz2"),
+                                 ("columns.json", lzma, "xz")):
+        packed = tmp_path / f"{name}.{suffix}"
+        packed.write_bytes(module.compress((tmp_path / name).read_bytes()))
+        assert _same_batches(load_data(packed, model=model, batch_size=2), text), packed.name
+    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / "rows.jsonl.gz").read_bytes()[:20])
+    with pytest.raises(DataError, match="Cannot read .*cut.jsonl.gz' as UTF-8 text"):
+        load_data(tmp_path / "cut.jsonl.gz", model=model)
     # a causal LM takes the texts alone, its labels being its tokens; the one text field needs no known name
     (tmp_path / "lm.jsonl").write_text('{"code": "def f(x):", "label": 3}\n{"code": "return x + 1", "label": 1}\n')
     lm = load_data(tmp_path / "lm.jsonl", model=MODELS / "llama-chars-a")
