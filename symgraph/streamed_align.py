@@ -32,9 +32,9 @@ at the identity (listed in ``unsolved``). ``paper`` mode has no such groups and 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -53,6 +53,8 @@ from .solve.reduce import squared_distance
 from .verify import RoundedExact
 
 __all__ = ["StreamedAlignment", "align_streamed", "streamed_groups"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -440,11 +442,10 @@ class _Job:
                                                          + info.dtype.itemsize)
         block, need = max(sizes.items(), key=lambda item: item[1])
         if available is not None and need > available:
-            warnings.warn(f"The largest block, {block}, needs at least {need / 1e9:.2f} GB while it is aligned "
-                          f"(working copies of its tensors, its anchor's and its output's), and this machine has "
-                          f"{available / 1e9:.2f} GB available: the alignment will most likely run out of "
-                          "memory. Use a machine with more memory, or --device cuda (the working copies on the GPU).",
-                          stacklevel=3)
+            _log.warning("The largest block, %s, needs at least %.2f GB while it is aligned (working copies of its "
+                         "tensors, its anchor's and its output's), and this machine has %.2f GB available: the "
+                         "alignment will most likely run out of memory. Use a machine with more memory, or --device "
+                         "cuda (the working copies on the GPU).", block, need / 1e9, available / 1e9)
 
     def block_of(self, name: str) -> str | None:
         return next((p for p in self.prefixes if name.startswith(p + ".")), None)
