@@ -70,8 +70,8 @@ def file_batches(chunks: list[list], root, *, model_folder: Path | None, channel
 
 
 def _is_sound(file: "Path | EncodedFile") -> bool:
-    if isinstance(file, EncodedFile):
-        return file.data[:4] == b"RIFF" or Path(file.name).suffix.lower() in AUDIO_SUFFIXES
+    if isinstance(file, EncodedFile):  # a WAV file's header (WebP images are RIFF files too)
+        return file.data[:4] == b"RIFF" and file.data[8:12] == b"WAVE"
     return file.suffix.lower() in AUDIO_SUFFIXES
 
 
