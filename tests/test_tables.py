@@ -5,6 +5,7 @@ features store them (the file's bytes, or its path) the inputs their files give 
 layout ``datasets`` 5.2 writes (checked against files it wrote)."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -138,6 +139,18 @@ def test_images_stored_as_bytes_or_paths_give_the_pixels_of_the_image_folder(tmp
         assert data.task == "classification" and [b.size for b in data.batches] == [5, 5, 2], spec
         assert torch.equal(torch.cat([b.inputs["pixel_values"] for b in data.batches]), pixels), spec
         assert torch.cat([b.labels for b in data.batches]).tolist() == labels
+    # WebP images are RIFF files, as WAV sounds are: still read as images (lossless: the same pixels)
+    from PIL import Image
+
+    webp = []
+    for f in listed:
+        buffer = io.BytesIO()
+        Image.open(f).save(buffer, format="WEBP", lossless=True)
+        webp.append({"bytes": buffer.getvalue(), "path": None})
+    assert webp[0]["bytes"][:4] == b"RIFF"
+    pq.write_table(pa.table({"image": pa.array(webp, MEDIA), "label": labels}), tmp_path / "webp.parquet")
+    data = load_data(tmp_path / "webp.parquet", model=model, batch_size=5)
+    assert torch.equal(torch.cat([b.inputs["pixel_values"] for b in data.batches]), pixels)
     with pytest.raises(DataError, match="is a dataset of images or sounds, and the model is a causal language"):
         load_data(tmp_path / "embedded.parquet", model=MODELS / "llama-chars-a")
 
