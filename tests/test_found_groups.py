@@ -167,6 +167,27 @@ def test_prelu_slopes_that_are_constants_per_unit_pin_the_units():
     assert not [g for g in subject.report.groups if g.size == H], census(subject)
 
 
+class HeadSlopes(nn.Module):
+    """Attention whose output (batch, heads, length, d) goes through a PReLU with a slope per head (axis 1)."""
+
+    def __init__(self, heads: int = 2):
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.act = nn.PReLU(heads)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        out = self.act(F.scaled_dot_product_attention(q, k, v))
+        return self.o(out.transpose(1, 2).flatten(-2))
+
+
+def test_prelu_slopes_per_head_keep_the_heads_in_place():
+    """Slopes along the head axis would have to move with a head permutation: the heads are pinned (sound)."""
+    model, subject = load(HeadSlopes(), torch.randn(2, 5, D))
+    assert not subject.report.by_motif("heads"), census(subject)
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+
+
 def test_prelu_on_convolution_channels():
     model = nn.Sequential(nn.Conv2d(4, H, 3, padding=1), nn.PReLU(H), nn.Conv2d(H, 3, 1))
     model, subject = load(model, torch.randn(2, 4, 6, 6))

@@ -695,7 +695,7 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     for c in coordinates:
         w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
     if spec.slopes:
-        _slopes_per_channel(w, node, slopes, coordinates)
+        _slopes_per_channel(w, node, slopes, chans)
     # the activation's units: its one channel, or among several those along the last axis, where a linear layer
     # writes them (a token-mixing MLP activates (batch, stream, units): the stream only rides along). Coordinates
     # only reduced away into a statistic (x.abs().amax(-1) scaling the stream) are no units: the stream keeps its name
@@ -722,19 +722,20 @@ def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:
     return False
 
 
-def _slopes_per_channel(w, node: fx.Node, slopes, coordinates: list[Chan]) -> None:
+def _slopes_per_channel(w, node: fx.Node, slopes, chans: list[Chan]) -> None:
     """prelu's weight: one slope for every coordinate, or one per channel of axis 1. A slope per channel moves
     with its channel (a product tie: ``prelu_a(c x) = c prelu_a(x)`` for c > 0, so the slope keeps its value);
-    coordinates along other axes see every slope alike. A channel axis that meets slopes it cannot carry (data
-    that differs per channel, slopes of no single channel, a channel varying along other axes too) pins."""
+    coordinates along other axes see every slope alike. What varies along axis 1 and meets slopes it cannot
+    carry (data that differs per channel, slopes of no single channel, heads, a channel varying along other axes
+    too) pins."""
     s = w.value(slopes) if isinstance(slopes, fx.Node) else None
     count = slopes.meta["val"].numel() if isinstance(slopes, fx.Node) else 1
-    along = [c for c in coordinates if 1 in chan_axes(c)]
+    along = [c for c in chans if 1 in chan_axes(c)]
     if count == 1 or s is None or (not s.chans and s.data is not None and not data_varies(s.data, {0}, (count,))):
         _pin_operands(w, node, [s], "one slope shared by every coordinate keeps its value")
         return
     ids = _channel_ids(s, 0) if len(s.chans) == 1 else None
-    if ids is None or len(along) != 1 or chan_axes(along[0]) != {1} or along[0].mixed:
+    if ids is None or len(along) != 1 or chan_axes(along[0]) != {1} or along[0].mixed or along[0].block:
         _pin_operands(w, node, [s, Value(chans=along)], "slopes per channel that no single channel of axis 1 "
                                                         "carries alone")
         return
