@@ -1,6 +1,6 @@
 """Groups the analysis used to miss although they hold: top-1 routing by argmax, per-channel PReLU slopes, a mean
-absolute value over the stream, channel shuffles, nn.Bilinear, and pooling over channels of which some are raw
-input. Each form is found (kind and size), fuzzed in float64 at two input shapes, and checked again by applying
+absolute value over the stream, channel shuffles, nn.Bilinear, pooling over channels of which some are raw input,
+and towers met by an elementwise maximum. Each form is found (kind and size), fuzzed in float64 at two input shapes, and checked again by applying
 sampled elements of every group and comparing outputs at two shapes other than the traced one; each has a
 control where the group must not hold."""
 from __future__ import annotations
@@ -300,3 +300,33 @@ def test_pooling_beside_raw_channels_keeps_the_convolution_channels_free():
     model, subject = load(PoolBeside(), torch.randn(2, 4, 6, 6))
     assert census(subject) == {"ffn permutation/positive 8x1": 1}, census(subject)
     assert_holds(model, subject, [(1, 4, 5, 7), (3, 4, 4, 4)])
+
+
+# --- towers met by an elementwise maximum -------------------------------------------------------------------------
+class Towers(nn.Module):
+    """Two ReLU MLP towers met by ``meet`` (torch.maximum or torch.minimum), then a head; ``reread``: the second
+    tower's output is also added to the result (a control: the towers' roles then differ)."""
+
+    def __init__(self, meet, reread: bool = False):
+        super().__init__()
+        self.meet, self.reread = meet, reread
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)) for _ in range(2))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        t1, t2 = (t(x) for t in self.towers)
+        y = self.meet(t1, t2)
+        return self.head(y + t2 if self.reread else y)
+
+
+@pytest.mark.parametrize("meet", [torch.maximum, torch.minimum], ids=["maximum", "minimum"])
+def test_towers_met_by_an_elementwise_maximum_swap(meet):
+    """max(t1, t2) = max(t2, t1): every tensor of one tower may move to the other's slot."""
+    model, subject = load(Towers(meet), torch.randn(2, 5, D))
+    assert census(subject).get("experts permutation 2x1") == 1, census(subject)
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+
+
+def test_towers_whose_output_is_read_again_do_not_swap():
+    _, subject = load(Towers(torch.maximum, reread=True), torch.randn(2, 5, D))
+    assert not subject.report.by_motif("experts"), census(subject)
