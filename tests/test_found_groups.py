@@ -94,15 +94,19 @@ def test_argmax_routing_whose_index_is_also_read_as_a_number_pins_the_experts():
 
 class Feature(nn.Module):
     """argmax over a hidden layer's units: ``form`` "one_hot" (the winner's mask times the units), "gather" (the
-    largest unit scales the output), "read" (the index as a number) or "flat" (argmax over every axis)."""
+    largest unit scales the output), "table" (the winner's row of a table of one row per unit is added), "read"
+    (the index as a number), "flat" (argmax over every axis) or "long table" (a table with more rows than units)."""
 
     def __init__(self, form: str):
         super().__init__()
         self.form = form
         self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(H, D), nn.Linear(D, 3)
+        self.table = nn.Embedding(H + 8 if form == "long table" else H, D)
 
     def forward(self, x):
         h = self.a(x)
+        if self.form in ("table", "long table"):
+            return self.c(self.b(torch.relu(h)) + self.table(h.argmax(-1)))
         if self.form == "one_hot":
             return self.c(self.b(F.one_hot(h.argmax(-1), H).to(x.dtype) * h))
         if self.form == "gather":
@@ -111,14 +115,15 @@ class Feature(nn.Module):
         return self.c(self.b(torch.relu(h))) + index.to(x.dtype)
 
 
-@pytest.mark.parametrize("form, group", [("one_hot", "experts permutation 12x1"), ("gather", "ffn permutation 12x1")])
+@pytest.mark.parametrize("form, group", [("one_hot", "experts permutation 12x1"), ("gather", "ffn permutation 12x1"),
+                                         ("table", "ffn permutation 12x1")])
 def test_argmax_over_units_lets_them_permute(form, group):
     model, subject = load(Feature(form), torch.randn(2, 5, D))
     assert census(subject).get(group) == 1, census(subject)
     assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
 
 
-@pytest.mark.parametrize("form", ["read", "flat"])
+@pytest.mark.parametrize("form", ["read", "flat", "long table"])
 def test_argmax_read_as_a_number_pins_the_units(form):
     _, subject = load(Feature(form), torch.randn(2, 5, D))
     assert not [g for g in subject.report.groups if g.size == H], census(subject)

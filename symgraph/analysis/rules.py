@@ -1859,13 +1859,19 @@ def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
     """Rows of the table picked by input ids; the column axis carries the table's channels to the output's last
     axis. ``embedding_bag`` (a tuple: the bags, then index bookkeeping) sums, averages (any linear map of columns
     passes) or takes the largest (permutations and positive scales pass) of each bag's rows, optionally weighted
-    per sample."""
+    per sample. Indices that point into a labelled axis (``table[h.argmax(-1)]``) pick the row of the coordinate
+    they chose: the rows move with that axis."""
     table = w.value(schema_arg(node, "weight"))
     val = node.meta.get("val")
     bag = isinstance(val, (list, tuple))
     out_shape = concrete_shape(val[0].shape) if bag else _shape_of(node)
+    pointed = w.value(schema_arg(node, "indices")).points_to
     chans = []
     for c in table.chans:
+        if 0 in chan_axes(c) and _rows_follow(c, pointed, bag):
+            w.c.tie(ids_along(c.ids, 0), pointed, node=node.name)
+            pointed = None
+            continue
         if 0 in chan_axes(c):
             w.c.pin(c.ids, "embedding rows are selected by input ids", node.name)
             continue
@@ -1874,12 +1880,20 @@ def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
         chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
         if bag and schema_arg(node, "mode") == _BAG_MAX:
             w.c.restrict(ids, monomial("positive"), "the largest of each bag's rows, per column", node.name)
+    if pointed is not None:
+        w.c.pin(pointed, "indices into this axis pick rows of a table that cannot follow them", node.name)
     if not bag:
         return Value(chans=chans, shape=out_shape)
     weights = schema_arg(node, "per_sample_weights")
     _pin_value(w, node, w.value(weights) if isinstance(weights, fx.Node) else None,
                "per-sample weights of an embedding bag")
     return [Value(chans=chans, shape=out_shape)] + [Value(shape=concrete_shape(v.shape)) for v in val[1:]]
+
+
+def _rows_follow(c: Chan, pointed: torch.Tensor | None, bag: bool) -> bool:
+    """Whether a table's channel ``c`` is its rows alone, as many as the coordinates ``pointed`` indices choose."""
+    return (pointed is not None and not bag and chan_axes(c) == {0} and not c.mixed and not c.block
+            and c.ids.shape[0] == len(pointed))
 
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
