@@ -108,6 +108,7 @@ class MapSpec(_Equivariant):
     # coordinate is its own channel's, so the slopes move with the channels and never scale
     slopes: str | None = None
     even: bool = False  # f(-x) = f(x): a statistic of f over whole rows of coordinates passes signed permutations
+    ties: bool = False  # sends whole intervals to one value: a ranking downstream sees the coordinates' order
 
     def arguments(self) -> tuple[str, ...]:
         return (*(self.bounds or ()), *((self.slopes,) if self.slopes else ()))

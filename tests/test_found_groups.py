@@ -129,6 +129,33 @@ def test_argmax_read_as_a_number_pins_the_units(form):
     assert not [g for g in subject.report.groups if g.size == H], census(subject)
 
 
+class Ties(nn.Module):
+    """A choice among ReLU units, most of them 0 for most tokens (a negative bias): ties broken by position."""
+
+    def __init__(self, choose):
+        super().__init__()
+        self.choose = choose
+        self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(H, D), nn.Linear(D, 3)
+        with torch.no_grad():
+            self.a.bias.fill_(-1.5)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.c(self.b(F.one_hot(self.choose(h), H).to(x.dtype) * (h + 1)))
+
+
+@pytest.mark.parametrize("choose", [lambda h: h.argmax(-1), lambda h: h.topk(1, -1).indices[..., 0],
+                                    lambda h: torch.clamp(h + 0.2, max=0.5).argmax(-1)],
+                         ids=["argmax", "topk", "clamped"])
+def test_a_choice_among_values_that_tie_keeps_the_units_in_place(choose):
+    """argmax of all-zero units picks the first: after a permutation another unit is first (a ReLU's or a clamp's
+    flat part makes equal values likely; the analysis followed top-k through them)."""
+    torch.manual_seed(0)
+    subject = symgraph.load(Ties(choose).double().eval(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert not [g for g in subject.report.groups if g.size == H], census(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=10)
+
+
 # --- PReLU ----------------------------------------------------------------------------------------------------
 class PRelu(nn.Module):
     """``Linear -> PReLU -> Linear``; ``slopes``: "channel" (one per unit), "shared" (one for all) or "buffer"

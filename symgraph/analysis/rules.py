@@ -1921,8 +1921,9 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     if args["dim"] is None and rank > 1:  # argmax over the flattened tensor: positions mixing every axis
         return _pin_moved(w, node, "top-1 over the flattened tensor")
     dim, ordered = (args["dim"] or 0) % rank, args.get("sorted", True)  # max.dim: one result, no order to see
-    # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
-    followable = ordered or _order_blind(w.specs, node, dim - rank)
+    # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow;
+    # equal values (a ReLU's zeros) are ranked by position, which a permutation changes
+    followable = (ordered or _order_blind(w.specs, node, dim - rank)) and not _may_tie(w, args["self"])
     pointed, by_rows, rows = None, False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -1958,6 +1959,30 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     else:
         results = [Value(invariant=True, shape=shapes[0]), Value(points_to=pointed, shape=shapes[1])]
     return results[-1] if spec.indices_only else results
+
+
+_TIE_FREE = frozenset({"contract", "conv", "attention", "embedding", "recurrent"})  # weights mix: no equal values
+
+
+def _may_tie(w, x: fx.Node) -> bool:
+    """Whether ``x`` may hold equal values at different coordinates with positive probability: it depends, through
+    no contraction with weights, on a map that sends whole intervals to one value (``ties`` in specs/ops.yaml).
+    Masks and indices (values that are not floating point) are not followed."""
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.op != "call_function" or n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            continue
+        spec = None if n.target is operator.getitem else w.spec(n)
+        if getattr(spec, "ties", False):
+            return True
+        if n.target is operator.getitem or (spec is not None and spec.rule not in _TIE_FREE):
+            todo.extend(n.all_input_nodes)
+    return False
 
 
 def _indices_read(topk: fx.Node, spec) -> bool:
