@@ -1965,9 +1965,10 @@ _TIE_FREE = frozenset({"contract", "conv", "attention", "embedding", "recurrent"
 
 
 def _may_tie(w, x: fx.Node) -> bool:
-    """Whether ``x`` may hold equal values at different coordinates with positive probability: it depends, through
-    no contraction with weights, on a map that sends whole intervals to one value (``ties`` in specs/ops.yaml).
-    Masks and indices (values that are not floating point) are not followed."""
+    """Whether ``x`` may hold equal values at different coordinates with positive probability: its values come,
+    through no contraction with weights, from a map that sends whole intervals to one value (``ties`` in
+    specs/ops.yaml) or from discrete values (masks, one-hots: not floating point). Indices and the conditions of
+    a ``where`` only choose positions: not followed."""
     seen, todo = set(), [x]
     while todo:
         n = todo.pop()
@@ -1975,13 +1976,16 @@ def _may_tie(w, x: fx.Node) -> bool:
             continue
         seen.add(n)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and not val.is_floating_point():
-            continue
         spec = None if n.target is operator.getitem else w.spec(n)
-        if getattr(spec, "ties", False):
+        if getattr(spec, "ties", False) or (isinstance(val, torch.Tensor) and not val.is_floating_point()):
             return True
-        if n.target is operator.getitem or (spec is not None and spec.rule not in _TIE_FREE):
-            todo.extend(n.all_input_nodes)
+        if n.target is operator.getitem:
+            todo.append(n.args[0])
+        elif spec is not None and spec.rule not in _TIE_FREE:
+            choosers = set(index_operands(n, spec.rule))
+            if spec.rule == "where":
+                choosers.add(schema_arg(n, spec.condition))
+            todo.extend(a for a in n.all_input_nodes if a not in choosers)
     return False
 
 
