@@ -39,8 +39,8 @@ class _Equivariant(_Frozen):
 class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
-    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan", "softmax",
-                  "embedding", "ignore", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
+    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan",
+                  "softmax", "embedding", "ignore", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
                   "glu", "weight_norm"]
 
 

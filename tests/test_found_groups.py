@@ -1,8 +1,8 @@
 """Groups the analysis used to miss although they hold: top-1 routing by argmax, per-channel PReLU slopes, a mean
 absolute value over the stream, channel shuffles, nn.Bilinear, pooling over channels of which some are raw input,
-and towers met by an elementwise maximum. Each form is found (kind and size), fuzzed in float64 at two input shapes, and checked again by applying
-sampled elements of every group and comparing outputs at two shapes other than the traced one; each has a
-control where the group must not hold."""
+and towers met by an elementwise maximum. Each form is found (kind and size), fuzzed in float64 at two input
+shapes, and checked again by applying sampled elements of every group and comparing outputs at two shapes other
+than the traced one; each has a control where the group must not hold."""
 from __future__ import annotations
 
 import numpy as np

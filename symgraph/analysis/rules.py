@@ -1933,7 +1933,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
             _permuted_within_rows(w, node, c, {dim}, "ranked by top-k over this axis")
             pointed = ids_along(c.ids, dim)
         elif followable and not c.block and dim in chan_axes(c) and _disjoint_rows(c.ids, dim) is not None:
-            if _indices_read(node, spec):  # positions within a row, which a permutation within it changes: unfollowed
+            if _indices_read(node, spec):  # positions within a row, which a permutation there changes: unfollowed
                 _pin_chan(w, node, c, "ranked by top-k within rows of this axis, whose indices are read")
             else:
                 _permuted_within_rows(w, node, c, {dim}, "ranked by top-k within rows of this axis")
@@ -1952,8 +1952,8 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
         for c in rows:
             if not c.block:
                 w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
-        laid = [[c.map(lambda t, s=s: _one_along(t, dim, s)) for c in rows] for s in shapes if s is not None]
-        results = [Value(chans=chans, shape=s) for chans, s in zip(laid, [s for s in shapes if s is not None])]
+        results = [Value(chans=[c.map(lambda t, s=s: _one_along(t, dim, s)) for c in rows], shape=s)
+                   for s in shapes if s is not None]
     elif pointed is None:
         results = [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
     else:
