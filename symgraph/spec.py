@@ -39,9 +39,14 @@ class _Equivariant(_Frozen):
 class PlainSpec(_Equivariant):
     """Rules whose handler needs nothing beyond the op's arguments."""
 
-    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan", "softmax",
-                  "embedding", "ignore", "topk", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
+    rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan",
+                  "softmax", "embedding", "ignore", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
                   "glu", "weight_norm"]
+
+
+class TopkSpec(_Frozen):
+    rule: Literal["topk"]
+    indices_only: bool = False  # returns the indices alone (argmax, argmin), not (values, indices)
 
 
 class ReduceSpec(_Equivariant):
@@ -99,15 +104,21 @@ class MapSpec(_Equivariant):
     # a clamp's lower and upper bound (schema arguments): `group` holds only when they are opposite numbers
     # (clamp(-x, -c, c) = -clamp(x, -c, c)); any other bounds commute with permutations only
     bounds: tuple[str, str] | None = None
+    # the schema argument holding a slope per channel of axis 1, or one for all (prelu's weight): the map of each
+    # coordinate is its own channel's, so the slopes move with the channels and never scale
+    slopes: str | None = None
+    even: bool = False  # f(-x) = f(x): a statistic of f over whole rows of coordinates passes signed permutations
+    ties: bool = False  # sends whole intervals to one value: a ranking downstream sees the coordinates' order
 
     def arguments(self) -> tuple[str, ...]:
-        return self.bounds or ()
+        return (*(self.bounds or ()), *((self.slopes,) if self.slopes else ()))
 
 
 class ContractSpec(_Frozen):
     rule: Literal["contract"]
     pattern: str  # einsum-like, or "matmul" (numpy broadcasting) / "einsum" (the equation argument)
     operands: tuple[str, ...] | None = None  # schema arguments in pattern order; default: every Tensor argument
+    factors: int = 2  # operands multiplied together (bilinear: 3); those after them are added (biases)
     _recipe: Pattern | None = PrivateAttr(default=None)
 
     @field_validator("pattern")
@@ -158,8 +169,8 @@ class PowSpec(_Frozen):
     exponent: float | None = None  # fixed by the op (square); else read from the call
 
 
-_RULE_MODELS = (PlainSpec, NormSpec, ReduceSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec, ContractSpec, ConvSpec, PowSpec,
-                FillSpec, ComplexViewSpec, RecurrentSpec)
+_RULE_MODELS = (PlainSpec, TopkSpec, NormSpec, ReduceSpec, MovementSpec, IdentitySpec, SubSpec, WhereSpec, MapSpec,
+                ContractSpec, ConvSpec, PowSpec, FillSpec, ComplexViewSpec, RecurrentSpec)
 OpSpec = Annotated[Union[_RULE_MODELS], Field(discriminator="rule")]
 RULES: tuple[str, ...] = tuple(sorted(r for m in _RULE_MODELS for r in get_args(m.model_fields["rule"].annotation)))
 

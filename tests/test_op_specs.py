@@ -133,6 +133,8 @@ EXAMPLES = {
     "aten.index_select.default": lambda h, m: A.index_select.default(h, 1, torch.tensor([0, 0, 1])),
     "aten.flip.default": lambda h, m: A.flip.default(h, [1]),
     "aten.roll.default": lambda h, m: A.roll.default(h, [1], [1]),
+    "aten.channel_shuffle.default": channels_first(lambda x, m: A.channel_shuffle.default(x, 2)),
+    "aten.native_channel_shuffle.default": channels_first(lambda x, m: A.native_channel_shuffle.default(x, 4)),
     "aten.contiguous.default": lambda h, m: A.contiguous.default(h.transpose(0, 1)),
     "aten.clone.default": lambda h, m: A.clone.default(h),
     "aten.alias.default": lambda h, m: A.alias.default(h),
@@ -164,6 +166,7 @@ EXAMPLES = {
     "aten.hardtanh_.default": lambda h, m: A.hardtanh_.default(h.clone()),
     "aten.relu_.default": lambda h, m: A.relu_.default(h.clone()),
     "aten.log_sigmoid.default": lambda h, m: A.log_sigmoid.default(h),
+    "aten.prelu.default": channels_first(lambda x, m: A.prelu.default(x, m.v2)),
     **{f"aten.{name}.default": (lambda op: lambda h, m: op(torch.exp(h)))(getattr(A, name).default)
        for name in ("log", "sqrt", "rsqrt", "reciprocal")},
     # contractions
@@ -219,6 +222,7 @@ EXAMPLES = {
     "aten.vdot.default": lambda h, m: h * A.vdot.default(h.mean((0, 1)), m.v2),
     "aten.outer.default": lambda h, m: h @ A.outer.default(m.v2, h.mean((0, 1))),
     "aten.addr.default": lambda h, m: h @ A.addr.default(m.w, m.v2, h.mean((0, 1))),
+    "aten.bilinear.default": lambda h, m: A.bilinear.default(h, A.relu.default(h), m.w.expand(D, D, D), m.v2),
     "aten.conv1d.default": channels_first(lambda x, m: A.conv1d.default(x, m.k1, m.v2)),
     "aten.conv2d.default": channels_first(lambda x, m: A.conv2d.default(x, m.k2, m.v2), 2),
     "aten.conv3d.default": channels_first(lambda x, m: A.conv3d.default(x, m.k3, m.v2), 3),
@@ -297,6 +301,8 @@ EXAMPLES = {
         m.table, torch.tensor([1, 4, 2, 7]), torch.tensor([0, 3]), False, 1, False, None, False, 4)[0].sum(0),
     "aten.topk.default": _routed,
     "aten.max.dim": lambda h, m: A.one_hot.default(A.max.dim(A.linear.default(h, m.w), -1)[1], D) * h,
+    "aten.argmax.default": lambda h, m: A.one_hot.default(A.argmax.default(A.linear.default(h, m.w), -1), D) * h,
+    "aten.argmin.default": lambda h, m: A.one_hot.default(A.argmin.default(A.linear.default(h, m.w), -1), D) * h,
     "aten.min.dim": lambda h, m: A.one_hot.default(A.min.dim(A.linear.default(h, m.w), -1)[1], D) * h,
     "aten.one_hot.default": _routed,
     "aten.where.self": lambda h, m: A.where.self(_rows_mask(h), h, m.v2),

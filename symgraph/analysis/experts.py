@@ -92,7 +92,7 @@ def _read_ids(walker, node: fx.Node, spec) -> np.ndarray | None:
     if x.points_to is not None or len(x.chans) != 1:
         return None
     c = x.chans[0]
-    if c.mixed or c.block or c.degree != 1:
+    if c.mixed or c.block:  # a square (one-hot mask times the probabilities) moves with its coordinate too
         return None
     dim = args[spec.dim] % c.ids.dim()
     if position >= c.ids.shape[dim]:

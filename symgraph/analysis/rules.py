@@ -684,13 +684,18 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     limit = from_group_name(spec.group, spec.scale)
     if spec.bounds and not _opposite_numbers(*(schema_arg(node, b) for b in spec.bounds)):
         limit = limit & NEUTRAL  # clamp(-x, a, b) = -clamp(x, -b, -a): sign flips need b = -a
-    if _bounded_by_varying_tensor(w, node, v):  # max(x, t): t must not differ between x's coordinates
+    slopes = schema_arg(node, spec.slopes) if spec.slopes else None
+    if _bounded_by_varying_tensor(w, node, v, slopes):  # max(x, t): t must not differ between x's coordinates
         return _pin_operands(w, node, [v] + [w.value(a) for a in node.args[1:] if isinstance(a, fx.Node)],
                              "elementwise bound by a tensor that differs per coordinate")
     chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
+    if spec.even and _even_statistic(w, node, chans):
+        return Value(invariant=True, shape=_shape_of(node))
     coordinates = [c for c in chans if not c.block]
     for c in coordinates:
         w.c.restrict(c.ids, limit, f"elementwise {node.target.__name__.split('.')[0]}", node.name)
+    if spec.slopes:
+        _slopes_per_channel(w, node, slopes, chans)
     # the activation's units: its one channel, or among several those along the last axis, where a linear layer
     # writes them (a token-mixing MLP activates (batch, stream, units): the stream only rides along). Coordinates
     # only reduced away into a statistic (x.abs().amax(-1) scaling the stream) are no units: the stream keeps its name
@@ -701,19 +706,62 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     return Value(chans=chans, shape=_shape_of(node))
 
 
-def _bounded_by_varying_tensor(w, node: fx.Node, x: Value) -> bool:
+def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:
     """A second tensor operand (``max(x, t)``, ``clamp(x, t)``) that carries channels, or data that varies along
-    an axis where ``x`` carries one: permuting x's coordinates would need it permuted too."""
+    an axis where ``x`` carries one: permuting x's coordinates would need it permuted too. ``slopes`` (prelu's
+    weight, laid along axis 1) is left to :func:`_slopes_per_channel`."""
     out_shape = _shape_of(node)
     axes = frozenset().union(*(chan_axes(c) for c in x.chans)) if x.chans else frozenset()
     for a in (*node.args[1:], *node.kwargs.values()):
-        t = w.value(a) if isinstance(a, fx.Node) else None
+        t = w.value(a) if isinstance(a, fx.Node) and a is not slopes else None
         if t is None:
             continue
         if t.chans or (not t.invariant and data_varies(t.data, axes, out_shape)) or \
                 (t.invariant and axes & _varying_axes(t, out_shape)):
             return True
     return False
+
+
+def _slopes_per_channel(w, node: fx.Node, slopes, chans: list[Chan]) -> None:
+    """prelu's weight: one slope for every coordinate, or one per channel of axis 1. A slope per channel moves
+    with its channel (a product tie: ``prelu_a(c x) = c prelu_a(x)`` for c > 0, so the slope keeps its value);
+    coordinates along other axes see every slope alike. What varies along axis 1 and meets slopes it cannot
+    carry (data that differs per channel, slopes of no single channel, heads, a channel varying along other axes
+    too) pins."""
+    s = w.value(slopes) if isinstance(slopes, fx.Node) else None
+    count = slopes.meta["val"].numel() if isinstance(slopes, fx.Node) else 1
+    along = [c for c in chans if 1 in chan_axes(c)]
+    if count == 1 or s is None or (not s.chans and s.data is not None and not data_varies(s.data, {0}, (count,))):
+        _pin_operands(w, node, [s], "one slope shared by every coordinate keeps its value")
+        return
+    ids = _channel_ids(s, 0) if len(s.chans) == 1 else None
+    if ids is None or len(along) != 1 or chan_axes(along[0]) != {1} or along[0].mixed or along[0].block:
+        _pin_operands(w, node, [s, Value(chans=along)], "slopes per channel that no single channel of axis 1 "
+                                                        "carries alone")
+        return
+    w.c.tie(ids_along(along[0].ids, 1), ids, product=PRODUCT_WEIGHT, node=node.name)
+    w.c.permute_only.append(ids.numpy())
+
+
+def _even_statistic(w, node: fx.Node, chans: list[Chan]) -> bool:
+    """An even map (``|x|``) that every reader reduces over all the axes its coordinates vary along (a mean
+    absolute value, a largest absolute value): each statistic is a symmetric function of a row's ``|x_i|``, which
+    signed permutations within the row leave unchanged. Restricts the rows as a norm's and says whether it did (the
+    map's value is then invariant); a scale would change the statistic."""
+    rank = len(_shape_of(node) or ())
+    if not chans or not node.users or any(c.block or c.mixed for c in chans):
+        return False
+    for user in node.users:
+        spec = w.spec(user) if user.op == "call_function" else None
+        if spec is None or spec.rule != "reduce" or _schema_args(user).get("self") is not node:
+            return False
+        dims = _schema_args(user).get("dim")
+        reduced = frozenset(range(rank)) if not dims else frozenset(d % rank for d in dims)
+        if not all(chan_axes(c) <= reduced for c in chans):
+            return False
+    for c in chans:
+        _normalise(w, node, c, chan_axes(c), monomial("sign"))
+    return True
 
 
 def _only_reduced_away(w, node: fx.Node, axes) -> bool:
@@ -769,7 +817,7 @@ def rule_pool(w, node: fx.Node, spec) -> Value:
     view = [1, -1] + [1] * (len(out_shape) - 2)
     chans = []
     for c in x.chans:
-        ids = _input_channel_ids(w, node, c)
+        ids = _input_channel_ids(w, node, c, beside_data=True)
         if ids is not None:
             w.c.restrict(ids, limit, f"mapped over positions by {node.target.__name__.split('.')[0]}", node.name)
             chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
@@ -840,7 +888,7 @@ def squared(w, node: fx.Node, chan: Chan) -> Chan:
 
 # -- contractions -------------------------------------------------------------------------------------------
 def rule_contract(w, node: fx.Node, spec) -> Value:
-    n_factors = 2  # operands after the second are added to the output (biases)
+    n_factors = spec.factors  # operands after these are added to the output (biases)
     if spec.pattern == "einsum":
         pattern, operands = parse_pattern(schema_arg(node, "equation")), list(schema_arg(node, "tensors"))
         n_factors = len(operands)  # every einsum operand is a factor
@@ -980,12 +1028,13 @@ def _channel_ids(weight: Value, axis: int) -> torch.Tensor | None:
     return None
 
 
-def _input_channel_ids(w, node, chan: Chan) -> torch.Tensor | None:
+def _input_channel_ids(w, node, chan: Chan, beside_data: bool = False) -> torch.Tensor | None:
     """The ids along channel axis 1 of a convolution, norm or pooling input. A channel that varies along any
-    other axis (or a head block, a mix, channels partly made of data) has no per-channel meaning here: pinned."""
+    other axis (or a head block, a mix, channels partly made of data unless ``beside_data``: a map of each channel
+    on its own, which the data channels' -1 ids keep out of every group) has no per-channel meaning here: pinned."""
     chan = w.resolve(chan, node.name)
     ids = ids_along(chan.ids, 1)
-    if chan_axes(chan) != {1} or chan.block or chan.mixed or bool((ids < 0).any()):
+    if chan_axes(chan) != {1} or chan.block or chan.mixed or (not beside_data and bool((ids < 0).any())):
         for t in chan.terms:
             w.c.pin(t.ids, "channel axis input that varies along other axes or is partly data", node.name)
         return None
@@ -1810,13 +1859,19 @@ def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
     """Rows of the table picked by input ids; the column axis carries the table's channels to the output's last
     axis. ``embedding_bag`` (a tuple: the bags, then index bookkeeping) sums, averages (any linear map of columns
     passes) or takes the largest (permutations and positive scales pass) of each bag's rows, optionally weighted
-    per sample."""
+    per sample. Indices that point into a labelled axis (``table[h.argmax(-1)]``) pick the row of the coordinate
+    they chose: the rows move with that axis."""
     table = w.value(schema_arg(node, "weight"))
     val = node.meta.get("val")
     bag = isinstance(val, (list, tuple))
     out_shape = concrete_shape(val[0].shape) if bag else _shape_of(node)
+    pointed = w.value(schema_arg(node, "indices")).points_to
     chans = []
     for c in table.chans:
+        if 0 in chan_axes(c) and _rows_follow(c, pointed, bag):
+            w.c.tie(ids_along(c.ids, 0), pointed, node=node.name)
+            pointed = None
+            continue
         if 0 in chan_axes(c):
             w.c.pin(c.ids, "embedding rows are selected by input ids", node.name)
             continue
@@ -1825,12 +1880,20 @@ def rule_embedding(w, node: fx.Node, spec) -> Value | list[Value]:
         chans.append(Chan.clean(ids.reshape(view).expand(out_shape)))
         if bag and schema_arg(node, "mode") == _BAG_MAX:
             w.c.restrict(ids, monomial("positive"), "the largest of each bag's rows, per column", node.name)
+    if pointed is not None:
+        w.c.pin(pointed, "indices into this axis pick rows of a table that cannot follow them", node.name)
     if not bag:
         return Value(chans=chans, shape=out_shape)
     weights = schema_arg(node, "per_sample_weights")
     _pin_value(w, node, w.value(weights) if isinstance(weights, fx.Node) else None,
                "per-sample weights of an embedding bag")
     return [Value(chans=chans, shape=out_shape)] + [Value(shape=concrete_shape(v.shape)) for v in val[1:]]
+
+
+def _rows_follow(c: Chan, pointed: torch.Tensor | None, bag: bool) -> bool:
+    """Whether a table's channel ``c`` is its rows alone, as many as the coordinates ``pointed`` indices choose."""
+    return (pointed is not None and not bag and chan_axes(c) == {0} and not c.mixed and not c.block
+            and c.ids.shape[0] == len(pointed))
 
 
 # -- routing: top-k, one-hot, gather by routed index ---------------------------------------------------------
@@ -1855,9 +1918,12 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     args = _schema_args(node)
     x = w.value(args["self"])
     rank = len(x.shape)
-    dim, ordered = args["dim"] % rank, args.get("sorted", True)  # max.dim: one result, no order to see
-    # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow
-    followable = ordered or _order_blind(w.specs, node, dim - rank)
+    if args["dim"] is None and rank > 1:  # argmax over the flattened tensor: positions mixing every axis
+        return _pin_moved(w, node, "top-1 over the flattened tensor")
+    dim, ordered = (args["dim"] or 0) % rank, args.get("sorted", True)  # max.dim: one result, no order to see
+    # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow;
+    # equal values (a ReLU's zeros) are ranked by position, which a permutation changes
+    followable = (ordered or _order_blind(w.specs, node, dim - rank)) and not _may_tie(w, args["self"])
     pointed, by_rows, rows = None, False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -1867,7 +1933,7 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
             _permuted_within_rows(w, node, c, {dim}, "ranked by top-k over this axis")
             pointed = ids_along(c.ids, dim)
         elif followable and not c.block and dim in chan_axes(c) and _disjoint_rows(c.ids, dim) is not None:
-            if _indices_read(node):  # positions within a row, which a permutation within it changes: unfollowed
+            if _indices_read(node, spec):  # positions within a row, which a permutation there changes: unfollowed
                 _pin_chan(w, node, c, "ranked by top-k within rows of this axis, whose indices are read")
             else:
                 _permuted_within_rows(w, node, c, {dim}, "ranked by top-k within rows of this axis")
@@ -1881,20 +1947,52 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
         for c in rows:
             _pin_chan(w, node, c, "top-k rows of coordinates, ranked along another labelled axis")
         rows = []
-    shapes = _shape_of(node, 0), _shape_of(node, 1)
+    shapes = (None, _shape_of(node)) if spec.indices_only else (_shape_of(node, 0), _shape_of(node, 1))
     if rows:  # both results are laid out like the rows: the values, and the indices (into an unlabelled axis)
         for c in rows:
             if not c.block:
                 w.c.restrict(c.ids, NEUTRAL, "ranked by top-k within each row of these coordinates", node.name)
-        laid = [[c.map(lambda t, s=s: _one_along(t, dim, s)) for c in rows] for s in shapes]
-        return [Value(chans=laid[0], shape=shapes[0]), Value(chans=laid[1], shape=shapes[1])]
-    if pointed is None:
-        return [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
-    return [Value(invariant=True, shape=shapes[0]), Value(points_to=pointed, shape=shapes[1])]
+        results = [Value(chans=[c.map(lambda t, s=s: _one_along(t, dim, s)) for c in rows], shape=s)
+                   for s in shapes if s is not None]
+    elif pointed is None:
+        results = [Value(invariant=by_rows, shape=shapes[0]), Value(shape=shapes[1])]
+    else:
+        results = [Value(invariant=True, shape=shapes[0]), Value(points_to=pointed, shape=shapes[1])]
+    return results[-1] if spec.indices_only else results
 
 
-def _indices_read(topk: fx.Node) -> bool:
-    """Whether anything reads the indices ``topk`` returns (its second result)."""
+_TIE_FREE = frozenset({"contract", "conv", "attention", "embedding", "recurrent"})  # weights mix: no equal values
+
+
+def _may_tie(w, x: fx.Node) -> bool:
+    """Whether ``x`` may hold equal values at different coordinates with positive probability: its values come,
+    through no contraction with weights, from a map that sends whole intervals to one value (``ties`` in
+    specs/ops.yaml) or from discrete values (masks, one-hots: not floating point). Indices and the conditions of
+    a ``where`` only choose positions: not followed."""
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.op != "call_function" or n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        spec = None if n.target is operator.getitem else w.spec(n)
+        if getattr(spec, "ties", False) or (isinstance(val, torch.Tensor) and not val.is_floating_point()):
+            return True
+        if n.target is operator.getitem:
+            todo.append(n.args[0])
+        elif spec is not None and spec.rule not in _TIE_FREE:
+            choosers = set(index_operands(n, spec.rule))
+            if spec.rule == "where":
+                choosers.add(schema_arg(n, spec.condition))
+            todo.extend(a for a in n.all_input_nodes if a not in choosers)
+    return False
+
+
+def _indices_read(topk: fx.Node, spec) -> bool:
+    """Whether anything reads the indices ``topk`` returns (its second result, or its only one)."""
+    if spec.indices_only:
+        return bool(topk.users)
     return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in topk.users)
 
 

@@ -392,7 +392,7 @@ _DEGREE_AWARE = frozenset({"reduce", "identity"})
 _READS_COMPLEX = frozenset({"complex_view", "mul"})
 
 # Rules that keep indices pointing at the coordinates they chose (the others pin those coordinates).
-_FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "ignore"})
+_FOLLOWS_INDICES = frozenset({"movement", "identity", "one_hot", "gather", "scatter", "embedding", "ignore"})
 # Rules that follow (or pin themselves) the channels of integer tensors they read as indices: a pick's leading axes
 # (x[rows], index_select), index_add's entries (analysis/rules.py index_operands); the others get them pinned.
 _FOLLOWS_LAYOUTS = frozenset({"movement", "index_add"})
