@@ -859,6 +859,8 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
     letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.operands)])
+    if any(len(set(spec)) < len(spec) for spec in letters):  # "ii": only the diagonal is read, which no tie says
+        return _pin_moved(w, node, "a contraction that reads a diagonal (a letter repeated in one operand)")
     out_shape = _shape_of(node)
     ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
                    values[i].data if values[i] else operands[i],
