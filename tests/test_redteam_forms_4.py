@@ -45,3 +45,28 @@ def test_an_einsum_with_distinct_letters_keeps_the_relu_units():
     subject = einsum_subject("...i,ij->...j", (H, H))
     assert census(subject).get("ffn permutation/positive 12x1") == 1, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class MatrixBias(nn.Module):
+    """``addmm(bias, h, U)`` on the flattened ReLU units, the bias an (N, D) slice of them or a (1, D) parameter."""
+
+    def __init__(self, bias: str):
+        super().__init__()
+        self.bias = bias
+        self.a = nn.Linear(D, H)
+        self.u = nn.Parameter(torch.randn(H, D) / 3)
+        self.row = nn.Parameter(torch.randn(1, D))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)).reshape(-1, H)
+        bias = h[:, :D] if self.bias == "units" else self.row
+        return torch.addmm(bias, h, self.u).view(*x.shape[:-1], D)
+
+
+@pytest.mark.parametrize("bias, kinds", [("units", {"ffn permutation/positive 4x1": 1}),
+                                         ("row", {"ffn permutation/positive 12x1": 1})])
+def test_an_addmm_with_a_matrix_bias_broadcasts_it_against_the_output(bias, kinds):
+    """addmm's ``self`` may be 2-D; the rule gave it the spec's one bias letter and crashed on a permute."""
+    subject = symgraph.load(noisy(MatrixBias(bias)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == kinds, census(subject)
+    assert_fuzzed_at_two_shapes(subject)

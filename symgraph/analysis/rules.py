@@ -867,9 +867,9 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
                    values[i].constant_axes if values[i] else frozenset(),
                    operands[i].name if values[i] and n_factors == 2 else None) for i in range(n_factors)]
     out = Value(chans=_contract_factors(w, node, ops, out_letters, out_shape), shape=out_shape)
-    for extra, letter_spec in zip(values[n_factors:], letters[n_factors:]):  # biases: added to the output
+    for extra in values[n_factors:]:  # biases: added to the output, so broadcast against it (addmm's may be 2-D)
         if extra is not None:
-            letter_spec = letter_spec[len(letter_spec) - len(extra.shape):]  # a bias of lower rank broadcasts
+            letter_spec = out_letters[len(out_letters) - len(extra.shape):]
             out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
                               residual=False)
     return out
