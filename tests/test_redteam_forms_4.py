@@ -70,3 +70,57 @@ def test_an_addmm_with_a_matrix_bias_broadcasts_it_against_the_output(bias, kind
     subject = symgraph.load(noisy(MatrixBias(bias)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
     assert census(subject) == kinds, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Flattened(nn.Module):
+    """``Conv2d -> ReLU -> flatten -> form -> Linear``: the channels are moved with blocks of the Linear's columns."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.conv, self.fc, self.out = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 36, 7), nn.Linear(7, 3)
+        self.bias = nn.Parameter(torch.randn(4 * 36))
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        z, weight = h.flatten(1), self.fc.weight
+        if self.form == "rolled":
+            z = z.roll(5, 1)
+        if self.form == "channels last, rolled":
+            z = h.permute(0, 2, 3, 1).flatten(1).roll(3, 1)
+        if self.form == "split across channels":
+            z = h.reshape(-1, 6, 24).transpose(1, 2).flatten(1)
+        if self.form == "weight rolled":
+            weight = weight.roll(5, 1)
+        if self.form == "bias rolled":
+            z = z + self.bias.roll(3)
+        if self.form == "flipped":
+            z = z.flip(1)
+        if self.form == "channels last":
+            z = h.permute(0, 2, 3, 1).flatten(1)
+        if self.form == "bias added":
+            z = z + self.bias
+        return self.out(torch.relu(nn.functional.linear(z, weight, self.fc.bias)))
+
+
+def flattened_subject(form):
+    return symgraph.load(noisy(Flattened(form)).double(), (torch.randn(2, 3, 6, 6, dtype=torch.float64),))
+
+
+@pytest.mark.parametrize("form", ["rolled", "channels last, rolled", "split across channels", "weight rolled",
+                                  "bias rolled"])
+def test_a_flattened_channel_whose_entries_change_order_moves_no_further(form):
+    """A channel permutation moves a flattened channel's entries as one block, pairing the k-th entry of one channel
+    with the k-th of another. A roll across the flattened axis (or a reshape splitting it off the channel
+    boundary, then a transpose) reorders one channel's entries unlike the others', as does a Linear weight or a
+    bias rolled before it meets them: the conv's channels were permuted anyway (relative change 0.2-2.1)."""
+    subject = flattened_subject(form)
+    assert census(subject) == {"ffn permutation/positive 7x1": 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("form", ["plain", "flipped", "channels last", "bias added"])
+def test_a_flattened_channel_read_in_one_order_keeps_its_permutation(form):
+    subject = flattened_subject(form)
+    assert census(subject) == {"ffn permutation/positive 4x1": 1, "ffn permutation/positive 7x1": 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
