@@ -578,8 +578,11 @@ def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
         varying = varying_axes(ids)
         at = tuple(slice(None) if a in varying else 0 for a in range(ids.dim()))
         coords = ids[at].reshape(-1).numpy()
-        if len(np.unique(coords[coords >= 0])) == (coords >= 0).sum():
+        counts = np.unique(coords[coords >= 0], return_counts=True)[1]
+        if (counts == 1).all():
             continue  # every coordinate at one position: nothing to pair
+        if len(np.unique(counts[counts > 1])) > 1:
+            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
         offsets, inputs, start = {}, [], 0
         for a in moved_operands(node):
             v = w.value(a)
