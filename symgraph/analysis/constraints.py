@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .labels import collapse, collapse_pair
+from .labels import collapse, collapse_pair, orders_differ
 
 PRODUCT_FACTOR, PRODUCT_WEIGHT = 1, 2  # kinds of product tie (see Constraints.tie)
 
@@ -128,6 +128,9 @@ class Constraints:
         a, b = _np(a).reshape(-1), _np(b).reshape(-1)
         self.pin(np.concatenate([a[(a >= 0) & (b < 0)], b[(b >= 0) & (a < 0)]]),
                  "meets data where a coordinate was expected (concatenated with data?)", node)
+        if orders_differ(a, b) or orders_differ(b, a):
+            self.pin(np.concatenate([a[a >= 0], b[b >= 0]]), "its positions meet their partners in another order "
+                     "than other coordinates' do (a flattened channel tied to shuffled or rolled entries)", node)
         keep = (a >= 0) & (b >= 0)
         if keep.any():
             pairs = np.unique(np.stack([a[keep], b[keep]], axis=1), axis=0)

@@ -162,6 +162,37 @@ def collapse_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     return a[shared], b[shared]
 
 
+def orders_differ(coords: np.ndarray, keys: np.ndarray) -> bool:
+    """Whether coordinates found at several positions meet ``keys`` there in different orders.
+
+    ``coords[i]`` is the coordinate at position ``i`` (positions in order; negative: none) and ``keys[i]`` what it
+    meets there (a partner's id, the rank of the input position a movement took it from). A group pairs the k-th
+    position of one coordinate with the k-th of another (a channel permutation moves a flattened channel's entries
+    as one block), which is right only while every coordinate, read in position order, ranks its keys alike: a
+    roll across a flattened channel axis, or a weight whose columns were shuffled, breaks it.
+    """
+    keep = coords >= 0
+    coords, keys = coords[keep], keys[keep]
+    _, inv, counts = np.unique(coords, return_inverse=True, return_counts=True)
+    several = counts[inv] > 1
+    if not several.any():
+        return False
+    order = np.argsort(inv[several], kind="stable")  # grouped by coordinate, positions in order
+    inv, keys = inv[several][order], keys[several][order]
+    by_key = np.lexsort((keys, inv))
+    first = np.r_[True, inv[by_key][1:] != inv[by_key][:-1]]
+    dense = np.cumsum(np.r_[True, first[1:] | (keys[by_key][1:] != keys[by_key][:-1])])
+    rank = np.empty_like(dense)
+    rank[by_key] = dense - dense[np.flatnonzero(first)][np.cumsum(first) - 1]  # dense rank within the coordinate
+    starts = np.flatnonzero(np.r_[True, inv[1:] != inv[:-1]])
+    lengths = np.diff(np.r_[starts, len(inv)])
+    for n in np.unique(lengths):
+        rows = rank[starts[lengths == n][:, None] + np.arange(n)]
+        if (rows != rows[0]).any():
+            return True
+    return False
+
+
 def varying_axes(t: torch.Tensor) -> frozenset[int]:
     """Axes along which ``t`` is not constant (stride-0 and size-1 axes are skipped without reading data)."""
     small = collapse(t)

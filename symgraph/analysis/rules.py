@@ -7,6 +7,7 @@ import math
 import operator
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -19,7 +20,7 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, ids_along, unique_rows, varying_axes)
+                     dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -65,6 +66,9 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
             continue
         try:
             results.append(_move_channel(w, node, j, spec, slots))
+            if isinstance(results[-1], Chan) and _reorders(w, node, spec, j, slots, results[-1]):
+                _pin_chan(w, node, results[-1], "its positions are reordered unlike other coordinates' (a roll or "
+                          "transpose across a flattened channel axis)")
         except RuntimeError:  # a run-time size merged with other axes: the stand-in does not fit, never guess
             if not any(_run_time_size(a) for a in node.all_input_nodes):
                 raise
@@ -561,6 +565,54 @@ def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | No
     return Chan(tuple(Term(i, c) for i, c in terms_out), block=block)
 
 
+def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
+    """Whether the movement gives a coordinate found at several positions of its output (a flattened channel) its
+    input positions in another order than other coordinates get theirs: replayed on the input positions, read
+    through each coordinate's rank among its own input positions (:func:`~symgraph.analysis.labels.orders_differ`).
+    """
+    shape = _shape_of(node)
+    if not math.prod(shape):
+        return False
+    for k, term in enumerate(out.terms):
+        ids = term.ids.expand(shape)
+        varying = varying_axes(ids)
+        at = tuple(slice(None) if a in varying else 0 for a in range(ids.dim()))
+        coords = ids[at].reshape(-1).numpy()
+        counts = np.unique(coords[coords >= 0], return_counts=True)[1]
+        if (counts == 1).all():
+            continue  # every coordinate at one position: nothing to pair
+        if len(np.unique(counts[counts > 1])) > 1:
+            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
+        offsets, inputs, start = {}, [], 0
+        for a in moved_operands(node):
+            v = w.value(a)
+            c = _slot(v, j, slots)
+            if c is not None and k < len(c.terms) and id(v) not in offsets:
+                offsets[id(v)] = start
+                inputs.append(c.terms[k].ids.expand(tuple(v.shape)).reshape(-1).numpy())
+                start += inputs[-1].size
+
+        def positions(v, shape, k=k):
+            if v is not None and id(v) in offsets:
+                return offsets[id(v)] + torch.arange(math.prod(shape), dtype=torch.int64).reshape(tuple(shape))
+            return _term_tensor(_slot(v, j, slots), k, shape, "ids")
+
+        taken = _replay(w, node, spec, positions).expand(shape)[at].reshape(-1).numpy()
+        if inputs and orders_differ(coords, np.where(taken >= 0, _rank_within(np.concatenate(inputs))[taken], -1)):
+            return True
+    return False
+
+
+def _rank_within(coords: np.ndarray) -> np.ndarray:
+    """Each position's rank among the positions of its own coordinate, in position order."""
+    order = np.argsort(coords, kind="stable")
+    first = np.r_[True, coords[order][1:] != coords[order][:-1]]
+    index = np.arange(len(coords))
+    rank = np.empty_like(index)
+    rank[order] = index - index[first][np.cumsum(first) - 1]
+    return rank
+
+
 def _term_tensor(chan: Chan | None, k: int, shape, what: str) -> torch.Tensor:
     if chan is not None and k < len(chan.terms):
         term = chan.terms[k]
@@ -907,15 +959,17 @@ def rule_contract(w, node: fx.Node, spec) -> Value:
     if pattern is None:
         pattern = matmul_pattern(len(shapes[0]), len(shapes[1]))
     letters, out_letters = expand_ellipsis(pattern, shapes[: len(pattern.operands)])
+    if any(len(set(spec)) < len(spec) for spec in letters):  # "ii": only the diagonal is read, which no tie says
+        return _pin_moved(w, node, "a contraction that reads a diagonal (a letter repeated in one operand)")
     out_shape = _shape_of(node)
     ops = [Operand(values[i].chans if values[i] else [], shapes[i], letters[i],
                    values[i].data if values[i] else operands[i],
                    values[i].constant_axes if values[i] else frozenset(),
                    operands[i].name if values[i] and n_factors == 2 else None) for i in range(n_factors)]
     out = Value(chans=_contract_factors(w, node, ops, out_letters, out_shape), shape=out_shape)
-    for extra, letter_spec in zip(values[n_factors:], letters[n_factors:]):  # biases: added to the output
+    for extra in values[n_factors:]:  # biases: added to the output, so broadcast against it (addmm's may be 2-D)
         if extra is not None:
-            letter_spec = letter_spec[len(letter_spec) - len(extra.shape):]  # a bias of lower rank broadcasts
+            letter_spec = out_letters[len(out_letters) - len(extra.shape):]
             out = _add_values(w, node, out, _broadcast_value(extra, letter_spec, out_letters, out_shape),
                               residual=False)
     return out
