@@ -24,12 +24,12 @@ from typing import Any, Iterator, Mapping
 import torch
 from safetensors import SafetensorError
 
-from .errors import OutputError
+from .errors import ModelLoadError, OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
 __all__ = ["save_model", "hf_layout", "carried_as_stored", "stored_weight_names", "StoredLayout", "StoredUnit",
            "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
-           "carried_metadata", "file_metadata"]
+           "carried_metadata", "file_metadata", "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +84,50 @@ def carried_as_stored(model, names) -> list[str]:
         return owner in modules or (parent in modules and getattr(modules[parent], slot, False) is None)
 
     return [n for n in foreign if n in skipped and (tuple(n.split(".")[-2:]) in buffers or in_own_module(n))]
+
+
+def unloaded_tensors(model, names) -> list[str]:
+    """Of the stored ``names``, those ``model``'s class skips on loading that a written model cannot keep as stored
+    (:func:`carried_as_stored`): they fill modules the model does not have (multi-token-prediction layers, which
+    transformers' MtpModel runs beside the model on its embeddings and hidden states) and read the weights symgraph
+    moves. Read-only work may leave them out; a written model must not (:func:`refuse_unloaded`)."""
+    own = set(model.state_dict())
+    foreign = [n for n in names if n not in own]
+    return sorted(_skipped_on_load(model, foreign) - set(carried_as_stored(model, foreign)))
+
+
+def refuse_unloaded(model, names, where: str) -> None:
+    """Refuse to write a model made from a checkpoint (``where``: how to name it) that stores ``names``, some of
+    them :func:`unloaded_tensors`: written without them the model loses them, written as stored they no longer fit
+    the weights moved beside them (a plain average of every stored tensor, ``merge --stream``, keeps them)."""
+    from .io import _some
+
+    lost = unloaded_tensors(model, names)
+    if lost:
+        raise ModelLoadError(
+            f"{where} hold {len(lost)} tensor(s) that {type(model).__name__} does not load (multi-token-prediction "
+            f"layers or the like): {_some(lost)}. symgraph cannot move them with the weights it changes, so the "
+            "written model would lose them or hold them unmoved.",
+            hint="to write the model without them, pass a copy of the checkpoint that leaves them out (the written "
+            "model then lacks them too); `merge --stream` (a plain average of every stored tensor) averages them "
+            "too; report, fuzz and barrier read the checkpoint as it is.")
+
+
+def refuse_unloaded_inputs(sources) -> None:
+    """:func:`refuse_unloaded` for every checkpoint folder among ``sources`` (a folder or its config.json; anything
+    else holds no checkpoint), from its config.json and stored names alone: before any work is done. What cannot be
+    read is left to the loader, which says why."""
+    from .io import stored_names
+
+    for source in sources:
+        path = Path(str(source)).expanduser()
+        folder = path.parent if path.suffix == ".json" else path
+        try:
+            model = _meta_model(_config_of(folder)) if folder.is_dir() else None
+            names = stored_names(folder) if model is not None else ()
+        except Exception:  # a damaged config or weights file: the loader refuses it with the reason
+            continue
+        refuse_unloaded(model, names, f"The weights in '{folder}'")
 
 
 def _skipped_on_load(model, names) -> set[str]:
@@ -323,6 +367,8 @@ def save_model(
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     model = _meta_model(config if config is not None else _config_of(like_dir))
     stored = stored_names(like_dir) if like_dir is not None else set()
+    if model is not None:
+        refuse_unloaded(model, stored, f"The weights in '{like_dir}'")
     tensors = _laid_out(_checked(state_dict), model, stored)
     # what transformers skipped loading the input, the output keeps as stored
     carried = [n for n in carried_as_stored(model, stored) if n not in tensors] if model is not None else []

@@ -118,11 +118,12 @@ class MergeResult:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
         else from the reference model, whose frame the merge lives in; the safetensors metadata entries every input
         folder agrees on), atomically: see :func:`symgraph.io.save_model`."""
-        from .checkpoint import carried_metadata
+        from .checkpoint import carried_metadata, refuse_unloaded_inputs
         from .files import refuse_overlap
         from .io import save_model
 
         refuse_overlap(Path(path).expanduser(), self.inputs)
+        refuse_unloaded_inputs(self.inputs)  # any model's, not only the one whose config is written
         return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite,
                           metadata=carried_metadata(self.inputs))
 
