@@ -29,7 +29,7 @@ from .files import install_folder, os_errors_as_output_error, prepare_output, re
 
 __all__ = ["save_model", "hf_layout", "carried_as_stored", "stored_weight_names", "StoredLayout", "StoredUnit",
            "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
-           "carried_metadata", "file_metadata", "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
+           "carried_metadata", "carried_index_metadata", "file_metadata", "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
 
 _log = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ def refuse_unloaded_inputs(sources) -> None:
             names = stored_names(folder) if model is not None else ()
         except Exception:  # a damaged config or weights file: the loader refuses it with the reason
             continue
-        refuse_unloaded(model, names, f"The weights in '{folder}'")
+        if model is not None:
+            refuse_unloaded(model, names, f"The weights in '{folder}'")
 
 
 def _skipped_on_load(model, names) -> set[str]:
@@ -374,6 +375,7 @@ def save_model(
     carried = [n for n in carried_as_stored(model, stored) if n not in tensors] if model is not None else []
     tensors = owned_tensors({**tensors, **(stored_tensors(like_dir, carried) if carried else {})})
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
+    index_dropped(carried_index_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
@@ -395,14 +397,48 @@ def carried_metadata(folders) -> dict[str, str]:
         for file in safetensors_files(folder):
             with safe_open(str(file), framework="pt") as handle:
                 stored.append(handle.metadata() or {})
+    return _agreed(stored, "safetensors metadata", ignored={"format"})
+
+
+# index metadata entries that count the stored files: those of the written files, not carried
+INDEX_COUNTS = frozenset({"total_size", "total_parameters"})
+
+
+def carried_index_metadata(folders) -> dict[str, Any]:
+    """The entries of the index "metadata" (``model.safetensors.index.json``, or ``pytorch_model.bin.index.json``)
+    a sharded checkpoint written from the model folders ``folders`` (None: skipped) carries: those every folder
+    stores with one value (one without an index stores none; the others are named in a warning), but the counts
+    of the stored files (:data:`INDEX_COUNTS`; ``total_size`` is the written files')."""
+    stored = []
+    for folder in (Path(f) for f in folders if f is not None):
+        index = next((folder / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                      if (folder / n).is_file()), None)
+        entries = json.loads(index.read_text()).get("metadata") if index is not None else None
+        stored.append({k: v for k, v in (entries if isinstance(entries, dict) else {}).items()
+                       if k not in INDEX_COUNTS})
+    return _agreed(stored, "index metadata (model.safetensors.index.json)")
+
+
+def _agreed(stored: list[dict], what: str, ignored=frozenset()) -> dict:
+    """The entries every mapping of ``stored`` holds with one value; a warning names the others (but
+    ``ignored``)."""
     if not stored:
         return {}
-    agreed = {k: v for k, v in stored[0].items() if all(m.get(k) == v for m in stored[1:])}
-    dropped = sorted({k for m in stored for k in m} - agreed.keys() - {"format"})
+    agreed = {k: v for k, v in stored[0].items() if all(k in m and m[k] == v for m in stored[1:])}
+    dropped = sorted({k for m in stored for k in m} - agreed.keys() - ignored)
     if dropped:
-        _log.warning("safetensors metadata not carried into the written model (the inputs store different values, "
-                     "or only some store it): %s.", ", ".join(dropped))
+        _log.warning("%s not carried into the written model (the inputs store different values, or only some "
+                     "store it): %s.", what, ", ".join(dropped))
     return agreed
+
+
+def index_dropped(entries: Mapping[str, Any]) -> None:
+    """Warn that the index metadata ``entries`` are not carried: the written checkpoint is one file, which has no
+    index to hold them (and safetensors metadata holds strings only)."""
+    if entries:
+        _log.warning("index metadata (model.safetensors.index.json) not carried into the written model, which is "
+                     "one file with no index: %s. Add them to an index yourself if they still apply.",
+                     ", ".join(sorted(entries)))
 
 
 def file_metadata(metadata: Mapping[str, str]) -> dict[str, str]:

@@ -444,7 +444,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     >>> merge_streamed(folders, tempfile.mkdtemp() + "/merged", shard_bytes=10**5).tensors
     21
     """
-    from .checkpoint import carried_metadata
+    from .checkpoint import carried_index_metadata, carried_metadata
     from .files import refuse_overlap
     from .lazy_state import LazyState
     from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
@@ -459,7 +459,8 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     infos = _streamed_plan(states, models)
     path = write_checkpoint(out, infos, lambda name: _streamed_average(states, w, name, models),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, like=states[0].folder,
-                            overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]))
+                            overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]),
+                            index_metadata=carried_index_metadata([s.folder for s in states]))
     return StreamedMerge(path, tuple(map(str, models)), tuple(map(float, w)), len(infos),
                          sum(s.nbytes for s in states), sum(i.nbytes for i in infos),
                          time.perf_counter() - start)

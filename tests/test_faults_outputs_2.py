@@ -2,6 +2,7 @@
 commands read every checkpoint they can analyse (second pass; see test_faults_outputs.py)."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import transformers
 
 from cli_runner import run
+from symgraph import zoo
 from symgraph.errors import ModelLoadError
 from symgraph.io import save_model
 from test_faults_outputs import _deepseek_v3_with_mtp, _stored, _with_extra
@@ -64,3 +66,36 @@ def test_save_model_refuses_to_drop_tensors_the_model_skips(tmp_path):
     with pytest.raises(ModelLoadError, match="does not load"):
         save_model(model.state_dict(), tmp_path / "out", config=model.config, like=folder)
     assert not (tmp_path / "out").exists()
+
+
+def _sharded(folder, seed: int, index_metadata: dict):
+    """A llama checkpoint in two shards whose index "metadata" holds ``index_metadata`` beside total_size."""
+    zoo.build("llama", seed=seed).save_pretrained(folder, max_shard_size="100KB")
+    index = folder / "model.safetensors.index.json"
+    stored = json.loads(index.read_text())
+    stored["metadata"].update(index_metadata)
+    index.write_text(json.dumps(stored))
+    return folder
+
+
+def test_index_metadata_is_carried_into_written_indexes(tmp_path, caplog):
+    """Every writer wrote {"total_size": N} alone; now a written index carries the input's other entries (those
+    all merged inputs agree on), and a one-file output says it cannot."""
+    a = _sharded(tmp_path / "a", 0, {"origin": "lab", "step": 1000})
+    b = _sharded(tmp_path / "b", 1, {"origin": "lab", "step": 2000})
+    for args in (["align", a, b, "--stream", "--quiet"], ["merge", a, b, "--stream", "--align", "none"]):
+        out = tmp_path / args[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="symgraph"):
+            code, _, err = run(*args, "--shard-size", "100KB", "-o", out)
+        assert code == 0, err
+        metadata = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+        expected = {"origin": "lab"} if args[0] == "merge" else {"origin": "lab", "step": 1000}
+        assert {k: v for k, v in metadata.items() if k != "total_size"} == expected, metadata
+        assert metadata["total_size"] == sum(f.stat().st_size for f in out.glob("*.safetensors")) - sum(
+            8 + int.from_bytes(f.read_bytes()[:8], "little") for f in out.glob("*.safetensors"))
+        assert ("step" in caplog.text) == (args[0] == "merge"), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="symgraph"):
+        code, _, err = run("transform", a, "-o", tmp_path / "one")
+    assert code == 0 and "one file with no index: origin, step" in caplog.text, err + caplog.text
