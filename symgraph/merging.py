@@ -470,10 +470,13 @@ def _streamed_plan(states, models) -> list:
     """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
     from .alignment import check_same_config
     from .checkpoint import _config_of
+    from .io import config_file_of
     from .lazy_state import check_same_tensors
     from .shards import TensorInfo
 
     first = states[0]
+    for state in states:  # the written model's config is the first's; the others must have the same
+        config_file_of(state.folder)
     for position, other in enumerate(states[1:], start=2):
         check_same_tensors(first, other, f"Model 1 ({models[0]}) and model {position} ({models[position - 1]})",
                            hint="pass checkpoints of one architecture and configuration.")
