@@ -554,7 +554,7 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> 
     """Beside the weights in ``tmp``: config.json (from ``config``, else ``like_dir``'s; its dtype made the one of
     the weights' ``dtypes`` when they share one) and ``like_dir``'s tokenizer files; then every file made readable
     and flushed to disk."""
-    from .io import TOKENIZER_FILES
+    from .io import TOKENIZER_FILES, TOKENIZER_FOLDERS
 
     if config is not None:
         if isinstance(config, Mapping):
@@ -571,17 +571,21 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> 
     _config_names_dtype(tmp / "config.json", dtypes)
 
     if like_dir is not None:
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *TOKENIZER_FOLDERS):
             src = like_dir / name
-            if src.is_file() and not (tmp / name).exists():
+            if (tmp / name).exists():
+                continue
+            if src.is_file():
                 shutil.copy2(src, tmp / name)
+            elif src.is_dir() and name in TOKENIZER_FOLDERS:
+                shutil.copytree(src, tmp / name)
         left = not_carried_over(like_dir)
         if left:
             _log.warning("Not copied from '%s' into the written model (only its config, tokenizer, processor and "
                          "generation files are): %s. Copy them yourself if they still apply.", like_dir,
                          ", ".join(left))
-    for file in tmp.iterdir():
-        os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
+    for path in tmp.rglob("*"):  # safetensors writes 0600 files: installed or shared copies must stay readable
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
     _fsync_files(tmp)
 
 
@@ -614,7 +618,7 @@ def not_carried_over(like_dir: Path) -> list[str]:
 
 def _fsync_files(folder: Path) -> None:
     """Flush the new files to disk so the rename cannot expose empty files after a crash (best effort)."""
-    for file in folder.iterdir():
+    for file in folder.rglob("*"):
         try:
             fd = os.open(file, os.O_RDONLY)
         except OSError:

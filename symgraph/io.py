@@ -101,8 +101,11 @@ TOKENIZER_FILES = (
 )
 
 
-#: Every file a model folder is read from by name (weight shards aside).
-MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES))
+#: Folders a tokenizer reads (its named chat templates, ``additional_chat_templates/NAME.jinja``), carried whole.
+TOKENIZER_FOLDERS = ("additional_chat_templates",)
+
+#: Every file (and folder) a model folder is read from by name (weight shards aside).
+MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES, *TOKENIZER_FOLDERS))
 
 #: Files of other formats that users hand over as models: (file name pattern, what it is, what to do instead).
 FOREIGN_FORMATS = (

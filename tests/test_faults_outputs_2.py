@@ -113,3 +113,29 @@ def test_a_streamed_merge_refuses_a_folder_without_config(tmp_path):
         code, _, err = run("merge", *models, "--stream", "--align", "none", "-o", tmp_path / "out")
         assert code == 2 and f"'{a}' has no config.json" in err, err
         assert not (tmp_path / "out").exists()
+
+
+def _tokenizer_with_named_templates(folder):
+    """A word-level tokenizer saved beside a model with a default and a named chat template (transformers writes the
+    named one to additional_chat_templates/tool_use.jinja)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(100)} | {"[UNK]": 100}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", eos_token="t2")
+    tokenizer.chat_template = {"default": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                               "tool_use": "tools: {{ tools }}"}
+    tokenizer.save_pretrained(folder)
+
+
+def test_named_chat_templates_are_carried(tmp_path):
+    """The output's tokenizer had the default chat template only: additional_chat_templates/ was not copied."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, folder in enumerate((a, b)):
+        zoo.build("llama", seed=seed).save_pretrained(folder)
+        _tokenizer_with_named_templates(folder)
+    for args in (["transform", a], ["merge", a, b, "--stream", "--align", "none"]):
+        code, _, err = run(*args, "-o", tmp_path / args[0])
+        assert code == 0, err
+        templates = transformers.AutoTokenizer.from_pretrained(tmp_path / args[0]).chat_template
+        assert templates == transformers.AutoTokenizer.from_pretrained(a).chat_template, templates
