@@ -579,6 +579,9 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> 
                 shutil.copy2(src, tmp / name)
             elif src.is_dir() and name in TOKENIZER_FOLDERS:
                 shutil.copytree(src, tmp / name)
+        for name in auto_map_code(like_dir):
+            if not (tmp / name).exists():
+                shutil.copy2(like_dir / name, tmp / name)
         left = not_carried_over(like_dir)
         if left:
             _log.warning("Not copied from '%s' into the written model (only its config, tokenizer, processor and "
@@ -612,8 +615,37 @@ def not_carried_over(like_dir: Path) -> list[str]:
     shards = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
     bin_index = like_dir / "pytorch_model.bin.index.json"
     shards |= set(json.loads(bin_index.read_text()).get("weight_map", {}).values()) if bin_index.is_file() else set()
+    carried = {*MODEL_FILES, *shards, *auto_map_code(like_dir)}
     return sorted(p.name + "/" * p.is_dir() for p in like_dir.iterdir()
-                  if not p.name.startswith(".") and p.name not in MODEL_FILES and p.name not in shards)
+                  if not p.name.startswith(".") and p.name not in carried)
+
+
+def auto_map_code(folder: Path) -> list[str]:
+    """The Python files in ``folder`` that the ``auto_map`` of its configs names (a model, tokenizer or processor
+    class of the checkpoint's own code, which transformers runs with ``trust_remote_code``), with the files they
+    import relatively: a written folder keeps those configs, so it keeps their code, and loads as the input did."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from .io import TOKENIZER_FILES
+
+    modules = set()
+    for name in ("config.json", *(n for n in TOKENIZER_FILES if n.endswith(".json"))):
+        entries = _json_object(folder / name).get("auto_map")
+        for value in (entries.values() if isinstance(entries, dict) else ()):
+            for reference in value if isinstance(value, list) else [value]:
+                if isinstance(reference, str) and "--" not in reference:  # "repo--module.Class": another repo's
+                    modules.add(reference.rpartition(".")[0] + ".py")
+    files = {m for m in modules if (folder / m).is_file()}
+    return sorted(files | {Path(f).name for m in files for f in get_relative_import_files(folder / m)})
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in ``file``; empty when it is missing or holds no object."""
+    try:
+        found = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _fsync_files(folder: Path) -> None:

@@ -139,3 +139,33 @@ def test_named_chat_templates_are_carried(tmp_path):
         assert code == 0, err
         templates = transformers.AutoTokenizer.from_pretrained(tmp_path / args[0]).chat_template
         assert templates == transformers.AutoTokenizer.from_pretrained(a).chat_template, templates
+
+
+def _with_own_code(folder, seed: int):
+    """A llama checkpoint whose config.json maps the auto classes to code shipped beside it (trust_remote_code),
+    the model's module importing a helper relatively; the code computes what transformers' llama computes."""
+    zoo.build("llama", seed=seed).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_x.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass XConfig(LlamaConfig):\n    model_type = 'llama'\n")
+    (folder / "helpers_x.py").write_text("from transformers import LlamaForCausalLM as Base\n")
+    (folder / "modeling_x.py").write_text(
+        "from .configuration_x import XConfig\nfrom .helpers_x import Base\n\n\n"
+        "class XForCausalLM(Base):\n    config_class = XConfig\n")
+    return folder
+
+
+def test_code_the_config_maps_is_carried(tmp_path, caplog):
+    """The output kept config.json's auto_map but not the code it names: loading it as the input loads
+    (trust_remote_code=True) failed on the missing configuration_x.py."""
+    a, b = _with_own_code(tmp_path / "a", 0), _with_own_code(tmp_path / "b", 1)
+    for args in (["transform", a], ["merge", a, b, "--stream", "--align", "none"]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="symgraph"):
+            code, _, err = run(*args, "-o", tmp_path / args[0])
+        assert code == 0, err
+        assert "Not copied" not in caplog.text, caplog.text
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / args[0], trust_remote_code=True)
+        assert type(model).__name__ == "XForCausalLM"
