@@ -169,3 +169,14 @@ def test_code_the_config_maps_is_carried(tmp_path, caplog):
         assert "Not copied" not in caplog.text, caplog.text
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / args[0], trust_remote_code=True)
         assert type(model).__name__ == "XForCausalLM"
+
+
+def test_an_output_inside_a_file_is_refused_saying_so(tmp_path):
+    """-o FILE/out failed with the OS's bare "File exists" (from creating the output's folders)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, folder in enumerate((a, b)):
+        zoo.build("llama", seed=seed).save_pretrained(folder)
+    (tmp_path / "notes").write_text("x")
+    for args in (["transform", a], ["merge", a, b, "--stream", "--align", "none"]):
+        code, _, err = run(*args, "-o", tmp_path / "notes" / "deeper" / "out")
+        assert code == 2 and f"'{tmp_path / 'notes'}' is a file" in err, err
