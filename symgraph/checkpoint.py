@@ -29,7 +29,8 @@ from .files import install_folder, os_errors_as_output_error, prepare_output, re
 
 __all__ = ["save_model", "hf_layout", "carried_as_stored", "stored_weight_names", "StoredLayout", "StoredUnit",
            "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
-           "carried_metadata", "carried_index_metadata", "file_metadata", "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
+           "carried_metadata", "carried_index_metadata", "file_metadata", "warn_side_files_differ",
+           "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
 
 _log = logging.getLogger(__name__)
 
@@ -603,6 +604,21 @@ def _config_names_dtype(file: Path, dtypes) -> None:
     stale = [k for k in ("dtype", "torch_dtype") if k in config and config[k] != name]
     if stale:
         file.write_text(json.dumps({**config, **dict.fromkeys(stale, name)}, indent=2, sort_keys=True) + "\n")
+
+
+def warn_side_files_differ(folders, like) -> None:
+    """Warn about the tokenizer, processor and generation files (:data:`symgraph.io.TOKENIZER_FILES`) that the
+    merged model folders ``folders`` do not all store alike: the merge carries those of ``like``'s folder alone,
+    and a tokenizer that maps ids to other tokens makes the averaged embeddings mean nothing."""
+    from .io import TOKENIZER_FILES
+
+    folders = [Path(f) for f in folders if f is not None]
+    differ = [name for name in TOKENIZER_FILES
+              if len({(f / name).read_bytes() if (f / name).is_file() else None for f in folders}) > 1]
+    if differ:
+        _log.warning("The merged models' %s differ (or only some have them); the merge carries those of '%s'. "
+                     "Merge models that share a tokenizer: averaged embeddings of differently numbered tokens mean "
+                     "nothing.", ", ".join(differ), like)
 
 
 def not_carried_over(like_dir: Path) -> list[str]:

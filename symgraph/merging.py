@@ -118,12 +118,13 @@ class MergeResult:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
         else from the reference model, whose frame the merge lives in; the safetensors metadata entries every input
         folder agrees on), atomically: see :func:`symgraph.io.save_model`."""
-        from .checkpoint import carried_metadata, refuse_unloaded_inputs
+        from .checkpoint import carried_metadata, refuse_unloaded_inputs, warn_side_files_differ
         from .files import refuse_overlap
         from .io import save_model
 
         refuse_overlap(Path(path).expanduser(), self.inputs)
         refuse_unloaded_inputs(self.inputs)  # any model's, not only the one whose config is written
+        warn_side_files_differ(self.inputs, self.like)
         return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite,
                           metadata=carried_metadata(self.inputs))
 
@@ -444,7 +445,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     >>> merge_streamed(folders, tempfile.mkdtemp() + "/merged", shard_bytes=10**5).tensors
     21
     """
-    from .checkpoint import carried_index_metadata, carried_metadata
+    from .checkpoint import carried_index_metadata, carried_metadata, warn_side_files_differ
     from .files import refuse_overlap
     from .lazy_state import LazyState
     from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
@@ -457,6 +458,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     start = time.perf_counter()
     states = [LazyState(m) for m in models]
     infos = _streamed_plan(states, models)
+    warn_side_files_differ([s.folder for s in states], states[0].folder)
     path = write_checkpoint(out, infos, lambda name: _streamed_average(states, w, name, models),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, like=states[0].folder,
                             overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]),

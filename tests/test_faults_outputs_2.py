@@ -180,3 +180,19 @@ def test_an_output_inside_a_file_is_refused_saying_so(tmp_path):
     for args in (["transform", a], ["merge", a, b, "--stream", "--align", "none"]):
         code, _, err = run(*args, "-o", tmp_path / "notes" / "deeper" / "out")
         assert code == 2 and f"'{tmp_path / 'notes'}' is a file" in err, err
+
+
+def test_a_merge_of_models_with_different_tokenizers_says_so(tmp_path, caplog):
+    """The merge carried the reference model's tokenizer without a word when the other's differed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, folder in enumerate((a, b)):
+        zoo.build("llama", seed=seed).save_pretrained(folder)
+        _tokenizer_with_named_templates(folder)
+    (b / "tokenizer_config.json").write_text(json.dumps({**json.loads((b / "tokenizer_config.json").read_text()),
+                                                         "eos_token": "t3"}))
+    for extra in (["--align", "none", "--no-progress"], ["--stream", "--align", "none"]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="symgraph"):
+            code, _, err = run("merge", a, b, *extra, "-o", tmp_path / extra[0])
+        assert code == 0, err
+        assert "tokenizer_config.json differ" in caplog.text and "tokenizer.json" not in caplog.text, caplog.text
