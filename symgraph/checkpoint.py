@@ -469,8 +469,9 @@ def output_folder(out_dir, like, *, overwrite: bool) -> tuple[Path, Path | None]
 @contextlib.contextmanager
 def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder of ``out`` to write into; moved to ``out`` when the block ends without error,
-    removed (with everything written so far) when it fails. OS and safetensors errors become :class:`OutputError`;
-    other errors propagate unchanged (the folder is removed all the same)."""
+    removed (with everything written so far, and the folders made to hold it) when it fails. OS and safetensors
+    errors become :class:`OutputError`; other errors propagate unchanged (the folder is removed all the same)."""
+    made = [p for p in out.parents if not p.exists()]  # innermost first
     with os_errors_as_output_error(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out, folder=True)
@@ -496,6 +497,9 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     finally:
         if not done:
             shutil.rmtree(tmp, ignore_errors=True)
+            for folder in made:
+                with contextlib.suppress(OSError):  # another run may have put something there meanwhile
+                    folder.rmdir()
 
 
 def _like_dir(like) -> Path:

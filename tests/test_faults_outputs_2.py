@@ -196,3 +196,33 @@ def test_a_merge_of_models_with_different_tokenizers_says_so(tmp_path, caplog):
             code, _, err = run("merge", a, b, *extra, "-o", tmp_path / extra[0])
         assert code == 0, err
         assert "tokenizer_config.json differ" in caplog.text and "tokenizer.json" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_write_failing_after_its_first_shard_leaves_nothing(tmp_path, monkeypatch, failure):
+    """Nothing stays of a write that fails or is interrupted midway: no temporary folder, no side file, and not the
+    folders made to hold the output (-o new/deep/out left new/deep behind); an output replaced stays as it was."""
+    import symgraph.shards
+    from cli_runner import tree_digest
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, folder in enumerate((a, b)):
+        zoo.build("llama", seed=seed).save_pretrained(folder)
+    zoo.build("llama", seed=2).save_pretrained(tmp_path / "old")
+    before, written = tree_digest(tmp_path / "old"), []
+    write_shard = symgraph.shards._write_shard
+
+    def failing(path, *args):
+        if written:
+            raise failure
+        written.append(path)
+        write_shard(path, *args)
+
+    monkeypatch.setattr(symgraph.shards, "_write_shard", failing)
+    for out, extra in ((tmp_path / "new" / "deep" / "out", []), (tmp_path / "old", ["--overwrite"])):
+        written.clear()
+        code, _, err = run("merge", a, b, "--stream", "--align", "none", "--shard-size", "50KB", "-o", out,
+                           "--json", tmp_path / "merge.json", *extra)
+        assert code == (130 if isinstance(failure, KeyboardInterrupt) else 2) and written, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "old"]
+        assert tree_digest(tmp_path / "old") == before
