@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -226,3 +227,16 @@ def test_a_write_failing_after_its_first_shard_leaves_nothing(tmp_path, monkeypa
         assert code == (130 if isinstance(failure, KeyboardInterrupt) else 2) and written, err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "old"]
         assert tree_digest(tmp_path / "old") == before
+
+
+def test_a_streamed_command_on_a_bin_checkpoint_says_what_works(tmp_path):
+    """The hint named save_pretrained(safe_serialization=True), an argument transformers 5 no longer has."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed, folder in enumerate((a, b)):
+        zoo.build("llama", seed=seed).save_pretrained(folder)
+    torch.save(safetensors.torch.load_file(a / "model.safetensors"), a / "pytorch_model.bin")
+    (a / "model.safetensors").unlink()
+    code, _, err = run("merge", a, b, "--stream", "--align", "none", "-o", tmp_path / "out")
+    assert code == 2 and "safe_serialization" not in err and "without --stream" in err, err
+    code, _, err = run("merge", a, b, "--align", "none", "--no-progress", "-o", tmp_path / "out")
+    assert code == 0, err
