@@ -40,6 +40,12 @@ def test_commands_writing_moved_weights_refuse_tensors_the_model_skips_before_an
         code, _, err = run(*args, "-o", tmp_path / "out")
         assert code == 2 and MTP in err and "does not load" in err and "merge --stream" in err, (args, err)
         assert not (tmp_path / "out").exists()
+    file = folder / "model.safetensors"  # without them, it aligns onto an anchor that has them
+    safetensors.torch.save_file({k: v for k, v in safetensors.torch.load_file(file).items() if ".61." not in k}, file,
+                                metadata={"format": "pt"})
+    code, _, err = run("align", folder, other, "--quiet", "--mode", "permutation", "--no-judge-starts", "-o",
+                       tmp_path / "out")
+    assert code == 0, err
 
 
 def test_a_streamed_plain_merge_averages_tensors_the_model_skips(tmp_path):
