@@ -108,7 +108,8 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
     ``like``'s config.json and tokenizer files go beside them; every shard's safetensors metadata is ``metadata``
     (default: ``like``'s, :func:`~symgraph.checkpoint.carried_metadata`) with ``format`` ``pt``; the index's
     "metadata" is ``index_metadata`` (default: ``like``'s, :func:`~symgraph.checkpoint.carried_index_metadata`) with
-    the shards' ``total_size``. Atomic: nothing at ``out_dir`` until every file is complete; on failure the staged files are removed and :class:`~symgraph.errors.OutputError` says why.
+    the shards' ``total_size``. Atomic: nothing at ``out_dir`` until every file is complete; on failure the staged
+    files are removed and :class:`~symgraph.errors.OutputError` says why.
     ``check(staged_folder)``, when given, runs on the complete staged folder before it is moved to ``out_dir``;
     whatever it raises propagates and leaves nothing at ``out_dir``.
     """
