@@ -311,23 +311,18 @@ def model_config(model: torch.nn.Module):
     return named
 
 
-def config_file_of(folder: Path) -> Path:
-    """The config.json of the model folder ``folder``; a folder without one is refused, saying what it holds."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        found = sorted(p.name for p in folder.iterdir())[:8]
-        _refuse_foreign(sorted(folder.iterdir()))
-        raise ModelLoadError(
-            f"Folder '{folder}' has no config.json (it contains: {', '.join(found) or 'nothing'}).",
-            hint="point at the Hugging Face model folder itself (the one holding config.json), or use a "
-            "factory 'package.module:function' for models that are not Hugging Face checkpoints.",
-        )
-    return config_file
-
-
 def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
     if path.is_dir():
-        folder, config_file = path, config_file_of(path)
+        folder = path
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            found = sorted(p.name for p in folder.iterdir())[:8]
+            _refuse_foreign(sorted(folder.iterdir()))
+            raise ModelLoadError(
+                f"Folder '{folder}' has no config.json (it contains: {', '.join(found) or 'nothing'}).",
+                hint="point at the Hugging Face model folder itself (the one holding config.json), or use a "
+                "factory 'package.module:function' for models that are not Hugging Face checkpoints.",
+            )
     elif path.is_file():
         _refuse_foreign([path])
         if path.suffix == ".py":

@@ -472,19 +472,30 @@ def _streamed_plan(states, models) -> list:
     """The output's tensors (the first model's order, widest stored dtype), after checking the models match."""
     from .alignment import check_same_config
     from .checkpoint import _config_of
-    from .io import config_file_of
     from .lazy_state import check_same_tensors
     from .shards import TensorInfo
 
     first = states[0]
-    for state in states:  # the written model's config is the first's; the others must have the same
-        config_file_of(state.folder)
+    _check_configs_present(states, models)
     for position, other in enumerate(states[1:], start=2):
         check_same_tensors(first, other, f"Model 1 ({models[0]}) and model {position} ({models[position - 1]})",
                            hint="pass checkpoints of one architecture and configuration.")
         check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, widest_dtype(s.info(k).dtype for s in states)) for k in first]
+
+
+def _check_configs_present(states, models) -> None:
+    """Bare checkpoints (no config.json) average as they are, but one beside model folders is refused: configs are
+    compared only where both models have one, and the merge is written with the first model's config."""
+    bare = [i for i, s in enumerate(states) if not (s.folder / "config.json").is_file()]
+    if bare and len(bare) < len(states):
+        other = next(i for i in range(len(states)) if i not in bare)
+        raise MismatchError(
+            f"Model {bare[0] + 1} ({models[bare[0]]}) has no config.json, but model {other + 1} "
+            f"({models[other]}) has one: the checkpoints cannot be checked to be of one architecture, and the merge "
+            f"would be written {'without a config' if bare[0] == 0 else 'with the config of model 1'}.",
+            hint="pass model folders that all hold their config.json (or none, to average bare checkpoints).")
 
 
 def _check_fixed_tensors(states: Sequence[State], models: Sequence[str]) -> None:
