@@ -24,12 +24,13 @@ from typing import Any, Iterator, Mapping
 import torch
 from safetensors import SafetensorError
 
-from .errors import OutputError
+from .errors import ModelLoadError, OutputError
 from .files import install_folder, os_errors_as_output_error, prepare_output, refuse_overlap, temp_sibling
 
 __all__ = ["save_model", "hf_layout", "carried_as_stored", "stored_weight_names", "StoredLayout", "StoredUnit",
            "owned_tensors", "output_folder", "staged_folder", "write_side_files", "not_carried_over",
-           "carried_metadata", "file_metadata"]
+           "carried_metadata", "carried_index_metadata", "file_metadata", "warn_side_files_differ",
+           "unloaded_tensors", "refuse_unloaded", "refuse_unloaded_inputs"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +85,51 @@ def carried_as_stored(model, names) -> list[str]:
         return owner in modules or (parent in modules and getattr(modules[parent], slot, False) is None)
 
     return [n for n in foreign if n in skipped and (tuple(n.split(".")[-2:]) in buffers or in_own_module(n))]
+
+
+def unloaded_tensors(model, names) -> list[str]:
+    """Of the stored ``names``, those ``model``'s class skips on loading that a written model cannot keep as stored
+    (:func:`carried_as_stored`): they fill modules the model does not have (multi-token-prediction layers, which
+    transformers' MtpModel runs beside the model on its embeddings and hidden states) and read the weights symgraph
+    moves. Read-only work may leave them out; a written model must not (:func:`refuse_unloaded`)."""
+    own = set(model.state_dict())
+    foreign = [n for n in names if n not in own]
+    return sorted(_skipped_on_load(model, foreign) - set(carried_as_stored(model, foreign)))
+
+
+def refuse_unloaded(model, names, where: str) -> None:
+    """Refuse to write a model made from a checkpoint (``where``: how to name it) that stores ``names``, some of
+    them :func:`unloaded_tensors`: written without them the model loses them, written as stored they no longer fit
+    the weights moved beside them (a plain average of every stored tensor, ``merge --stream``, keeps them)."""
+    from .io import _some
+
+    lost = unloaded_tensors(model, names)
+    if lost:
+        raise ModelLoadError(
+            f"{where} hold {len(lost)} tensor(s) that {type(model).__name__} does not load (multi-token-prediction "
+            f"layers or the like): {_some(lost)}. symgraph cannot move them with the weights it changes, so the "
+            "written model would lose them or hold them unmoved.",
+            hint="to write the model without them, pass a copy of the checkpoint that leaves them out (the written "
+            "model then lacks them too); `merge --stream` (a plain average of every stored tensor) averages them "
+            "too; report, fuzz and barrier read the checkpoint as it is.")
+
+
+def refuse_unloaded_inputs(sources) -> None:
+    """:func:`refuse_unloaded` for every checkpoint folder among ``sources`` (a folder or its config.json; anything
+    else holds no checkpoint), from its config.json and stored names alone: before any work is done. What cannot be
+    read is left to the loader, which says why."""
+    from .io import stored_names
+
+    for source in sources:
+        path = Path(str(source)).expanduser()
+        folder = path.parent if path.suffix == ".json" else path
+        try:
+            model = _meta_model(_config_of(folder)) if folder.is_dir() else None
+            names = stored_names(folder) if model is not None else ()
+        except Exception:  # a damaged config or weights file: the loader refuses it with the reason
+            continue
+        if model is not None:
+            refuse_unloaded(model, names, f"The weights in '{folder}'")
 
 
 def _skipped_on_load(model, names) -> set[str]:
@@ -323,11 +369,14 @@ def save_model(
     out, like_dir = output_folder(out_dir, like, overwrite=overwrite)
     model = _meta_model(config if config is not None else _config_of(like_dir))
     stored = stored_names(like_dir) if like_dir is not None else set()
+    if model is not None:
+        refuse_unloaded(model, stored, f"The weights in '{like_dir}'")
     tensors = _laid_out(_checked(state_dict), model, stored)
     # what transformers skipped loading the input, the output keeps as stored
     carried = [n for n in carried_as_stored(model, stored) if n not in tensors] if model is not None else []
     tensors = owned_tensors({**tensors, **(stored_tensors(like_dir, carried) if carried else {})})
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
+    index_dropped(carried_index_metadata([like_dir]))
     with staged_folder(out, overwrite=overwrite) as tmp:
         _write_folder(tmp, tensors, config=config, like_dir=like_dir, metadata=metadata)
     return out
@@ -349,14 +398,48 @@ def carried_metadata(folders) -> dict[str, str]:
         for file in safetensors_files(folder):
             with safe_open(str(file), framework="pt") as handle:
                 stored.append(handle.metadata() or {})
+    return _agreed(stored, "safetensors metadata", ignored={"format"})
+
+
+# index metadata entries that count the stored files: those of the written files, not carried
+INDEX_COUNTS = frozenset({"total_size", "total_parameters"})
+
+
+def carried_index_metadata(folders) -> dict[str, Any]:
+    """The entries of the index "metadata" (``model.safetensors.index.json``, or ``pytorch_model.bin.index.json``)
+    a sharded checkpoint written from the model folders ``folders`` (None: skipped) carries: those every folder
+    stores with one value (one without an index stores none; the others are named in a warning), but the counts
+    of the stored files (:data:`INDEX_COUNTS`; ``total_size`` is the written files')."""
+    stored = []
+    for folder in (Path(f) for f in folders if f is not None):
+        index = next((folder / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                      if (folder / n).is_file()), None)
+        entries = json.loads(index.read_text()).get("metadata") if index is not None else None
+        stored.append({k: v for k, v in (entries if isinstance(entries, dict) else {}).items()
+                       if k not in INDEX_COUNTS})
+    return _agreed(stored, "index metadata (model.safetensors.index.json)")
+
+
+def _agreed(stored: list[dict], what: str, ignored=frozenset()) -> dict:
+    """The entries every mapping of ``stored`` holds with one value; a warning names the others (but
+    ``ignored``)."""
     if not stored:
         return {}
-    agreed = {k: v for k, v in stored[0].items() if all(m.get(k) == v for m in stored[1:])}
-    dropped = sorted({k for m in stored for k in m} - agreed.keys() - {"format"})
+    agreed = {k: v for k, v in stored[0].items() if all(k in m and m[k] == v for m in stored[1:])}
+    dropped = sorted({k for m in stored for k in m} - agreed.keys() - ignored)
     if dropped:
-        _log.warning("safetensors metadata not carried into the written model (the inputs store different values, "
-                     "or only some store it): %s.", ", ".join(dropped))
+        _log.warning("%s not carried into the written model (the inputs store different values, or only some "
+                     "store it): %s.", what, ", ".join(dropped))
     return agreed
+
+
+def index_dropped(entries: Mapping[str, Any]) -> None:
+    """Warn that the index metadata ``entries`` are not carried: the written checkpoint is one file, which has no
+    index to hold them (and safetensors metadata holds strings only)."""
+    if entries:
+        _log.warning("index metadata (model.safetensors.index.json) not carried into the written model, which is "
+                     "one file with no index: %s. Add them to an index yourself if they still apply.",
+                     ", ".join(sorted(entries)))
 
 
 def file_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
@@ -386,8 +469,9 @@ def output_folder(out_dir, like, *, overwrite: bool) -> tuple[Path, Path | None]
 @contextlib.contextmanager
 def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder of ``out`` to write into; moved to ``out`` when the block ends without error,
-    removed (with everything written so far) when it fails. OS and safetensors errors become :class:`OutputError`;
-    other errors propagate unchanged (the folder is removed all the same)."""
+    removed (with everything written so far, and the folders made to hold it) when it fails. OS and safetensors
+    errors become :class:`OutputError`; other errors propagate unchanged (the folder is removed all the same)."""
+    made = [p for p in out.parents if not p.exists()]  # innermost first
     with os_errors_as_output_error(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out, folder=True)
@@ -413,6 +497,9 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     finally:
         if not done:
             shutil.rmtree(tmp, ignore_errors=True)
+            for folder in made:
+                with contextlib.suppress(OSError):  # another run may have put something there meanwhile
+                    folder.rmdir()
 
 
 def _like_dir(like) -> Path:
@@ -472,7 +559,7 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> 
     """Beside the weights in ``tmp``: config.json (from ``config``, else ``like_dir``'s; its dtype made the one of
     the weights' ``dtypes`` when they share one) and ``like_dir``'s tokenizer files; then every file made readable
     and flushed to disk."""
-    from .io import TOKENIZER_FILES
+    from .io import TOKENIZER_FILES, TOKENIZER_FOLDERS
 
     if config is not None:
         if isinstance(config, Mapping):
@@ -489,17 +576,24 @@ def write_side_files(tmp: Path, *, config, like_dir: Path | None, dtypes=()) -> 
     _config_names_dtype(tmp / "config.json", dtypes)
 
     if like_dir is not None:
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *TOKENIZER_FOLDERS):
             src = like_dir / name
-            if src.is_file() and not (tmp / name).exists():
+            if (tmp / name).exists():
+                continue
+            if src.is_file():
                 shutil.copy2(src, tmp / name)
+            elif src.is_dir() and name in TOKENIZER_FOLDERS:
+                shutil.copytree(src, tmp / name)
+        for name in auto_map_code(like_dir):
+            if not (tmp / name).exists():
+                shutil.copy2(like_dir / name, tmp / name)
         left = not_carried_over(like_dir)
         if left:
             _log.warning("Not copied from '%s' into the written model (only its config, tokenizer, processor and "
                          "generation files are): %s. Copy them yourself if they still apply.", like_dir,
                          ", ".join(left))
-    for file in tmp.iterdir():
-        os.chmod(file, 0o644)  # safetensors writes 0600 files: installed or shared copies must stay readable
+    for path in tmp.rglob("*"):  # safetensors writes 0600 files: installed or shared copies must stay readable
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
     _fsync_files(tmp)
 
 
@@ -516,6 +610,21 @@ def _config_names_dtype(file: Path, dtypes) -> None:
         file.write_text(json.dumps({**config, **dict.fromkeys(stale, name)}, indent=2, sort_keys=True) + "\n")
 
 
+def warn_side_files_differ(folders, like) -> None:
+    """Warn about the tokenizer, processor and generation files (:data:`symgraph.io.TOKENIZER_FILES`) that the
+    merged model folders ``folders`` do not all store alike: the merge carries those of ``like``'s folder alone,
+    and a tokenizer that maps ids to other tokens makes the averaged embeddings mean nothing."""
+    from .io import TOKENIZER_FILES
+
+    folders = [Path(f) for f in folders if f is not None]
+    differ = [name for name in TOKENIZER_FILES
+              if len({(f / name).read_bytes() if (f / name).is_file() else None for f in folders}) > 1]
+    if differ:
+        _log.warning("The merged models' %s differ (or only some have them); the merge carries those of '%s'. "
+                     "Merge models that share a tokenizer: averaged embeddings of differently numbered tokens mean "
+                     "nothing.", ", ".join(differ), like)
+
+
 def not_carried_over(like_dir: Path) -> list[str]:
     """What in the model folder ``like_dir`` a written folder does not carry: every entry but the config, the
     weights (rewritten) and the files copied (:data:`symgraph.io.TOKENIZER_FILES`); hidden ones aside. Folders
@@ -526,13 +635,42 @@ def not_carried_over(like_dir: Path) -> list[str]:
     shards = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
     bin_index = like_dir / "pytorch_model.bin.index.json"
     shards |= set(json.loads(bin_index.read_text()).get("weight_map", {}).values()) if bin_index.is_file() else set()
+    carried = {*MODEL_FILES, *shards, *auto_map_code(like_dir)}
     return sorted(p.name + "/" * p.is_dir() for p in like_dir.iterdir()
-                  if not p.name.startswith(".") and p.name not in MODEL_FILES and p.name not in shards)
+                  if not p.name.startswith(".") and p.name not in carried)
+
+
+def auto_map_code(folder: Path) -> list[str]:
+    """The Python files in ``folder`` that the ``auto_map`` of its configs names (a model, tokenizer or processor
+    class of the checkpoint's own code, which transformers runs with ``trust_remote_code``), with the files they
+    import relatively: a written folder keeps those configs, so it keeps their code, and loads as the input did."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from .io import TOKENIZER_FILES
+
+    modules = set()
+    for name in ("config.json", *(n for n in TOKENIZER_FILES if n.endswith(".json"))):
+        entries = _json_object(folder / name).get("auto_map")
+        for value in (entries.values() if isinstance(entries, dict) else ()):
+            for reference in value if isinstance(value, list) else [value]:
+                if isinstance(reference, str) and "--" not in reference:  # "repo--module.Class": another repo's
+                    modules.add(reference.rpartition(".")[0] + ".py")
+    files = {m for m in modules if (folder / m).is_file()}
+    return sorted(files | {Path(f).name for m in files for f in get_relative_import_files(folder / m)})
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in ``file``; empty when it is missing or holds no object."""
+    try:
+        found = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _fsync_files(folder: Path) -> None:
     """Flush the new files to disk so the rename cannot expose empty files after a crash (best effort)."""
-    for file in folder.iterdir():
+    for file in folder.rglob("*"):
         try:
             fd = os.open(file, os.O_RDONLY)
         except OSError:

@@ -60,7 +60,7 @@ def transform(model, output, seed, overwrite, free_outputs):
     from .api import load, transformed
     from .io import save_model
 
-    _check_model_output(output, overwrite, [model])
+    _check_model_output(output, overwrite, [model], written_from=[model])
     subject = load(model, free_outputs=free_outputs)
     state, outcome = transformed(subject, seed)
     save_model(state, output, config=subject.config, like=subject.path, overwrite=overwrite)
@@ -89,7 +89,7 @@ def fold(model, output, json_path, untie, overwrite):
     from .io import save_model
 
     _check_distinct_outputs(**{"-o": output, "--json": json_path})
-    _check_model_output(output, overwrite, [model])
+    _check_model_output(output, overwrite, [model], written_from=[model])
     _check_file_output(json_path, [model])
     subject = load(model)
     result = run_fold(subject, untie=untie)
@@ -390,7 +390,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
 
     compute_device(device)  # before the models are read
     _check_distinct_outputs(**{"-o": output, "--stats": stats_path})
-    _check_model_output(output, overwrite, [source, anchor])
+    _check_model_output(output, overwrite, [source, anchor], written_from=[source])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
     if untie and not fold:
@@ -668,7 +668,8 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
         raise click.UsageError(f"--alpha is RegMean's shrinkage; --method {method} has none, so it would be ignored. "
                                "Leave --alpha out, or use --method regmean.")
     _check_distinct_outputs(**{"-o": output, "--json": json_path})
-    _check_model_output(output, overwrite, models)
+    # --stream averages every stored tensor, those the model does not load too
+    _check_model_output(output, overwrite, models, written_from=() if stream else models)
     _check_file_output(json_path, models)
     if stream:
         _check_streamed_merge(method, align_mode, data_specs, head_from, head_patterns, fold, untie, learn)
@@ -842,15 +843,19 @@ def _emit_text(text: str, output: Path | None) -> None:
     click.echo(f"wrote {output}", err=True)
 
 
-def _check_model_output(output: Path, overwrite: bool, inputs) -> None:
+def _check_model_output(output: Path, overwrite: bool, inputs, *, written_from) -> None:
     """Before any work: the output folder is named, is no input, and exists only with --overwrite (leftovers of
-    interrupted runs to it are cleaned up on the way)."""
+    interrupted runs to it are cleaned up on the way); the inputs it is ``written_from`` (moved, or merged after
+    loading) store no tensor the model does not load (:func:`symgraph.checkpoint.refuse_unloaded`; a streamed
+    plain merge averages every stored tensor)."""
+    from .checkpoint import refuse_unloaded_inputs
     from .files import prepare_output, refuse_overlap
 
     if not str(output).strip() or not output.name:
         raise OutputError(f"The output path {str(output)!r} names no folder.", hint="give a name, e.g. -o out/model.")
     refuse_overlap(output, inputs)
     prepare_output(output.absolute(), overwrite=overwrite, folder=True)
+    refuse_unloaded_inputs(written_from)
 
 
 def _check_distinct_outputs(**outputs: Path | None) -> None:

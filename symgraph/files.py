@@ -77,6 +77,10 @@ def prepare_output(out: Path, *, overwrite: bool, folder: bool) -> None:
     if not out.name:
         raise OutputError(f"The output path '{out}' names no file or folder.", hint="give a name, e.g. -o out/model.")
     clean_leftovers(out)
+    blocker = next((p for p in out.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():  # the OS says only "File exists" when creating the folders
+        raise OutputError(f"Cannot write '{out}': '{blocker}' is a file, so no folder can be made inside it.",
+                          hint="choose an output path whose folders are folders (or do not exist yet).")
     if out.is_symlink():
         raise OutputError(
             f"The output path '{out}' is a symbolic link (to '{os.readlink(out)}'); symgraph does not replace "

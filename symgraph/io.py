@@ -18,6 +18,7 @@ import difflib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import uuid
@@ -32,6 +33,8 @@ from .checkpoint import save_model
 from .errors import ModelLoadError
 from .files import write_atomic, write_text_atomic
 from .module_state import copied_module, private_tree
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # importing transformers is slow; the loaders import it lazily
     from transformers import PretrainedConfig
@@ -98,8 +101,11 @@ TOKENIZER_FILES = (
 )
 
 
-#: Every file a model folder is read from by name (weight shards aside).
-MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES))
+#: Folders a tokenizer reads (its named chat templates, ``additional_chat_templates/NAME.jinja``), carried whole.
+TOKENIZER_FOLDERS = ("additional_chat_templates",)
+
+#: Every file (and folder) a model folder is read from by name (weight shards aside).
+MODEL_FILES = frozenset(("config.json", *WEIGHT_FILES, *TOKENIZER_FILES, *TOKENIZER_FOLDERS))
 
 #: Files of other formats that users hand over as models: (file name pattern, what it is, what to do instead).
 FOREIGN_FORMATS = (
@@ -404,7 +410,7 @@ def _load_path(path: Path, *, config_only: bool, dtype) -> LoadedModel:
         if _architecture_class(config_dict) is not None:
             raise
         raise _unnamed_class_error(exc, config, folder, weights[0]) from None
-    _check_skipped(model, folder, weights[0], listing)
+    _warn_unloaded(model, folder, listing)
     _check_stored_dtypes(model, folder, listing)
     _check_ties_kept(model, folder)
     check_finite(model, f"the weights in '{folder}'")
@@ -484,28 +490,18 @@ def _check_loading_info(info: Mapping[str, Any], model, folder: Path, weights: P
         )
 
 
-def _check_skipped(model, folder: Path, weights: Path, listing) -> None:
-    """Stored tensors transformers skips on loading, without a word, are refused unless a written model keeps them
-    as stored (:func:`~symgraph.checkpoint.carried_as_stored`): symgraph cannot move them with the weights it
-    changes, and leaving them out or unmoved would lose them or break what reads them (transformers' MtpModel
-    reads multi-token-prediction layers beside the model)."""
-    from .checkpoint import _skipped_on_load, carried_as_stored
+def _warn_unloaded(model, folder: Path, listing) -> None:
+    """Stored tensors the class skips on loading in modules the model lacks (multi-token-prediction layers) are
+    left out of what is analysed, with a warning: only a written model would lose them, and writing refuses them
+    (:func:`~symgraph.checkpoint.refuse_unloaded`)."""
+    from .checkpoint import unloaded_tensors
 
     own = set(model.state_dict())
-    foreign = [key for key, *_ in listing if _model_key(model, key, own) not in own]
-    lost = sorted(_skipped_on_load(model, foreign) - set(carried_as_stored(model, foreign)))
+    lost = unloaded_tensors(model, [key for key, *_ in listing if _model_key(model, key, own) not in own])
     if lost:
-        raise unloaded_tensors_error(f"The weights in '{folder}' ({weights.name})", model, lost)
-
-
-def unloaded_tensors_error(where: str, model, names: list[str]) -> ModelLoadError:
-    """The error for stored tensors ``names`` that ``model`` does not load (and that are no buffer copies)."""
-    return ModelLoadError(
-        f"{where} hold {len(names)} tensor(s) that {type(model).__name__} does not load (multi-token-prediction "
-        f"layers or the like): {_some(names)}. symgraph cannot move them with the weights it changes, so a written "
-        "model would lose them or hold them unmoved.",
-        hint="to work on the model without them, pass a copy of the checkpoint that leaves them out (the written "
-        "model then lacks them too).")
+        _log.warning("'%s' holds %d tensor(s) that %s does not load (multi-token-prediction layers or the like): "
+                     "%s. They are left out here; a command that writes a model from it (align, transform, fold, "
+                     "merge without --stream) refuses it.", folder, len(lost), type(model).__name__, _some(lost))
 
 
 def _some(names: list[str], limit: int = 4) -> str:

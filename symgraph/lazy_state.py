@@ -285,8 +285,9 @@ def safetensors_files(source) -> list[Path]:
         if weights is None:
             what = "does not exist" if not path.exists() else "has no model.safetensors or model.safetensors.index.json"
             raise ModelLoadError(f"'{path}' {what}: streaming reads safetensors checkpoints only.",
-                                 hint="pass a Hugging Face folder saved as safetensors (re-save a .bin checkpoint "
-                                 "with save_pretrained(safe_serialization=True)).")
+                                 hint="pass a Hugging Face folder saved as safetensors: load a .bin checkpoint "
+                                 "with from_pretrained and save it with save_pretrained (transformers writes "
+                                 "safetensors), or align or merge it without --stream, which reads .bin too.")
     _check_weights(folder, weights)  # a missing shard or a damaged header: a clear error naming the file
     return _weight_files(folder, weights)
 

@@ -118,11 +118,13 @@ class MergeResult:
         """Write the merge as a Hugging Face folder (config and tokenizer from the model the head came from,
         else from the reference model, whose frame the merge lives in; the safetensors metadata entries every input
         folder agrees on), atomically: see :func:`symgraph.io.save_model`."""
-        from .checkpoint import carried_metadata
+        from .checkpoint import carried_metadata, refuse_unloaded_inputs, warn_side_files_differ
         from .files import refuse_overlap
         from .io import save_model
 
         refuse_overlap(Path(path).expanduser(), self.inputs)
+        refuse_unloaded_inputs(self.inputs)  # any model's, not only the one whose config is written
+        warn_side_files_differ(self.inputs, self.like)
         return save_model(self.state, path, config=self.config, like=self.like, overwrite=overwrite,
                           metadata=carried_metadata(self.inputs))
 
@@ -443,7 +445,7 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     >>> merge_streamed(folders, tempfile.mkdtemp() + "/merged", shard_bytes=10**5).tensors
     21
     """
-    from .checkpoint import carried_metadata
+    from .checkpoint import carried_index_metadata, carried_metadata, warn_side_files_differ
     from .files import refuse_overlap
     from .lazy_state import LazyState
     from .shards import DEFAULT_SHARD_BYTES, write_checkpoint
@@ -456,9 +458,11 @@ def merge_streamed(models: Sequence[Any], out, *, weights: Sequence[float] | Non
     start = time.perf_counter()
     states = [LazyState(m) for m in models]
     infos = _streamed_plan(states, models)
+    warn_side_files_differ([s.folder for s in states], states[0].folder)
     path = write_checkpoint(out, infos, lambda name: _streamed_average(states, w, name, models),
                             shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, like=states[0].folder,
-                            overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]))
+                            overwrite=overwrite, metadata=carried_metadata([s.folder for s in states]),
+                            index_metadata=carried_index_metadata([s.folder for s in states]))
     return StreamedMerge(path, tuple(map(str, models)), tuple(map(float, w)), len(infos),
                          sum(s.nbytes for s in states), sum(i.nbytes for i in infos),
                          time.perf_counter() - start)
@@ -472,12 +476,26 @@ def _streamed_plan(states, models) -> list:
     from .shards import TensorInfo
 
     first = states[0]
+    _check_configs_present(states, models)
     for position, other in enumerate(states[1:], start=2):
         check_same_tensors(first, other, f"Model 1 ({models[0]}) and model {position} ({models[position - 1]})",
                            hint="pass checkpoints of one architecture and configuration.")
         check_same_config(_config_of(first.folder), _config_of(other.folder))
     _check_complete(first, models[0])
     return [TensorInfo(k, first.info(k).shape, widest_dtype(s.info(k).dtype for s in states)) for k in first]
+
+
+def _check_configs_present(states, models) -> None:
+    """Bare checkpoints (no config.json) average as they are, but one beside model folders is refused: configs are
+    compared only where both models have one, and the merge is written with the first model's config."""
+    bare = [i for i, s in enumerate(states) if not (s.folder / "config.json").is_file()]
+    if bare and len(bare) < len(states):
+        other = next(i for i in range(len(states)) if i not in bare)
+        raise MismatchError(
+            f"Model {bare[0] + 1} ({models[bare[0]]}) has no config.json, but model {other + 1} "
+            f"({models[other]}) has one: the checkpoints cannot be checked to be of one architecture, and the merge "
+            f"would be written {'without a config' if bare[0] == 0 else 'with the config of model 1'}.",
+            hint="pass model folders that all hold their config.json (or none, to average bare checkpoints).")
 
 
 def _check_fixed_tensors(states: Sequence[State], models: Sequence[str]) -> None:

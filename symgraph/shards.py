@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import carried_metadata, file_metadata, output_folder, staged_folder, write_side_files
+from .checkpoint import (carried_index_metadata, carried_metadata, file_metadata, index_dropped, output_folder,
+                         staged_folder, write_side_files)
 from .errors import OutputError
 
 __all__ = ["TensorInfo", "DEFAULT_SHARD_BYTES", "plan_shards", "shard_names", "infos_of", "write_checkpoint",
@@ -98,14 +99,17 @@ def shard_names(count: int) -> list[str]:
 def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[str], torch.Tensor], *,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, config: Any = None, like=None,
                      overwrite: bool = False, check: Callable[[Path], None] | None = None,
-                     metadata: Mapping[str, str] | None = None) -> Path:
+                     metadata: Mapping[str, str] | None = None,
+                     index_metadata: Mapping[str, Any] | None = None) -> Path:
     """Write a Hugging Face folder at ``out_dir`` whose weights are the tensors ``infos`` names, in that order,
     each obtained from ``produce(name)`` when its bytes are written (one tensor in memory at a time).
 
     Several shards get ``model.safetensors.index.json``; ``config`` (a dict or ``PretrainedConfig``) or
     ``like``'s config.json and tokenizer files go beside them; every shard's safetensors metadata is ``metadata``
-    (default: ``like``'s, :func:`~symgraph.checkpoint.carried_metadata`) with ``format`` ``pt``. Atomic: nothing at ``out_dir`` until every file is
-    complete; on failure the staged files are removed and :class:`~symgraph.errors.OutputError` says why.
+    (default: ``like``'s, :func:`~symgraph.checkpoint.carried_metadata`) with ``format`` ``pt``; the index's
+    "metadata" is ``index_metadata`` (default: ``like``'s, :func:`~symgraph.checkpoint.carried_index_metadata`) with
+    the shards' ``total_size``. Atomic: nothing at ``out_dir`` until every file is complete; on failure the staged
+    files are removed and :class:`~symgraph.errors.OutputError` says why.
     ``check(staged_folder)``, when given, runs on the complete staged folder before it is moved to ``out_dir``;
     whatever it raises propagates and leaves nothing at ``out_dir``.
     """
@@ -114,11 +118,14 @@ def write_checkpoint(out_dir, infos: Sequence[TensorInfo], produce: Callable[[st
     shards = plan_shards(infos, shard_bytes)
     names = shard_names(len(shards))
     metadata = file_metadata(metadata if metadata is not None else carried_metadata([like_dir]))
+    index_metadata = index_metadata if index_metadata is not None else carried_index_metadata([like_dir])
+    if len(shards) == 1:
+        index_dropped(index_metadata)
     with staged_folder(out, overwrite=overwrite) as tmp:
         for name, shard in zip(names, shards):
             _write_shard(tmp / name, shard, produce, metadata)
         if len(shards) > 1:
-            _write_index(tmp / INDEX_FILE, shards, names)
+            _write_index(tmp / INDEX_FILE, shards, names, index_metadata)
         write_side_files(tmp, config=config, like_dir=like_dir, dtypes=[i.dtype for i in infos])
         if check is not None:
             check(tmp)
@@ -163,10 +170,11 @@ def _bytes_of(tensor: torch.Tensor, info: TensorInfo) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _write_index(path: Path, shards: Sequence[Sequence[TensorInfo]], names: Sequence[str]) -> None:
+def _write_index(path: Path, shards: Sequence[Sequence[TensorInfo]], names: Sequence[str],
+                 metadata: Mapping[str, Any]) -> None:
     weight_map = {info.name: name for name, shard in zip(names, shards) for info in shard}
     total = sum(info.nbytes for shard in shards for info in shard)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {**metadata, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     path.write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -140,7 +140,7 @@ def align_streamed(source, anchor, out, *, mode: str = "full", rescale: bool = T
     _streamed_plan([src, anc], [source, anchor])  # same tensors, same shapes
     model, config, groups, norms, untied, layout = streamed_groups(source, src, fold=fold, untie=untie)
     src, anc = ConvertedState(src, layout), ConvertedState(anc, layout)  # the model's names and layout
-    _refuse_unloaded(src, model)
+    _refuse_not_loaded(src, model)
     _refuse_mixed_units(src)
     stored = src  # model tensors <-> stored tensors, for writing in the checkpoint's layout
     if untied:
@@ -278,18 +278,19 @@ def _stored_names(ties: list[list[str]], state) -> dict[str, str]:
     return names
 
 
-def _refuse_unloaded(state, model) -> None:
-    """Stored tensors the model does not hold (multi-token-prediction layers) would be written unmoved beside
-    moved weights: refused, as loading refuses them, but for those a written model keeps as stored
-    (:func:`~symgraph.checkpoint.carried_as_stored`)."""
-    from .checkpoint import carried_as_stored
-    from .io import unloaded_tensors_error
+def _refuse_not_loaded(state: ConvertedState, model) -> None:
+    """Stored tensors the model does not hold are refused as loading refuses them: those its class does not skip
+    (another architecture's), and those it skips that a written model cannot carry
+    (:func:`~symgraph.checkpoint.refuse_unloaded`); copies of buffers and the like are written as stored."""
+    from .checkpoint import _skipped_on_load, refuse_unloaded
+    from .io import _check_loading_info, _weights_in
 
     own = set(model.state_dict())
     foreign = [n for n in state if n not in own]
-    lost = sorted(set(foreign) - set(carried_as_stored(model, foreign)))
-    if lost:
-        raise unloaded_tensors_error(f"The weights in '{state.folder}'", model, lost)
+    unexpected = set(foreign) - _skipped_on_load(model, foreign)
+    _check_loading_info({"unexpected_keys": unexpected}, model, state.folder,
+                        _weights_in(state.folder) or state.state.files[0])
+    refuse_unloaded(model, foreign, f"The weights in '{state.folder}'")
 
 
 def _refuse_mixed_units(state: ConvertedState) -> None:
