@@ -34,6 +34,9 @@ class _Equivariant(_Frozen):
     # permuting the positions along any axis of the inputs permutes the output alike (elementwise maps, softmax):
     # the order along a top-k axis passes through the op (unflagged ops are assumed to see it: sound, fewer groups)
     equivariant: bool = False
+    # every output is > 0 (softmax, sigmoid, exp): a where / masked_fill setting other entries to 0 or less leaves
+    # them below every kept one, so a top-k over them ranks the kept ones first and never meets the filled ties
+    positive: bool = False
 
 
 class PlainSpec(_Equivariant):
@@ -47,6 +50,7 @@ class PlainSpec(_Equivariant):
 class TopkSpec(_Frozen):
     rule: Literal["topk"]
     indices_only: bool = False  # returns the indices alone (argmax, argmin), not (values, indices)
+    smallest: bool = False  # ranks the smallest first (argmin); topk reads its `largest` argument
 
 
 class ReduceSpec(_Equivariant):

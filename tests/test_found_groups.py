@@ -157,6 +157,54 @@ def test_a_choice_among_values_that_tie_keeps_the_units_in_place(choose):
     assert_fuzzed_at_two_shapes(subject, samples=10)
 
 
+class Masked(nn.Module):
+    """Top-1 routing over router scores ("linear": any sign; "softmax", "sigmoid": positive) whose entries below
+    the mean logit are set to ``fill`` first (as group-limited routers mask experts of groups not chosen); ranked
+    by argmax or argmin."""
+
+    def __init__(self, scores: str, fill: float, rank: str = "argmax"):
+        super().__init__()
+        self.scores, self.fill, self.rank = scores, fill, rank
+        self.router, self.head = nn.Linear(D, E), nn.Linear(D, 3)
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+
+    def forward(self, x):
+        logits = self.router(x)
+        p = logits.softmax(-1)
+        s = {"linear": logits, "softmax": p, "sigmoid": logits.sigmoid()}[self.scores]
+        keep = logits > logits.mean(-1, keepdim=True)  # never empty: the largest logit is kept
+        masked = s.masked_fill(~keep, self.fill)
+        i = masked.argmax(-1) if self.rank == "argmax" else masked.argmin(-1)
+        y = F.one_hot(i, E).to(x.dtype) * p
+        return self.head(x + sum(y[..., e:e + 1] * self.experts[e](x) for e in range(E)))
+
+
+@pytest.mark.parametrize("scores, fill, rank", [("softmax", 0.0, "argmax"), ("sigmoid", -1.0, "argmax"),
+                                                ("linear", -float("inf"), "argmax"),
+                                                ("linear", float("inf"), "argmin")])
+def test_masked_scores_whose_fill_ranks_last_keep_the_expert_permutation(scores, fill, rank):
+    """Entries set to a number below every kept score (minus infinity, or 0 or less under positive scores) are never
+    chosen while any entry is kept, so their ties do not matter."""
+    model, subject = load(Masked(scores, fill, rank), torch.randn(2, 5, D))
+    assert census(subject).get("experts permutation 4x1") == 1, census(subject)
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+
+
+@pytest.mark.parametrize("scores, fill, rank", [("linear", 0.0, "argmax"), ("softmax", 0.5, "argmax"),
+                                                ("linear", float("inf"), "argmax"),
+                                                ("linear", -float("inf"), "argmin")])
+def test_masked_scores_whose_fill_can_win_keep_the_experts_in_place(scores, fill, rank):
+    """A fill that can rank above kept scores (0 beside negative logits, a positive number, infinity first) is
+    chosen among equal entries by position: after a permutation another expert is first (fuzz found it)."""
+    torch.manual_seed(0)
+    model = Masked(scores, fill, rank).double().eval()
+    with torch.no_grad():
+        model.router.bias.fill_(-3.0)  # kept logits mostly negative: the fill of 0 wins
+    subject = symgraph.load(model, (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert not subject.report.by_motif("experts"), census(subject)
+    assert_fuzzed_at_two_shapes(subject, samples=10)
+
+
 # --- PReLU ----------------------------------------------------------------------------------------------------
 class PRelu(nn.Module):
     """``Linear -> PReLU -> Linear``; ``slopes``: "channel" (one per unit), "shared" (one for all) or "buffer"

@@ -1977,7 +1977,8 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
     dim, ordered = (args["dim"] or 0) % rank, args.get("sorted", True)  # max.dim: one result, no order to see
     # unsorted results come in an order that depends on the permutation: only consumers blind to it may follow;
     # equal values (a ReLU's zeros) are ranked by position, which a permutation changes
-    followable = (ordered or _order_blind(w.specs, node, dim - rank)) and not _may_tie(w, args["self"])
+    largest = not spec.smallest and args.get("largest", True)
+    followable = (ordered or _order_blind(w.specs, node, dim - rank)) and not _may_tie(w, args["self"], largest)
     pointed, by_rows, rows = None, False, []
     for c in x.chans:
         c = w.resolve(c, node.name)
@@ -2018,11 +2019,12 @@ def rule_topk(w, node: fx.Node, spec) -> list[Value]:
 _TIE_FREE = frozenset({"contract", "conv", "attention", "embedding", "recurrent"})  # weights mix: no equal values
 
 
-def _may_tie(w, x: fx.Node) -> bool:
-    """Whether ``x`` may hold equal values at different coordinates with positive probability: its values come,
-    through no contraction with weights, from a map that sends whole intervals to one value (``ties`` in
-    specs/ops.yaml) or from discrete values (masks, one-hots: not floating point). Indices and the conditions of
-    a ``where`` only choose positions: not followed."""
+def _may_tie(w, x: fx.Node, largest: bool = True) -> bool:
+    """Whether ``x`` may hold equal values at different coordinates with positive probability where a ranking
+    (``largest`` first, else smallest) meets them: its values come, through no contraction with weights, from a
+    map that sends whole intervals to one value (``ties`` in specs/ops.yaml), from discrete values (masks,
+    one-hots: not floating point), or from a ``where`` / ``masked_fill`` setting entries to one number
+    (:func:`_fill_may_tie`). Indices and the conditions of a ``where`` only choose positions: not followed."""
     seen, todo = set(), [x]
     while todo:
         n = todo.pop()
@@ -2038,8 +2040,45 @@ def _may_tie(w, x: fx.Node) -> bool:
         elif spec is not None and spec.rule not in _TIE_FREE:
             choosers = set(index_operands(n, spec.rule))
             if spec.rule == "where":
+                if _fill_may_tie(w, n, spec, largest):
+                    return True
                 choosers.add(schema_arg(n, spec.condition))
             todo.extend(a for a in n.all_input_nodes if a not in choosers)
+    return False
+
+
+def _fill_may_tie(w, n: fx.Node, spec, largest: bool) -> bool:
+    """Whether a ``where`` / ``masked_fill`` choosing a number sets entries to one value that a ranking may meet:
+    not when the number ranks last (-inf for a largest-first ranking, +inf for a smallest-first one), nor when it
+    is 0 or less beside kept values that are all positive (``positive`` in specs/ops.yaml: a softmax or sigmoid
+    router's scores masked to 0) and the ranking is largest-first. Assumed, as a router's masking intends: the
+    ranking takes no more entries than are kept."""
+    chosen = [schema_arg(n, name) for name in spec.choices]
+    for number, other in ((chosen[0], chosen[1]), (chosen[1], chosen[0])):
+        if not isinstance(number, (int, float)) or isinstance(number, bool):
+            continue
+        if number == (-math.inf if largest else math.inf):
+            continue
+        if largest and number <= 0 and _positive(w, other):
+            continue
+        return True
+    return False
+
+
+def _positive(w, x) -> bool:
+    """Whether every value of ``x`` is > 0: the output of a ``positive`` op, moved, viewed or cast to another
+    floating-point dtype (one input each)."""
+    while isinstance(x, fx.Node) and x.op == "call_function":
+        val = x.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            return False
+        spec = None if x.target is operator.getitem else w.spec(x)
+        if getattr(spec, "positive", False):
+            return True
+        if spec is None or spec.rule not in ("movement", "identity") or getattr(spec, "negates", False) \
+                or len(x.all_input_nodes) != 1:
+            return False
+        x = x.all_input_nodes[0]
     return False
 
 
