@@ -1,8 +1,8 @@
 """Data in Arrow's formats (symgraph.tables): Parquet files as the Hugging Face Hub serves them, Arrow IPC files as
 ``datasets`` caches them, and folders ``save_to_disk`` writes (a Dataset's shards, a DatasetDict's splits). Each
 must give the batches the same rows give as JSON Lines; images and sounds stored as ``datasets``' Image and Audio
-features store them (the file's bytes, or its path) the inputs their files give in a folder. The files are written here with pyarrow in the
-layout ``datasets`` 5.2 writes (checked against files it wrote)."""
+features store them (the file's bytes, or its path) the inputs their files give in a folder. The files are written
+here with pyarrow in the layout ``datasets`` 5.2 writes (checked against files it wrote)."""
 from __future__ import annotations
 
 import io
