@@ -36,9 +36,12 @@ Losses follow Hugging Face: causal LM labels are the input ids (the loss shifts 
 """
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import io
 import json
+import lzma
 import os
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -298,10 +301,11 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
     saved = Path(name).expanduser()
     if suffix and saved.is_dir() and tables.is_saved_dataset(saved):  # FOLDER:SPLIT of a saved DatasetDict
         return _load_records(saved, target, batch_size, limit, split=(suffix, split))
-    if _form(path) in FILE_LOADERS and (_form(path) in TEXT_FORMS or path.suffix == _form(path)):
+    form = _form(path)
+    if form in FILE_LOADERS:
         if not path.is_file():
             raise DataError(f"Data file '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
-        return FILE_LOADERS[_form(path)](path, target, batch_size, limit)
+        return FILE_LOADERS[form](path, target, batch_size, limit)
     if ":" in spec and not path.exists():
         return _load_factory(spec, target)
     if path.is_dir() and tables.is_saved_dataset(path):
@@ -602,21 +606,22 @@ def _text_dataset(path: Path, texts: list[str], labels: list[int] | None, target
 
 
 # text files may come compressed (data.jsonl.gz, as datasets are often shipped); the suffix before says the form
-DECOMPRESS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+DECOMPRESS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
 
 
 def _form(path: Path) -> str:
-    """The suffix that says how to read ``path``: its own, or the one before a compression suffix."""
+    """The suffix that says how to read ``path``: its own, or for a compressed text file the one before the
+    compression suffix (``.parquet.gz`` has none: Parquet and the other binary forms compress inside)."""
     suffixes = path.suffixes
-    return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in DECOMPRESS else path.suffix
+    if len(suffixes) > 1 and suffixes[-1] in DECOMPRESS:
+        return suffixes[-2] if suffixes[-2] in TEXT_FORMS else path.suffix
+    return path.suffix
 
 
 def _read_text(path: Path) -> str:
-    import importlib
-
     try:
         if path.suffix in DECOMPRESS:
-            with importlib.import_module(DECOMPRESS[path.suffix]).open(path, "rt", encoding="utf-8") as file:
+            with DECOMPRESS[path.suffix].open(path, "rt", encoding="utf-8") as file:
                 return file.read()
         return path.read_text(encoding="utf-8")
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:  # gzip's BadGzipFile is an OSError
