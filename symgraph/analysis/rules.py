@@ -257,8 +257,10 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
     """Pieces of one tensor cut apart along a coordinate axis and joined again by ``node`` after different ops
     (``cat([h[..., :8] * 2, h[..., 8:]])``, rotary on some heads only) hold coordinates that no permutation may
     mix: a unit moved into the other piece would meet the other ops. Each op that treats a whole piece alike (a
-    scalar factor) is equivariant there, so nothing else tells the pieces apart. Pieces computed by the same ops
-    from their cuts are left alone."""
+    scalar factor) is equivariant there, so nothing else tells the pieces apart. The ops may also come before the
+    cuts (``cat([(h * 2)[..., :8], h[..., 8:]])``, a token shift of some units only): the cuts then read different
+    tensors carrying the same coordinates. Pieces computed by the same ops from their cuts are left alone; pieces
+    of unrelated coordinates never share a class, so keeping them apart costs nothing."""
     pieces = moved_operands(node)
     dim = schema_arg(node, "dim")
     values = [w.value(p) for p in pieces]
@@ -266,9 +268,8 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
         return
     dim %= len(values[0].shape)
     memo, numbers = {}, {}
-    shapes = [_piece_shape(w, p, memo, numbers) for p in pieces]
-    if len({s[0] for s in shapes}) == 1 or not frozenset.intersection(*(s[1] for s in shapes)):
-        return  # the same ops on every piece, or pieces that are not cut from one tensor
+    if len({_piece_shape(w, p, memo, numbers) for p in pieces}) == 1:
+        return  # the same ops on every piece
     w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans if dim in chan_axes(c)
                                     for t in c.terms] or [torch.zeros(0, dtype=torch.int64)]) for v in values],
                         node.name)
@@ -313,36 +314,29 @@ def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
 
 
-def _piece_shape(w, node: fx.Node, memo: dict, numbers: dict, depth: int = 0) -> tuple[int, frozenset]:
-    """(structure, cut sources): a number for the ops that compute ``node`` back to the cuts it reads, with their
-    constant arguments and every other input by name, the bounds of each cut left out (equal numbers, equal
+def _piece_shape(w, node: fx.Node, memo: dict, numbers: dict, depth: int = 0) -> int:
+    """A number for the ops that compute ``node`` back to the cuts it reads, with their constant arguments, every
+    other input by name and the tensor each cut reads, the bounds of each cut left out (equal numbers, equal
     computations: each distinct structure is numbered once in ``numbers``, and each node visited once in
-    ``memo``, so shared inputs cost nothing twice); and the names of the tensors cut."""
+    ``memo``, so shared inputs cost nothing twice)."""
     if node in memo:
         return memo[node]
     base = node.args[0] if node.target is operator.getitem else None
     target = base if isinstance(base, fx.Node) else node
     spec = w.spec(target) if target.op == "call_function" else None
     if depth > _PIECE_DEPTH:
-        structure, sources = ("deep", node.name), frozenset()
+        structure = ("deep", node.name)
     elif getattr(spec, "cuts", False) and isinstance(target.args[0], fx.Node):
-        structure, sources = ("cut", target.args[0].name), frozenset({target.args[0].name})
+        structure = ("cut", target.args[0].name)
     elif node.op != "call_function":
-        structure, sources = ("leaf", node.name), frozenset()
+        structure = ("leaf", node.name)
     else:
-        found: list[frozenset] = []
-
         def number(a):
-            if isinstance(a, fx.Node):
-                sid, cut = _piece_shape(w, a, memo, numbers, depth + 1)
-                found.append(cut)
-                return ("node", sid)
-            return a
+            return ("node", _piece_shape(w, a, memo, numbers, depth + 1)) if isinstance(a, fx.Node) else a
 
         structure = (str(node.target), repr(fx.node.map_aggregate(node.args, number)),
                      repr(fx.node.map_aggregate(node.kwargs, number)))
-        sources = frozenset().union(*found)
-    memo[node] = (numbers.setdefault(structure, len(numbers)), sources)
+    memo[node] = numbers.setdefault(structure, len(numbers))
     return memo[node]
 
 
