@@ -56,3 +56,26 @@ def test_units_cut_from_one_tensor_and_joined_alike_keep_one_permutation():
     subject = halves_subject(lambda h: h)
     assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class MaskedShift(nn.Module):
+    """``Linear -> ReLU -> shift(h) * m + h * (1 - m) -> Linear`` with a fixed 0/1 vector ``m`` over the units: the
+    first ``shifted`` units read the previous token, the rest their own (a token shift of some units, by mask)."""
+
+    def __init__(self, shifted: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+        self.register_buffer("mask", (torch.arange(H) < shifted).double())
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(shift(h) * self.mask + h * (1 - self.mask))
+
+
+def test_units_mixed_from_shifted_and_unshifted_values_keep_to_their_mask():
+    """The terms of the sum were added up coordinate by coordinate, ``m + (1 - m) = 1`` for every unit, as if both
+    read one tensor: one permutation of all 12 units moved shifted units among unshifted ones (relative change
+    0.4-1.0). Each term's map now has to commute on its own, so units keep to the ones masked alike."""
+    subject = symgraph.load(noisy(MaskedShift(6)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {"ffn permutation/positive 6x2": 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)

@@ -57,13 +57,16 @@ def resolve(walker, chan: Chan, node: str) -> Chan:
 
 
 def _sparse_entries(cols, coef_rows, samples) -> dict[tuple[int, int], np.ndarray]:
-    """The maps M_t as {(row, col): values over the sampled positions t}; never an n x n array."""
+    """Each term's maps M_t as {(row, col): values over the sampled positions t, term after term}; never an n x n
+    array. The terms are not summed: they may read different tensors of one space (``x * m + shift(x) * (1 - m)``,
+    a token shift of some coordinates), so a transformation must commute with each term's map on its own."""
     entries: dict[tuple[int, int], np.ndarray] = {}
-    for col, coef in zip(cols, coef_rows):
+    n = len(samples)
+    for k, (col, coef) in enumerate(zip(cols, coef_rows)):
         values = coef[samples]  # (S, P)
         for p in np.nonzero(col >= 0)[0]:
             key = (int(p), int(col[p]))
-            entries[key] = entries.get(key, 0.0) + values[:, p]
+            entries.setdefault(key, np.zeros(n * len(cols)))[k * n:(k + 1) * n] += values[:, p]
     return {k: v for k, v in entries.items() if np.any(np.abs(v) > 0)}
 
 
@@ -92,17 +95,17 @@ def _commutant(walker, entries: dict, order: np.ndarray, node: str) -> None:
     zero = np.zeros(n_samples)
     pairs, freq, passthrough, pinned = [], [], [], []
     signatures: dict[tuple, int] = {}
-    # coordinates by the map they see: a pair by its rotations, a pass-through coordinate by its fixed scale
+    # coordinates by the maps they see: a pair by its rotations, a pass-through coordinate by its scales
     seeing: dict[tuple, list[int]] = defaultdict(list)
     for members in members_of.values():
         block = np.stack([np.stack([entries.get((i, j), zero) for j in members], -1) for i in members], -2)
-        if len(members) == 1:
+        if len(members) == 1:  # scaled by one number per position and term: mixes with those scaled alike
             diag = block[:, 0, 0]
-            if np.allclose(diag, diag[0]) and abs(diag[0]) > 0:
+            if np.any(np.abs(diag) > 0):
                 passthrough.append(order[members[0]])
-                seeing[("scale", float(np.round(diag[0], 12)))].append(order[members[0]])
+                seeing[("scale", tuple(np.round(diag, 12)))].append(order[members[0]])
             else:
-                pinned.extend(order[members])  # a per-position diagonal scale: only diagonal T commutes
+                pinned.extend(order[members])
             continue
         if len(members) == 2 and _is_rotation_family(block):
             key = tuple(np.round(block.reshape(len(block), -1), 9).ravel())
@@ -113,10 +116,10 @@ def _commutant(walker, entries: dict, order: np.ndarray, node: str) -> None:
         pinned.extend(order[members])
     if pinned:
         walker.c.pin(np.array(pinned), "mixed with data-dependent coefficients in a way no rule covers", node)
-    scales = [(key[1], ids) for key, ids in seeing.items() if key[0] == "scale"]
+    scales = [ids for key, ids in seeing.items() if key[0] == "scale"]
     if len(scales) > 1:  # x * c, c fixed and differing per coordinate (a buffer, arange): only those scaled alike mix
-        for scale, ids in scales:
-            walker.c.passes_through(np.array(ids, dtype=np.int64), f"{node} (scaled by {scale:g})")
+        for k, ids in enumerate(scales):
+            walker.c.passes_through(np.array(ids, dtype=np.int64), f"{node} (scales {k})")
     if len(seeing) > 1:  # and only heads that see the same maps trade places (rotary frequencies per head)
         walker.c.separate_pieces([np.array(ids, dtype=np.int64) for ids in seeing.values()], node)
     if pairs or passthrough:
