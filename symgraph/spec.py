@@ -67,6 +67,7 @@ class NormSpec(_Frozen):
 class MovementSpec(_Equivariant):
     rule: Literal["movement"]
     concatenates: bool = False  # pieces joined along `dim`: pieces carrying the same coordinates are tied
+    stacks: bool = False  # pieces joined along a new axis `dim`, each one position wide there (stack)
     broadcasts: bool = False  # repeats the input along axes where it has size 1 (expand): values constant there
     cuts: bool = False  # keeps part of the input along `dim` (slice, select, split): checked at other input shapes
     regroups: bool = False  # may split an axis into rows of positions (reshape, unfold): checked at other shapes

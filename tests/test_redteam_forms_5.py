@@ -79,3 +79,85 @@ def test_units_mixed_from_shifted_and_unshifted_values_keep_to_their_mask():
     subject = symgraph.load(noisy(MaskedShift(6)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
     assert census(subject) == {"ffn permutation/positive 6x2": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Treated(nn.Module):
+    """``up -> treat -> Linear``."""
+
+    def __init__(self, up: nn.Module, treat):
+        super().__init__()
+        self.up, self.treat, self.down = up, treat, nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.down(self.treat(self.up(x)))
+
+
+@pytest.mark.parametrize("treat", [lambda h: torch.cat([h[..., :1] * 2, h[..., 1:]], -1),
+                                   lambda h: torch.cat([(h * 2)[..., 0, None], h[..., 1:]], -1),
+                                   lambda h: torch.cat([h[..., :-1], shift(h)[..., -1:]], -1)],
+                         ids=["first doubled", "first picked and doubled", "last shifted"])
+def test_a_unit_treated_alone_is_not_permuted_with_the_rest(treat):
+    """A piece one unit wide has no channel varying along the joined axis, so it was left out of the pieces kept
+    apart, and one permutation moved the treated unit among the others (relative change 0.3-0.9)."""
+    model = noisy(nn.Sequential(nn.Linear(D, H), nn.ReLU())).double()
+    subject = symgraph.load(noisy(Treated(model, treat)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {"ffn permutation/positive 1x1": 1, "ffn permutation/positive 11x1": 1}, \
+        census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class HeadShifted(nn.Module):
+    """Three heads of causal attention; with ``shift_first``, the first head's keys are those of the previous
+    token (a token shift of one head, joined to the other heads' keys along the head axis)."""
+
+    def __init__(self, shift_first: bool):
+        super().__init__()
+        self.shift_first = shift_first
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+
+    def heads(self, t):
+        return t.unflatten(-1, (3, 4)).transpose(1, 2)
+
+    def forward(self, x):
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        if self.shift_first:
+            k = torch.cat([shift(k[:, :1]), k[:, 1:]], 1)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def test_a_head_treated_alone_is_not_permuted_with_the_others():
+    """The one-head piece was left out likewise: a head permutation moved the shifted keys to another head's
+    queries (relative change 0.5-0.6)."""
+    subject = symgraph.load(noisy(HeadShifted(True)).double(), (torch.randn(2, 5, H, dtype=torch.float64),))
+    assert not [g for g in subject.report.groups if g.motif == "heads"], census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_heads_treated_alike_keep_their_permutation():
+    subject = symgraph.load(noisy(HeadShifted(False)).double(), (torch.randn(2, 5, H, dtype=torch.float64),))
+    assert census(subject).get("heads permutation 3x1") == 1, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+STACKED = {"interleaved": lambda h: torch.stack([h[..., :6] * 2, h[..., 6:]], -1).flatten(-2),
+           "shifted, side by side": lambda h: torch.stack([shift(h)[..., :6], h[..., 6:]], -2).flatten(-2)}
+
+
+@pytest.mark.parametrize("treat", STACKED.values(), ids=STACKED.keys())
+def test_units_stacked_after_other_ops_are_not_permuted_with_the_rest(treat):
+    """torch.stack joins pieces as cat does, each one position wide along the new axis; it kept no pieces apart,
+    so one permutation of all 12 units moved doubled or shifted units among the others (relative change
+    0.4-1.0)."""
+    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()), treat)).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert max((g.size for g in subject.report.groups), default=0) <= 6, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_units_stacked_alike_keep_one_permutation():
+    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()),
+                                          lambda h: torch.stack([h[..., :6], h[..., 6:]], -1).flatten(-2))).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+

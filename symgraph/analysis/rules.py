@@ -46,8 +46,10 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         joined = _cat_along_data_axis(w, node)
         if joined is not None:
             return joined
-        _separate_unlike_pieces(w, node)
+        _separate_unlike_pieces(w, node, spec)
         _pin_beside_bare_pieces(w, node)
+    if spec.stacks:
+        _separate_unlike_pieces(w, node, spec)
     tensors = [w.value(a) for a in moved_operands(node)]
     slots = _channel_slots(tensors, len(_node_shape(node) or ()))
     n_chans = max(len(order) for order in slots.values())
@@ -253,7 +255,7 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     return Value(chans=chans, shape=out_shape)
 
 
-def _separate_unlike_pieces(w, node: fx.Node) -> None:
+def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     """Pieces of one tensor cut apart along a coordinate axis and joined again by ``node`` after different ops
     (``cat([h[..., :8] * 2, h[..., 8:]])``, rotary on some heads only) hold coordinates that no permutation may
     mix: a unit moved into the other piece would meet the other ops. Each op that treats a whole piece alike (a
@@ -270,9 +272,11 @@ def _separate_unlike_pieces(w, node: fx.Node) -> None:
     memo, numbers = {}, {}
     if len({_piece_shape(w, p, memo, numbers) for p in pieces}) == 1:
         return  # the same ops on every piece
-    w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans if dim in chan_axes(c)
-                                    for t in c.terms] or [torch.zeros(0, dtype=torch.int64)]) for v in values],
-                        node.name)
+    # a piece one position wide along ``dim`` (a single unit, a single head, any stacked piece) carries its
+    # coordinates there too, though no channel varies along an axis of size 1
+    w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans
+                                    if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
+                                   or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name)
 
 
 def _pin_beside_bare_pieces(w, node: fx.Node) -> None:
