@@ -29,7 +29,8 @@ from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, d
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets
 from .selections import selections_of
-from .writes import Write, aliases_input, mutated_argument, plan_write, shifted, why_write_moves, written
+from .writes import (Write, aliases_input, mutated_argument, pieces, plan_write, shifted, why_write_moves,
+                     written)
 
 
 class Walker:
@@ -204,6 +205,7 @@ class Walker:
         if updated is None:
             self._unsafe_write(node, [value])
             return
+        self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
         writes = self._writes.setdefault(write.base, [])
         writes.append((node, write))
         self._pin_shifted(writes, base)

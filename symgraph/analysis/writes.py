@@ -117,6 +117,15 @@ class _Placing:
         return frozenset().union(*(labelled_axes(self.labels(old, new, k, "ids")) for k in range(len(chan.terms))))
 
 
+def pieces(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> list[torch.Tensor]:
+    """The ids a write puts at ``positions`` and those the base keeps elsewhere: pieces that other ops computed
+    (``z[..., :6] = shift(z)[..., :6]``, ``z.narrow(-1, 0, 6).mul_(2)``), kept apart as a concatenation's are."""
+    kept = ~_mask(base_shape, positions).reshape(-1)
+    old = [t.ids.expand(tuple(base_shape)).reshape(-1)[kept] for c in base.chans for t in c.terms]
+    new = [t.ids.reshape(-1) for c in wrote.chans for t in c.terms]
+    return [torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64) for ids in (new, old)]
+
+
 def shifted(base: Value, base_shape, positions: torch.Tensor) -> list[Chan]:
     """The channels of ``base`` that vary, where a write at ``positions`` leaves them, along an axis the write cuts
     (a cloned table whose first ``n`` rows activations overwrite): which of their labels survive depends on where
