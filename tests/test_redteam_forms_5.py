@@ -196,3 +196,36 @@ def test_a_token_overwritten_in_place_keeps_the_permutation_of_all_units():
                             (torch.randn(2, 5, D, dtype=torch.float64),))
     assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Depthwise(nn.Module):
+    """``Linear -> ReLU -> depthwise conv along tokens -> Linear``; ``kernel``: "own" (the conv's weight), "shared"
+    (its first row expanded to every channel) or "buffer" (a fixed kernel)."""
+
+    def __init__(self, kernel: str):
+        super().__init__()
+        self.kernel = kernel
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+        self.conv = nn.Conv1d(H, H, 3, padding=1, groups=H)
+        self.register_buffer("fixed", torch.randn(H, 1, 3))
+
+    def forward(self, x):
+        weight = {"own": self.conv.weight, "shared": self.conv.weight[:1].expand(H, 1, 3),
+                  "buffer": self.fixed}[self.kernel]
+        h = torch.relu(self.a(x)).transpose(1, 2)
+        return self.b(F.conv1d(h, weight, self.conv.bias, padding=1, groups=H).transpose(1, 2))
+
+
+@pytest.mark.parametrize("kernel", ["shared", "buffer"])
+def test_a_depthwise_kernel_without_rows_of_its_own_pins_its_channels(kernel):
+    """A depthwise kernel with no channel along its rows crashed the conv rule (``'NoneType' object has no
+    attribute 'reshape'``); its channels now pin, with the kernel."""
+    subject = symgraph.load(noisy(Depthwise(kernel)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert not subject.report.groups, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_depthwise_kernel_of_its_own_keeps_the_units():
+    subject = symgraph.load(noisy(Depthwise("own")).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)

@@ -1048,6 +1048,11 @@ def _grouped_conv(w, node, x: Value, weight: Value, groups: int, out_shape) -> V
         if not inputs:
             w.c.pin(rows, "depthwise kernel applied to input data", node.name)
             return Value(shape=out_shape)
+        if rows is None:  # a kernel of data, or one parameter row expanded to every channel: stays when they move
+            for ids in [*inputs, *(c.ids for c in weight.chans)]:
+                w.c.pin(ids, "depthwise kernel with no rows that move with the channels (data, or one shared row)",
+                        node.name)
+            return Value(shape=out_shape)
         kernel = replace(Chan.clean(rows.reshape(view).expand(out_shape)), weight=True)
         w.c.permute_only.append(_ids_of(kernel))
         chans = [_product_output(w, node, Chan.clean(ids.reshape(view).expand(out_shape)), kernel,
