@@ -92,6 +92,11 @@ class Treated(nn.Module):
         return self.down(self.treat(self.up(x)))
 
 
+def treated_subject(treat):
+    return symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()), treat)).double(),
+                         (torch.randn(2, 5, D, dtype=torch.float64),))
+
+
 @pytest.mark.parametrize("treat", [lambda h: torch.cat([h[..., :1] * 2, h[..., 1:]], -1),
                                    lambda h: torch.cat([(h * 2)[..., 0, None], h[..., 1:]], -1),
                                    lambda h: torch.cat([h[..., :-1], shift(h)[..., -1:]], -1)],
@@ -99,8 +104,7 @@ class Treated(nn.Module):
 def test_a_unit_treated_alone_is_not_permuted_with_the_rest(treat):
     """A piece one unit wide has no channel varying along the joined axis, so it was left out of the pieces kept
     apart, and one permutation moved the treated unit among the others (relative change 0.3-0.9)."""
-    model = noisy(nn.Sequential(nn.Linear(D, H), nn.ReLU())).double()
-    subject = symgraph.load(noisy(Treated(model, treat)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    subject = treated_subject(treat)
     assert census(subject) == {"ffn permutation/positive 1x1": 1, "ffn permutation/positive 11x1": 1}, \
         census(subject)
     assert_fuzzed_at_two_shapes(subject)
@@ -148,16 +152,13 @@ def test_units_stacked_after_other_ops_are_not_permuted_with_the_rest(treat):
     """torch.stack joins pieces as cat does, each one position wide along the new axis; it kept no pieces apart,
     so one permutation of all 12 units moved doubled or shifted units among the others (relative change
     0.4-1.0)."""
-    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()), treat)).double(),
-                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    subject = treated_subject(treat)
     assert max((g.size for g in subject.report.groups), default=0) <= 6, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 
 def test_units_stacked_alike_keep_one_permutation():
-    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()),
-                                          lambda h: torch.stack([h[..., :6], h[..., 6:]], -1).flatten(-2))).double(),
-                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    subject = treated_subject(lambda h: torch.stack([h[..., :6], h[..., 6:]], -1).flatten(-2))
     assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
@@ -184,16 +185,13 @@ def test_units_overwritten_in_place_are_not_permuted_with_the_rest(treat):
     """An in-place write into some units of a tensor joins the written piece to the rest as a cat does, but kept
     no pieces apart: one permutation of all 12 units moved written units among the others (relative change
     0.3-1.0)."""
-    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()), treat)).double(),
-                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    subject = treated_subject(treat)
     assert max((g.size for g in subject.report.groups), default=0) <= 6, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 
 def test_a_token_overwritten_in_place_keeps_the_permutation_of_all_units():
-    subject = symgraph.load(noisy(Treated(nn.Sequential(nn.Linear(D, H), nn.ReLU()),
-                                          lambda h: _write(h, (slice(None), 0), lambda z: 2 * z))).double(),
-                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    subject = treated_subject(lambda h: _write(h, (slice(None), 0), lambda z: 2 * z))
     assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
