@@ -269,8 +269,8 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     if len(pieces) < 2 or any(v is None or v.shape is None for v in values):
         return
     dim %= len(values[0].shape)
-    memo, numbers = {}, {}
-    if len({_piece_shape(w, p, memo, numbers) for p in pieces}) == 1:
+    structures = ({}, {})
+    if len({piece_structure(w, p, structures) for p in pieces}) == 1:
         return  # the same ops on every piece
     # a piece one position wide along ``dim`` (a single unit, a single head, any stacked piece) carries its
     # coordinates there too, though no channel varies along an axis of size 1
@@ -318,11 +318,12 @@ def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
 
 
-def _piece_shape(w, node: fx.Node, memo: dict, numbers: dict, depth: int = 0) -> int:
+def piece_structure(w, node: fx.Node, structures: tuple[dict, dict], depth: int = 0) -> int:
     """A number for the ops that compute ``node`` back to the cuts it reads, with their constant arguments, every
     other input by name and the tensor each cut reads, the bounds of each cut left out (equal numbers, equal
-    computations: each distinct structure is numbered once in ``numbers``, and each node visited once in
-    ``memo``, so shared inputs cost nothing twice)."""
+    computations). ``structures``: (memo, numbers): each node visited once in the memo, so shared inputs cost
+    nothing twice, and each distinct structure numbered once."""
+    memo, numbers = structures
     if node in memo:
         return memo[node]
     base = node.args[0] if node.target is operator.getitem else None
@@ -336,7 +337,7 @@ def _piece_shape(w, node: fx.Node, memo: dict, numbers: dict, depth: int = 0) ->
         structure = ("leaf", node.name)
     else:
         def number(a):
-            return ("node", _piece_shape(w, a, memo, numbers, depth + 1)) if isinstance(a, fx.Node) else a
+            return ("node", piece_structure(w, a, structures, depth + 1)) if isinstance(a, fx.Node) else a
 
         structure = (str(node.target), repr(fx.node.map_aggregate(node.args, number)),
                      repr(fx.node.map_aggregate(node.kwargs, number)))

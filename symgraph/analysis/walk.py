@@ -53,6 +53,9 @@ class Walker:
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
+        # fresh tensor -> the computations (rules.piece_structure) of what it holds so far, labelled pieces only
+        self._held: dict[fx.Node, set[int]] = {}
+        self._structures: tuple[dict, dict] = ({}, {})  # rules.piece_structure's memo, kept for the whole walk
         # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
         self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
 
@@ -205,12 +208,23 @@ class Walker:
         if updated is None:
             self._unsafe_write(node, [value])
             return
-        self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
+        self._separate_unlike_write(node, write, base, value)
         writes = self._writes.setdefault(write.base, [])
         writes.append((node, write))
         self._pin_shifted(writes, base)
         self.values[write.base.name] = updated
         self._last_write[write.base] = self._order[node]
+
+    def _separate_unlike_write(self, node: fx.Node, write: Write, base: Value, value: Value) -> None:
+        """Keep what ``node`` writes apart from what the base holds elsewhere when other ops computed it
+        (``z[..., :6] = shift(z)[..., :6]``), as a concatenation's pieces are; writes computed alike (heads
+        attended one by one into a buffer of zeros) stay together."""
+        held = self._held.setdefault(write.base, {rules.piece_structure(self, write.base, self._structures)}
+                                     if base.chans else set())
+        written = rules.piece_structure(self, node, self._structures)
+        if held - {written}:
+            self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
+        held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
         """Pin what the base keeps along an axis the last of ``writes`` (those into one tensor so far) cuts, unless
