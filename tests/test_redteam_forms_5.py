@@ -227,3 +227,28 @@ def test_a_depthwise_kernel_of_its_own_keeps_the_units():
     subject = symgraph.load(noisy(Depthwise("own")).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
     assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class JoinedStream(nn.Module):
+    """An embedding, ``y = x + mix(x)``, and a head reading ``y`` (``join``: coordinates 0-3 from ``x``, the rest
+    from ``y``)."""
+
+    def __init__(self, join: bool):
+        super().__init__()
+        self.join = join
+        self.emb, self.mix, self.head = nn.Embedding(11, D), nn.Linear(D, D), nn.Linear(D, 11)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        y = x + self.mix(x)
+        return self.head(torch.cat([x[..., :4], y[..., 4:]], -1) if self.join else y)
+
+
+@pytest.mark.parametrize("join, kinds", [(True, {"residual general_linear 4x2": 1}),
+                                         (False, {"residual general_linear 8x1": 1})])
+def test_a_stream_joined_from_before_and_after_a_block_keeps_the_pieces_apart(join, kinds):
+    """``x`` and ``x + mix(x)`` carry the same stream coordinates, cut from different tensors: one general linear
+    map of all 8 moved coordinates of ``x`` into ``y``'s piece (relative change 0.35)."""
+    subject = symgraph.load(noisy(JoinedStream(join)).double(), (torch.randint(0, 11, (2, 5)),))
+    assert census(subject) == kinds, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
