@@ -41,6 +41,7 @@ from symgraph.consensus import shared_float_names
 from symgraph.datasets import Dataset, evaluate, load_data
 from symgraph.demo import SHIPPED_PAIRS, shipped_pair
 from symgraph.files import write_text_atomic
+from symgraph.fold import pays_off
 from symgraph.learn import LearnOptions
 # examples/: the wide pairs are trained, not shipped
 from train_models import WIDE_CACHE, WIDE_PAIRS, WIDE_VERSION, wide_pair
@@ -158,10 +159,11 @@ def with_state(subject: symgraph.Subject, state: dict, name: str) -> symgraph.Su
 def aligned_and_merged(pair: Pair, **options) -> dict:
     """Align B to A with ``options`` (the API's ablations), then merge simply: distance and merged metrics.
 
-    ``merge`` has no ablation options, so the aligned B goes in as it is (``align="none"``)."""
+    ``merge`` has no ablation options, so the aligned B goes in as it is (``align="none"``), folded as an aligning
+    merge folds (an unaligned one averages the weights as stored)."""
     state = symgraph.align(pair.b, pair.a, **options).state
     merged = symgraph.merge([pair.a, with_state(pair.b, state, f"{pair.b.name} aligned")], method="simple",
-                            align="none", progress=False)
+                            align="none", fold=pays_off(pair.a), progress=False)
     return {"distance": distance_to_anchor(pair, state), **metrics_of(pair, merged.state)}
 
 

@@ -105,8 +105,9 @@ def fold(model, output, json_path, untie, overwrite):
 _FOLD_HELP = ("Fold the norms of the models first (see `symgraph fold`): the residual stream then aligns by an "
               "orthogonal map instead of a permutation.")
 _FOLD_OPTION = click.option("--fold/--no-fold", default=None,
-                            help=f"{_FOLD_HELP} Default: fold whenever the norms can be folded (measured barriers "
-                                 f"fell on the shipped pairs: examples/results/fold.json).")
+                            help=f"{_FOLD_HELP} Default: fold whenever the norms can be folded (merge: when it "
+                                 f"aligns; unaligned, it averages the weights as stored) (measured barriers fell on "
+                                 f"the shipped pairs: examples/results/fold.json).")
 _UNTIE_OPTION = click.option("--untie/--no-untie", default=None,
                              help="Where folding, give tied weights (an embedding that is also the LM head) tensors "
                                   "of their own first, so the final norm folds into the head (see `symgraph fold "

@@ -906,27 +906,51 @@ def _check_weights(folder: Path, weights: Path) -> None:
         files = [folder / s for s in shards]
     else:
         files = [weights]
+    shard_of: dict[str, Path] = {}
     for file in files:
         if file.suffix == ".safetensors":
-            _check_safetensors(file)
+            for name in _check_safetensors(file):
+                if name in shard_of:
+                    _check_same_copies(name, shard_of[name], file)
+                shard_of[name] = file
         elif file.suffix == ".bin" and file.stat().st_size == 0:
             raise ModelLoadError(
                 f"Weights file '{file}' is empty.", hint="re-download or re-save the checkpoint."
             )
 
 
-def _check_safetensors(file: Path) -> None:
+def _check_safetensors(file: Path) -> list[str]:
+    """The tensor names in ``file``'s header, or a clear error when the header cannot be read."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(file), framework="pt") as handle:
-            handle.keys()
+            return list(handle.keys())
     except Exception as exc:  # SafetensorError (header), OSError (unreadable)
         raise ModelLoadError(
             f"Weights file '{file}' is corrupt or truncated: {_first_line(exc)}",
             hint="the file is probably an incomplete download or a failed write: re-download or re-save it "
             "(check its size against the original).",
         ) from exc
+
+
+def _check_same_copies(name: str, first: Path, second: Path) -> None:
+    """A tensor stored in two shards must hold the same values in both: transformers loads the later shard's
+    copy whatever the index says, so two different copies leave no way to tell which one the model is."""
+    from safetensors import safe_open
+
+    copies = []
+    for file in (first, second):
+        with safe_open(str(file), framework="pt") as handle:
+            copies.append(handle.get_tensor(name))
+    a, b = copies
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+        raise ModelLoadError(
+            f"Tensor '{name}' is stored in two shards with different values: '{first.name}' and '{second.name}' "
+            f"(in '{first.parent}').",
+            hint="a damaged or hand-edited checkpoint: keep the copy the model should have in one shard only "
+            "(the one its model.safetensors.index.json names), or re-save the model with save_pretrained.",
+        )
 
 
 def _weight_files(folder: Path, weights: Path) -> list[Path]:

@@ -168,7 +168,8 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     fold
         Fold every model first (:func:`symgraph.fold`): alignment then uses the orthogonal residual group, and
         the merge averages folded weights (norm weights folded into the linears that read them). ``None``: where
-        it pays off (:func:`symgraph.fold.pays_off`); the models' names then end in "(folded)". Models whose
+        it pays off (:func:`symgraph.fold.pays_off`) and ``align`` is not "none" (unaligned, the weights are averaged
+        as stored); the models' names then end in "(folded)". Models whose
         norms cannot be folded after all are merged unfolded, and ``result.fold_note`` says why.
     untie
         Where folding, give tied weights tensors of their own first (:func:`symgraph.fold.untied`), so a final norm
@@ -247,8 +248,12 @@ def merge(models: Sequence[Any], *, method: str = "simple", align: str = "full",
     # synthetic data serves learning alone (checked in _check_options): statistics and frames go without data
     datasets = _datasets_for(data, subjects, batch_size, limit, split) if data is not None and not is_synthetic(
         data) else []
-    # without alignment the untied head's larger group serves nothing, and a merge of tied fine-tunes keeps its size
-    untie = False if untie is None and align == "none" else untie
+    # without alignment a fold's larger groups serve nothing and it would change what is averaged (W diag(g), not W
+    # and g apart): an unaligned merge averages the weights as stored, as merge_streamed does; a merge of tied
+    # fine-tunes keeps its size
+    if align == "none":
+        fold = False if fold is None else fold
+        untie = False if untie is None else untie
     subjects, fold_note = _folded(subjects, fold, exclude, groups=align != "none", untie=untie)  # after the data
     clock.lap("load")
     order = merge_order(subjects, w, exclude)

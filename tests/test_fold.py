@@ -208,9 +208,10 @@ def test_cli_align_fold_recovers_a_transformed_folded_model(tmp_path):
     assert any(v["kind"] == "orthogonal" and k.startswith("residual") for k, v in stats["groups"].items())
 
 
-def test_merge_folds_by_default_and_keeps_the_first_models_function():
+def test_an_aligning_merge_folds_by_default_and_keeps_the_first_models_function():
     a, b = (symgraph.load(zoo.build("llama", seed=s)) for s in (0, 1))
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)  # default: fold
+    result = symgraph.merge([a, b], weights=[1, 0], align="permutation", frame="reference",  # default: fold
+                            progress=False)
     assert all(name.endswith("(folded)") for name in result.models)
     assert torch.equal(result.state["model.norm.weight"], torch.ones_like(result.state["model.norm.weight"]))
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok  # weight 1 on A: A's function
@@ -356,7 +357,8 @@ def test_default_fold_falls_back_on_a_model_whose_norms_cannot_be_folded():
     aligns unfolded, saying why, while fold=True still refuses (ties kept: untied, the default, it folds)."""
     a, b = (symgraph.load(_xlmr_xl(s)) for s in (0, 1))
     assert pays_off(a, untie=False)
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False, untie=False)
+    result = symgraph.merge([a, b], weights=[1, 0], align="permutation", frame="reference", progress=False,
+                            untie=False)
     assert not any(name.endswith("(folded)") for name in result.models)
     assert "norms not folded" in result.fold_note and "tied" in result.fold_note
     assert result.to_json()["fold_note"] == result.fold_note
@@ -374,8 +376,9 @@ def test_cli_merge_says_why_it_did_not_fold(tmp_path):
     """The fallback reaches the CLI: merge writes the unfolded merge, prints why and puts the note in --json."""
     for seed, name in ((0, "a"), (1, "b")):
         _xlmr_xl(seed).save_pretrained(tmp_path / name)
-    code, stdout, stderr = run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--align", "none",
-                               "--json", tmp_path / "merge.json", "--no-untie")
+    code, stdout, stderr = run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out", "--align",
+                               "permutation", "--frame", "reference", "--json", tmp_path / "merge.json", "--no-untie",
+                               "--no-progress")
     assert code == 0, stderr
     assert "norms not folded" in stdout and "tied" in stdout
     assert "norms not folded" in json.loads((tmp_path / "merge.json").read_text())["fold_note"]
@@ -423,7 +426,7 @@ def _refused_and_merged_unfolded(a, b, reason: str) -> None:
     1, 0 is unfolded, says why, and computes what ``a`` computes."""
     with pytest.raises(FoldError, match=reason):
         fold(a)
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)
+    result = symgraph.merge([a, b], weights=[1, 0], align="permutation", frame="reference", progress=False)
     assert "norms not folded" in result.fold_note and re.search(reason, result.fold_note)
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok
 
@@ -471,7 +474,7 @@ def test_a_fold_failing_its_own_check_falls_back_unless_asked(monkeypatch):
     monkeypatch.setattr(fold_module, "_centred", lambda state, targets: {
         name: value + 0.1 * torch.randn(value.shape, generator=generator)
         for name, value in centred(state, targets).items()})
-    result = symgraph.merge([a, b], weights=[1, 0], align="none", progress=False)
+    result = symgraph.merge([a, b], weights=[1, 0], align="permutation", frame="reference", progress=False)
     assert "norms not folded" in result.fold_note and "differs from" in result.fold_note
     assert Evaluator(a.model, a.args, a.kwargs).check(result.state).ok
     with pytest.raises(InvarianceError, match="folded model differs"):
@@ -715,9 +718,9 @@ def test_cli_merge_unties_and_folds_tied_models_by_default_and_writes_an_untied_
     assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
     kept = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
     assert kept.config.tie_word_embeddings is True and kept.lm_head.weight is kept.transformer.wte.weight
-    # without alignment nothing gains from untying: a soup of tied models keeps its ties unless asked
+    # without alignment nothing gains from untying or folding: a soup of tied models keeps its ties and norms
     code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "soup", "--align", "none")
-    assert code == 0 and "norms not folded" in stdout and "--untie" in stdout, stderr
+    assert code == 0 and "folded" not in stdout and "untied" not in stdout, stderr
     soup = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "soup")
     assert soup.config.tie_word_embeddings is True
     code, stdout, stderr = run("merge", a, b, "-o", tmp_path / "out", "--align", "permutation")
@@ -1102,3 +1105,35 @@ def test_dbrx_experts_stacked_in_rows_absorb_the_norm_and_centre_the_stream():
     assert [(g.kind, g.fixes_ones) for g in folded.report.groups if g.motif == "residual"] == [("orthogonal", True)]
     checked = fuzz(folded, samples=4)
     assert checked.ok and len(set(checked.shapes)) >= 2
+
+
+def test_an_unaligned_merge_averages_the_weights_as_stored_as_the_streamed_merge_does(tmp_path):
+    """Without alignment a fold's larger group serves nothing and would change what is averaged (W diag(g), not W
+    and g apart): merge --align none leaves the norms in place, equal to --stream's plain average; --fold still
+    folds when asked."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+        model.save_pretrained(tmp_path / f"m{seed}")
+        folders.append(tmp_path / f"m{seed}")
+    for out, extra in (("soup", []), ("streamed", ["--stream"]), ("folded", ["--fold"])):
+        code, stdout, stderr = run("merge", *folders, "-o", tmp_path / out, "--align", "none", "--no-progress", *extra)
+        assert code == 0, stderr
+        assert ("folded" in stdout) == (out == "folded"), stdout
+    a, b, soup, streamed, folded = (load_file(f / "model.safetensors") for f in (
+        *folders, tmp_path / "soup", tmp_path / "streamed", tmp_path / "folded"))
+    for name in a:
+        torch.testing.assert_close(soup[name], (a[name] + b[name]) / 2, rtol=0, atol=1e-6)
+        torch.testing.assert_close(soup[name], streamed[name], rtol=0, atol=1e-6)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(soup[norm], torch.ones_like(soup[norm])) and torch.all(folded[norm] == 1)

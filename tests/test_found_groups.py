@@ -146,8 +146,10 @@ class Ties(nn.Module):
 
 @pytest.mark.parametrize("choose", [lambda h: h.argmax(-1), lambda h: h.topk(1, -1).indices[..., 0],
                                     lambda h: torch.clamp(h + 0.2, max=0.5).argmax(-1),
-                                    lambda h: (h > 0.1).to(h.dtype).argmax(-1)],
-                         ids=["argmax", "topk", "clamped", "mask"])
+                                    lambda h: (h > 0.1).to(h.dtype).argmax(-1),
+                                    lambda h: F.threshold(h, 0.3, 0.2).argmax(-1),
+                                    lambda h: F.hardshrink(h - 0.2, 0.3).argmax(-1)],
+                         ids=["argmax", "topk", "clamped", "mask", "threshold", "hardshrink"])
 def test_a_choice_among_values_that_tie_keeps_the_units_in_place(choose):
     """argmax of all-zero units picks the first: after a permutation another unit is first (a ReLU's or a clamp's
     flat part, or a mask's two values, make equal values likely; the analysis followed top-k through them)."""

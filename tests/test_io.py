@@ -379,6 +379,26 @@ def test_error_missing_shard(bert_dir, tmp_path):
     assert victim.name in msg and "missing" in msg
 
 
+def test_a_tensor_in_two_shards_must_hold_one_value(bert_dir, tmp_path):
+    """transformers loads a duplicated tensor from the later shard whatever the index names: two different copies
+    leave the model undefined, so loading and streaming refuse them, naming both shards; equal copies load."""
+    from symgraph.lazy_state import LazyState
+
+    shard_dir = tmp_path / "sharded"
+    sio.load_model(bert_dir).model.save_pretrained(shard_dir, max_shard_size="20KB")
+    first, *_, last = sorted(shard_dir.glob("model-*-of-*.safetensors"))
+    name, value = next(iter(safetensors.torch.load_file(first).items()))
+    tensors = safetensors.torch.load_file(last)
+    safetensors.torch.save_file({**tensors, name: value.clone()}, last, metadata={"format": "pt"})
+    assert len(LazyState(shard_dir)) == len(sio.load_model(shard_dir).model.state_dict())  # equal copies: fine
+
+    safetensors.torch.save_file({**tensors, name: value + 1}, last, metadata={"format": "pt"})
+    msg = load_error(shard_dir)
+    assert name in msg and first.name in msg and last.name in msg and "different values" in msg
+    with pytest.raises(ModelLoadError, match="two shards with different values"):
+        LazyState(shard_dir)
+
+
 def test_error_no_weights_says_config_only(bert_dir, tmp_path):
     folder = copy_without_weights(bert_dir, tmp_path / "noweights")
     msg = load_error(folder)

@@ -166,6 +166,10 @@ EXAMPLES = {
     "aten.hardtanh_.default": lambda h, m: A.hardtanh_.default(h.clone()),
     "aten.relu_.default": lambda h, m: A.relu_.default(h.clone()),
     "aten.log_sigmoid.default": lambda h, m: A.log_sigmoid.default(h),
+    "aten.rrelu.default": lambda h, m: A.rrelu.default(h, 0.1, 0.3, False),
+    "aten.threshold.default": lambda h, m: A.threshold.default(h, 0.1, 20.0),
+    "aten.hardshrink.default": lambda h, m: A.hardshrink.default(h, 0.3),
+    "aten.softshrink.default": lambda h, m: A.softshrink.default(h, 0.3),
     "aten.prelu.default": channels_first(lambda x, m: A.prelu.default(x, m.v2)),
     **{f"aten.{name}.default": (lambda op: lambda h, m: op(torch.exp(h)))(getattr(A, name).default)
        for name in ("log", "sqrt", "rsqrt", "reciprocal")},
