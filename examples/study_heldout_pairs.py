@@ -20,7 +20,9 @@ Second round, kinds none of the defaults was tuned on: ``mixtral-chars`` (Mixtra
 expert permutations between models trained apart), ``qwen2-chars`` (Qwen2: 4 query heads sharing 2 key/value
 heads, query/key/value biases), ``distilbert-topics`` (DistilBERT classifier: post-LayerNorm, so nothing folds, and
 a ReLU pre-classifier), ``gemma2-chars`` (Gemma 2: norms that scale by 1 + weight, a norm after each sublayer as well
-as before, attention and final logit soft-capping, scaled and tied embeddings).
+as before, attention and final logit soft-capping, scaled and tied embeddings), ``neox-chars`` (GPT-NeoX: one
+fused query/key/value projection with heads interleaved, parallel attention and MLP with a LayerNorm each, a quarter
+of each head rotary).
 """
 from __future__ import annotations
 
@@ -117,6 +119,15 @@ def _gemma2():
                                           tie_word_embeddings=True, **CHARS))
 
 
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                            num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True,
+                                            hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                                            **CHARS))
+
+
 # pair -> (builder, the training loop's family: data, steps, learning rate, batch)
 PAIRS = {
     "gpt2-chars": (_gpt2, train_models.Family("gpt2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
@@ -131,6 +142,7 @@ PAIRS = {
     "distilbert-topics": (_distilbert, train_models.Family("distilbert-topics", "pydoc-topics", steps=600, lr=1e-3,
                                                            batch=32, weight_decay=0.1)),
     "gemma2-chars": (_gemma2, train_models.Family("gemma2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "neox-chars": (_neox, train_models.Family("neox-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
 }
 for _name, (_build, _family) in PAIRS.items():  # the training loop finds a family's builder, batches and task
     train_models.BUILDERS[_name] = _build
