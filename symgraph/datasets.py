@@ -540,10 +540,22 @@ DATASETS = {"digits": _digits, "pydoc-chars": _pydoc_chars, "pydoc-topics": _pyd
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Tokenizer classes with no pipeline of their own: they run the folder's tokenizer.json as written.
+_GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def _auto_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
+    """The folder's tokenizer. Where its tokenizer_config.json names a generic class, that class: AutoTokenizer
+    replaces it by the model type's own class for some types (transformers' list of hubs with a wrong class:
+    qwen2, phi3, ...), which rebuilds its pre-tokenizer from the vocabulary and drops what the folder's
+    tokenizer.json does (a character tokenizer's spaces), so the data would not be the model's."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
+        config = folder / "tokenizer_config.json"
+        named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+        if named in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # a damaged or incomplete tokenizer file is bad input, not a bug
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -128,6 +128,25 @@ def test_txt_is_tokenised_with_the_shipped_char_tokenizer(tmp_path):
     assert batch.labels[0, 9:].tolist() == [-100] * 3  # padding is not predicted
 
 
+def test_a_generic_tokenizer_is_kept_for_a_model_type_transformers_reroutes(tmp_path):
+    """AutoTokenizer gives a qwen2 folder Qwen2Tokenizer whatever class its tokenizer_config.json names; built from
+    the vocabulary alone, it dropped the character tokenizer's spaces (a trained pair's test loss 3.84, not 1.34)."""
+    import shutil
+
+    from transformers import Qwen2Config
+
+    folder = tmp_path / "qwen2-chars"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODELS / "llama-chars-a" / name, folder / name)
+    Qwen2Config(vocab_size=len(char_vocabulary()), hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=8, num_hidden_layers=1, architectures=["Qwen2ForCausalLM"]).save_pretrained(folder)
+    file = tmp_path / "lines.txt"
+    file.write_text("a b  c\n")
+    vocab = char_vocabulary()
+    assert load_data(file, model=folder).batches[0].inputs["input_ids"][0].tolist() == [vocab[c] for c in "a b  c"]
+
+
 def test_labelled_txt_for_a_char_classifier(tmp_path):
     file = tmp_path / "lines.txt"
     file.write_text("expressions\tx + y\n0\tif x:\n")
