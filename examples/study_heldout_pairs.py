@@ -10,7 +10,7 @@ aligned to A, folded as ``barrier`` folds)::
     python examples/study_heldout_pairs.py --pairs gpt2-chars,vit4-digits --modes none,permutation,full
     python examples/study_heldout_pairs.py --pairs gpt2-chars,llama-mha-chars,phi-chars,vit4-digits \
         --out examples/results/heldout_pairs.json
-    python examples/study_heldout_pairs.py --pairs mixtral-chars,qwen2-chars,distilbert-topics,gemma2-chars \
+    python examples/study_heldout_pairs.py --pairs mixtral-chars,qwen2-chars,distilbert-topics,gemma2-chars,neox-chars \
         --out examples/results/heldout_pairs_2.json
 
 Pairs: ``gpt2-chars`` (GPT-2: pre-LayerNorm, learned positions, Conv1D, tied LM head), ``llama-mha-chars`` (LLaMA of
