@@ -249,6 +249,8 @@ class Contraction:
         if lost:
             self.w.c.pin(chan.ids, f"summed over axis '{''.join(sorted(lost))}' by a contraction", self.node)
             return None
+        if not chan.ids.numel():  # a zero-width operand (Linear(0, n)'s weight rows): no coordinate to carry on
+            return None
         ids = chan.ids
         index = tuple(slice(None) if l in out_letters else 0 for l in op.letters)
         ids = ids[index]
