@@ -44,7 +44,7 @@ class PlainSpec(_Equivariant):
 
     rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan",
                   "softmax", "embedding", "ignore", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
-                  "glu", "weight_norm"]
+                  "glu", "weight_norm", "lerp"]
 
 
 class TopkSpec(_Frozen):

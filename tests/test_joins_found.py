@@ -18,6 +18,53 @@ from test_found_groups import assert_holds, load
 D, H = 8, 12
 
 
+# --- lerp ---------------------------------------------------------------------------------------------------------
+class Lerp(nn.Module):
+    """Two ReLU layers joined by ``lerp`` with ``weight`` "scalar", "parameter" (one per unit), "buffer" (data
+    that differs per unit: a control) or "0-d" (a 0-d tensor)."""
+
+    def __init__(self, weight: str):
+        super().__init__()
+        self.weight = weight
+        self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(H, 3)
+        self.t = nn.Parameter(torch.rand(H))
+        self.register_buffer("fixed", torch.rand(H))
+
+    def forward(self, x):
+        t = {"scalar": 0.3, "parameter": self.t, "buffer": self.fixed, "0-d": self.fixed[0]}[self.weight]
+        return self.c(torch.lerp(torch.relu(self.a(x)), torch.relu(self.b(x)), t))
+
+
+@pytest.mark.parametrize("weight", ["scalar", "parameter", "0-d"])
+def test_lerp_joins_two_streams_that_permute_together(weight):
+    model, subject = load(Lerp(weight), torch.randn(2, 5, D))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+
+
+def test_lerp_by_a_fixed_weight_per_unit_pins_the_units():
+    _, subject = load(Lerp("buffer"), torch.randn(2, 5, D))
+    assert not subject.report.groups, census(subject)
+
+
+class LerpStream(nn.Module):
+    """An embedding stream and a linear layer of it joined by a scalar ``lerp``: the stream keeps GL(D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(20, D), nn.Linear(D, D), nn.Linear(D, 5)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        return self.head(torch.lerp(e, self.lin(e), 0.3))
+
+
+def test_a_scalar_lerp_keeps_the_streams_linear_maps():
+    model, subject = load(LerpStream(), torch.randint(0, 20, (2, 5)))
+    assert census(subject) == {"residual general_linear 8x1": 1}
+    assert_holds(model, subject, [(3, 7), (1, 2)])
+
+
 # --- a linear layer with no input features ----------------------------------------------------------------------
 class NoFeatures(nn.Module):
     """A ReLU layer, and a ``Linear(0, 3)`` (its bias alone) of an empty slice of it or of the input."""

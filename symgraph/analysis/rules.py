@@ -1165,10 +1165,23 @@ def rule_sub(w, node: fx.Node, spec) -> Value:
     a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
-    if isinstance(b, Value):  # head blocks only say which head is which: a sign does not mix them
-        b = Value(chans=[c if c.block else c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape,
-                  invariant=b.invariant)
-    return _add_values(w, node, a, b, residual=True)
+    return _add_values(w, node, a, _negated(b) if isinstance(b, Value) else b, residual=True)
+
+
+def _negated(v: Value) -> Value:
+    """``-v`` as an operand of a sum (its data is only read for where it varies and whether it is 0)."""
+    # head blocks only say which head is which: a sign does not mix them
+    return Value(chans=[c if c.block else c.scaled(-1.0) for c in v.chans], data=v.data, shape=v.shape,
+                 invariant=v.invariant)
+
+
+def rule_lerp(w, node: fx.Node, spec) -> Value:
+    """``lerp(a, b, t) = a + t (b - a)``, read as those three ops: a scalar ``t`` is a common factor, a weight
+    tensor multiplies as in ``mul`` (a parameter per coordinate moves with its coordinate)."""
+    args, shape = _schema_args(node), _shape_of(node)
+    a, b, t = (_as_value(_operand(w, args[k])) for k in ("self", "end", "weight"))
+    gap = _product(w, node, t, _add_values(w, node, b, _negated(a), residual=True, out_shape=shape), divide=False)
+    return _add_values(w, node, a, gap, residual=True, out_shape=shape)
 
 
 def _centred(w, node, x: Value) -> Value:
