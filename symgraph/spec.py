@@ -72,6 +72,9 @@ class MovementSpec(_Equivariant):
     cuts: bool = False  # keeps part of the input along `dim` (slice, select, split): checked at other input shapes
     regroups: bool = False  # may split an axis into rows of positions (reshape, unfold): checked at other shapes
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
+    # the axis a join without a `dim` argument joins along (hstack 1, vstack 0, dstack 2): cat along it for pieces
+    # with more axes than that; pieces with fewer are reshaped first, which the rule does not follow
+    along: int | None = None
 
     @field_validator("replay_as")
     @classmethod

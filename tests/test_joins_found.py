@@ -65,6 +65,43 @@ def test_a_scalar_lerp_keeps_the_streams_linear_maps():
     assert_holds(model, subject, [(3, 7), (1, 2)])
 
 
+# --- hstack, vstack, dstack, column_stack ---------------------------------------------------------------------
+class Stacked(nn.Module):
+    """Two ReLU layers joined by ``torch.<join>`` into one linear layer; "hstack 1-d" joins rows of one token."""
+
+    def __init__(self, join: str):
+        super().__init__()
+        self.join = join
+        self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(2 * H, 3)
+
+    def forward(self, x):
+        a, b = torch.relu(self.a(x)), torch.relu(self.b(x))
+        if self.join == "hstack 1-d":
+            return torch.stack([self.c(torch.hstack([p, q])) for p, q in zip(a.unbind(0), b.unbind(0))])
+        if self.join == "vstack":  # rows of one after rows of the other, the halves set side by side again
+            y = torch.vstack([a, b])
+            return self.c(torch.cat([y[:x.shape[0]], y[x.shape[0]:]], -1))
+        return self.c(getattr(torch, self.join)([a, b]))
+
+
+@pytest.mark.parametrize("join, shape", [("hstack", (5, D)), ("column_stack", (5, D)), ("dstack", (2, 5, D))])
+def test_pieces_joined_along_the_units_permute_apart(join, shape):
+    model, subject = load(Stacked(join), torch.randn(*shape))
+    assert census(subject) == {"ffn permutation/positive 12x1": 2}
+    assert_holds(model, subject, [(7, *shape[1:]), (1, *shape[1:])] if len(shape) == 2 else [(3, 7, D), (1, 2, D)])
+
+
+def test_pieces_joined_along_the_rows_permute_together():
+    model, subject = load(Stacked("vstack"), torch.randn(5, D))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}
+    assert_holds(model, subject, [(7, D), (1, D)])
+
+
+def test_one_axis_pieces_that_hstack_reshapes_first_pin():
+    _, subject = load(Stacked("hstack 1-d"), torch.randn(3, D))
+    assert not subject.report.groups, census(subject)
+
+
 # --- a linear layer with no input features ----------------------------------------------------------------------
 class NoFeatures(nn.Module):
     """A ReLU layer, and a ``Linear(0, 3)`` (its bias alone) of an empty slice of it or of the input."""
