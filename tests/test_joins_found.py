@@ -102,6 +102,57 @@ def test_one_axis_pieces_that_hstack_reshapes_first_pin():
     assert not subject.report.groups, census(subject)
 
 
+# --- a fixed permutation matrix ---------------------------------------------------------------------------------
+class Reordered(nn.Module):
+    """A ReLU layer times a constant matrix: ``form`` "eye" (``h @ eye``), "permutation" (a shuffled eye),
+    "linear" (``F.linear(h, permutation)``), "twice eye" (no permutation: a control) or "plus" (``h @ P + h``,
+    which ties each unit to another: a control)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.a, self.c = nn.Linear(D, H), nn.Linear(H, 3)
+        matrix = torch.eye(H) if form == "eye" else 2 * torch.eye(H) if form == "twice eye" else \
+            torch.eye(H)[torch.randperm(H, generator=torch.Generator().manual_seed(0))]
+        self.register_buffer("matrix", matrix)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.form == "linear":
+            return self.c(F.linear(h, self.matrix))
+        return self.c(h @ self.matrix + (h if self.form == "plus" else 0))
+
+
+@pytest.mark.parametrize("form", ["eye", "permutation", "linear"])
+def test_a_fixed_permutation_matrix_moves_the_units_along(form):
+    model, subject = load(Reordered(form), torch.randn(2, 5, D))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+
+
+@pytest.mark.parametrize("form", ["twice eye", "plus"])
+def test_a_matrix_that_does_not_only_reorder_pins(form):
+    _, subject = load(Reordered(form), torch.randn(2, 5, D))
+    assert not subject.report.groups, census(subject)
+
+
+class InputMatrix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(D, H), nn.Linear(H, 3)
+
+    def forward(self, x, matrix):
+        return self.c(torch.relu(self.a(x)) @ matrix)
+
+
+def test_an_input_that_is_a_permutation_matrix_when_traced_pins():
+    """The example input's values say nothing of the next input's: ``torch.eye`` there is no fixed reordering."""
+    torch.manual_seed(1)
+    subject = symgraph.load(InputMatrix().double(), (torch.randn(2, 5, D, dtype=torch.float64),
+                                                     torch.eye(H, dtype=torch.float64)))
+    assert not subject.report.groups, census(subject)
+
+
 # --- a linear layer with no input features ----------------------------------------------------------------------
 class NoFeatures(nn.Module):
     """A ReLU layer, and a ``Linear(0, 3)`` (its bias alone) of an empty slice of it or of the input."""
