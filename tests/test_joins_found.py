@@ -153,6 +153,32 @@ def test_an_input_that_is_a_permutation_matrix_when_traced_pins():
     assert not subject.report.groups, census(subject)
 
 
+# --- heads beside one head treated apart -----------------------------------------------------------------------
+class OneHeadApart(nn.Module):
+    """Three heads of size 4; the queries of head 0 are shifted by a constant (``form`` "shift") or scaled."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.q, self.k, self.v, self.o = (nn.Linear(D + 4, D + 4) for _ in range(4))
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q, k, v = (f(x).view(n, t, 3, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q = torch.cat([q[:, :1] + 1.0 if self.form == "shift" else q[:, :1] * 2.0, q[:, 1:]], 1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(n, t, D + 4))
+
+
+@pytest.mark.parametrize("form", ["shift", "scale"])
+def test_the_untouched_heads_permute_among_themselves(form):
+    model, subject = load(OneHeadApart(form), torch.randn(2, 5, D + 4))
+    heads = [g for g in subject.report.groups if g.motif == "heads"]
+    assert [(g.kind, g.size) for g in heads] == [("permutation", 2)]
+    assert {int(i) // 4 for m in heads[0].members if m.param == "q.weight" for i in m.index.reshape(-1)} == {1, 2}
+    assert_holds(model, subject, [(3, 7, D + 4), (1, 2, D + 4)])
+
+
 # --- a linear layer with no input features ----------------------------------------------------------------------
 class NoFeatures(nn.Module):
     """A ReLU layer, and a ``Linear(0, 3)`` (its bias alone) of an empty slice of it or of the input."""
