@@ -421,10 +421,11 @@ class _Target:
         if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return _auto_tokenizer(folder)
         if required:
+            where = "copy the tokenizer files (tokenizer.json, tokenizer_config.json) into that folder" if folder \
+                else "pass model=FOLDER with the Hugging Face folder that holds the tokenizer files"
             raise DataError("Text data needs the model's tokenizer, and the model has none"
                             + (f" (nothing in '{folder}')." if folder else " (no model folder was given)."),
-                            hint="pass model=FOLDER with the Hugging Face folder that holds the tokenizer files, "
-                                 "or give the data as token ids in a .npz file.")
+                            hint=f"{where}, or give the data as token ids in a .npz file.")
         return None
 
     def check(self, data: Dataset) -> None:
