@@ -317,6 +317,8 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
                         "ones also compressed (.gz, .bz2, .xz), a folder of images or sounds, or one datasets' "
                         "save_to_disk wrote).",
                         hint=_FORMS_HINT)
+    if "/" in spec or os.sep in spec:  # a path (a save_to_disk folder, a file without suffix), not a name
+        raise DataError(f"Data path '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
 

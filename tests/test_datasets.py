@@ -182,6 +182,13 @@ def test_text_for_a_model_folder_without_a_tokenizer_says_what_to_add_there(tmp_
     assert "tokenizer.json" in caught.value.hint and "model=FOLDER" not in caught.value.hint
 
 
+def test_a_missing_folder_is_called_a_missing_path_not_an_unknown_dataset(tmp_path):
+    with pytest.raises(DataError, match="Data path .*nowhere' does not exist"):
+        load_data(str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match="Unknown dataset 'nowhere'"):
+        load_data("nowhere")
+
+
 def test_txt_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
