@@ -6,7 +6,8 @@ of all 16 units, which moved units into the other factor (relative output change
 for heads: queries of half the heads scaled, rotary embedding or tanh on some heads only, each with a head
 permutation of all heads (changes of 0.04-0.12). Pieces computed by different ops from their cuts are now kept
 apart (``rules._separate_unlike_pieces``): their units form separate blocks, and heads permute only among the
-heads of their own piece. Pieces computed alike (a split and re-join, rotate_half's halves of every head) keep their groups.
+heads of their own piece. Pieces computed alike (a split and re-join, rotate_half's halves of every head) keep
+their groups.
 """
 from __future__ import annotations
 
