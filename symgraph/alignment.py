@@ -839,7 +839,7 @@ class Aligner:
 def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
     """Refuse to align models whose configurations, parameters, shapes or (with ``groups``) detected groups differ,
     or whose weights are not finite."""
-    check_same_config(source.config, anchor.config)
+    check_same_config(source.config, anchor.config, names=(source.name, anchor.name))
     s, a = source.state_dict(), anchor.state_dict()
     if set(s) != set(a):
         extra, missing = sorted(set(s) - set(a))[:3], sorted(set(a) - set(s))[:3]
@@ -848,8 +848,8 @@ def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
     shapes = [k for k in s if tuple(s[k].shape) != tuple(a[k].shape)]
     if shapes:
         k = shapes[0]
-        raise MismatchError(f"Parameter {k} has shape {tuple(s[k].shape)} in the source but {tuple(a[k].shape)} in "
-                            f"the anchor ({len(shapes)} parameters differ).",
+        raise MismatchError(f"Parameter {k} has shape {tuple(s[k].shape)} in the source ({source.name}) but "
+                            f"{tuple(a[k].shape)} in the anchor ({anchor.name}) ({len(shapes)} parameters differ).",
                             hint="both models must use the same configuration sizes.")
     for name, subject in (("source", source), ("anchor", anchor)):
         check_finite(subject.model, f"the {name} ({subject.name})")
@@ -863,11 +863,13 @@ _COSMETIC_CONFIG_KEYS = {"_name_or_path", "transformers_version", "architectures
                          "torch_dtype", "dtype", "_commit_hash", "_attn_implementation_autoset", "finetuning_task"}
 
 
-def check_same_config(source_config, anchor_config) -> None:
-    """Refuse two Hugging Face configs that differ in anything but names, labels and dtype."""
+def check_same_config(source_config, anchor_config, names: tuple[str, str] | None = None) -> None:
+    """Refuse two Hugging Face configs that differ in anything but names, labels and dtype; ``names`` (of the
+    source and the anchor) say which value is whose (barrier aligns its second model to its first)."""
     differ = config_differences(source_config, anchor_config)
     if differ:
-        raise MismatchError(f"The two models have different configurations ({differ}).",
+        whose = f"{names[0]} vs {names[1]}: " if names else ""
+        raise MismatchError(f"The two models have different configurations ({whose}{differ}).",
                             hint="align two models of the same architecture and configuration.")
 
 

@@ -472,11 +472,12 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
     removed (with everything written so far, and the folders made to hold it) when it fails. OS and safetensors
     errors become :class:`OutputError`; other errors propagate unchanged (the folder is removed all the same)."""
     made = [p for p in out.parents if not p.exists()]  # innermost first
-    with os_errors_as_output_error(out):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_sibling(out, folder=True)
-    done = False
-    try:
+    tmp, done = None, False
+    try:  # made inside: an interrupt (Ctrl-C) right after the mkdir still removes the folder
+        with os_errors_as_output_error(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_sibling(out)
+            tmp.mkdir(mode=0o755)
         yield tmp
         install_folder(tmp, out, overwrite=overwrite)
         done = True
@@ -496,7 +497,8 @@ def staged_folder(out: Path, *, overwrite: bool) -> Iterator[Path]:
         ) from exc
     finally:
         if not done:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             for folder in made:
                 with contextlib.suppress(OSError):  # another run may have put something there meanwhile
                     folder.rmdir()

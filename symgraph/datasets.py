@@ -317,6 +317,8 @@ def _dispatch(spec: Any, target: _Target, batch_size: int, split: str, limit: in
                         "ones also compressed (.gz, .bz2, .xz), a folder of images or sounds, or one datasets' "
                         "save_to_disk wrote).",
                         hint=_FORMS_HINT)
+    if "/" in spec or os.sep in spec:  # a path (a save_to_disk folder, a file without suffix), not a name
+        raise DataError(f"Data path '{path}' does not exist.", hint="check the path, or " + _FORMS_HINT)
     raise DataError(f"Unknown dataset '{spec}'. Shipped datasets: {', '.join(DATASETS)}.", hint=_FORMS_HINT)
 
 
@@ -421,10 +423,11 @@ class _Target:
         if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return _auto_tokenizer(folder)
         if required:
+            where = "copy the tokenizer files (tokenizer.json, tokenizer_config.json) into that folder" if folder \
+                else "pass model=FOLDER with the Hugging Face folder that holds the tokenizer files"
             raise DataError("Text data needs the model's tokenizer, and the model has none"
                             + (f" (nothing in '{folder}')." if folder else " (no model folder was given)."),
-                            hint="pass model=FOLDER with the Hugging Face folder that holds the tokenizer files, "
-                                 "or give the data as token ids in a .npz file.")
+                            hint=f"{where}, or give the data as token ids in a .npz file.")
         return None
 
     def check(self, data: Dataset) -> None:

@@ -118,13 +118,10 @@ def _kind(path: Path) -> str:
     return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "device, pipe or socket"
 
 
-def temp_sibling(out: Path, *, folder: bool) -> Path:
-    """A new hidden temporary sibling of ``out`` (a folder, or a file name not yet created)."""
-    name = f".{out.name}.{_TMP}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out.parent / name
-    if folder:
-        tmp.mkdir(mode=0o755)
-    return tmp
+def temp_sibling(out: Path) -> Path:
+    """A new name for a hidden temporary sibling of ``out`` (nothing is created: the caller makes it inside the
+    block that removes it, so that an interrupt in between leaves nothing)."""
+    return out.parent / f".{out.name}.{_TMP}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def clean_leftovers(out: Path) -> None:
@@ -242,7 +239,7 @@ class StagedText:
                               hint="create the folder first, or choose another output path.")
         prepare_output(self.path, overwrite=True, folder=False)
         with os_errors_as_output_error(self.path):
-            self._tmp = temp_sibling(self.path, folder=False)
+            self._tmp = temp_sibling(self.path)
             try:
                 write(self._tmp)
             except BaseException:

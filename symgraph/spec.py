@@ -44,7 +44,7 @@ class PlainSpec(_Equivariant):
 
     rule: Literal["attention", "add", "mul", "div", "batch_norm", "group_norm", "instance_norm", "pad", "scan",
                   "softmax", "embedding", "ignore", "one_hot", "gather", "scatter", "index_add", "index_put", "copy",
-                  "glu", "weight_norm"]
+                  "glu", "weight_norm", "lerp"]
 
 
 class TopkSpec(_Frozen):
@@ -72,6 +72,9 @@ class MovementSpec(_Equivariant):
     cuts: bool = False  # keeps part of the input along `dim` (slice, select, split): checked at other input shapes
     regroups: bool = False  # may split an axis into rows of positions (reshape, unfold): checked at other shapes
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
+    # the axis a join without a `dim` argument joins along (hstack 1, vstack 0, dstack 2): cat along it for pieces
+    # with more axes than that; pieces with fewer are reshaped first, which the rule does not follow
+    along: int | None = None
 
     @field_validator("replay_as")
     @classmethod

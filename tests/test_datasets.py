@@ -170,6 +170,25 @@ def test_txt_with_a_hugging_face_tokenizer(tmp_path):
     assert data.batches[0].inputs["input_ids"].tolist() == [[2, 5, 6, 3], [2, 6, 3, 0]]
 
 
+def test_text_for_a_model_folder_without_a_tokenizer_says_what_to_add_there(tmp_path):
+    """The hint told command-line users to ``pass model=FOLDER``, which they had done (an API keyword)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text((MODELS / "llama-chars-a" / "config.json").read_text())
+    text = tmp_path / "lines.txt"
+    text.write_text("hello\n")
+    with pytest.raises(DataError, match="needs the model's tokenizer") as caught:
+        load_data(text, model=folder)
+    assert "tokenizer.json" in caught.value.hint and "model=FOLDER" not in caught.value.hint
+
+
+def test_a_missing_folder_is_called_a_missing_path_not_an_unknown_dataset(tmp_path):
+    with pytest.raises(DataError, match="Data path .*nowhere' does not exist"):
+        load_data(str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match="Unknown dataset 'nowhere'"):
+        load_data("nowhere")
+
+
 def test_txt_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")

@@ -264,6 +264,26 @@ def test_a_signal_during_a_write_removes_the_temporary_folder(tmp_path, bert_fol
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_interrupt_right_after_the_temporary_folder_is_made_removes_it(tmp_path, monkeypatch):
+    """Ctrl-C between the mkdir of the temporary folder and the block that removes it on failure left
+    ``.out.tmp-<pid>-<hex>`` behind (seen once in six Ctrl-C's of ``symgraph fold`` as its write began)."""
+    from pathlib import Path
+
+    from symgraph.checkpoint import staged_folder
+
+    mkdir = Path.mkdir
+
+    def mkdir_then_interrupt(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if ".tmp-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), staged_folder(tmp_path / "out", overwrite=False):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def _dead_pid() -> int:
     """A process id that is not running (a child that has exited and been reaped)."""
     import subprocess

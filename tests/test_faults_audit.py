@@ -87,6 +87,21 @@ def test_streamed_merge_refuses_different_configurations(tmp_path, pair):
     assert _written(tmp_path) == ["b"]
 
 
+def test_barrier_says_whose_configuration_holds_which_value(tmp_path, pair):
+    """barrier aligns its second model to its first, and the refusal listed 'key: B's value vs A's value' with no
+    name: read in the command's order, the values were each other's."""
+    def other_eps(config):
+        config["rms_norm_eps"] = 0.001
+
+    b = _llama(tmp_path / "b", 1, config_edit=other_eps)
+    code, _, err = run("barrier", pair[0], b, "--data", "pydoc-chars", "--limit", "4", "--steps", "3", "--align",
+                       "none", "-o", tmp_path / "p.png")
+    eps = json.loads((pair[0] / "config.json").read_text())["rms_norm_eps"]
+    assert code == 2 and (f"b vs a: rms_norm_eps: 0.001 vs {eps}" in err or f"a vs b: rms_norm_eps: {eps} vs 0.001"
+                          in err), err
+    assert _written(tmp_path) == ["b"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # compare: NaN weights are bad input, not a different function
 # ---------------------------------------------------------------------------------------------------------------

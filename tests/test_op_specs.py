@@ -120,6 +120,11 @@ EXAMPLES = {
     "aten.concatenate.default": lambda h, m: A.concatenate.default([h, h], 1),
     "aten.concat.default": lambda h, m: A.concat.default([h, h], 1),
     "aten.stack.default": lambda h, m: A.stack.default([h, h], 0),
+    "aten.hstack.default": lambda h, m: A.hstack.default([h, h]),
+    "aten.column_stack.default": lambda h, m: A.column_stack.default([h, h]),
+    "aten.vstack.default": lambda h, m: A.vstack.default([h, h]),
+    "aten.row_stack.default": lambda h, m: A.row_stack.default([h, h]),
+    "aten.dstack.default": lambda h, m: A.dstack.default([h[..., :4], h[..., 4:]]),
     "aten.split.Tensor": lambda h, m: A.split.Tensor(h, 1, 1)[0],
     "aten.split_with_sizes.default": lambda h, m: A.split_with_sizes.default(h, [1, h.shape[1] - 1], 1)[1],
     "aten.tensor_split.indices": lambda h, m: A.tensor_split.indices(h, [1, 3], 1)[2],  # Mamba's scan (5.25)
@@ -254,6 +259,8 @@ EXAMPLES = {
     "aten.div.Tensor": lambda h, m: A.div.Tensor(h, torch.full((D,), 2.0)),
     "aten.div.Scalar": lambda h, m: A.div.Scalar(h, 2.0),
     "aten.div_.Tensor": lambda h, m: A.div_.Tensor(h.clone(), torch.full((D,), 2.0)),
+    "aten.lerp.Scalar": lambda h, m: A.lerp.Scalar(h, A.linear.default(h, m.w), 0.3),
+    "aten.lerp.Tensor": lambda h, m: A.lerp.Tensor(h, A.linear.default(h, m.w), m.v),
     "aten.pow.Tensor_Scalar": lambda h, m: A.pow.Tensor_Scalar(h, 3),
     "aten.square.default": lambda h, m: A.square.default(h),
     # normalisation, reductions, softmax

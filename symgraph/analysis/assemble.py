@@ -414,21 +414,23 @@ class Assembler:
                 continue
             if any(s & set(heads) and not s >= set(heads) for s in sharing):
                 continue  # a factor shared by some of these heads only would have to stay and move at once
-            if self._split_by_pieces(heads, content, piece_of):
-                continue  # some heads went through other ops than the rest (rotary on half of them)
-            groups.extend(self._head_permutations(heads, content, [p for p in parts if p <= joint], together, read))
+            for alike in self._heads_by_pieces(heads, content, piece_of):  # rotary on half of them: two sets
+                if len(alike) > 1:
+                    groups.extend(self._head_permutations(alike, content, [p & set(alike) for p in parts
+                                                                           if p <= joint and p & set(alike)],
+                                                          together, read))
         return groups
 
-    def _split_by_pieces(self, heads: list[int], content, piece_of: list[dict[int, int]]) -> bool:
-        """Whether the pieces of one tensor that different ops joined again (``self.c.pieces``; ``piece_of``: the
-        piece of each of their classes) put these heads' rows in different pieces: a head permutation would move
-        a head into the other ops."""
+    def _heads_by_pieces(self, heads: list[int], content, piece_of: list[dict[int, int]]) -> list[list[int]]:
+        """``heads`` split by the pieces of one tensor that different ops joined again (``self.c.pieces``;
+        ``piece_of``: the piece of each of their classes) their rows lie in: a head permutation may move a head
+        only among the heads that went through the same ops (every head in every piece, as rotate_half's halves
+        of each head, moves alike)."""
         classes = [np.unique(self.cls[np.fromiter(content[h], dtype=np.int64)]) for h in heads]
-        for owner in piece_of:
-            seen = {frozenset(owner.get(int(c)) for c in cs) - {None} for cs in classes}
-            if len(seen) > 1:  # (every head in every piece, as rotate_half's halves of each head, moves alike)
-                return True
-        return False
+        sets: dict[tuple, list[int]] = defaultdict(list)
+        for h, cs in zip(heads, classes):
+            sets[tuple(frozenset(owner.get(int(c)) for c in cs) - {None} for owner in piece_of)].append(h)
+        return list(sets.values())
 
     def _with_content_classes(self, parts: list[set[int]], content, cls: np.ndarray) -> list[set]:
         """Each part's heads with the coordinate classes they use (as ``("class", c)``): parts that share a class

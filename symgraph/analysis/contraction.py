@@ -29,6 +29,7 @@ import torch
 from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
 from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
+from .selections import selections_of
 
 NEUTRAL = monomial("one")
 
@@ -83,6 +84,9 @@ class Contraction:
         sizes = _letter_sizes([a, b], out_letters, out_shape)
         contracted = set(a.letters) & set(b.letters) - set(out_letters)
         batch = set(a.letters) & set(b.letters) & set(out_letters)
+        moved = self._through_permutation(a, b, contracted, out_letters, out_shape)
+        if moved is not None:
+            return moved
         outs: list[Chan] = []
         used_b: set[int] = set()
         passed_a: list[tuple[Chan, frozenset]] = []
@@ -128,6 +132,32 @@ class Contraction:
             if moved is not None:
                 outs.append(moved)
         return _merge_batch_channels(self.w, outs, self.node)
+
+    def _through_permutation(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
+                             out_shape) -> list[Chan] | None:
+        """One operand times a constant permutation matrix (``h @ torch.eye(d)``, a fixed reordering): each output
+        coordinate is one input coordinate, so the channels move as through an ``index_select`` instead of meeting
+        data that pins them. None unless one operand is such a matrix, contracted along one letter into another."""
+        for x, p in ((a, b), (b, a)):
+            order = _permutation_of(p) if p.source is not None and not self._from_inputs(p.source) else None
+            if order is None:
+                continue
+            k, m = p.letters
+            if k in out_letters:  # the matrix read the other way round (F.linear's weight): its columns contracted
+                k, m, order = m, k, torch.argsort(order)
+            if contracted != {k} or m not in out_letters or m in x.letters:
+                continue
+            axis, letters = x.letters.index(k), x.letters.replace(k, m)
+            chans = [self.w.resolve(c, self.node) for c in x.chans]
+            moved = [c.map(lambda t: t.index_select(axis, order) if t.shape[axis] > 1 else t) for c in chans]
+            op = Operand(moved, out_shape, letters)
+            return [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
+                                                              out_shape)) is not None]
+        return None
+
+    def _from_inputs(self, name: str) -> bool:
+        """Whether graph node ``name`` is computed from the model's inputs (its traced values may differ later)."""
+        return any(n.name == name for n in selections_of(self.w.cap).from_inputs)
 
     def _tie_batch_factors(self, a: Operand, b: Operand, passed_a, passed_b, batch: set[str], outs: list,
                            out_letters: str, out_shape) -> tuple[list, list]:
@@ -249,6 +279,8 @@ class Contraction:
         if lost:
             self.w.c.pin(chan.ids, f"summed over axis '{''.join(sorted(lost))}' by a contraction", self.node)
             return None
+        if not chan.ids.numel():  # a zero-width operand (Linear(0, n)'s weight rows): no coordinate to carry on
+            return None
         ids = chan.ids
         index = tuple(slice(None) if l in out_letters else 0 for l in op.letters)
         ids = ids[index]
@@ -301,6 +333,19 @@ def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, 
     for l, n in zip(out_letters, out_shape):
         sizes[l] = max(sizes.get(l, 1), n)
     return sizes
+
+
+def _permutation_of(op: Operand) -> torch.Tensor | None:
+    """For a constant square 0/1 matrix with one 1 in every row and column (and no channel), the row holding
+    each column's 1; None for anything else."""
+    data = op.data
+    if op.chans or not isinstance(data, torch.Tensor) or data.dim() != 2 or data.shape[0] != data.shape[1] \
+            or len(op.letters) != 2 or data.is_complex():
+        return None
+    ones = data == 1
+    if not bool((ones | (data == 0)).all()) or not bool((ones.sum(0) == 1).all() and (ones.sum(1) == 1).all()):
+        return None
+    return ones.to(torch.int64).argmax(0)
 
 
 def _letters_of(chan: Chan, letters: str) -> set[str]:

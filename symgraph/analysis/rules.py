@@ -42,12 +42,14 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         return _pick_unknown_rows(w, node)
     for a in index_operands(node, "movement"):  # known indices laid out along coordinates: not followed here
         _pin_value(w, node, w.value(a), "indices laid out along coordinates, read by an op that does not follow them")
+    if spec.along is not None and any(len(_node_shape(a) or ()) <= spec.along for a in moved_operands(node)):
+        return _pin_moved(w, node, f"pieces with {spec.along} axes or fewer, reshaped before they are joined")
     if spec.concatenates:
-        joined = _cat_along_data_axis(w, node)
+        joined = _cat_along_data_axis(w, node, spec)
         if joined is not None:
             return joined
         _separate_unlike_pieces(w, node, spec)
-        _pin_beside_bare_pieces(w, node)
+        _pin_beside_bare_pieces(w, node, spec)
     if spec.stacks:
         _separate_unlike_pieces(w, node, spec)
     tensors = [w.value(a) for a in moved_operands(node)]
@@ -231,12 +233,12 @@ def _pin_unselected(w, node: fx.Node, operands, results) -> None:
         _pin_chan(w, node, c, f"chosen by indices that may choose other positions at another input shape ({why})")
 
 
-def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
+def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
     """Concatenation along an axis no input channel varies along (a class token in front of patches): the
     pieces carry the same coordinates, so tie them instead of stacking two labellings along a data axis."""
     values = [w.value(a) for a in moved_operands(node)]
     out_shape = _shape_of(node)
-    dim = schema_arg(node, "dim") % len(out_shape)
+    dim = _join_dim(node, spec) % len(out_shape)
     values = [v for v in values if v is None or v.shape is None or not (_empty_piece(v.shape, dim) or _zeros(v))]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
@@ -255,6 +257,11 @@ def _cat_along_data_axis(w, node: fx.Node) -> Value | None:
     return Value(chans=chans, shape=out_shape)
 
 
+def _join_dim(node: fx.Node, spec) -> int:
+    """The axis a cat or stack joins its pieces along: its ``dim``, or the spec's fixed ``along`` (hstack)."""
+    return spec.along if spec.along is not None else schema_arg(node, "dim")
+
+
 def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     """Pieces of one tensor cut apart along a coordinate axis and joined again by ``node`` after different ops
     (``cat([h[..., :8] * 2, h[..., 8:]])``, rotary on some heads only) hold coordinates that no permutation may
@@ -264,7 +271,7 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     tensors carrying the same coordinates. Pieces computed by the same ops from their cuts are left alone; pieces
     of unrelated coordinates never share a class, so keeping them apart costs nothing."""
     pieces = moved_operands(node)
-    dim = schema_arg(node, "dim")
+    dim = _join_dim(node, spec)
     values = [w.value(p) for p in pieces]
     if len(pieces) < 2 or any(v is None or v.shape is None for v in values):
         return
@@ -279,7 +286,7 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
                                    or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name)
 
 
-def _pin_beside_bare_pieces(w, node: fx.Node) -> None:
+def _pin_beside_bare_pieces(w, node: fx.Node, spec) -> None:
     """A channel constant along ``dim`` labels the same coordinate at every position there, so a piece joined
     beside it without labels sits beside that coordinate; if that piece may differ along the channel's axes (a
     per-head attention sink held in a buffer joined to the logits, a cached key from the input joined to the new
@@ -291,7 +298,7 @@ def _pin_beside_bare_pieces(w, node: fx.Node) -> None:
     if out_shape is None or len(pieces) < 2:
         return
     rank = len(out_shape)
-    dim = schema_arg(node, "dim") % rank
+    dim = _join_dim(node, spec) % rank
     varying = frozenset().union(*(_bare_varying_axes(v, rank) for v in pieces
                                   if v is None or (not v.chans and v.points_to is None and not _zeros(v))))
     for v in pieces:
@@ -1165,10 +1172,23 @@ def rule_sub(w, node: fx.Node, spec) -> Value:
     a, b = _self_and_other(w, node)
     if spec.swapped:
         a, b = b, a
-    if isinstance(b, Value):  # head blocks only say which head is which: a sign does not mix them
-        b = Value(chans=[c if c.block else c.scaled(-1.0) for c in b.chans], data=b.data, shape=b.shape,
-                  invariant=b.invariant)
-    return _add_values(w, node, a, b, residual=True)
+    return _add_values(w, node, a, _negated(b) if isinstance(b, Value) else b, residual=True)
+
+
+def _negated(v: Value) -> Value:
+    """``-v`` as an operand of a sum (its data is only read for where it varies and whether it is 0)."""
+    # head blocks only say which head is which: a sign does not mix them
+    return Value(chans=[c if c.block else c.scaled(-1.0) for c in v.chans], data=v.data, shape=v.shape,
+                 invariant=v.invariant)
+
+
+def rule_lerp(w, node: fx.Node, spec) -> Value:
+    """``lerp(a, b, t) = a + t (b - a)``, read as those three ops: a scalar ``t`` is a common factor, a weight
+    tensor multiplies as in ``mul`` (a parameter per coordinate moves with its coordinate)."""
+    args, shape = _schema_args(node), _shape_of(node)
+    a, b, t = (_as_value(_operand(w, args[k])) for k in ("self", "end", "weight"))
+    gap = _product(w, node, t, _add_values(w, node, b, _negated(a), residual=True, out_shape=shape), divide=False)
+    return _add_values(w, node, a, gap, residual=True, out_shape=shape)
 
 
 def _centred(w, node, x: Value) -> Value:
