@@ -42,7 +42,7 @@ from .groups import TensorMember
 
 log = logging.getLogger(__name__)
 
-_NOTE_NODE = re.compile(r"\(([A-Za-z_]\w*)\)$")  # "limited by: <why> (<node>)"
+_NOTE_NODE = re.compile(r"\(([A-Za-z_]\w*)\)(?= at |$)")  # "limited by: <why> (<node>)[ at <source line>]"
 # config fields the shallow copy may differ in: its depth, and the dtype it was built in (parameter dtypes are
 # compared one by one instead)
 _NOT_COMPARED = ("num_hidden_layers", "dtype", "torch_dtype")
@@ -379,7 +379,7 @@ def _renamed_notes(notes, rename_node) -> tuple[str, ...]:
     out = []
     for note in notes:
         m = _NOTE_NODE.search(note)
-        out.append(note[:m.start(1)] + rename_node(m.group(1)) + ")" if m else note)
+        out.append(note[:m.start(1)] + rename_node(m.group(1)) + note[m.end(1):] if m else note)
     return tuple(out)
 
 

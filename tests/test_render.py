@@ -156,6 +156,26 @@ def test_pinned_reasons_appear(report, rendered):
         assert html.escape(p.reason) in page
 
 
+class _ScaledNorm(torch.nn.Module):
+    """Gemma's norm: multiplies by 1 + w, which limits the stream's group (w cannot take a scale)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w, self.up, self.down = torch.nn.Parameter(torch.randn(d)), torch.nn.Linear(d, d), torch.nn.Linear(d, 2)
+
+    def forward(self, x):
+        h = self.up(x) * (1 + self.w)
+        return self.down(h)
+
+
+def test_a_limit_on_a_group_names_the_model_line_that_sets_it():
+    torch.manual_seed(0)
+    report = symgraph.analyze(_ScaledNorm(6), inputs=(torch.randn(2, 6),))
+    notes = [n for g in report.groups for n in g.notes if n.startswith("limited by")]
+    assert any("in forward: h = self.up(x) * (1 + self.w)" in n and "test_render.py:" in n for n in notes), notes
+    assert any(n in to_markdown(report) for n in notes)
+
+
 def test_html_is_self_contained_with_svg(rendered):
     _, page = rendered
     assert page.startswith("<!DOCTYPE html>")

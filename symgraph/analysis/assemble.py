@@ -189,10 +189,12 @@ class Assembler:
         """The meet of every restriction on each class, as small integer codes (millions of classes)."""
         table = RestrictionTable(self.n_cls)
         permute_only = self._permute_only_mask()
+        nodes = {n.name: n for n in self.w.cap.graph.nodes}
         for ids, r, why, node, _scales in self.c.restricts:
             if permute_only[ids].all():  # weights that groups only ever permute: their scale limits bind no one
                 r = Restriction(r.orthogonal, r.monomial, r.fixes_ones).normalised()  # (Gemma's 1 + w norm weight)
-            table.meet(np.unique(self.cls[ids]), r, reason=f"{why} ({node})")
+            line = source_line(nodes[node]) if node in nodes else ""
+            table.meet(np.unique(self.cls[ids]), r, reason=f"{why} ({node})" + (f" at {line}" if line else ""))
         table.meet(np.unique(self.cls[self.self_dual]), ORTHOGONAL)  # used as x and as its dual (tied embeddings)
         self._permute_only_mask()
         table.meet(np.unique(self.cls[self._moved_weights]), monomial("one"),
