@@ -451,7 +451,8 @@ class _Target:
         if ids is not None and vocab is not None and ids.numel() and int(ids.max()) >= vocab:
             raise DataError(f"Data '{name}' has {what} {int(ids.max())}, but the model's vocabulary has {vocab} "
                             f"tokens (ids 0..{vocab - 1}).",
-                            hint="tokenise the data with this model's tokenizer (pass model=FOLDER to load_data).")
+                            hint="tokenise the data with this model's tokenizer (or give it as text, which is "
+                                 "tokenised by the model folder's tokenizer).")
 
     def _check_classes(self, name: str, labels: torch.Tensor) -> None:
         classes = int(getattr(self.config, "num_labels", 0) or 0)
@@ -824,7 +825,7 @@ def _load_media_folder(path: Path, target: _Target, batch_size: int, limit: int 
     where the files sit in class subfolders."""
     from .media_folders import media_batches
 
-    _refuse_media_for_lm(path, target, "a folder of images or sounds")
+    _refuse_media_for_lm(path, target, "a folder, which is read as images or sounds")  # whatever it holds
     inputs, names = media_batches(path, model_folder=target.folder, channels=_channels(target),
                                   batch_size=batch_size, limit=limit)
     return _media_dataset(path, inputs, None if names is None else _class_ids(names, target))

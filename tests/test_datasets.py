@@ -376,7 +376,8 @@ def test_image_folder_without_classes_is_unlabelled_and_class_folders_may_be_lab
     ("both layouts", "holds data files both directly and in class subfolders"),
     ("no images", "holds no images .* or sounds"),
     ("unknown class", "'cat' is neither a class id nor one of the model's labels"),
-    ("a language model", "is a folder of images or sounds, and the model is a causal language model"),
+    ("a language model", "is a folder, which is read as images or sounds, and the model is a causal language model"),
+    ("a language model, no images", "is a folder, which is read as images .* causal language model"),
     ("rgb processor", "cannot preprocess"),
 ])
 def test_bad_image_folders_say_what_is_wrong(tmp_path, case, expected):
@@ -396,8 +397,12 @@ def test_bad_image_folders_say_what_is_wrong(tmp_path, case, expected):
         (images / "empty").mkdir(parents=True)
     elif case == "unknown class":
         (images / "0").rename(images / "cat")
-    elif case == "a language model":
+    elif case.startswith("a language model"):
         model = MODELS / "llama-chars-a"
+        if case.endswith("no images"):  # said 'is a folder of images or sounds' of a folder holding none
+            shutil.rmtree(images)
+            images.mkdir()
+            (images / "junk.bin").write_bytes(b"\0")
     with pytest.raises(DataError, match=expected) as info:
         load_data(images, model=model)
     assert info.value.hint
