@@ -718,12 +718,30 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
         return _pin_moved(w, node, "indices negated")
     if v.chans and _integer(node) and not _integer(node.args[0]):
         return rule_activation(w, node, _ROUNDED)  # no scale passes a rounding: (2.4 c).long() != c * 2
+    if _narrows_to_half(node):
+        for c in v.chans:
+            if not c.block:
+                w.c.restrict(w.resolve(c, node.name).ids, monomial("nonzero"), "rounded to half precision",
+                             node.name)
     chans = v.chans
     if spec.negates:
         chans = [c.scaled(-1.0) for c in chans]
     # type_as(values, activation): the channels come from the reference tensor, the values (and whether they are
     # invariant, as routing weights are) from the first argument
     return Value(chans=list(chans), shape=_shape_of(node), invariant=v.invariant and not chans)
+
+
+def _narrows_to_half(node: fx.Node) -> bool:
+    """A cast of wider floats to float16 or bfloat16: each coordinate is rounded to about 3 significant digits.
+    A permutation, sign or scale of each coordinate moves its rounding error with it, but a map mixing
+    coordinates spreads the errors by its condition number (a general linear map through such a cast changed the
+    outputs by 9e-2, three times the bfloat16 tolerance)."""
+    out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype in _HALF
+            and x.dtype.is_floating_point and torch.finfo(x.dtype).bits > torch.finfo(out.dtype).bits)
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def rule_ignore(w, node: fx.Node, spec) -> Value:
