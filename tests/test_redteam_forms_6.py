@@ -43,3 +43,35 @@ def test_a_cast_to_float32_keeps_the_general_linear_map():
     subject = cast_subject(torch.float32)
     assert census(subject) == {"other general_linear 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Rounded(nn.Module):
+    """``Linear -> round -> Linear``, ``round`` a rounding of each unit (or a fake quantisation after a ReLU)."""
+
+    def __init__(self, round_):
+        super().__init__()
+        self.round = round_
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.b(self.round(self.a(x)))
+
+
+ROUNDINGS = {"fake quantised after a relu": (lambda h: torch.clamp(torch.round(torch.relu(h) / 0.1), -128, 127) * 0.1,
+                                             "ffn permutation 12x1"),
+             "rounded": (lambda h: torch.round(h * 4) / 4, "ffn signed_permutation 12x1"),
+             "truncated": (torch.trunc, "ffn signed_permutation 12x1"),
+             "sign": (torch.sign, "ffn signed_permutation 12x1"),
+             "floored": (lambda h: torch.floor(h * 4), "ffn permutation 12x1"),
+             "remainder": (lambda h: torch.remainder(h, 0.7), "ffn permutation 12x1"),
+             "relu6": (nn.functional.relu6, "ffn permutation 12x1")}
+
+
+@pytest.mark.parametrize("round_, kind", ROUNDINGS.values(), ids=ROUNDINGS.keys())
+def test_a_rounding_of_each_unit_keeps_their_permutation(round_, kind):
+    """round, trunc, floor, sign, remainder and relu6 had no spec in specs/ops.yaml, so they pinned every unit (a
+    fake quantisation of the hidden units left no group at all); each acts on every unit alike, so permutations
+    pass, signs where the rounding is odd, and no scale passes the grid."""
+    subject = symgraph.load(noisy(Rounded(round_)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {kind: 1}, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
