@@ -75,3 +75,44 @@ def test_a_rounding_of_each_unit_keeps_their_permutation(round_, kind):
     subject = symgraph.load(noisy(Rounded(round_)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
     assert census(subject) == {kind: 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Paired(nn.Module):
+    """``max(a(x), g(x)) -> Linear`` and kin: an elementwise max or min of two labelled tensors."""
+
+    def __init__(self, pair):
+        super().__init__()
+        self.pair = pair
+        self.a, self.g, self.b = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.b(self.pair(self, self.a(x), self.g(x)))
+
+
+PAIRS = {"max of two layers": (lambda m, h, g: torch.maximum(h, g),
+                               {"ffn permutation 12x1": 1, "experts permutation 2x1": 1}),
+         "min of two layers": (lambda m, h, g: torch.min(h, g),
+                               {"ffn permutation 12x1": 1, "experts permutation 2x1": 1}),
+         "max over halves": (lambda m, h, g: torch.maximum(h[..., :6], h[..., 6:]).repeat(1, 1, 2),
+                             {"ffn permutation 6x1": 1}),
+         "max of a layer and a reversed one": (lambda m, h, g: torch.maximum(h, g.flip(-1)),
+                                               {"ffn permutation 12x1": 1})}
+
+
+@pytest.mark.parametrize("pair, kinds", PAIRS.values(), ids=PAIRS.keys())
+def test_a_max_of_two_labelled_tensors_ties_their_coordinates(pair, kinds):
+    """A second operand with labels was taken as a bound that differs per coordinate, so max(a(x), g(x)) (maxout
+    of two layers) pinned every unit. Coordinate i of one meets coordinate i of the other only: tied as in add,
+    they permute together (and the two layers may swap)."""
+    subject = symgraph.load(noisy(Paired(pair)).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == kinds, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_max_with_a_parameter_of_its_own_still_pins():
+    subject = symgraph.load(noisy(Paired(lambda m, h, g: torch.maximum(h, m.b.weight[0].repeat(2)[:H]))).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert not subject.report.groups, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+

@@ -754,7 +754,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     if spec.bounds and not _opposite_numbers(*(schema_arg(node, b) for b in spec.bounds)):
         limit = limit & NEUTRAL  # clamp(-x, a, b) = -clamp(x, -b, -a): sign flips need b = -a
     slopes = schema_arg(node, spec.slopes) if spec.slopes else None
-    if _bounded_by_varying_tensor(w, node, v, slopes):  # max(x, t): t must not differ between x's coordinates
+    if spec.pairs and _both_labelled_alike(w, node):
+        v = _add_values(w, node, v, w.value(node.args[1]), residual=False)  # coordinate i of each meets there
+    elif _bounded_by_varying_tensor(w, node, v, slopes):  # max(x, t): t must not differ between x's coordinates
         return _pin_operands(w, node, [v] + [w.value(a) for a in node.args[1:] if isinstance(a, fx.Node)],
                              "elementwise bound by a tensor that differs per coordinate")
     chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
@@ -773,6 +775,20 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
         if (len(coordinates) == 1 or last in chan_axes(c)) and not _only_reduced_away(w, node, chan_axes(c)):
             w.c.tag("activation", c.ids)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def _both_labelled_alike(w, node: fx.Node) -> bool:
+    """Whether both operands of a map of coordinate pairs (``max(a, b)``) carry channels of one coordinate each
+    (no linear mixes, no heads) along the same axes, so that coordinate i of one meets coordinate i of the other
+    only: tied, they move alike and the map commutes with any permutation of both."""
+    if len(node.args) != 2 or not isinstance(node.args[1], fx.Node) or _shape_of(node) is None:
+        return False
+    a, b = w.value(node.args[0]), w.value(node.args[1])
+    if a is None or b is None or not a.chans or len(a.chans) != len(b.chans):
+        return False
+    out_shape = _shape_of(node)
+    axes = [sorted(chan_axes(c.broadcast_to(out_shape)) for c in v.chans) for v in (a, b)]
+    return axes[0] == axes[1] and all(_uniform(c) and not c.block for c in (*a.chans, *b.chans))
 
 
 def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:
