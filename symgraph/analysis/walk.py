@@ -27,7 +27,7 @@ from .cuts import why_cut_moves
 from .experts import BranchReads
 from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels
 from .mixing import resolve as resolve_mixed
-from .parallel import find_branch_sets
+from .parallel import find_branch_sets, held_at_other_shapes
 from .selections import selections_of
 from .writes import (Write, aliases_input, mutated_argument, pieces, plan_write, shifted, why_write_moves,
                      written)
@@ -57,7 +57,7 @@ class Walker:
         self._held: dict[fx.Node, set[int]] = {}
         self._structures: tuple[dict, dict] = ({}, {})  # rules.piece_structure's memo, kept for the whole walk
         # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
-        self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
+        self.branch_reads = BranchReads(held_at_other_shapes(cap, find_branch_sets(cap, self.specs)))
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
