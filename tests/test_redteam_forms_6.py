@@ -192,3 +192,31 @@ def test_heads_of_one_window_keep_their_permutation():
     subject = windowed_subject(lambda n: [3, 3])
     assert census(subject).get("heads permutation 2x1") == 1, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Sink(nn.Module):
+    """Two heads whose softmax also takes one learned logit per head (an attention sink), with a learned lambda
+    subtracting a second softmax (differential attention) where ``differential``."""
+
+    def __init__(self, differential: bool):
+        super().__init__()
+        self.differential = differential
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.sink, self.lam = nn.Parameter(torch.randn(2)), nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        s = q @ k.transpose(-1, -2) / 2
+        p = torch.cat([s, self.sink.view(1, 2, 1, 1).expand(b, 2, n, 1)], -1).softmax(-1)[..., :-1]
+        if self.differential:
+            p = p - self.lam * (s / 3).softmax(-1)
+        return x + self.o((p @ v).transpose(1, 2).reshape(b, n, D))
+
+
+@pytest.mark.parametrize("differential", [False, True], ids=["sink", "sink and differential"])
+def test_heads_with_a_sink_logit_keep_their_groups(differential):
+    subject = symgraph.load(noisy(Sink(differential)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    kinds = census(subject)
+    assert kinds.get("vo orthogonal 4x2") == 1 and kinds.get("qk orthogonal 4x2") == 1, kinds
+    assert_fuzzed_at_two_shapes(subject)
