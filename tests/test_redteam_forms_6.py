@@ -178,12 +178,13 @@ def windowed_subject(windows):
     return symgraph.load(noisy(Windowed(windows)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
 
 
-@pytest.mark.xfail(strict=True, reason="data computed from the input's size is read at the traced size only")
-def test_heads_whose_windows_differ_only_beyond_the_traced_length_are_not_permuted():
+@pytest.mark.parametrize("windows", [lambda n: [8, 16], lambda n: [min(n, 8), min(n, 16)]], ids=["list", "min"])
+def test_heads_whose_windows_differ_only_beyond_the_traced_length_are_not_permuted(windows):
     """Windows of 8 and 16 tokens are both the whole input at the traced length 5: the mask is the same for both
-    heads there, and the heads permutation it allows changes the outputs at length 13 (relative change 0.1).
-    Not fixed: every rule that finds data constant along a channel axis would have to ask the probe traces."""
-    subject = windowed_subject(lambda n: [8, 16])
+    heads there, and the heads permutation it allows changed the outputs at length 13 (relative change 0.1).
+    Data computed from the input's size alone that the trace holds constant along a channel's axis is now
+    compared with the graphs traced at the probe shapes, and forgotten where it varies there."""
+    subject = windowed_subject(windows)
     assert not [g for g in subject.report.groups if g.motif == "heads"], census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
@@ -219,4 +220,32 @@ def test_heads_with_a_sink_logit_keep_their_groups(differential):
     subject = symgraph.load(noisy(Sink(differential)).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
     kinds = census(subject)
     assert kinds.get("vo orthogonal 4x2") == 1 and kinds.get("qk orthogonal 4x2") == 1, kinds
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class SizeMasked(nn.Module):
+    """``Linear -> ReLU -> * mask(n) -> Linear``, a 0/1 mask over the units computed from the input's length."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.mask(x.shape[1]).to(x.dtype))
+
+
+def test_units_masked_by_the_length_beyond_the_traced_one_are_not_permuted():
+    """``arange(12) < n + 7`` keeps every unit at the traced length 5, but only 8 at length 1: a permutation of
+    all 12 units changed the outputs there (relative change 6e-2)."""
+    subject = symgraph.load(noisy(SizeMasked(lambda n: torch.arange(H) < n + 7)).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert not subject.report.groups, census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_units_masked_alike_at_every_probe_length_keep_their_permutation():
+    subject = symgraph.load(noisy(SizeMasked(lambda n: torch.arange(H) < n + 70)).double(),
+                            (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject) == {"ffn permutation/positive 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
