@@ -117,6 +117,8 @@ class MapSpec(_Equivariant):
     slopes: str | None = None
     even: bool = False  # f(-x) = f(x): a statistic of f over whole rows of coordinates passes signed permutations
     ties: bool = False  # sends whole intervals to one value: a ranking downstream sees the coordinates' order
+    # a map of two tensors' coordinates, one pair at a time (max(a, b)): labelled alike, they are tied as in add
+    pairs: bool = False
 
     def arguments(self) -> tuple[str, ...]:
         return (*(self.bounds or ()), *((self.slopes,) if self.slopes else ()))

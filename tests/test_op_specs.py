@@ -165,7 +165,11 @@ EXAMPLES = {
     # activations (log, sqrt, rsqrt, reciprocal of positive values)
     **{f"aten.{name}.default": (lambda op: lambda h, m: op(h))(getattr(A, name).default) for name in (
         "relu", "leaky_relu", "hardtanh", "gelu", "silu", "sigmoid", "softplus", "mish", "elu", "selu", "celu",
-        "hardswish", "hardsigmoid", "exp", "abs", "erf", "tanh", "sin", "atan", "cos")},
+        "hardswish", "hardsigmoid", "exp", "abs", "erf", "tanh", "sin", "atan", "cos", "round", "trunc", "floor",
+        "ceil", "frac", "sign", "sgn", "relu6", "nan_to_num")},
+    "aten.round.decimals": lambda h, m: A.round.decimals(h, decimals=1),
+    "aten.fmod.Scalar": lambda h, m: A.fmod.Scalar(h, 0.7),
+    "aten.remainder.Scalar": lambda h, m: A.remainder.Scalar(h, 0.7),
     "aten.clamp.default": lambda h, m: A.clamp.default(h, -1.0, 1.0),
     "aten.clamp_.default": lambda h, m: A.clamp_.default(h.clone(), -1.0, 1.0),
     "aten.hardtanh_.default": lambda h, m: A.hardtanh_.default(h.clone()),

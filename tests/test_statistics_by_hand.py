@@ -223,8 +223,10 @@ class Piecewise(nn.Module):
             u = torch.where(self.gate(x) > 0, h, 0.0)
         elif self.kind == "masked":
             u = h.masked_fill(h < 0, 0.0)
-        elif self.kind == "threshold":  # the bound differs per unit: it would have to move with them
+        elif self.kind == "threshold":  # a learned bound per unit: it moves with them
             u = torch.maximum(h, self.threshold)
+        elif self.kind == "fixed threshold":  # a bound per unit that nothing moves
+            u = torch.maximum(h, torch.linspace(-0.1, 0.1, FF, dtype=h.dtype))
         else:  # the larger of two activations
             u = torch.maximum(h, self.gate(x))
         return self.head(x + self.down(u))
@@ -244,12 +246,21 @@ def test_an_activation_chosen_by_a_units_value_keeps_its_unit_permutation(kind):
     assert_fuzzed_at_two_shapes(subject)
 
 
-@pytest.mark.parametrize("kind", ["threshold", "other"])
-def test_a_bound_that_differs_per_unit_pins_the_units(kind):
-    subject = subject_of(Piecewise(kind))
-    # (max(up(x), gate(x)) may swap up and gate as whole tensors: a tensor member, not a coordinate one)
+def test_a_bound_that_differs_per_unit_pins_the_units():
+    subject = subject_of(Piecewise("fixed threshold"))
     assert not any(getattr(m, "param", None) == "up.weight" and m.axis == 0
                    for g in subject.report.groups for m in g.members)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("kind, bound", [("threshold", "threshold"), ("other", "gate.weight")])
+def test_a_labelled_bound_per_unit_moves_with_the_units(kind, bound):
+    """max(up(x), t) with t a learned threshold per unit or another layer's units: unit i meets t's entry i only,
+    so the two permute together (they used to pin)."""
+    subject = subject_of(Piecewise(kind))
+    ffn = [g for g in subject.report.groups if g.motif == "ffn"]
+    assert [(g.kind, g.size) for g in ffn] == [("permutation", FF)], [g.id for g in subject.report.groups]
+    assert {"up.weight", bound} <= set(ffn[0].params)
     assert_fuzzed_at_two_shapes(subject)
 
 

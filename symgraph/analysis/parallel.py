@@ -30,6 +30,7 @@ from torch import fx
 
 from ..spec import Specs
 from .rules import _schema_args
+from .selections import selections_of
 from .writes import aliases_input, mutated_argument
 
 _SYMBOL = re.compile(r"\bu\d+\b")  # a size torch.export knows only at run time (the tokens routed to one expert)
@@ -85,6 +86,20 @@ def find_branch_sets(cap, specs: Specs) -> list[BranchSet]:
     for terms in _sums(graph, specs):
         found += _isomorphic_sets(graph, terms, specs)
     return found
+
+
+def held_at_other_shapes(cap, sets: list[BranchSet]) -> list[BranchSet]:
+    """The branch sets whose branches are isomorphic at every probe shape the model can be traced at too. A
+    trace bakes in sizes computed from the input's shape (an expert's capacity ``n // 3``): branches equal at the
+    traced length may take other numbers of tokens at another (expert-choice experts of capacities n // 3 and 1
+    were swapped: relative change 0.1)."""
+    if not sets:
+        return sets
+    selections = selections_of(cap)
+    traced = selections.traced.key_of
+    probes = [t for _, t in selections.traces() if t is not None]
+    return [s for s in sets
+            if all(any({traced[b.link] for b in s.branches} <= other for other in t.branch_sets) for t in probes)]
 
 
 class _Graph:

@@ -725,12 +725,30 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
         return _pin_moved(w, node, "indices negated")
     if v.chans and _integer(node) and not _integer(node.args[0]):
         return rule_activation(w, node, _ROUNDED)  # no scale passes a rounding: (2.4 c).long() != c * 2
+    if _narrows_to_half(node):
+        for c in v.chans:
+            if not c.block:
+                w.c.restrict(w.resolve(c, node.name).ids, monomial("nonzero"), "rounded to half precision",
+                             node.name)
     chans = v.chans
     if spec.negates:
         chans = [c.scaled(-1.0) for c in chans]
     # type_as(values, activation): the channels come from the reference tensor, the values (and whether they are
     # invariant, as routing weights are) from the first argument
     return Value(chans=list(chans), shape=_shape_of(node), invariant=v.invariant and not chans)
+
+
+def _narrows_to_half(node: fx.Node) -> bool:
+    """A cast of wider floats to float16 or bfloat16: each coordinate is rounded to about 3 significant digits.
+    A permutation, sign or scale of each coordinate moves its rounding error with it, but a map mixing
+    coordinates spreads the errors by its condition number (a general linear map through such a cast changed the
+    outputs by 9e-2, three times the bfloat16 tolerance)."""
+    out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    return (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype in _HALF
+            and x.dtype.is_floating_point and torch.finfo(x.dtype).bits > torch.finfo(out.dtype).bits)
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def rule_ignore(w, node: fx.Node, spec) -> Value:
@@ -743,7 +761,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
     if spec.bounds and not _opposite_numbers(*(schema_arg(node, b) for b in spec.bounds)):
         limit = limit & NEUTRAL  # clamp(-x, a, b) = -clamp(x, -b, -a): sign flips need b = -a
     slopes = schema_arg(node, spec.slopes) if spec.slopes else None
-    if _bounded_by_varying_tensor(w, node, v, slopes):  # max(x, t): t must not differ between x's coordinates
+    if spec.pairs and _both_labelled_alike(w, node):
+        v = _add_values(w, node, v, w.value(node.args[1]), residual=False)  # coordinate i of each meets there
+    elif _bounded_by_varying_tensor(w, node, v, slopes):  # max(x, t): t must not differ between x's coordinates
         return _pin_operands(w, node, [v] + [w.value(a) for a in node.args[1:] if isinstance(a, fx.Node)],
                              "elementwise bound by a tensor that differs per coordinate")
     chans = [replace(w.resolve(c, node.name), degree=1) for c in v.chans]
@@ -762,6 +782,20 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
         if (len(coordinates) == 1 or last in chan_axes(c)) and not _only_reduced_away(w, node, chan_axes(c)):
             w.c.tag("activation", c.ids)
     return Value(chans=chans, shape=_shape_of(node))
+
+
+def _both_labelled_alike(w, node: fx.Node) -> bool:
+    """Whether both operands of a map of coordinate pairs (``max(a, b)``) carry channels of one coordinate each
+    (no linear mixes, no heads) along the same axes, so that coordinate i of one meets coordinate i of the other
+    only: tied, they move alike and the map commutes with any permutation of both."""
+    if len(node.args) != 2 or not isinstance(node.args[1], fx.Node) or _shape_of(node) is None:
+        return False
+    a, b = w.value(node.args[0]), w.value(node.args[1])
+    if a is None or b is None or not a.chans or len(a.chans) != len(b.chans):
+        return False
+    out_shape = _shape_of(node)
+    axes = [sorted(chan_axes(c.broadcast_to(out_shape)) for c in v.chans) for v in (a, b)]
+    return axes[0] == axes[1] and all(_uniform(c) and not c.block for c in (*a.chans, *b.chans))
 
 
 def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:

@@ -44,7 +44,7 @@ class Trace:
     """One capture's data-node values and its nodes keyed for matching across traces (never the capture itself:
     :func:`selections_of` keeps this while its program lives, and must not keep the program alive)."""
 
-    def __init__(self, cap: Capture):
+    def __init__(self, cap: Capture, branches: bool = False):
         self.values = data_values(cap)
         ranks: dict[tuple, int] = defaultdict(int)
         self.by_key: dict[tuple, fx.Node] = {}
@@ -55,6 +55,8 @@ class Trace:
             ranks[site] += 1
             self.by_key[key] = node
             self.key_of[node] = key
+        # with ``branches``: the keys of the sums each set of isomorphic branches meets in (analysis/parallel.py)
+        self.branch_sets = _branch_links(cap, self.key_of) if branches else []
 
 
 class Selections:
@@ -134,16 +136,27 @@ class Selections:
         on_meta = any(p.device.type == "meta" for p in self.model.parameters())
         return (lambda inputs: self._trace(inputs) is not None) if on_meta else None
 
+    def traces(self) -> list[tuple[str, Trace | None]]:
+        """(shape summary, trace or None where torch.export cannot trace it) at every probe shape."""
+        return [(shape_summary(inputs), self._trace(inputs)) for inputs in self.probes()]
+
     def _trace(self, inputs) -> Trace | None:
         """The trace at ``inputs``' shapes (made once per shape: the indices compared depend on no input value),
         or ``None`` when torch.export cannot trace the model there."""
         summary = shape_summary(inputs)
         if summary not in self._traces:
             try:
-                self._traces[summary] = Trace(capture(self.model, *inputs))
+                self._traces[summary] = Trace(capture(self.model, *inputs), branches=True)
             except CaptureError:
                 self._traces[summary] = None
         return self._traces[summary]
+
+
+def _branch_links(cap: Capture, key_of: dict[fx.Node, tuple]) -> list[frozenset[tuple]]:
+    from ..spec import load_specs
+    from .parallel import find_branch_sets  # parallel reads the rules, which read this module
+
+    return [frozenset(key_of[b.link] for b in s.branches) for s in find_branch_sets(cap, load_specs())]
 
 
 def _input_dependent(cap: Capture) -> set[fx.Node]:

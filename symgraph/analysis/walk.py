@@ -25,9 +25,10 @@ from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .cuts import why_cut_moves
 from .experts import BranchReads
-from .labels import Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels
+from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels,
+                     varying_axes)
 from .mixing import resolve as resolve_mixed
-from .parallel import find_branch_sets
+from .parallel import find_branch_sets, held_at_other_shapes
 from .selections import selections_of
 from .writes import (Write, aliases_input, mutated_argument, pieces, plan_write, shifted, why_write_moves,
                      written)
@@ -57,7 +58,7 @@ class Walker:
         self._held: dict[fx.Node, set[int]] = {}
         self._structures: tuple[dict, dict] = ({}, {})  # rules.piece_structure's memo, kept for the whole walk
         # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
-        self.branch_reads = BranchReads(find_branch_sets(cap, self.specs))
+        self.branch_reads = BranchReads(held_at_other_shapes(cap, find_branch_sets(cap, self.specs)))
 
     # -- driver ------------------------------------------------------------------------------------------
     def run(self) -> "Walker":
@@ -131,6 +132,9 @@ class Walker:
         if not any(v.chans for v in inputs) and not pointers:
             return self._data_node(node, inputs)
         spec = self.specs.op(str(node.target))
+        if spec is not None and spec.rule in _BROADCASTS_DATA and \
+                self._forget_data_of_other_shapes(node, inputs, spec.rule == "attention"):
+            inputs = _flat_values(node, self.values)
         if spec is None or spec.rule not in _PASSES_COORDINATES:
             self.mark_read(inputs)
         if spec is None:
@@ -173,6 +177,43 @@ class Walker:
         if write is not None and write.base is not None:
             self._write_back(node, write, value)
         return value
+
+    def _forget_data_of_other_shapes(self, node: fx.Node, inputs: list[Value], scores: bool) -> bool:
+        """Data computed from the input's size alone (a window per head, ``min(n, 8 + 8 h)``) that the trace holds
+        constant along an axis where another operand's channel varies may vary there at another input shape: the
+        trace bakes the size in, and heads whose windows both exceed the traced length look alike. Such data is
+        compared with the graphs traced at the probe shapes; where it varies along that axis there (or cannot be
+        compared), it is forgotten (any values), so the rule reads it as varying. Whether any was forgotten.
+        ``scores``: an attention's mask meets the scores, whose last axis holds the keys, not the head's width."""
+        rank = max((len(v.shape) for v in inputs if v.shape is not None), default=0)
+        varying = {a + rank - c.ids.dim() for v in inputs for c in v.chans for a in chan_axes(c)} - \
+            ({rank - 1} if scores else set())
+        forgot = False
+        for arg in node.all_input_nodes:
+            v = self.value(arg)
+            data = v.data if v is not None and not v.chans else None
+            if not isinstance(data, torch.Tensor) or data.dim() == 0:
+                continue
+            shift = rank - data.dim()
+            flat = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying) \
+                - varying_axes(data)
+            if flat and self._varies_elsewhere(arg, data, flat):
+                self.values[arg.name] = Value(shape=v.shape)
+                forgot = True
+        return forgot
+
+    def _varies_elsewhere(self, arg: fx.Node, data: torch.Tensor, flat: frozenset[int]) -> bool:
+        selections = selections_of(self.cap)
+        if arg in selections.from_inputs or not selections.probes():
+            return False  # drawn from the inputs (not baked in), or no other shape to meet
+
+        def differs(other: fx.Node, probe) -> str | None:
+            there = probe.values.get(other.name)
+            if not isinstance(there, torch.Tensor) or there.dim() != data.dim() or varying_axes(there) & flat:
+                return "it varies along an axis it is constant along at the traced shape"
+            return None
+
+        return selections.why_differs(arg, differs) is not None
 
     def _data_node(self, node: fx.Node, inputs: list[Value]):
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
@@ -456,6 +497,7 @@ def _flat_values(node: fx.Node, values: dict) -> list[Value]:
 
 
 _ELEMENTWISE = frozenset({"identity", "activation", "add", "sub", "mul", "div", "pow"})  # value i from input i
+_BROADCASTS_DATA = _ELEMENTWISE | {"where", "attention"}  # data meets channels position by position (a mask)
 
 
 def _elementwise_follows(node: fx.Node, inputs: list) -> torch.Tensor | None:
