@@ -30,13 +30,28 @@ def cast_subject(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-def test_a_cast_to_half_precision_passes_no_map_mixing_coordinates(dtype):
+def test_a_cast_to_half_precision_passes_orthogonal_maps_only(dtype):
     """The cast was an identity for every group: a general linear map of the 12 units went through bfloat16's
-    rounding, which its condition number spread (relative change 9e-2, three times bfloat16's tolerance). Each
-    unit's rounding error moves with a permutation, sign or scale of it, so those stay."""
+    rounding, which its condition number spread (relative change 9e-2, three times bfloat16's tolerance). An
+    orthogonal map keeps the rounding errors' size, so the orthogonal group stays."""
     subject = cast_subject(dtype)
-    assert census(subject) == {"other permutation/nonzero 12x1": 1}, census(subject)
+    assert census(subject) == {"other orthogonal 12x1": 1}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_bfloat16_llama_keeps_its_orthogonal_stream():
+    """Every RMSNorm of a bfloat16 LLaMA computes in float32 and casts back: the casts must not cut the folded
+    stream's O(D) down to permutations (the first version of the rule above restricted them to monomial maps)."""
+    from symgraph import zoo
+
+    model = zoo.build("llama", num_hidden_layers=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)  # folded
+    model = model.to(torch.bfloat16)
+    report = symgraph.load(model, zoo.example_inputs_for("llama", model)).report
+    assert {g.kind for g in report.groups if g.motif == "residual"} == {"orthogonal"}
 
 
 def test_a_cast_to_float32_keeps_the_general_linear_map():

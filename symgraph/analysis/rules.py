@@ -728,8 +728,7 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
     if _narrows_to_half(node):
         for c in v.chans:
             if not c.block:
-                w.c.restrict(w.resolve(c, node.name).ids, monomial("nonzero"), "rounded to half precision",
-                             node.name)
+                w.c.restrict(w.resolve(c, node.name).ids, ORTHOGONAL, "rounded to half precision", node.name)
     chans = v.chans
     if spec.negates:
         chans = [c.scaled(-1.0) for c in chans]
@@ -740,9 +739,11 @@ def rule_identity(w, node: fx.Node, spec) -> Value:
 
 def _narrows_to_half(node: fx.Node) -> bool:
     """A cast of wider floats to float16 or bfloat16: each coordinate is rounded to about 3 significant digits.
-    A permutation, sign or scale of each coordinate moves its rounding error with it, but a map mixing
-    coordinates spreads the errors by its condition number (a general linear map through such a cast changed the
-    outputs by 9e-2, three times the bfloat16 tolerance)."""
+    An orthogonal map keeps the rounding errors' size, but a general linear map spreads them by its condition
+    number (one through such a cast changed the outputs by 9e-2, three times the bfloat16 tolerance). The
+    orthogonal group, not the monomial one, is what passes: a half-precision model casts its normalised
+    residual stream back from float32 in every norm, and its stream's group is O(D) once the norms are folded.
+    Scales are lost with it (float16 overflows near 6.5e4 anyway)."""
     out, x = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
     return (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype in _HALF
             and x.dtype.is_floating_point and torch.finfo(x.dtype).bits > torch.finfo(out.dtype).bits)
