@@ -3,7 +3,7 @@
 Every default of full mode (the judge, the rise that starts the short learning, its steps, ...) was chosen on the
 shipped and wide pairs. This study trains twins of architectures and recipes outside them, the way
 ``examples/train_models.py`` trains its pairs (AdamW, warm-up and cosine decay, one thread, deterministic), with
-seeds 11 and 12, into a cache (``$SYMGRAPH_HELDOUT_MODELS``, default ``~/.cache/symgraph/heldout-v2``; a few
+seeds 11 and 12, into a cache (``$SYMGRAPH_HELDOUT_MODELS``, default ``~/.cache/symgraph/heldout-v3``; a few
 minutes a model on one thread), then measures the loss barrier of every mode asked for on the test split (B
 aligned to A, folded as ``barrier`` folds)::
 
@@ -12,6 +12,8 @@ aligned to A, folded as ``barrier`` folds)::
         --out examples/results/heldout_pairs.json
     python examples/study_heldout_pairs.py --pairs mixtral-chars,qwen2-chars,distilbert-topics,gemma2-chars,neox-chars \
         --out examples/results/heldout_pairs_2.json
+    python examples/study_heldout_pairs.py --pairs opt-chars,falcon-chars,bloom-chars,olmo2-chars \
+        --out examples/results/heldout_pairs_3.json
 
 Pairs: ``gpt2-chars`` (GPT-2: pre-LayerNorm, learned positions, Conv1D, tied LM head), ``llama-mha-chars`` (LLaMA of
 width 96, 2 layers, 6 heads without grouping, tied LM head), ``phi-chars`` (Phi: parallel attention and MLP, half
@@ -22,7 +24,11 @@ heads, query/key/value biases), ``distilbert-topics`` (DistilBERT classifier: po
 a ReLU pre-classifier), ``gemma2-chars`` (Gemma 2: norms that scale by 1 + weight, a norm after each sublayer as well
 as before, attention and final logit soft-capping, scaled and tied embeddings), ``neox-chars`` (GPT-NeoX: one
 fused query/key/value projection with heads interleaved, parallel attention and MLP with a LayerNorm each, a quarter
-of each head rotary).
+of each head rotary). Third round: ``opt-chars`` (OPT: ReLU FFN, learned positions read at an offset of 2, biases
+everywhere, a final LayerNorm), ``falcon-chars`` (Falcon: multi-query attention, one fused query/key/value
+projection, attention and MLP in parallel from one LayerNorm, no biases), ``bloom-chars`` (BLOOM: ALiBi instead of
+positions, a LayerNorm on the embeddings, fused query/key/value with heads interleaved, GELU), ``olmo2-chars``
+(OLMo 2: RMSNorms on queries and keys across all heads, norms after each sublayer and none before).
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ from symgraph.io import write_text_atomic  # noqa: E402
 
 SEEDS = {"a": 11, "b": 12}
 TEXTBOOK = "textbook"  # a mode of --modes: textbook weight matching (paper_experiments.textbook_curve)
-CACHE = Path(os.environ.get("SYMGRAPH_HELDOUT_MODELS", Path.home() / ".cache" / "symgraph" / "heldout-v2"))
-# v2: the second round's kinds joined; the first round's train as in v1 (same recipes, deterministic)
+CACHE = Path(os.environ.get("SYMGRAPH_HELDOUT_MODELS", Path.home() / ".cache" / "symgraph" / "heldout-v3"))
+# v3: the third round's kinds joined; the earlier rounds' train as in v1 and v2 (same recipes, deterministic)
 CHARS = dict(vocab_size=len(char_vocabulary()), max_position_embeddings=train_models.WINDOW, pad_token_id=0,
              bos_token_id=None, eos_token_id=None)
 
@@ -128,6 +134,39 @@ def _neox():
                                             **CHARS))
 
 
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                                    word_embed_proj_dim=64, do_layer_norm_before=True, activation_function="relu",
+                                    dropout=0.0, attention_dropout=0.0, layerdrop=0.0, tie_word_embeddings=False,
+                                    **CHARS))
+
+
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                                          bias=False, alibi=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                          tie_word_embeddings=False, **CHARS))
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                        attention_dropout=0.0, tie_word_embeddings=False, **CHARS))
+
+
+def _olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                                        **CHARS))
+
+
 # pair -> (builder, the training loop's family: data, steps, learning rate, batch)
 PAIRS = {
     "gpt2-chars": (_gpt2, train_models.Family("gpt2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
@@ -143,6 +182,10 @@ PAIRS = {
                                                            batch=32, weight_decay=0.1)),
     "gemma2-chars": (_gemma2, train_models.Family("gemma2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
     "neox-chars": (_neox, train_models.Family("neox-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "opt-chars": (_opt, train_models.Family("opt-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "falcon-chars": (_falcon, train_models.Family("falcon-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "bloom-chars": (_bloom, train_models.Family("bloom-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "olmo2-chars": (_olmo2, train_models.Family("olmo2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
 }
 for _name, (_build, _family) in PAIRS.items():  # the training loop finds a family's builder, batches and task
     train_models.BUILDERS[_name] = _build
