@@ -787,8 +787,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
 
 def _both_labelled_alike(w, node: fx.Node) -> bool:
     """Whether both operands of a map of coordinate pairs (``max(a, b)``) carry channels of one coordinate each
-    (no linear mixes, no heads) along the same axes, so that coordinate i of one meets coordinate i of the other
-    only: tied, they move alike and the map commutes with any permutation of both."""
+    (no linear mixes) along the same axes, so that coordinate i of one meets coordinate i of the other only: tied,
+    they move alike and the map commutes with any permutation of both (of heads too: a sink logit per head joined
+    to its head's scores by ``logaddexp`` moves with its head)."""
     if len(node.args) != 2 or not isinstance(node.args[1], fx.Node) or _shape_of(node) is None:
         return False
     a, b = w.value(node.args[0]), w.value(node.args[1])
@@ -796,7 +797,7 @@ def _both_labelled_alike(w, node: fx.Node) -> bool:
         return False
     out_shape = _shape_of(node)
     axes = [sorted(chan_axes(c.broadcast_to(out_shape)) for c in v.chans) for v in (a, b)]
-    return axes[0] == axes[1] and all(_uniform(c) and not c.block for c in (*a.chans, *b.chans))
+    return axes[0] == axes[1] and all(_uniform(c) for c in (*a.chans, *b.chans))
 
 
 def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:
@@ -1244,6 +1245,8 @@ def _centred(w, node, x: Value) -> Value:
 def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     out_shape = out_shape or _shape_of(node)
     a, b = _as_value(a), _as_value(b)
+    if any(c.block for c in b.chans) and not any(c.block for c in a.chans):
+        a, b = b, a  # head scores first: per-head coordinates added to them (bias + scores) find their heads
     chans, used, pinned = [], set(), []
     b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
     for ca in a.chans:
@@ -1271,7 +1274,8 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
-    if not (_uniform(ca) and _uniform(cb)):  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
+    if not (_uniform(ca) and _uniform(cb) or _term_per_head(ca, cb)):
+        # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
         return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
     w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
@@ -1279,6 +1283,16 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
     # a sum is no weight vector: weights multiplied in are only ever permuted, which would leave the other
     # operand's ids (tied here) free to scale
     return replace(ca, weight=False, uniform=False)
+
+
+def _term_per_head(ca: Chan, cb: Chan) -> bool:
+    """Head scores (a head block) plus one term of per-head coordinates whose coefficient is the same for every
+    head (ALiBi: a learned slope per head times the distance, ``-slope`` included): heads only permute, so the
+    term moves with its head whatever multiplies it along the other axes."""
+    if not ca.block or ca.mixed or cb.block or len(cb.terms) != 1:
+        return False
+    coef = cb.terms[0].coef
+    return coef is None or not data_varies(coef, chan_axes(ca), ca.ids.shape)
 
 
 def _uniform_after_adding(chan: Chan, other: Value, out_shape) -> Chan:
