@@ -1403,7 +1403,8 @@ def _product(w, node, a, b, divide: bool) -> Value:
     a_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in a.chans]
     b_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in b.chans]
     pairs, alone = _pair_by_axes(a_chans, b_chans)
-    chans = [_multiply_channels(w, node, ca, cb, out_shape, ratio) for ca, cb in pairs]
+    chans = [_weighted_slices(w, node, ca, cb, a, b, out_shape)
+             or _multiply_channels(w, node, ca, cb, out_shape, ratio) for ca, cb in pairs]
     for c, from_a in alone:
         other = b if from_a else a
         if chan_axes(c) & _varying_axes(other, out_shape):
@@ -1417,6 +1418,20 @@ def _product(w, node, a, b, divide: bool) -> Value:
         else:
             chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
+
+
+def _weighted_slices(w, node, ca: Chan, cb: Chan, a: Value, b: Value, out_shape) -> Chan | None:
+    """Whole spaces stacked along an axis, each slice times its own weight (``gates.unsqueeze(-1) * stacked``):
+    the weight varies along the stack axis only, so it scales each slice alike and the product keeps the slices'
+    coordinates (a sum over the stack then adds them). The weight's own coordinates would have to move with
+    whole slices: pinned. None where the factors are anything else."""
+    for x, weight, other in ((ca, cb, b), (cb, ca, a)):
+        along = chan_axes(weight)
+        if not weight.block and along < chan_axes(x) and _slices_are_whole_spaces(w, x, along) and \
+                not _varying_axes(other, out_shape) & (chan_axes(x) - along):
+            _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
+            return x
+    return None
 
 
 def _pair_by_axes(a_chans: list[Chan], b_chans: list[Chan]):
@@ -1835,6 +1850,9 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
                 _each_coordinate_along_another_axis(w, node, c, "a statistic")
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
+        if not (spec.order_free or spec.norm or centring) and _slices_are_whole_spaces(w, c, axes & caxes):
+            passed.append(_slices_added(w, node, c, axes, keepdim, out_shape))
+            continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
         if centring:
             invariant = True
@@ -1856,6 +1874,39 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     value = Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
                   follows=follows if invariant and not passed else None)
     return [value] * results if results else value
+
+
+def _slices_are_whole_spaces(w, c: Chan, summed: frozenset[int]) -> bool:
+    """Whether each slice of ``c`` along the one summed axis holds every coordinate of one space, alone (experts'
+    outputs stacked, then summed; a weight per slice allowed): a sum of those slices, as ``add`` sums tensors,
+    rather than a statistic of coordinates (a sum over a head's own coordinates, or over one coordinate of each
+    head, holds part of a space per slice)."""
+    if len(summed) != 1 or c.block or c.degree != 1 or len(c.terms) != 1:
+        return False
+    axis, ids = next(iter(summed)), collapse(c.ids)
+    kept = chan_axes(c) - summed
+    coef = c.terms[0].coef
+    if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
+        return False
+    starts = np.array([r.start for r in w.ids.ranges])
+    for e in range(ids.shape[axis]):
+        held = torch.unique(ids.select(axis, e)).numpy()
+        if held.size == 0 or held[0] < 0:
+            return False
+        r = w.ids.ranges[int(np.searchsorted(starts, held[0], side="right")) - 1]
+        if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
+            return False
+    return True
+
+
+def _slices_added(w, node, c: Chan, axes, keepdim, out_shape) -> Chan:
+    """The slices tied, as ``add`` ties its operands: the sum carries the first slice's coordinates on (a weight
+    per slice, the same for each of its coordinates, scales them all alike)."""
+    axis = next(iter(axes & chan_axes(c)))
+    first = c.ids.narrow(axis, 0, 1)
+    for e in range(1, c.ids.shape[axis]):
+        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node.name)
+    return _drop_axes(Chan.clean(first.expand(c.ids.shape)), axes, keepdim, out_shape)
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
