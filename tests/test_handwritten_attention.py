@@ -59,8 +59,9 @@ class WidthNormedQK(torch.nn.Module):
 class SinkAttention(torch.nn.Module):
     """Attention whose softmax also sees one learned logit per head, dropped afterwards."""
 
-    def __init__(self, sinks: str = "parameter"):
+    def __init__(self, sinks: str = "parameter", logaddexp: bool = False):
         super().__init__()
+        self.logaddexp = logaddexp  # the sink joined to each row's log-sum-exp, not concatenated to the scores
         self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
         if sinks == "parameter":
             self.sinks = torch.nn.Parameter(torch.zeros(HEADS))
@@ -72,10 +73,36 @@ class SinkAttention(torch.nn.Module):
         b, n, _ = x.shape
         q, k, v = (p(x).view(b, n, HEADS, WIDTH // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
         scores = q @ k.transpose(-1, -2) / 2.0
-        sink = self.sinks.view(1, HEADS, 1, 1).expand(b, HEADS, n, 1)
-        weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        if self.logaddexp:
+            weights = torch.exp(scores - torch.logaddexp(scores.logsumexp(-1, keepdim=True),
+                                                         self.sinks.view(1, HEADS, 1, 1)))
+        else:
+            sink = self.sinks.view(1, HEADS, 1, 1).expand(b, HEADS, n, 1)
+            weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         return self.o((weights @ v).transpose(1, 2).reshape(b, n, WIDTH))
 
+
+class LearnedAlibi(torch.nn.Module):
+    """ALiBi with a learned slope per head: ``-slope * |i - j|`` added to each head's scores, the bias written
+    before or after the scores; ``fixed factor``: the slopes also scaled by a fixed number per head."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.slopes = torch.nn.Parameter(torch.linspace(0.2, 0.8, HEADS))
+        self.register_buffer("factor", torch.linspace(1.0, 2.0, HEADS))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, HEADS, WIDTH // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / 2.0
+        i = torch.arange(n)
+        distance = (i[None, :] - i[:, None]).to(x.dtype).abs()
+        slopes = self.slopes * self.factor if self.form == "fixed factor" else self.slopes
+        bias = -slopes.view(HEADS, 1, 1) * distance
+        scores = bias + scores if self.form == "bias first" else scores + bias
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, WIDTH))
 
 
 class ExtraHead(torch.nn.Module):
@@ -112,19 +139,42 @@ def test_extra_key_value_rows_keep_the_per_head_groups(bias_kv, zero_attn):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_a_learned_sink_logit_moves_with_its_head():
-    subject = symgraph.load(noisy(SinkAttention()), (torch.randn(2, 5, WIDTH),))
+@pytest.mark.parametrize("logaddexp", [False, True], ids=["concatenated", "logaddexp"])
+def test_a_learned_sink_logit_moves_with_its_head(logaddexp):
+    # logaddexp(scores.logsumexp(-1), sink): an unknown op that pinned the heads
+    subject = symgraph.load(noisy(SinkAttention(logaddexp=logaddexp)), (torch.randn(2, 5, WIDTH),))
     heads = [g for g in subject.report.groups if g.motif == "heads"]
     assert len(heads) == 1 and "sinks" in {m.param for m in heads[0].members}, census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 
 @pytest.mark.parametrize("sinks,permuted", [("buffer per head", False), ("buffer alike", True)])
-def test_a_fixed_sink_logit_keeps_heads_in_place_unless_every_head_has_the_same(sinks, permuted):
-    subject = symgraph.load(SinkAttention(sinks).eval(), (torch.randn(2, 5, WIDTH),))
+@pytest.mark.parametrize("logaddexp", [False, True], ids=["concatenated", "logaddexp"])
+def test_a_fixed_sink_logit_keeps_heads_in_place_unless_every_head_has_the_same(sinks, permuted, logaddexp):
+    subject = symgraph.load(SinkAttention(sinks, logaddexp).eval(), (torch.randn(2, 5, WIDTH),))
     groups = census(subject)
     assert (groups.get("heads permutation 4x1") == 1) == permuted, groups
     assert groups.get("qk orthogonal 4x4") == 1 and groups.get("vo orthogonal 4x4") == 1, groups
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("form", ["scores first", "bias first"])
+def test_a_learned_alibi_slope_moves_with_its_head(form):
+    """``-slope * distance``: negated before the product, the slope's term carried the distance as a coefficient
+    and was read as a linear mix of the head scores, which lost the head permutation and every value group; the
+    coefficient is the same for every head, so the slope moves with its head. Added before the scores, the bias
+    found no heads to move with."""
+    subject = symgraph.load(noisy(LearnedAlibi(form)), (torch.randn(2, 5, WIDTH),))
+    groups = census(subject)
+    assert groups.get("vo orthogonal 4x4") == 1, groups
+    heads = [g for g in subject.report.groups if g.motif == "heads"]
+    assert len(heads) == 1 and "slopes" in {m.param for m in heads[0].members}, groups
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_an_alibi_slope_scaled_by_a_fixed_number_per_head_keeps_heads_in_place():
+    subject = symgraph.load(noisy(LearnedAlibi("fixed factor")), (torch.randn(2, 5, WIDTH),))
+    assert not [g for g in subject.report.groups if g.motif == "heads"], census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 

@@ -172,6 +172,53 @@ def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
     assert_fuzzed_at_two_shapes(subject)
 
 
+class StackedMoE(nn.Module):
+    """Every expert run on every token, the outputs stacked and mixed: by the router's weights
+    (``(gates.unsqueeze(-1) * stacked).sum(-2)``, or along a leading stack axis), a fixed weight per expert, or a
+    plain sum. ``per unit``: the gates weigh each output unit of each expert (E * D router outputs)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
+        self.router = nn.Linear(D, E * D if form == "per unit" else E)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
+                                     for _ in range(E))
+
+    def forward(self, x):
+        h = self.inp(x)
+        gates = self.router(h)
+        if self.form == "stack first":
+            mixed = (gates.softmax(-1).permute(2, 0, 1).unsqueeze(-1)
+                     * torch.stack([e(h) for e in self.experts])).sum(0)
+        elif self.form == "per unit":
+            mixed = (gates.unflatten(-1, (E, D)).sigmoid() * torch.stack([e(h) for e in self.experts], -2)).sum(-2)
+        else:
+            weights = {"gates": gates.softmax(-1).unsqueeze(-1), "plain": 1.0,
+                       "fixed": torch.tensor([[0.2], [0.3], [0.5]], dtype=h.dtype)}[self.form]
+            mixed = (weights * torch.stack([e(h) for e in self.experts], -2)).sum(-2)
+        return self.out(h + mixed)
+
+
+@pytest.mark.parametrize("form", ["gates", "stack first", "fixed", "plain"])
+def test_experts_stacked_then_summed_keep_the_stream(form):
+    """The stacked experts' outputs were summed as a statistic of coordinates (a value no map moves), which the
+    stream it is added to could not follow; each slice holds one expert's whole output, so the sum adds the
+    slices, as the loop over experts adds them. The gates weigh whole slices: their router rows pin."""
+    subject = _load(StackedMoE(form))
+    groups = census(subject)
+    assert groups.get("residual general_linear 8x1") == 1, groups
+    assert groups.get(f"ffn permutation/positive {HIDDEN}x1") == E, groups
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_gates_per_output_unit_keep_the_stream_pinned():
+    """A gate per unit of each expert's output is no weight of whole slices: the stream stays pinned."""
+    subject = _load(StackedMoE("per unit"))
+    assert not any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
 class RoutedReshape(nn.Module):
     """Routed tokens reshaped by their run-time count: ``view(rows.shape[0], 2, 4)`` splits the channel axis only;
     ``reshape(rows.shape[0] * D)`` merges the count with it, which the labels cannot follow."""

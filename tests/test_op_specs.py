@@ -227,6 +227,7 @@ EXAMPLES = {
     "aten.minimum.default": lambda h, m: A.minimum.default(h, torch.tensor(0.1)),
     "aten.max.other": lambda h, m: A.max.other(h, torch.tensor(-0.1)),
     "aten.min.other": lambda h, m: A.min.other(h, torch.tensor(0.1)),
+    "aten.logaddexp.default": lambda h, m: A.logaddexp.default(h, m.v2),  # a learned bias per unit: moves with it
     "aten._weight_norm.default": lambda h, m: A.linear.default(h, A._weight_norm.default(m.w, m.v[:, None], 0)),
     "aten.mv.default": lambda h, m: h + A.mv.default(m.w, h.mean((0, 1))),
     "aten.addmv.default": lambda h, m: h + A.addmv.default(m.v2, m.w, h.mean((0, 1))),

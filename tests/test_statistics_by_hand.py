@@ -227,6 +227,10 @@ class Piecewise(nn.Module):
             u = torch.maximum(h, self.threshold)
         elif self.kind == "fixed threshold":  # a bound per unit that nothing moves
             u = torch.maximum(h, torch.linspace(-0.1, 0.1, FF, dtype=h.dtype))
+        elif self.kind == "above threshold":  # kept above a learned threshold per unit, else 0
+            u = torch.where(h > self.threshold, h, 0.0)
+        elif self.kind == "above fixed threshold":
+            u = torch.where(h > torch.linspace(-0.1, 0.1, FF, dtype=h.dtype), h, 0.0)
         else:  # the larger of two activations
             u = torch.maximum(h, self.gate(x))
         return self.head(x + self.down(u))
@@ -246,17 +250,19 @@ def test_an_activation_chosen_by_a_units_value_keeps_its_unit_permutation(kind):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_a_bound_that_differs_per_unit_pins_the_units():
-    subject = subject_of(Piecewise("fixed threshold"))
+@pytest.mark.parametrize("kind", ["fixed threshold", "above fixed threshold"])
+def test_a_bound_that_differs_per_unit_pins_the_units(kind):
+    subject = subject_of(Piecewise(kind))
     assert not any(getattr(m, "param", None) == "up.weight" and m.axis == 0
                    for g in subject.report.groups for m in g.members)
     assert_fuzzed_at_two_shapes(subject)
 
 
-@pytest.mark.parametrize("kind, bound", [("threshold", "threshold"), ("other", "gate.weight")])
+@pytest.mark.parametrize("kind, bound", [("threshold", "threshold"), ("other", "gate.weight"),
+                                         ("above threshold", "threshold")])
 def test_a_labelled_bound_per_unit_moves_with_the_units(kind, bound):
-    """max(up(x), t) with t a learned threshold per unit or another layer's units: unit i meets t's entry i only,
-    so the two permute together (they used to pin)."""
+    """max(up(x), t) with t a learned threshold per unit or another layer's units, or where(up(x) > t, up(x), 0):
+    unit i meets t's entry i only, so the two permute together (they used to pin)."""
     subject = subject_of(Piecewise(kind))
     ffn = [g for g in subject.report.groups if g.motif == "ffn"]
     assert [(g.kind, g.size) for g in ffn] == [("permutation", FF)], [g.id for g in subject.report.groups]

@@ -787,8 +787,9 @@ def rule_activation(w, node: fx.Node, spec) -> Value:
 
 def _both_labelled_alike(w, node: fx.Node) -> bool:
     """Whether both operands of a map of coordinate pairs (``max(a, b)``) carry channels of one coordinate each
-    (no linear mixes, no heads) along the same axes, so that coordinate i of one meets coordinate i of the other
-    only: tied, they move alike and the map commutes with any permutation of both."""
+    (no linear mixes) along the same axes, so that coordinate i of one meets coordinate i of the other only: tied,
+    they move alike and the map commutes with any permutation of both (of heads too: a sink logit per head joined
+    to its head's scores by ``logaddexp`` moves with its head)."""
     if len(node.args) != 2 or not isinstance(node.args[1], fx.Node) or _shape_of(node) is None:
         return False
     a, b = w.value(node.args[0]), w.value(node.args[1])
@@ -796,7 +797,7 @@ def _both_labelled_alike(w, node: fx.Node) -> bool:
         return False
     out_shape = _shape_of(node)
     axes = [sorted(chan_axes(c.broadcast_to(out_shape)) for c in v.chans) for v in (a, b)]
-    return axes[0] == axes[1] and all(_uniform(c) and not c.block for c in (*a.chans, *b.chans))
+    return axes[0] == axes[1] and all(_uniform(c) for c in (*a.chans, *b.chans))
 
 
 def _bounded_by_varying_tensor(w, node: fx.Node, x: Value, slopes=None) -> bool:
@@ -1244,6 +1245,8 @@ def _centred(w, node, x: Value) -> Value:
 def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     out_shape = out_shape or _shape_of(node)
     a, b = _as_value(a), _as_value(b)
+    if any(c.block for c in b.chans) and not any(c.block for c in a.chans):
+        a, b = b, a  # head scores first: per-head coordinates added to them (bias + scores) find their heads
     chans, used, pinned = [], set(), []
     b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
     for ca in a.chans:
@@ -1271,7 +1274,8 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
-    if not (_uniform(ca) and _uniform(cb)):  # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
+    if not (_uniform(ca) and _uniform(cb) or _term_per_head(ca, cb)):
+        # x*cos + rotate(x)*sin: a linear mix, resolved when consumed
         return Chan(_as_mixed(ca) + _as_mixed(cb), block=ca.block)
     w.c.tie(ca.ids, cb.ids, node=node.name)  # a per-head parameter added to head scores moves with the heads
     if residual and not ca.block:
@@ -1279,6 +1283,16 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
     # a sum is no weight vector: weights multiplied in are only ever permuted, which would leave the other
     # operand's ids (tied here) free to scale
     return replace(ca, weight=False, uniform=False)
+
+
+def _term_per_head(ca: Chan, cb: Chan) -> bool:
+    """Head scores (a head block) plus one term of per-head coordinates whose coefficient is the same for every
+    head (ALiBi: a learned slope per head times the distance, ``-slope`` included): heads only permute, so the
+    term moves with its head whatever multiplies it along the other axes."""
+    if not ca.block or ca.mixed or cb.block or len(cb.terms) != 1:
+        return False
+    coef = cb.terms[0].coef
+    return coef is None or not data_varies(coef, chan_axes(ca), ca.ids.shape)
 
 
 def _uniform_after_adding(chan: Chan, other: Value, out_shape) -> Chan:
@@ -1389,7 +1403,8 @@ def _product(w, node, a, b, divide: bool) -> Value:
     a_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in a.chans]
     b_chans = [w.resolve(c, node.name).broadcast_to(out_shape) for c in b.chans]
     pairs, alone = _pair_by_axes(a_chans, b_chans)
-    chans = [_multiply_channels(w, node, ca, cb, out_shape, ratio) for ca, cb in pairs]
+    chans = [_weighted_slices(w, node, ca, cb, a, b, out_shape)
+             or _multiply_channels(w, node, ca, cb, out_shape, ratio) for ca, cb in pairs]
     for c, from_a in alone:
         other = b if from_a else a
         if chan_axes(c) & _varying_axes(other, out_shape):
@@ -1403,6 +1418,20 @@ def _product(w, node, a, b, divide: bool) -> Value:
         else:
             chans.append(c)  # the other factor is the same for every coordinate: a common scale
     return Value(chans=chans, shape=out_shape)
+
+
+def _weighted_slices(w, node, ca: Chan, cb: Chan, a: Value, b: Value, out_shape) -> Chan | None:
+    """Whole spaces stacked along an axis, each slice times its own weight (``gates.unsqueeze(-1) * stacked``):
+    the weight varies along the stack axis only, so it scales each slice alike and the product keeps the slices'
+    coordinates (a sum over the stack then adds them). The weight's own coordinates would have to move with
+    whole slices: pinned. None where the factors are anything else."""
+    for x, weight, other in ((ca, cb, b), (cb, ca, a)):
+        along = chan_axes(weight)
+        if not weight.block and along < chan_axes(x) and _slices_are_whole_spaces(w, x, along) and \
+                not _varying_axes(other, out_shape) & (chan_axes(x) - along):
+            _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
+            return x
+    return None
 
 
 def _pair_by_axes(a_chans: list[Chan], b_chans: list[Chan]):
@@ -1821,6 +1850,9 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
                 _each_coordinate_along_another_axis(w, node, c, "a statistic")
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
+        if not (spec.order_free or spec.norm or centring) and _slices_are_whole_spaces(w, c, axes & caxes):
+            passed.append(_slices_added(w, node, c, axes, keepdim, out_shape))
+            continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
         if centring:
             invariant = True
@@ -1842,6 +1874,39 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     value = Value(chans=passed, shape=out_shape, invariant=invariant and not passed,
                   follows=follows if invariant and not passed else None)
     return [value] * results if results else value
+
+
+def _slices_are_whole_spaces(w, c: Chan, summed: frozenset[int]) -> bool:
+    """Whether each slice of ``c`` along the one summed axis holds every coordinate of one space, alone (experts'
+    outputs stacked, then summed; a weight per slice allowed): a sum of those slices, as ``add`` sums tensors,
+    rather than a statistic of coordinates (a sum over a head's own coordinates, or over one coordinate of each
+    head, holds part of a space per slice)."""
+    if len(summed) != 1 or c.block or c.degree != 1 or len(c.terms) != 1:
+        return False
+    axis, ids = next(iter(summed)), collapse(c.ids)
+    kept = chan_axes(c) - summed
+    coef = c.terms[0].coef
+    if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
+        return False
+    starts = np.array([r.start for r in w.ids.ranges])
+    for e in range(ids.shape[axis]):
+        held = torch.unique(ids.select(axis, e)).numpy()
+        if held.size == 0 or held[0] < 0:
+            return False
+        r = w.ids.ranges[int(np.searchsorted(starts, held[0], side="right")) - 1]
+        if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
+            return False
+    return True
+
+
+def _slices_added(w, node, c: Chan, axes, keepdim, out_shape) -> Chan:
+    """The slices tied, as ``add`` ties its operands: the sum carries the first slice's coordinates on (a weight
+    per slice, the same for each of its coordinates, scales them all alike)."""
+    axis = next(iter(axes & chan_axes(c)))
+    first = c.ids.narrow(axis, 0, 1)
+    for e in range(1, c.ids.shape[axis]):
+        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node.name)
+    return _drop_axes(Chan.clean(first.expand(c.ids.shape)), axes, keepdim, out_shape)
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
