@@ -68,6 +68,7 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
                 for t in c.terms:
                     w.c.pin(t.ids, "positions chosen by indices whose values depend on parameters", node.name)
             continue
+        kept = _align_joined_terms(w, node, j, slots) if spec.concatenates or spec.stacks else {}
         try:
             results.append(_move_channel(w, node, j, spec, slots))
             if isinstance(results[-1], Chan) and _reorders(w, node, spec, j, slots, results[-1]):
@@ -77,6 +78,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
             if not any(_run_time_size(a) for a in node.all_input_nodes):
                 raise
             return _pin_moved(w, node, "reshaped by a size known only at run time, merged with other axes")
+        finally:
+            w.values.update(kept)
     if results and isinstance(results[0], list):
         return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
@@ -551,6 +554,39 @@ def _slot(v: Value | None, j: int, slots: dict[int, list[int | None]]) -> Chan |
     if v is None or id(v) not in slots or j >= len(slots[id(v)]) or slots[id(v)][j] is None:
         return None
     return v.chans[slots[id(v)][j]]
+
+
+def _align_joined_terms(w, node: fx.Node, j: int, slots: dict[int, list[int | None]]) -> dict[str, Value]:
+    """Mixed pieces joined term by term: the k-th terms of all pieces become the k-th term of the result, whose
+    first term labels its positions. A sum's terms come in the order the model wrote them: ``stack([x0 * c - x1 *
+    s, x0 * s + x1 * c], -1)`` (interleaved rotary, sine term first) would pair x0 with x0, and a first term holding
+    each coordinate twice resolves to nothing. Each later piece's terms are put in the order that makes its k-th
+    term read coordinates the first mixed piece's k-th term does not (kept where none does); the sum is the same.
+    The pieces' values are swapped in ``w.values`` for the join; the originals are returned, to be put back."""
+    first, kept = None, {}
+    for a in moved_operands(node):
+        v = w.values.get(a.name)
+        c = _slot(v, j, slots) if isinstance(v, Value) else None
+        if c is None or not c.mixed or a.name in kept:
+            continue
+        if first is None:
+            first = [_coordinates(t) for t in c.terms]
+            continue
+        rest, terms = list(c.terms), []
+        for seen in first[:len(rest)]:
+            terms.append(rest.pop(next((k for k, t in enumerate(rest) if seen.isdisjoint(_coordinates(t))), 0)))
+        terms += rest
+        if any(t is not u for t, u in zip(terms, c.terms)):
+            chans = list(v.chans)
+            chans[slots[id(v)][j]] = replace(c, terms=tuple(terms))
+            kept[a.name] = v
+            w.values[a.name] = swapped = replace(v, chans=chans)
+            slots[id(swapped)] = slots[id(v)]
+    return kept
+
+
+def _coordinates(term: Term) -> set[int]:
+    return set(term.ids[term.ids >= 0].unique().tolist())
 
 
 def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | None]]):
