@@ -281,14 +281,14 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
         return  # the same ops on every piece
     # a piece one position wide along ``dim`` (a single unit, a single head, any stacked piece) carries its
     # coordinates there too, though no channel varies along an axis of size 1
-    cuts = _coordinate_cuts_before(w, pieces)
+    cuts = coordinate_cuts_before(w, pieces)
     w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans
                                     if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
                                    or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name,
-                        (lambda: _why_cuts_move(w, cuts)) if cuts else None)
+                        (lambda: why_cuts_move(w, cuts)) if cuts else None)
 
 
-def _coordinate_cuts_before(w, pieces: list[fx.Node], reach: int = 16) -> list[fx.Node]:
+def coordinate_cuts_before(w, pieces: list[fx.Node], reach: int = 16) -> list[fx.Node]:
     """The cuts along a coordinate axis (slice, narrow, split) on the way up from ``pieces`` through labelled
     values, at most ``reach`` nodes from each piece: where the pieces were cut apart. Their bounds are Python
     numbers the trace baked in, which the model may compute from the input's size (``h[..., :min(n, 6)]``)."""
@@ -319,7 +319,7 @@ def _cuts_a_coordinate_axis(w, cut: fx.Node) -> bool:
     return any(dim - rank + t.ids.dim() in labelled_axes(t.ids) for c in x.chans for t in c.terms)
 
 
-def _why_cuts_move(w, cuts: list[fx.Node]) -> str | None:
+def why_cuts_move(w, cuts: list[fx.Node]) -> str | None:
     """Why one of ``cuts`` may keep other coordinates at another input shape (None when none does)."""
     for cut in cuts:
         why = why_cut_moves(w, cut, w.value(cut.args[0]).chans)

@@ -280,7 +280,16 @@ class Walker:
                                      if base.chans else set())
         written = rules.piece_structure(self, node, self._structures)
         if held - {written}:
-            self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
+            shape, writes = _shape(write.base), [*self._writes.get(write.base, []), (node, write)]
+            written_from = [a for a in node.all_input_nodes if a is not mutated_argument(node)]
+            cuts = rules.coordinate_cuts_before(self, written_from)
+
+            def cuts_move() -> str | None:  # the writes' places, and the cuts of what they wrote
+                selections = selections_of(self.cap)
+                return next((why for n, w in writes if (why := why_write_moves(n, shape, w.positions, selections))),
+                            None) or rules.why_cuts_move(self, cuts)
+
+            self.c.separate_pieces(pieces(base, shape, value, write.positions), node.name, cuts_move)
         held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
