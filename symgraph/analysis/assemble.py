@@ -84,12 +84,13 @@ class Assembler:
         return with_expert_groups(self, self._analyse_once)
 
     def _analyse_once(self) -> Analysis:
+        role = self._rotary_roles()
+        self._pin_pieces_cut_elsewhere(role["kind"] > 0)
         cls_pinned = self._pinned_classes()
         cls_is_head = np.zeros(self.n_cls, bool)
         cls_is_head[self.cls[self.is_block]] = True
         space = self._spaces(cls_is_head)
         key = space.copy()
-        role = self._rotary_roles()
         key = _refine(self._refine_by_separations(key, role["kind"] > 0), self._passing_signatures())
         restriction = self._class_restrictions()
         excluded = cls_pinned | cls_is_head | (space < 0)
@@ -121,6 +122,23 @@ class Assembler:
                     restriction.meet(live, monomial("one"), reason=f"one sign for a centred row split into blocks ({node})")
                     changed |= bool((restriction.code[live] != before).any())
         return changed
+
+    def _pin_pieces_cut_elsewhere(self, rotary: np.ndarray) -> None:
+        """Pin the pieces (``self.c.pieces``) whose cuts may keep other coordinates at another input shape, where
+        keeping them apart matters: ``cat([h[..., :min(n, 6)] * 2, h[..., min(n, 6):]])`` doubles units 0-4 at the
+        traced length 5 and units 0-5 from length 6 on, so a permutation of units 5-11 is no symmetry. The cuts are
+        compared with the graphs traced at other shapes (analysis/cuts.py) only for pieces holding a coordinate
+        outside the rotary roles: rotate_half's halves (and a partial rotary's passthrough) are kept apart by those
+        roles instead, and most models would otherwise be traced three more times. Each check runs once."""
+        pending, self.c.cut_pieces = self.c.cut_pieces, []
+        for k, cuts_move in pending:
+            pieces, node = self.c.pieces[k]
+            ids = np.concatenate(pieces)
+            if rotary[self.cls[ids]].all():
+                continue
+            why = cuts_move()
+            if why is not None:
+                self.c.pin(ids, f"cut apart where the cut may fall elsewhere at another input shape ({why})", node)
 
     def _pinned_classes(self) -> np.ndarray:
         pinned = np.zeros(self.n_cls, bool)

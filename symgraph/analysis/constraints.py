@@ -5,6 +5,7 @@ Every record keeps the node that produced it so reports can say why an axis was 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +105,9 @@ class Constraints:
     # ids of the pieces of one tensor, cut apart and joined again after different ops: no piece's coordinates
     # (or heads) may mix with another's (see rules._separate_unlike_pieces)
     pieces: list[tuple[list[np.ndarray], str]] = field(default_factory=list)
+    # (index into ``pieces``, why the cuts that made those pieces may cut elsewhere at another input shape, or
+    # None): asked only where the pieces' coordinates would otherwise mix (analysis/assemble.py)
+    cut_pieces: list[tuple[int, Callable[[], str | None]]] = field(default_factory=list)
     # (ids, matrix key): ids multiplied by one matrix or summed by one contraction; coordinates whose sets of keys
     # differ may not mix (see Constraints.passes_through)
     passes: list[tuple[np.ndarray, str]] = field(default_factory=list)
@@ -157,10 +161,14 @@ class Constraints:
         if rows.size:
             self.taken.append((rows.reshape(-1, rows.shape[-1]), node))
 
-    def separate_pieces(self, pieces: list, node: str) -> None:
+    def separate_pieces(self, pieces: list, node: str, cuts_move: Callable[[], str | None] | None = None) -> None:
+        """``pieces`` (ids) may not mix; ``cuts_move``: where the pieces were cut apart at bounds the trace bakes
+        in, why those bounds may differ at another input shape (None when they do not)."""
         pieces = [p for p in (_ids(p) for p in pieces) if p.size]
         if len(pieces) > 1:
             self.pieces.append((pieces, node))
+            if cuts_move is not None:
+                self.cut_pieces.append((len(self.pieces) - 1, cuts_move))
 
     def passes_through(self, ids, node: str) -> None:
         """``ids`` pass through ``node``, a matrix (a contraction multiplies passing coordinates by its other

@@ -20,7 +20,7 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
+                     dropped_ids, ids_along, labelled_axes, orders_differ, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -284,9 +284,51 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
         return  # the same ops on every piece
     # a piece one position wide along ``dim`` (a single unit, a single head, any stacked piece) carries its
     # coordinates there too, though no channel varies along an axis of size 1
+    cuts = coordinate_cuts_before(w, pieces)
     w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans
                                     if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
-                                   or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name)
+                                   or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name,
+                        (lambda: why_cuts_move(w, cuts)) if cuts else None)
+
+
+def coordinate_cuts_before(w, pieces: list[fx.Node], reach: int = 16) -> list[fx.Node]:
+    """The cuts along a coordinate axis (slice, narrow, split) on the way up from ``pieces`` through labelled
+    values, at most ``reach`` nodes from each piece: where the pieces were cut apart. Their bounds are Python
+    numbers the trace baked in, which the model may compute from the input's size (``h[..., :min(n, 6)]``)."""
+    found, seen = [], set()
+    for piece in pieces:
+        todo, steps = [piece], 0
+        while todo and steps < reach:
+            node = todo.pop()
+            steps += 1
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            cut = node.args[0] if node.target is operator.getitem else node
+            spec = w.spec(cut) if isinstance(cut, fx.Node) else None
+            if isinstance(spec, MovementSpec) and spec.cuts and _cuts_a_coordinate_axis(w, cut):
+                found.append(cut)
+                continue
+            todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
+    return list(dict.fromkeys(found))
+
+
+def _cuts_a_coordinate_axis(w, cut: fx.Node) -> bool:
+    x = w.value(cut.args[0])
+    if x is None or x.shape is None:
+        return False
+    rank = len(x.shape)
+    dim = schema_arg(cut, "dim", 0) % rank
+    return any(dim - rank + t.ids.dim() in labelled_axes(t.ids) for c in x.chans for t in c.terms)
+
+
+def why_cuts_move(w, cuts: list[fx.Node]) -> str | None:
+    """Why one of ``cuts`` may keep other coordinates at another input shape (None when none does)."""
+    for cut in cuts:
+        why = why_cut_moves(w, cut, w.value(cut.args[0]).chans)
+        if why is not None:
+            return f"{cut.name}: {why}"
+    return None
 
 
 def _pin_beside_bare_pieces(w, node: fx.Node, spec) -> None:

@@ -47,6 +47,9 @@ class Walker:
         self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
         self.param_nodes: dict[str, fx.Node] = {}
         self._buffer_ids: dict[str, torch.Tensor] = {}
+        # placeholders of registered buffers: the same tensor at every input shape (lifted constants are not)
+        registered = {name for name, _ in cap.model.named_buffers()}
+        self._registered_buffers = frozenset(p for p, name in cap.buffers.items() if name in registered)
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
@@ -179,12 +182,15 @@ class Walker:
         return value
 
     def _forget_data_of_other_shapes(self, node: fx.Node, inputs: list[Value], scores: bool) -> bool:
-        """Data computed from the input's size alone (a window per head, ``min(n, 8 + 8 h)``) that the trace holds
-        constant along an axis where another operand's channel varies may vary there at another input shape: the
-        trace bakes the size in, and heads whose windows both exceed the traced length look alike. Such data is
-        compared with the graphs traced at the probe shapes; where it varies along that axis there (or cannot be
-        compared), it is forgotten (any values), so the rule reads it as varying. Whether any was forgotten.
-        ``scores``: an attention's mask meets the scores, whose last axis holds the keys, not the head's width."""
+        """Data computed from the input's size alone that meets another operand's channel along an axis may differ
+        there at another input shape, where the trace baked the size in: a window per head (``min(n, 8 + 8 h)``)
+        is the same for heads whose windows both exceed the traced length, a factor per unit (``1 + (u < n)``)
+        doubles other units. Such data is compared with the graphs traced at the probe shapes where it is constant
+        along that axis, or varies along it and along no other axis (values per coordinate, not per position:
+        rotary tables vary along positions too, and are left to the rotary rules); where the probe's data is not
+        constant there, or groups the coordinates otherwise, or cannot be compared, it is forgotten (any values),
+        so the rule reads it as varying. Whether any was forgotten. ``scores``: an attention's mask meets the
+        scores, whose last axis holds the keys, not the head's width."""
         rank = max((len(v.shape) for v in inputs if v.shape is not None), default=0)
         varying = {a + rank - c.ids.dim() for v in inputs for c in v.chans for a in chan_axes(c)} - \
             ({rank - 1} if scores else set())
@@ -192,25 +198,35 @@ class Walker:
         for arg in node.all_input_nodes:
             v = self.value(arg)
             data = v.data if v is not None and not v.chans else None
-            if not isinstance(data, torch.Tensor) or data.dim() == 0:
+            if not isinstance(data, torch.Tensor) or data.dim() == 0 or arg.name in self._registered_buffers:
                 continue
             shift = rank - data.dim()
-            flat = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying) \
-                - varying_axes(data)
-            if flat and self._varies_elsewhere(arg, data, flat):
+            met = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying)
+            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met else frozenset()
+            if (met or per_coordinate) and self._varies_elsewhere(arg, data, met - varying_axes(data), per_coordinate):
                 self.values[arg.name] = Value(shape=v.shape)
                 forgot = True
         return forgot
 
-    def _varies_elsewhere(self, arg: fx.Node, data: torch.Tensor, flat: frozenset[int]) -> bool:
+    def _varies_elsewhere(self, arg: fx.Node, data: torch.Tensor, flat: frozenset[int],
+                          per_coordinate: frozenset[int]) -> bool:
+        """Whether ``data`` (of node ``arg``), constant along ``flat`` and varying along ``per_coordinate`` only,
+        is otherwise at some probe shape."""
+        if not (flat or per_coordinate):
+            return False
         selections = selections_of(self.cap)
         if arg in selections.from_inputs or not selections.probes():
             return False  # drawn from the inputs (not baked in), or no other shape to meet
+        pattern = _equal_entries(data, per_coordinate)
 
         def differs(other: fx.Node, probe) -> str | None:
             there = probe.values.get(other.name)
             if not isinstance(there, torch.Tensor) or there.dim() != data.dim() or varying_axes(there) & flat:
                 return "it varies along an axis it is constant along at the traced shape"
+            if per_coordinate and (any(there.shape[a] != data.shape[a] for a in per_coordinate) or
+                                   varying_axes(there) - per_coordinate or
+                                   not torch.equal(_equal_entries(there, per_coordinate), pattern)):
+                return "it tells other coordinates apart than at the traced shape"
             return None
 
         return selections.why_differs(arg, differs) is not None
@@ -264,7 +280,16 @@ class Walker:
                                      if base.chans else set())
         written = rules.piece_structure(self, node, self._structures)
         if held - {written}:
-            self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
+            shape, writes = _shape(write.base), [*self._writes.get(write.base, []), (node, write)]
+            written_from = [a for a in node.all_input_nodes if a is not mutated_argument(node)]
+            cuts = rules.coordinate_cuts_before(self, written_from)
+
+            def cuts_move() -> str | None:  # the writes' places, and the cuts of what they wrote
+                selections = selections_of(self.cap)
+                return next((why for n, w in writes if (why := why_write_moves(n, shape, w.positions, selections))),
+                            None) or rules.why_cuts_move(self, cuts)
+
+            self.c.separate_pieces(pieces(base, shape, value, write.positions), node.name, cuts_move)
         held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
@@ -498,6 +523,19 @@ def _flat_values(node: fx.Node, values: dict) -> list[Value]:
 
 _ELEMENTWISE = frozenset({"identity", "activation", "add", "sub", "mul", "div", "pow"})  # value i from input i
 _BROADCASTS_DATA = _ELEMENTWISE | {"where", "attention"}  # data meets channels position by position (a mask)
+
+
+def _equal_entries(data: torch.Tensor, axes: frozenset[int]) -> torch.Tensor:
+    """Which entries of ``data`` along ``axes`` are equal (constant along every other axis): each entry's rank
+    among the distinct values in order of first appearance, so two tensors that group the entries alike agree."""
+    flat = data
+    for a in range(data.dim()):
+        if a not in axes:
+            flat = flat.narrow(a, 0, 1)
+    rows = torch.view_as_real(flat) if flat.is_complex() else flat.unsqueeze(-1)
+    _, inverse = torch.unique(rows.reshape(-1, rows.shape[-1]), dim=0, return_inverse=True)
+    first = {}
+    return torch.tensor([first.setdefault(int(i), len(first)) for i in inverse])
 
 
 def _elementwise_follows(node: fx.Node, inputs: list) -> torch.Tensor | None:
