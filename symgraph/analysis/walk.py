@@ -195,6 +195,7 @@ class Walker:
         varying = {a + rank - c.ids.dim() for v in inputs for c in v.chans for a in chan_axes(c)} - \
             ({rank - 1} if scores else set())
         forgot = False
+        complex_view = any(v.complex for v in inputs)  # axes of the real view: data's do not line up with them
         for arg in node.all_input_nodes:
             v = self.value(arg)
             data = v.data if v is not None and not v.chans else None
@@ -202,7 +203,7 @@ class Walker:
                 continue
             shift = rank - data.dim()
             met = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying)
-            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met else frozenset()
+            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met and not complex_view else frozenset()
             if (met or per_coordinate) and self._varies_elsewhere(arg, data, met - varying_axes(data), per_coordinate):
                 self.values[arg.name] = Value(shape=v.shape)
                 forgot = True
