@@ -127,18 +127,20 @@ class Assembler:
         """Pin the pieces (``self.c.pieces``) whose cuts may keep other coordinates at another input shape, where
         keeping them apart matters: ``cat([h[..., :min(n, 6)] * 2, h[..., min(n, 6):]])`` doubles units 0-4 at the
         traced length 5 and units 0-5 from length 6 on, so a permutation of units 5-11 is no symmetry. The cuts are
-        compared with the graphs traced at other shapes (analysis/cuts.py) only for pieces holding a coordinate
+        compared with the graphs traced at other shapes (analysis/cuts.py) only where the pieces split coordinates
         outside the rotary roles: rotate_half's halves (and a partial rotary's passthrough) are kept apart by those
-        roles instead, and most models would otherwise be traced three more times. Each check runs once."""
+        roles instead, and most models would otherwise be traced three more times; pieces that all hold the same
+        coordinates (a token overwritten in place) split nothing. Each check runs once."""
         pending, self.c.cut_pieces = self.c.cut_pieces, []
         for k, cuts_move in pending:
             pieces, node = self.c.pieces[k]
-            ids = np.concatenate(pieces)
-            if rotary[self.cls[ids]].all():
-                continue
+            classes, part = _row_partition([self.cls[p] for p in pieces])
+            if len(np.unique(part[~rotary[classes]])) < 2:
+                continue  # every coordinate in every piece (a token overwritten in place), or rotary roles
             why = cuts_move()
             if why is not None:
-                self.c.pin(ids, f"cut apart where the cut may fall elsewhere at another input shape ({why})", node)
+                self.c.pin(np.concatenate(pieces), f"cut apart where the cut may fall elsewhere at another input shape "
+                                                   f"({why})", node)
 
     def _pinned_classes(self) -> np.ndarray:
         pinned = np.zeros(self.n_cls, bool)

@@ -47,12 +47,19 @@ class IdSpace:
     def __init__(self):
         self.ranges: list[IdRange] = []
         self.next = 0
+        self._starts = np.zeros(0, dtype=np.int64)  # each range's first id, extended as ranges are allocated
 
     def allocate(self, size: int, owner: str = "", axis: int = 0, block: bool = False) -> torch.Tensor:
         rng = IdRange(self.next, size, owner, axis, block)
         self.ranges.append(rng)
         self.next += size
         return torch.arange(rng.start, rng.start + size, dtype=torch.int64)
+
+    def range_index(self, ids: np.ndarray) -> np.ndarray:
+        """The index in :attr:`ranges` of the range holding each of ``ids`` (all valid ids)."""
+        if len(self._starts) < len(self.ranges):
+            self._starts = np.array([r.start for r in self.ranges], dtype=np.int64)
+        return np.searchsorted(self._starts, ids, side="right") - 1
 
     def param_mask(self) -> np.ndarray:
         """Ids that index a parameter axis (not head blocks, not activation-only ids)."""

@@ -20,7 +20,7 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, ids_along, labelled_axes, orders_differ, unique_rows, varying_axes)
+                     dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -284,20 +284,23 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
         return  # the same ops on every piece
     # a piece one position wide along ``dim`` (a single unit, a single head, any stacked piece) carries its
     # coordinates there too, though no channel varies along an axis of size 1
-    cuts = coordinate_cuts_before(w, pieces)
-    w.c.separate_pieces([torch.cat([collapse(t.ids).reshape(-1) for c in v.chans
-                                    if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
-                                   or [torch.zeros(0, dtype=torch.int64)]) for v in values], node.name,
-                        (lambda: why_cuts_move(w, cuts)) if cuts else None)
+    ids = [torch.cat([collapse(t.ids).reshape(-1) for c in v.chans
+                      if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
+                     or [torch.zeros(0, dtype=torch.int64)]) for v in values]
+    cuts = coordinate_cuts_before(w, pieces, torch.cat(ids))
+    w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None)
 
 
-def coordinate_cuts_before(w, pieces: list[fx.Node], reach: int = 16) -> list[fx.Node]:
-    """The cuts along a coordinate axis (slice, narrow, split) on the way up from ``pieces`` through labelled
-    values, at most ``reach`` nodes from each piece: where the pieces were cut apart. Their bounds are Python
-    numbers the trace baked in, which the model may compute from the input's size (``h[..., :min(n, 6)]``)."""
+def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor, reach: int = 16) -> list[fx.Node]:
+    """The cuts (slice, narrow, split) on the way up from ``nodes`` through labelled values, at most ``reach``
+    nodes from each, that dropped some of ``ids`` (the coordinates of pieces kept apart): where the pieces were cut
+    apart. Their bounds are Python numbers the trace baked in, which the model may compute from the input's size
+    (``h[..., :min(n, 6)]``). A cut that drops none of them (the class token taken off a sequence) decides
+    nothing about which coordinate lies in which piece."""
+    wanted = set(ids[ids >= 0].tolist())
     found, seen = [], set()
-    for piece in pieces:
-        todo, steps = [piece], 0
+    for start in nodes:
+        todo, steps = [start], 0
         while todo and steps < reach:
             node = todo.pop()
             steps += 1
@@ -306,20 +309,14 @@ def coordinate_cuts_before(w, pieces: list[fx.Node], reach: int = 16) -> list[fx
             seen.add(node)
             cut = node.args[0] if node.target is operator.getitem else node
             spec = w.spec(cut) if isinstance(cut, fx.Node) else None
-            if isinstance(spec, MovementSpec) and spec.cuts and _cuts_a_coordinate_axis(w, cut):
-                found.append(cut)
+            if isinstance(spec, MovementSpec) and spec.cuts:
+                given, kept = w.value(cut.args[0]), w.value(node)
+                if isinstance(given, Value) and isinstance(kept, Value) and \
+                        wanted & set(dropped_ids(given.chans, kept.chans).tolist()):
+                    found.append(cut)
                 continue
             todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
     return list(dict.fromkeys(found))
-
-
-def _cuts_a_coordinate_axis(w, cut: fx.Node) -> bool:
-    x = w.value(cut.args[0])
-    if x is None or x.shape is None:
-        return False
-    rank = len(x.shape)
-    dim = schema_arg(cut, "dim", 0) % rank
-    return any(dim - rank + t.ids.dim() in labelled_axes(t.ids) for c in x.chans for t in c.terms)
 
 
 def why_cuts_move(w, cuts: list[fx.Node]) -> str | None:
@@ -662,11 +659,15 @@ def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
         varying = varying_axes(ids)
         at = tuple(slice(None) if a in varying else 0 for a in range(ids.dim()))
         coords = ids[at].reshape(-1).numpy()
-        counts = np.unique(coords[coords >= 0], return_counts=True)[1]
+        held, counts = np.unique(coords[coords >= 0], return_counts=True)
         if (counts == 1).all():
             continue  # every coordinate at one position: nothing to pair
-        if len(np.unique(counts[counts > 1])) > 1:
-            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
+        repeated = counts > 1
+        if len(np.unique(np.stack([w.ids.range_index(held[repeated]), counts[repeated]]), axis=1)[0]) > \
+                len(np.unique(w.ids.range_index(held[repeated]))):
+            # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th. Coordinates
+            # of different spaces may repeat differently (the stream's rows beside two learned register tokens)
+            return True
         offsets, inputs, start = {}, [], 0
         for a in moved_operands(node):
             v = w.value(a)
@@ -1330,8 +1331,8 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
         axes = chan_axes(ca)
-        j = next((j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes),
-                 None)
+        found = [j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes]
+        j = _labelled_alike(ca, [(j, b.chans[j].broadcast_to(out_shape)) for j in found]) if found else None
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
@@ -1349,6 +1350,22 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
     # layer's linear, took that linear's columns and pinned the stream)
     return Value(chans=chans if chans else pinned, shape=out_shape)
+
+
+def _labelled_alike(ca: Chan, candidates: list[tuple[int, Chan]]) -> int:
+    """The candidate channel (index, channel) to add to ``ca``: the first labelling the same positions, else the
+    first. The stream beside two learned register tokens varies along the tokens too (the tokens' own columns
+    there), and the registers' axis labels only their rows: a sum must pair the stream with the stream."""
+    if len(candidates) > 1:
+        mine = collapse(ca.ids) >= 0
+        for j, cb in candidates:
+            theirs = collapse(cb.ids) >= 0
+            try:
+                if bool((mine == theirs).all()):
+                    return j
+            except RuntimeError:  # shapes that do not broadcast: not alike
+                continue
+    return candidates[0][0]
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
@@ -1966,12 +1983,11 @@ def _slices_are_whole_spaces(w, c: Chan, summed: frozenset[int]) -> bool:
     coef = c.terms[0].coef
     if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
         return False
-    starts = np.array([r.start for r in w.ids.ranges])
     for e in range(ids.shape[axis]):
         held = torch.unique(ids.select(axis, e)).numpy()
         if held.size == 0 or held[0] < 0:
             return False
-        r = w.ids.ranges[int(np.searchsorted(starts, held[0], side="right")) - 1]
+        r = w.ids.ranges[int(w.ids.range_index(held[:1])[0])]
         if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
             return False
     return True

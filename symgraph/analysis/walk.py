@@ -195,6 +195,7 @@ class Walker:
         varying = {a + rank - c.ids.dim() for v in inputs for c in v.chans for a in chan_axes(c)} - \
             ({rank - 1} if scores else set())
         forgot = False
+        complex_view = any(v.complex for v in inputs)  # axes of the real view: data's do not line up with them
         for arg in node.all_input_nodes:
             v = self.value(arg)
             data = v.data if v is not None and not v.chans else None
@@ -202,7 +203,7 @@ class Walker:
                 continue
             shift = rank - data.dim()
             met = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying)
-            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met else frozenset()
+            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met and not complex_view else frozenset()
             if (met or per_coordinate) and self._varies_elsewhere(arg, data, met - varying_axes(data), per_coordinate):
                 self.values[arg.name] = Value(shape=v.shape)
                 forgot = True
@@ -281,15 +282,16 @@ class Walker:
         written = rules.piece_structure(self, node, self._structures)
         if held - {written}:
             shape, writes = _shape(write.base), [*self._writes.get(write.base, []), (node, write)]
+            apart = pieces(base, shape, value, write.positions)
             written_from = [a for a in node.all_input_nodes if a is not mutated_argument(node)]
-            cuts = rules.coordinate_cuts_before(self, written_from)
+            cuts = rules.coordinate_cuts_before(self, written_from, torch.cat(apart))
 
             def cuts_move() -> str | None:  # the writes' places, and the cuts of what they wrote
                 selections = selections_of(self.cap)
                 return next((why for n, w in writes if (why := why_write_moves(n, shape, w.positions, selections))),
                             None) or rules.why_cuts_move(self, cuts)
 
-            self.c.separate_pieces(pieces(base, shape, value, write.positions), node.name, cuts_move)
+            self.c.separate_pieces(apart, node.name, cuts_move)
         held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
