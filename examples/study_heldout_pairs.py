@@ -3,7 +3,7 @@
 Every default of full mode (the judge, the rise that starts the short learning, its steps, ...) was chosen on the
 shipped and wide pairs. This study trains twins of architectures and recipes outside them, the way
 ``examples/train_models.py`` trains its pairs (AdamW, warm-up and cosine decay, one thread, deterministic), with
-seeds 11 and 12, into a cache (``$SYMGRAPH_HELDOUT_MODELS``, default ``~/.cache/symgraph/heldout-v3``; a few
+seeds 11 and 12, into a cache (``$SYMGRAPH_HELDOUT_MODELS``, default ``~/.cache/symgraph/heldout-v4``; a few
 minutes a model on one thread), then measures the loss barrier of every mode asked for on the test split (B
 aligned to A, folded as ``barrier`` folds)::
 
@@ -14,6 +14,8 @@ aligned to A, folded as ``barrier`` folds)::
         --out examples/results/heldout_pairs_2.json
     python examples/study_heldout_pairs.py --pairs opt-chars,falcon-chars,bloom-chars,olmo2-chars \
         --out examples/results/heldout_pairs_3.json
+    python examples/study_heldout_pairs.py --pairs swin-digits,deberta-topics,granite-chars,stablelm-chars \
+        --out examples/results/heldout_pairs_4.json
 
 Pairs: ``gpt2-chars`` (GPT-2: pre-LayerNorm, learned positions, Conv1D, tied LM head), ``llama-mha-chars`` (LLaMA of
 width 96, 2 layers, 6 heads without grouping, tied LM head), ``phi-chars`` (Phi: parallel attention and MLP, half
@@ -28,7 +30,13 @@ of each head rotary). Third round: ``opt-chars`` (OPT: ReLU FFN, learned positio
 everywhere, a final LayerNorm), ``falcon-chars`` (Falcon: multi-query attention, one fused query/key/value
 projection, attention and MLP in parallel from one LayerNorm, no biases), ``bloom-chars`` (BLOOM: ALiBi instead of
 positions, a LayerNorm on the embeddings, fused query/key/value with heads interleaved, GELU), ``olmo2-chars``
-(OLMo 2: RMSNorms on queries and keys across all heads, norms after each sublayer and none before).
+(OLMo 2: RMSNorms on queries and keys across all heads, norms after each sublayer and none before). Fourth round:
+``swin-digits`` (Swin: attention within 2x2 windows, shifted every other block, a relative position bias table per
+head, patch merging between stages), ``deberta-topics`` (DeBERTa-v2 classifier: post-LayerNorm, disentangled attention
+through relative position embeddings shared by all layers and projected by each layer's query and key projections, no
+absolute positions), ``granite-chars`` (Granite: embedding, residual and attention multipliers, logits divided by a
+scale), ``stablelm-chars`` (StableLM: a LayerNorm per head on queries and keys, a quarter of each head rotary,
+query/key/value biases).
 """
 from __future__ import annotations
 
@@ -50,8 +58,8 @@ from symgraph.io import write_text_atomic  # noqa: E402
 
 SEEDS = {"a": 11, "b": 12}
 TEXTBOOK = "textbook"  # a mode of --modes: textbook weight matching (paper_experiments.textbook_curve)
-CACHE = Path(os.environ.get("SYMGRAPH_HELDOUT_MODELS", Path.home() / ".cache" / "symgraph" / "heldout-v3"))
-# v3: the third round's kinds joined; the earlier rounds' train as in v1 and v2 (same recipes, deterministic)
+CACHE = Path(os.environ.get("SYMGRAPH_HELDOUT_MODELS", Path.home() / ".cache" / "symgraph" / "heldout-v4"))
+# v4: the fourth round's kinds joined; the earlier rounds' train as in v1-v3 (same recipes, deterministic)
 CHARS = dict(vocab_size=len(char_vocabulary()), max_position_embeddings=train_models.WINDOW, pad_token_id=0,
              bos_token_id=None, eos_token_id=None)
 
@@ -167,6 +175,45 @@ def _olmo2():
                                         **CHARS))
 
 
+def _swin():
+    from transformers import SwinConfig, SwinForImageClassification
+
+    return SwinForImageClassification(SwinConfig(
+        image_size=8, patch_size=2, num_channels=1, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=2,
+        mlp_ratio=2.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=10,
+        id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
+
+
+def _deberta():
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    return DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=CHARS["vocab_size"], hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=160, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0,
+        pad_token_id=0, relative_attention=True, position_buckets=32, max_relative_positions=-1,
+        pos_att_type=["p2c", "c2p"], position_biased_input=False, share_att_key=True, norm_rel_ebd="layer_norm",
+        type_vocab_size=0, num_labels=len(TOPIC_CLASSES), id2label=dict(enumerate(TOPIC_CLASSES)),
+        label2id={c: i for i, c in enumerate(TOPIC_CLASSES)}))
+
+
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=4.0,
+                                            residual_multiplier=0.5, attention_multiplier=0.0625, logits_scaling=2.0,
+                                            tie_word_embeddings=False, **CHARS))
+
+
+def _stablelm():
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    return StableLmForCausalLM(StableLmConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=0.25,
+                                              qk_layernorm=True, use_qkv_bias=True, hidden_dropout=0.0,
+                                              attention_dropout=0.0, tie_word_embeddings=False, **CHARS))
+
+
 # pair -> (builder, the training loop's family: data, steps, learning rate, batch)
 PAIRS = {
     "gpt2-chars": (_gpt2, train_models.Family("gpt2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
@@ -186,6 +233,12 @@ PAIRS = {
     "falcon-chars": (_falcon, train_models.Family("falcon-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
     "bloom-chars": (_bloom, train_models.Family("bloom-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
     "olmo2-chars": (_olmo2, train_models.Family("olmo2-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "swin-digits": (_swin, train_models.Family("swin-digits", "digits", steps=2000, lr=1e-3, batch=64)),
+    "deberta-topics": (_deberta, train_models.Family("deberta-topics", "pydoc-topics", steps=600, lr=1e-3, batch=32,
+                                                     weight_decay=0.1)),
+    "granite-chars": (_granite, train_models.Family("granite-chars", "pydoc-chars", steps=1200, lr=3e-3, batch=32)),
+    "stablelm-chars": (_stablelm, train_models.Family("stablelm-chars", "pydoc-chars", steps=1200, lr=3e-3,
+                                                      batch=32)),
 }
 for _name, (_build, _family) in PAIRS.items():  # the training loop finds a family's builder, batches and task
     train_models.BUILDERS[_name] = _build
