@@ -19,8 +19,8 @@ from .centring import centred_input, is_centring_mean
 from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
-from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
+from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
+                     data_varies, dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -936,25 +936,44 @@ def rule_scan(w, node: fx.Node, spec) -> Value:
 
 def rule_pad(w, node: fx.Node, spec) -> Value:
     """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
-    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
-    Channels that vary along a padded axis (new positions with no coordinate) pin."""
+    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps. Along an
+    axis a channel varies along, a constant pad adds positions holding no coordinate, as ``cat`` with a constant
+    piece does; any other pad there (a crop, a reflection) pins."""
     args = _schema_args(node)
     x, out_shape = w.value(args["self"]), _shape_of(node)
     amounts = list(args.get("pad", args.get("padding")))
     padded = {len(out_shape) - 1 - i // 2 for i, n in enumerate(amounts) if n}
     value = args.get("value") or 0
+    constant = "value" in args and args.get("mode", "constant") == "constant"  # reflection_pad*: no value
     chans = []
     for c in x.chans:
         c = w.resolve(c, node.name)
-        if chan_axes(c) & padded or c.block:
+        along = chan_axes(c) & padded
+        if c.block or (along and not (constant and not c.mixed and _widened_only(amounts, along, len(out_shape)))):
             for t in c.terms:
                 w.c.pin(t.ids, "padded along an axis it varies along", node.name)
             continue
-        if value and args.get("mode", "constant") == "constant":
+        if value and constant and padded - along:
             w.c.restrict(c.ids, NEUTRAL, f"padded with the constant {value} in every coordinate", node.name)
-        first = tuple(slice(0, 1) if a in padded else slice(None) for a in range(len(out_shape)))
-        chans.append(c.map(lambda t: t[first].expand(out_shape)))
+        chans.append(replace(c, terms=(Term(_padded_labels(c.ids, amounts, along, padded, out_shape), None),),
+                             weight=False, uniform=False) if along else  # a cat with a constant piece
+                     c.map(lambda t: _first_along(t, padded, out_shape)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _widened_only(amounts: list[int], axes: frozenset[int], rank: int) -> bool:
+    """Whether the pad adds positions along ``axes`` and removes none there (a negative amount crops)."""
+    return all(n >= 0 for i, n in enumerate(amounts) if rank - 1 - i // 2 in axes)
+
+
+def _padded_labels(ids: torch.Tensor, amounts: list[int], along: frozenset[int], padded,
+                   out_shape) -> torch.Tensor:
+    """``ids`` padded with :data:`NO_ID` along ``along`` (new positions of no coordinate), and repeated along the
+    other padded axes (new positions of the same coordinates)."""
+    rank = len(out_shape)
+    own = [n if rank - 1 - i // 2 in along else 0 for i, n in enumerate(amounts)]
+    grown = torch.constant_pad_nd(collapse(ids).contiguous(), own, NO_ID)
+    return _first_along(grown, padded - along, out_shape)
 
 
 def rule_pow(w, node: fx.Node, spec) -> Value:
