@@ -135,24 +135,34 @@ class Contraction:
 
     def _through_permutation(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
                              out_shape) -> list[Chan] | None:
-        """One operand times a constant permutation matrix (``h @ torch.eye(d)``, a fixed reordering): each output
-        coordinate is one input coordinate, so the channels move as through an ``index_select`` instead of meeting
-        data that pins them. None unless one operand is such a matrix, contracted along one letter into another."""
+        """One operand times a constant monomial matrix (``h @ torch.eye(d)``, a fixed reordering, a signed one
+        such as rotate_half's, a diagonal of scales): each output coordinate is one input coordinate times a known
+        number, so the channels move as through an ``index_select`` and are then scaled as by ``h * numbers``,
+        instead of meeting data that pins them. None unless one operand is such a matrix, contracted along one
+        letter into another."""
         for x, p in ((a, b), (b, a)):
-            order = _permutation_of(p) if p.source is not None and not self._from_inputs(p.source) else None
-            if order is None:
+            found = _monomial_of(p) if p.source is not None and not self._from_inputs(p.source) else None
+            if found is None:
                 continue
-            k, m = p.letters
+            (k, m), (order, numbers) = p.letters, found
             if k in out_letters:  # the matrix read the other way round (F.linear's weight): its columns contracted
                 k, m, order = m, k, torch.argsort(order)
+                numbers = numbers[order]
             if contracted != {k} or m not in out_letters or m in x.letters:
                 continue
             axis, letters = x.letters.index(k), x.letters.replace(k, m)
             chans = [self.w.resolve(c, self.node) for c in x.chans]
+            scaled = bool((numbers != numbers[0]).any())
+            if scaled and any(c.block and k in _letters_of(c, x.letters) for c in chans):
+                return None  # numbers that differ from head to head stay when the heads move
             moved = [c.map(lambda t: t.index_select(axis, order) if t.shape[axis] > 1 else t) for c in chans]
             op = Operand(moved, out_shape, letters)
-            return [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
+            outs = [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
                                                               out_shape)) is not None]
+            if not scaled:
+                return outs
+            view = [len(numbers) if l == m else 1 for l in out_letters]
+            return [c.scaled(numbers.reshape(view).expand(out_shape)) for c in outs]
         return None
 
     def _from_inputs(self, name: str) -> bool:
@@ -335,17 +345,18 @@ def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, 
     return sizes
 
 
-def _permutation_of(op: Operand) -> torch.Tensor | None:
-    """For a constant square 0/1 matrix with one 1 in every row and column (and no channel), the row holding
-    each column's 1; None for anything else."""
+def _monomial_of(op: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a constant square real matrix with one nonzero entry in every row and column (and no channel), the
+    row holding each column's nonzero and that number (float64); None for anything else."""
     data = op.data
     if op.chans or not isinstance(data, torch.Tensor) or data.dim() != 2 or data.shape[0] != data.shape[1] \
-            or len(op.letters) != 2 or data.is_complex():
+            or len(op.letters) != 2 or data.is_complex() or not bool(data.isfinite().all()):
         return None
-    ones = data == 1
-    if not bool((ones | (data == 0)).all()) or not bool((ones.sum(0) == 1).all() and (ones.sum(1) == 1).all()):
+    nonzero = data != 0
+    if not bool((nonzero.sum(0) == 1).all() and (nonzero.sum(1) == 1).all()):
         return None
-    return ones.to(torch.int64).argmax(0)
+    order = nonzero.to(torch.int64).argmax(0)
+    return order, data.to(torch.float64)[order, torch.arange(len(order))]
 
 
 def _letters_of(chan: Chan, letters: str) -> set[str]:
