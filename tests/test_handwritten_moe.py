@@ -174,14 +174,15 @@ def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
 
 class StackedMoE(nn.Module):
     """Every expert run on every token, the outputs stacked and mixed: by the router's weights
-    (``(gates.unsqueeze(-1) * stacked).sum(-2)``, or along a leading stack axis), a fixed weight per expert, or a
-    plain sum. ``per unit``: the gates weigh each output unit of each expert (E * D router outputs)."""
+    (``(gates.unsqueeze(-1) * stacked).sum(-2)``, or along a leading stack axis, or contracted with the stack
+    axis by ``einsum`` or ``matmul``), a fixed weight per expert, or a plain sum. ``per unit`` (``per unit
+    einsum``): the gates weigh each output unit of each expert (E * D router outputs)."""
 
     def __init__(self, form: str):
         super().__init__()
         self.form = form
         self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
-        self.router = nn.Linear(D, E * D if form == "per unit" else E)
+        self.router = nn.Linear(D, E * D if form.startswith("per unit") else E)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
                                      for _ in range(E))
 
@@ -193,6 +194,13 @@ class StackedMoE(nn.Module):
                      * torch.stack([e(h) for e in self.experts])).sum(0)
         elif self.form == "per unit":
             mixed = (gates.unflatten(-1, (E, D)).sigmoid() * torch.stack([e(h) for e in self.experts], -2)).sum(-2)
+        elif self.form == "per unit einsum":
+            mixed = torch.einsum("bned,bned->bnd", gates.unflatten(-1, (E, D)).sigmoid(),
+                                 torch.stack([e(h) for e in self.experts], -2))
+        elif self.form in ("einsum", "matmul"):
+            stacked = torch.stack([e(h) for e in self.experts], -2)
+            mixed = torch.einsum("bne,bned->bnd", gates.softmax(-1), stacked) if self.form == "einsum" else \
+                (gates.softmax(-1).unsqueeze(-2) @ stacked).squeeze(-2)
         else:
             weights = {"gates": gates.softmax(-1).unsqueeze(-1), "plain": 1.0,
                        "fixed": torch.tensor([[0.2], [0.3], [0.5]], dtype=h.dtype)}[self.form]
@@ -200,11 +208,12 @@ class StackedMoE(nn.Module):
         return self.out(h + mixed)
 
 
-@pytest.mark.parametrize("form", ["gates", "stack first", "fixed", "plain"])
+@pytest.mark.parametrize("form", ["gates", "stack first", "fixed", "plain", "einsum", "matmul"])
 def test_experts_stacked_then_summed_keep_the_stream(form):
     """The stacked experts' outputs were summed as a statistic of coordinates (a value no map moves), which the
     stream it is added to could not follow; each slice holds one expert's whole output, so the sum adds the
-    slices, as the loop over experts adds them. The gates weigh whole slices: their router rows pin."""
+    slices, as the loop over experts adds them. The gates weigh whole slices: their router rows pin. A contraction
+    of the stack axis with the gates (einsum, matmul) is the same weighted sum."""
     subject = _load(StackedMoE(form))
     groups = census(subject)
     assert groups.get("residual general_linear 8x1") == 1, groups
@@ -212,9 +221,10 @@ def test_experts_stacked_then_summed_keep_the_stream(form):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_gates_per_output_unit_keep_the_stream_pinned():
+@pytest.mark.parametrize("form", ["per unit", "per unit einsum"])
+def test_gates_per_output_unit_keep_the_stream_pinned(form):
     """A gate per unit of each expert's output is no weight of whole slices: the stream stays pinned."""
-    subject = _load(StackedMoE("per unit"))
+    subject = _load(StackedMoE(form))
     assert not any(g.motif == "residual" for g in subject.report.groups), census(subject)
     assert_fuzzed_at_two_shapes(subject)
 

@@ -28,7 +28,7 @@ import torch
 
 from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
-from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
+from .labels import Chan, chan_axes, collapse, collapse_pair, data_varies, slices_are_whole_spaces, unique_rows
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -85,6 +85,8 @@ class Contraction:
         contracted = set(a.letters) & set(b.letters) - set(out_letters)
         batch = set(a.letters) & set(b.letters) & set(out_letters)
         moved = self._through_permutation(a, b, contracted, out_letters, out_shape)
+        if moved is None:
+            moved = self._weighted_sum_of_slices(a, b, contracted, out_letters, out_shape)
         if moved is not None:
             return moved
         outs: list[Chan] = []
@@ -163,6 +165,34 @@ class Contraction:
                 return outs
             view = [len(numbers) if l == m else 1 for l in out_letters]
             return [c.scaled(numbers.reshape(view).expand(out_shape)) for c in outs]
+        return None
+
+    def _weighted_sum_of_slices(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
+                                out_shape) -> list[Chan] | None:
+        """Whole spaces stacked along the one contracted letter, summed with a weight per slice
+        (``einsum("bne,bned->bnd", gates, stacked)``): as ``(gates[..., None] * stacked).sum(-2)``, the slices are
+        tied and the sum carries their coordinates on; the weights, the same for every coordinate of a slice, pin
+        their own coordinates (they would have to move with whole slices). None where the operands are anything
+        else."""
+        if len(contracted) != 1:
+            return None
+        k = next(iter(contracted))
+        for x, g in ((a, b), (b, a)):
+            chans = [self.w.resolve(c, self.node) for c in x.chans]
+            if len(chans) != 1 or k not in x.letters:
+                continue
+            kept = _letters_of(chans[0], x.letters) - {k}
+            weights = [self.w.resolve(c, self.node) for c in g.chans]
+            if k not in _letters_of(chans[0], x.letters) or not kept <= set(out_letters) or kept & (set(g.letters) - _constant_letters(g)) or \
+                    any(c.block or _letters_of(c, g.letters) - {k} for c in weights) or \
+                    not slices_are_whole_spaces(self.w.ids, chans[0], frozenset({x.letters.index(k)})):
+                continue
+            for c in weights:
+                self.w.c.pin(c.ids, "a weight per slice of spaces stacked along this axis", self.node)
+            tied = tie_slices(self.w, chans[0], x.letters.index(k), self.node)
+            self.w.c.passes_through(tied.ids, self._matrix_key(g, x, out_letters))
+            moved = self._to_output(tied, kept, x, out_letters, out_shape)
+            return [moved] if moved is not None else []
         return None
 
     def _from_inputs(self, name: str) -> bool:
@@ -300,6 +330,15 @@ class Contraction:
         view = [ids.shape[kept.index(l)] if l in kept else 1 for l in out_letters]
         ids = ids.reshape(view) if ids.is_contiguous() else ids.contiguous().reshape(view)
         return Chan.clean(ids.expand(out_shape), block=chan.block)
+
+
+def tie_slices(w, c: Chan, axis: int, node: str) -> Chan:
+    """The slices of ``c`` along ``axis`` tied, as ``add`` ties its operands; the result carries the first slice's
+    coordinates in every slice."""
+    first = c.ids.narrow(axis, 0, 1)
+    for e in range(1, c.ids.shape[axis]):
+        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node)
+    return Chan.clean(first.expand(c.ids.shape))
 
 
 def _constant_letters(op: Operand) -> set[str]:

@@ -17,10 +17,11 @@ from ..pattern import parse_pattern
 from ..spec import MapSpec, MovementSpec, aten_op, operand_names
 from .centring import centred_input, is_centring_mean
 from .classes import blocks_kept_by
-from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
+from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern, tie_slices
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
-                     data_varies, dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
+                     data_varies, dropped_ids, ids_along, orders_differ, slices_are_whole_spaces, unique_rows,
+                     varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -1466,7 +1467,7 @@ def _weighted_slices(w, node, ca: Chan, cb: Chan, a: Value, b: Value, out_shape)
     whole slices: pinned. None where the factors are anything else."""
     for x, weight, other in ((ca, cb, b), (cb, ca, a)):
         along = chan_axes(weight)
-        if not weight.block and along < chan_axes(x) and _slices_are_whole_spaces(w, x, along) and \
+        if not weight.block and along < chan_axes(x) and slices_are_whole_spaces(w.ids, x, along) and \
                 not _varying_axes(other, out_shape) & (chan_axes(x) - along):
             _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
             return x
@@ -1889,7 +1890,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
                 _each_coordinate_along_another_axis(w, node, c, "a statistic")
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
-        if not (spec.order_free or spec.norm or centring) and _slices_are_whole_spaces(w, c, axes & caxes):
+        if not (spec.order_free or spec.norm or centring) and slices_are_whole_spaces(w.ids, c, axes & caxes):
             passed.append(_slices_added(w, node, c, axes, keepdim, out_shape))
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
@@ -1915,37 +1916,10 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     return [value] * results if results else value
 
 
-def _slices_are_whole_spaces(w, c: Chan, summed: frozenset[int]) -> bool:
-    """Whether each slice of ``c`` along the one summed axis holds every coordinate of one space, alone (experts'
-    outputs stacked, then summed; a weight per slice allowed): a sum of those slices, as ``add`` sums tensors,
-    rather than a statistic of coordinates (a sum over a head's own coordinates, or over one coordinate of each
-    head, holds part of a space per slice)."""
-    if len(summed) != 1 or c.block or c.degree != 1 or len(c.terms) != 1:
-        return False
-    axis, ids = next(iter(summed)), collapse(c.ids)
-    kept = chan_axes(c) - summed
-    coef = c.terms[0].coef
-    if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
-        return False
-    starts = np.array([r.start for r in w.ids.ranges])
-    for e in range(ids.shape[axis]):
-        held = torch.unique(ids.select(axis, e)).numpy()
-        if held.size == 0 or held[0] < 0:
-            return False
-        r = w.ids.ranges[int(np.searchsorted(starts, held[0], side="right")) - 1]
-        if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
-            return False
-    return True
-
-
 def _slices_added(w, node, c: Chan, axes, keepdim, out_shape) -> Chan:
     """The slices tied, as ``add`` ties its operands: the sum carries the first slice's coordinates on (a weight
     per slice, the same for each of its coordinates, scales them all alike)."""
-    axis = next(iter(axes & chan_axes(c)))
-    first = c.ids.narrow(axis, 0, 1)
-    for e in range(1, c.ids.shape[axis]):
-        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node.name)
-    return _drop_axes(Chan.clean(first.expand(c.ids.shape)), axes, keepdim, out_shape)
+    return _drop_axes(tie_slices(w, c, next(iter(axes & chan_axes(c))), node.name), axes, keepdim, out_shape)
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:
