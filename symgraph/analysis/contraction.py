@@ -172,24 +172,26 @@ class Contraction:
         """Whole spaces stacked along the one contracted letter, summed with a weight per slice
         (``einsum("bne,bned->bnd", gates, stacked)``): as ``(gates[..., None] * stacked).sum(-2)``, the slices are
         tied and the sum carries their coordinates on; the weights, the same for every coordinate of a slice, pin
-        their own coordinates (they would have to move with whole slices). None where the operands are anything
-        else."""
+        their own coordinates (they would have to move with whole slices), unless the slices are stacked experts
+        that move with them (analysis/experts.py). None where the operands are anything else."""
         if len(contracted) != 1:
             return None
         k = next(iter(contracted))
         for x, g in ((a, b), (b, a)):
-            chans = [self.w.resolve(c, self.node) for c in x.chans]
-            if len(chans) != 1 or k not in x.letters:
+            chans, weights = x.chans, g.chans  # mixed channels (resolved once, later) take the general rule
+            if len(chans) != 1 or k not in x.letters or any(c.mixed for c in chans + weights):
                 continue
-            kept = _letters_of(chans[0], x.letters) - {k}
-            weights = [self.w.resolve(c, self.node) for c in g.chans]
-            if k not in _letters_of(chans[0], x.letters) or not kept <= set(out_letters) or kept & (set(g.letters) - _constant_letters(g)) or \
+            axis, kept = x.letters.index(k), _letters_of(chans[0], x.letters) - {k}
+            varies = set(g.letters) - _constant_letters(g)
+            if k not in _letters_of(chans[0], x.letters) or not kept <= set(out_letters) or kept & varies or \
                     any(c.block or _letters_of(c, g.letters) - {k} for c in weights) or \
-                    not slices_are_whole_spaces(self.w.ids, chans[0], frozenset({x.letters.index(k)})):
+                    not slices_are_whole_spaces(self.w.ids, chans[0], frozenset({axis})):
                 continue
-            for c in weights:
-                self.w.c.pin(c.ids, "a weight per slice of spaces stacked along this axis", self.node)
-            tied = tie_slices(self.w, chans[0], x.letters.index(k), self.node)
+            if not self.w.branch_reads.weigh(self.w, self.node, x.source, axis, len(x.letters), weights,
+                                             g.letters.index(k), summed_later=False):
+                for c in weights:
+                    self.w.c.pin(c.ids, "a weight per slice of spaces stacked along this axis", self.node)
+            tied = tie_slices(self.w, chans[0], axis, self.node)
             self.w.c.passes_through(tied.ids, self._matrix_key(g, x, out_letters))
             moved = self._to_output(tied, kept, x, out_letters, out_shape)
             return [moved] if moved is not None else []

@@ -1464,12 +1464,16 @@ def _weighted_slices(w, node, ca: Chan, cb: Chan, a: Value, b: Value, out_shape)
     """Whole spaces stacked along an axis, each slice times its own weight (``gates.unsqueeze(-1) * stacked``):
     the weight varies along the stack axis only, so it scales each slice alike and the product keeps the slices'
     coordinates (a sum over the stack then adds them). The weight's own coordinates would have to move with
-    whole slices: pinned. None where the factors are anything else."""
-    for x, weight, other in ((ca, cb, b), (cb, ca, a)):
+    whole slices: pinned, unless the slices are stacked experts that move with them (analysis/experts.py). None
+    where the factors are anything else."""
+    for x, weight, other, stacked in ((ca, cb, b, "self"), (cb, ca, a, "other")):
         along = chan_axes(weight)
         if not weight.block and along < chan_axes(x) and slices_are_whole_spaces(w.ids, x, along) and \
                 not _varying_axes(other, out_shape) & (chan_axes(x) - along):
-            _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
+            axis = next(iter(along))
+            if not w.branch_reads.weigh(w, node.name, schema_arg(node, stacked), axis, len(out_shape), [weight], axis,
+                                        summed_later=True):
+                _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
             return x
     return None
 
@@ -1892,6 +1896,7 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
             continue
         if not (spec.order_free or spec.norm or centring) and slices_are_whole_spaces(w.ids, c, axes & caxes):
             passed.append(_slices_added(w, node, c, axes, keepdim, out_shape))
+            w.branch_reads.summed(node.name, args["self"], next(iter(axes & caxes)), rank)
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
         if centring:
