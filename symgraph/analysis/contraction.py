@@ -164,7 +164,8 @@ class Contraction:
             if not scaled:
                 return outs
             view = [len(numbers) if l == m else 1 for l in out_letters]
-            return [c.scaled(numbers.reshape(view).expand(out_shape)) for c in outs]
+            return [c.scaled(numbers.reshape(view).expand(out_shape)) if m in _letters_of(c, out_letters) else c
+                    for c in outs]  # as h * numbers: channels that do not vary along m meet one number each
         return None
 
     def _weighted_sum_of_slices(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
