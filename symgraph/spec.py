@@ -245,10 +245,25 @@ class ReadSpec(_Frozen):
         return tuple(a for a in (self.index, self.tensor, self.dim, self.end, self.unit) if a is not None)
 
 
+class StackSpec(_Frozen):
+    """An op joining its ``terms`` (one list argument) along a new axis ``dim``, each at its own position."""
+
+    terms: tuple[str]
+    dim: str
+
+    @property
+    def into(self) -> None:  # read as a sum's spec: no running total
+        return None
+
+    def arguments(self) -> tuple[str, ...]:
+        return (*self.terms, self.dim)
+
+
 class BranchSpecs(_Frozen):
     """specs/branches.yaml: what isomorphic parallel branches (ModuleList experts) may meet in and read."""
 
     sums: dict[str, SumSpec] = {}
+    stacks: dict[str, StackSpec] = {}
     reads: dict[str, ReadSpec] = {}
 
 
@@ -315,7 +330,8 @@ class Specs(_Frozen):
     @model_validator(mode="after")
     def _check_against_schemas(self):
         entries = [("ops.yaml", name, spec) for name, spec in self.ops.items()]
-        entries += [("branches.yaml", name, spec) for table in (self.branches.sums, self.branches.reads)
+        entries += [("branches.yaml", name, spec) for table in (self.branches.sums, self.branches.stacks,
+                                                                self.branches.reads)
                     for name, spec in table.items()]
         for file, name, spec in entries:
             schema = aten_op(name)._schema

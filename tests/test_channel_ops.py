@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import symgraph
@@ -133,6 +134,7 @@ def test_relu_squared_alignment_counts_the_output_side_and_never_moves_farther(h
 
 CNN_FACTORY = '''
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -201,12 +203,42 @@ class Padded(nn.Module):
     (Padded((1, 1, 1, 1)), {"ffn permutation/positive 6x1": 1}),  # zeros: any channel map keeps them
     (Padded((1, 1, 1, 1), mode="reflect"), {"ffn permutation/positive 6x1": 1}),  # copies within a channel
     (Padded((1, 1, 1, 1), value=1.0), {"ffn permutation 6x1": 1}),  # the same 1 in every channel: no scale
-    (Padded((0, 0, 0, 0, 1, 1)), {}),  # new channels: pinned
+    (Padded((0, 0, 0, 0, 1, 1)), {"ffn permutation/positive 6x1": 1}),  # new channels hold no coordinate
+    (Padded((0, 0, 0, 0, 1, 1), value=1.0), {"ffn permutation/positive 6x1": 1}),  # as cat([h, ones], 1)
+    (Padded((0, 0, 0, 0, 0, -1)), {}),  # a crop of the channel axis: pinned
 ])
 def test_padding_keeps_channels_it_does_not_pad(padded, expected):
     subject = load(padded, (torch.randn(2, 3, 5, 5),))
     assert census(subject) == expected
     assert_fuzzed_at_two_shapes(subject, samples=6)
+
+
+class PaddedUnits(nn.Module):
+    """``F.pad(inp(x), (0, 4)) + g(x)`` (``join``: ``cat([inp(x), zeros], -1) + g(x)``), then an FFN on the
+    stream."""
+
+    def __init__(self, join: str):
+        super().__init__()
+        self.join = join
+        self.inp, self.g, self.out = nn.Linear(8, 6), nn.Linear(8, 10), nn.Linear(10, 3)
+        self.a, self.b = nn.Linear(10, 12), nn.Linear(12, 10)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = {"pad": lambda: F.pad(h, (0, 4)), "cat": lambda: torch.cat([h, h.new_zeros(*h.shape[:-1], 4)], -1),
+             "replicate": lambda: F.pad(h, (0, 4), mode="replicate"),
+             "reflection op": lambda: torch.ops.aten.reflection_pad1d(h, [0, 4])}[self.join]() + self.g(x)
+        return self.out(h + self.b(torch.relu(self.a(h))))
+
+
+@pytest.mark.parametrize("join, stream", [("pad", 1), ("cat", 1), ("replicate", 0), ("reflection op", 0)])
+def test_zero_padded_units_keep_the_stream_as_a_concatenation_does(join, stream):
+    """Positions a constant pad adds along the units hold no coordinate, as a piece of zeros joined by ``cat``;
+    a pad that copies units into them (replicate, reflect) pins."""
+    subject = load(PaddedUnits(join), (torch.randn(2, 4, 8),))
+    groups = census(subject)
+    assert groups.get("residual general_linear 6x1", 0) == stream, groups
+    assert_fuzzed_at_two_shapes(subject)
 
 
 def test_scaling_channels_padded_with_ones_breaks_it():

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import symgraph
+from symgraph.groups import TensorMember
 
 from cli_runner import run
 from group_checks import assert_fuzzed_at_two_shapes, census, noisy
@@ -174,14 +175,15 @@ def test_routed_loop_keeps_each_experts_units_and_the_stream(put):
 
 class StackedMoE(nn.Module):
     """Every expert run on every token, the outputs stacked and mixed: by the router's weights
-    (``(gates.unsqueeze(-1) * stacked).sum(-2)``, or along a leading stack axis), a fixed weight per expert, or a
-    plain sum. ``per unit``: the gates weigh each output unit of each expert (E * D router outputs)."""
+    (``(gates.unsqueeze(-1) * stacked).sum(-2)``, or along a leading stack axis, or contracted with the stack
+    axis by ``einsum`` or ``matmul``), a fixed weight per expert, or a plain sum (``1.0 * stacked``, or ``sum``).
+    ``per unit`` (``per unit einsum``): the gates weigh each output unit of each expert (E * D router outputs)."""
 
     def __init__(self, form: str):
         super().__init__()
         self.form = form
         self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
-        self.router = nn.Linear(D, E * D if form == "per unit" else E)
+        self.router = nn.Linear(D, E * D if form.startswith("per unit") else E)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
                                      for _ in range(E))
 
@@ -193,6 +195,15 @@ class StackedMoE(nn.Module):
                      * torch.stack([e(h) for e in self.experts])).sum(0)
         elif self.form == "per unit":
             mixed = (gates.unflatten(-1, (E, D)).sigmoid() * torch.stack([e(h) for e in self.experts], -2)).sum(-2)
+        elif self.form == "per unit einsum":
+            mixed = torch.einsum("bned,bned->bnd", gates.unflatten(-1, (E, D)).sigmoid(),
+                                 torch.stack([e(h) for e in self.experts], -2))
+        elif self.form == "sum":
+            mixed = torch.stack([e(h) for e in self.experts], -2).sum(-2)
+        elif self.form in ("einsum", "matmul"):
+            stacked = torch.stack([e(h) for e in self.experts], -2)
+            mixed = torch.einsum("bne,bned->bnd", gates.softmax(-1), stacked) if self.form == "einsum" else \
+                (gates.softmax(-1).unsqueeze(-2) @ stacked).squeeze(-2)
         else:
             weights = {"gates": gates.softmax(-1).unsqueeze(-1), "plain": 1.0,
                        "fixed": torch.tensor([[0.2], [0.3], [0.5]], dtype=h.dtype)}[self.form]
@@ -200,21 +211,56 @@ class StackedMoE(nn.Module):
         return self.out(h + mixed)
 
 
-@pytest.mark.parametrize("form", ["gates", "stack first", "fixed", "plain"])
+@pytest.mark.parametrize("form", ["gates", "stack first", "fixed", "plain", "sum", "einsum", "matmul"])
 def test_experts_stacked_then_summed_keep_the_stream(form):
     """The stacked experts' outputs were summed as a statistic of coordinates (a value no map moves), which the
     stream it is added to could not follow; each slice holds one expert's whole output, so the sum adds the
-    slices, as the loop over experts adds them. The gates weigh whole slices: their router rows pin."""
+    slices, as the loop over experts adds them. A contraction of the stack axis with the gates (einsum, matmul) is
+    the same weighted sum. The experts permute with the router rows that weigh their slots; fixed weights per slot
+    stay, so they keep the experts in place (as does ``1.0 * stacked``, a product no weight of slots)."""
     subject = _load(StackedMoE(form))
     groups = census(subject)
     assert groups.get("residual general_linear 8x1") == 1, groups
     assert groups.get(f"ffn permutation/positive {HIDDEN}x1") == E, groups
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    assert [g.size for g in experts] == ([] if form in ("fixed", "plain") else [E]), groups
+    routed = {m.param for g in experts for m in g.members if not isinstance(m, TensorMember)}
+    assert routed == (set() if form in ("fixed", "plain", "sum") else {"router.weight", "router.bias"}), routed
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_gates_per_output_unit_keep_the_stream_pinned():
+class StackedInOrder(nn.Module):
+    """Experts stacked, weighed by the router's softmax and summed, the stack also read where its order shows:
+    flattened into a linear layer, one slot read on its own, or a running sum over the slots."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.inp, self.out, self.router = nn.Linear(D, D), nn.Linear(D, 3), nn.Linear(D, E)
+        self.mix = nn.Linear(E * D, D)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D))
+                                     for _ in range(E))
+
+    def forward(self, x):
+        h = self.inp(x)
+        stacked = torch.stack([e(h) for e in self.experts], -2)
+        weighed = self.router(h).softmax(-1).unsqueeze(-1) * stacked
+        extra = {"flattened": lambda: self.mix(stacked.flatten(-2)), "one slot": lambda: stacked[..., 0, :],
+                 "running sum": lambda: weighed.cumsum(-2)[..., 1, :]}[self.form]()
+        return self.out(h + weighed.sum(-2) + extra)
+
+
+@pytest.mark.parametrize("form", ["flattened", "one slot", "running sum"])
+def test_stacked_experts_read_in_order_stay_in_place(form):
+    subject = _load(StackedInOrder(form))
+    assert not any(g.motif == "experts" for g in subject.report.groups), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+@pytest.mark.parametrize("form", ["per unit", "per unit einsum"])
+def test_gates_per_output_unit_keep_the_stream_pinned(form):
     """A gate per unit of each expert's output is no weight of whole slices: the stream stays pinned."""
-    subject = _load(StackedMoE("per unit"))
+    subject = _load(StackedMoE(form))
     assert not any(g.motif == "residual" for g in subject.report.groups), census(subject)
     assert_fuzzed_at_two_shapes(subject)
 

@@ -1,6 +1,7 @@
 """Forms whose group the analysis pinned although it holds: two streams joined by ``torch.lerp``, pieces joined by
 ``hstack`` / ``vstack`` / ``dstack`` / ``column_stack``, a product with a fixed permutation matrix (``h @
-torch.eye(d)``), the untouched heads beside one head treated apart, and a linear layer with no input features.
+torch.eye(d)``) or a signed or scaled one (rotate_half as a matrix, a diagonal of scales), the untouched heads
+beside one head treated apart, and a linear layer with no input features.
 Each is found (kind and size), fuzzed in float64 at two input shapes and checked by applying sampled elements at
 shapes other than the traced one; each has a control where the group must not hold."""
 from __future__ import annotations
@@ -103,37 +104,103 @@ def test_one_axis_pieces_that_hstack_reshapes_first_pin():
 
 
 # --- a fixed permutation matrix ---------------------------------------------------------------------------------
+def rotate_half(h):
+    first, second = h.chunk(2, -1)
+    return torch.cat((-second, first), -1)
+
+
+def _matrix(form: str) -> torch.Tensor:
+    shuffled = torch.eye(H)[torch.randperm(H, generator=torch.Generator().manual_seed(0))]
+    return {"eye": torch.eye(H), "twice eye": 2 * torch.eye(H), "permutation": shuffled, "linear": shuffled,
+            "plus": shuffled, "scales": torch.diag(torch.linspace(0.5, 2.0, H)),
+            "rotate_half": rotate_half(torch.eye(H)), "two per row": torch.eye(H) + torch.eye(H).roll(1, 0),
+            "scaled permutation": shuffled * torch.linspace(-2.0, 2.0, H + 1)[torch.arange(H) // 2 * 2 + 1]}[form]
+
+
 class Reordered(nn.Module):
     """A ReLU layer times a constant matrix: ``form`` "eye" (``h @ eye``), "permutation" (a shuffled eye),
-    "linear" (``F.linear(h, permutation)``), "twice eye" (no permutation: a control) or "plus" (``h @ P + h``,
-    which ties each unit to another: a control)."""
+    "linear" (``F.linear(h, permutation)``), "twice eye", "scales" (a diagonal), "rotate_half" (the signed
+    permutation ``rotate_half(eye)``), "scaled permutation" (a shuffled eye times numbers of either sign, equal in
+    pairs), "two per row" (``eye + rolled eye``: no monomial matrix, a control) or "plus" (``h @ P + h``, which ties
+    each unit to another: a control); "... elementwise": the same map written with ``*`` and ``cat``."""
 
     def __init__(self, form: str):
         super().__init__()
         self.form = form
         self.a, self.c = nn.Linear(D, H), nn.Linear(H, 3)
-        matrix = torch.eye(H) if form == "eye" else 2 * torch.eye(H) if form == "twice eye" else \
-            torch.eye(H)[torch.randperm(H, generator=torch.Generator().manual_seed(0))]
-        self.register_buffer("matrix", matrix)
+        self.register_buffer("matrix", _matrix(form.removesuffix(" elementwise")))
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         if self.form == "linear":
             return self.c(F.linear(h, self.matrix))
+        if self.form == "scales elementwise":
+            return self.c(h * self.matrix.diagonal())
+        if self.form == "rotate_half elementwise":
+            return self.c(rotate_half(h))
         return self.c(h @ self.matrix + (h if self.form == "plus" else 0))
 
 
-@pytest.mark.parametrize("form", ["eye", "permutation", "linear"])
+@pytest.mark.parametrize("form", ["eye", "permutation", "linear", "twice eye"])
 def test_a_fixed_permutation_matrix_moves_the_units_along(form):
     model, subject = load(Reordered(form), torch.randn(2, 5, D))
     assert census(subject) == {"ffn permutation/positive 12x1": 1}
     assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
 
 
-@pytest.mark.parametrize("form", ["twice eye", "plus"])
+@pytest.mark.parametrize("form, expected", [("scales", {"ffn permutation/positive 1x12": 1}),
+                                            ("rotate_half", {"ffn permutation/positive 6x2": 1}),
+                                            ("scaled permutation", {"ffn permutation/positive 2x6": 1})])
+def test_a_fixed_signed_or_scaled_permutation_matrix_keeps_what_commutes_with_it(form, expected):
+    """Each output unit is one unit times a known number: the units move as through the reordering, then keep
+    what commutes with those numbers, as the same map written elementwise does (a scale per unit only, under
+    distinct scales; under rotate_half's signs, one permutation of both halves)."""
+    model, subject = load(Reordered(form), torch.randn(2, 5, D))
+    assert census(subject) == expected
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
+    if form != "scaled permutation":
+        assert census(load(Reordered(f"{form} elementwise"), torch.randn(2, 5, D))[1]) == expected
+
+
+@pytest.mark.parametrize("form", ["plus", "two per row"])
 def test_a_matrix_that_does_not_only_reorder_pins(form):
     _, subject = load(Reordered(form), torch.randn(2, 5, D))
     assert not subject.report.groups, census(subject)
+
+
+class MatmulRotary(nn.Module):
+    """Two heads of size 4 with rotary on queries and keys, ``rotate_half`` written as a product with its constant
+    signed permutation matrix (``form`` "matmul"), as ``cat`` (``form`` "cat"), or with one sign of that matrix
+    flipped ("flipped sign": a pair mixed by a reflection, not a rotation)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        turn = rotate_half(torch.eye(4))
+        if form == "flipped sign":
+            turn[0, 2] = -turn[0, 2]
+        self.register_buffer("turn", turn)
+
+    def forward(self, x):
+        h = self.inp(x)
+        n, t, _ = h.shape
+        q, k, v = (f(h).view(n, t, 2, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        angle = (torch.arange(t, dtype=h.dtype)[:, None] / 100 ** torch.arange(2, dtype=h.dtype)).repeat(1, 2)
+        turned = rotate_half if self.form == "cat" else lambda z: z @ self.turn
+        q, k = (z * angle.cos() + turned(z) * angle.sin() for z in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(h + self.o(y.transpose(1, 2).reshape(n, t, D)))
+
+
+@pytest.mark.parametrize("form, pairs", [("matmul", ((0, 2), (1, 3))), ("cat", ((0, 2), (1, 3))),
+                                         ("flipped sign", ((0, 1),))])  # pair (1, 3) alone
+def test_rotate_half_as_a_signed_permutation_matrix_keeps_the_rotary_group(form, pairs):
+    model, subject = load(MatmulRotary(form), torch.randn(2, 5, D))
+    rotary = [g.rotary_pairs for g in subject.report.groups if g.kind == "rotary"]
+    assert rotary == [pairs], census(subject)
+    assert_holds(model, subject, [(3, 7, D), (1, 2, D)])
 
 
 class InputMatrix(nn.Module):
@@ -155,19 +222,21 @@ def test_an_input_that_is_a_permutation_matrix_when_traced_pins():
 
 # --- heads beside one head treated apart -----------------------------------------------------------------------
 class OneHeadApart(nn.Module):
-    """Three heads of size 4; the queries of head 0 are shifted by a constant (``form`` "shift") or scaled."""
+    """Three heads (or ``heads``) of size 4; the queries of head 0 are shifted by a constant (``form`` "shift"),
+    scaled, or left as they are ("same"), then joined to the others again."""
 
-    def __init__(self, form: str):
+    def __init__(self, form: str, heads: int = 3):
         super().__init__()
-        self.form = form
-        self.q, self.k, self.v, self.o = (nn.Linear(D + 4, D + 4) for _ in range(4))
+        self.form, self.heads = form, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(4 * heads, 4 * heads) for _ in range(4))
 
     def forward(self, x):
         n, t, _ = x.shape
-        q, k, v = (f(x).view(n, t, 3, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
-        q = torch.cat([q[:, :1] + 1.0 if self.form == "shift" else q[:, :1] * 2.0, q[:, 1:]], 1)
+        q, k, v = (f(x).view(n, t, self.heads, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        first = {"shift": lambda z: z + 1.0, "scale": lambda z: z * 2.0, "same": lambda z: z}[self.form]
+        q = torch.cat([first(q[:, :1]), q[:, 1:]], 1)
         y = F.scaled_dot_product_attention(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(n, t, D + 4))
+        return self.o(y.transpose(1, 2).reshape(n, t, 4 * self.heads))
 
 
 @pytest.mark.parametrize("form", ["shift", "scale"])
@@ -177,6 +246,19 @@ def test_the_untouched_heads_permute_among_themselves(form):
     assert [(g.kind, g.size) for g in heads] == [("permutation", 2)]
     assert {int(i) // 4 for m in heads[0].members if m.param == "q.weight" for i in m.index.reshape(-1)} == {1, 2}
     assert_holds(model, subject, [(3, 7, D + 4), (1, 2, D + 4)])
+
+
+@pytest.mark.parametrize("form, expected", [
+    ("shift", {"qk permutation 4x1": 1, "qk orthogonal 4x1": 1, "qk scale/nonzero 1x1": 1, "vo orthogonal 4x2": 1}),
+    ("scale", {"qk orthogonal 4x2": 1, "qk scale/nonzero 1x2": 1, "vo orthogonal 4x2": 1}),
+    ("same", {"qk orthogonal 4x2": 1, "qk scale/nonzero 1x2": 1, "vo orthogonal 4x2": 1, "heads permutation 2x1": 1}),
+])
+def test_two_heads_cut_apart_and_joined_keep_a_group_each(form, expected):
+    """With two heads each piece is one head wide: no channel varies along the heads axis of either piece, but
+    both are cut from it, so the join is no concatenation along a data axis (which tied the two heads' maps)."""
+    model, subject = load(OneHeadApart(form, heads=2), torch.randn(2, 5, 8))
+    assert census(subject) == expected
+    assert_holds(model, subject, [(3, 7, 8), (1, 2, 8)])
 
 
 # --- a linear layer with no input features ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 
 from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
-from .labels import Chan, chan_axes, collapse, data_varies, unique_rows
+from .labels import Chan, chan_axes, collapse, collapse_pair, data_varies, slices_are_whole_spaces, unique_rows
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -85,6 +85,8 @@ class Contraction:
         contracted = set(a.letters) & set(b.letters) - set(out_letters)
         batch = set(a.letters) & set(b.letters) & set(out_letters)
         moved = self._through_permutation(a, b, contracted, out_letters, out_shape)
+        if moved is None:
+            moved = self._weighted_sum_of_slices(a, b, contracted, out_letters, out_shape)
         if moved is not None:
             return moved
         outs: list[Chan] = []
@@ -135,24 +137,65 @@ class Contraction:
 
     def _through_permutation(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
                              out_shape) -> list[Chan] | None:
-        """One operand times a constant permutation matrix (``h @ torch.eye(d)``, a fixed reordering): each output
-        coordinate is one input coordinate, so the channels move as through an ``index_select`` instead of meeting
-        data that pins them. None unless one operand is such a matrix, contracted along one letter into another."""
+        """One operand times a constant monomial matrix (``h @ torch.eye(d)``, a fixed reordering, a signed one
+        such as rotate_half's, a diagonal of scales): each output coordinate is one input coordinate times a known
+        number, so the channels move as through an ``index_select`` and are then scaled as by ``h * numbers``,
+        instead of meeting data that pins them. None unless one operand is such a matrix, contracted along one
+        letter into another."""
         for x, p in ((a, b), (b, a)):
-            order = _permutation_of(p) if p.source is not None and not self._from_inputs(p.source) else None
-            if order is None:
+            found = _monomial_of(p) if p.source is not None and not self._from_inputs(p.source) else None
+            if found is None:
                 continue
-            k, m = p.letters
+            (k, m), (order, numbers) = p.letters, found
             if k in out_letters:  # the matrix read the other way round (F.linear's weight): its columns contracted
                 k, m, order = m, k, torch.argsort(order)
+                numbers = numbers[order]
             if contracted != {k} or m not in out_letters or m in x.letters:
                 continue
             axis, letters = x.letters.index(k), x.letters.replace(k, m)
             chans = [self.w.resolve(c, self.node) for c in x.chans]
+            scaled = bool((numbers != numbers[0]).any())
+            if scaled and any(c.block and k in _letters_of(c, x.letters) for c in chans):
+                return None  # numbers that differ from head to head stay when the heads move
             moved = [c.map(lambda t: t.index_select(axis, order) if t.shape[axis] > 1 else t) for c in chans]
             op = Operand(moved, out_shape, letters)
-            return [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
+            outs = [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
                                                               out_shape)) is not None]
+            if not scaled:
+                return outs
+            view = [len(numbers) if l == m else 1 for l in out_letters]
+            return [c.scaled(numbers.reshape(view).expand(out_shape)) if m in _letters_of(c, out_letters) else c
+                    for c in outs]  # as h * numbers: channels that do not vary along m meet one number each
+        return None
+
+    def _weighted_sum_of_slices(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
+                                out_shape) -> list[Chan] | None:
+        """Whole spaces stacked along the one contracted letter, summed with a weight per slice
+        (``einsum("bne,bned->bnd", gates, stacked)``): as ``(gates[..., None] * stacked).sum(-2)``, the slices are
+        tied and the sum carries their coordinates on; the weights, the same for every coordinate of a slice, pin
+        their own coordinates (they would have to move with whole slices), unless the slices are stacked experts
+        that move with them (analysis/experts.py). None where the operands are anything else."""
+        if len(contracted) != 1:
+            return None
+        k = next(iter(contracted))
+        for x, g in ((a, b), (b, a)):
+            chans, weights = x.chans, g.chans  # mixed channels (resolved once, later) take the general rule
+            if len(chans) != 1 or k not in x.letters or any(c.mixed for c in chans + weights):
+                continue
+            axis, kept = x.letters.index(k), _letters_of(chans[0], x.letters) - {k}
+            varies = set(g.letters) - _constant_letters(g)
+            if k not in _letters_of(chans[0], x.letters) or not kept <= set(out_letters) or kept & varies or \
+                    any(c.block or _letters_of(c, g.letters) - {k} for c in weights) or \
+                    not slices_are_whole_spaces(self.w.ids, chans[0], frozenset({axis})):
+                continue
+            if not self.w.branch_reads.weigh(self.w, self.node, x.source, axis, len(x.letters), weights,
+                                             g.letters.index(k), summed_later=False):
+                for c in weights:
+                    self.w.c.pin(c.ids, "a weight per slice of spaces stacked along this axis", self.node)
+            tied = tie_slices(self.w, chans[0], axis, self.node)
+            self.w.c.passes_through(tied.ids, self._matrix_key(g, x, out_letters))
+            moved = self._to_output(tied, kept, x, out_letters, out_shape)
+            return [moved] if moved is not None else []
         return None
 
     def _from_inputs(self, name: str) -> bool:
@@ -292,6 +335,15 @@ class Contraction:
         return Chan.clean(ids.expand(out_shape), block=chan.block)
 
 
+def tie_slices(w, c: Chan, axis: int, node: str) -> Chan:
+    """The slices of ``c`` along ``axis`` tied, as ``add`` ties its operands; the result carries the first slice's
+    coordinates in every slice."""
+    first = c.ids.narrow(axis, 0, 1)
+    for e in range(1, c.ids.shape[axis]):
+        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node)
+    return Chan.clean(first.expand(c.ids.shape))
+
+
 def _constant_letters(op: Operand) -> set[str]:
     """Letters along which ``op``'s values are known not to vary (size 1, or known data constant there)."""
     out = {l for l, n in zip(op.letters, op.shape) if n == 1} | {op.letters[a] for a in op.constant_axes}
@@ -335,17 +387,18 @@ def _letter_sizes(ops: list[Operand], out_letters: str, out_shape) -> dict[str, 
     return sizes
 
 
-def _permutation_of(op: Operand) -> torch.Tensor | None:
-    """For a constant square 0/1 matrix with one 1 in every row and column (and no channel), the row holding
-    each column's 1; None for anything else."""
+def _monomial_of(op: Operand) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a constant square real matrix with one nonzero entry in every row and column (and no channel), the
+    row holding each column's nonzero and that number (float64); None for anything else."""
     data = op.data
     if op.chans or not isinstance(data, torch.Tensor) or data.dim() != 2 or data.shape[0] != data.shape[1] \
-            or len(op.letters) != 2 or data.is_complex():
+            or len(op.letters) != 2 or data.is_complex() or not bool(data.isfinite().all()):
         return None
-    ones = data == 1
-    if not bool((ones | (data == 0)).all()) or not bool((ones.sum(0) == 1).all() and (ones.sum(1) == 1).all()):
+    nonzero = data != 0
+    if not bool((nonzero.sum(0) == 1).all() and (nonzero.sum(1) == 1).all()):
         return None
-    return ones.to(torch.int64).argmax(0)
+    order = nonzero.to(torch.int64).argmax(0)
+    return order, data.to(torch.float64)[order, torch.arange(len(order))]
 
 
 def _letters_of(chan: Chan, letters: str) -> set[str]:

@@ -20,6 +20,14 @@ coordinates alone changes the model only through the reads. A read takes the val
 coordinate; moving branch ``i``'s tensors to slot ``j`` while coordinate ``i`` moves to ``j`` makes slot ``j``
 compute what branch ``i`` computed, and the sum of the branches is unchanged. Branch sets that read no position
 of their own (a plain sum of parallel copies) give the tensor swap alone.
+
+Branches may also meet in a ``stack`` (``torch.stack([e(h) for e in experts], -2)``), branch ``b`` at slot ``b``.
+There nothing in a branch reads a position; instead the weights that multiply the stacked slots (a product with
+weights varying along the stack axis only, summed over it; or a contraction of that axis with them) are read,
+per branch, at its slot: :meth:`BranchReads.weigh` records the coordinate found there and leaves the weights no
+value any group changes, as a read would. The stack's order is otherwise visible, so such a set is kept only
+where every reader of the stack is one of those products (each read only by sums over the axis), a contraction,
+or a sum over the axis (:meth:`BranchReads.check_stacks`); then the argument above holds slot for slot.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import torch
 from torch import fx
 
 from ..groups import Group, Member, TensorMember
-from .labels import Value, collapse, concrete_shape
+from .labels import Chan, Value, collapse, concrete_shape
 from .naming import common_prefix, short_members
 from .parallel import BranchSet
 
@@ -51,6 +59,70 @@ class BranchReads:
         self.node = {name: (k, b) for k, s in enumerate(self.sets) for name, b in s.reads.items()}
         self.ids = {k: [[] for _ in s.branches] for k, s in enumerate(self.sets)}
         self._pinned: set[int] = set()
+        self.stacks = {s.stack.name: k for k, s in enumerate(self.sets) if s.stack is not None}
+        self.blind: dict[int, set[str]] = defaultdict(set)  # set -> readers of its stack blind to the slots' order
+        self._weighed: dict[str, tuple[int, int, int]] = {}  # product -> (set, axis of the slots, rank)
+
+    def reads_positions(self, k: int) -> bool:
+        """Whether the branches of set ``k`` read coordinates at their own positions (or slots)."""
+        return bool(self.sets[k].reads) or any(len(found) for found in self.ids[k])
+
+    def weigh(self, walker, node: str, source, axis: int, rank: int, weights: list[Chan], weight_axis: int,
+              summed_later: bool) -> bool:
+        """Weights per slot of stacked branches (``gates[..., None] * stacked``, or contracted with the stack axis):
+        each branch reads, as at its own position, the coordinate the weights hold at its slot (along their axis
+        ``weight_axis``); the weights are then no value any group changes. False where ``source`` (a node or its
+        name, its ``axis`` of ``rank``) is no such stack: the caller pins the weights. ``summed_later``: the product
+        ``node`` is blind to the slots' order only once a sum over the axis reads it."""
+        k = self._stack_at(source, axis, rank)
+        if k is None or not weights:
+            return False
+        found = []
+        for branch in self.sets[k].branches:
+            at = [collapse(c.ids.narrow(weight_axis, branch.slot, 1)).reshape(-1) for c in weights]
+            ids = torch.unique(torch.cat(at))
+            if len(ids) != 1 or ids[0] < 0:
+                self.broken.setdefault(k, ("an expert's weight at its slot is not one coordinate", node))
+                return False
+            found.append(ids.numpy())
+        for b, ids in enumerate(found):
+            self.ids[k][b].append(ids)
+        walker.mark_read([Value(chans=list(weights))])
+        if summed_later:
+            self._weighed[node] = (k, axis, rank)
+        else:
+            self.blind[k].add(node)
+        return True
+
+    def summed(self, node: str, source, axis: int, rank: int) -> None:
+        """A sum over ``axis`` of ``source``: blind to the order of the slots of a stack, or of its weighed slots."""
+        k = self._stack_at(source, axis, rank)
+        weighed = self._weighed.get(_name(source))
+        if k is None and weighed is not None and weighed[1:] == (axis, rank):
+            k = weighed[0]
+        if k is not None:
+            self.blind[k].add(node)
+
+    def _stack_at(self, source, axis: int, rank: int) -> int | None:
+        """The set whose stack ``source`` is, when ``axis`` (of a tensor of ``rank`` axes, broadcast from it) is
+        its stacking axis."""
+        k = self.stacks.get(_name(source))
+        if k is None:
+            return None
+        from .rules import _schema_args
+
+        stack = self.sets[k].stack
+        stacked = len(stack.meta["val"].shape)
+        return k if _schema_args(stack)["dim"] % stacked + rank - stacked == axis else None
+
+    def check_stacks(self) -> None:
+        """Break every stack set some reader of whose stack may see the order of its slots."""
+        for name, k in self.stacks.items():
+            stack = self.sets[k].stack
+            if not all(u.name in self.blind[k] or (self._weighed.get(u.name, (None,))[0] == k and u.users and
+                                                   all(v.name in self.blind[k] for v in u.users))
+                       for u in stack.users):
+                self.broken.setdefault(k, ("the stacked experts are read by an op that may see their order", name))
 
     def __contains__(self, name: str) -> bool:
         return name in self.node
@@ -76,6 +148,10 @@ class BranchReads:
                 for per_branch in self.ids[k]:
                     for ids in per_branch:
                         constraints.pin(ids, why, node)
+
+
+def _name(source) -> str | None:
+    return source.name if isinstance(source, fx.Node) else source
 
 
 def _read_ids(walker, node: fx.Node, spec) -> np.ndarray | None:
@@ -105,6 +181,7 @@ def with_expert_groups(assembler, analyse):
     """``analyse()`` (the assembler's groups and pins) with the expert permutation of every branch set that
     passes the checks of the module docstring; the reads of the others are pinned and the graph assembled again."""
     reads: BranchReads = assembler.w.branch_reads
+    reads.check_stacks()
     while True:
         reads.pin_broken(assembler.c)
         analysis = analyse()
@@ -132,7 +209,7 @@ def _expert_groups(assembler, groups: list[Group], reads: BranchReads) -> list[G
             broken.update({k: (f"experts read only some coordinates of {gid}", _where(reads.sets[k])) for k in ks})
     if broken:
         return broken
-    made = {k: _swap_group(reads.sets[k], [_restrict(m, js) for gid, js in plans[k].items()
+    made = {k: _swap_group(reads.sets[k], bool(plans[k]), [_restrict(m, js) for gid, js in plans[k].items()
                                           for m in by_id[gid].members]) for k in live}
     out = []
     for g in groups:
@@ -145,10 +222,10 @@ def _plans(assembler, groups: list[Group], reads: BranchReads, live: list[int]) 
     read no such coordinates, with why."""
     by_id = {g.id: g for g in groups}
     linked = {link for g in groups for link in g.links}
-    owners = _owners(assembler, groups) if any(reads.sets[k].reads for k in live) else {}
+    owners = _owners(assembler, groups) if any(reads.reads_positions(k) for k in live) else {}
     plans, broken = {}, {}
     for k in live:
-        plan = _plan(assembler, reads.ids[k], owners, by_id, linked) if reads.sets[k].reads else {}
+        plan = _plan(assembler, reads.ids[k], owners, by_id, linked) if reads.reads_positions(k) else {}
         if isinstance(plan, str):
             broken[k] = (plan, _where(reads.sets[k]))
         else:
@@ -209,12 +286,12 @@ def _restrict(m: Member, js: list[int]) -> Member:
     return Member(m.param, m.axis, m.index[0][js][None], m.action, m.exponent)
 
 
-def _swap_group(s: BranchSet, members: list[Member]) -> Group:
+def _swap_group(s: BranchSet, reads: bool, members: list[Member]) -> Group:
     tensors = tuple(TensorMember((tuple(b.tensors[r] for b in s.branches),)) for r in range(s.roles))
     members = tuple(members) + tensors
     layer = common_prefix(list(dict.fromkeys(p for m in members for p in m.params)))
     note = ("permutes whole experts (isomorphic branches meeting in a sum): every tensor of one expert moves to "
-            "another's slot" + (", with the coordinates each reads at its own position" if s.reads else ""))
+            "another's slot" + (", with the coordinates each reads at its own position" if reads else ""))
     return Group(id=f"experts:{layer or 'model'}:{short_members(members)}", motif="experts", kind="permutation",
                  size=len(s.branches), copies=1, members=members, layer=layer, notes=(note,))
 

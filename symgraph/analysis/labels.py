@@ -254,6 +254,28 @@ def data_varies(value, axes: frozenset[int], out_shape) -> bool:
     return bool(varying_axes(full) & axes)
 
 
+def slices_are_whole_spaces(ids: IdSpace, c: Chan, summed: frozenset[int]) -> bool:
+    """Whether each slice of ``c`` along the one summed axis holds every coordinate of one space, alone (experts'
+    outputs stacked, then summed; a weight per slice allowed): a sum of those slices, as ``add`` sums tensors,
+    rather than a statistic of coordinates (a sum over a head's own coordinates, or over one coordinate of each
+    head, holds part of a space per slice)."""
+    if len(summed) != 1 or c.block or c.degree != 1 or len(c.terms) != 1:
+        return False
+    axis, labels = next(iter(summed)), collapse(c.ids)
+    kept = chan_axes(c) - summed
+    coef = c.terms[0].coef
+    if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
+        return False
+    for e in range(labels.shape[axis]):
+        held = torch.unique(labels.select(axis, e)).numpy()
+        if held.size == 0 or held[0] < 0:
+            return False
+        r = ids.ranges[int(ids.range_index(held[:1])[0])]
+        if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
+            return False
+    return True
+
+
 def chans_with_terms(chans: list[Chan], fn) -> list[Chan]:
     return [c.map(fn) for c in chans]
 

@@ -8,6 +8,10 @@ the same roles) but for that position, and their results meet in a commutative s
 tree of adds: specs/branches.yaml), moving every tensor of branch ``i`` into branch ``j``'s slot, together with
 the router's rows, leaves the model's function unchanged.
 
+Branches that meet in a ``stack`` (specs/branches.yaml ``stacks``), each at its own slot, form sets too; whether
+every reader of the stack is blind to the order of its slots is settled while walking the graph
+(:mod:`symgraph.analysis.experts`).
+
 This module finds such branch sets in the graph, from the structure alone (:func:`find_branch_sets`); whether
 the positions they read are the router's own coordinates is settled while walking the graph (a read names
 coordinate ids, :meth:`BranchSet.read_node`), and whether those coordinates may permute by assembly
@@ -43,6 +47,7 @@ class Branch:
     link: fx.Node
     nodes: tuple[fx.Node, ...]
     tensors: tuple[str, ...]
+    slot: int | None = None  # its position along the new axis of a stack it meets in (None: a sum)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,11 @@ class BranchSet:
     @property
     def roles(self) -> int:
         return len(self.branches[0].tensors)
+
+    @property
+    def stack(self) -> fx.Node | None:
+        """The stack the branches meet in (each at its own slot), or None where they meet in a sum."""
+        return self.branches[0].link if self.branches[0].slot is not None else None
 
     def describe(self) -> str:
         return f"{len(self.branches)} branches meeting in {self.branches[-1].link.name}"
@@ -83,7 +93,7 @@ def find_branch_sets(cap, specs: Specs) -> list[BranchSet]:
     """
     graph = _Graph(cap)
     found = []
-    for terms in _sums(graph, specs):
+    for terms in _sums(graph, specs) + _stacks(graph, specs):
         found += _isomorphic_sets(graph, terms, specs)
     return found
 
@@ -99,7 +109,8 @@ def held_at_other_shapes(cap, sets: list[BranchSet]) -> list[BranchSet]:
     traced = selections.traced.key_of
     probes = [t for _, t in selections.traces() if t is not None]
     return [s for s in sets
-            if all(any({traced[b.link] for b in s.branches} <= other for other in t.branch_sets) for t in probes)]
+            if all(any({(traced[b.link], b.slot) for b in s.branches} <= other for other in t.branch_sets)
+                   for t in probes)]
 
 
 class _Graph:
@@ -181,6 +192,21 @@ def _sums(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node
     return out
 
 
+def _stacks(graph: _Graph, specs: Specs) -> list[list[tuple[fx.Node, tuple[fx.Node, ...], tuple[str, ...]]]]:
+    """The terms of every stack of two or more distinct tensors, as :func:`_sums` gives a sum's."""
+    out = []
+    for n in sorted(graph.live, key=graph.order.get):
+        spec = specs.branches.stacks.get(str(n.target)) if n.op == "call_function" else None
+        pieces = _args(n)[spec.terms[0]] if spec is not None else []
+        if len(pieces) > 1 and all(isinstance(a, fx.Node) for a in pieces) and len(set(pieces)) == len(pieces):
+            out.append([(n, (a,), spec.terms) for a in pieces])
+    return out
+
+
+def _meeting_spec(link: fx.Node, specs: Specs):
+    return specs.branches.sums.get(str(link.target)) or specs.branches.stacks[str(link.target)]
+
+
 def _sum_spec(node: fx.Node, specs: Specs):
     spec = specs.branches.sums.get(str(node.target))
     if spec is None:
@@ -236,12 +262,14 @@ def _isomorphic_sets(graph: _Graph, terms, specs: Specs) -> list[BranchSet]:
         private = _private(graph, link, term, names)
         if not any(n in graph.tensor for n in private):
             continue
-        form = _Form(graph, link, term, private, specs.branches.sums[str(link.target)])
+        stack = specs.branches.stacks.get(str(link.target))
+        slot = list(_args(link)[stack.terms[0]]).index(term[0]) if stack is not None else None
+        form = _Form(graph, link, term, private, _meeting_spec(link, specs), slot)
         classes[form.skeleton].append(form)
     out = []
     for forms in classes.values():
         if len(forms) > 1 and not any(f.reads_written for f in forms):
-            found = _branch_set(sorted(forms, key=lambda f: graph.order[f.nodes[0]]), specs)
+            found = _branch_set(sorted(forms, key=lambda f: (f.slot or 0, graph.order[f.nodes[0]])), specs)
             if found is not None:
                 out.append(found)
     return out
@@ -252,7 +280,8 @@ class _Form:
     by role, shared nodes by name, run-time sizes by order of appearance; integers kept apart
     (``ints``, with where each sits), since a branch's own position is one."""
 
-    def __init__(self, graph: _Graph, link: fx.Node, term: tuple[fx.Node, ...], private: set[fx.Node], spec):
+    def __init__(self, graph: _Graph, link: fx.Node, term: tuple[fx.Node, ...], private: set[fx.Node], spec,
+                 slot: int | None = None):
         self.nodes = tuple(sorted(private, key=graph.order.get))
         local = {n: i for i, n in enumerate(n for n in self.nodes if n.op == "call_function")}
         self.tensors: list[str] = []
@@ -261,6 +290,7 @@ class _Form:
         self.ints: list[tuple[fx.Node, str, int]] = []  # (node, argument, value)
         self.link = link
         self.reads_written = False  # a shared input that some op changes in place
+        self.slot = slot
 
         def ref(a):
             if a in local:
@@ -302,6 +332,8 @@ def _branch_set(forms: list[_Form], specs: Specs) -> BranchSet | None:
     differ = [k for k in range(len(ints[0])) if len({row[k] for row in ints}) > 1]
     positions: list[int | None] = [None] * len(forms)
     reads: dict[str, int] = {}
+    if differ and forms[0].slot is not None:
+        return None  # stacked branches read the weights at their slot, after the stack: not within themselves
     if differ:
         positions = [row[differ[0]] for row in ints]
         if len(set(positions)) != len(positions) or min(positions) < 0:
@@ -319,7 +351,7 @@ def _branch_set(forms: list[_Form], specs: Specs) -> BranchSet | None:
                 reads[f.ints[k][0].name] = b
         if not _whole_reads(forms, reads, differ, specs):
             return None
-    branches = tuple(Branch(f.link, f.nodes, tuple(f.tensors)) for f in forms)
+    branches = tuple(Branch(f.link, f.nodes, tuple(f.tensors), f.slot) for f in forms)
     return BranchSet(branches, tuple(positions), reads)
 
 

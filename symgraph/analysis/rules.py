@@ -17,10 +17,11 @@ from ..pattern import parse_pattern
 from ..spec import MapSpec, MovementSpec, aten_op, operand_names
 from .centring import centred_input, is_centring_mean
 from .classes import blocks_kept_by
-from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern
+from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern, tie_slices
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
-from .labels import (STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape, data_varies,
-                     dropped_ids, ids_along, orders_differ, unique_rows, varying_axes)
+from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
+                     data_varies, dropped_ids, ids_along, orders_differ, slices_are_whole_spaces, unique_rows,
+                     varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -242,6 +243,8 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
     values = [w.value(a) for a in moved_operands(node)]
     out_shape = _shape_of(node)
     dim = _join_dim(node, spec) % len(out_shape)
+    if any(_cut_from_labelled_axis(w, a, dim) for a in moved_operands(node)):
+        return None  # a single head cut from the heads axis: one position of a labelled axis, not of a data axis
     values = [v for v in values if v is None or v.shape is None or not (_empty_piece(v.shape, dim) or _zeros(v))]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
@@ -258,6 +261,24 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _cut_from_labelled_axis(w, node: fx.Node, dim: int) -> bool:
+    """Whether ``node`` is, through ops that keep its shape, a cut along ``dim`` of a value some channel of which
+    varies along ``dim``: its positions there are coordinates or heads, however few (``q[:, :1] + 1``)."""
+    shape = _node_shape(node)
+    for _ in range(_PIECE_DEPTH):
+        target = node.args[0] if node.target is operator.getitem else node
+        if target.op != "call_function":
+            return False
+        if getattr(w.spec(target), "cuts", False):
+            x = w.value(target.args[0])
+            return x is not None and x.shape is not None and len(x.shape) == len(shape) and \
+                schema_arg(target, "dim", 0) % len(shape) == dim and any(dim in chan_axes(c) for c in x.chans)
+        node = next((a for a in target.all_input_nodes if _node_shape(a) == shape), None)
+        if node is None or node.op != "call_function":
+            return False
+    return False
 
 
 def _join_dim(node: fx.Node, spec) -> int:
@@ -1015,25 +1036,44 @@ def rule_scan(w, node: fx.Node, spec) -> Value:
 
 def rule_pad(w, node: fx.Node, spec) -> Value:
     """Padding: new positions along the padded axes. Channels that vary along no padded axis keep their ids;
-    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps.
-    Channels that vary along a padded axis (new positions with no coordinate) pin."""
+    a constant pad other than 0 puts the same value in every coordinate, which only a permutation keeps. Along an
+    axis a channel varies along, a constant pad adds positions holding no coordinate, as ``cat`` with a constant
+    piece does; any other pad there (a crop, a reflection) pins."""
     args = _schema_args(node)
     x, out_shape = w.value(args["self"]), _shape_of(node)
     amounts = list(args.get("pad", args.get("padding")))
     padded = {len(out_shape) - 1 - i // 2 for i, n in enumerate(amounts) if n}
     value = args.get("value") or 0
+    constant = "value" in args and args.get("mode", "constant") == "constant"  # reflection_pad*: no value
     chans = []
     for c in x.chans:
         c = w.resolve(c, node.name)
-        if chan_axes(c) & padded or c.block:
+        along = chan_axes(c) & padded
+        if c.block or (along and not (constant and not c.mixed and _widened_only(amounts, along, len(out_shape)))):
             for t in c.terms:
                 w.c.pin(t.ids, "padded along an axis it varies along", node.name)
             continue
-        if value and args.get("mode", "constant") == "constant":
+        if value and constant and padded - along:
             w.c.restrict(c.ids, NEUTRAL, f"padded with the constant {value} in every coordinate", node.name)
-        first = tuple(slice(0, 1) if a in padded else slice(None) for a in range(len(out_shape)))
-        chans.append(c.map(lambda t: t[first].expand(out_shape)))
+        chans.append(replace(c, terms=(Term(_padded_labels(c.ids, amounts, along, padded, out_shape), None),),
+                             weight=False, uniform=False) if along else  # a cat with a constant piece
+                     c.map(lambda t: _first_along(t, padded, out_shape)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _widened_only(amounts: list[int], axes: frozenset[int], rank: int) -> bool:
+    """Whether the pad adds positions along ``axes`` and removes none there (a negative amount crops)."""
+    return all(n >= 0 for i, n in enumerate(amounts) if rank - 1 - i // 2 in axes)
+
+
+def _padded_labels(ids: torch.Tensor, amounts: list[int], along: frozenset[int], padded,
+                   out_shape) -> torch.Tensor:
+    """``ids`` padded with :data:`NO_ID` along ``along`` (new positions of no coordinate), and repeated along the
+    other padded axes (new positions of the same coordinates)."""
+    rank = len(out_shape)
+    own = [n if rank - 1 - i // 2 in along else 0 for i, n in enumerate(amounts)]
+    grown = torch.constant_pad_nd(collapse(ids).contiguous(), own, NO_ID)
+    return _first_along(grown, padded - along, out_shape)
 
 
 def rule_pow(w, node: fx.Node, spec) -> Value:
@@ -1519,12 +1559,16 @@ def _weighted_slices(w, node, ca: Chan, cb: Chan, a: Value, b: Value, out_shape)
     """Whole spaces stacked along an axis, each slice times its own weight (``gates.unsqueeze(-1) * stacked``):
     the weight varies along the stack axis only, so it scales each slice alike and the product keeps the slices'
     coordinates (a sum over the stack then adds them). The weight's own coordinates would have to move with
-    whole slices: pinned. None where the factors are anything else."""
-    for x, weight, other in ((ca, cb, b), (cb, ca, a)):
+    whole slices: pinned, unless the slices are stacked experts that move with them (analysis/experts.py). None
+    where the factors are anything else."""
+    for x, weight, other, stacked in ((ca, cb, b, "self"), (cb, ca, a, "other")):
         along = chan_axes(weight)
-        if not weight.block and along < chan_axes(x) and _slices_are_whole_spaces(w, x, along) and \
+        if not weight.block and along < chan_axes(x) and slices_are_whole_spaces(w.ids, x, along) and \
                 not _varying_axes(other, out_shape) & (chan_axes(x) - along):
-            _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
+            axis = next(iter(along))
+            if not w.branch_reads.weigh(w, node.name, schema_arg(node, stacked), axis, len(out_shape), [weight], axis,
+                                        summed_later=True):
+                _pin_chan(w, node, weight, "a weight per slice of spaces stacked along this axis")
             return x
     return None
 
@@ -1945,8 +1989,9 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
                 _each_coordinate_along_another_axis(w, node, c, "a statistic")
             passed.append(_drop_axes(c, axes, keepdim, out_shape))
             continue
-        if not (spec.order_free or spec.norm or centring) and _slices_are_whole_spaces(w, c, axes & caxes):
+        if not (spec.order_free or spec.norm or centring) and slices_are_whole_spaces(w.ids, c, axes & caxes):
             passed.append(_slices_added(w, node, c, axes, keepdim, out_shape))
+            w.branch_reads.summed(node.name, args["self"], next(iter(axes & caxes)), rank)
             continue
         rows.append(_drop_axes(c, axes, keepdim, out_shape).ids)
         if centring:
@@ -1971,36 +2016,10 @@ def rule_reduce(w, node: fx.Node, spec) -> Value | list[Value]:
     return [value] * results if results else value
 
 
-def _slices_are_whole_spaces(w, c: Chan, summed: frozenset[int]) -> bool:
-    """Whether each slice of ``c`` along the one summed axis holds every coordinate of one space, alone (experts'
-    outputs stacked, then summed; a weight per slice allowed): a sum of those slices, as ``add`` sums tensors,
-    rather than a statistic of coordinates (a sum over a head's own coordinates, or over one coordinate of each
-    head, holds part of a space per slice)."""
-    if len(summed) != 1 or c.block or c.degree != 1 or len(c.terms) != 1:
-        return False
-    axis, ids = next(iter(summed)), collapse(c.ids)
-    kept = chan_axes(c) - summed
-    coef = c.terms[0].coef
-    if not kept or (coef is not None and data_varies(coef, kept, c.ids.shape)):
-        return False
-    for e in range(ids.shape[axis]):
-        held = torch.unique(ids.select(axis, e)).numpy()
-        if held.size == 0 or held[0] < 0:
-            return False
-        r = w.ids.ranges[int(w.ids.range_index(held[:1])[0])]
-        if r.block or held.size != r.size or held[0] != r.start or held[-1] != r.start + r.size - 1:
-            return False
-    return True
-
-
 def _slices_added(w, node, c: Chan, axes, keepdim, out_shape) -> Chan:
     """The slices tied, as ``add`` ties its operands: the sum carries the first slice's coordinates on (a weight
     per slice, the same for each of its coordinates, scales them all alike)."""
-    axis = next(iter(axes & chan_axes(c)))
-    first = c.ids.narrow(axis, 0, 1)
-    for e in range(1, c.ids.shape[axis]):
-        w.c.tie(*collapse_pair(first, c.ids.narrow(axis, e, 1)), node=node.name)
-    return _drop_axes(Chan.clean(first.expand(c.ids.shape)), axes, keepdim, out_shape)
+    return _drop_axes(tie_slices(w, c, next(iter(axes & chan_axes(c))), node.name), axes, keepdim, out_shape)
 
 
 def _drop_axes(c: Chan, axes, keepdim, out_shape) -> Chan:

@@ -156,7 +156,7 @@ def _branch_links(cap: Capture, key_of: dict[fx.Node, tuple]) -> list[frozenset[
     from ..spec import load_specs
     from .parallel import find_branch_sets  # parallel reads the rules, which read this module
 
-    return [frozenset(key_of[b.link] for b in s.branches) for s in find_branch_sets(cap, load_specs())]
+    return [frozenset((key_of[b.link], b.slot) for b in s.branches) for s in find_branch_sets(cap, load_specs())]
 
 
 def _input_dependent(cap: Capture) -> set[fx.Node]:
