@@ -119,7 +119,8 @@ class Assembler:
                 if excluded[classes].any() or len(np.unique(key[classes])) > 1:
                     live = classes[~excluded[classes]]
                     before = restriction.code[live].copy()
-                    restriction.meet(live, monomial("one"), reason=f"one sign for a centred row split into blocks ({node})")
+                    restriction.meet(live, monomial("one"),
+                                     reason=f"one sign for a centred row split into blocks ({node})")
                     changed |= bool((restriction.code[live] != before).any())
         return changed
 
