@@ -40,15 +40,6 @@ def _split(h, n):
     return torch.cat([first * 2, rest], -1)
 
 
-def _written(first):
-    def f(h, n):
-        z = torch.zeros_like(h)
-        z[..., :first(n)] = h[..., :first(n)] * 2
-        z[..., first(n):] = h[..., first(n):]
-        return z
-    return f
-
-
 MOVING = {
     "slice": lambda h, n: torch.cat([h[..., :_first(n)] * 2, h[..., _first(n):]], -1),
     "slice shrinking with n": lambda h, n: torch.cat([h[..., :max(12 - 2 * n, 0)] * 2, h[..., max(12 - 2 * n, 0):]],
@@ -57,7 +48,6 @@ MOVING = {
     "narrow": lambda h, n: torch.cat([h.narrow(-1, 0, _first(n)) * 2, h.narrow(-1, _first(n), H - _first(n))], -1),
     "rolled piece": lambda h, n: torch.cat([torch.roll(h[..., :_first(n)], 1, 1), h[..., _first(n):]], -1),
     "factor per unit": lambda h, n: h * torch.tensor([1.0 + (u < n) for u in range(H)], dtype=h.dtype),
-    "pieces written into zeros": _written(_first),
 }
 
 
@@ -73,7 +63,6 @@ def test_a_cut_or_factor_that_follows_the_length_keeps_no_group_it_breaks(name):
 
 FIXED = {
     "slice": lambda h, n: torch.cat([h[..., :6] * 2, h[..., 6:]], -1),
-    "pieces written into zeros": _written(lambda n: 6),
     "factor per unit": lambda h, n: h * torch.tensor([1.0] * 6 + [2.0] * 6, dtype=h.dtype),
     "factors growing with n alike": lambda h, n: h * torch.tensor([float(n)] * 6 + [2.0 * n] * 6, dtype=h.dtype),
     "factor from arange": lambda h, n: h * (torch.arange(H) >= 6).to(h.dtype).add(1),

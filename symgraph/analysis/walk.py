@@ -281,17 +281,7 @@ class Walker:
                                      if base.chans else set())
         written = rules.piece_structure(self, node, self._structures)
         if held - {written}:
-            shape, writes = _shape(write.base), [*self._writes.get(write.base, []), (node, write)]
-            apart = pieces(base, shape, value, write.positions)
-            written_from = [a for a in node.all_input_nodes if a is not mutated_argument(node)]
-            cuts = rules.coordinate_cuts_before(self, written_from, torch.cat(apart))
-
-            def cuts_move() -> str | None:  # the writes' places, and the cuts of what they wrote
-                selections = selections_of(self.cap)
-                return next((why for n, w in writes if (why := why_write_moves(n, shape, w.positions, selections))),
-                            None) or rules.why_cuts_move(self, cuts)
-
-            self.c.separate_pieces(apart, node.name, cuts_move)
+            self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
         held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:
