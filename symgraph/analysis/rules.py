@@ -312,31 +312,29 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None)
 
 
-def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor, reach: int = 16) -> list[fx.Node]:
-    """The cuts (slice, narrow, split) on the way up from ``nodes`` through labelled values, at most ``reach``
-    nodes from each, that dropped some of ``ids`` (the coordinates of pieces kept apart): where the pieces were cut
+def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[fx.Node]:
+    """The cuts (slice, narrow, split) on the way up from ``nodes`` through labelled values, up to the first cut on
+    each path, that dropped some of ``ids`` (the coordinates of pieces kept apart): where the pieces were cut
     apart. Their bounds are Python numbers the trace baked in, which the model may compute from the input's size
     (``h[..., :min(n, 6)]``). A cut that drops none of them (the class token taken off a sequence) decides
-    nothing about which coordinate lies in which piece."""
+    nothing about which coordinate lies in which piece. No path is cut short: pieces may pass through any number
+    of ops between their cut and their join."""
     wanted = set(ids[ids >= 0].tolist())
-    found, seen = [], set()
-    for start in nodes:
-        todo, steps = [start], 0
-        while todo and steps < reach:
-            node = todo.pop()
-            steps += 1
-            if node in seen or node.op != "call_function":
-                continue
-            seen.add(node)
-            cut = node.args[0] if node.target is operator.getitem else node
-            spec = w.spec(cut) if isinstance(cut, fx.Node) else None
-            if isinstance(spec, MovementSpec) and spec.cuts:
-                given, kept = w.value(cut.args[0]), w.value(node)
-                if isinstance(given, Value) and isinstance(kept, Value) and \
-                        wanted & set(dropped_ids(given.chans, kept.chans).tolist()):
-                    found.append(cut)
-                continue
-            todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
+    found, seen, todo = [], set(), list(nodes)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        cut = node.args[0] if node.target is operator.getitem else node
+        spec = w.spec(cut) if isinstance(cut, fx.Node) else None
+        if isinstance(spec, MovementSpec) and spec.cuts:
+            given, kept = w.value(cut.args[0]), w.value(node)
+            if isinstance(given, Value) and isinstance(kept, Value) and \
+                    wanted & set(dropped_ids(given.chans, kept.chans).tolist()):
+                found.append(cut)
+            continue
+        todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
     return list(dict.fromkeys(found))
 
 
