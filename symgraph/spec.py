@@ -71,6 +71,7 @@ class MovementSpec(_Equivariant):
     broadcasts: bool = False  # repeats the input along axes where it has size 1 (expand): values constant there
     cuts: bool = False  # keeps part of the input along `dim` (slice, select, split): checked at other input shapes
     regroups: bool = False  # may split an axis into rows of positions (reshape, unfold): checked at other shapes
+    shifts: bool = False  # moves positions along axes by numbers it is given (roll): checked at other shapes
     replay_as: str | None = None  # the op to replay on label tensors when this one cannot (view of an expanded tensor)
     # the axis a join without a `dim` argument joins along (hstack 1, vstack 0, dstack 2): cat along it for pieces
     # with more axes than that; pieces with fewer are reshaped first, which the rule does not follow

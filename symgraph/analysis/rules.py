@@ -20,7 +20,7 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern, tie_slices
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
-                     data_varies, dropped_ids, ids_along, orders_differ, slices_are_whole_spaces, unique_rows,
+                     data_varies, dropped_ids, ids_along, labelled_axes, orders_differ, slices_are_whole_spaces, unique_rows,
                      varying_axes)
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
@@ -61,6 +61,8 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         _pin_moving_cut(w, node, tensors[0])
     if spec.regroups:
         _pin_moving_regroup(w, node, tensors[0])
+    if spec.shifts:
+        _pin_moving_shift(w, node, tensors[0])
     results = []
     for j in range(n_chans):
         moved = [c for v in tensors if (c := _slot(v, j, slots)) is not None]
@@ -103,6 +105,24 @@ def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
     why = why_cut_moves(w, node, chans) if chans else None
     for c in chans if why is not None else ():
         _pin_chan(w, node, c, f"cut where labelled positions may move with the input shape ({why})")
+
+
+def _pin_moving_shift(w, node: fx.Node, x: Value | None) -> None:
+    """Pin the channels of ``x`` that label positions along an axis ``node`` moves them along (a roll), unless it
+    is given the same numbers at every probe shape: ``torch.roll(h, n, -1)`` puts unit ``u`` where the next layer
+    reads column ``u + n``, which the traced length alone decides."""
+    if x is None or x.shape is None:
+        return
+    rank = len(x.shape)
+    dims = schema_arg(node, "dims", ())
+    axes = {d % rank for d in dims} if dims else set(range(rank))  # no dims: a roll of the flattened tensor
+    chans = [c for c in x.chans if any(a - rank + t.ids.dim() in labelled_axes(t.ids) for a in axes for t in c.terms)]
+    if not chans:
+        return
+    why = selections_of(w.cap).why_differs(node, lambda other, probe: None if other.args[1:] == node.args[1:]
+                                           else "its shifts differ")
+    for c in chans if why is not None else ():
+        _pin_chan(w, node, c, f"rolled by shifts that may follow the input shape ({why})")
 
 
 def _pin_moving_regroup(w, node: fx.Node, x: Value | None) -> None:
