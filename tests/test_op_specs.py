@@ -85,6 +85,15 @@ def _filled(empty):
     return body
 
 
+def _written_tail(fill):
+    """A copy of ``h`` whose coordinates 4 on ``fill`` overwrites in place through a slice."""
+    def body(h, m):
+        buf = A.clone.default(h)
+        fill(A.slice.Tensor(buf, 2, 4, D))
+        return buf
+    return body
+
+
 def _weights(rnn: nn.RNNBase) -> list[torch.Tensor]:
     """A recurrent module's weights, read as its parameters (its ``_flat_weights`` list would export as constants)."""
     return [getattr(rnn, name) for name in rnn._flat_weights_names]
@@ -348,6 +357,9 @@ EXAMPLES = {
     "aten.new_empty.default": _filled(lambda h: A.new_empty.default(h, list(h.shape))),
     "aten.empty_like.default": _filled(A.empty_like.default),
     "aten.copy_.default": _filled(lambda h: A.new_empty.default(h, list(h.shape))),
+    "aten.fill_.Scalar": _written_tail(lambda v: A.fill_.Scalar(v, 0.5)),
+    "aten.fill_.Tensor": _written_tail(lambda v: A.fill_.Tensor(v, torch.tensor(0.5))),
+    "aten.zero_.default": _written_tail(A.zero_.default),
     "aten.view_as_complex.default": _complex_rotation,
     "aten.view_as_real.default": _complex_rotation,
     "aten._assert_tensor_metadata.default": lambda h, m: A._assert_tensor_metadata.default(h, dtype=h.dtype) or h,

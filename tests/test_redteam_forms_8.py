@@ -40,9 +40,18 @@ def _far_apart(first):
     return f
 
 
+def _zeroed_in_place(first):
+    def f(h, n):
+        z = h.clone()
+        z[..., first(n):] = 0
+        return z
+    return f
+
+
 MOVING = {
     "pieces cut at min(n, 6), 18 ops from their join": lambda: Units(_far_apart(lambda n: min(n, 6))),
     "units rolled by the length": lambda: Units(lambda h, n: torch.roll(h, n, -1)),
+    "units from min(n, 6) on zeroed in place": lambda: Units(_zeroed_in_place(lambda n: min(n, 6))),
 }
 
 
@@ -50,7 +59,8 @@ MOVING = {
 def test_numbers_that_follow_the_length_keep_no_group_they_break(name):
     """On the old engine: the cut 18 ops up was past the 16 nodes searched, and units 5-11 were permuted (relative
     change 0.24); a roll along the units by the length kept a permutation of all 12 units, whose columns in the
-    next layer the length picks (0.53)."""
+    next layer the length picks (0.53); units zeroed in place by fill_, an op no spec described, kept their labels,
+    and a permutation of units 0-4 was kept where units 3-4 are zeroed at length 3 (0.15)."""
     subject = subject_of(MOVING[name]())
     assert not any(g.size in (7, 8, 12) for g in subject.report.groups), census(subject)
     assert_fuzzed_at_two_shapes(subject, samples=8)
@@ -59,6 +69,7 @@ def test_numbers_that_follow_the_length_keep_no_group_they_break(name):
 FIXED = {
     "pieces cut at 6, 18 ops from their join": (lambda: Units(_far_apart(lambda n: 6)), 6),
     "units rolled by 5": (lambda: Units(lambda h, n: torch.roll(h, 5, -1)), 12),
+    "units from 6 on zeroed in place": (lambda: Units(_zeroed_in_place(lambda n: 6)), 6),
 }
 
 

@@ -141,6 +141,8 @@ class Walker:
         if spec is None or spec.rule not in _PASSES_COORDINATES:
             self.mark_read(inputs)
         if spec is None:
+            if mutated_argument(node) is not None:  # into a view: what the base holds elsewhere is no longer known
+                self._unsafe_write(node, inputs)
             return self._unknown(node, inputs)
         write = plan_write(node, self._order, self._last_write, self.data) if mutated_argument(node) else None
         if mutated_argument(node) is not None and write is None:
