@@ -39,6 +39,7 @@ class Analysis:
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     free_outputs: list = field(default_factory=list)  # FreeOutput records (--free-outputs)
     fixed_outputs: list[str] = field(default_factory=list)  # outputs that stay pinned although free ones were asked
+    why_unmoved: dict[str, str] = field(default_factory=dict)  # parameter in no group and no pin -> why
 
 
 class Assembler:
@@ -81,7 +82,9 @@ class Assembler:
     def analyse(self) -> Analysis:
         """Groups and pinned spaces, with whole experts permuted where isomorphic branches allow it
         (:mod:`symgraph.analysis.experts`)."""
-        return with_expert_groups(self, self._analyse_once)
+        analysis = with_expert_groups(self, self._analyse_once)
+        analysis.why_unmoved = self._why_unmoved(analysis)
+        return analysis
 
     def _analyse_once(self) -> Analysis:
         role = self._rotary_roles()
@@ -98,6 +101,7 @@ class Assembler:
         key = _refine(_refine(separated, restriction.code), role["kind"])
         if self._unsign_split_centred_rows(key, excluded, restriction):
             key = _refine(_refine(separated, restriction.code), role["kind"])
+        self._restriction, self._dropped = restriction, {}
         blocks = defaultdict(list)
         for k in np.nonzero(~excluded)[0]:
             blocks[int(key[k])].append(int(k))
@@ -252,6 +256,8 @@ class Assembler:
         classes = np.sort(np.array(classes))
         members = self._members_of(classes)
         if not members:
+            self._drop(classes, "some parameter holds only part of its block of coordinates, so no map of the "
+                                "whole block moves it consistently")
             return None
         anchor = min(members, key=lambda key: (key[1] != 0, key[2] == "permute", key))
         order = np.argsort(members[anchor]["pos"][:, 0])
@@ -361,9 +367,14 @@ class Assembler:
         gid = f"{motif}:{layer or 'model'}:{short_members(members)}"
         if first["pairs"]:
             group = self._rotary_group(gid, base, first, r)
+            if group is None:
+                self._drop_items(items, "rotary pairs limited to one sign shared by all coordinates (" + _why(first)
+                                 + "): no rotation or sign per pair is left")
             return [group] if group is not None else []
         kind, scale, global_sign = _kind_of(r)
         if kind == "permutation" and size == 1 and scale is None and not global_sign:
+            self._drop_items(items, "a block of one coordinate that may only be permuted (" + _why(first)
+                             + "): only the identity is left")
             return []  # the permutations of one coordinate: only the identity
         notes = [f"limited by: {why}" for why in first["why"]]
         full = None
@@ -615,6 +626,33 @@ class Assembler:
         return members
 
     # -- pinned report -------------------------------------------------------------------------------------------
+    def _drop(self, classes, why: str) -> None:
+        """Record why the block of ``classes`` gave no group, for the parameters no group moves."""
+        for k in np.atleast_1d(classes):
+            self._dropped.setdefault(int(k), why)
+
+    def _drop_items(self, items: list[dict], why: str) -> None:
+        for it in items:
+            self._drop(it["classes"], why)
+
+    def _why_unmoved(self, analysis: Analysis) -> dict[str, str]:
+        """For each parameter that no group moves and no pinned space names, the best reason the analysis has:
+        why its coordinates' blocks gave no group, else the restrictions that shaped their classes."""
+        moved = {p for g in analysis.groups for p in g.params} | {p for s in analysis.pinned for p in s.params}
+        owners = defaultdict(list)
+        for r in self.range_of:
+            if not r.block and r.owner and r.owner not in moved:
+                owners[r.owner].append(np.arange(r.start, r.start + r.size))
+        out = {}
+        for param, ranges in owners.items():
+            classes = np.unique(self.cls[np.concatenate(ranges)])
+            reasons = list(dict.fromkeys(self._dropped[int(k)] for k in classes if int(k) in self._dropped))
+            if not reasons:
+                why = self._restriction.why(classes)
+                reasons = ["no group was found that moves it" + (f"; limited by: {'; '.join(why)}" if why else "")]
+            out[param] = "; ".join(reasons)
+        return out
+
     def _pinned_report(self, cls_pinned: np.ndarray) -> list[PinnedSpace]:
         by_reason: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         ids = np.nonzero(cls_pinned[self.cls] & self.is_param)[0]
@@ -720,6 +758,10 @@ def _first_with_same_content(content: dict[int, set[int]]) -> dict[int, int]:
     """Each head mapped to the first head whose rows are the same (itself when none is)."""
     first: dict[frozenset, int] = {}
     return {h: first.setdefault(frozenset(content[h]), h) for h in sorted(content)}
+
+
+def _why(item: dict) -> str:
+    return "; ".join(item["why"]) or "no restriction recorded"
 
 
 def _kind_of(r: Restriction) -> tuple[str, str | None, bool]:
