@@ -155,19 +155,21 @@ def test_an_input_that_is_a_permutation_matrix_when_traced_pins():
 
 # --- heads beside one head treated apart -----------------------------------------------------------------------
 class OneHeadApart(nn.Module):
-    """Three heads of size 4; the queries of head 0 are shifted by a constant (``form`` "shift") or scaled."""
+    """Three heads (or ``heads``) of size 4; the queries of head 0 are shifted by a constant (``form`` "shift"),
+    scaled, or left as they are ("same"), then joined to the others again."""
 
-    def __init__(self, form: str):
+    def __init__(self, form: str, heads: int = 3):
         super().__init__()
-        self.form = form
-        self.q, self.k, self.v, self.o = (nn.Linear(D + 4, D + 4) for _ in range(4))
+        self.form, self.heads = form, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(4 * heads, 4 * heads) for _ in range(4))
 
     def forward(self, x):
         n, t, _ = x.shape
-        q, k, v = (f(x).view(n, t, 3, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
-        q = torch.cat([q[:, :1] + 1.0 if self.form == "shift" else q[:, :1] * 2.0, q[:, 1:]], 1)
+        q, k, v = (f(x).view(n, t, self.heads, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        first = {"shift": lambda z: z + 1.0, "scale": lambda z: z * 2.0, "same": lambda z: z}[self.form]
+        q = torch.cat([first(q[:, :1]), q[:, 1:]], 1)
         y = F.scaled_dot_product_attention(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(n, t, D + 4))
+        return self.o(y.transpose(1, 2).reshape(n, t, 4 * self.heads))
 
 
 @pytest.mark.parametrize("form", ["shift", "scale"])
@@ -177,6 +179,19 @@ def test_the_untouched_heads_permute_among_themselves(form):
     assert [(g.kind, g.size) for g in heads] == [("permutation", 2)]
     assert {int(i) // 4 for m in heads[0].members if m.param == "q.weight" for i in m.index.reshape(-1)} == {1, 2}
     assert_holds(model, subject, [(3, 7, D + 4), (1, 2, D + 4)])
+
+
+@pytest.mark.parametrize("form, expected", [
+    ("shift", {"qk permutation 4x1": 1, "qk orthogonal 4x1": 1, "qk scale/nonzero 1x1": 1, "vo orthogonal 4x2": 1}),
+    ("scale", {"qk orthogonal 4x2": 1, "qk scale/nonzero 1x2": 1, "vo orthogonal 4x2": 1}),
+    ("same", {"qk orthogonal 4x2": 1, "qk scale/nonzero 1x2": 1, "vo orthogonal 4x2": 1, "heads permutation 2x1": 1}),
+])
+def test_two_heads_cut_apart_and_joined_keep_a_group_each(form, expected):
+    """With two heads each piece is one head wide: no channel varies along the heads axis of either piece, but
+    both are cut from it, so the join is no concatenation along a data axis (which tied the two heads' maps)."""
+    model, subject = load(OneHeadApart(form, heads=2), torch.randn(2, 5, 8))
+    assert census(subject) == expected
+    assert_holds(model, subject, [(3, 7, 8), (1, 2, 8)])
 
 
 # --- a linear layer with no input features ----------------------------------------------------------------------

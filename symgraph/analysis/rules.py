@@ -242,6 +242,8 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
     values = [w.value(a) for a in moved_operands(node)]
     out_shape = _shape_of(node)
     dim = _join_dim(node, spec) % len(out_shape)
+    if any(_cut_from_labelled_axis(w, a, dim) for a in moved_operands(node)):
+        return None  # a single head cut from the heads axis: one position of a labelled axis, not of a data axis
     values = [v for v in values if v is None or v.shape is None or not (_empty_piece(v.shape, dim) or _zeros(v))]
     if not values or any(v is None or len(v.chans) != len(values[0].chans) for v in values) or not values[0].chans:
         return None
@@ -258,6 +260,24 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _cut_from_labelled_axis(w, node: fx.Node, dim: int) -> bool:
+    """Whether ``node`` is, through ops that keep its shape, a cut along ``dim`` of a value some channel of which
+    varies along ``dim``: its positions there are coordinates or heads, however few (``q[:, :1] + 1``)."""
+    shape = _node_shape(node)
+    for _ in range(_PIECE_DEPTH):
+        target = node.args[0] if node.target is operator.getitem else node
+        if target.op != "call_function":
+            return False
+        if getattr(w.spec(target), "cuts", False):
+            x = w.value(target.args[0])
+            return x is not None and x.shape is not None and len(x.shape) == len(shape) and \
+                schema_arg(target, "dim", 0) % len(shape) == dim and any(dim in chan_axes(c) for c in x.chans)
+        node = next((a for a in target.all_input_nodes if _node_shape(a) == shape), None)
+        if node is None or node.op != "call_function":
+            return False
+    return False
 
 
 def _join_dim(node: fx.Node, spec) -> int:
