@@ -12,6 +12,10 @@ product whose operand differs from head to head without coordinates that vary th
 shared by every head (one KV head repeated, MQA) do not differ from head to head and keep the head group; a
 ``repeat_interleave`` of that one head, transformers' expand-and-reshape and SDPA's ``enable_gqa`` are now known to
 repeat it (``rules._constant_axes_after``, ``rules._repeat_heads``; Falcon's multi-query head group depends on it).
+
+A piece cut from the heads axis now keeps its heads' labels however narrow (``rules._cut_from_labelled_axis``): no
+join of such pieces is taken for one along a data axis. Values whose pieces are computed alike move with their
+heads; pieces computed unlike keep the heads in place, and only query heads within a KV group permute.
 """
 from __future__ import annotations
 
@@ -99,10 +103,19 @@ REJOINED_CASES = [(name, kv, "repeat_interleave", keys) for name in VALUES_REJOI
     for share in SHARES[1:]]
 
 
+ALIKE = ("chunks softmaxed, joined again", "chunks joined in reverse")  # every piece computed by the same ops
+
+
 @pytest.mark.parametrize("name, kv, share, keys", REJOINED_CASES)
-def test_values_or_keys_rebuilt_along_the_heads_axis_leave_no_head_permutation(name, kv, share, keys):
+def test_values_or_keys_rebuilt_along_the_heads_axis_move_with_the_heads_or_keep_them(name, kv, share, keys):
+    """Each piece, cut from the heads axis, keeps its heads' labels: pieces computed alike move with whole heads
+    (KV groups), pieces computed unlike (their own linear each) keep them in place, and only query heads within a
+    KV group, which read the same values, permute."""
     subject = _load(VALUES_REJOINED[name], kv, share, keys)
-    assert not _head_groups(subject), [g.id for g in _head_groups(subject)]
+    found = sorted((g.id.split(":")[0], g.size, g.copies) for g in _head_groups(subject))
+    within = [("heads-within", 2, 2)] if name in ALIKE else [("heads-within", 2, 1)] * 2
+    whole = [("heads", kv, 1)] if name in ALIKE else []
+    assert found == sorted(whole + (within if kv < H else [])), found
     assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"
     assert_fuzzed_at_two_shapes(subject)
 
