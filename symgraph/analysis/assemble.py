@@ -17,13 +17,13 @@ import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from ..groups import Group, Member, PinnedSpace
+from ..groups import Group, Member, PinnedSpace, TensorMember
 from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction, monomial
 from .experts import with_expert_groups
 from .head_rows import HeadRows
 from .labels import IdSpace
-from .naming import common_prefix, short_members, unique_ids
+from .naming import common_prefix, role, short_members, unique_ids
 from .partition import parity_classes, union_sets
 from .scales import scale_groups
 from .walk import source_line
@@ -436,7 +436,8 @@ class Assembler:
         sharing = [{same[h] for h in s} for s in sharing]
         groups = []
         piece_of = [{int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
-                    for pieces, _node in self.c.pieces]  # each piece's classes, by the piece they lie in
+                    for j, (pieces, _node) in enumerate(self.c.pieces)
+                    if j not in self.c.alike_pieces]  # each piece's classes, by the piece they lie in
         parts = union_sets([{same[h] for h in op} for op in ops])  # one op's heads, or ops sharing head classes
         link = self._link_classes()
         together = HeadRows(self.c.taken, sorted(set(same.values())), content, link)
@@ -567,7 +568,7 @@ class Assembler:
         blocks = self._whole_classes([set().union(*(content[h] for h in g)) for g in kv_groups])
         outer = self._positions_members(blocks) if blocks else []
         if outer and len(kv_groups) > 1 and whole:
-            layer = common_prefix([m.param for m in outer])
+            layer = common_prefix([p for m in outer for p in m.params])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
             groups.append(Group(id=f"{motif}:{layer or 'model'}:{short_members(outer)}", motif=motif,
                                 kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
@@ -582,7 +583,7 @@ class Assembler:
                     # read different rows of what they share (each its own values and its neighbour's, summed)
                     per_group = []
                     break
-                per_group.append(self._positions_members(own))
+                per_group.append(self._positions_members(own, swaps=False))
             if per_group and all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
                 inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
                          for k, m in enumerate(per_group[0])]
@@ -606,8 +607,9 @@ class Assembler:
             return None
         return [ids | e for ids, e in zip(id_sets, extra)]
 
-    def _positions_members(self, id_sets) -> list[Member]:
-        """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``."""
+    def _positions_members(self, id_sets, swaps: bool = True) -> list[Member | TensorMember]:
+        """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``, and
+        (``swaps``) the tensors it holds whole (:meth:`_swapped_tensors`)."""
         per_key: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in id_sets])
         for j, ids in enumerate(id_sets):
             ids = np.fromiter(ids, dtype=np.int64)
@@ -616,14 +618,38 @@ class Assembler:
             for k, p in zip(rng, pos):
                 r = self.range_of[k]
                 per_key[(r.owner, r.axis)][j].append(int(p))
-        members = []
+        members, own = [], defaultdict(dict)  # own: param -> {axis: the one block holding it}
         for (param, axis), blocks in sorted(per_key.items()):
             lengths = {len(b) for b in blocks}
-            if len(lengths) != 1 or 0 in lengths:
+            if len(lengths) == 1 and 0 not in lengths:
+                index = np.array([sorted(b) for b in blocks], dtype=np.int64)[None]
+                members.append(Member(param, axis, index, "primal"))
+                continue
+            holders = [j for j, b in enumerate(blocks) if b]
+            everywhere = list(range(self.w.cap.shapes[param][axis]))
+            if not swaps or len(holders) != 1 or sorted(blocks[holders[0]]) != everywhere:
                 return []
-            index = np.array([sorted(b) for b in blocks], dtype=np.int64)[None]
-            members.append(Member(param, axis, index, "primal"))
-        return members
+            own[param][axis] = holders[0]
+        tensors = self._swapped_tensors(own, len(id_sets))
+        return [] if tensors is None else members + tensors
+
+    def _swapped_tensors(self, own: dict[str, dict[int, int]], n: int) -> list[TensorMember] | None:
+        """Tensors each held whole, on every axis, by one block (``own``: the block holding each axis), one of each
+        role (``norms.*.weight``) and shape per block, each read by one op only: a permutation of the blocks swaps
+        them with their blocks (a LayerNorm per head). None when they do not pair up so: a tensor with an axis
+        outside its block (a linear per head, whose columns read values that stay) may not move whole."""
+        slots: dict[tuple, list] = defaultdict(lambda: [None] * n)
+        for param, axes in own.items():
+            blocks = set(axes.values())
+            key = (role(param), self.w.cap.shapes[param])
+            read_once = len(self.w.param_nodes[param].users) == 1
+            whole = set(axes) == set(self.w.param_ids[param])
+            if len(blocks) != 1 or not (read_once and whole) or slots[key][next(iter(blocks))] is not None:
+                return None
+            slots[key][next(iter(blocks))] = param
+        if any(None in row for row in slots.values()):
+            return None
+        return [TensorMember((tuple(row),)) for _, row in sorted(slots.items())]
 
     # -- pinned report -------------------------------------------------------------------------------------------
     def _drop(self, classes, why: str) -> None:
