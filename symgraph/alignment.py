@@ -823,7 +823,7 @@ class Aligner:
 
     def _within(self, heads: Group) -> list[Member]:
         """Members of the groups that share an axis with a head permutation (its per-head groups)."""
-        axes = {(m.param, m.axis) for m in heads.members}
+        axes = {a for m in heads.members for a in self._axes(m)}
         return [m for g in self.groups if g is not heads and any(a in axes for x in g.members for a in self._axes(x))
                 for m in g.members]
 

@@ -353,7 +353,19 @@ def replicate(analysis: Analysis, pinned_sizes: dict, names: Unrolled, model: nn
     pinned = _replicate_pins(analysis.pinned, pinned_sizes, rename, names)
     params = _full_parameters(analysis.params, model, rename, plan)
     # free outputs name spread groups (the residual stream), whose ids do not change
-    return Analysis(groups, pinned, {}, params, analysis.free_outputs, analysis.fixed_outputs)
+    return Analysis(groups, pinned, {}, params, analysis.free_outputs, analysis.fixed_outputs,
+                    _replicate_why(analysis.why_unmoved, rename))
+
+
+def _replicate_why(why_unmoved: dict[str, str], rename: _Renamer) -> dict[str, str]:
+    """Each unmoved parameter of a repeated block's reason carried onto its copies (the reason names the shallow
+    graph's nodes)."""
+    out = {}
+    for param, why in why_unmoved.items():
+        s = rename.block_of(param)
+        for j in [None] if s is None else rename.plan.copies_of(s):
+            out[param if j is None else rename.move(param, s, j)] = why
+    return out
 
 
 class _Renamer:

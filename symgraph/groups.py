@@ -231,6 +231,14 @@ class PinnedSpace:
         return dataclasses.asdict(self) | {"params": list(self.params)}
 
 
+@dataclass(frozen=True)
+class Unmoved:
+    """A parameter that no group moves and no pinned space names, and the best reason the analysis has."""
+
+    param: str
+    reason: str
+
+
 def _compress_index(index: np.ndarray) -> dict:
     """Describe an index array compactly: as an arithmetic progression when it is one, else explicitly."""
     flat = index.reshape(-1)

@@ -155,6 +155,8 @@ def _sections(report: Report) -> list[_Section]:
     sections = [_summary_section(report), _reading_section()]
     sections += [_layer_section(layer, groups) for layer, groups in _groups_by_layer(report.groups)]
     sections.append(_pinned_section(report.pinned))
+    if report.unmoved:
+        sections.append(_unmoved_section(report.unmoved))
     if report.notes:
         sections.append(_Section("Notes", items=tuple(report.notes)))
     return sections
@@ -171,6 +173,8 @@ def _summary_section(report: Report) -> _Section:
         ("pinned spaces", str(s["pinned_spaces"])),
         ("unknown ops", _unknown_ops(s["unknown_ops"])),
     ]
+    if report.unmoved:
+        rows.insert(-3, ("in no group and not pinned", f"{len(report.unmoved)} tensors (section 'In no group')"))
     return _Section("Summary", table=_Table(("quantity", "value"), tuple(rows)))
 
 
@@ -297,6 +301,12 @@ def _pinned_section(pinned: tuple[PinnedSpace, ...]) -> _Section:
     rows = tuple((p.reason, _node_text(p), _params_text(p.params), str(p.size)) for p in pinned)
     text = ("Coordinates no transformation may touch, and why.",)
     return _Section("Pinned", paragraphs=text, table=_Table(("reason", "node", "params", "size"), rows, (1, 2)))
+
+
+def _unmoved_section(unmoved) -> _Section:
+    rows = tuple((u.param, u.reason) for u in unmoved)
+    text = ("Parameters that no group moves and no pinned space names, with the reason the analysis found.",)
+    return _Section("In no group", paragraphs=text, table=_Table(("param", "reason"), rows, (0,)))
 
 
 def _node_text(p: PinnedSpace) -> str:

@@ -5,12 +5,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 
 from .analysis import Analysis
-from .groups import FreeOutput, Group, PinnedSpace
+from .groups import FreeOutput, Group, PinnedSpace, Unmoved
 from .outputs import describe as describe_free
 from .spec import motif_order
 
@@ -33,6 +34,7 @@ class Report:
     unknown_ops: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     free_outputs: tuple[FreeOutput, ...] | None = None  # None: outputs pinned (no --free-outputs)
+    unmoved: tuple[Unmoved, ...] = ()  # parameters in no group and no pinned space, with the analysis's reason
 
     @classmethod
     def from_analysis(cls, model: str, analysis: Analysis, notes: tuple[str, ...] = (),
@@ -41,7 +43,8 @@ class Report:
         if free_outputs:
             notes = notes + _free_output_notes(analysis)
         return cls(model, tuple(groups), tuple(analysis.pinned), dict(analysis.params),
-                   dict(analysis.unknown_ops), notes, tuple(analysis.free_outputs) if free_outputs else None)
+                   dict(analysis.unknown_ops), notes, tuple(analysis.free_outputs) if free_outputs else None,
+                   _unmoved(analysis))
 
     def by_motif(self, motif: str) -> list[Group]:
         return [g for g in self.groups if g.motif == motif]
@@ -73,11 +76,19 @@ class Report:
             "summary": self.summary(),
             "groups": groups,
             "pinned": [p.to_json() for p in self.pinned],
+            "unmoved": [dataclasses.asdict(u) for u in self.unmoved],
             "notes": list(self.notes),
         } | ({} if self.free_outputs is None else {"free_outputs": describe_free(self.free_outputs, self.groups)})
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
+
+
+def _unmoved(analysis: Analysis) -> tuple[Unmoved, ...]:
+    """Every parameter that no group moves and no pinned space names, so that the report says why of each."""
+    covered = {p for g in analysis.groups for p in g.params} | {p for s in analysis.pinned for p in s.params}
+    return tuple(Unmoved(p, analysis.why_unmoved.get(p, "no group was found that moves it"))
+                 for p in sorted(analysis.params) if p not in covered)
 
 
 def _free_output_notes(analysis: Analysis) -> tuple[str, ...]:

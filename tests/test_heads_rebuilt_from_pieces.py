@@ -104,6 +104,9 @@ REJOINED_CASES = [(name, kv, "repeat_interleave", keys) for name in VALUES_REJOI
 
 
 ALIKE = ("chunks softmaxed, joined again", "chunks joined in reverse")  # every piece computed by the same ops
+# every piece computed by the same ops with a parameter of its own (a linear per head): the KV groups' query heads
+# permute alike, one group of two copies, but whole heads stay (each linear's columns read values that stay)
+BY_ROLE = ("one linear per chunk", "one head's slice through a linear per head")
 
 
 @pytest.mark.parametrize("name, kv, share, keys", REJOINED_CASES)
@@ -113,7 +116,7 @@ def test_values_or_keys_rebuilt_along_the_heads_axis_move_with_the_heads_or_keep
     KV group, which read the same values, permute."""
     subject = _load(VALUES_REJOINED[name], kv, share, keys)
     found = sorted((g.id.split(":")[0], g.size, g.copies) for g in _head_groups(subject))
-    within = [("heads-within", 2, 2)] if name in ALIKE else [("heads-within", 2, 1)] * 2
+    within = [("heads-within", 2, 2)] if name in ALIKE + BY_ROLE else [("heads-within", 2, 1)] * 2
     whole = [("heads", kv, 1)] if name in ALIKE else []
     assert found == sorted(whole + (within if kv < H else [])), found
     assert any(g.motif == "qk" for g in subject.report.groups), "each head's own maps remain"

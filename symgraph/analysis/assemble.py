@@ -17,13 +17,13 @@ import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from ..groups import Group, Member, PinnedSpace
+from ..groups import Group, Member, PinnedSpace, TensorMember
 from ..spec import Specs
 from .constraints import ORTHOGONAL, Restriction, monomial
 from .experts import with_expert_groups
 from .head_rows import HeadRows
 from .labels import IdSpace
-from .naming import common_prefix, short_members, unique_ids
+from .naming import common_prefix, role, short_members, unique_ids
 from .partition import parity_classes, union_sets
 from .scales import scale_groups
 from .walk import source_line
@@ -39,6 +39,7 @@ class Analysis:
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     free_outputs: list = field(default_factory=list)  # FreeOutput records (--free-outputs)
     fixed_outputs: list[str] = field(default_factory=list)  # outputs that stay pinned although free ones were asked
+    why_unmoved: dict[str, str] = field(default_factory=dict)  # parameter in no group and no pin -> why
 
 
 class Assembler:
@@ -81,7 +82,9 @@ class Assembler:
     def analyse(self) -> Analysis:
         """Groups and pinned spaces, with whole experts permuted where isomorphic branches allow it
         (:mod:`symgraph.analysis.experts`)."""
-        return with_expert_groups(self, self._analyse_once)
+        analysis = with_expert_groups(self, self._analyse_once)
+        analysis.why_unmoved = self._why_unmoved(analysis)
+        return analysis
 
     def _analyse_once(self) -> Analysis:
         role = self._rotary_roles()
@@ -98,6 +101,7 @@ class Assembler:
         key = _refine(_refine(separated, restriction.code), role["kind"])
         if self._unsign_split_centred_rows(key, excluded, restriction):
             key = _refine(_refine(separated, restriction.code), role["kind"])
+        self._restriction, self._dropped = restriction, {}
         blocks = defaultdict(list)
         for k in np.nonzero(~excluded)[0]:
             blocks[int(key[k])].append(int(k))
@@ -253,6 +257,8 @@ class Assembler:
         classes = np.sort(np.array(classes))
         members = self._members_of(classes)
         if not members:
+            self._drop(classes, "some parameter holds only part of its block of coordinates, so no map of the "
+                                "whole block moves it consistently")
             return None
         anchor = min(members, key=lambda key: (key[1] != 0, key[2] == "permute", key))
         order = np.argsort(members[anchor]["pos"][:, 0])
@@ -362,9 +368,14 @@ class Assembler:
         gid = f"{motif}:{layer or 'model'}:{short_members(members)}"
         if first["pairs"]:
             group = self._rotary_group(gid, base, first, r)
+            if group is None:
+                self._drop_items(items, "rotary pairs limited to one sign shared by all coordinates (" + _why(first)
+                                 + "): no rotation or sign per pair is left")
             return [group] if group is not None else []
         kind, scale, global_sign = _kind_of(r)
         if kind == "permutation" and size == 1 and scale is None and not global_sign:
+            self._drop_items(items, "a block of one coordinate that may only be permuted (" + _why(first)
+                             + "): only the identity is left")
             return []  # the permutations of one coordinate: only the identity
         notes = [f"limited by: {why}" for why in first["why"]]
         full = None
@@ -426,7 +437,8 @@ class Assembler:
         sharing = [{same[h] for h in s} for s in sharing]
         groups = []
         piece_of = [{int(c): k for k, p in enumerate(pieces) for c in np.unique(self.cls[p])}
-                    for pieces, _node in self.c.pieces]  # each piece's classes, by the piece they lie in
+                    for j, (pieces, _node) in enumerate(self.c.pieces)
+                    if j not in self.c.alike_pieces]  # each piece's classes, by the piece they lie in
         parts = union_sets([{same[h] for h in op} for op in ops])  # one op's heads, or ops sharing head classes
         link = self._link_classes()
         together = HeadRows(self.c.taken, sorted(set(same.values())), content, link)
@@ -557,7 +569,7 @@ class Assembler:
         blocks = self._whole_classes([set().union(*(content[h] for h in g)) for g in kv_groups])
         outer = self._positions_members(blocks) if blocks else []
         if outer and len(kv_groups) > 1 and whole:
-            layer = common_prefix([m.param for m in outer])
+            layer = common_prefix([p for m in outer for p in m.params])
             note = "permutes KV groups with their query heads" if rep > 1 else "permutes whole heads"
             groups.append(Group(id=f"{motif}:{layer or 'model'}:{short_members(outer)}", motif=motif,
                                 kind="permutation", size=len(kv_groups), copies=1, members=tuple(outer),
@@ -572,7 +584,7 @@ class Assembler:
                     # read different rows of what they share (each its own values and its neighbour's, summed)
                     per_group = []
                     break
-                per_group.append(self._positions_members(own))
+                per_group.append(self._positions_members(own, swaps=False))
             if per_group and all(per_group) and len({tuple((m.param, m.axis) for m in pg) for pg in per_group}) == 1:
                 inner = [Member(m.param, m.axis, np.concatenate([pg[k].index for pg in per_group]), "primal")
                          for k, m in enumerate(per_group[0])]
@@ -596,8 +608,9 @@ class Assembler:
             return None
         return [ids | e for ids, e in zip(id_sets, extra)]
 
-    def _positions_members(self, id_sets) -> list[Member]:
-        """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``."""
+    def _positions_members(self, id_sets, swaps: bool = True) -> list[Member | TensorMember]:
+        """Members of a permutation of blocks: block j is every parameter position among ``id_sets[j]``, and
+        (``swaps``) the tensors it holds whole (:meth:`_swapped_tensors`)."""
         per_key: dict[tuple, list[list[int]]] = defaultdict(lambda: [[] for _ in id_sets])
         for j, ids in enumerate(id_sets):
             ids = np.fromiter(ids, dtype=np.int64)
@@ -606,16 +619,67 @@ class Assembler:
             for k, p in zip(rng, pos):
                 r = self.range_of[k]
                 per_key[(r.owner, r.axis)][j].append(int(p))
-        members = []
+        members, own = [], defaultdict(dict)  # own: param -> {axis: the one block holding it}
         for (param, axis), blocks in sorted(per_key.items()):
             lengths = {len(b) for b in blocks}
-            if len(lengths) != 1 or 0 in lengths:
+            if len(lengths) == 1 and 0 not in lengths:
+                index = np.array([sorted(b) for b in blocks], dtype=np.int64)[None]
+                members.append(Member(param, axis, index, "primal"))
+                continue
+            holders = [j for j, b in enumerate(blocks) if b]
+            everywhere = list(range(self.w.cap.shapes[param][axis]))
+            if not swaps or len(holders) != 1 or sorted(blocks[holders[0]]) != everywhere:
                 return []
-            index = np.array([sorted(b) for b in blocks], dtype=np.int64)[None]
-            members.append(Member(param, axis, index, "primal"))
-        return members
+            own[param][axis] = holders[0]
+        tensors = self._swapped_tensors(own, len(id_sets))
+        return [] if tensors is None else members + tensors
+
+    def _swapped_tensors(self, own: dict[str, dict[int, int]], n: int) -> list[TensorMember] | None:
+        """Tensors each held whole, on every axis, by one block (``own``: the block holding each axis), one of each
+        role (``norms.*.weight``) and shape per block, each read by one op only: a permutation of the blocks swaps
+        them with their blocks (a LayerNorm per head). None when they do not pair up so: a tensor with an axis
+        outside its block (a linear per head, whose columns read values that stay) may not move whole."""
+        slots: dict[tuple, list] = defaultdict(lambda: [None] * n)
+        for param, axes in own.items():
+            blocks = set(axes.values())
+            key = (role(param), self.w.cap.shapes[param])
+            read_once = len(self.w.param_nodes[param].users) == 1
+            whole = set(axes) == set(self.w.param_ids[param])
+            if len(blocks) != 1 or not (read_once and whole) or slots[key][next(iter(blocks))] is not None:
+                return None
+            slots[key][next(iter(blocks))] = param
+        if any(None in row for row in slots.values()):
+            return None
+        return [TensorMember((tuple(row),)) for _, row in sorted(slots.items())]
 
     # -- pinned report -------------------------------------------------------------------------------------------
+    def _drop(self, classes, why: str) -> None:
+        """Record why the block of ``classes`` gave no group, for the parameters no group moves."""
+        for k in np.atleast_1d(classes):
+            self._dropped.setdefault(int(k), why)
+
+    def _drop_items(self, items: list[dict], why: str) -> None:
+        for it in items:
+            self._drop(it["classes"], why)
+
+    def _why_unmoved(self, analysis: Analysis) -> dict[str, str]:
+        """For each parameter that no group moves and no pinned space names, the best reason the analysis has:
+        why its coordinates' blocks gave no group, else the restrictions that shaped their classes."""
+        moved = {p for g in analysis.groups for p in g.params} | {p for s in analysis.pinned for p in s.params}
+        owners = defaultdict(list)
+        for r in self.range_of:
+            if not r.block and r.owner and r.owner not in moved:
+                owners[r.owner].append(np.arange(r.start, r.start + r.size))
+        out = {}
+        for param, ranges in owners.items():
+            classes = np.unique(self.cls[np.concatenate(ranges)])
+            reasons = list(dict.fromkeys(self._dropped[int(k)] for k in classes if int(k) in self._dropped))
+            if not reasons:
+                why = self._restriction.why(classes)
+                reasons = ["no group was found that moves it" + (f"; limited by: {'; '.join(why)}" if why else "")]
+            out[param] = "; ".join(reasons)
+        return out
+
     def _pinned_report(self, cls_pinned: np.ndarray) -> list[PinnedSpace]:
         by_reason: dict[tuple, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         ids = np.nonzero(cls_pinned[self.cls] & self.is_param)[0]
@@ -721,6 +785,10 @@ def _first_with_same_content(content: dict[int, set[int]]) -> dict[int, int]:
     """Each head mapped to the first head whose rows are the same (itself when none is)."""
     first: dict[frozenset, int] = {}
     return {h: first.setdefault(frozenset(content[h]), h) for h in sorted(content)}
+
+
+def _why(item: dict) -> str:
+    return "; ".join(item["why"]) or "no restriction recorded"
 
 
 def _kind_of(r: Restriction) -> tuple[str, str | None, bool]:

@@ -105,6 +105,9 @@ class Constraints:
     # ids of the pieces of one tensor, cut apart and joined again after different ops: no piece's coordinates
     # (or heads) may mix with another's (see rules._separate_unlike_pieces)
     pieces: list[tuple[list[np.ndarray], str]] = field(default_factory=list)
+    # indices into ``pieces`` of pieces computed alike but for per-piece parameters of one role (a LayerNorm per
+    # head): their coordinates stay apart, but whole heads may move with those parameters swapped along
+    alike_pieces: set[int] = field(default_factory=set)
     # (index into ``pieces``, why the cuts that made those pieces may cut elsewhere at another input shape, or
     # None): asked only where the pieces' coordinates would otherwise mix (analysis/assemble.py)
     cut_pieces: list[tuple[int, Callable[[], str | None]]] = field(default_factory=list)
@@ -161,12 +164,16 @@ class Constraints:
         if rows.size:
             self.taken.append((rows.reshape(-1, rows.shape[-1]), node))
 
-    def separate_pieces(self, pieces: list, node: str, cuts_move: Callable[[], str | None] | None = None) -> None:
+    def separate_pieces(self, pieces: list, node: str, cuts_move: Callable[[], str | None] | None = None,
+                        alike: bool = False) -> None:
         """``pieces`` (ids) may not mix; ``cuts_move``: where the pieces were cut apart at bounds the trace bakes
-        in, why those bounds may differ at another input shape (None when they do not)."""
+        in, why those bounds may differ at another input shape (None when they do not); ``alike``: computed by the
+        same ops but for per-piece parameters of one role (``alike_pieces``)."""
         pieces = [p for p in (_ids(p) for p in pieces) if p.size]
         if len(pieces) > 1:
             self.pieces.append((pieces, node))
+            if alike:
+                self.alike_pieces.add(len(self.pieces) - 1)
             if cuts_move is not None:
                 self.cut_pieces.append((len(self.pieces) - 1, cuts_move))
 

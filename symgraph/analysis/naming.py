@@ -52,3 +52,8 @@ def unique_ids(groups: list[Group]) -> list[Group]:
         return max(named[to], key=lambda candidate: len(candidate[1] & set(g.params)))[0]
 
     return [replace(g, id=name, links=tuple(link(g, to) for to in g.links)) for g, name in zip(groups, names)]
+
+
+def role(param: str) -> str:
+    """A parameter's name with its indices starred: the role it plays in each of a ModuleList's entries."""
+    return ".".join("*" if part.isdigit() else part for part in param.split("."))

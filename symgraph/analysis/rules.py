@@ -20,8 +20,9 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern, tie_slices
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
-                     data_varies, dropped_ids, ids_along, labelled_axes, orders_differ, slices_are_whole_spaces, unique_rows,
-                     varying_axes)
+                     data_varies, dropped_ids, ids_along, labelled_axes, orders_differ, slices_are_whole_spaces,
+                     unique_rows, varying_axes)
+from .naming import role
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
 
@@ -329,7 +330,9 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
                       if spec.stacks or dim in chan_axes(c) or v.shape[dim] == 1 for t in c.terms]
                      or [torch.zeros(0, dtype=torch.int64)]) for v in values]
     cuts = coordinate_cuts_before(w, pieces, torch.cat(ids))
-    w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None)
+    by_role = ({}, {})
+    alike = len({piece_structure(w, p, by_role, roles=True) for p in pieces}) == 1
+    w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None, alike)
 
 
 def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[fx.Node]:
@@ -406,11 +409,12 @@ def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
 
 
-def piece_structure(w, node: fx.Node, structures: tuple[dict, dict], depth: int = 0) -> int:
+def piece_structure(w, node: fx.Node, structures: tuple[dict, dict], depth: int = 0, roles: bool = False) -> int:
     """A number for the ops that compute ``node`` back to the cuts it reads, with their constant arguments, every
     other input by name and the tensor each cut reads, the bounds of each cut left out (equal numbers, equal
     computations). ``structures``: (memo, numbers): each node visited once in the memo, so shared inputs cost
-    nothing twice, and each distinct structure numbered once."""
+    nothing twice, and each distinct structure numbered once. ``roles``: a parameter counts by its role and shape
+    rather than its name (``norms.0.weight`` and ``norms.1.weight`` alike)."""
     memo, numbers = structures
     if node in memo:
         return memo[node]
@@ -422,10 +426,11 @@ def piece_structure(w, node: fx.Node, structures: tuple[dict, dict], depth: int 
     elif getattr(spec, "cuts", False) and isinstance(target.args[0], fx.Node):
         structure = ("cut", target.args[0].name)
     elif node.op != "call_function":
-        structure = ("leaf", node.name)
+        param = w.cap.params.get(node.name) if roles else None
+        structure = ("leaf", node.name) if param is None else ("param", role(param), w.cap.shapes[param])
     else:
         def number(a):
-            return ("node", piece_structure(w, a, structures, depth + 1)) if isinstance(a, fx.Node) else a
+            return ("node", piece_structure(w, a, structures, depth + 1, roles)) if isinstance(a, fx.Node) else a
 
         structure = (str(node.target), repr(fx.node.map_aggregate(node.args, number)),
                      repr(fx.node.map_aggregate(node.kwargs, number)))

@@ -228,7 +228,7 @@ def solve_heads(ws, g, members, ctx):
     members = ws.costed(members)
     if ctx.first_pass:
         similarity = invariant_head_similarity(ws, g, members, ctx.groups)
-    elif ctx.permutations_only or max(m.index.shape[2] for m in members) == 1:
+    elif ctx.permutations_only or max(m.index.shape[2] for m in members if isinstance(m, Member)) == 1:
         similarity = ws.similarity(members, g, normalise=False)
     else:
         similarity = rotation_head_similarity(ws, g, members, ctx.groups)

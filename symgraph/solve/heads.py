@@ -24,7 +24,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from ..groups import Group, Member
+from ..groups import Group, Member, TensorMember
 from .kernels import procrustes_value
 
 _WITHIN_KINDS = ("orthogonal", "general_linear", "rotary")
@@ -58,8 +58,8 @@ def _head_similarity(ws, g: Group, members, groups, kinds, per_group, *, normali
         for m in other.members:
             if (m.param, m.axis) in coord:
                 covered[(m.param, m.axis)].update(m.index.reshape(-1).tolist())
-    for m in members:
-        if set(m.index.reshape(-1).tolist()) - covered[(m.param, m.axis)]:
+    for m in members:  # a tensor member (a LayerNorm per head, swapped whole) is in no per-head group
+        if isinstance(m, TensorMember) or set(m.index.reshape(-1).tolist()) - covered[(m.param, m.axis)]:
             total += _member_values(ws, m, normalise=normalise)
     return total
 
@@ -81,6 +81,8 @@ def _coordinate_maps(g: Group) -> dict[tuple[str, int], np.ndarray]:
     """(param, axis) -> position -> flat head coordinate (copy * size + head), -1 outside the group."""
     maps = {}
     for m in g.members:
+        if isinstance(m, TensorMember):
+            continue
         top = int(m.index.max()) + 1
         out = maps.get((m.param, m.axis))
         if out is None or len(out) < top:
