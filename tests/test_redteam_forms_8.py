@@ -1,5 +1,5 @@
-"""Eighth soundness pass: forms that got around the checks of numbers the trace bakes in (cut points, per-unit
-data, roll shifts computed from the input's length). Each form is fuzzed in float64 at two input shapes, beside a
+"""Eighth soundness pass: forms that got around the checks of numbers the trace bakes in (cut points far from
+their join, roll shifts and in-place fills computed from the input's length). Each form is fuzzed in float64 at two input shapes, beside a
 control with the same numbers fixed, whose group must stay."""
 from __future__ import annotations
 
