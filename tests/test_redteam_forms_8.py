@@ -5,26 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import symgraph
 
 from group_checks import assert_fuzzed_at_two_shapes, census, noisy
-
-D, H = 8, 12
-
-
-class Units(nn.Module):
-    """``Linear -> ReLU -> f(h, n) -> Linear``, ``n`` the input's length (traced at 5)."""
-
-    def __init__(self, f):
-        super().__init__()
-        self.f = f
-        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x):
-        return self.b(self.f(torch.relu(self.a(x)), x.shape[1]))
-
+from test_sizes_from_the_input import D, Units
 
 def subject_of(module):
     torch.manual_seed(0)
