@@ -706,12 +706,8 @@ def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
         held, counts = np.unique(coords[coords >= 0], return_counts=True)
         if (counts == 1).all():
             continue  # every coordinate at one position: nothing to pair
-        repeated = counts > 1
-        if len(np.unique(np.stack([w.ids.range_index(held[repeated]), counts[repeated]]), axis=1)[0]) > \
-                len(np.unique(w.ids.range_index(held[repeated]))):
-            # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th. Coordinates
-            # of different spaces may repeat differently (the stream's rows beside two learned register tokens)
-            return True
+        if len(np.unique(counts[counts > 1])) > 1:
+            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
         offsets, inputs, start = {}, [], 0
         for a in moved_operands(node):
             v = w.value(a)
@@ -1394,8 +1390,8 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
         axes = chan_axes(ca)
-        found = [j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes]
-        j = _labelled_alike(ca, [(j, b.chans[j].broadcast_to(out_shape)) for j in found]) if found else None
+        j = next((j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes),
+                 None)
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
@@ -1413,22 +1409,6 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
     # layer's linear, took that linear's columns and pinned the stream)
     return Value(chans=chans if chans else pinned, shape=out_shape)
-
-
-def _labelled_alike(ca: Chan, candidates: list[tuple[int, Chan]]) -> int:
-    """The candidate channel (index, channel) to add to ``ca``: the first labelling the same positions, else the
-    first. The stream beside two learned register tokens varies along the tokens too (the tokens' own columns
-    there), and the registers' axis labels only their rows: a sum must pair the stream with the stream."""
-    if len(candidates) > 1:
-        mine = collapse(ca.ids) >= 0
-        for j, cb in candidates:
-            theirs = collapse(cb.ids) >= 0
-            try:
-                if bool((mine == theirs).all()):
-                    return j
-            except RuntimeError:  # shapes that do not broadcast: not alike
-                continue
-    return candidates[0][0]
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
