@@ -205,8 +205,9 @@ class Walker:
                 continue
             shift = rank - data.dim()
             met = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying)
-            per_coordinate = met & varying_axes(data) if varying_axes(data) <= met and not complex_view else frozenset()
-            if (met or per_coordinate) and self._varies_elsewhere(arg, data, met - varying_axes(data), per_coordinate):
+            along = varying_axes(data)
+            per_coordinate = along if along <= met and not complex_view else frozenset()
+            if met and self._varies_elsewhere(arg, data, met - along, per_coordinate):
                 self.values[arg.name] = Value(shape=v.shape)
                 forgot = True
         return forgot
