@@ -199,6 +199,13 @@ class Rescale(_Frozen):
     note: str  # what the report says about the scalar rescale group
 
 
+class DerivedTag(_Frozen):
+    """specs/motifs.yaml ``derived_tags``: a tag on the coordinates carrying ``tag`` but not ``without``."""
+    description: str
+    tag: str
+    without: str
+
+
 class MotifSpec(_Frozen):
     description: str
     tag: str | None = None  # the role tag (attached by the rules) that marks the motif's coordinates
@@ -304,6 +311,7 @@ class IdentityRouting(_Frozen):
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
+    derived_tags: dict[str, DerivedTag] = {}
     classify: dict[GroupFamily, tuple[str, ...]]  # per group family: motifs by precedence, the last the default
     branches: BranchSpecs = BranchSpecs()
     experts: dict[str, ExpertsLayout] = {}
@@ -394,7 +402,8 @@ def load_specs() -> Specs:
     ops, motifs, branches = _load_yaml("ops.yaml"), _load_yaml("motifs.yaml"), _load_yaml("branches.yaml")
     experts = _load_yaml("experts.yaml")
     try:
-        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
+        return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}),
+                     derived_tags=motifs.get("derived_tags", {}), classify=motifs.get("classify", {}),
                      branches=branches, experts=experts.get("layouts", {}),
                      identity_routing=experts.get("identity_routing", {}))
     except ValidationError as exc:
@@ -402,7 +411,7 @@ def load_specs() -> Specs:
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
-_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
+_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "derived_tags": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
          "experts": "experts.yaml", "identity_routing": "experts.yaml"}
 
 

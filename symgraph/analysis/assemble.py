@@ -344,11 +344,14 @@ class Assembler:
     def motif_for(self, family: str, classes: np.ndarray) -> str:
         """The motif (specs/motifs.yaml, ``classify``) naming a group of ``family`` over these classes."""
         if not hasattr(self, "_class_tags"):
+            tagged = {tag: np.unique(np.concatenate(arrays)) for tag, arrays in self.c.tags.items()}
+            for name, derived in self.specs.derived_tags.items():
+                tagged[name] = np.setdiff1d(tagged.get(derived.tag, np.zeros(0, np.int64)),
+                                            tagged.get(derived.without, np.zeros(0, np.int64)))
             self._class_tags = {}
-            for tag, arrays in self.c.tags.items():
+            for tag, ids in tagged.items():
                 mark = np.zeros(self.n_cls, bool)
-                for ids in arrays:
-                    mark[self.cls[ids]] = True
+                mark[self.cls[ids]] = True
                 self._class_tags[tag] = mark
         tags = self._class_tags
         return self.specs.motif_for(family, lambda tag: tag in tags and bool(tags[tag][classes].any()))
