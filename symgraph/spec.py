@@ -200,10 +200,11 @@ class Rescale(_Frozen):
 
 
 class DerivedTag(_Frozen):
-    """specs/motifs.yaml ``derived_tags``: a tag on the coordinates carrying ``tag`` but not ``without``."""
+    """specs/motifs.yaml ``derived_tags``: a tag on the coordinates carrying every tag of ``all`` and none of
+    ``none``."""
     description: str
-    tag: str
-    without: str
+    all: tuple[str, ...]
+    none: tuple[str, ...] = ()
 
 
 class MotifSpec(_Frozen):

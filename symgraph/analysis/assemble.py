@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -345,9 +347,10 @@ class Assembler:
         """The motif (specs/motifs.yaml, ``classify``) naming a group of ``family`` over these classes."""
         if not hasattr(self, "_class_tags"):
             tagged = {tag: np.unique(np.concatenate(arrays)) for tag, arrays in self.c.tags.items()}
+            untagged = np.zeros(0, np.int64)
             for name, derived in self.specs.derived_tags.items():
-                tagged[name] = np.setdiff1d(tagged.get(derived.tag, np.zeros(0, np.int64)),
-                                            tagged.get(derived.without, np.zeros(0, np.int64)))
+                ids = functools.reduce(np.intersect1d, (tagged.get(t, untagged) for t in derived.all))
+                tagged[name] = functools.reduce(np.setdiff1d, (tagged.get(t, untagged) for t in derived.none), ids)
             self._class_tags = {}
             for tag, ids in tagged.items():
                 mark = np.zeros(self.n_cls, bool)

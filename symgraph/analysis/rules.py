@@ -1743,6 +1743,7 @@ def rule_layer_norm(w, node: fx.Node, spec) -> Value | list[Value]:
         axes = chan_axes(c)
         if axes & norm_axes and not c.block:
             _normalise(w, node, c, norm_axes, Restriction(orthogonal=True, fixes_ones=spec.centres))
+            w.c.tag("normalised", c.ids)
         elif not c.block:
             _each_coordinate_along_another_axis(w, node, c, "normalisation")
         chans.append(c)
