@@ -301,6 +301,26 @@ class IdentityRouting(_Frozen):
     identity: str  # attribute: the number of identity experts after them
 
 
+class SortedTokens(_Frozen):
+    """specs/experts.yaml: a mixture-of-experts module whose router sorts the tokens by expert and whose experts
+    split them by counts read at run time (JetMoE's): each token's top-k picks of the router's logits, weighted by
+    a softmax over the picked logits."""
+
+    form: Literal["glu", "heads"]  # a gated FFN per expert, or each pick's query and output projections (map/reduce)
+    router: str  # submodule: the linear layer giving each token's expert logits
+    top_k: str  # attribute path: the picks per token
+    up: str  # parameter (experts, rows, hidden): glu: gate rows then up rows; heads: each pick's query rows
+    down: str  # parameter (experts, hidden, units)
+    bias: str  # parameter added to the module's output
+    activation: str | None = None  # glu: attribute path of the gate's activation
+
+    @model_validator(mode="after")
+    def _activation_for_glu(self):
+        if (self.activation is None) == (self.form == "glu"):
+            raise ValueError("a `glu` entry names its `activation`, a `heads` entry none")
+        return self
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
@@ -308,6 +328,7 @@ class Specs(_Frozen):
     branches: BranchSpecs = BranchSpecs()
     experts: dict[str, ExpertsLayout] = {}
     identity_routing: dict[str, IdentityRouting] = {}
+    sorted_tokens: dict[str, SortedTokens] = {}
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -396,14 +417,16 @@ def load_specs() -> Specs:
     try:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
                      branches=branches, experts=experts.get("layouts", {}),
-                     identity_routing=experts.get("identity_routing", {}))
+                     identity_routing=experts.get("identity_routing", {}),
+                     sorted_tokens=experts.get("sorted_tokens", {}))
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
 _FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
-         "experts": "experts.yaml", "identity_routing": "experts.yaml"}
+         "experts": "experts.yaml", "identity_routing": "experts.yaml",
+         "sorted_tokens": "experts.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:
