@@ -65,6 +65,17 @@ class DenseRoutedMoE(ExpertsBlock):
         return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
 
 
+class InPlaceRoutedMoE(ExpertsBlock):
+    """Llama 4's router: the top-2 logits written in place into a tensor of -inf (``scatter_``), then a sigmoid."""
+
+    def experts(self, flat):
+        logits = self.router(flat)
+        top, index = logits.topk(2, -1)
+        routing = torch.full_like(logits, float("-inf")).scatter_(1, index, top).sigmoid()
+        hidden = F.relu(torch.einsum("td,edh->eth", flat, self.w_in))
+        return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
+
+
 class ExpertChoiceMoE(ExpertsBlock):
     """Each expert takes its top tokens (top-k over the token axis), gathered with ``x[rows]``, added back with
     ``index_add``."""
@@ -145,7 +156,7 @@ def _load(model):
     return symgraph.load(noisy(model), (torch.randn(2, TOKENS, D),))
 
 
-@pytest.mark.parametrize("form", [SoftMoE, DenseRoutedMoE])
+@pytest.mark.parametrize("form", [SoftMoE, DenseRoutedMoE, InPlaceRoutedMoE])
 def test_experts_move_with_their_router_rows(form):
     subject = _load(form())
     experts = [g for g in subject.report.groups if g.motif == "experts"]
