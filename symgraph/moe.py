@@ -21,7 +21,9 @@ module's own loop stays the reference). A mixture-of-experts module that sends s
 by arithmetic on the indices; :func:`identity_routing_forward` runs it as one dense routing matrix instead.
 JetMoE's mixtures (of GLU experts, and of attention heads) sort the tokens by expert and split them by counts read at
 run time; ``sorted_tokens`` in the same file says where their router and weights are, and
-:func:`sorted_glu_forward`, :func:`sorted_heads_map` and :func:`sorted_heads_reduce` run them densely.
+:func:`sorted_glu_forward`, :func:`sorted_heads_map` and :func:`sorted_heads_reduce` run them densely. Llama 4 runs
+every expert on every token scaled by its router score but stacks the experts' inputs along the rows, which hides
+the expert axis; :func:`scaled_inputs_forward` (``scaled_inputs``) keeps it apart.
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ from collections.abc import Iterator
 import torch
 
 from .groups import Member
-from .spec import ExpertsLayout, IdentityRouting, SortedTokens, load_specs
+from .spec import ExpertsLayout, IdentityRouting, ScaledInputs, SortedTokens, load_specs
 
 __all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
            "identity_routing_forward", "identity_routing_modules", "layout_experts_forward", "layout_modules",
-           "note_shared_expert_units", "sorted_tokens_modules", "use_experts_implementation"]
+           "note_shared_expert_units", "scaled_inputs_modules", "sorted_tokens_modules", "use_experts_implementation"]
 
 DENSE = "symgraph_dense"  # registered in transformers' experts interface on first use
 REFERENCE = "eager"  # transformers' reference loop: runs in any dtype, not traceable
@@ -143,6 +145,17 @@ def sorted_heads_reduce(self, per_pick: torch.Tensor, routing: torch.Tensor, *, 
     return mixed + self.get_parameter(layout.bias)
 
 
+def scaled_inputs_forward(self, hidden_states: torch.Tensor, *, layout: ScaledInputs):
+    """Every expert on every token scaled by its router score (specs/experts.yaml ``scaled_inputs``), the expert
+    axis kept apart from the tokens', plus the shared expert: the (tokens, hidden) output and the router logits."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    scores, logits = self.get_submodule(layout.router)(tokens)
+    routed_in = tokens * scores.transpose(0, 1).unsqueeze(-1)  # (experts, tokens, hidden)
+    gate, up = torch.bmm(routed_in, self.get_parameter(layout.gate_up)).chunk(2, dim=-1)
+    routed_out = torch.bmm(up * operator.attrgetter(layout.activation)(self)(gate), self.get_parameter(layout.down))
+    return self.get_submodule(layout.shared)(tokens) + routed_out.sum(dim=0), logits
+
+
 _SORTED_FORWARDS = {"glu": (sorted_glu_forward,), "heads": (sorted_heads_map, sorted_heads_reduce)}
 
 
@@ -242,6 +255,25 @@ def _sorts_tokens(module: torch.nn.Module, layout: SortedTokens) -> bool:
                 for p in (layout.up, layout.down)) and layout.bias in names and all(map(callable, callables)))
 
 
+def scaled_inputs_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ScaledInputs]]:
+    """Mixture-of-experts modules of ``model`` that stack every expert's scaled inputs along the rows (Llama 4's),
+    with the entry of specs/experts.yaml (``scaled_inputs``) each matches."""
+    layouts = load_specs().scaled_inputs.values()
+    found = [(m, next((layout for layout in layouts if _scales_inputs(m, layout)), None)) for m in model.modules()]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
+def _scales_inputs(module: torch.nn.Module, layout: ScaledInputs) -> bool:
+    modules, names = dict(module.named_modules()), dict(module.named_parameters())
+    router, gate_up, down = modules.get(layout.router), names.get(layout.gate_up), names.get(layout.down)
+    if not isinstance(router, torch.nn.Linear) or gate_up is None or down is None or gate_up.dim() != 3:
+        return False
+    experts, hidden, units = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
+    return (tuple(down.shape) == (experts, units, hidden) and router.out_features == experts
+            and gate_up.shape[2] == 2 * units and isinstance(modules.get(layout.shared), torch.nn.Module)
+            and callable(_attribute(module, layout.activation)))
+
+
 def _attribute(module: torch.nn.Module, path: str):
     try:
         return operator.attrgetter(path)(module)
@@ -255,6 +287,8 @@ def _dense_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, 
              for m, layout in layout_modules(model)]
     pairs += [(m, "forward", functools.partial(identity_routing_forward, layout=layout))
               for m, layout in identity_routing_modules(model)]
+    pairs += [(m, "forward", functools.partial(scaled_inputs_forward, layout=layout))
+              for m, layout in scaled_inputs_modules(model)]
     pairs += [(m, name, functools.partial(dense, layout=layout)) for m, layout in sorted_tokens_modules(model)
               for name, dense in zip(_SORTED_METHODS[layout.form], _SORTED_FORWARDS[layout.form])]
     return [(m, name, types.MethodType(forward, m)) for m, name, forward in pairs]

@@ -321,6 +321,17 @@ class SortedTokens(_Frozen):
         return self
 
 
+class ScaledInputs(_Frozen):
+    """specs/experts.yaml: a mixture-of-experts module that runs every expert on every token scaled by its router
+    score, the experts' inputs stacked along the rows (Llama 4's)."""
+
+    router: str  # submodule: tokens -> (scores (tokens, experts), logits)
+    gate_up: str  # parameter (experts, hidden, 2 units): gate columns, then up columns
+    down: str  # parameter (experts, units, hidden)
+    activation: str  # attribute path of the gate's activation
+    shared: str  # submodule every token also goes through
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
@@ -329,6 +340,7 @@ class Specs(_Frozen):
     experts: dict[str, ExpertsLayout] = {}
     identity_routing: dict[str, IdentityRouting] = {}
     sorted_tokens: dict[str, SortedTokens] = {}
+    scaled_inputs: dict[str, ScaledInputs] = {}
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -418,7 +430,8 @@ def load_specs() -> Specs:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}), classify=motifs.get("classify", {}),
                      branches=branches, experts=experts.get("layouts", {}),
                      identity_routing=experts.get("identity_routing", {}),
-                     sorted_tokens=experts.get("sorted_tokens", {}))
+                     sorted_tokens=experts.get("sorted_tokens", {}),
+                     scaled_inputs=experts.get("scaled_inputs", {}))
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
@@ -426,7 +439,7 @@ def load_specs() -> Specs:
 
 _FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
          "experts": "experts.yaml", "identity_routing": "experts.yaml",
-         "sorted_tokens": "experts.yaml"}
+         "sorted_tokens": "experts.yaml", "scaled_inputs": "experts.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:
