@@ -231,6 +231,7 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
+EXTRA["deepseek_v4"] = dict(mlp_layer_types=["hash_moe", "moe"])  # the default: 3 hash-routed layers, so no top-k one
 EXTRA["kimi_linear"] = dict(num_experts_per_token=2,  # the config's own name of num_experts_per_tok
                             linear_head_dim=16, linear_num_heads=4)  # the delta-rule heads, 4096 wide by default
 # text towers of multimodal-rotary models: the modeling code's default sections (for head 128) sum past head 16
