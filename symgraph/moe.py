@@ -245,14 +245,14 @@ _SORTED_METHODS = {"glu": ("forward",), "heads": ("map", "reduce")}  # what each
 
 
 def _sorts_tokens(module: torch.nn.Module, layout: SortedTokens) -> bool:
-    names = dict(module.named_parameters())
-    router = dict(module.named_modules()).get(layout.router)
+    router = _attribute(module, layout.router)
     if not isinstance(router, torch.nn.Linear) or not isinstance(_attribute(module, layout.top_k), int):
         return False
-    experts = router.out_features
+    weights = [_attribute(module, p) for p in (layout.up, layout.down)]
     callables = [_attribute(module, a) for a in (layout.activation, *_SORTED_METHODS[layout.form]) if a]
-    return (all(names.get(p) is not None and names[p].dim() == 3 and names[p].shape[0] == experts
-                for p in (layout.up, layout.down)) and layout.bias in names and all(map(callable, callables)))
+    return (all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 and w.shape[0] == router.out_features
+                for w in weights)
+            and isinstance(_attribute(module, layout.bias), torch.nn.Parameter) and all(map(callable, callables)))
 
 
 def scaled_inputs_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ScaledInputs]]:
@@ -264,13 +264,15 @@ def scaled_inputs_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module,
 
 
 def _scales_inputs(module: torch.nn.Module, layout: ScaledInputs) -> bool:
-    modules, names = dict(module.named_modules()), dict(module.named_parameters())
-    router, gate_up, down = modules.get(layout.router), names.get(layout.gate_up), names.get(layout.down)
-    if not isinstance(router, torch.nn.Linear) or gate_up is None or down is None or gate_up.dim() != 3:
+    router = _attribute(module, layout.router)
+    if not isinstance(router, torch.nn.Linear):
+        return False
+    gate_up, down = _attribute(module, layout.gate_up), _attribute(module, layout.down)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) and gate_up.dim() == 3):
         return False
     experts, hidden, units = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
     return (tuple(down.shape) == (experts, units, hidden) and router.out_features == experts
-            and gate_up.shape[2] == 2 * units and isinstance(modules.get(layout.shared), torch.nn.Module)
+            and gate_up.shape[2] == 2 * units and isinstance(_attribute(module, layout.shared), torch.nn.Module)
             and callable(_attribute(module, layout.activation)))
 
 
