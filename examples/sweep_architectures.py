@@ -158,7 +158,7 @@ EXTRA: dict[str, dict] = {  # where the generic shrink leaves an inconsistent co
     "falcon_h1": dict(mamba_d_ssm=64, mamba_d_head=16, mamba_n_heads=4),
     "zamba2": dict(mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, hybrid_layer_ids=[1],
                    layer_types=["mamba", "hybrid"]),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # else no layer has experts
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0)),
     "glm5_next_text": dict(linear_num_heads=4, linear_head_dim=16),  # 64 x 128 linear-attention heads otherwise
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # the defaults are None
@@ -231,6 +231,7 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
+EXTRA["deepseek_v4"] = dict(mlp_layer_types=["hash_moe", "moe"])  # the default: 3 hash-routed layers, so no top-k one
 EXTRA["kimi_linear"] = dict(num_experts_per_token=2,  # the config's own name of num_experts_per_tok
                             linear_head_dim=16, linear_num_heads=4)  # the delta-rule heads, 4096 wide by default
 # text towers of multimodal-rotary models: the modeling code's default sections (for head 128) sum past head 16

@@ -19,6 +19,11 @@ which pass the token on, follow the others), and :func:`layout_experts_forward` 
 module's own loop stays the reference). A mixture-of-experts module that sends some picks to identity experts
 (LongCat-Flash's zero-computation ones, since transformers 5.25) turns them into zero-weight picks of routed experts
 by arithmetic on the indices; :func:`identity_routing_forward` runs it as one dense routing matrix instead.
+JetMoE's mixtures (of GLU experts, and of attention heads) sort the tokens by expert and split them by counts read at
+run time; ``sorted_tokens`` in the same file says where their router and weights are, and
+:func:`sorted_glu_forward`, :func:`sorted_heads_map` and :func:`sorted_heads_reduce` run them densely. Llama 4 runs
+every expert on every token scaled by its router score but stacks the experts' inputs along the rows, which hides
+the expert axis; :func:`scaled_inputs_forward` (``scaled_inputs``) keeps it apart.
 """
 from __future__ import annotations
 
@@ -32,11 +37,11 @@ from collections.abc import Iterator
 import torch
 
 from .groups import Member
-from .spec import ExpertsLayout, IdentityRouting, load_specs
+from .spec import ExpertsLayout, IdentityRouting, ScaledInputs, SortedTokens, load_specs
 
 __all__ = ["DENSE", "REFERENCE", "dense_experts_forward", "experts_implementation", "experts_modules",
            "identity_routing_forward", "identity_routing_modules", "layout_experts_forward", "layout_modules",
-           "note_shared_expert_units", "use_experts_implementation"]
+           "note_shared_expert_units", "scaled_inputs_modules", "sorted_tokens_modules", "use_experts_implementation"]
 
 DENSE = "symgraph_dense"  # registered in transformers' experts interface on first use
 REFERENCE = "eager"  # transformers' reference loop: runs in any dtype, not traceable
@@ -108,6 +113,60 @@ def layout_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     return (mixed + _passed_on(tokens, routing[:, experts:]) if identity else mixed).view(hidden_states.shape)
 
 
+def sorted_glu_forward(self, hidden_states: torch.Tensor, *, layout: SortedTokens) -> torch.Tensor:
+    """A token-sorting mixture of gated FFN experts (specs/experts.yaml ``sorted_tokens``, form glu) on every
+    token, mixed by the dense routing matrix."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, index, weights = _sorted_picks(self, tokens, layout)
+    up, down = self.get_parameter(layout.up), self.get_parameter(layout.down)
+    gate, up_rows = _per_expert(tokens, up, False, "td").chunk(2, dim=-1)
+    out = _per_expert(operator.attrgetter(layout.activation)(self)(gate) * up_rows, down, False, "tei")
+    mixed = _mix(out, _routing(index, weights, up.shape[0]), hidden_states.dtype)
+    return mixed.view(hidden_states.shape) + self.get_parameter(layout.bias)
+
+
+def sorted_heads_map(self, hidden_states: torch.Tensor, *, layout: SortedTokens):
+    """A mixture of attention heads' queries (form heads): each token's picks through their experts' query rows,
+    as (batch, length, top_k, rows), with the router's logits and the (tokens, top_k, experts) routing weights."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits, index, weights = _sorted_picks(self, tokens, layout)
+    up = self.get_parameter(layout.up)
+    picks = torch.nn.functional.one_hot(index, up.shape[0]).to(tokens.dtype)
+    queries = torch.einsum("teo,tke->tko", _per_expert(tokens, up, False, "td"), picks)
+    return queries.view(*hidden_states.shape[:-1], *index.shape[-1:], -1), logits, picks * weights.unsqueeze(-1)
+
+
+def sorted_heads_reduce(self, per_pick: torch.Tensor, routing: torch.Tensor, *, layout: SortedTokens) -> torch.Tensor:
+    """Each pick's attention output through every expert's output projection, weighted by the routing and summed
+    (routed after the projection, as the module's own code does)."""
+    batch, length, picks, rows = per_pick.shape
+    out = torch.einsum("tki,eoi->tkeo", per_pick.reshape(-1, picks, rows), self.get_parameter(layout.down))
+    mixed = torch.einsum("tkeo,tke->to", out, routing.to(out.dtype)).view(batch, length, -1)
+    return mixed + self.get_parameter(layout.bias)
+
+
+def scaled_inputs_forward(self, hidden_states: torch.Tensor, *, layout: ScaledInputs):
+    """Every expert on every token scaled by its router score (specs/experts.yaml ``scaled_inputs``), the expert
+    axis kept apart from the tokens', plus the shared expert: the (tokens, hidden) output and the router logits."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    scores, logits = self.get_submodule(layout.router)(tokens)
+    routed_in = tokens * scores.transpose(0, 1).unsqueeze(-1)  # (experts, tokens, hidden)
+    gate, up = torch.bmm(routed_in, self.get_parameter(layout.gate_up)).chunk(2, dim=-1)
+    routed_out = torch.bmm(up * operator.attrgetter(layout.activation)(self)(gate), self.get_parameter(layout.down))
+    return self.get_submodule(layout.shared)(tokens) + routed_out.sum(dim=0), logits
+
+
+_SORTED_FORWARDS = {"glu": (sorted_glu_forward,), "heads": (sorted_heads_map, sorted_heads_reduce)}
+
+
+def _sorted_picks(self, tokens: torch.Tensor, layout: SortedTokens):
+    """The router's float32 logits, each token's top-k experts and their weights (softmax over the picked
+    logits, in the tokens' dtype)."""
+    logits = self.get_submodule(layout.router)(tokens).float()
+    picked, index = logits.topk(operator.attrgetter(layout.top_k)(self), dim=1)
+    return logits, index, torch.softmax(picked, dim=1).type_as(tokens)
+
+
 def _passed_on(tokens: torch.Tensor, identity_routing: torch.Tensor) -> torch.Tensor:
     """What identity experts add: each token times the sum of its routing weights at them (summed in the weights'
     dtype, as the modules do: a float32 router's sum otherwise rounds differently)."""
@@ -174,12 +233,67 @@ def _routes_to_identity(module: torch.nn.Module, layout: IdentityRouting) -> boo
             and isinstance(getattr(module, layout.router, None), torch.nn.Module))
 
 
-def _dense_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, types.MethodType]]:
-    """The modules capture runs densely outside the experts interface, each with its dense forward."""
-    pairs = [(m, functools.partial(layout_experts_forward, layout=layout)) for m, layout in layout_modules(model)]
-    pairs += [(m, functools.partial(identity_routing_forward, layout=layout))
+def sorted_tokens_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, SortedTokens]]:
+    """Mixture-of-experts modules of ``model`` that sort tokens by expert (JetMoE's), with the entry of
+    specs/experts.yaml (``sorted_tokens``) each matches."""
+    layouts = load_specs().sorted_tokens.values()
+    found = [(m, next((layout for layout in layouts if _sorts_tokens(m, layout)), None)) for m in model.modules()]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
+_SORTED_METHODS = {"glu": ("forward",), "heads": ("map", "reduce")}  # what each form's dense code replaces
+
+
+def _sorts_tokens(module: torch.nn.Module, layout: SortedTokens) -> bool:
+    router = _attribute(module, layout.router)
+    if not isinstance(router, torch.nn.Linear) or not isinstance(_attribute(module, layout.top_k), int):
+        return False
+    weights = [_attribute(module, p) for p in (layout.up, layout.down)]
+    callables = [_attribute(module, a) for a in (layout.activation, *_SORTED_METHODS[layout.form]) if a]
+    return (all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 and w.shape[0] == router.out_features
+                for w in weights)
+            and isinstance(_attribute(module, layout.bias), torch.nn.Parameter) and all(map(callable, callables)))
+
+
+def scaled_inputs_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ScaledInputs]]:
+    """Mixture-of-experts modules of ``model`` that stack every expert's scaled inputs along the rows (Llama 4's),
+    with the entry of specs/experts.yaml (``scaled_inputs``) each matches."""
+    layouts = load_specs().scaled_inputs.values()
+    found = [(m, next((layout for layout in layouts if _scales_inputs(m, layout)), None)) for m in model.modules()]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
+def _scales_inputs(module: torch.nn.Module, layout: ScaledInputs) -> bool:
+    router = _attribute(module, layout.router)
+    if not isinstance(router, torch.nn.Linear):
+        return False
+    gate_up, down = _attribute(module, layout.gate_up), _attribute(module, layout.down)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) and gate_up.dim() == 3):
+        return False
+    experts, hidden, units = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
+    return (tuple(down.shape) == (experts, units, hidden) and router.out_features == experts
+            and gate_up.shape[2] == 2 * units and isinstance(_attribute(module, layout.shared), torch.nn.Module)
+            and callable(_attribute(module, layout.activation)))
+
+
+def _attribute(module: torch.nn.Module, path: str):
+    try:
+        return operator.attrgetter(path)(module)
+    except AttributeError:
+        return None
+
+
+def _dense_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, types.MethodType]]:
+    """The methods capture runs densely outside the experts interface: (module, method name, dense method)."""
+    pairs = [(m, "forward", functools.partial(layout_experts_forward, layout=layout))
+             for m, layout in layout_modules(model)]
+    pairs += [(m, "forward", functools.partial(identity_routing_forward, layout=layout))
               for m, layout in identity_routing_modules(model)]
-    return [(m, types.MethodType(forward, m)) for m, forward in pairs]
+    pairs += [(m, "forward", functools.partial(scaled_inputs_forward, layout=layout))
+              for m, layout in scaled_inputs_modules(model)]
+    pairs += [(m, name, functools.partial(dense, layout=layout)) for m, layout in sorted_tokens_modules(model)
+              for name, dense in zip(_SORTED_METHODS[layout.form], _SORTED_FORWARDS[layout.form])]
+    return [(m, name, types.MethodType(forward, m)) for m, name, forward in pairs]
 
 
 def _takes_routing(module: torch.nn.Module) -> bool:
@@ -204,15 +318,15 @@ def experts_implementation(model: torch.nn.Module, name: str) -> Iterator[torch.
     """Run ``model``'s experts with routine ``name`` inside the block; the configs are restored afterwards."""
     configs = {id(m.config): m.config for m in experts_modules(model)}
     saved = {key: config._experts_implementation_internal for key, config in configs.items()}
-    forwards = {id(m): (m, m.__dict__.get("forward")) for m, _ in _dense_forwards(model)}
+    forwards = {(id(m), name): (m, name, m.__dict__.get(name)) for m, name, _ in _dense_forwards(model)}
     try:
         use_experts_implementation(model, name)
         yield model
     finally:
         for key, config in configs.items():
             config._experts_implementation_internal = saved[key]
-        for module, forward in forwards.values():
-            _set_forward(module, forward)
+        for module, name, forward in forwards.values():
+            _set_method(module, name, forward)
 
 
 def use_experts_implementation(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -224,17 +338,17 @@ def use_experts_implementation(model: torch.nn.Module, name: str) -> torch.nn.Mo
         _register()
     for m in experts_modules(model):
         m.config._experts_implementation_internal = name
-    for m, dense in _dense_forwards(model):
-        _set_forward(m, dense if name == DENSE else None)
+    for m, method, dense in _dense_forwards(model):
+        _set_method(m, method, dense if name == DENSE else None)
     return model
 
 
-def _set_forward(module: torch.nn.Module, forward) -> None:
-    """Give ``module`` its own ``forward`` (``None``: the class's again)."""
-    if forward is None:
-        module.__dict__.pop("forward", None)
+def _set_method(module: torch.nn.Module, name: str, method) -> None:
+    """Give ``module`` its own method ``name`` (``None``: the class's again)."""
+    if method is None:
+        module.__dict__.pop(name, None)
     else:
-        module.forward = forward
+        setattr(module, name, method)
 
 
 def note_shared_expert_units(groups: list) -> list:

@@ -309,6 +309,37 @@ class IdentityRouting(_Frozen):
     identity: str  # attribute: the number of identity experts after them
 
 
+class SortedTokens(_Frozen):
+    """specs/experts.yaml: a mixture-of-experts module whose router sorts the tokens by expert and whose experts
+    split them by counts read at run time (JetMoE's): each token's top-k picks of the router's logits, weighted by
+    a softmax over the picked logits."""
+
+    form: Literal["glu", "heads"]  # a gated FFN per expert, or each pick's query and output projections (map/reduce)
+    router: str  # submodule: the linear layer giving each token's expert logits
+    top_k: str  # attribute path: the picks per token
+    up: str  # parameter (experts, rows, hidden): glu: gate rows then up rows; heads: each pick's query rows
+    down: str  # parameter (experts, hidden, units)
+    bias: str  # parameter added to the module's output
+    activation: str | None = None  # glu: attribute path of the gate's activation
+
+    @model_validator(mode="after")
+    def _activation_for_glu(self):
+        if (self.activation is None) == (self.form == "glu"):
+            raise ValueError("a `glu` entry names its `activation`, a `heads` entry none")
+        return self
+
+
+class ScaledInputs(_Frozen):
+    """specs/experts.yaml: a mixture-of-experts module that runs every expert on every token scaled by its router
+    score, the experts' inputs stacked along the rows (Llama 4's)."""
+
+    router: str  # submodule: tokens -> (scores (tokens, experts), logits)
+    gate_up: str  # parameter (experts, hidden, 2 units): gate columns, then up columns
+    down: str  # parameter (experts, units, hidden)
+    activation: str  # attribute path of the gate's activation
+    shared: str  # submodule every token also goes through
+
+
 class Specs(_Frozen):
     ops: dict[str, OpSpec]
     motifs: dict[str, MotifSpec]
@@ -317,6 +348,8 @@ class Specs(_Frozen):
     branches: BranchSpecs = BranchSpecs()
     experts: dict[str, ExpertsLayout] = {}
     identity_routing: dict[str, IdentityRouting] = {}
+    sorted_tokens: dict[str, SortedTokens] = {}
+    scaled_inputs: dict[str, ScaledInputs] = {}
 
     @model_validator(mode="after")
     def _check_classify(self):
@@ -406,14 +439,17 @@ def load_specs() -> Specs:
         return Specs(ops=ops.get("ops", {}), motifs=motifs.get("motifs", {}),
                      derived_tags=motifs.get("derived_tags", {}), classify=motifs.get("classify", {}),
                      branches=branches, experts=experts.get("layouts", {}),
-                     identity_routing=experts.get("identity_routing", {}))
+                     identity_routing=experts.get("identity_routing", {}),
+                     sorted_tokens=experts.get("sorted_tokens", {}),
+                     scaled_inputs=experts.get("scaled_inputs", {}))
     except ValidationError as exc:
         message, file = _describe(exc.errors()[0])
         raise SpecError(message, hint=f"Check the entry against the field list at the top of specs/{file}.") from exc
 
 
-_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "derived_tags": "motifs.yaml", "classify": "motifs.yaml", "branches": "branches.yaml",
-         "experts": "experts.yaml", "identity_routing": "experts.yaml"}
+_FILE = {"ops": "ops.yaml", "motifs": "motifs.yaml", "derived_tags": "motifs.yaml", "classify": "motifs.yaml",
+         "branches": "branches.yaml", "experts": "experts.yaml", "identity_routing": "experts.yaml",
+         "sorted_tokens": "experts.yaml", "scaled_inputs": "experts.yaml"}
 
 
 def _describe(error: dict) -> tuple[str, str]:

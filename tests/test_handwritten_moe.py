@@ -65,6 +65,46 @@ class DenseRoutedMoE(ExpertsBlock):
         return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
 
 
+class InPlaceRoutedMoE(ExpertsBlock):
+    """Llama 4's router: the top-2 logits written in place into a tensor of -inf (``scatter_``), then a sigmoid."""
+
+    def experts(self, flat):
+        logits = self.router(flat)
+        top, index = logits.topk(2, -1)
+        routing = torch.full_like(logits, float("-inf")).scatter_(1, index, top).sigmoid()
+        hidden = F.relu(torch.einsum("td,edh->eth", flat, self.w_in))
+        return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
+
+
+class TwoMaxRoutedMoE(ExpertsBlock):
+    """PhiMoE's sparsemixer at inference: the best expert, then the best of the scores with it masked out by a
+    ``scatter`` of -inf into the scores themselves; the two picks' indices concatenated."""
+
+    def experts(self, flat):
+        scores = self.router(flat)
+        first = scores.max(-1, keepdim=True)[1]
+        second = scores.scatter(-1, first, float("-inf")).max(-1, keepdim=True)[1]
+        index = torch.cat((first, second), dim=-1)
+        routing = torch.zeros_like(scores).scatter(-1, index, scores.softmax(-1).gather(-1, index))
+        hidden = F.relu(torch.einsum("td,edh->eth", flat, self.w_in))
+        return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
+
+
+class CrossScatterMoE(ExpertsBlock):
+    """A second router's scores, masked at the first router's pick by a ``scatter`` of -inf, mix the experts: the
+    masked position follows the first router's rows, so the experts may not permute with the second's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Linear(D, E, bias=False)
+
+    def experts(self, flat):
+        first = self.router(flat).max(-1, keepdim=True)[1]
+        routing = self.other(flat).scatter(-1, first, float("-inf")).softmax(-1)
+        hidden = F.relu(torch.einsum("td,edh->eth", flat, self.w_in))
+        return torch.einsum("eth,ehd,te->td", hidden, self.w_out, routing)
+
+
 class ExpertChoiceMoE(ExpertsBlock):
     """Each expert takes its top tokens (top-k over the token axis), gathered with ``x[rows]``, added back with
     ``index_add``."""
@@ -145,7 +185,7 @@ def _load(model):
     return symgraph.load(noisy(model), (torch.randn(2, TOKENS, D),))
 
 
-@pytest.mark.parametrize("form", [SoftMoE, DenseRoutedMoE])
+@pytest.mark.parametrize("form", [SoftMoE, DenseRoutedMoE, InPlaceRoutedMoE, TwoMaxRoutedMoE])
 def test_experts_move_with_their_router_rows(form):
     subject = _load(form())
     experts = [g for g in subject.report.groups if g.motif == "experts"]
@@ -154,6 +194,12 @@ def test_experts_move_with_their_router_rows(form):
     units = [g for g in subject.report.groups if g.motif == "ffn" and g.size == HIDDEN]
     assert {(m.param, m.axis) for g in units for m in g.members} == {("w_in", 2), ("w_out", 1)}, census(subject)
     assert any(g.motif == "residual" for g in subject.report.groups), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+def test_a_scatter_into_another_routers_scores_moves_no_experts():
+    subject = _load(CrossScatterMoE())
+    assert not any(g.motif == "experts" for g in subject.report.groups), census(subject)
     assert_fuzzed_at_two_shapes(subject)
 
 

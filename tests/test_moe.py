@@ -226,3 +226,23 @@ def test_unsorted_top_k_is_followed_only_by_order_blind_consumers(first_only):
     moves_router = any(m.param == "router.weight" for g in subject.report.groups for m in g.members)
     assert moves_router is not first_only
     assert fuzz(subject, samples=3, seed=2).ok
+
+
+def test_phimoe_sparsemixer_picks_keep_the_experts_permutation():
+    """PhiMoE picks its second expert after masking the first with ``scores.scatter(-1, first, -inf)`` and
+    concatenates the two picks' indices: both follow the router's rows, so the experts still permute with them."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("phimoe", hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  vocab_size=60, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    subject = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    assert [g.size for g in experts] == [4, 4]
+    assert all({m.param.rsplit(".", 1)[-1] for m in g.members} == {"gate_up_proj", "down_proj", "weight"}
+               for g in experts)
+    result = fuzz(subject, samples=3)
+    assert result.ok and len(set(result.shapes)) >= 2, [v.counterexample for v in result.failures]

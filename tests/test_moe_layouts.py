@@ -13,9 +13,10 @@ import symgraph
 from symgraph.capture import capture
 from symgraph.fuzz import fuzz
 from symgraph.spec import load_specs
-from symgraph.moe import DENSE, REFERENCE, experts_implementation, identity_routing_modules, layout_modules
+from symgraph.moe import (DENSE, REFERENCE, experts_implementation, identity_routing_modules, layout_modules,
+                          scaled_inputs_modules, sorted_tokens_modules)
 
-from group_checks import assert_fuzzed_at_two_shapes
+from group_checks import assert_fuzzed_at_two_shapes, census
 
 
 def tiny_dbrx(dtype=torch.float32):
@@ -168,4 +169,74 @@ def test_longcat_routed_and_identity_experts_permute_apart_and_every_group_is_so
     assert len(passing) == (2 if identity else 0)  # the identity experts permute among themselves only
     assert all({m.param.rsplit(".", 1)[-1] for m in g.members} == {"weight", "e_score_correction_bias"}
                for g in passing)
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+def tiny_jetmoe(dtype=torch.float32):
+    """JetMoE: a mixture of attention heads (each pick's query and output projections) and a mixture of GLU
+    experts, both routing by sorting tokens per expert and splitting them by counts read with ``.tolist()``."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("jetmoe", hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                  num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                                  vocab_size=60, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
+def test_jetmoe_dense_forms_compute_what_its_own_code_computes(batch, seq):
+    model = tiny_jetmoe(torch.float64)
+    assert sorted(layout.form for _, layout in sorted_tokens_modules(model)) == ["glu", "glu", "heads", "heads"]
+    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
+    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
+    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    assert not any({"forward", "map", "reduce"} & set(vars(m)) for m in model.modules())
+
+
+def test_jetmoe_experts_and_attention_experts_permute_with_their_router_rows_and_every_group_is_sound():
+    model = tiny_jetmoe()
+    subject = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    moved = sorted(sorted({m.param.split(".", 3)[-1].rsplit(".", 2)[-2] for m in g.members}) for g in experts)
+    assert moved == 4 * [["input_linear", "layer", "output_linear"]] and all(g.size == 4 for g in experts)
+    assert sorted(g.members[0].param.split(".")[3] for g in experts) == 2 * ["mlp"] + 2 * ["self_attention"]
+    assert census(subject)["vo orthogonal 8x2"] == 2 and census(subject)["heads permutation 2x1"] == 2
+    assert [g.motif for g in subject.report.groups].count("residual") == 1
+    assert_fuzzed_at_two_shapes(subject, samples=3)
+
+
+def tiny_llama4(dtype=torch.float32):
+    """Llama 4's text model: every expert on every token scaled by its router score, the experts' inputs stacked
+    along the rows, and a shared expert."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama4_text", hidden_size=32, intermediate_size=16, intermediate_size_mlp=24,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  num_local_experts=4, num_experts_per_tok=1, vocab_size=60, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
+def test_llama4_dense_form_computes_what_its_own_code_computes(batch, seq):
+    model = tiny_llama4(torch.float64)
+    assert len(scaled_inputs_modules(model)) == 2
+    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
+    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
+    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_llama4_experts_permute_with_their_router_rows_and_every_group_is_sound():
+    model = tiny_llama4()
+    subject = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    assert [g.size for g in experts] == [4, 4]
+    assert all({m.param.rsplit(".", 2)[-2:][-1] for m in g.members} == {"gate_up_proj", "down_proj", "weight"}
+               for g in experts)
     assert_fuzzed_at_two_shapes(subject, samples=3)

@@ -28,10 +28,17 @@ from .selections import selections_of
 
 
 # -- movement ---------------------------------------------------------------------------------------------
+def _pointers_into_one_axis(moved: list[Value | None]) -> bool:
+    """Whether every moved operand is indices into one labelled axis and nothing else: their entries, however
+    rearranged, still point into it."""
+    return bool(moved) and all(v is not None and v.points_to is not None and not v.chans for v in moved) and all(
+        torch.equal(v.points_to, moved[0].points_to) for v in moved[1:])
+
+
 def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
     """Replay the op on label (and coefficient) tensors; every channel of every operand moves alike."""
     moved = [w.value(a) for a in moved_operands(node)]
-    if len(moved) == 1 and moved[0] is not None and moved[0].points_to is not None and not moved[0].chans:
+    if _pointers_into_one_axis(moved):  # PhiMoE: cat of its two picks' indices
         return _like(node, lambda k: Value(points_to=moved[0].points_to, shape=_shape_of(node, k)))
     if spec.broadcasts and len(moved) == 1 and moved[0] is not None and moved[0].invariant and not moved[0].chans:
         # a norm expanded to its input's shape (F.normalize: expand_as, then divide): still invariant, and known
@@ -2432,10 +2439,14 @@ def rule_scatter(w, node: fx.Node, spec) -> Value:
     dim = args["dim"] % len(out_shape)
     src = args["src"] if "src" in args else args.get("value")
     written = w.value(src) if isinstance(src, fx.Node) else Value(data=src)
+    fixed = written is not None and not written.chans and written.points_to is None and (
+        written.data is not None or written.invariant)
+    if fixed and _into_own_axis(into, index, dim):  # PhiMoE: scores.scatter(-1, top_1, -inf) masks the pick
+        w.c.restrict(index.points_to, NEUTRAL, "positions written by a scatter", node.name)
+        return Value(chans=list(into.chans), shape=out_shape)
     if (index is None or index.points_to is None or len(index.points_to) != out_shape[dim]
             or into is None or into.chans or into.data is None or data_varies(into.data, frozenset({dim}), out_shape)
-            or written is None or written.chans or written.points_to is not None
-            or (written.data is None and not written.invariant)):
+            or not fixed):
         return _pin_moved(w, node, "scattered by indices into an axis they do not point into, into a tensor that "
                                    "differs along it, or with values a transformation changes")
     w.c.restrict(index.points_to, NEUTRAL, "positions written by a scatter", node.name)
@@ -2443,6 +2454,16 @@ def rule_scatter(w, node: fx.Node, spec) -> Value:
     view = [1] * len(out_shape)
     view[dim] = out_shape[dim]
     return Value(chans=[Chan.clean(index.points_to.reshape(view).expand(out_shape))], shape=out_shape)
+
+
+def _into_own_axis(into: Value | None, index: Value | None, dim: int) -> bool:
+    """Whether a scatter writes into a tensor labelled along ``dim`` by exactly the coordinates its indices point
+    into, and along nothing else: relabelling them moves the tensor's entries and the written positions alike."""
+    if into is None or index is None or index.points_to is None or len(into.chans) != 1:
+        return False
+    chan = into.chans[0]
+    return (chan_axes(chan) == {dim} and not chan.mixed and not chan.block and chan.degree == 1
+            and torch.equal(ids_along(chan.ids, dim), index.points_to))
 
 
 def rule_index_add(w, node: fx.Node, spec) -> Value:
