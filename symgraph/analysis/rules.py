@@ -271,17 +271,62 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
         return None
     if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
-    if any(c.mixed for v in values for c in v.chans):  # DINOv3: rotated patch queries beside unrotated class ones
+    mixed = [j for j in range(len(values[0].chans)) if any(v.chans[j].mixed for v in values)]
+    if mixed and not all(_terms_alike(values, j, dim) for j in mixed):
         return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
     w.mark_read(values[1:])  # tied to the first piece's coordinates, which the output carries on
     chans = []
     for j, first in enumerate(values[0].chans):
+        if j in mixed:  # DINOv3: rotated patch queries beside unrotated class ones
+            chans.append(_joined_mixed(w, node, j, dim, out_shape))
+            continue
         head = first.ids.narrow(dim, 0, 1)
         for v in values[1:]:
             w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1),
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _terms_alike(values: list[Value], j: int, dim: int) -> bool:
+    """Whether the mixed ones of the ``j``-th channels of ``values`` (pieces joined along the data axis ``dim``)
+    read the same coordinates in each term they share: the joined maps are then one per position."""
+    heads: dict[int, list[torch.Tensor]] = {}
+    for v in values:
+        if v.chans[j].mixed:
+            for k, t in enumerate(v.chans[j].terms):
+                heads.setdefault(k, []).append(t.ids.narrow(dim, 0, 1))
+    return all(h.shape == hs[0].shape and bool((h == hs[0]).all()) for hs in heads.values() for h in hs[1:])
+
+
+def _joined_mixed(w, node: fx.Node, j: int, dim: int, out_shape) -> Chan:
+    """The ``j``-th channel of pieces joined along the data axis ``dim``, some of them mixed (rotated patch tokens
+    beside unrotated class tokens): term by term, the coordinates the mixed pieces' terms read, and each piece's
+    coefficients at its own positions (1 on the only term of a plain piece, 0 on terms a piece lacks). The plain
+    pieces' coordinates are tied to the mixed ones', as plain pieces are tied to each other."""
+    pieces = []
+    for a in moved_operands(node):  # empty and zero pieces too: they hold positions (a zero piece meets any map)
+        v = w.value(a)
+        shape = _node_shape(a)
+        pieces.append((shape, v.chans[j] if v is not None and len(v.chans) > j and shape[dim] else None))
+    mixed = [c for _, c in pieces if c is not None and c.mixed]
+    for _, c in pieces:
+        if c is not None and not c.mixed:
+            w.c.tie(mixed[0].ids.narrow(dim, 0, 1).expand_as(c.ids.narrow(dim, 0, 1)), c.ids.narrow(dim, 0, 1),
+                    node=node.name)
+    terms = []
+    for k in range(max(len(c.terms) for c in mixed)):
+        ids = next(c.terms[k].ids for c in mixed if k < len(c.terms)).narrow(dim, 0, 1).expand(out_shape)
+        terms.append(Term(ids, torch.cat([torch.broadcast_to(_coef(c, k), shape) for shape, c in pieces], dim)))
+    return replace(mixed[0], terms=tuple(terms))
+
+
+def _coef(c: Chan | None, k: int) -> torch.Tensor:
+    """The coefficient of ``c``'s ``k``-th term: 1 on the only term of a plain piece, 0 on terms it lacks."""
+    if c is None or k >= len(c.terms):
+        return torch.tensor(float(k == 0), dtype=torch.float64)
+    coef = c.terms[k].coef
+    return torch.ones((), dtype=torch.float64) if coef is None else coef.to(torch.float64)
 
 
 def _cut_from_labelled_axis(w, node: fx.Node, dim: int) -> bool:
