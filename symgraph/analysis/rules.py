@@ -85,14 +85,21 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         finally:
             w.values.update(kept)
     if results and isinstance(results[0], list):
-        return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
+        return [Value(chans=_labelling([r[k] for r in results if r[k] is not None]), shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
     if _indexed_by_data(node):
         _pin_unselected(w, node, tensors, results)
     if spec.cuts:
         w.note_cut(node, tensors[0], [r for r in results if r is not None])
-    return Value(chans=[r for r in results if r is not None], shape=_shape_of(node),
+    return Value(chans=_labelling([r for r in results if r is not None]), shape=_shape_of(node),
                  constant_axes=_constant_axes_after(w, node, spec, tensors))
+
+
+def _labelling(chans: list[Chan]) -> list[Chan]:
+    """``chans`` less those a cut left without any id (the register tokens' own axis on the patch tokens cut from
+    the stream), while others remain: nothing pairs with them, so every sum would carry both operands' copies on
+    (GroupViT's group tokens: thousands of channels, doubling with every block)."""
+    return [c for c in chans if any(bool((collapse(t.ids) >= 0).any()) for t in c.terms)] or chans
 
 
 def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
@@ -751,8 +758,12 @@ def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
         held, counts = np.unique(coords[coords >= 0], return_counts=True)
         if (counts == 1).all():
             continue  # every coordinate at one position: nothing to pair
-        if len(np.unique(counts[counts > 1])) > 1:
-            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
+        repeated = counts > 1
+        if len(np.unique(np.stack([w.ids.range_index(held[repeated]), counts[repeated]]), axis=1)[0]) > \
+                len(np.unique(w.ids.range_index(held[repeated]))):
+            # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th. Coordinates
+            # of different spaces may repeat differently (the stream's rows beside two learned register tokens)
+            return True
         offsets, inputs, start = {}, [], 0
         for a in moved_operands(node):
             v = w.value(a)
@@ -1432,11 +1443,15 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
         a, b = b, a  # head scores first: per-head coordinates added to them (bias + scores) find their heads
     chans, used, pinned = [], set(), []
     b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
+    b_at: dict[tuple, list[int]] = {}  # b's channels by the positions they label, made when first needed
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
         axes = chan_axes(ca)
-        j = next((j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes),
-                 None)
+        found = [j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes]
+        if len(found) > 1:  # the first labelling the same positions: the stream beside register tokens (below)
+            b_at = b_at or _by_positions(b.chans, out_shape)
+            found = [j for j in b_at.get(_positions(ca), ()) if j in found] or found
+        j = found[0] if found else None
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
@@ -1454,6 +1469,25 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
     # layer's linear, took that linear's columns and pinned the stream)
     return Value(chans=chans if chans else pinned, shape=out_shape)
+
+
+def _by_positions(chans: list[Chan], out_shape) -> dict[tuple, list[int]]:
+    """The indices of ``chans`` by :func:`_positions` (broadcast to ``out_shape``). A sum pairs the stream with
+    the stream: beside two learned register tokens it varies along the tokens too (their own columns there), and
+    the registers' token axis, which shares that axis, labels only their rows."""
+    index: dict[tuple, list[int]] = {}
+    for j, c in enumerate(chans):
+        index.setdefault(_positions(c.broadcast_to(out_shape)), []).append(j)
+    return index
+
+
+def _positions(c: Chan) -> tuple:
+    """Which positions ``c`` labels, as a key: the mask cut to one entry along each axis it is constant along."""
+    mask = collapse(c.ids) >= 0
+    for a in range(mask.dim()):
+        if mask.shape[a] > 1 and bool((mask == mask.narrow(a, 0, 1)).all()):
+            mask = mask.narrow(a, 0, 1)
+    return tuple(mask.shape), mask.numpy().tobytes()
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
