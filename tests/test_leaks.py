@@ -414,11 +414,11 @@ class RotaryAfterPrefix(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
-def test_rotated_and_plain_tokens_side_by_side_give_no_query_key_rotation():
+def test_rotated_and_plain_tokens_side_by_side_give_only_the_rotary_query_key_group():
+    # the plain tokens once left the queries and keys an orthogonal group (outputs moved by 3e-3); they now see
+    # the identity beside the rotations (tests/test_rotary_prefix_tokens.py)
     torch.manual_seed(0)
     subject = symgraph.load(RotaryAfterPrefix().eval(), (torch.randn(2, 6, 16),))
-    assert not [g for g in subject.report.groups if g.motif == "qk"]
-    assert any(p.reason == "pieces with mixed coordinates concatenated along a data axis"
-               for p in subject.report.pinned)
+    assert [g.kind for g in subject.report.groups if g.motif == "qk"] == ["rotary"]
     assert [g.motif for g in subject.report.groups if g.motif == "vo"] == ["vo"]
     assert fuzz(subject, samples=3).ok

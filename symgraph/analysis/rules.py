@@ -92,14 +92,21 @@ def rule_movement(w, node: fx.Node, spec) -> Value | list[Value]:
         finally:
             w.values.update(kept)
     if results and isinstance(results[0], list):
-        return [Value(chans=[r[k] for r in results if r[k] is not None], shape=_shape_of(node, k))
+        return [Value(chans=_labelling([r[k] for r in results if r[k] is not None]), shape=_shape_of(node, k))
                 for k in range(len(results[0]))]
     if _indexed_by_data(node):
         _pin_unselected(w, node, tensors, results)
     if spec.cuts:
         w.note_cut(node, tensors[0], [r for r in results if r is not None])
-    return Value(chans=[r for r in results if r is not None], shape=_shape_of(node),
+    return Value(chans=_labelling([r for r in results if r is not None]), shape=_shape_of(node),
                  constant_axes=_constant_axes_after(w, node, spec, tensors))
+
+
+def _labelling(chans: list[Chan]) -> list[Chan]:
+    """``chans`` less those a cut left without any id (the register tokens' own axis on the patch tokens cut from
+    the stream), while others remain: nothing pairs with them, so every sum would carry both operands' copies on
+    (GroupViT's group tokens: thousands of channels, doubling with every block)."""
+    return [c for c in chans if any(bool((collapse(t.ids) >= 0).any()) for t in c.terms)] or chans
 
 
 def _pin_moving_cut(w, node: fx.Node, x: Value | None) -> None:
@@ -278,17 +285,62 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
         return None
     if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
-    if any(c.mixed for v in values for c in v.chans):  # DINOv3: rotated patch queries beside unrotated class ones
+    mixed = [j for j in range(len(values[0].chans)) if any(v.chans[j].mixed for v in values)]
+    if mixed and not all(_terms_alike(values, j, dim) for j in mixed):
         return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
     w.mark_read(values[1:])  # tied to the first piece's coordinates, which the output carries on
     chans = []
     for j, first in enumerate(values[0].chans):
+        if j in mixed:  # DINOv3: rotated patch queries beside unrotated class ones
+            chans.append(_joined_mixed(w, node, j, dim, out_shape))
+            continue
         head = first.ids.narrow(dim, 0, 1)
         for v in values[1:]:
             w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1),
                   node=node.name)
         chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
     return Value(chans=chans, shape=out_shape)
+
+
+def _terms_alike(values: list[Value], j: int, dim: int) -> bool:
+    """Whether the mixed ones of the ``j``-th channels of ``values`` (pieces joined along the data axis ``dim``)
+    read the same coordinates in each term they share: the joined maps are then one per position."""
+    heads: dict[int, list[torch.Tensor]] = {}
+    for v in values:
+        if v.chans[j].mixed:
+            for k, t in enumerate(v.chans[j].terms):
+                heads.setdefault(k, []).append(t.ids.narrow(dim, 0, 1))
+    return all(h.shape == hs[0].shape and bool((h == hs[0]).all()) for hs in heads.values() for h in hs[1:])
+
+
+def _joined_mixed(w, node: fx.Node, j: int, dim: int, out_shape) -> Chan:
+    """The ``j``-th channel of pieces joined along the data axis ``dim``, some of them mixed (rotated patch tokens
+    beside unrotated class tokens): term by term, the coordinates the mixed pieces' terms read, and each piece's
+    coefficients at its own positions (1 on the only term of a plain piece, 0 on terms a piece lacks). The plain
+    pieces' coordinates are tied to the mixed ones', as plain pieces are tied to each other."""
+    pieces = []
+    for a in moved_operands(node):  # empty and zero pieces too: they hold positions (a zero piece meets any map)
+        v = w.value(a)
+        shape = _node_shape(a)
+        pieces.append((shape, v.chans[j] if v is not None and len(v.chans) > j and shape[dim] else None))
+    mixed = [c for _, c in pieces if c is not None and c.mixed]
+    for _, c in pieces:
+        if c is not None and not c.mixed:
+            w.c.tie(mixed[0].ids.narrow(dim, 0, 1).expand_as(c.ids.narrow(dim, 0, 1)), c.ids.narrow(dim, 0, 1),
+                    node=node.name)
+    terms = []
+    for k in range(max(len(c.terms) for c in mixed)):
+        ids = next(c.terms[k].ids for c in mixed if k < len(c.terms)).narrow(dim, 0, 1).expand(out_shape)
+        terms.append(Term(ids, torch.cat([torch.broadcast_to(_coef(c, k), shape) for shape, c in pieces], dim)))
+    return replace(mixed[0], terms=tuple(terms))
+
+
+def _coef(c: Chan | None, k: int) -> torch.Tensor:
+    """The coefficient of ``c``'s ``k``-th term: 1 on the only term of a plain piece, 0 on terms it lacks."""
+    if c is None or k >= len(c.terms):
+        return torch.tensor(float(k == 0), dtype=torch.float64)
+    coef = c.terms[k].coef
+    return torch.ones((), dtype=torch.float64) if coef is None else coef.to(torch.float64)
 
 
 def _cut_from_labelled_axis(w, node: fx.Node, dim: int) -> bool:
@@ -713,8 +765,12 @@ def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
         held, counts = np.unique(coords[coords >= 0], return_counts=True)
         if (counts == 1).all():
             continue  # every coordinate at one position: nothing to pair
-        if len(np.unique(counts[counts > 1])) > 1:
-            return True  # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th
+        repeated = counts > 1
+        if len(np.unique(np.stack([w.ids.range_index(held[repeated]), counts[repeated]]), axis=1)[0]) > \
+                len(np.unique(w.ids.range_index(held[repeated]))):
+            # a cut off a channel's boundary (z[:, 3:]): its k-th entry is no longer the others' k-th. Coordinates
+            # of different spaces may repeat differently (the stream's rows beside two learned register tokens)
+            return True
         offsets, inputs, start = {}, [], 0
         for a in moved_operands(node):
             v = w.value(a)
@@ -1394,11 +1450,15 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
         a, b = b, a  # head scores first: per-head coordinates added to them (bias + scores) find their heads
     chans, used, pinned = [], set(), []
     b_axes = [chan_axes(cb.broadcast_to(out_shape)) for cb in b.chans]  # once: values can carry many channels
+    b_at: dict[tuple, list[int]] = {}  # b's channels by the positions they label, made when first needed
     for ca in a.chans:
         ca = ca.broadcast_to(out_shape)
         axes = chan_axes(ca)
-        j = next((j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes),
-                 None)
+        found = [j for j, cb in enumerate(b.chans) if j not in used and cb.block == ca.block and b_axes[j] & axes]
+        if len(found) > 1:  # the first labelling the same positions: the stream beside register tokens (below)
+            b_at = b_at or _by_positions(b.chans, out_shape)
+            found = [j for j in b_at.get(_positions(ca), ()) if j in found] or found
+        j = found[0] if found else None
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
         if j is None:
@@ -1416,6 +1476,25 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
     # layer's linear, took that linear's columns and pinned the stream)
     return Value(chans=chans if chans else pinned, shape=out_shape)
+
+
+def _by_positions(chans: list[Chan], out_shape) -> dict[tuple, list[int]]:
+    """The indices of ``chans`` by :func:`_positions` (broadcast to ``out_shape``). A sum pairs the stream with
+    the stream: beside two learned register tokens it varies along the tokens too (their own columns there), and
+    the registers' token axis, which shares that axis, labels only their rows."""
+    index: dict[tuple, list[int]] = {}
+    for j, c in enumerate(chans):
+        index.setdefault(_positions(c.broadcast_to(out_shape)), []).append(j)
+    return index
+
+
+def _positions(c: Chan) -> tuple:
+    """Which positions ``c`` labels, as a key: the mask cut to one entry along each axis it is constant along."""
+    mask = collapse(c.ids) >= 0
+    for a in range(mask.dim()):
+        if mask.shape[a] > 1 and bool((mask == mask.narrow(a, 0, 1)).all()):
+            mask = mask.narrow(a, 0, 1)
+    return tuple(mask.shape), mask.numpy().tobytes()
 
 
 def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
