@@ -48,6 +48,12 @@ class PrefixAttention(nn.Module):
             return torch.cat([prefix, self.rotate(patches)], dim=2)
         if self.form == "rotated, then cut":
             return torch.cat([x[:, :, :p], self.rotate(x)[:, :, p:]], dim=2)
+        if self.form == "prefix flipped":  # the plain piece holds the coordinates in another order
+            return torch.cat([x[:, :, :p].flip(-1), self.rotate(x)[:, :, p:]], dim=2)
+        if self.form == "prefix half zero":  # the plain piece holds half the coordinates
+            half = self.dh // 2
+            prefix = torch.cat([x[:, :, :p, :half], torch.zeros_like(x[:, :, :p, half:])], -1)
+            return torch.cat([prefix, self.rotate(x)[:, :, p:]], dim=2)
         # "rotated unlike": the prefix by interleaved pairs, the rest by halves: no map common to both pieces
         return torch.cat([self.rotate(x[:, :, :p], _pairs), self.rotate(x[:, :, p:])], dim=2)
 
@@ -77,8 +83,12 @@ def test_plain_prefix_tokens_keep_the_rotary_group(prefix, form):
     assert_fuzzed_at_two_shapes(subject)
 
 
-def test_pieces_rotated_unlike_stay_pinned():
-    subject = _subject(2, "rotated unlike")
+@pytest.mark.parametrize("form", ["rotated unlike", "prefix flipped", "prefix half zero"])
+def test_pieces_rotated_unlike_stay_pinned(form):
+    """A plain piece is given the identity map: one that reorders or zeroes coordinates is no identity (the
+    flipped and half-zero prefixes emitted a rotary and an orthogonal QK group that changed outputs by 0.14 and
+    0.08)."""
+    subject = _subject(2, form)
     assert not any(g.motif == "qk" for g in subject.report.groups), census(subject)
     assert any(p.reason == "pieces with mixed coordinates concatenated along a data axis"
                for p in subject.report.pinned)

@@ -286,7 +286,7 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
     if any(dim in chan_axes(c) for v in values for c in v.chans):
         return None
     mixed = [j for j in range(len(values[0].chans)) if any(v.chans[j].mixed for v in values)]
-    if mixed and not all(_terms_alike(values, j, dim) for j in mixed):
+    if mixed and not all(_terms_alike(values, j, dim) and _plain_pieces_unmoved(values, j, dim) for j in mixed):
         return _pin_moved(w, node, "pieces with mixed coordinates concatenated along a data axis")
     w.mark_read(values[1:])  # tied to the first piece's coordinates, which the output carries on
     chans = []
@@ -311,6 +311,15 @@ def _terms_alike(values: list[Value], j: int, dim: int) -> bool:
             for k, t in enumerate(v.chans[j].terms):
                 heads.setdefault(k, []).append(t.ids.narrow(dim, 0, 1))
     return all(h.shape == hs[0].shape and bool((h == hs[0]).all()) for hs in heads.values() for h in hs[1:])
+
+
+def _plain_pieces_unmoved(values: list[Value], j: int, dim: int) -> bool:
+    """Whether the plain ones of the ``j``-th channels of ``values`` hold, at every entry, the coordinate the mixed
+    pieces' first term reads there: the identity map, which :func:`_joined_mixed` gives them. A plain piece
+    reordered (``prefix.flip(-1)``) or partly zero (``cat([prefix[..., :4], zeros])``) is another map."""
+    first = next(v.chans[j] for v in values if v.chans[j].mixed).ids.narrow(dim, 0, 1)
+    return all(bool((first >= 0).all()) and v.chans[j].ids.narrow(dim, 0, 1).shape == first.shape
+               and bool((v.chans[j].ids.narrow(dim, 0, 1) == first).all()) for v in values if not v.chans[j].mixed)
 
 
 def _joined_mixed(w, node: fx.Node, j: int, dim: int, out_shape) -> Chan:
