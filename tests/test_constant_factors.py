@@ -139,3 +139,31 @@ def test_a_factor_that_keeps_a_rotation_keeps_the_group(name):
     subject = subject_of(ROTATIONS[name])
     assert census(subject).get("qk rotary/positive 4x2") == 1, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Scan(nn.Module):
+    """A linear recurrence started from zeros (Mamba's scan written out): ``h = decay_t * h + u_t``, the states
+    stacked, plus a skip connection scaled by 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.decay, self.u, self.skip = (nn.Linear(D, 12) for _ in range(3))
+        self.out = nn.Linear(12, D)
+
+    def forward(self, x):
+        decay, u = torch.sigmoid(self.decay(x)), self.u(x)
+        h, states = torch.zeros_like(u[:, 0]), []
+        for t in range(x.shape[1]):
+            h = decay[:, t] * h + u[:, t]
+            states.append(h)
+        return self.out(torch.stack(states, 1) + 2 * self.skip(x))
+
+
+def test_a_sum_with_a_zero_term_is_the_other_term():
+    """``decay * 0 + u`` is ``u``: the sum keeps the factor of its first operand only where the second has the
+    same one. With the 0 kept, the stacked states held a factor of 0 at the first step and 1 after it, their sum
+    with the skip connection became a mixed channel, and the 12 units lost their permutation."""
+    torch.manual_seed(0)
+    subject = symgraph.load(noisy(Scan()).double(), (torch.randn(2, 5, D, dtype=torch.float64),))
+    assert census(subject).get("ffn permutation 12x1") == 1, census(subject)
+    assert_fuzzed_at_two_shapes(subject)

@@ -1433,14 +1433,18 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
 
 
 def _same_coordinates_added(ca: Chan, cb: Chan) -> Chan:
-    """``ca + cb`` (both of one term, each coefficient one number) where both read the same coordinates at every
-    position (``x - 0.5 * x``): one channel with the sum of their coefficients, which a later sum of terms must see
-    (``(x0 - 0.5 * x0) * c - x1 * s`` is no rotation). ``ca`` itself where they read other coordinates."""
+    """``ca + cb`` (both of one term) where both read the same coordinates at every position (``x - 0.5 * x``):
+    one channel with the sum of their coefficients, which a later sum of terms must see (``(x0 - 0.5 * x0) * c -
+    x1 * s`` is no rotation). Where they read other coordinates, ``ca``, with its factor only where ``cb`` has the
+    same one: the sum is another tensor of those coordinates (``0 * h + x``, a scan's first step, is ``x``)."""
     if ca.block or not torch.equal(*collapse_pair(ca.ids, cb.ids)):
-        return ca
-    coef = sum(float(collapse(c.coef(0)).reshape(-1)[0]) for c in (ca, cb))
+        same = ca.factor is None and cb.factor is None or ca.factor is not None and cb.factor is not None and \
+            torch.equal(*collapse_pair(ca.factor, cb.factor))
+        return ca if same else replace(ca, factor=None)
+    a, b = collapse_pair(ca.coef(0), cb.coef(0))
+    coef = (a + b).expand(torch.broadcast_shapes(ca.coef(0).shape, cb.coef(0).shape))
     if ca.mixed:
-        return replace(ca, terms=(Term(ca.ids, torch.tensor(coef, dtype=torch.float64)),), factor=None)
+        return replace(ca, terms=(Term(ca.ids, coef),), factor=None)
     return replace(ca, factor=None).times(coef)
 
 
@@ -1464,12 +1468,13 @@ def _uniform_after_adding(chan: Chan, other: Value, out_shape) -> Chan:
 
 
 def _uniform(c: Chan) -> bool:
-    """One term whose coefficient, if any, is one number everywhere (the -1 of ``a - b``, an ``alpha``): any map
-    of the coordinates commutes with it, so the sum moves like both operands, tied."""
-    if len(c.terms) != 1:
+    """One term whose coefficient, if any, is one number everywhere (the -1 of ``a - b``, an ``alpha``), and whose
+    factor, if any, is the same for all its coordinates: any map of the coordinates commutes with them, so the sum
+    moves like both operands, tied."""
+    if len(c.terms) != 1 or c.factor is not None and data_varies(c.factor, chan_axes(c), c.ids.shape):
         return False
-    coef = collapse(c.coef(0))
-    return bool((coef == coef.reshape(-1)[0]).all())
+    coef = c.terms[0].coef
+    return coef is None or bool((collapse(coef) == collapse(coef).reshape(-1)[0]).all())
 
 
 def _as_mixed(c: Chan) -> tuple[Term, ...]:
