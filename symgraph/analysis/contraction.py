@@ -162,7 +162,7 @@ class Contraction:
             outs = [o for c in moved if (o := self._to_output(c, _letters_of(c, letters), op, out_letters,
                                                               out_shape)) is not None]
             if not scaled:
-                return outs
+                return [c.times(numbers[0]) for c in outs]  # outs come from resolved channels: none is mixed
             view = [len(numbers) if l == m else 1 for l in out_letters]
             return [c.scaled(numbers.reshape(view).expand(out_shape)) if m in _letters_of(c, out_letters) else c
                     for c in outs]  # as h * numbers: channels that do not vary along m meet one number each
@@ -324,15 +324,21 @@ class Contraction:
             return None
         if not chan.ids.numel():  # a zero-width operand (Linear(0, n)'s weight rows): no coordinate to carry on
             return None
-        ids = chan.ids
         index = tuple(slice(None) if l in out_letters else 0 for l in op.letters)
-        ids = ids[index]
         kept = [l for l in op.letters if l in out_letters]
-        ids = ids.permute([kept.index(l) for l in sorted(kept, key=out_letters.index)])  # a list: 0-d ids too
-        kept = sorted(kept, key=out_letters.index)
-        view = [ids.shape[kept.index(l)] if l in kept else 1 for l in out_letters]
-        ids = ids.reshape(view) if ids.is_contiguous() else ids.contiguous().reshape(view)
-        return Chan.clean(ids.expand(out_shape), block=chan.block)
+        order = sorted(kept, key=out_letters.index)
+
+        def placed(t):
+            t = t.expand(chan.ids.shape)[index].permute([kept.index(l) for l in order])  # a list: 0-d ids too
+            view = [t.shape[order.index(l)] if l in order else 1 for l in out_letters]
+            return (t.reshape(view) if t.is_contiguous() else t.contiguous().reshape(view)).expand(out_shape)
+
+        out = Chan.clean(placed(chan.ids), block=chan.block)
+        summed = {a for a, l in enumerate(op.letters) if l not in out_letters}
+        # a factor the same along the letters summed over is a factor of the sum (x @ P, P a fixed permutation)
+        if chan.factor is None or data_varies(chan.factor, summed, chan.ids.shape):
+            return out
+        return out.times(placed(chan.factor))
 
 
 def tie_slices(w, c: Chan, axis: int, node: str) -> Chan:

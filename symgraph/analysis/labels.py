@@ -94,6 +94,10 @@ class Chan:
     # a weight vector known to hold one number in every entry (a folded norm's weight: 1, or 0 where the model
     # multiplies by 1 + w): a product with it scales every coordinate alike
     uniform: bool = False
+    # a constant factor on the values of a channel that is not mixed (2 * x, x / 2; one per position where pieces
+    # scaled apart were joined), None for 1: no transformation of the coordinates sees it, but a later sum of terms
+    # does (``x0 * c - 2 * x1 * s`` is no rotation). Mixed channels hold it in their terms' coefficients
+    factor: torch.Tensor | None = None
 
     @staticmethod
     def clean(ids: torch.Tensor, *, block: bool = False) -> "Chan":
@@ -114,19 +118,31 @@ class Chan:
     def map(self, fn) -> "Chan":
         """Apply a movement op to every label and coefficient tensor."""
         terms = tuple(Term(fn(t.ids), None if t.coef is None else fn(t.coef)) for t in self.terms)
-        return replace(self, terms=terms)
+        return replace(self, terms=terms, factor=None if self.factor is None else fn(self.factor))
 
     def scaled(self, coef: torch.Tensor | float) -> "Chan":
-        terms = []
-        for t in self.terms:
-            c = coef if t.coef is None else t.coef * coef
-            if not isinstance(c, torch.Tensor):
-                c = torch.tensor(float(c), dtype=torch.float64)
-            terms.append(Term(t.ids, c.to(torch.float64)))
-        return replace(self, terms=tuple(terms))
+        """The channel times ``coef`` as a mixed one: the coefficient (and the factor) on every term."""
+        return replace(self, terms=tuple(Term(t.ids, _times(self.coef(k), coef)) for k, t in enumerate(self.terms)),
+                       factor=None)
+
+    def times(self, coef: torch.Tensor | float) -> "Chan":
+        """A channel that is not mixed times ``coef``, the same for all its coordinates: a factor."""
+        factor = _times(torch.as_tensor(coef, dtype=torch.float64), self.factor).expand(self.ids.shape)
+        return replace(self, factor=None if bool((collapse(factor) == 1).all()) else factor)
+
+    def coef(self, k: int) -> torch.Tensor:
+        """Term ``k``'s coefficient, the factor included (broadcastable to the labels' shape)."""
+        return _times(self.terms[k].coef, self.factor)
 
     def broadcast_to(self, shape) -> "Chan":
         return self.map(lambda t: t.expand(shape) if t.dim() else t.reshape([1] * len(shape)).expand(shape))
+
+
+def _times(a: torch.Tensor | float | None, b: torch.Tensor | float | None) -> torch.Tensor:
+    """``a * b`` in float64, None read as 1; broadcasts stay broadcasts (no copy over the axes both repeat)."""
+    a, b = (torch.as_tensor(1.0 if x is None else x, dtype=torch.float64) for x in (a, b))
+    x, y = collapse_pair(a, b)
+    return (x * y).expand(torch.broadcast_shapes(a.shape, b.shape))
 
 
 def param_channels(ids_per_axis: dict[int, torch.Tensor], shape: tuple[int, ...],

@@ -298,7 +298,7 @@ def _cat_along_data_axis(w, node: fx.Node, spec) -> Value | None:
         for v in values[1:]:
             w.c.tie(head.expand_as(v.chans[j].ids.narrow(dim, 0, 1)), v.chans[j].ids.narrow(dim, 0, 1),
                   node=node.name)
-        chans.append(replace(first, terms=(Term(head.expand(out_shape), None),)))
+        chans.append(replace(first, terms=(Term(head.expand(out_shape), None),), factor=None))
     return Value(chans=chans, shape=out_shape)
 
 
@@ -341,14 +341,15 @@ def _joined_mixed(w, node: fx.Node, j: int, dim: int, out_shape) -> Chan:
     for k in range(max(len(c.terms) for c in mixed)):
         ids = next(c.terms[k].ids for c in mixed if k < len(c.terms)).narrow(dim, 0, 1).expand(out_shape)
         terms.append(Term(ids, torch.cat([torch.broadcast_to(_coef(c, k), shape) for shape, c in pieces], dim)))
-    return replace(mixed[0], terms=tuple(terms))
+    return replace(mixed[0], terms=tuple(terms), factor=None)
 
 
 def _coef(c: Chan | None, k: int) -> torch.Tensor:
-    """The coefficient of ``c``'s ``k``-th term: 1 on the only term of a plain piece, 0 on terms it lacks."""
+    """The coefficient of ``c``'s ``k``-th term, its factor included: 1 on the only term of a plain piece, 0 on
+    terms it lacks."""
     if c is None or k >= len(c.terms):
         return torch.tensor(float(k == 0), dtype=torch.float64)
-    coef = c.terms[k].coef
+    coef = c.coef(k)
     return torch.ones((), dtype=torch.float64) if coef is None else coef.to(torch.float64)
 
 
@@ -751,11 +752,18 @@ def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | No
         coef = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "coef")) \
             if mixed else None
         terms_out.append((ids, coef))
+    # factors of pieces that are not mixed, position by position (their coefficients carry them where mixed)
+    factor = _replay(w, node, spec, lambda v, shape: _term_tensor(_slot(v, j, slots), 0, shape, "factor")) \
+        if not mixed and any(c is not None and c.factor is not None for c in operands) else None
     if isinstance(terms_out[0][0], (list, tuple)):
         count = len(terms_out[0][0])
-        return [Chan(tuple(Term(t[0][i], None if t[1] is None else t[1][i]) for t in terms_out), block=block)
-                for i in range(count)]
-    return Chan(tuple(Term(i, c) for i, c in terms_out), block=block)
+        return [_factored(Chan(tuple(Term(t[0][i], None if t[1] is None else t[1][i]) for t in terms_out),
+                               block=block), None if factor is None else factor[i]) for i in range(count)]
+    return _factored(Chan(tuple(Term(i, c) for i, c in terms_out), block=block), factor)
+
+
+def _factored(chan: Chan, factor: torch.Tensor | None) -> Chan:
+    return chan if factor is None else chan.times(factor)
 
 
 def _reorders(w, node: fx.Node, spec, j: int, slots, out: Chan) -> bool:
@@ -811,15 +819,17 @@ def _rank_within(coords: np.ndarray) -> np.ndarray:
 
 
 def _term_tensor(chan: Chan | None, k: int, shape, what: str) -> torch.Tensor:
+    """Term ``k``'s labels, coefficients (the factor included) or the channel's factor; where ``chan`` has no such
+    term: -1, 0, 1."""
     if chan is not None and k < len(chan.terms):
         term = chan.terms[k]
         if what == "ids":
             return term.ids
-        return torch.ones(term.ids.shape, dtype=torch.float64) if term.coef is None \
-            else term.coef.expand(term.ids.shape)
+        factor = torch.ones((), dtype=torch.float64) if chan.factor is None else chan.factor
+        return (chan.coef(k) if what == "coef" else factor).expand(term.ids.shape)
     if what == "ids":
         return torch.full(shape, -1, dtype=torch.int64)
-    return torch.zeros(shape, dtype=torch.float64)
+    return torch.full(shape, float(what == "factor"), dtype=torch.float64)
 
 
 def _replay(w, node: fx.Node, spec, pick):
@@ -1147,7 +1157,7 @@ def rule_pad(w, node: fx.Node, spec) -> Value:
         if value and constant and padded - along:
             w.c.restrict(c.ids, NEUTRAL, f"padded with the constant {value} in every coordinate", node.name)
         chans.append(replace(c, terms=(Term(_padded_labels(c.ids, amounts, along, padded, out_shape), None),),
-                             weight=False, uniform=False) if along else  # a cat with a constant piece
+                             weight=False, uniform=False, factor=None) if along else  # a cat with a constant piece
                      c.map(lambda t: _first_along(t, padded, out_shape)))
     return Value(chans=chans, shape=out_shape)
 
@@ -1515,7 +1525,23 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
         w.c.tag("residual", ca.ids)
     # a sum is no weight vector: weights multiplied in are only ever permuted, which would leave the other
     # operand's ids (tied here) free to scale
-    return replace(ca, weight=False, uniform=False)
+    return replace(_same_coordinates_added(ca, cb), weight=False, uniform=False)
+
+
+def _same_coordinates_added(ca: Chan, cb: Chan) -> Chan:
+    """``ca + cb`` (both of one term) where both read the same coordinates at every position (``x - 0.5 * x``):
+    one channel with the sum of their coefficients, which a later sum of terms must see (``(x0 - 0.5 * x0) * c -
+    x1 * s`` is no rotation). Where they read other coordinates, ``ca``, with its factor only where ``cb`` has the
+    same one: the sum is another tensor of those coordinates (``0 * h + x``, a scan's first step, is ``x``)."""
+    if ca.block or not torch.equal(*collapse_pair(ca.ids, cb.ids)):
+        same = ca.factor is None and cb.factor is None or ca.factor is not None and cb.factor is not None and \
+            torch.equal(*collapse_pair(ca.factor, cb.factor))
+        return ca if same else replace(ca, factor=None)
+    a, b = collapse_pair(ca.coef(0), cb.coef(0))
+    coef = (a + b).expand(torch.broadcast_shapes(ca.coef(0).shape, cb.coef(0).shape))
+    if ca.mixed:
+        return replace(ca, terms=(Term(ca.ids, coef),), factor=None)
+    return replace(ca, factor=None).times(coef)
 
 
 def _term_per_head(ca: Chan, cb: Chan) -> bool:
@@ -1538,16 +1564,17 @@ def _uniform_after_adding(chan: Chan, other: Value, out_shape) -> Chan:
 
 
 def _uniform(c: Chan) -> bool:
-    """One term whose coefficient, if any, is one number everywhere (the -1 of ``a - b``, an ``alpha``): any map
-    of the coordinates commutes with it, so the sum moves like both operands, tied."""
-    if len(c.terms) != 1 or c.terms[0].coef is None:
-        return len(c.terms) == 1
+    """One term whose coefficient, if any, is one number everywhere (the -1 of ``a - b``, an ``alpha``), and whose
+    factor, if any, is the same for all its coordinates: any map of the coordinates commutes with them, so the sum
+    moves like both operands, tied."""
+    if len(c.terms) != 1 or c.factor is not None and data_varies(c.factor, chan_axes(c), c.ids.shape):
+        return False
     coef = c.terms[0].coef
-    return bool((coef == coef.reshape(-1)[0]).all())
+    return coef is None or bool((collapse(coef) == collapse(coef).reshape(-1)[0]).all())
 
 
 def _as_mixed(c: Chan) -> tuple[Term, ...]:
-    return tuple(Term(t.ids, torch.ones((), dtype=torch.float64) if t.coef is None else t.coef) for t in c.terms)
+    return tuple(Term(t.ids, c.coef(k)) for k, t in enumerate(c.terms))
 
 
 def _add_data(w, node, chan: Chan, other: Value, out_shape) -> bool:
@@ -1603,8 +1630,9 @@ def _complex_product(w, node, a: Value, b: Value) -> Value:
     chans = []
     for c in a.chans:
         terms = []
-        for t in c.broadcast_to(out_shape).terms:
-            coef = torch.ones(out_shape, dtype=torch.float64) if t.coef is None else t.coef.expand(out_shape)
+        c = c.broadcast_to(out_shape)
+        for k, t in enumerate(c.terms):
+            coef = c.coef(k).expand(out_shape)
             terms += [Term(t.ids, coef * keep), Term(t.ids.flip(-1), coef.flip(-1) * cross)]
         chans.append(Chan(tuple(terms)))
     return Value(chans=chans, shape=out_shape, complex=True)
@@ -1746,6 +1774,8 @@ def _scale_by(w, node, a: Value, b: Value, divide: bool, out_shape) -> Value:
             w.c.pin(c.ids, "multiplied by data that differs from head to head", node.name)
         elif c.mixed or data_varies(coef, chan_axes(c), out_shape):
             c = c.scaled(coef.expand(out_shape) if coef.dim() else coef)
+        else:  # the same for all coordinates: no transformation sees it, a later sum of terms does
+            c = c.times(coef.expand(out_shape) if coef.dim() else coef)
         chans.append(c)
     return Value(chans=chans, shape=out_shape)
 

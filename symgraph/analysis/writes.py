@@ -77,7 +77,7 @@ def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> V
     values = (base, wrote)
     if any(c.degree != 1 for v in values for c in v.chans):
         return None
-    from .rules import _slot, slots_by_axes
+    from .rules import _factored, _slot, slots_by_axes
 
     place = _Placing(tuple(base_shape), wrote.shape, positions)
     slots = slots_by_axes({id(base): [place.axes(c, None) for c in base.chans],
@@ -89,7 +89,9 @@ def written(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> V
         mixed = any(c.mixed for c in present)
         terms = [Term(place.labels(old, new, k, "ids"), place.labels(old, new, k, "coef") if mixed else None)
                  for k in range(max(len(c.terms) for c in present))]
-        chans.append(Chan(tuple(terms), block=any(c.block for c in present)))
+        factor = place.labels(old, new, 0, "factor") \
+            if not mixed and any(c.factor is not None for c in present) else None
+        chans.append(_factored(Chan(tuple(terms), block=any(c.block for c in present)), factor))
     return Value(chans=chans, shape=tuple(base_shape))
 
 
@@ -102,8 +104,8 @@ class _Placing:
     positions: torch.Tensor
 
     def labels(self, old: Chan | None, new: Chan | None, k: int, what: str) -> torch.Tensor:
-        """Term ``k``'s labels (or coefficients) of ``old`` (a base channel) with ``new``'s (a channel of the
-        written view) at the written positions; -1 (or 0) where either is absent."""
+        """Term ``k``'s labels (coefficients, factors) of ``old`` (a base channel) with ``new``'s (a channel of the
+        written view) at the written positions; -1 (0, 1) where either is absent."""
         from .rules import _term_tensor  # the labels (or coefficients) of one term, -1 (or 0) where absent
 
         out = _term_tensor(old, k, self.base_shape, what).expand(self.base_shape).reshape(-1).clone()
