@@ -1720,21 +1720,34 @@ def _moves_alike(c: Chan, v: Value, out_shape) -> bool:
     """Whether channel-less ``v`` meets ``c`` only where it is the same for every coordinate of ``c``, or where it
     follows ``c``'s own rows (a per-head norm of those heads). An invariant value that differs per head for
     another reason stays put when the heads move: WavLM gates head h's position bias by a value read from residual
-    coordinates [h d, (h + 1) d), and permuting the heads without it changed the outputs."""
+    coordinates [h d, (h + 1) d), and permuting the heads without it changed the outputs. A mixed channel (rotary
+    q) passes where each term reads the coordinates of the same rows: the statistic's reduction resolved the mixing,
+    and a factor constant over a row commutes with any map within it."""
     axes = chan_axes(c) & _varying_axes(v, out_shape)
     if not axes:
         return True
-    if not v.invariant or v.follows is None or c.mixed:
+    if not v.invariant or v.follows is None:
         return False
     rows = v.follows.expand(out_shape)
     tracked = varying_axes(rows)
-    if not axes <= tracked:
+    if not axes <= tracked or not _terms_read_same_rows(c, chan_axes(c) - tracked, out_shape):
         return False
     ids = c.ids.expand(out_shape)
     for a in chan_axes(c) - tracked:  # the axes the reduction summed: compare each row by its first id
         ids, rows = ids.narrow(a, 0, 1), rows.narrow(a, 0, 1)
     ids, rows = collapse_pair(ids, rows)
     return torch.equal(ids, rows)
+
+
+def _terms_read_same_rows(c: Chan, summed: frozenset[int], out_shape) -> bool:
+    """Whether each term of ``c`` holds, in every row over the ``summed`` axes, its first term's coordinates."""
+    def row_sets(t: Term) -> torch.Tensor:
+        ids = t.ids.expand(out_shape)
+        kept = [a for a in range(ids.dim()) if a not in summed]
+        return ids.permute(*kept, *sorted(summed)).reshape(*[ids.shape[a] for a in kept], -1).sort(-1).values
+
+    first = row_sets(c.terms[0])
+    return all(torch.equal(row_sets(t), first) for t in c.terms[1:])
 
 
 def _varying_axes(v: Value, out_shape) -> frozenset[int]:
