@@ -233,14 +233,19 @@ class Assembler:
         kind = np.zeros(self.n_cls, np.int64)  # 0 none, 1 pair member, 2 passthrough
         partner = np.full(self.n_cls, -1, np.int64)
         freq = np.full(self.n_cls, -1, np.int64)
+        clash = np.zeros(self.n_cls, bool)  # paired otherwise by another rotation (q by halves, k by pairs)
         for com in self.c.commutes:
             if len(com.pairs):
                 a, b = self.cls[com.pairs[:, 0]], self.cls[com.pairs[:, 1]]
+                for x, y in ((a, b), (b, a)):
+                    clash[x] |= (kind[x] == 2) | ((partner[x] >= 0) & (partner[x] != y))
                 kind[a] = kind[b] = 1
                 partner[a], partner[b] = b, a
                 freq[a] = freq[b] = com.frequency
-            kind[self.cls[com.passthrough]] = 2
-        return {"kind": np.where(kind > 0, 1, 0), "pair": kind, "partner": partner, "freq": freq}
+            through = self.cls[com.passthrough]
+            clash[through] |= kind[through] == 1
+            kind[through] = 2
+        return {"kind": np.where(kind > 0, 1, 0), "pair": kind, "partner": partner, "freq": freq, "clash": clash}
 
     # -- 3. coordinate groups -----------------------------------------------------------------------------------
     def _coordinate_groups(self, blocks, restriction, role) -> list[Group]:
@@ -268,6 +273,10 @@ class Assembler:
         for m in members.values():
             m["pos"] = m["pos"][order]
         r = restriction[classes[0]]
+        if role["clash"][classes].any():
+            self._drop(classes, "coordinates paired otherwise by another rotation (rotate_half on one side, "
+                                "interleaved pairs on the other): no map per pair commutes with both")
+            return None
         pairs, passthrough = (), ()
         if role["kind"][classes[0]]:
             where = {int(k): j for j, k in enumerate(classes)}
@@ -412,6 +421,8 @@ class Assembler:
             members = tuple(Member(m.param, m.axis, _pair_index(m.index, pairs), m.action) for m in base["members"])
             return Group(id=gid, kind="scale", scale=scale or "sign", notes=(note,),
                          **{**base, "members": members, "size": len(pairs)})
+        if r.fixes_ones:
+            return None  # Q 1 = +-1 (LayerNorm centering before the rotation) turns no pair but by 0 or all by pi
         scale = None if r.orthogonal else "positive"
         notes = ("SO(2) per frequency pair" + (" times a positive scale" if scale else "")
                  + "; general linear on pass-through coordinates" * bool(passthrough),)
