@@ -36,13 +36,29 @@ def _logits(model, input_ids, name):
         return model(input_ids=input_ids, use_cache=False).logits
 
 
+def _assert_dense_is_reference(model, batch: int, seq: int) -> torch.Tensor:
+    """The dense form's logits on random ids equal the model's own code's (relative 1e-12); the ids."""
+    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
+    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
+    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    return input_ids
+
+
+def _noisy_lm(model_type: str, dtype, **config):
+    """A causal LM of ``model_type`` from a tiny config, every parameter moved off its initialisation."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
 @pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
 def test_dense_layout_computes_what_the_module_loop_computes(batch, seq):
     model = tiny_dbrx(torch.float64)
     assert len(layout_modules(model)) == 2  # one experts module per layer
-    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
-    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
-    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    _assert_dense_is_reference(model, batch, seq)
 
 
 def test_capture_traces_the_layout_densely_and_gives_the_module_its_loop_back():
@@ -147,9 +163,7 @@ def tiny_longcat(dtype=torch.float32, identity=2):
 def test_longcat_dense_routing_computes_what_its_own_forward_computes(batch, seq):
     model = tiny_longcat(torch.float64)
     assert len(identity_routing_modules(model)) == 2
-    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
-    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
-    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    input_ids = _assert_dense_is_reference(model, batch, seq)
     # routed and identity experts are both chosen on these inputs, so the comparison covers them
     router = model.model.layers[0].mlp.router
     picked = router(model.model.embed_tokens(input_ids).reshape(-1, 32))[2]
@@ -175,24 +189,15 @@ def test_longcat_routed_and_identity_experts_permute_apart_and_every_group_is_so
 def tiny_jetmoe(dtype=torch.float32):
     """JetMoE: a mixture of attention heads (each pick's query and output projections) and a mixture of GLU
     experts, both routing by sorting tokens per expert and splitting them by counts read with ``.tolist()``."""
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("jetmoe", hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                  num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
-                                  vocab_size=60, use_cache=False)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
+    return _noisy_lm("jetmoe", dtype, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2,
+                     kv_channels=8, num_local_experts=4, num_experts_per_tok=2, vocab_size=60, use_cache=False)
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
 def test_jetmoe_dense_forms_compute_what_its_own_code_computes(batch, seq):
     model = tiny_jetmoe(torch.float64)
     assert sorted(layout.form for _, layout in sorted_tokens_modules(model)) == ["glu", "glu", "heads", "heads"]
-    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
-    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
-    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    _assert_dense_is_reference(model, batch, seq)
     assert not any({"forward", "map", "reduce"} & set(vars(m)) for m in model.modules())
 
 
@@ -211,24 +216,16 @@ def test_jetmoe_experts_and_attention_experts_permute_with_their_router_rows_and
 def tiny_llama4(dtype=torch.float32):
     """Llama 4's text model: every expert on every token scaled by its router score, the experts' inputs stacked
     along the rows, and a shared expert."""
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("llama4_text", hidden_size=32, intermediate_size=16, intermediate_size_mlp=24,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                  num_local_experts=4, num_experts_per_tok=1, vocab_size=60, use_cache=False)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
+    return _noisy_lm("llama4_text", dtype, hidden_size=32, intermediate_size=16, intermediate_size_mlp=24,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     num_local_experts=4, num_experts_per_tok=1, vocab_size=60, use_cache=False)
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 7), (3, 12)])
 def test_llama4_dense_form_computes_what_its_own_code_computes(batch, seq):
     model = tiny_llama4(torch.float64)
     assert len(scaled_inputs_modules(model)) == 2
-    input_ids = torch.randint(3, 60, (batch, seq), generator=torch.Generator().manual_seed(batch))
-    dense, reference = _logits(model, input_ids, DENSE), _logits(model, input_ids, REFERENCE)
-    assert float((dense - reference).abs().max() / reference.abs().max()) < 1e-12
+    _assert_dense_is_reference(model, batch, seq)
     assert not any("forward" in vars(m) for m in model.modules())
 
 
