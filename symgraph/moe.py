@@ -209,21 +209,23 @@ def _runs_by_interface(module: torch.nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "config")
 
 
+def _matching(model: torch.nn.Module, layouts, matches, among=lambda module: True) -> list[tuple]:
+    """The modules of ``model`` (those ``among`` accepts) that some entry of ``layouts`` ``matches``, each with
+    the first such entry."""
+    found = [(m, next((layout for layout in layouts if matches(m, layout)), None))
+             for m in model.modules() if among(m)]
+    return [(m, layout) for m, layout in found if layout is not None]
+
+
 def layout_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ExpertsLayout]]:
     """Hand-written experts modules of ``model`` with the layout of specs/experts.yaml each matches."""
-    layouts = load_specs().experts.values()
-    found = [(m, next((layout for layout in layouts if _matches(m, layout)), None))
-             for m in model.modules() if _takes_routing(m)]
-    return [(m, layout) for m, layout in found if layout is not None]
+    return _matching(model, load_specs().experts.values(), _matches, among=_takes_routing)
 
 
 def identity_routing_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, IdentityRouting]]:
     """Mixture-of-experts modules of ``model`` with identity experts, with the entry of specs/experts.yaml
     (``identity_routing``) each matches: a router, an experts-interface module, and at least one of each kind."""
-    layouts = load_specs().identity_routing.values()
-    found = [(m, next((layout for layout in layouts if _routes_to_identity(m, layout)), None))
-             for m in model.modules()]
-    return [(m, layout) for m, layout in found if layout is not None]
+    return _matching(model, load_specs().identity_routing.values(), _routes_to_identity)
 
 
 def _routes_to_identity(module: torch.nn.Module, layout: IdentityRouting) -> bool:
@@ -236,9 +238,7 @@ def _routes_to_identity(module: torch.nn.Module, layout: IdentityRouting) -> boo
 def sorted_tokens_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, SortedTokens]]:
     """Mixture-of-experts modules of ``model`` that sort tokens by expert (JetMoE's), with the entry of
     specs/experts.yaml (``sorted_tokens``) each matches."""
-    layouts = load_specs().sorted_tokens.values()
-    found = [(m, next((layout for layout in layouts if _sorts_tokens(m, layout)), None)) for m in model.modules()]
-    return [(m, layout) for m, layout in found if layout is not None]
+    return _matching(model, load_specs().sorted_tokens.values(), _sorts_tokens)
 
 
 _SORTED_METHODS = {"glu": ("forward",), "heads": ("map", "reduce")}  # what each form's dense code replaces
@@ -258,9 +258,7 @@ def _sorts_tokens(module: torch.nn.Module, layout: SortedTokens) -> bool:
 def scaled_inputs_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ScaledInputs]]:
     """Mixture-of-experts modules of ``model`` that stack every expert's scaled inputs along the rows (Llama 4's),
     with the entry of specs/experts.yaml (``scaled_inputs``) each matches."""
-    layouts = load_specs().scaled_inputs.values()
-    found = [(m, next((layout for layout in layouts if _scales_inputs(m, layout)), None)) for m in model.modules()]
-    return [(m, layout) for m, layout in found if layout is not None]
+    return _matching(model, load_specs().scaled_inputs.values(), _scales_inputs)
 
 
 def _scales_inputs(module: torch.nn.Module, layout: ScaledInputs) -> bool:
