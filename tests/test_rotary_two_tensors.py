@@ -48,6 +48,7 @@ FORMS = {  # name: (rotary on (x, mix), whether the rotary group is sound)
     "interleaved, stacked": (lambda x, mix: _stacked(x, x), True),
     "second rows from x + f(x)": (lambda x, mix: _stacked(x, x + mix(x)), False),
     "partial, width 4": (_partial(lambda n: 4), True),
+    "partial, width from the length": (_partial(lambda n: 4 if n < 4 else 8), False),
 }
 
 

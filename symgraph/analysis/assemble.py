@@ -137,17 +137,24 @@ class Assembler:
         compared with the graphs traced at other shapes (analysis/cuts.py) only where the pieces split coordinates
         outside the rotary roles: rotate_half's halves (and a partial rotary's passthrough) are kept apart by those
         roles instead, and most models would otherwise be traced three more times; pieces that all hold the same
-        coordinates (a token overwritten in place) split nothing. Each check runs once."""
+        coordinates (a token overwritten in place) split nothing. Coordinates joined beside a piece without labels are
+        compared too (``self.c.beside_unlabelled``: a rotary over all 4 dims at the traced length, with the other
+        0 dims cut off, covers 2 at a shorter one). Each check runs once."""
         pending, self.c.cut_pieces = self.c.cut_pieces, []
         for k, cuts_move in pending:
             pieces, node = self.c.pieces[k]
             classes, part = _row_partition([self.cls[p] for p in pieces])
             if len(np.unique(part[~rotary[classes]])) < 2:
                 continue  # every coordinate in every piece (a token overwritten in place), or rotary roles
-            why = cuts_move()
-            if why is not None:
-                self.c.pin(np.concatenate(pieces), f"cut apart where the cut may fall elsewhere at another input shape "
-                                                   f"({why})", node)
+            self._pin_if_moved(np.concatenate(pieces), node, cuts_move)
+        pending, self.c.beside_unlabelled = self.c.beside_unlabelled, []
+        for ids, node, cuts_move in pending:
+            self._pin_if_moved(ids, node, cuts_move)
+
+    def _pin_if_moved(self, ids: np.ndarray, node: str, cuts_move) -> None:
+        why = cuts_move()
+        if why is not None:
+            self.c.pin(ids, f"cut apart where the cut may fall elsewhere at another input shape ({why})", node)
 
     def _pinned_classes(self) -> np.ndarray:
         pinned = np.zeros(self.n_cls, bool)

@@ -402,16 +402,21 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     by_role = ({}, {})
     alike = len({piece_structure(w, p, by_role, roles=True) for p in pieces}) == 1
     w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None, alike)
+    labelled = [bool((i >= 0).any()) for i in ids]
+    if any(labelled) and not all(labelled):  # beside a piece cut empty, or one whose coordinates were pinned
+        edges = coordinate_cuts_before(w, pieces, None)
+        if edges:
+            w.c.beside_unlabelled.append((torch.cat(ids).numpy(), node.name, lambda: why_cuts_move(w, edges)))
 
 
-def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[fx.Node]:
+def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor | None) -> list[fx.Node]:
     """The cuts (slice, narrow, split) on the way up from ``nodes`` through labelled values, up to the first cut on
     each path, that dropped some of ``ids`` (the coordinates of pieces kept apart): where the pieces were cut
     apart. Their bounds are Python numbers the trace baked in, which the model may compute from the input's size
     (``h[..., :min(n, 6)]``). A cut that drops none of them (the class token taken off a sequence) decides
     nothing about which coordinate lies in which piece. No path is cut short: pieces may pass through any number
-    of ops between their cut and their join."""
-    wanted = set(ids[ids >= 0].tolist())
+    of ops between their cut and their join. ``ids`` None: the cuts that dropped any coordinate."""
+    wanted = None if ids is None else set(ids[ids >= 0].tolist())
     found, seen, todo = [], set(), list(nodes)
     while todo:
         node = todo.pop()
@@ -422,8 +427,9 @@ def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[f
         spec = w.spec(cut) if isinstance(cut, fx.Node) else None
         if isinstance(spec, MovementSpec) and spec.cuts:
             given, kept = w.value(cut.args[0]), w.value(node)
-            if isinstance(given, Value) and isinstance(kept, Value) and \
-                    wanted & set(dropped_ids(given.chans, kept.chans).tolist()):
+            dropped = dropped_ids(given.chans, kept.chans) if isinstance(given, Value) and isinstance(kept, Value) \
+                else torch.zeros(0, dtype=torch.int64)
+            if dropped.numel() if wanted is None else wanted & set(dropped.tolist()):
                 found.append(cut)
             continue
         todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
