@@ -49,6 +49,8 @@ FORMS = {  # name: (rotary on (x, mix), whether the rotary group is sound)
     "second rows from x + f(x)": (lambda x, mix: _stacked(x, x + mix(x)), False),
     "partial, width 4": (_partial(lambda n: 4), True),
     "partial, width from the length": (_partial(lambda n: 4 if n < 4 else 8), False),
+    "partial, wider when short": (_partial(lambda n: 8 if n < 4 else 4), False),
+    "partial, 2 dims, wider when short": (_partial(lambda n: 8 if n < 4 else 2), False),
 }
 
 
@@ -70,8 +72,9 @@ class Attention(nn.Module):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_rotary_group_only_where_pairs_read_one_tensor_at_every_length(form):
     """On the old engine the stacked form with second rows from ``x + f(x)`` kept a rotary group (the sum carries
-    x's ids, so each term looked like one map of x), and the partial rotary over all 8 dims at length 6 (4 below
-    length 4) kept rotations of pairs that a shorter input splits."""
+    x's ids, so each term looked like one map of x), the partial rotary over all 8 dims at length 6 (4 below
+    length 4) kept rotations of pairs that a shorter input splits, and the partial rotaries over 4 or 2 dims at
+    length 6 (all 8 below length 4) kept maps of pass-through dims that a shorter input rotates."""
     torch.manual_seed(0)
     subject = symgraph.load(noisy(Attention(form)).double(), (torch.randn(2, 6, D, dtype=torch.float64),))
     rotary = [g for g in subject.report.groups if g.kind == "rotary"]
