@@ -82,6 +82,21 @@ def test_dbrx_experts_units_permute_per_expert_and_every_group_is_sound():
     assert fuzz(subject, samples=2, seed=1).ok
 
 
+def test_dbrx_experts_permute_with_their_router_rows_and_their_units_are_ffn_units():
+    """Experts stacked in one parameter's rows meet their down projection one expert at a time, as queries meet
+    keys one head at a time; the routing weights summing the experts' outputs were pinned as data, so no expert
+    permutation was found and each expert's units were named qk. Each routing weight weighs one expert's output:
+    the experts permute with their router rows, and the units within each expert are FFN units."""
+    subject = symgraph.load(tiny_dbrx(), {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False})
+    experts = [g for g in subject.report.groups if g.motif == "experts"]
+    assert [(g.kind, g.size, g.copies) for g in experts] == [("permutation", 4, 1)] * 2
+    assert all({p.rsplit(".", 1)[-1] for p in g.params} == {"w1", "v1", "w2", "weight"} for g in experts)
+    groups = census(subject)
+    assert groups.get("ffn permutation 16x4") == 2 and groups.get("qk scale/sign 4x2") == 2, groups
+    assert not any("router" in p for pin in subject.report.pinned for p in pin.params)
+    assert_fuzzed_at_two_shapes(subject, samples=4)
+
+
 class LoopExpertsWithIdentity(nn.Module):
     """Routed experts in one (experts + identity, 2 units, hidden) gate/up parameter and identity experts after
     them, run by a loop over the experts the batch hits (layout fused_gate_up_identity)."""

@@ -91,12 +91,14 @@ class Contraction:
             return moved
         outs: list[Chan] = []
         used_b: set[int] = set()
+        heads_at: dict[int, list[Chan]] = {}  # channel of b -> the head blocks of a linked to it
         passed_a: list[tuple[Chan, frozenset]] = []
         for ca in a.chans:
             ca = self.w.resolve(ca, self.node)
             va = _letters_of(ca, a.letters)
             if ca.block and va & contracted:
-                self._link_heads_to_consumers(ca, a, b, va & contracted, used_b, sizes)
+                j = self._link_heads_to_consumers(ca, a, b, va & contracted, used_b, sizes)
+                heads_at.setdefault(j, []).append(ca)
                 continue
             if va & contracted:
                 partner = self._partner(b, va & contracted, used_b)
@@ -117,6 +119,9 @@ class Contraction:
             vb = _letters_of(cb, b.letters)
             if cb.block and vb & contracted:
                 self._link_heads_to_consumers(cb, b, a, vb & contracted, set(), sizes)
+                continue
+            if vb & contracted and j in heads_at and not vb - contracted:
+                self._weights_of_heads(cb, heads_at[j])
                 continue
             if vb & contracted:
                 self.w.c.pin(cb.ids, "contracted with data that carries no symmetry", self.node)
@@ -222,13 +227,14 @@ class Contraction:
             outs.append(self._to_output(ca, va, a, out_letters, out_shape))
         return kept_a, kept_b
 
-    def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> None:
-        """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns."""
+    def _link_heads_to_consumers(self, blk: Chan, a: Operand, b: Operand, letters, used_b, sizes) -> int | None:
+        """Head outputs contracted with a weight (merged heads into o_proj): link each head to its columns.
+        Returns the channel of ``b`` linked (None where none is: the heads are pinned)."""
         j = next((j for j, cb in enumerate(b.chans)
                   if not cb.block and _letters_of(cb, b.letters) & letters == letters), None)
         if j is None:
             self.w.c.pin(blk.ids, "heads contracted with data", self.node)
-            return
+            return None
         k_letters = sorted(letters)
         heads = _rows_by_fiber(blk.ids, a.letters, [], k_letters, sizes)[0]
         cols = _rows_by_fiber(self.w.resolve(b.chans[j], self.node).ids, b.letters, [], k_letters, sizes)[0]
@@ -237,6 +243,23 @@ class Contraction:
                 for block_id in torch.unique(head_row):
                     ids = torch.unique(col_row[head_row == block_id])
                     self.w.c.rowlinks.append((np.array([int(block_id)]), ids.numpy()[None], self.node))
+        return j
+
+    def _weights_of_heads(self, chan: Chan, heads: list[Chan]) -> None:
+        """A channel that varies along the heads' letters only and is contracted with them, no values beside
+        (``einsum("ted,te->td", per_expert, routing)``: experts stacked in one parameter's rows, each output
+        weighed by its routing weight): each coordinate weighs one head's output, to which it is linked, so it
+        may move with its head and nothing else: its coordinates neither mix nor scale (a scale would have to
+        reach the head's output, which no linear map of the head's rows does alone). The heads are experts, the
+        rows linked to them each expert's units (specs/motifs.yaml)."""
+        ids = torch.unique(chan.ids[chan.ids >= 0])
+        self.w.c.separate(ids.reshape(-1, 1), self.node)
+        self.w.c.restrict(ids, NEUTRAL, "weighs the output of one head", self.node)
+        blocks = np.unique(np.concatenate([blk.ids.reshape(-1).numpy() for blk in heads]))
+        self.w.c.tag("experts", blocks)
+        for block_ids, rows, _node in self.w.c.rowlinks:
+            if np.isin(block_ids, blocks).any():
+                self.w.c.tag("expert_units", rows)
 
     def _partner(self, b: Operand, letters: set[str], used: set[int]) -> int | None:
         for j, cb in enumerate(b.chans):
