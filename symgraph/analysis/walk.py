@@ -75,6 +75,7 @@ class Walker:
             elif node.op == "output":
                 self._output(node)
         self._pin_unread()
+        self._pin_dropped_for_good()
         return self
 
     def _placeholder(self, node: fx.Node) -> Value:
@@ -397,13 +398,46 @@ class Walker:
         entries of a parameter that also holds its identity experts') leaves what it keeps free. Asked only where a
         cut left coordinates unread: the probe traces it may need cost a capture per shape."""
         unread = set(unread.tolist())
+        return any(dropped & unread and self._cut_moves_elsewhere(node, chans) for node, chans, dropped in self._cuts)
+
+    def _cut_moves_elsewhere(self, node: fx.Node, chans: list[Chan]) -> bool:
+        """Whether cut ``node`` of channels ``chans`` keeps other labels at another input shape (asked once)."""
+        if node not in self._cut_moves:
+            self._cut_moves[node] = why_cut_moves(self, node, chans) is not None
+        return self._cut_moves[node]
+
+    def _pin_dropped_for_good(self) -> None:
+        """Pin the coordinates of a tensor that its cuts drop for good (none of its users keeps them) where a cut
+        may keep others at another input shape: ``b(F.pad(h[..., :min(n, 6)], (0, 6 - min(n, 6))))`` reads units
+        0-4 of ``h`` at the traced length 5, leaving units 5-11 free to move, and unit 5 from length 6 on. Asked
+        only of such cuts: a fused projection's pieces, or rotate_half's halves, keep every coordinate."""
+        pinned = np.zeros(self.ids.next, dtype=bool)
+        for ids, _reason, _node in self.c.pins:
+            pinned[ids] = True
         for node, chans, dropped in self._cuts:
-            if dropped & unread:
-                if node not in self._cut_moves:  # asked once per cut, however many axes it left unread
-                    self._cut_moves[node] = why_cut_moves(self, node, chans) is not None
-                if self._cut_moves[node]:
-                    return True
-        return False
+            kept = self._kept_by_users(node.args[0])
+            gone = np.array(sorted(dropped - kept), dtype=np.int64) if kept is not None else np.zeros(0, np.int64)
+            if gone.size and not pinned[gone].all() and self._cut_moves_elsewhere(node, chans):
+                for c in chans:
+                    for t in c.terms:
+                        self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
+                                   node.name)
+
+    def _kept_by_users(self, x: fx.Node) -> set[int] | None:
+        """The ids that the users of ``x`` keep, where every one is a cut or reads no value of ``x`` (zeros_like);
+        None where one reads all of ``x``."""
+        kept: set[int] = set()
+        for user in x.users:
+            spec = self.spec(user) if user.op == "call_function" else None
+            if getattr(spec, "rule", None) in _READS_NO_VALUE:
+                continue
+            if not getattr(spec, "cuts", False):
+                return None
+            results = self.values.get(user.name)
+            for v in results if isinstance(results, list) else [results]:
+                for c in v.chans if isinstance(v, Value) else ():
+                    kept.update(collapse(c.ids).reshape(-1).tolist())
+        return kept
 
     def _pin_unread(self) -> None:
         """Pin parameter coordinates that only movement ops touched and none kept (rows a slice cut away), and with
@@ -456,6 +490,9 @@ class Walker:
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
+
+
+_READS_NO_VALUE = frozenset({"fill", "ignore"})  # rules of ops that read only the shape of their input
 
 
 def uniform_value(value) -> float | None:
