@@ -23,10 +23,10 @@ from . import rules
 from ..outputs import output_names, virtual_name
 from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
-from .cuts import why_cut_moves
+from .cuts import beside_unlabelled, why_cut_moves
 from .experts import BranchReads
-from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, param_channels,
-                     varying_axes)
+from .labels import (NO_ID, Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
+                     param_channels, varying_axes)
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets, held_at_other_shapes
 from .selections import selections_of
@@ -417,11 +417,17 @@ class Walker:
         for node, chans, dropped in self._cuts:
             kept = self._kept_by_users(node.args[0])
             gone = np.array(sorted(dropped - kept), dtype=np.int64) if kept is not None else np.zeros(0, np.int64)
-            if gone.size and not pinned[gone].all() and self._cut_moves_elsewhere(node, chans):
-                for c in chans:
-                    for t in c.terms:
-                        self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
-                                   node.name)
+            if not gone.size or pinned[gone].all():
+                continue
+            rank = len(_shape(node.args[0]))
+            dim = rules.schema_arg(node, "dim", 0) % rank
+            # dropped coordinates laid out along the cut axis (a channel beside unlabelled positions, tokens, is
+            # checked at the cut; rows of a register token's columns dropped whole are no coordinates cut apart)
+            held = [c for c in chans if not beside_unlabelled(c, dim, rank) and _laid_out_along(c, gone, dim, rank)]
+            if held and self._cut_moves_elsewhere(node, chans):
+                for t in (t for c in held for t in c.terms):
+                    self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
+                               node.name)
 
     def _kept_by_users(self, x: fx.Node) -> set[int] | None:
         """The ids that the users of ``x`` keep, where every one is a cut or reads no value of ``x`` (zeros_like);
@@ -490,6 +496,16 @@ class Walker:
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
+
+
+def _laid_out_along(chan: Chan, ids: np.ndarray, axis: int, rank: int) -> bool:
+    """Whether ``chan`` (of a tensor of ``rank`` axes) holds more than one of ``ids`` along ``axis``."""
+    for t in chan.terms:
+        small = collapse(t.ids)
+        held = torch.where(torch.as_tensor(np.isin(small.numpy(), ids)), small, NO_ID)
+        if axis - rank + t.ids.dim() in labelled_axes(held):
+            return True
+    return False
 
 
 _READS_NO_VALUE = frozenset({"fill", "ignore"})  # rules of ops that read only the shape of their input
