@@ -126,11 +126,15 @@ class Vit(nn.Module):
         return self.head(h[:, 0] if self.pool == "class token" else h.mean(1))
 
 
-@pytest.mark.parametrize("attention, pool", [("nn.MultiheadAttention", "mean")])
+@pytest.mark.parametrize("attention, pool", [("nn.MultiheadAttention", "mean"), ("written out", "class token"),
+                                             ("nn.MultiheadAttention", "class token")])
 def test_vit_with_registers_keeps_the_residual_stream(attention, pool):
-    """A norm gave the class token's, the registers' and the patches' coordinates new ids from one range, so the
-    registers' (two rows) and the patches' (five) repeating differently along the sequence read, at
-    MultiheadAttention's transpose, as a cut off a flattened channel: the stream was pinned."""
+    """Two faults pinned the stream. A norm gave the class token's, the registers' and the patches' coordinates
+    new ids from one range, so the registers' (two rows) and the patches' (five) repeating differently along the
+    sequence read, at MultiheadAttention's transpose, as a cut off a flattened channel. And the class token read
+    by ``h[:, 0]`` drops the others' coordinates for good, which pins where the cut may keep other positions at
+    another length; where the class token sits there was not followed through the residual sums, norms and
+    attention (sources whose labels vary along the sequence), so every cut of the stream pinned it."""
     torch.manual_seed(0)
     model = noisy(Vit(attention, pool)).double().eval()
     subject = symgraph.load(model, (torch.randn(2, 5, 3, dtype=torch.float64),))

@@ -22,9 +22,21 @@ import operator
 import torch
 from torch import fx
 
-from ..spec import aten_op
-from .labels import NO_ID, Chan, collapse, concrete_shape, labelled_axes, varying_axes
+from ..pattern import Pattern, parse_pattern
+from ..spec import ContractSpec, aten_op, operand_names
+from . import rules
+from .contraction import expand_ellipsis, matmul_pattern
+from .labels import NO_ID, Chan, Value, collapse, concrete_shape, labelled_axes, varying_axes
 from .selections import Trace, selections_of
+
+
+# rules whose output at a position reads its operands at that position only, along all but the axes they
+# normalise (ops flagged `equivariant` in specs/ops.yaml do too)
+_IN_PLACE_RULES = frozenset({"activation", "layer_norm"})
+# rules that read positions as a contraction does: their operands, in the order of the pattern (attention's
+# mask adds to the scores: it moves no position)
+_READ_AS = {"attention": (("query", "key", "value"), "...td,...sd,...se->...te")}
+_MOST_READS = 1 << 22  # origins read by one op's positions, all together, beyond which it is not followed
 
 
 def moved_operands(node: fx.Node) -> list[fx.Node]:
@@ -74,7 +86,7 @@ def _same_arrangement(a: tuple, b: tuple) -> bool:
 def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, same=operator.eq) -> str | None:
     """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same (``same``)
     in every probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
-    offsets: dict[str, int] = {}
+    offsets: dict = {}
     traced = _Origins(w, w.data, lambda n: n, offsets)
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
     if source is None or kept is None:
@@ -150,17 +162,29 @@ class _Origins:
     """Origin tensors of the nodes of one trace (the traced graph or a probe's): movement ops are replayed, any
     other node is a source whose elements are told apart along the axes its labels vary along at the traced shape
     (``traced_of`` maps a node to its counterpart in the traced graph; ``offsets``, the first origin of each source
-    by its traced name and the next free one under ``""``, is shared by the traces, so the same source gets the
-    same origins in all of them)."""
+    by its traced name, each combination of origins an op that keeps positions in place meets, and the next free
+    one under ``""``, is shared by the traces, so the same source gets the same origins in all of them)."""
 
-    def __init__(self, w, data: dict, traced_of, offsets: dict[str, int]):
+    def __init__(self, w, data: dict, traced_of, offsets: dict):
         self.w, self.data, self.traced_of, self.offsets = w, data, traced_of, offsets
         self.done: dict[fx.Node, object] = {}
 
     def of(self, node: fx.Node):
         if node not in self.done:
-            self.done[node] = self._replay(node) if self._moves(node) else self._source(node)
+            if self._moves(node):
+                self.done[node] = self._replay(node)
+            else:
+                found = self._in_place(node) if len(self._label_axes(node)) > 1 else None
+                self.done[node] = found if found is not None else self._source(node)
         return self.done[node]
+
+    def _label_axes(self, node: fx.Node) -> list[int]:
+        """The axes the labels of ``node``'s traced counterpart vary along (none where it has no value)."""
+        traced = self.traced_of(node)
+        value = self.w.value(traced) if traced is not None else None
+        if not isinstance(value, Value) or value.shape is None:
+            return []
+        return sorted({a for c in value.chans for t in c.terms for a in varying_axes(t.ids.expand(value.shape))})
 
     def _moves(self, node: fx.Node) -> bool:
         if node.op != "call_function":
@@ -169,6 +193,51 @@ class _Origins:
             return self._moves(node.args[0])
         spec = self.w.spec(node)
         return spec is not None and spec.rule == "movement"
+
+    def _in_place(self, node: fx.Node) -> torch.Tensor | None:
+        """Origins of an op that keeps positions in place (elementwise maths, a norm over trailing axes, a
+        contraction along its kept axes): one per combination of the origins each output position reads, so a
+        class token keeps its place through the residual sums, norms and projections after it is joined to the
+        stream; None for any other op, where one of those origins is unknown, or where it reads too many. Asked
+        where labels vary along several axes (tokens told apart): elsewhere a source's origins tell as much."""
+        spec, val, traced = self.w.spec(node), node.meta.get("val"), self.traced_of(node)
+        if not isinstance(val, torch.Tensor) or traced is None:
+            return None
+        if getattr(spec, "equivariant", False) or getattr(spec, "rule", None) in _IN_PLACE_RULES:
+            operands = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            letters = None
+        elif getattr(spec, "rule", None) in _READ_AS or isinstance(spec, ContractSpec) and spec.pattern != "einsum":
+            names, text = _READ_AS.get(spec.rule) or (operand_names(spec, node.target), spec.pattern)
+            named = [rules.schema_arg(node, name) for name in names]
+            pattern = parse_pattern(text) if text != "matmul" else \
+                matmul_pattern(*(len(a.meta["val"].shape) for a in named))
+            letters = [p for p, a in zip(pattern.operands, named) if isinstance(a, fx.Node)]
+            operands = [a for a in named if isinstance(a, fx.Node)]
+        else:
+            return None
+        found = [self.of(a) for a in operands]
+        if not found or any(not isinstance(f, torch.Tensor) for f in found):
+            return None
+        shape = tuple(concrete_shape(val.shape))
+        table = _read_at(found, shape) if letters is None else _contracted(found, letters, pattern.output, shape)
+        if table is None or table.numel() > _MOST_READS:
+            return None
+        # a position's origin: the set of origins it reads together, however many times (a sum over the tokens
+        # reads each patch row's origin more often at a greater length, and no other)
+        combos, inverse = torch.unique(table.reshape(-1, table.shape[-1]), dim=0, return_inverse=True)
+        read = torch.tensor([self._origin_of((traced.name, *c)) for c in combos.tolist()], dtype=torch.int64)
+        read = read[inverse].reshape(table.shape[:-1]).sort(1).values
+        read[:, 1:][read[:, 1:] == read[:, :-1]] = -1
+        sets, inverse = torch.unique(read.sort(1).values, dim=0, return_inverse=True)
+        codes = [self._origin_of((traced.name, frozenset(c for c in row if c >= 0))) for row in sets.tolist()]
+        return torch.tensor(codes, dtype=torch.int64)[inverse].reshape(shape)
+
+    def _origin_of(self, key) -> int:
+        """The origin given to ``key`` in every trace (the next free one the first time)."""
+        if key not in self.offsets:
+            self.offsets[key] = self.offsets.get("", 0)
+            self.offsets[""] = self.offsets[key] + 1
+        return self.offsets[key]
 
     def _replay(self, node: fx.Node):
         if node.target is operator.getitem:
@@ -198,8 +267,7 @@ class _Origins:
         value = self.w.value(traced) if traced is not None else None
         if not isinstance(val, torch.Tensor) or value is None or value.shape is None:
             return None
-        shape = concrete_shape(val.shape)
-        axes = sorted({a for c in value.chans for t in c.terms for a in varying_axes(t.ids.expand(value.shape))})
+        shape, axes = concrete_shape(val.shape), self._label_axes(node)
         if len(shape) != len(value.shape) or any(shape[a] != value.shape[a] for a in axes):
             return None  # labels vary along an axis of another size here: no evidence
         view = [shape[a] if a in axes else 1 for a in range(len(shape))]
@@ -208,3 +276,42 @@ class _Origins:
             self.offsets[""] = self.offsets[traced.name] + math.prod(view)
         start = self.offsets[traced.name]
         return (torch.arange(math.prod(view), dtype=torch.int64) + start).reshape(view).expand(shape)
+
+
+def _read_at(origins: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The origins each position of an output of ``shape`` reads (positions x 1 x operands), of operands
+    broadcast to it (None where they do not broadcast to that shape)."""
+    try:
+        found = torch.broadcast_tensors(*origins)
+    except RuntimeError:
+        return None
+    if tuple(found[0].shape) != shape:
+        return None
+    return torch.stack([f.reshape(-1, 1) for f in found], 2)
+
+
+def _contracted(origins: list[torch.Tensor], letters: list[str], output: str,
+                shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The origins each position of a contraction's output (``letters``, ``output``: its pattern) reads together
+    (positions x summed positions x operands)."""
+    explicit, out = expand_ellipsis(Pattern(tuple(letters), output), [tuple(o.shape) for o in origins])
+    if any(len(set(e)) != len(e) for e in explicit):
+        return None  # a diagonal
+    sizes: dict[str, int] = {}
+    for e, o in zip(explicit, origins):
+        for letter, n in zip(e, o.shape):
+            sizes[letter] = max(sizes.get(letter, 1), n)
+    order = list(out) + sorted(set("".join(explicit)) - set(out))
+    if tuple(sizes[letter] for letter in out) != shape:
+        return None
+    if math.prod(sizes.values()) * len(origins) > _MOST_READS:
+        return None
+    rows = []
+    for e, o in zip(explicit, origins):
+        moved = o.permute([e.index(letter) for letter in order if letter in e])
+        moved = moved.reshape([o.shape[e.index(letter)] if letter in e else 1 for letter in order])
+        try:
+            rows.append(moved.expand([sizes[letter] for letter in order]).reshape(math.prod(shape), -1))
+        except RuntimeError:  # sizes that do not broadcast
+            return None
+    return torch.stack(rows, 2)
