@@ -36,7 +36,7 @@ _IN_PLACE_RULES = frozenset({"activation", "layer_norm"})
 # rules that read positions as a contraction does: their operands, in the order of the pattern (attention's
 # mask adds to the scores: it moves no position)
 _READ_AS = {"attention": (("query", "key", "value"), "...td,...sd,...se->...te")}
-_MOST_READS = 1 << 22  # origins read by one op's positions, all together, beyond which it is not followed
+_MOST_READS = 1 << 16  # origins read by one op's positions, all together, beyond which it is not followed
 
 
 def moved_operands(node: fx.Node) -> list[fx.Node]:
@@ -86,8 +86,8 @@ def _same_arrangement(a: tuple, b: tuple) -> bool:
 def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, same=operator.eq) -> str | None:
     """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same (``same``)
     in every probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
-    offsets: dict = {}
-    traced = _Origins(w, w.data, lambda n: n, offsets)
+    offsets = w.origins.setdefault("offsets", {})
+    traced = w.origins.get(None) or w.origins.setdefault(None, _Origins(w, w.data, lambda n: n, offsets))
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
     if source is None or kept is None:
         return "the positions it keeps cannot be replayed"
@@ -98,7 +98,10 @@ def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, 
     selections = selections_of(w.cap)
 
     def differs(other: fx.Node, probe: Trace) -> str | None:
-        origins = _Origins(w, probe.values, lambda n: selections.traced.by_key.get(probe.key_of[n]), offsets)
+        if id(probe) not in w.origins:  # the probe kept with its origins, so that its id is not reused
+            w.origins[id(probe)] = probe, _Origins(w, probe.values, lambda n: selections.traced.by_key.get(
+                probe.key_of[n]), offsets)
+        origins = w.origins[id(probe)][1]
         found = origins.of(other)
         if found is None:
             return "the positions it keeps cannot be replayed"
@@ -215,10 +218,14 @@ class _Origins:
             operands = [a for a in named if isinstance(a, fx.Node)]
         else:
             return None
+        shape = tuple(concrete_shape(val.shape))
+        shapes = [tuple(concrete_shape(a.meta["val"].shape)) for a in operands]
+        if len(operands) * (math.prod(shape) if letters is None else _summed_size(letters, pattern.output, shapes)) \
+                > _MOST_READS:
+            return None  # known before its operands are followed
         found = [self.of(a) for a in operands]
         if not found or any(not isinstance(f, torch.Tensor) for f in found):
             return None
-        shape = tuple(concrete_shape(val.shape))
         table = _read_at(found, shape) if letters is None else _contracted(found, letters, pattern.output, shape)
         if table is None or table.numel() > _MOST_READS:
             return None
@@ -290,6 +297,12 @@ def _read_at(origins: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tenso
     return torch.stack([f.reshape(-1, 1) for f in found], 2)
 
 
+def _summed_size(letters: list[str], output: str, shapes: list[tuple[int, ...]]) -> int:
+    """The number of (output position, summed position) pairs of a contraction of operands of ``shapes``."""
+    explicit, _ = expand_ellipsis(Pattern(tuple(letters), output), shapes)
+    return math.prod({letter: n for e, sh in zip(explicit, shapes) for letter, n in zip(e, sh)}.values())
+
+
 def _contracted(origins: list[torch.Tensor], letters: list[str], output: str,
                 shape: tuple[int, ...]) -> torch.Tensor | None:
     """The origins each position of a contraction's output (``letters``, ``output``: its pattern) reads together
@@ -303,8 +316,6 @@ def _contracted(origins: list[torch.Tensor], letters: list[str], output: str,
             sizes[letter] = max(sizes.get(letter, 1), n)
     order = list(out) + sorted(set("".join(explicit)) - set(out))
     if tuple(sizes[letter] for letter in out) != shape:
-        return None
-    if math.prod(sizes.values()) * len(origins) > _MOST_READS:
         return None
     rows = []
     for e, o in zip(explicit, origins):

@@ -54,6 +54,7 @@ class Walker:
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
         self._cut_moves: dict[fx.Node, bool] = {}  # cut -> whether it keeps other labels at another probe shape
+        self.origins: dict = {}  # the origins of each trace's nodes, for every cut asked about (analysis/cuts.py)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
