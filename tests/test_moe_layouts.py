@@ -16,7 +16,7 @@ from symgraph.spec import load_specs
 from symgraph.moe import (DENSE, REFERENCE, experts_implementation, identity_routing_modules, layout_modules,
                           scaled_inputs_modules, sorted_tokens_modules)
 
-from group_checks import assert_fuzzed_at_two_shapes, census
+from group_checks import assert_fuzzed_at_two_shapes, census, noisy
 
 
 def tiny_dbrx(dtype=torch.float32):
@@ -95,6 +95,66 @@ def test_dbrx_experts_permute_with_their_router_rows_and_their_units_are_ffn_uni
     assert groups.get("ffn permutation 16x4") == 2 and groups.get("qk scale/sign 4x2") == 2, groups
     assert not any("router" in p for pin in subject.report.pinned for p in pin.params)
     assert_fuzzed_at_two_shapes(subject, samples=4)
+
+
+class RowStackedExperts(nn.Module):
+    """DBRX's experts by hand: w1, v1, w2 stacked as (experts * units, width) rows, every expert run on every
+    token and the outputs summed with ``weights(self, tokens, out)`` (``einsum("ted,te->td")``)."""
+
+    def __init__(self, weights, width=8, experts=4, units=6):
+        super().__init__()
+        self.shape, self.weights = (experts, units, width), weights
+        self.inp, self.router, self.out = nn.Linear(width, width), nn.Linear(width, experts), nn.Linear(width, 3)
+        self.w1, self.v1, self.w2 = (nn.Parameter(0.3 * torch.randn(experts * units, width)) for _ in range(3))
+
+    def forward(self, x):
+        tokens = self.inp(x).flatten(0, -2)
+        w1, v1, w2 = (p.view(self.shape) for p in (self.w1, self.v1, self.w2))
+        hidden = nn.functional.silu(torch.einsum("td,eud->teu", tokens, w1)) * torch.einsum("td,eud->teu", tokens, v1)
+        out = torch.einsum("teu,eud->ted", hidden, w2)
+        return self.out(torch.einsum("ted,te->td", out, self.weights(self, tokens, out)).view_as(x))
+
+
+EXPERT_WEIGHTS = {  # name -> (the weights, whether the experts permute)
+    "router": (lambda m, tokens, out: m.router(tokens).softmax(-1), True),
+    "the experts' own outputs": (lambda m, tokens, out: out.sum(-1).softmax(-1), False),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPERT_WEIGHTS))
+def test_row_stacked_experts_weighed_by_a_router_or_their_own_outputs_are_sound(name):
+    """A router's weights let the experts permute with its rows; weights computed from the experts' own outputs
+    move with them anyway and carry no router rows: whatever is found must keep the function."""
+    weights, permute = EXPERT_WEIGHTS[name]
+    subject = symgraph.load(noisy(RowStackedExperts(weights)).double(), (torch.randn(2, 7, 8, dtype=torch.float64),))
+    assert [g.size for g in subject.report.groups if g.motif == "experts"] == ([4] if permute else [])
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class GatedHeads(nn.Module):
+    """Attention whose values are the input itself (no coordinates: each head's values are data) and whose output
+    is weighed unit by unit by a gate computed from the tokens (``einsum("bni,bni->bn")``)."""
+
+    def __init__(self, width=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.gate = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), x))
+        out = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).transpose(1, 2).flatten(2)
+        return torch.einsum("bni,bni->bn", out, self.gate(x))
+
+
+def test_a_gate_per_unit_of_each_heads_output_is_no_router():
+    """The rule that links routing weights to their experts read a weight contracted with heads as one weight per
+    head; a head here spans four units, each gated by its own weight, so the gate's rows were linked to the heads
+    and every row linked to them (the queries' and keys') tagged an expert's units: the qk group became
+    'other general_linear'. A weight only routes where each index it is contracted along holds a head of its own."""
+    subject = symgraph.load(noisy(GatedHeads()).double(), (torch.randn(2, 7, 16, dtype=torch.float64),))
+    assert sorted(census(subject)) == ["qk orthogonal 4x4", "qk scale/nonzero 1x4"], census(subject)
+    assert_fuzzed_at_two_shapes(subject)
 
 
 class LoopExpertsWithIdentity(nn.Module):

@@ -10,7 +10,7 @@ from symgraph.errors import SpecError
 from symgraph.pattern import Pattern
 from symgraph.spec import RULES, load_specs
 
-from test_moe_layouts import tiny_dbrx
+from test_moe_layouts import EXPERT_WEIGHTS, RowStackedExperts
 
 
 def test_specs_load_and_cover_the_rules_the_engine_has():
@@ -158,9 +158,9 @@ def test_every_tag_the_rules_attach_names_a_motif():
         model = zoo.build(family)
         args, kwargs = zoo.example_inputs_for(family, model)
         seen |= set(Walker(capture(model, args, kwargs)).run().c.tags)
-    # experts stacked in one parameter's rows (DBRX) tag their units
-    dbrx_inputs = {"input_ids": torch.randint(3, 60, (1, 5)), "use_cache": False}
-    seen |= set(Walker(capture(tiny_dbrx(), (), dbrx_inputs)).run().c.tags)
+    # experts stacked in one parameter's rows (DBRX), weighed by a router: their units are tagged expert_units
+    experts = RowStackedExperts(EXPERT_WEIGHTS["router"][0])
+    seen |= set(Walker(capture(experts, (torch.randn(2, 7, 8),), {})).run().c.tags)
     assert seen == motif_tags
 
 

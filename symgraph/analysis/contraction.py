@@ -120,7 +120,8 @@ class Contraction:
             if cb.block and vb & contracted:
                 self._link_heads_to_consumers(cb, b, a, vb & contracted, set(), sizes)
                 continue
-            if vb & contracted and j in heads_at and not vb - contracted:
+            if vb & contracted and j in heads_at and not vb - contracted and \
+                    self._one_head_per_index(heads_at[j], a, vb, sizes):
                 self._weights_of_heads(cb, heads_at[j])
                 continue
             if vb & contracted:
@@ -245,13 +246,22 @@ class Contraction:
                     self.w.c.rowlinks.append((np.array([int(block_id)]), ids.numpy()[None], self.node))
         return j
 
+    @staticmethod
+    def _one_head_per_index(heads: list[Chan], a: Operand, letters: set[str], sizes) -> bool:
+        """Whether every index along ``letters`` holds a head of its own: a weight contracted there meets one
+        head's output as one number (a router's), not a head's vector of values unit by unit (o_proj's columns
+        where the values carry no coordinates, a gate per unit)."""
+        k_letters = sorted(letters)
+        return all(len(torch.unique(row)) == row.numel() and bool((row >= 0).all())
+                   for blk in heads for row in _rows_by_fiber(blk.ids, a.letters, [], k_letters, sizes)[0])
+
     def _weights_of_heads(self, chan: Chan, heads: list[Chan]) -> None:
-        """A channel that varies along the heads' letters only and is contracted with them, no values beside
-        (``einsum("ted,te->td", per_expert, routing)``: experts stacked in one parameter's rows, each output
-        weighed by its routing weight): each coordinate weighs one head's output, to which it is linked, so it
-        may move with its head and nothing else: its coordinates neither mix nor scale (a scale would have to
-        reach the head's output, which no linear map of the head's rows does alone). The heads are experts, the
-        rows linked to them each expert's units (specs/motifs.yaml)."""
+        """A channel that varies along the heads' letters only, a head of its own at each index, and is contracted
+        with them, no values beside (``einsum("ted,te->td", per_expert, routing)``: experts stacked in one
+        parameter's rows, each output weighed by its routing weight): each coordinate weighs one head's output,
+        to which it is linked, so it may move with its head and nothing else: its coordinates neither mix nor scale
+        (a scale would have to reach the head's output, which no linear map of the head's rows does alone). The
+        heads are experts, the rows linked to them each expert's units (specs/motifs.yaml)."""
         ids = torch.unique(chan.ids[chan.ids >= 0])
         self.w.c.separate(ids.reshape(-1, 1), self.node)
         self.w.c.restrict(ids, NEUTRAL, "weighs the output of one head", self.node)
