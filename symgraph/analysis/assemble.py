@@ -90,7 +90,7 @@ class Assembler:
 
     def _analyse_once(self) -> Analysis:
         role = self._rotary_roles()
-        self._pin_pieces_cut_elsewhere(role["kind"] > 0)
+        self._pin_pieces_cut_elsewhere(role["kind"] > 0, role["pair"] == 1)
         cls_pinned = self._pinned_classes()
         cls_is_head = np.zeros(self.n_cls, bool)
         cls_is_head[self.cls[self.is_block]] = True
@@ -130,24 +130,33 @@ class Assembler:
                     changed |= bool((restriction.code[live] != before).any())
         return changed
 
-    def _pin_pieces_cut_elsewhere(self, rotary: np.ndarray) -> None:
+    def _pin_pieces_cut_elsewhere(self, rotary: np.ndarray, paired: np.ndarray) -> None:
         """Pin the pieces (``self.c.pieces``) whose cuts may keep other coordinates at another input shape, where
         keeping them apart matters: ``cat([h[..., :min(n, 6)] * 2, h[..., min(n, 6):]])`` doubles units 0-4 at the
         traced length 5 and units 0-5 from length 6 on, so a permutation of units 5-11 is no symmetry. The cuts are
         compared with the graphs traced at other shapes (analysis/cuts.py) only where the pieces split coordinates
-        outside the rotary roles: rotate_half's halves (and a partial rotary's passthrough) are kept apart by those
-        roles instead, and most models would otherwise be traced three more times; pieces that all hold the same
-        coordinates (a token overwritten in place) split nothing. Each check runs once."""
+        outside the rotary pairs: rotate_half's halves are kept apart by the pairs instead, and most models would
+        otherwise be traced three more times; pieces that all hold the same coordinates (a token overwritten in
+        place) split nothing. A partial rotary's rotated and pass-through pieces are compared: a width that follows
+        the input's length pairs other coordinates there (this traces partial-rotary models at the probe shapes).
+        So are coordinates joined beside a piece without labels (``self.c.beside_unlabelled``: a rotary over all 4
+        dims at the traced length, with the other 0 dims cut off, covers 2 at a shorter one). Each check runs
+        once."""
         pending, self.c.cut_pieces = self.c.cut_pieces, []
         for k, cuts_move in pending:
             pieces, node = self.c.pieces[k]
             classes, part = _row_partition([self.cls[p] for p in pieces])
-            if len(np.unique(part[~rotary[classes]])) < 2:
-                continue  # every coordinate in every piece (a token overwritten in place), or rotary roles
-            why = cuts_move()
-            if why is not None:
-                self.c.pin(np.concatenate(pieces), f"cut apart where the cut may fall elsewhere at another input shape "
-                                                   f"({why})", node)
+            if len(np.unique(part[~rotary[classes]])) < 2 and (paired[classes].all() or len(np.unique(part)) < 2):
+                continue  # every coordinate in every piece (a token overwritten in place), or rotate_half's halves
+            self._pin_if_moved(np.concatenate(pieces), node, cuts_move)
+        pending, self.c.beside_unlabelled = self.c.beside_unlabelled, []
+        for ids, node, cuts_move in pending:
+            self._pin_if_moved(ids, node, cuts_move)
+
+    def _pin_if_moved(self, ids: np.ndarray, node: str, cuts_move) -> None:
+        why = cuts_move()
+        if why is not None:
+            self.c.pin(ids, f"cut apart where the cut may fall elsewhere at another input shape ({why})", node)
 
     def _pinned_classes(self) -> np.ndarray:
         pinned = np.zeros(self.n_cls, bool)

@@ -111,6 +111,10 @@ class Constraints:
     # (index into ``pieces``, why the cuts that made those pieces may cut elsewhere at another input shape, or
     # None): asked only where the pieces' coordinates would otherwise mix (analysis/assemble.py)
     cut_pieces: list[tuple[int, Callable[[], str | None]]] = field(default_factory=list)
+    # (ids, node, why the cuts may cut elsewhere): coordinates joined beside a piece without labels, cut empty at
+    # the traced shape (``h[..., 4:]`` of 4 units) or with its coordinates pinned (a rotary over 2 dims): at another
+    # input shape the cuts may put some of them in that piece
+    beside_unlabelled: list[tuple[np.ndarray, str, Callable[[], str | None]]] = field(default_factory=list)
     # (ids, matrix key): ids multiplied by one matrix or summed by one contraction; coordinates whose sets of keys
     # differ may not mix (see Constraints.passes_through)
     passes: list[tuple[np.ndarray, str]] = field(default_factory=list)

@@ -81,6 +81,9 @@ class IdSpace:
 class Term:
     ids: torch.Tensor
     coef: torch.Tensor | None  # None means 1
+    # which tensor each position reads (tags, the ids' shape; None: all one tensor). ``x + f(x)`` carries x's ids
+    # but is another tensor: a rotation pairing a coordinate of x with one of it is no map of one tensor
+    src: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -117,13 +120,18 @@ class Chan:
 
     def map(self, fn) -> "Chan":
         """Apply a movement op to every label and coefficient tensor."""
-        terms = tuple(Term(fn(t.ids), None if t.coef is None else fn(t.coef)) for t in self.terms)
+        terms = tuple(Term(fn(t.ids), None if t.coef is None else fn(t.coef), None if t.src is None else fn(t.src))
+                      for t in self.terms)
         return replace(self, terms=terms, factor=None if self.factor is None else fn(self.factor))
 
     def scaled(self, coef: torch.Tensor | float) -> "Chan":
         """The channel times ``coef`` as a mixed one: the coefficient (and the factor) on every term."""
-        return replace(self, terms=tuple(Term(t.ids, _times(self.coef(k), coef)) for k, t in enumerate(self.terms)),
+        return replace(self, terms=tuple(replace(t, coef=_times(self.coef(k), coef)) for k, t in enumerate(self.terms)),
                        factor=None)
+
+    def read_from(self, tag: int) -> "Chan":
+        """The channel as read from another tensor, tagged ``tag``, at every position of every term."""
+        return replace(self, terms=tuple(replace(t, src=torch.tensor(tag).expand(t.ids.shape)) for t in self.terms))
 
     def times(self, coef: torch.Tensor | float) -> "Chan":
         """A channel that is not mixed times ``coef``, the same for all its coordinates: a factor."""

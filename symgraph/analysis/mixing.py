@@ -23,10 +23,12 @@ _MAX_POSITIONS = 32
 def resolve(walker, chan: Chan, node: str) -> Chan:
     if not chan.mixed:
         return chan
-    terms = [Term(t.ids, torch.ones((), dtype=torch.float64) if t.coef is None else t.coef) for t in chan.terms]
+    one, zero = torch.ones((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    terms = [Term(t.ids, one if t.coef is None else t.coef, zero if t.src is None else t.src) for t in chan.terms]
     shape = torch.broadcast_shapes(*[t.ids.shape for t in terms], *[t.coef.shape for t in terms])
     ids = [t.ids.expand(shape) for t in terms]
     coefs = [t.coef.expand(shape).to(torch.float64) for t in terms]
+    sources = [t.src.expand(shape) for t in terms]
     chan_axes = sorted({a for i in ids for a in range(len(shape)) if i.shape[a] > 1 and i.stride(a) != 0
                         and not bool((i == i.narrow(a, 0, 1)).all())})
     base = ids[0]
@@ -40,33 +42,41 @@ def resolve(walker, chan: Chan, node: str) -> Chan:
 
     id_rows = [flat(i)[0].numpy() for i in ids]
     coef_rows = [flat(c).numpy() for c in coefs]
+    source_rows = [flat(s)[0].numpy() for s in sources]
     # Broadcast copies (GQA keys repeated per query head) repeat positions: keep each coordinate once.
     order, keep = np.unique(id_rows[0], return_index=True)
     keep = np.sort(keep)
     order = id_rows[0][keep]
     id_rows = [r[keep] for r in id_rows]
     coef_rows = [c[:, keep] for c in coef_rows]
+    source_rows = [r[keep] for r in source_rows]
     if any(set(r[r >= 0].tolist()) - set(order.tolist()) for r in id_rows):
         walker.c.pin(np.concatenate(id_rows), "mixed with coordinates of another space", node)
         return Chan.clean(base)
     position = {int(v): k for k, v in enumerate(order)}
     cols = [np.array([position.get(int(v), -1) for v in r]) for r in id_rows]
     samples = _distinct_positions(coef_rows)
-    _commutant(walker, _sparse_entries(cols, coef_rows, samples), order, node)
+    _commutant(walker, _sparse_entries(cols, coef_rows, source_rows, samples), order, node)
     return Chan.clean(base)
 
 
-def _sparse_entries(cols, coef_rows, samples) -> dict[tuple[int, int], np.ndarray]:
+def _sparse_entries(cols, coef_rows, source_rows, samples) -> dict[tuple[int, int], np.ndarray]:
     """Each term's maps M_t as {(row, col): values over the sampled positions t, term after term}; never an n x n
     array. The terms are not summed: they may read different tensors of one space (``x * m + shift(x) * (1 - m)``,
-    a token shift of some coordinates), so a transformation must commute with each term's map on its own."""
+    a token shift of some coordinates), so a transformation must commute with each term's map on its own. Nor are
+    the parts of one term that read different tensors (``stack([x0 * c, r1 * c])`` with ``r = x + f(x)``): each
+    (term, source) is a map of its own."""
+    slots: dict[tuple[int, int], int] = {}
+    for k, (col, src) in enumerate(zip(cols, source_rows)):
+        for s in np.unique(src[col >= 0]):
+            slots.setdefault((k, int(s)), len(slots))
     entries: dict[tuple[int, int], np.ndarray] = {}
     n = len(samples)
-    for k, (col, coef) in enumerate(zip(cols, coef_rows)):
+    for k, (col, coef, src) in enumerate(zip(cols, coef_rows, source_rows)):
         values = coef[samples]  # (S, P)
         for p in np.nonzero(col >= 0)[0]:
-            key = (int(p), int(col[p]))
-            entries.setdefault(key, np.zeros(n * len(cols)))[k * n:(k + 1) * n] += values[:, p]
+            key, at = (int(p), int(col[p])), slots[(k, int(src[p]))]
+            entries.setdefault(key, np.zeros(n * len(slots)))[at * n:(at + 1) * n] += values[:, p]
     return {k: v for k, v in entries.items() if np.any(np.abs(v) > 0)}
 
 

@@ -402,16 +402,21 @@ def _separate_unlike_pieces(w, node: fx.Node, spec) -> None:
     by_role = ({}, {})
     alike = len({piece_structure(w, p, by_role, roles=True) for p in pieces}) == 1
     w.c.separate_pieces(ids, node.name, (lambda: why_cuts_move(w, cuts)) if cuts else None, alike)
+    labelled = [bool((i >= 0).any()) for i in ids]
+    if any(labelled) and not all(labelled):  # beside a piece cut empty, or one whose coordinates were pinned
+        edges = coordinate_cuts_before(w, pieces, None)
+        if edges:
+            w.c.beside_unlabelled.append((torch.cat(ids).numpy(), node.name, lambda: why_cuts_move(w, edges)))
 
 
-def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[fx.Node]:
+def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor | None) -> list[fx.Node]:
     """The cuts (slice, narrow, split) on the way up from ``nodes`` through labelled values, up to the first cut on
     each path, that dropped some of ``ids`` (the coordinates of pieces kept apart): where the pieces were cut
     apart. Their bounds are Python numbers the trace baked in, which the model may compute from the input's size
     (``h[..., :min(n, 6)]``). A cut that drops none of them (the class token taken off a sequence) decides
     nothing about which coordinate lies in which piece. No path is cut short: pieces may pass through any number
-    of ops between their cut and their join."""
-    wanted = set(ids[ids >= 0].tolist())
+    of ops between their cut and their join. ``ids`` None: the cuts that dropped any coordinate."""
+    wanted = None if ids is None else set(ids[ids >= 0].tolist())
     found, seen, todo = [], set(), list(nodes)
     while todo:
         node = todo.pop()
@@ -422,8 +427,9 @@ def coordinate_cuts_before(w, nodes: list[fx.Node], ids: torch.Tensor) -> list[f
         spec = w.spec(cut) if isinstance(cut, fx.Node) else None
         if isinstance(spec, MovementSpec) and spec.cuts:
             given, kept = w.value(cut.args[0]), w.value(node)
-            if isinstance(given, Value) and isinstance(kept, Value) and \
-                    wanted & set(dropped_ids(given.chans, kept.chans).tolist()):
+            dropped = dropped_ids(given.chans, kept.chans) if isinstance(given, Value) and isinstance(kept, Value) \
+                else torch.zeros(0, dtype=torch.int64)
+            if dropped.numel() if wanted is None else wanted & set(dropped.tolist()):
                 found.append(cut)
             continue
         todo.extend(a for a in node.all_input_nodes if (v := w.value(a)) is not None and getattr(v, "chans", None))
@@ -746,20 +752,23 @@ def _move_channel(w, node: fx.Node, j: int, spec, slots: dict[int, list[int | No
     n_terms = max(len(c.terms) if c is not None else 1 for c in operands)
     block = any(c is not None and c.block for c in operands)
     mixed = any(c is not None and c.mixed for c in operands)
+    sourced = any(t.src is not None for c in operands if c is not None for t in c.terms)
     terms_out = []
     for k in range(n_terms):
         ids = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "ids"))
         coef = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "coef")) \
             if mixed else None
-        terms_out.append((ids, coef))
+        src = _replay(w, node, spec, lambda v, shape, k=k: _term_tensor(_slot(v, j, slots), k, shape, "src")) \
+            if sourced else None
+        terms_out.append((ids, coef, src))
     # factors of pieces that are not mixed, position by position (their coefficients carry them where mixed)
     factor = _replay(w, node, spec, lambda v, shape: _term_tensor(_slot(v, j, slots), 0, shape, "factor")) \
         if not mixed and any(c is not None and c.factor is not None for c in operands) else None
     if isinstance(terms_out[0][0], (list, tuple)):
         count = len(terms_out[0][0])
-        return [_factored(Chan(tuple(Term(t[0][i], None if t[1] is None else t[1][i]) for t in terms_out),
+        return [_factored(Chan(tuple(Term(*(None if x is None else x[i] for x in t)) for t in terms_out),
                                block=block), None if factor is None else factor[i]) for i in range(count)]
-    return _factored(Chan(tuple(Term(i, c) for i, c in terms_out), block=block), factor)
+    return _factored(Chan(tuple(Term(*t) for t in terms_out), block=block), factor)
 
 
 def _factored(chan: Chan, factor: torch.Tensor | None) -> Chan:
@@ -819,15 +828,17 @@ def _rank_within(coords: np.ndarray) -> np.ndarray:
 
 
 def _term_tensor(chan: Chan | None, k: int, shape, what: str) -> torch.Tensor:
-    """Term ``k``'s labels, coefficients (the factor included) or the channel's factor; where ``chan`` has no such
-    term: -1, 0, 1."""
+    """Term ``k``'s labels, coefficients (the factor included), source tags or the channel's factor; where ``chan``
+    has no such term: -1, 0, -1, 1."""
     if chan is not None and k < len(chan.terms):
         term = chan.terms[k]
         if what == "ids":
             return term.ids
+        if what == "src":
+            return torch.zeros((), dtype=torch.int64).expand(term.ids.shape) if term.src is None else term.src
         factor = torch.ones((), dtype=torch.float64) if chan.factor is None else chan.factor
         return (chan.coef(k) if what == "coef" else factor).expand(term.ids.shape)
-    if what == "ids":
+    if what in ("ids", "src"):
         return torch.full(shape, -1, dtype=torch.int64)
     return torch.full(shape, float(what == "factor"), dtype=torch.float64)
 
@@ -1525,7 +1536,8 @@ def _sum_channels(w, node, ca: Chan, cb: Chan, residual: bool) -> Chan:
         w.c.tag("residual", ca.ids)
     # a sum is no weight vector: weights multiplied in are only ever permuted, which would leave the other
     # operand's ids (tied here) free to scale
-    return replace(_same_coordinates_added(ca, cb), weight=False, uniform=False)
+    out = replace(_same_coordinates_added(ca, cb), weight=False, uniform=False)
+    return out if torch.equal(*collapse_pair(ca.ids, cb.ids)) else out.read_from(w.order_of(node) + 1)
 
 
 def _same_coordinates_added(ca: Chan, cb: Chan) -> Chan:
@@ -1540,7 +1552,7 @@ def _same_coordinates_added(ca: Chan, cb: Chan) -> Chan:
     a, b = collapse_pair(ca.coef(0), cb.coef(0))
     coef = (a + b).expand(torch.broadcast_shapes(ca.coef(0).shape, cb.coef(0).shape))
     if ca.mixed:
-        return replace(ca, terms=(Term(ca.ids, coef),), factor=None)
+        return replace(ca, terms=(replace(ca.terms[0], coef=coef),), factor=None)
     return replace(ca, factor=None).times(coef)
 
 
@@ -1574,7 +1586,7 @@ def _uniform(c: Chan) -> bool:
 
 
 def _as_mixed(c: Chan) -> tuple[Term, ...]:
-    return tuple(Term(t.ids, c.coef(k)) for k, t in enumerate(c.terms))
+    return tuple(replace(t, coef=c.coef(k)) for k, t in enumerate(c.terms))
 
 
 def _add_data(w, node, chan: Chan, other: Value, out_shape) -> bool:

@@ -449,6 +449,10 @@ class Walker:
     def resolve(self, chan: Chan, node: str) -> Chan:
         return resolve_mixed(self, chan, node)
 
+    def order_of(self, node: fx.Node) -> int:
+        """``node``'s position in the graph: a tag for the tensor it computes."""
+        return self._order[node]
+
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
