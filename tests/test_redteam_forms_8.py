@@ -97,30 +97,34 @@ def test_the_same_numbers_fixed_keep_their_groups(name):
 class RepeatedTable(nn.Module):
     """A rotary-like table ``cat([f, f])`` of positions by units, ``f = p * freq``: units ``j`` and ``j + 6`` are
     scaled alike at every length, which the graph shows (one piece repeated), so no other length is traced; but
-    units below ``doubled(n)`` are doubled in place where given."""
+    units below ``doubled(n)`` are doubled in place where given. ``repeat``: how ``f`` is repeated (interleaved
+    rotary: ``f.repeat_interleave(2, -1)``)."""
 
-    def __init__(self, doubled=None):
+    def __init__(self, doubled=None, repeat=lambda f: torch.cat([f, f], -1)):
         super().__init__()
+        self.repeat = repeat
         self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
         self.register_buffer("freq", torch.linspace(0.1, 1.0, H // 2, dtype=torch.float64), persistent=False)
         self.doubled = doubled
 
     def forward(self, x):
         f = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.freq
-        table = 1 + torch.cos(torch.cat([f, f], -1))
+        table = 1 + torch.cos(self.repeat(f))
         if self.doubled is not None:
             table[..., :self.doubled(x.shape[1])] *= 2
         return self.b(torch.relu(self.a(x)) * table)
 
 
-def test_a_table_built_alike_keeps_its_group_without_tracing_other_lengths(monkeypatch):
+@pytest.mark.parametrize("repeat", [lambda f: torch.cat([f, f], -1), lambda f: f.repeat_interleave(2, -1)],
+                         ids=["cat", "repeat_interleave"])
+def test_a_table_built_alike_keeps_its_group_without_tracing_other_lengths(monkeypatch, repeat):
     """Comparing every table of positions by units at other lengths doubled a tiny LLaMA's analysis time (its
     rotary tables): entries alike by construction are not compared."""
     from symgraph.analysis.selections import Selections
 
     traced = []
     monkeypatch.setattr(Selections, "_trace", lambda self, inputs: traced.append(inputs))
-    subject = subject_of(RepeatedTable())
+    subject = subject_of(RepeatedTable(repeat=repeat))
     assert any(g.motif == "ffn" and g.kind == "permutation" for g in subject.report.groups), census(subject)
     assert not traced
     monkeypatch.undo()

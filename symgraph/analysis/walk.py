@@ -221,10 +221,9 @@ class Walker:
         if not (flat or per_coordinate):
             return False
         pattern = _equal_entries(data, per_coordinate)
-        if not flat and len(per_coordinate) == 1:
-            built = self._built_alike(arg, next(iter(per_coordinate)))
-            if built is not None and _coarser(built, pattern):
-                return False  # alike by construction at every shape (a rotary table's cat([f, f])): no probe
+        built = self._built_alike(arg, min(per_coordinate)) if len(per_coordinate) == 1 else torch.arange(len(pattern))
+        if not flat and built is not None and _coarser(built, pattern):
+            return False  # alike where built alike at every shape (a rotary table's cat([f, f])), or all apart
         selections = selections_of(self.cap)
         if arg in selections.from_inputs or not selections.probes():
             return False  # drawn from the inputs (not baked in), or no other shape to meet
@@ -240,35 +239,38 @@ class Walker:
 
         return selections.why_differs(arg, differs) is not None
 
-    def _built_alike(self, node: fx.Node, axis: int) -> torch.Tensor | None:
+    def _built_alike(self, node: fx.Node, axis: int) -> torch.Tensor:
         """Labels of ``node``'s entries along ``axis`` (a label per entry, equal for entries whose slices along the
-        other axes are equal at every input shape, whatever the length), read from how the graph builds it: a
-        tensor attribute's entries (all told apart), ops elementwise in operands that span the axis or lack it
-        (absent or added by ``unsqueeze``), ``unsqueeze`` of another axis, and ``cat`` of one piece repeated along
-        it. ``None`` where the graph builds it otherwise (its width or pattern may follow the length)."""
+        other axes are equal at every input shape, whatever the length), read from how the graph builds it: ops
+        elementwise in operands that span the axis or lack it (absent or added by ``unsqueeze``), ``unsqueeze`` of
+        another axis, and ``cat`` of one piece repeated along it or its ``repeat_interleave`` (rotary tables). Every
+        entry has its own label where the graph builds it otherwise (its width or pattern may follow the length);
+        ``None`` for a node that holds no tensor."""
         shape = _shape(node)
-        if shape is None or not 0 <= axis < len(shape) or mutated_argument(node) is not None or _written(node):
-            return None  # a write may fall at places that follow the length
-        if node.op == "placeholder":
-            return None if node.name in self.cap.user_inputs else torch.arange(shape[axis])
-        spec = self.specs.op(str(node.target)) if node.op == "call_function" else None
+        apart = torch.arange(shape[axis]) if shape is not None and 0 <= axis < len(shape) else None
+        if apart is None or node.op != "call_function" or mutated_argument(node) is not None or _written(node):
+            return apart  # a write may fall at places that follow the length
+        spec, target = self.specs.op(str(node.target)), str(node.target)
         operands = [a for a in node.args if isinstance(a, fx.Node)]
         if spec is not None and spec.rule in _ELEMENTWISE and operands:
             spanning = [a for a in operands if not self._lacks_axis(a, axis - len(shape) + len(_shape(a) or ()))]
             labels = [self._built_alike(a, axis - len(shape) + len(_shape(a))) for a in spanning]
-            if not labels or any(x is None or len(x) != shape[axis] for x in labels):
-                return None
+            if not labels or any(x is None or len(x) != len(apart) for x in labels):
+                return apart
             return torch.unique(torch.stack(labels), dim=1, return_inverse=True)[1]
-        if str(node.target) == "aten.unsqueeze.default" and isinstance(node.args[0], fx.Node):
+        if target == "aten.unsqueeze.default" and operands:
             added = node.args[1] % len(shape)
-            return None if added == axis else self._built_alike(node.args[0], axis - (added < axis))
+            return apart if added == axis else self._built_alike(node.args[0], axis - (added < axis))
+        if target == "aten.repeat_interleave.self_int" and isinstance(node.args[1], int) and \
+                (rules.schema_arg(node, "dim") or 0) % len(shape) == axis and len(_shape(node.args[0])) == len(shape):
+            once = self._built_alike(node.args[0], axis)
+            return once.repeat_interleave(node.args[1]) if once is not None else apart
         if getattr(spec, "concatenates", False) and isinstance(node.args[0], (list, tuple)):
             pieces, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape)
-            if dim != axis or len(set(pieces)) != 1 or not isinstance(pieces[0], fx.Node):
-                return None
-            once = self._built_alike(pieces[0], axis)
-            return None if once is None else once.repeat(len(pieces))
-        return None
+            if dim == axis and len(set(pieces)) == 1 and isinstance(pieces[0], fx.Node):
+                once = self._built_alike(pieces[0], axis)
+                return once.repeat(len(pieces)) if once is not None else apart
+        return apart
 
     def _lacks_axis(self, node: fx.Node, axis: int) -> bool:
         """Whether ``node`` lacks ``axis`` (negative: broadcast in front of its first axis) at every input shape:
