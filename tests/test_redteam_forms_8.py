@@ -134,3 +134,18 @@ def test_a_table_built_alike_keeps_its_group_without_tracing_other_lengths(monke
 def test_a_table_built_alike_but_written_at_places_that_follow_the_length_is_compared_there():
     """Units 5 and 11 are alike at length 5, where units 0-4 are doubled in place, but not from length 6 on."""
     assert_fuzzed_at_two_shapes(subject_of(RepeatedTable(lambda n: min(n, 6))), samples=8)
+
+
+def test_a_float32_rotary_table_alike_only_by_rounding_keeps_its_rotary_group():
+    """With rope_theta 1e6 the cosines of a tiny LLaMA's two lowest frequencies are all 1.0 in float32 at the traced
+    positions and differ at longer lengths; the sines tell them apart everywhere. The table's data is computed in
+    double precision, as groups are checked, so comparing it at other lengths finds nothing to forget."""
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, use_cache=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    subject = symgraph.load(LlamaModel(config).eval(), (torch.randint(0, 64, (2, 5)),))
+    assert any(g.motif == "qk" and g.kind == "rotary" for g in subject.report.groups), census(subject)
+    assert_fuzzed_at_two_shapes(subject)
