@@ -139,7 +139,9 @@ def data_values(cap: Capture) -> dict[str, Any]:
     """Concrete values of every node that depends on no parameter (positions, masks, rotary tables).
 
     Nodes that read a parameter map to ``None``; so do nodes that could not be evaluated. Parameters may be meta
-    tensors: they are never touched.
+    tensors: they are never touched. Floating data is computed in double precision, the precision groups are checked
+    in: entries that differ only below float32's rounding (the cosines of a rotary table's lowest frequencies at a
+    few positions, all 1.0 in float32) are told apart, as they are by the model's function.
     """
     program = cap.program
     flat_inputs = program._graph_module_flat_inputs(cap.args, cap.kwargs)
@@ -147,10 +149,10 @@ def data_values(cap: Capture) -> dict[str, Any]:
     graph_module = program.graph_module
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, flat_inputs):
-        values[node.name] = None if node.name in cap.params else _concrete(value)
+        values[node.name] = None if node.name in cap.params else _in_double(_concrete(value))
     for node in cap.graph.nodes:
         if node.op == "get_attr":
-            values[node.name] = getattr(graph_module, node.target)
+            values[node.name] = _in_double(getattr(graph_module, node.target))
         elif node.op == "call_function":
             values[node.name] = _evaluate(node, values)
     return values
@@ -168,8 +170,8 @@ def _evaluate(node: fx.Node, values: dict[str, Any]) -> Any:
             return value
         return arg
 
-    args = fx.node.map_aggregate(node.args, load)
-    kwargs = fx.node.map_aggregate(node.kwargs, load)
+    args = fx.node.map_aggregate(node.args, lambda a: _in_double(load(a)))
+    kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _in_double(load(a)))
     if missing:
         return None
     if _is_meta_device(kwargs.get("device")):  # config-only models build positions "on the model's device"
@@ -180,6 +182,19 @@ def _evaluate(node: fx.Node, values: dict[str, Any]) -> Any:
             return _concrete(node.target(*args, **kwargs))
     except Exception:  # a data node we cannot replay stays unknown; the analysis treats unknown data as varying
         return None
+
+
+_DOUBLE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
+           torch.complex32: torch.complex128, torch.complex64: torch.complex128}
+
+
+def _in_double(value: Any) -> Any:
+    """A floating tensor or dtype in double precision (a cast to float32 inside the graph stays double)."""
+    if isinstance(value, torch.dtype):
+        return _DOUBLE.get(value, value)
+    if isinstance(value, torch.Tensor) and value.dtype in _DOUBLE:
+        return value.to(_DOUBLE[value.dtype])
+    return value
 
 
 def _is_meta_device(value) -> bool:

@@ -6,6 +6,7 @@ channel are plain data and need no rule; an op with channels but no spec pins th
 """
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -189,12 +190,12 @@ class Walker:
         """Data computed from the input's size alone that meets another operand's channel along an axis may differ
         there at another input shape, where the trace baked the size in: a window per head (``min(n, 8 + 8 h)``)
         is the same for heads whose windows both exceed the traced length, a factor per unit (``1 + (u < n)``)
-        doubles other units. Such data is compared with the graphs traced at the probe shapes where it is constant
-        along that axis, or varies along it and along no other axis (values per coordinate, not per position:
-        rotary tables vary along positions too, and are left to the rotary rules); where the probe's data is not
-        constant there, or groups the coordinates otherwise, or cannot be compared, it is forgotten (any values),
-        so the rule reads it as varying. Whether any was forgotten. ``scores``: an attention's mask meets the
-        scores, whose last axis holds the keys, not the head's width."""
+        doubles other units, and so does a table of positions by units (``1 + (u < n) * p``, a cached table cut
+        to the length). Such data is compared with the graphs traced at the probe shapes where it is constant
+        along that axis, or varies along it; where the probe's data is not constant there, or tells coordinates
+        apart that are alike at the traced shape, or cannot be compared, it is forgotten (any values), so the rule
+        reads it as varying. Whether any was forgotten. ``scores``: an attention's mask meets the scores, whose
+        last axis holds the keys, not the head's width."""
         rank = max((len(v.shape) for v in inputs if v.shape is not None), default=0)
         varying = {a + rank - c.ids.dim() for v in inputs for c in v.chans for a in chan_axes(c)} - \
             ({rank - 1} if scores else set())
@@ -208,7 +209,7 @@ class Walker:
             shift = rank - data.dim()
             met = frozenset(a for a in range(data.dim()) if data.shape[a] > 1 and a + shift in varying)
             along = varying_axes(data)
-            per_coordinate = along if along <= met and not complex_view else frozenset()
+            per_coordinate = frozenset() if complex_view else met & along
             if met and self._varies_elsewhere(arg, data, met - along, per_coordinate):
                 self.values[arg.name] = Value(shape=v.shape)
                 forgot = True
@@ -216,26 +217,76 @@ class Walker:
 
     def _varies_elsewhere(self, arg: fx.Node, data: torch.Tensor, flat: frozenset[int],
                           per_coordinate: frozenset[int]) -> bool:
-        """Whether ``data`` (of node ``arg``), constant along ``flat`` and varying along ``per_coordinate`` only,
-        is otherwise at some probe shape."""
+        """Whether ``data`` (of node ``arg``), constant along ``flat``, varies along them at some probe shape, or
+        tells entries along ``per_coordinate`` apart there that are alike at the traced shape (entries alike at the
+        traced shape only there are no harm: a rotary table's lowest frequencies at a few positions)."""
         if not (flat or per_coordinate):
             return False
+        pattern = _equal_entries(data, per_coordinate)
+        built = self._built_alike(arg, min(per_coordinate)) if len(per_coordinate) == 1 else torch.arange(len(pattern))
+        if not flat and built is not None and _coarser(built, pattern):
+            return False  # alike where built alike at every shape (a rotary table's cat([f, f])), or all apart
         selections = selections_of(self.cap)
         if arg in selections.from_inputs or not selections.probes():
             return False  # drawn from the inputs (not baked in), or no other shape to meet
-        pattern = _equal_entries(data, per_coordinate)
 
         def differs(other: fx.Node, probe) -> str | None:
             there = probe.values.get(other.name)
             if not isinstance(there, torch.Tensor) or there.dim() != data.dim() or varying_axes(there) & flat:
                 return "it varies along an axis it is constant along at the traced shape"
             if per_coordinate and (any(there.shape[a] != data.shape[a] for a in per_coordinate) or
-                                   varying_axes(there) - per_coordinate or
-                                   not torch.equal(_equal_entries(there, per_coordinate), pattern)):
+                                   not _coarser(_equal_entries(there, per_coordinate), pattern)):
                 return "it tells other coordinates apart than at the traced shape"
             return None
 
         return selections.why_differs(arg, differs) is not None
+
+    def _built_alike(self, node: fx.Node, axis: int) -> torch.Tensor:
+        """Labels of ``node``'s entries along ``axis`` (a label per entry, equal for entries whose slices along the
+        other axes are equal at every input shape, whatever the length), read from how the graph builds it: ops
+        elementwise in operands that span the axis or lack it (absent or added by ``unsqueeze``), ``unsqueeze`` of
+        another axis, and ``cat`` of one piece repeated along it or its ``repeat_interleave`` (rotary tables). Every
+        entry has its own label where the graph builds it otherwise (its width or pattern may follow the length);
+        ``None`` for a node that holds no tensor."""
+        shape = _shape(node)
+        apart = torch.arange(shape[axis]) if shape is not None and 0 <= axis < len(shape) else None
+        if apart is None or node.op != "call_function" or mutated_argument(node) is not None or _written(node):
+            return apart  # a write may fall at places that follow the length
+        spec, target = self.specs.op(str(node.target)), str(node.target)
+        operands = [a for a in node.args if isinstance(a, fx.Node)]
+        if spec is not None and spec.rule in _ELEMENTWISE and operands:
+            spanning = [a for a in operands if not self._lacks_axis(a, axis - len(shape) + len(_shape(a) or ()))]
+            labels = [self._built_alike(a, axis - len(shape) + len(_shape(a))) for a in spanning]
+            if not labels or any(x is None or len(x) != len(apart) for x in labels):
+                return apart
+            return torch.unique(torch.stack(labels), dim=1, return_inverse=True)[1]
+        if target == "aten.unsqueeze.default" and operands:
+            added = node.args[1] % len(shape)
+            return apart if added == axis else self._built_alike(node.args[0], axis - (added < axis))
+        if target == "aten.repeat_interleave.self_int" and isinstance(node.args[1], int) and \
+                (rules.schema_arg(node, "dim") or 0) % len(shape) == axis and len(_shape(node.args[0])) == len(shape):
+            once = self._built_alike(node.args[0], axis)
+            return once.repeat_interleave(node.args[1]) if once is not None else apart
+        if getattr(spec, "concatenates", False) and isinstance(node.args[0], (list, tuple)):
+            pieces, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+            if dim == axis and len(set(pieces)) == 1 and isinstance(pieces[0], fx.Node):
+                once = self._built_alike(pieces[0], axis)
+                return once.repeat(len(pieces)) if once is not None else apart
+        return apart
+
+    def _lacks_axis(self, node: fx.Node, axis: int) -> bool:
+        """Whether ``node`` lacks ``axis`` (negative: broadcast in front of its first axis) at every input shape:
+        absent, added by ``unsqueeze``, or elementwise in operands that lack it."""
+        if axis < 0:
+            return True
+        if str(node.target) == "aten.unsqueeze.default" and isinstance(node.args[0], fx.Node):
+            added = node.args[1] % len(_shape(node))
+            return added == axis or self._lacks_axis(node.args[0], axis - (added < axis))
+        spec = self.specs.op(str(node.target)) if node.op == "call_function" else None
+        operands = [a for a in node.args if isinstance(a, fx.Node)]
+        rank = len(_shape(node) or ())
+        return spec is not None and spec.rule in _ELEMENTWISE and bool(operands) and \
+            all(self._lacks_axis(a, axis - rank + len(_shape(a) or ())) for a in operands)
 
     def _data_node(self, node: fx.Node, inputs: list[Value]):
         if any(v.data is None and not v.invariant for v in inputs if isinstance(v, Value)):
@@ -579,16 +630,24 @@ _BROADCASTS_DATA = _ELEMENTWISE | {"where", "attention"}  # data meets channels 
 
 
 def _equal_entries(data: torch.Tensor, axes: frozenset[int]) -> torch.Tensor:
-    """Which entries of ``data`` along ``axes`` are equal (constant along every other axis): each entry's rank
-    among the distinct values in order of first appearance, so two tensors that group the entries alike agree."""
-    flat = data
-    for a in range(data.dim()):
-        if a not in axes:
-            flat = flat.narrow(a, 0, 1)
-    rows = torch.view_as_real(flat) if flat.is_complex() else flat.unsqueeze(-1)
-    _, inverse = torch.unique(rows.reshape(-1, rows.shape[-1]), dim=0, return_inverse=True)
-    first = {}
-    return torch.tensor([first.setdefault(int(i), len(first)) for i in inverse])
+    """Which entries of ``data`` along ``axes`` are equal (each entry the slice along every other axis): a label
+    per entry, equal for equal entries."""
+    rest = [a for a in range(data.dim()) if a not in axes]
+    rows = data.permute(*sorted(axes), *rest)
+    rows = torch.view_as_real(rows) if rows.is_complex() else rows
+    _, inverse = torch.unique(rows.reshape(math.prod(data.shape[a] for a in axes), -1), dim=0, return_inverse=True)
+    return inverse
+
+
+def _written(node: fx.Node) -> bool:
+    """Whether an in-place op writes into ``node``'s tensor, directly or through views of it."""
+    return any(mutated_argument(u) is node or (aliases_input(u) and u.args and u.args[0] is node and _written(u))
+               for u in node.users)
+
+
+def _coarser(there: torch.Tensor, here: torch.Tensor) -> bool:
+    """Whether labels ``there`` are equal wherever labels ``here`` are (per entry, as :func:`_equal_entries`)."""
+    return len(torch.unique(torch.stack([here, there]), dim=1)[0]) == len(torch.unique(here))
 
 
 def _elementwise_follows(node: fx.Node, inputs: list) -> torch.Tensor | None:
