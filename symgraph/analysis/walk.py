@@ -54,7 +54,7 @@ class Walker:
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
         self._cut_moves: dict[fx.Node, bool] = {}  # cut -> whether it keeps other labels at another probe shape
-        self.origins: dict = {}  # the origins of each trace's nodes, for every cut asked about (analysis/cuts.py)
+        self.origins: dict = {}  # ids asked about -> each trace's origins, for every cut asked (analysis/cuts.py)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
@@ -423,9 +423,10 @@ class Walker:
             rank = len(_shape(node.args[0]))
             dim = rules.schema_arg(node, "dim", 0) % rank
             # dropped coordinates laid out along the cut axis (a channel beside unlabelled positions, tokens, is
-            # checked at the cut; rows of a register token's columns dropped whole are no coordinates cut apart)
+            # checked at the cut; rows of a register token's columns dropped whole are no coordinates cut apart),
+            # and only their channels asked: table[:n][:, :2] keeps other rows at another length, the same columns
             held = [c for c in chans if not beside_unlabelled(c, dim, rank) and _laid_out_along(c, gone, dim, rank)]
-            if held and self._cut_moves_elsewhere(node, chans):
+            if held and why_cut_moves(self, node, held, own_axes=True) is not None:
                 for t in (t for c in held for t in c.terms):
                     self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
                                node.name)
