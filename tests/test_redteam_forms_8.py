@@ -49,6 +49,7 @@ MOVING = {
     "units from min(n, 6) on zeroed in place": lambda: Units(_zeroed_in_place(lambda n: min(n, 6))),
     "units cut at min(n, 6), padded back": lambda: Units(_padded(lambda n: min(n, 6))),
     "units cut at min(n, 6), joined with zeros": lambda: Units(_beside_zeros(lambda n: min(n, 6))),
+    "one unit cut at min(n + 6, 12), padded back": lambda: Units(_padded(lambda n: min(n + 6, H))),
 }
 
 
@@ -59,9 +60,10 @@ def test_numbers_that_follow_the_length_keep_no_group_they_break(name):
     next layer the length picks (0.53); units zeroed in place by fill_, an op no spec described, kept their labels,
     and a permutation of units 0-4 was kept where units 3-4 are zeroed at length 3 (0.15); units cut away
     at a bound that follows the length and never read again (padded back, joined with zeros) were free to move, and
-    unit 5 is read from length 6 on (0.20)."""
+    unit 5 is read from length 6 on (0.20); where the cut dropped one unit only (unit 11 at length 5), units 0-10
+    were permuted, and units 9-10 are cut away at length 3."""
     subject = subject_of(MOVING[name]())
-    assert not any(g.size in (5, 7, 8, 12) for g in subject.report.groups), census(subject)
+    assert not any(g.size in (5, 7, 8, 11, 12) for g in subject.report.groups), census(subject)
     assert_fuzzed_at_two_shapes(subject, samples=8)
 
 
@@ -71,6 +73,7 @@ FIXED = {
     "units from 6 on zeroed in place": (lambda: Units(_zeroed_in_place(lambda n: 6)), 6),
     "units cut at 6, padded back": (lambda: Units(_padded(lambda n: 6)), 6),
     "units cut at 6, joined with zeros": (lambda: Units(_beside_zeros(lambda n: 6)), 6),
+    "one unit cut at 11, padded back": (lambda: Units(_padded(lambda n: 11)), 11),
 }
 
 

@@ -25,7 +25,7 @@ from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .cuts import beside_unlabelled, why_cut_moves
 from .experts import BranchReads
-from .labels import (NO_ID, Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
+from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
                      param_channels, varying_axes)
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets, held_at_other_shapes
@@ -422,9 +422,9 @@ class Walker:
                 continue
             rank = len(_shape(node.args[0]))
             dim = rules.schema_arg(node, "dim", 0) % rank
-            # dropped coordinates laid out along the cut axis (a channel beside unlabelled positions, tokens, is
-            # checked at the cut; rows of a register token's columns dropped whole are no coordinates cut apart),
-            # and only their channels asked: table[:n][:, :2] keeps other rows at another length, the same columns
+            # dropped coordinates in a channel laid out along the cut axis, one is enough (h[..., :min(n + 6, 12)]
+            # drops unit 11 alone at length 5); a channel beside unlabelled positions, tokens, is checked at the cut;
+            # only their channels asked: table[:n][:, :2] keeps other rows at another length, the same columns
             held = [c for c in chans if not beside_unlabelled(c, dim, rank) and _laid_out_along(c, gone, dim, rank)]
             if held and why_cut_moves(self, node, held, own_axes=True) is not None:
                 for t in (t for c in held for t in c.terms):
@@ -501,11 +501,10 @@ class Walker:
 
 
 def _laid_out_along(chan: Chan, ids: np.ndarray, axis: int, rank: int) -> bool:
-    """Whether ``chan`` (of a tensor of ``rank`` axes) holds more than one of ``ids`` along ``axis``."""
+    """Whether ``chan`` (of a tensor of ``rank`` axes) holds one of ``ids`` in a term laid out along ``axis``."""
     for t in chan.terms:
         small = collapse(t.ids)
-        held = torch.where(torch.as_tensor(np.isin(small.numpy(), ids)), small, NO_ID)
-        if axis - rank + t.ids.dim() in labelled_axes(held):
+        if axis - rank + t.ids.dim() in labelled_axes(small) and np.isin(small.numpy(), ids).any():
             return True
     return False
 
