@@ -53,7 +53,7 @@ class Walker:
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
-        self._cut_moves: dict[fx.Node, bool] = {}  # cut -> whether it keeps other labels at another probe shape
+        self._cut_moves: dict[tuple, bool] = {}  # cut, channels -> whether it keeps other labels at another shape
         self.origins: dict = {}  # ids asked about -> each trace's origins, for every cut asked (analysis/cuts.py)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
@@ -397,15 +397,19 @@ class Walker:
         """Whether a cut that dropped some of ``unread`` may keep other labels at another input shape. A cut that
         keeps the same ones at every probe shape (a fixed slice of a weight: LongCat-Flash's experts read the first
         entries of a parameter that also holds its identity experts') leaves what it keeps free. Asked only where a
-        cut left coordinates unread: the probe traces it may need cost a capture per shape."""
+        cut left coordinates unread: the probe traces it may need cost a capture per shape. Only the channels
+        holding them are asked: ``table[:n, :8]`` keeps other rows at another length, the same columns."""
         unread = set(unread.tolist())
-        return any(dropped & unread and self._cut_moves_elsewhere(node, chans) for node, chans, dropped in self._cuts)
+        return any(dropped & unread and self._cut_moves_elsewhere(node, _holding(chans, dropped & unread))
+                   for node, chans, dropped in self._cuts)
 
     def _cut_moves_elsewhere(self, node: fx.Node, chans: list[Chan]) -> bool:
-        """Whether cut ``node`` of channels ``chans`` keeps other labels at another input shape (asked once)."""
-        if node not in self._cut_moves:
-            self._cut_moves[node] = why_cut_moves(self, node, chans) is not None
-        return self._cut_moves[node]
+        """Whether cut ``node`` keeps other labels of ``chans`` (channels of its input) at another input shape,
+        its positions told apart along their axes only (asked once)."""
+        key = (node, tuple(map(id, chans)))  # the channels live in self._cuts: their ids are not reused
+        if key not in self._cut_moves:
+            self._cut_moves[key] = why_cut_moves(self, node, chans, own_axes=True) is not None
+        return self._cut_moves[key]
 
     def _pin_dropped_for_good(self) -> None:
         """Pin the coordinates of a tensor that its cuts drop for good (none of its users keeps them) where a cut
@@ -423,10 +427,9 @@ class Walker:
             rank = len(_shape(node.args[0]))
             dim = rules.schema_arg(node, "dim", 0) % rank
             # dropped coordinates in a channel laid out along the cut axis, one is enough (h[..., :min(n + 6, 12)]
-            # drops unit 11 alone at length 5); a channel beside unlabelled positions, tokens, is checked at the cut;
-            # only their channels asked: table[:n][:, :2] keeps other rows at another length, the same columns
+            # drops unit 11 alone at length 5); a channel beside unlabelled positions, tokens, is checked at the cut
             held = [c for c in chans if not beside_unlabelled(c, dim, rank) and _laid_out_along(c, gone, dim, rank)]
-            if held and why_cut_moves(self, node, held, own_axes=True) is not None:
+            if held and self._cut_moves_elsewhere(node, held):
                 for t in (t for c in held for t in c.terms):
                     self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
                                node.name)
@@ -498,6 +501,12 @@ class Walker:
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
+
+
+def _holding(chans: list[Chan], ids: set[int]) -> list[Chan]:
+    """The channels of ``chans`` that carry one of ``ids``."""
+    wanted = np.array(sorted(ids), dtype=np.int64)
+    return [c for c in chans if any(np.isin(collapse(t.ids).numpy(), wanted).any() for t in c.terms)]
 
 
 def _laid_out_along(chan: Chan, ids: np.ndarray, axis: int, rank: int) -> bool:
