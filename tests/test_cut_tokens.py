@@ -100,6 +100,65 @@ def test_rows_a_slice_by_length_keeps_are_pinned_with_those_it_cuts():
     assert_fuzzed_at_two_shapes(subject)
 
 
+class TableHalvesCutByLength(TableCutByLength):
+    """Per-position scales and shifts of the hidden units in one table, ``table[:n, :8]`` and ``table[:n, 8:]``:
+    its rows follow the length, and each half's columns are the hidden units', read whole at every length."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        n = x.shape[1]
+        return self.head(torch.relu(self.up(x) * self.table[:n, :8] + self.table[:n, 8:]).mean(1))
+
+
+def test_columns_a_cut_drops_for_good_below_rows_cut_by_length_move_with_their_units():
+    # the cut of each half drops the other half's columns from its tensor for good; asked whether it keeps other
+    # labels at another length, it was compared with the rows too (another length keeps other rows) and pinned
+    # the columns, and with them the hidden units
+    subject = symgraph.load(noisy(TableHalvesCutByLength()), (torch.randn(2, 5, 4),))
+    (ffn,) = [g for g in subject.report.groups if g.motif == "ffn" and g.kind == "permutation"]
+    assert ffn.size == 8 and {("up.weight", 0), ("table", 1)} <= {(m.param, m.axis) for m in ffn.members}
+    assert not any(m.param == "table" and m.axis == 0 for g in subject.report.groups for m in g.members)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class TableHalfCutByLength(TableHalvesCutByLength):
+    """Only the scales, ``table[:n, :8]``: columns 8.. are never read."""
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x) * self.table[:x.shape[1], :8]).mean(1))
+
+
+def test_columns_a_cut_keeps_below_rows_cut_by_length_move_with_their_units():
+    # columns 8.. are pinned, unread; the columns the cut keeps were pinned with them, as if another length could
+    # cut them: the cut keeps other rows there, never other columns
+    subject = symgraph.load(noisy(TableHalfCutByLength()), (torch.randn(2, 5, 4),))
+    (ffn,) = [g for g in subject.report.groups if g.motif == "ffn" and g.kind == "permutation"]
+    assert ffn.size == 8 and {("up.weight", 0), ("table", 1)} <= {(m.param, m.axis) for m in ffn.members}
+    assert not any(m.param == "table" and m.axis == 0 for g in subject.report.groups for m in g.members)
+    assert_fuzzed_at_two_shapes(subject)
+
+
+class TableHalfUnitsCutByLength(TableHalvesCutByLength):
+    """The units scaled by ``table[:n, :8]``, then cut at ``min(n + 2, 8)`` and padded back: unit 7 is dropped at
+    length 5 and read from length 6 on, units 5-6 are dropped at length 3."""
+
+    def forward(self, x):
+        n = x.shape[1]
+        h = torch.relu(self.up(x)) * self.table[:n, :8]
+        return self.head(nn.functional.pad(h[..., :min(n + 2, 8)], (0, 8 - min(n + 2, 8))).mean(1))
+
+
+def test_units_a_cut_by_length_drops_stay_where_they_are_beside_a_table():
+    # the cut drops unit 7 of h, which the product reads: with the table's columns no longer pinned with its rows,
+    # only the check of coordinates dropped for good sees it, which skipped a cut dropping one coordinate
+    subject = symgraph.load(noisy(TableHalfUnitsCutByLength()), (torch.randn(2, 5, 4),))
+    assert not any(g.size == 7 for g in subject.report.groups)
+    assert_fuzzed_at_two_shapes(subject)
+
+
 class TableCutFixed(TableCutByLength):
     """``table[:6]`` at any length: rows 6.. are never read, and rows 0..5 may be permuted (LongCat-Flash's experts
     read the first entries of a parameter that also holds its identity experts' unused ones)."""

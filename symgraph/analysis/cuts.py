@@ -54,10 +54,13 @@ def beside_unlabelled(chan: Chan, axis: int, rank: int) -> bool:
                for t in chan.terms)
 
 
-def why_cut_moves(w, node: fx.Node, chans: list[Chan]) -> str | None:
+def why_cut_moves(w, node: fx.Node, chans: list[Chan], own_axes: bool = False) -> str | None:
     """None when movement op ``node`` keeps the same labels of ``chans`` (channels of its first operand) in the
-    graph traced at every probe shape and at the shortest lengths; otherwise the reason."""
-    return _why_positions_move(w, node, chans, _Lookup.kept, "it keeps other labelled positions")
+    graph traced at every probe shape and at the shortest lengths; otherwise the reason. ``own_axes``: positions
+    are told apart only along the axes the labels of ``chans`` vary along, not those of the operand's other
+    channels (``table[:n][:, :2]`` asked about the table's columns keeps the same ones at every length, though
+    rows the traced shape does not have)."""
+    return _why_positions_move(w, node, chans, _Lookup.kept, "it keeps other labelled positions", own_axes=own_axes)
 
 
 def why_regroup_moves(w, node: fx.Node, chans: list[Chan], outer: int, inner: tuple[int, ...]) -> str | None:
@@ -83,11 +86,14 @@ def _same_arrangement(a: tuple, b: tuple) -> bool:
     return len(sizes_a) == len(sizes_b) and rows(rows_a) == rows(rows_b)
 
 
-def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, same=operator.eq) -> str | None:
+def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, same=operator.eq,
+                        own_axes: bool = False) -> str | None:
     """None when ``seen(lookup, origins)`` (what ``node`` does with the labels of one term) is the same (``same``)
     in every probe trace as in the traced graph; otherwise the reason (``change`` when it differs)."""
-    offsets = w.origins.setdefault("offsets", {})
-    traced = w.origins.get(None) or w.origins.setdefault(None, _Origins(w, w.data, lambda n: n, offsets))
+    asked = _ids_of(chans) if own_axes else None
+    cache = w.origins.setdefault(asked, {})  # origins told apart along the axes of the ids asked about (None: all)
+    offsets = cache.setdefault("offsets", {})
+    traced = cache.get(None) or cache.setdefault(None, _Origins(w, w.data, lambda n: n, offsets, asked))
     source, kept = traced.of(moved_operands(node)[0]), traced.of(node)
     if source is None or kept is None:
         return "the positions it keeps cannot be replayed"
@@ -98,10 +104,10 @@ def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, 
     selections = selections_of(w.cap)
 
     def differs(other: fx.Node, probe: Trace) -> str | None:
-        if id(probe) not in w.origins:  # the probe kept with its origins, so that its id is not reused
-            w.origins[id(probe)] = probe, _Origins(w, probe.values, lambda n: selections.traced.by_key.get(
-                probe.key_of[n]), offsets)
-        origins = w.origins[id(probe)][1]
+        if id(probe) not in cache:  # the probe kept with its origins, so that its id is not reused
+            cache[id(probe)] = probe, _Origins(w, probe.values, lambda n: selections.traced.by_key.get(
+                probe.key_of[n]), offsets, asked)
+        origins = cache[id(probe)][1]
         found = origins.of(other)
         if found is None:
             return "the positions it keeps cannot be replayed"
@@ -113,6 +119,10 @@ def _why_positions_move(w, node: fx.Node, chans: list[Chan], seen, change: str, 
         return None
 
     return selections.why_differs(node, differs, shortest=True)
+
+
+def _ids_of(chans: list[Chan]) -> frozenset[int]:
+    return frozenset(i for c in chans for t in c.terms for i in collapse(t.ids).reshape(-1).tolist() if i != NO_ID)
 
 
 class _Lookup:
@@ -166,10 +176,12 @@ class _Origins:
     other node is a source whose elements are told apart along the axes its labels vary along at the traced shape
     (``traced_of`` maps a node to its counterpart in the traced graph; ``offsets``, the first origin of each source
     by its traced name, each combination of origins an op that keeps positions in place meets, and the next free
-    one under ``""``, is shared by the traces, so the same source gets the same origins in all of them)."""
+    one under ``""``, is shared by the traces, so the same source gets the same origins in all of them; ``asked``:
+    the ids whose labels alone tell elements apart where a node carries some, None: all)."""
 
-    def __init__(self, w, data: dict, traced_of, offsets: dict):
+    def __init__(self, w, data: dict, traced_of, offsets: dict, asked: frozenset[int] | None = None):
         self.w, self.data, self.traced_of, self.offsets = w, data, traced_of, offsets
+        self.asked = None if asked is None else torch.tensor(sorted(asked), dtype=torch.int64)
         self.done: dict[fx.Node, object] = {}
 
     def of(self, node: fx.Node):
@@ -187,7 +199,10 @@ class _Origins:
         value = self.w.value(traced) if traced is not None else None
         if not isinstance(value, Value) or value.shape is None:
             return []
-        return sorted({a for c in value.chans for t in c.terms for a in varying_axes(t.ids.expand(value.shape))})
+        terms = [t for c in value.chans for t in c.terms]
+        if self.asked is not None:  # a node with none of them (read by an op followed in place): all its labels
+            terms = [t for t in terms if bool(torch.isin(collapse(t.ids), self.asked).any())] or terms
+        return sorted({a for t in terms for a in varying_axes(t.ids.expand(value.shape))})
 
     def _moves(self, node: fx.Node) -> bool:
         if node.op != "call_function":

@@ -26,7 +26,7 @@ from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .cuts import beside_unlabelled, why_cut_moves
 from .experts import BranchReads
-from .labels import (NO_ID, Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
+from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
                      param_channels, varying_axes)
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets, held_at_other_shapes
@@ -54,8 +54,8 @@ class Walker:
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
-        self._cut_moves: dict[fx.Node, bool] = {}  # cut -> whether it keeps other labels at another probe shape
-        self.origins: dict = {}  # the origins of each trace's nodes, for every cut asked about (analysis/cuts.py)
+        self._cut_moves: dict[tuple, bool] = {}  # cut, channels -> whether it keeps other labels at another shape
+        self.origins: dict = {}  # ids asked about -> each trace's origins, for every cut asked (analysis/cuts.py)
         self._order = {n: i for i, n in enumerate(cap.graph.nodes)}
         self._last_write: dict[fx.Node, int] = {}  # fresh tensor -> position of its latest in-place write
         self._writes: dict[fx.Node, list[tuple[fx.Node, Write]]] = {}  # fresh tensor -> its writes so far
@@ -448,15 +448,19 @@ class Walker:
         """Whether a cut that dropped some of ``unread`` may keep other labels at another input shape. A cut that
         keeps the same ones at every probe shape (a fixed slice of a weight: LongCat-Flash's experts read the first
         entries of a parameter that also holds its identity experts') leaves what it keeps free. Asked only where a
-        cut left coordinates unread: the probe traces it may need cost a capture per shape."""
+        cut left coordinates unread: the probe traces it may need cost a capture per shape. Only the channels
+        holding them are asked: ``table[:n, :8]`` keeps other rows at another length, the same columns."""
         unread = set(unread.tolist())
-        return any(dropped & unread and self._cut_moves_elsewhere(node, chans) for node, chans, dropped in self._cuts)
+        return any(dropped & unread and self._cut_moves_elsewhere(node, _holding(chans, dropped & unread))
+                   for node, chans, dropped in self._cuts)
 
     def _cut_moves_elsewhere(self, node: fx.Node, chans: list[Chan]) -> bool:
-        """Whether cut ``node`` of channels ``chans`` keeps other labels at another input shape (asked once)."""
-        if node not in self._cut_moves:
-            self._cut_moves[node] = why_cut_moves(self, node, chans) is not None
-        return self._cut_moves[node]
+        """Whether cut ``node`` keeps other labels of ``chans`` (channels of its input) at another input shape,
+        its positions told apart along their axes only (asked once)."""
+        key = (node, tuple(map(id, chans)))  # the channels live in self._cuts: their ids are not reused
+        if key not in self._cut_moves:
+            self._cut_moves[key] = why_cut_moves(self, node, chans, own_axes=True) is not None
+        return self._cut_moves[key]
 
     def _pin_dropped_for_good(self) -> None:
         """Pin the coordinates of a tensor that its cuts drop for good (none of its users keeps them) where a cut
@@ -473,10 +477,10 @@ class Walker:
                 continue
             rank = len(_shape(node.args[0]))
             dim = rules.schema_arg(node, "dim", 0) % rank
-            # dropped coordinates laid out along the cut axis (a channel beside unlabelled positions, tokens, is
-            # checked at the cut; rows of a register token's columns dropped whole are no coordinates cut apart)
+            # dropped coordinates in a channel laid out along the cut axis, one is enough (h[..., :min(n + 6, 12)]
+            # drops unit 11 alone at length 5); a channel beside unlabelled positions, tokens, is checked at the cut
             held = [c for c in chans if not beside_unlabelled(c, dim, rank) and _laid_out_along(c, gone, dim, rank)]
-            if held and self._cut_moves_elsewhere(node, chans):
+            if held and self._cut_moves_elsewhere(node, held):
                 for t in (t for c in held for t in c.terms):
                     self.c.pin(t.ids, "cut away by a cut that may keep other coordinates at another input shape",
                                node.name)
@@ -550,12 +554,17 @@ class Walker:
 
 
 
+def _holding(chans: list[Chan], ids: set[int]) -> list[Chan]:
+    """The channels of ``chans`` that carry one of ``ids``."""
+    wanted = np.array(sorted(ids), dtype=np.int64)
+    return [c for c in chans if any(np.isin(collapse(t.ids).numpy(), wanted).any() for t in c.terms)]
+
+
 def _laid_out_along(chan: Chan, ids: np.ndarray, axis: int, rank: int) -> bool:
-    """Whether ``chan`` (of a tensor of ``rank`` axes) holds more than one of ``ids`` along ``axis``."""
+    """Whether ``chan`` (of a tensor of ``rank`` axes) holds one of ``ids`` in a term laid out along ``axis``."""
     for t in chan.terms:
         small = collapse(t.ids)
-        held = torch.where(torch.as_tensor(np.isin(small.numpy(), ids)), small, NO_ID)
-        if axis - rank + t.ids.dim() in labelled_axes(held):
+        if axis - rank + t.ids.dim() in labelled_axes(small) and np.isin(small.numpy(), ids).any():
             return True
     return False
 
