@@ -94,3 +94,45 @@ def test_a_cut_leaves_no_empty_channels_behind():
     subject = symgraph.load(model, (torch.randn(2, 5, 3, dtype=torch.float64),))
     assert census(subject)["residual permutation 8x1"] == 1, census(subject)
     assert_fuzzed_at_two_shapes(subject)
+
+
+class Vit(nn.Module):
+    """timm's layout: a class token and two registers joined in front of the patches by one cat, a pre-LN block
+    with ``attention`` (nn.MultiheadAttention, or written out), a final norm, a head reading ``pool``."""
+
+    def __init__(self, attention: str, pool: str):
+        super().__init__()
+        self.attention, self.pool = attention, pool
+        self.embed = nn.Linear(3, D)
+        self.cls, self.registers = nn.Parameter(torch.randn(1, 1, D)), nn.Parameter(torch.randn(1, 2, D))
+        self.ln1, self.ln2, self.lnf = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
+        self.mha = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.up, self.down, self.head = nn.Linear(D, 16), nn.Linear(16, D), nn.Linear(D, 2)
+
+    def attend(self, a):
+        if self.attention == "nn.MultiheadAttention":
+            return self.mha(a, a, a, need_weights=False)[0]
+        b, n, _ = a.shape
+        q, k, v = (f(a).view(b, n, 2, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        return self.o((torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v).transpose(1, 2).reshape(b, n, D))
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = torch.cat([self.cls.expand(len(h), -1, -1), self.registers.expand(len(h), -1, -1), h], 1)
+        h = h + self.attend(self.ln1(h))
+        h = h + self.down(torch.relu(self.up(self.ln2(h))))
+        h = self.lnf(h)
+        return self.head(h[:, 0] if self.pool == "class token" else h.mean(1))
+
+
+@pytest.mark.parametrize("attention, pool", [("nn.MultiheadAttention", "mean")])
+def test_vit_with_registers_keeps_the_residual_stream(attention, pool):
+    """A norm gave the class token's, the registers' and the patches' coordinates new ids from one range, so the
+    registers' (two rows) and the patches' (five) repeating differently along the sequence read, at
+    MultiheadAttention's transpose, as a cut off a flattened channel: the stream was pinned."""
+    torch.manual_seed(0)
+    model = noisy(Vit(attention, pool)).double().eval()
+    subject = symgraph.load(model, (torch.randn(2, 5, 3, dtype=torch.float64),))
+    assert census(subject)["residual permutation 8x1"] == 1, census(subject)
+    assert_fuzzed_at_two_shapes(subject)

@@ -1868,10 +1868,23 @@ def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
     a, b = collapse_pair(ca.ids, cb.ids)  # labels repeat over batch and sequence: label the distinct ones
     pairs = torch.stack([a.reshape(-1), b.reshape(-1)], 1)
     uniq, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-    fresh = w.ids.allocate(len(uniq))
+    fresh = _fresh_per_range(w, uniq)
     valid = (pairs >= 0).all(1)
     labels = torch.where(valid, fresh[inverse], torch.full_like(inverse, -1))
     return Chan.clean(labels.reshape(a.shape).expand(full_shape))
+
+
+def _fresh_per_range(w, pairs: torch.Tensor) -> torch.Tensor:
+    """One new id per row of ``pairs``, from a new range per pair of the factors' ranges: coordinates of spaces
+    kept apart stay apart (:func:`_reorders` tells them apart by range: a class token, register tokens and patch
+    rows normalised together repeat along the sequence unlike one another, yet no cut split any of them)."""
+    key = torch.from_numpy(w.ids.range_index(pairs.clamp(min=0).numpy()))
+    key[(pairs < 0).any(1)] = -1
+    keys, which = torch.unique(key, dim=0, return_inverse=True)
+    fresh = torch.empty(len(pairs), dtype=torch.int64)
+    for k in range(len(keys)):
+        fresh[which == k] = w.ids.allocate(int((which == k).sum()))
+    return fresh
 
 
 def _ids_of(chan: Chan):
