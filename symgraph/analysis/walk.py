@@ -322,22 +322,40 @@ class Walker:
         if updated is None:
             self._unsafe_write(node, [value])
             return
-        self._separate_unlike_write(node, write, base, value)
         writes = self._writes.setdefault(write.base, [])
         writes.append((node, write))
+        self._separate_unlike_write(node, write, base, value, writes)
         self._pin_shifted(writes, base)
         self.values[write.base.name] = updated
         self._last_write[write.base] = self._order[node]
 
-    def _separate_unlike_write(self, node: fx.Node, write: Write, base: Value, value: Value) -> None:
+    def _separate_unlike_write(self, node: fx.Node, write: Write, base: Value, value: Value,
+                               writes: list[tuple[fx.Node, Write]]) -> None:
         """Keep what ``node`` writes apart from what the base holds elsewhere when other ops computed it
         (``z[..., :6] = shift(z)[..., :6]``), as a concatenation's pieces are; writes computed alike (heads
-        attended one by one into a buffer of zeros) stay together."""
+        attended one by one into a buffer of zeros) stay together. Where the pieces were cut apart (the written
+        view, the cuts its value came through) or where ``writes`` (those into the base so far) land may follow
+        the input's length (``z[..., :min(n, 6)] = h[..., :min(n, 6)]``): checked as a concatenation's cuts are.
+        So are coordinates written along an axis the write cuts beside places without labels (``ones[...,
+        min(n, 6):] = h[..., min(n, 6):]``) or beside writes computed alike (``z[..., :m] = h[..., 12 - m:]; z[...,
+        m:] = h[..., :12 - m]``, a roll by ``m``), though not kept apart from them."""
         held = self._held.setdefault(write.base, {rules.piece_structure(self, write.base, self._structures)}
                                      if base.chans else set())
         written = rules.piece_structure(self, node, self._structures)
+        shape = _shape(write.base)
+        split, across = (pieces(base, shape, value, write.positions, across) for across in (False, True))
+
+        def moves(ids: torch.Tensor | None) -> str | None:
+            cuts = rules.coordinate_cuts_before(self, node.all_input_nodes, ids)
+            return rules.why_cuts_move(self, cuts) or next(
+                (why for n, w in writes if (why := why_write_moves(n, shape, w.positions, selections_of(self.cap)))),
+                None)
+
         if held - {written}:
-            self.c.separate_pieces(pieces(base, _shape(write.base), value, write.positions), node.name)
+            self.c.separate_pieces(split, node.name)
+            self.c.separate_pieces(across, node.name, lambda: moves(torch.cat(across)))  # within split: a check
+        elif (ids := torch.cat(across))[ids >= 0].numel():  # beside zeros or alike writes: pinned if it moves
+            self.c.beside_unlabelled.append((ids.numpy(), node.name, lambda: moves(None)))
         held.add(written)
 
     def _pin_shifted(self, writes: list[tuple[fx.Node, Write]], base: Value) -> None:

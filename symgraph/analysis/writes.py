@@ -119,12 +119,20 @@ class _Placing:
         return frozenset().union(*(labelled_axes(self.labels(old, new, k, "ids")) for k in range(len(chan.terms))))
 
 
-def pieces(base: Value, base_shape, wrote: Value, positions: torch.Tensor) -> list[torch.Tensor]:
+def pieces(base: Value, base_shape, wrote: Value, positions: torch.Tensor,
+           across_cut: bool = False) -> list[torch.Tensor]:
     """The ids a write puts at ``positions`` and those the base keeps elsewhere: pieces that other ops computed
-    (``z[..., :6] = shift(z)[..., :6]``, ``z.narrow(-1, 0, 6).mul_(2)``), kept apart as a concatenation's are."""
-    kept = ~_mask(base_shape, positions).reshape(-1)
-    old = [t.ids.expand(tuple(base_shape)).reshape(-1)[kept] for c in base.chans for t in c.terms]
-    new = [t.ids.reshape(-1) for c in wrote.chans for t in c.terms]
+    (``z[..., :6] = shift(z)[..., :6]``, ``z.narrow(-1, 0, 6).mul_(2)``), kept apart as a concatenation's are.
+    ``across_cut``: only the channels that vary along an axis the write cuts, whose coordinates where the write
+    lands there tells apart (not activations' coordinates written at some rows of a buffer)."""
+    mask = _mask(base_shape, positions)
+    place, cut, kept = _Placing(tuple(base_shape), wrote.shape, positions), varying_axes(mask), ~mask.reshape(-1)
+
+    def chosen(old: Chan | None, new: Chan | None) -> bool:
+        return not across_cut or bool(place.axes(old, new) & cut)
+
+    old = [t.ids.expand(tuple(base_shape)).reshape(-1)[kept] for c in base.chans if chosen(c, None) for t in c.terms]
+    new = [t.ids.reshape(-1) for c in wrote.chans if chosen(None, c) for t in c.terms]
     return [torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64) for ids in (new, old)]
 
 
