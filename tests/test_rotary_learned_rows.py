@@ -77,3 +77,14 @@ def test_mlcd_keeps_its_query_key_and_head_groups(free_outputs):
     assert found["qk rotary/positive 16x4"] == 2 and found["heads permutation 4x1"] == 2, found
     assert found.get("residual permutation 64x1", 0) == free_outputs, found  # its hidden states are an output
     assert_fuzzed_at_two_shapes(subject)
+
+
+def test_learned_rows_that_repeat_values_stay_pinned():
+    """Angles initialised to zeros make the first token's map the identity, which commutes with any map: read as
+    data they would allow a group the trained angles do not. Values that repeat are not read as data."""
+    model = noisy(LearnedRowAttention(paired=False)).double()
+    with torch.no_grad():
+        model.angle.zero_()
+    subject = symgraph.load(model, (torch.randn(2, 6, D, dtype=torch.float64),))
+    assert any(p.node.startswith("cat") and "angle" in p.params for p in subject.report.pinned), census(subject)
+    assert_fuzzed_at_two_shapes(subject)

@@ -89,12 +89,15 @@ class Walker:
         differs along it (a class token's learned rotary angles beside a computed table): no group moves them, so
         they may as well be read as data, which lets the table's rotary structure show (see :func:`walk`)."""
         pinned = set(np.concatenate(self.c.beside_data).tolist()) if self.c.beside_data else set()
-        return frozenset(name for name, ids in self.param_ids.items() if ids and self._stored(name) and
+        return frozenset(name for name, ids in self.param_ids.items() if ids and self._generic(name) and
                          all(set(axis.tolist()) <= pinned for axis in ids.values()))
 
-    def _stored(self, name: str) -> bool:
+    def _generic(self, name: str) -> bool:
+        """Whether ``name`` holds stored values, no two alike: read as data, values that repeat (zeros at
+        initialisation) could show symmetries the other values of the parameter lack."""
         value = self.cap.program.state_dict.get(name)
-        return isinstance(value, torch.Tensor) and value.device.type != "meta"
+        return isinstance(value, torch.Tensor) and value.device.type != "meta" and \
+            torch.unique(value.detach()).numel() == value.numel()
 
     def _placeholder(self, node: fx.Node) -> Value:
         name = self.cap.params.get(node.name)
