@@ -87,4 +87,5 @@ def test_learned_rows_that_repeat_values_stay_pinned():
         model.angle.zero_()
     subject = symgraph.load(model, (torch.randn(2, 6, D, dtype=torch.float64),))
     assert any(p.node.startswith("cat") and "angle" in p.params for p in subject.report.pinned), census(subject)
+    assert not {"qk", "heads"} & {g.motif for g in subject.report.groups}  # heads may not leave their queries
     assert_fuzzed_at_two_shapes(subject)
