@@ -123,9 +123,9 @@ def group_sites(cap: Capture, groups) -> tuple[dict[str, list[Member]], dict[str
     """Group id -> the graph values that carry its coordinates, as members keyed ``@node.axes`` (see the module
     docstring); and per key, the node and its feature axes (those its labels vary along, in member order)."""
     from .analysis.partition import parity_classes
-    from .analysis.walk import Walker
+    from .analysis.walk import walk
 
-    walker = Walker(cap).run()
+    walker = walk(cap)  # the analysis's own walk: parameters it read as data carry no coordinates here either
     # without product ties: the factors of an elementwise product share a coordinate's permutation but not its
     # scale (x * w moves with w's scale too), so a product is a site only through its own ids
     cls, parity, _ = parity_classes(walker.ids.next, walker.c.ties, keep=lambda product: not product)

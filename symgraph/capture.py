@@ -135,13 +135,14 @@ def _put_back_values(program: torch.export.ExportedProgram, real: dict[str, torc
             store[spec.target] = real[spec.target]
 
 
-def data_values(cap: Capture) -> dict[str, Any]:
+def data_values(cap: Capture, constants: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Concrete values of every node that depends on no parameter (positions, masks, rotary tables).
 
     Nodes that read a parameter map to ``None``; so do nodes that could not be evaluated. Parameters may be meta
-    tensors: they are never touched. Floating data is computed in double precision, the precision groups are checked
-    in: entries that differ only below float32's rounding (the cosines of a rotary table's lowest frequencies at a
-    few positions, all 1.0 in float32) are told apart, as they are by the model's function.
+    tensors: only those named in ``constants`` (held fixed by every group) are read, where they have values.
+    Floating data is computed in double precision, the precision groups are checked in: entries that differ only
+    below float32's rounding (the cosines of a rotary table's lowest frequencies at a few positions, all 1.0 in
+    float32) are told apart, as they are by the model's function.
     """
     program = cap.program
     flat_inputs = program._graph_module_flat_inputs(cap.args, cap.kwargs)
@@ -149,13 +150,21 @@ def data_values(cap: Capture) -> dict[str, Any]:
     graph_module = program.graph_module
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, flat_inputs):
-        values[node.name] = None if node.name in cap.params else _in_double(_concrete(value))
+        values[node.name] = _constant(cap, node.name, constants) if node.name in cap.params \
+            else _in_double(_concrete(value))
     for node in cap.graph.nodes:
         if node.op == "get_attr":
             values[node.name] = _in_double(getattr(graph_module, node.target))
         elif node.op == "call_function":
             values[node.name] = _evaluate(node, values)
     return values
+
+
+def _constant(cap: Capture, placeholder: str, constants: frozenset[str]) -> torch.Tensor | None:
+    """The stored value of a parameter named in ``constants``, in double precision (None for the others, and for
+    meta parameters, which have no value)."""
+    value = cap.program.state_dict.get(cap.params[placeholder]) if cap.params[placeholder] in constants else None
+    return None if value is None or value.device.type == "meta" else _in_double(value.detach())
 
 
 def _evaluate(node: fx.Node, values: dict[str, Any]) -> Any:

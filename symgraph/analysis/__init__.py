@@ -6,7 +6,7 @@ from ..moe import note_shared_expert_units
 from ..spec import Specs, load_specs
 from .assemble import Analysis, Assembler
 from .free_outputs import assemble_with_free_outputs
-from .walk import Walker
+from .walk import Walker, walk
 
 
 def analyse_capture(cap: Capture, specs: Specs | None = None, free_outputs: bool = False) -> Analysis:
@@ -20,9 +20,9 @@ def assemble_capture(cap: Capture, specs: Specs | None = None,
     """:func:`analyse_capture`, with the assembler (its per-parameter pin counts serve symgraph.depth)."""
     specs = specs or load_specs()
     if free_outputs:
-        analysis, assembler = assemble_with_free_outputs(cap, specs, Walker, Assembler)
+        analysis, assembler = assemble_with_free_outputs(cap, specs, walk, Assembler)
     else:
-        assembler = Assembler(Walker(cap, specs).run(), specs)
+        assembler = Assembler(walk(cap, specs), specs)
         analysis = assembler.analyse()
     analysis.groups = note_shared_expert_units(analysis.groups)
     return analysis, assembler

@@ -115,6 +115,8 @@ class Constraints:
     # the traced shape (``h[..., 4:]`` of 4 units) or with its coordinates pinned (a rotary over 2 dims): at another
     # input shape the cuts may put some of them in that piece
     beside_unlabelled: list[tuple[np.ndarray, str, Callable[[], str | None]]] = field(default_factory=list)
+    # ids pinned where they were joined beside data that differs along them (learned rows of a computed table)
+    beside_data: list[np.ndarray] = field(default_factory=list)
     # (ids, matrix key): ids multiplied by one matrix or summed by one contraction; coordinates whose sets of keys
     # differ may not mix (see Constraints.passes_through)
     passes: list[tuple[np.ndarray, str]] = field(default_factory=list)

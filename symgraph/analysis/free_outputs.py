@@ -9,12 +9,12 @@ from ..outputs import is_virtual, output_names
 from .naming import common_prefix, short_members
 
 
-def assemble_with_free_outputs(cap, specs, walker_class, assembler_class):
+def assemble_with_free_outputs(cap, specs, walk, assembler_class):
     """(analysis, assembler) with ``analysis.free_outputs`` filled and no virtual member left in any group."""
     names = output_names(cap)
     free = frozenset(range(len(names)))
     while True:
-        walker = walker_class(cap, specs, free).run()
+        walker = walk(cap, specs, free)
         assembler = assembler_class(walker, specs)
         analysis = assembler.analyse()
         groups, found, refused = split_free_outputs(analysis.groups, walker.free_sites)

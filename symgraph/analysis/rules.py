@@ -466,6 +466,7 @@ def _pin_beside_bare_pieces(w, node: fx.Node, spec) -> None:
             axes = frozenset(a + shift for a in chan_axes(c))
             if dim not in axes and axes & varying:
                 _pin_chan(w, node, c, "joined beside a piece without labels that differs along its coordinates")
+                w.c.beside_data += [t.ids.reshape(-1).numpy() for t in c.terms]
 
 
 def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:

@@ -32,20 +32,21 @@ from ..probes import probe_inputs, shape_summary, shortest_inputs
 _BY_PROGRAM: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def selections_of(cap: Capture) -> "Selections":
-    """The :class:`Selections` of ``cap`` (one per captured program, however many walks read it)."""
-    found = _BY_PROGRAM.get(cap.program)
-    if found is None:
-        found = _BY_PROGRAM[cap.program] = Selections(cap)
-    return found
+def selections_of(cap: Capture, constants: frozenset[str] = frozenset()) -> "Selections":
+    """The :class:`Selections` of ``cap`` (one per captured program and set of parameters held constant, however
+    many walks read it)."""
+    by_constants = _BY_PROGRAM.setdefault(cap.program, {})
+    if constants not in by_constants:
+        by_constants[constants] = Selections(cap, constants)
+    return by_constants[constants]
 
 
 class Trace:
     """One capture's data-node values and its nodes keyed for matching across traces (never the capture itself:
     :func:`selections_of` keeps this while its program lives, and must not keep the program alive)."""
 
-    def __init__(self, cap: Capture, branches: bool = False):
-        self.values = data_values(cap)
+    def __init__(self, cap: Capture, branches: bool = False, constants: frozenset[str] = frozenset()):
+        self.values = data_values(cap, constants)
         ranks: dict[tuple, int] = defaultdict(int)
         self.by_key: dict[tuple, fx.Node] = {}
         self.key_of: dict[fx.Node, tuple] = {}
@@ -62,8 +63,9 @@ class Trace:
 class Selections:
     """Decides, per node, whether known indices select the same positions at every input shape."""
 
-    def __init__(self, cap: Capture):
-        self.traced = Trace(cap)
+    def __init__(self, cap: Capture, constants: frozenset[str] = frozenset()):
+        self.constants = constants  # parameters whose values count as data (analysis/walk.py)
+        self.traced = Trace(cap, constants=constants)
         self.model, self.args, self.kwargs = cap.model, cap.args, cap.kwargs
         self.from_inputs = _input_dependent(cap)
         self._probes: list | None = None
@@ -146,7 +148,7 @@ class Selections:
         summary = shape_summary(inputs)
         if summary not in self._traces:
             try:
-                self._traces[summary] = Trace(capture(self.model, *inputs), branches=True)
+                self._traces[summary] = Trace(capture(self.model, *inputs), branches=True, constants=self.constants)
             except CaptureError:
                 self._traces[summary] = None
         return self._traces[summary]

@@ -36,21 +36,25 @@ from .writes import (Write, aliases_input, mutated_argument, pieces, plan_write,
 
 
 class Walker:
-    def __init__(self, cap: Capture, specs: Specs | None = None, free_outputs: frozenset[int] = frozenset()):
+    def __init__(self, cap: Capture, specs: Specs | None = None, free_outputs: frozenset[int] = frozenset(),
+                 constants: frozenset[str] = frozenset()):
         self.cap = cap
+        self.constants = constants  # parameters read as data: their values, never moved (see :func:`walk`)
         self.free_outputs = free_outputs  # indices of flattened outputs that may move with the residual stream
         self.free_sites: dict[str, tuple[int, str, int]] = {}  # virtual parameter -> (index, name, axis)
         self.specs = specs or load_specs()
         self.ids = IdSpace()
         self.c = Constraints()
-        self.data = data_values(cap)
+        self.data = data_values(cap, constants)
         self.values: dict[str, Any] = {}
         self.param_ids: dict[str, dict[int, torch.Tensor]] = {}
         self.param_nodes: dict[str, fx.Node] = {}
         self._buffer_ids: dict[str, torch.Tensor] = {}
-        # placeholders of registered buffers: the same tensor at every input shape (lifted constants are not)
+        # placeholders of registered buffers and constant parameters: the same tensor at every input shape (lifted
+        # constants are not)
         registered = {name for name, _ in cap.model.named_buffers()}
-        self._registered_buffers = frozenset(p for p, name in cap.buffers.items() if name in registered)
+        self._registered_buffers = frozenset(p for p, name in cap.buffers.items() if name in registered) | \
+            frozenset(p for p, name in cap.params.items() if name in constants)
         self.unknown_ops: dict[str, int] = {}
         self._read = np.zeros(0, dtype=bool)  # by id: consumed by a non-movement op (or the output)
         self._cuts: list[tuple[fx.Node, list[Chan], set[int]]] = []  # cut (spec flag cuts), its input, ids dropped
@@ -80,13 +84,28 @@ class Walker:
         self._pin_dropped_for_good()
         return self
 
+    def constant_params(self) -> frozenset[str]:
+        """Parameters with stored values whose every coordinate was pinned where it was joined beside data that
+        differs along it (a class token's learned rotary angles beside a computed table): no group moves them, so
+        they may as well be read as data, which lets the table's rotary structure show (see :func:`walk`)."""
+        pinned = set(np.concatenate(self.c.beside_data).tolist()) if self.c.beside_data else set()
+        return frozenset(name for name, ids in self.param_ids.items() if ids and self._generic(name) and
+                         all(set(axis.tolist()) <= pinned for axis in ids.values()))
+
+    def _generic(self, name: str) -> bool:
+        """Whether ``name`` holds stored values, no two alike: read as data, values that repeat (zeros at
+        initialisation) could show symmetries the other values of the parameter lack."""
+        value = self.cap.program.state_dict.get(name)
+        return isinstance(value, torch.Tensor) and value.device.type != "meta" and \
+            torch.unique(value.detach()).numel() == value.numel()
+
     def _placeholder(self, node: fx.Node) -> Value:
         name = self.cap.params.get(node.name)
         if name is None and self._added_buffer(node):
             buffer = self.cap.buffers[node.name]
             shape = tuple(self.cap.program.state_dict[buffer].shape)
             return Value(chans=param_channels({0: self.buffer_ids(buffer, shape[0])}, shape), shape=shape)
-        if name is None:
+        if name is None or name in self.constants:
             data = self.data.get(node.name)
             return Value(data=data, shape=_shape(node))
         shape = self.cap.shapes[name]
@@ -226,7 +245,7 @@ class Walker:
         built = self._built_alike(arg, min(per_coordinate)) if len(per_coordinate) == 1 else torch.arange(len(pattern))
         if not flat and built is not None and _coarser(built, pattern):
             return False  # alike where built alike at every shape (a rotary table's cat([f, f])), or all apart
-        selections = selections_of(self.cap)
+        selections = selections_of(self.cap, self.constants)
         if arg in selections.from_inputs or not selections.probes():
             return False  # drawn from the inputs (not baked in), or no other shape to meet
 
@@ -570,6 +589,15 @@ class Walker:
     def spec(self, node: fx.Node) -> OpSpec | None:
         return self.specs.op(str(node.target))
 
+
+
+def walk(cap: Capture, specs: Specs | None = None, free_outputs: frozenset[int] = frozenset()) -> Walker:
+    """The walk of ``cap``, walked again with :meth:`Walker.constant_params` read as data where it found any:
+    holding a parameter fixed is always sound (the groups found are symmetries of the model with that value), and
+    these are fixed by every group of the first walk anyway."""
+    walker = Walker(cap, specs, free_outputs).run()
+    constants = walker.constant_params()
+    return Walker(cap, specs, free_outputs, constants).run() if constants else walker
 
 
 def _holding(chans: list[Chan], ids: set[int]) -> list[Chan]:
