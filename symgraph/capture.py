@@ -8,7 +8,9 @@ computed from parameter-free parts of the graph by :func:`data_values`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,11 @@ class Capture:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter name -> shape
     # parameters the traced run read only in ops whose results nothing used (removed from the graph)
     read_unused: frozenset[str] = frozenset()
+    # inputs of another modality that forward takes and the trace was not given, where it left parameters unread
+    # (a vision tower), and the names of the token embeddings' weight: what those inputs compute is written into
+    # the embeddings' output by code the trace never took (:func:`untraced_inputs`)
+    untraced_inputs: tuple[str, ...] = ()
+    token_embeddings: frozenset[str] = frozenset()
 
     @property
     def graph(self) -> fx.Graph:
@@ -80,8 +87,48 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         elif spec.kind == InputKind.USER_INPUT:
             users.append(name)
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
+    unread = any(not n.users for n in program.graph.nodes if n.op == "placeholder" and n.name in params)
+    untraced = untraced_inputs(model, args, kwargs) if unread else ()
+    embeddings = _token_embeddings(model) if untraced else frozenset()
+    if untraced and not embeddings:
+        raise CaptureError(f"{type(model).__name__} was traced without its {', '.join(untraced)}, and the "
+                           "parameters that read them were left unread; symgraph cannot tell where the model puts "
+                           "what they compute (it has no get_input_embeddings() with a weight), so no group could "
+                           "be known to keep its function on them.",
+                           hint=f"pass example inputs with {untraced[0]} (inputs=... in Python, or return (module, "
+                                "args) from the factory).")
     return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes,
-                   frozenset(params[name] for name in read_unused if name in params))
+                   frozenset(params[name] for name in read_unused if name in params), untraced, embeddings)
+
+
+# forward parameters that carry another modality than token ids (images, video, audio), by name
+_MODALITY_INPUT = re.compile(r"^(pixel_values\w*|input_features|input_values|audio_values|audio_features|"
+                             r"input_audio_embeds|image_embeds|video_embeds|images|videos)$")
+
+
+def untraced_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """The inputs of another modality than the traced ones that ``model.forward`` takes and the trace was not
+    given (a vision-language model traced on text: its ``pixel_values``). Where the trace left parameters unread,
+    the model's code puts what those inputs compute into the sequence it embeds, so every group of the stream they
+    enter must hold them fixed: the walk pins the token embeddings' output (:attr:`Capture.token_embeddings`)."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+    given = set(kwargs) | set(names[:len(args)])
+    return tuple(n for n in names if _MODALITY_INPUT.match(n) and n not in given)
+
+
+def _token_embeddings(model: torch.nn.Module) -> frozenset[str]:
+    """Every state-dict name of the weight of ``model.get_input_embeddings()`` (tied heads share it)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return frozenset()
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return frozenset()
+    return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if p is weight)
 
 
 def _drop_unused_ops(program: torch.export.ExportedProgram) -> set[str]:

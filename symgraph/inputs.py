@@ -7,6 +7,8 @@ config has                                   inputs built
 ===========================================  ==================================================================
 ``encoder`` and ``decoder`` sub-configs      the encoder's inputs, plus ``decoder_input_ids`` from the decoder
 ``text_config`` and ``vision_config``        ``input_ids`` (text) and ``pixel_values`` (vision), CLIP-like
+                                             (``input_ids`` alone when ``forward`` takes an
+                                             ``image_grid_thw``: Qwen2-VL's patches, see below)
 ``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like; when
                                              ``forward`` takes ``input_values`` instead, a spectrogram (batch,
                                              ``max_length`` frames, mel bins), AST-like
@@ -25,7 +27,9 @@ Token ids avoid the config's special tokens (pad, bos, eos, image placeholders, 
 ``attention_mask`` to ignore padding; one of ones is added only on request, because a mask adds nodes to the
 traced graph (``symgraph.load`` asks for one when a model's code cannot trace without it, see
 :func:`with_attention_mask`). A vision-language config with ``image_seq_length`` gets that many image
-placeholder tokens in front of each sequence.
+placeholder tokens in front of each sequence. A model that takes its images as patches with an ``image_grid_thw``
+(Qwen2-VL, GLM-4V) sizes tensors by the grid's values, which torch.export cannot trace: it gets text alone, and
+the analysis pins the stream its images would enter (:func:`symgraph.capture.untraced_inputs`).
 """
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (Res
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
 _SAMPLES_PER_FRAME = 400  # raw audio per position (25 ms at 16 kHz) where the config does not describe the stem
 _PRINTABLE = (32, 127)  # code points of printable ASCII, for models that read characters instead of tokens
+# images given as patches with the grid they came from (Qwen2-VL): the code sizes tensors by the grid's values,
+# which torch.export cannot trace, so such a model is traced on text alone (its images' stream is then pinned:
+# :func:`symgraph.capture.untraced_inputs`)
+_GRID_INPUTS = frozenset({"image_grid_thw"})
 _IMAGE_TOKEN_ATTRS = ("image_token_index", "image_token_id")
 _SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + (
     "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
@@ -175,6 +183,8 @@ class _Maker:
 def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] | None) -> dict[str, torch.Tensor]:
     text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
     if text is not None and vision is not None:
+        if forward_params is not None and _GRID_INPUTS & set(forward_params):
+            return {"input_ids": maker.token_ids(text, avoid=config)}
         image_token, count = _image_tokens(config)
         return {"input_ids": maker.token_ids(text, avoid=config, prefix=count, prefix_id=image_token),
                 "pixel_values": _pixels(vision, maker)}

@@ -117,6 +117,9 @@ class Walker:
             for axis_ids in ids.values():
                 self.c.pin(axis_ids, "not read by the traced graph (tied to another parameter, or unused)",
                            node.name)
+        if name in self.cap.token_embeddings and 1 in ids:
+            self.c.pin(ids[1], f"the token embeddings' output, where the model writes what its "
+                               f"{', '.join(self.cap.untraced_inputs)} compute (not traced)", node.name)
         return Value(chans=param_channels(ids, shape, uniform=self._is_uniform_vector(name)), shape=shape)
 
     def _added_buffer(self, node: fx.Node) -> bool:

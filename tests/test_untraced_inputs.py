@@ -1,0 +1,146 @@
+"""A model traced without the inputs of another modality it takes (a vision-language model traced on text) must
+keep every group sound when those inputs are given: what they compute enters the token embeddings' output through
+code the trace never took, so the stream there is pinned (symgraph.capture.untraced_inputs)."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import symgraph
+from symgraph.elements import apply, sample
+from symgraph.errors import CaptureError
+
+from group_checks import noisy
+
+
+class TextOnly(nn.Module):
+    """A residual block between token embeddings and a head: its stream has a group."""
+
+    def __init__(self, vocab=20, width=8, hidden=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.head = nn.Linear(width, vocab)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def block(self, h):
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+    def forward(self, input_ids):
+        return self.block(self.embed(input_ids))
+
+
+class TinyVLM(TextOnly):
+    """The same, with image features written into the embedded sequence when pixels are given."""
+
+    def __init__(self, patch=6, **sizes):
+        super().__init__(**sizes)
+        self.vision = nn.Linear(patch, self.embed.embedding_dim)
+
+    def forward(self, input_ids, pixel_values=None):
+        h = self.embed(input_ids)
+        if pixel_values is not None:
+            h = torch.cat([self.vision(pixel_values), h], dim=1)
+        return self.block(h)
+
+
+class NoEmbeddingsAccessor(TinyVLM):
+    def get_input_embeddings(self):  # as transformers' PreTrainedModel where a model does not say
+        raise NotImplementedError
+
+
+def _moves(report, name):
+    return [g for g in report.groups if name in g.params]
+
+
+def _changes(model, report, inputs, draws=3, run=lambda model, inputs: model(**inputs)):
+    """The largest relative change of ``model``'s float64 outputs (``run``) on ``inputs`` under random elements
+    of each group."""
+    model = model.double().eval()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = run(model, inputs)
+    rng, worst = np.random.default_rng(0), 0.0
+    for group in report.groups:
+        for _ in range(draws):
+            model.load_state_dict(apply(state, [sample(group, rng)]))
+            with torch.no_grad():
+                worst = max(worst, float((run(model, inputs) - ref).abs().max() / ref.abs().max()))
+    model.load_state_dict(state)
+    return worst
+
+
+def _image_inputs(batch, length, patches, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 20, (batch, length), generator=g),
+            "pixel_values": torch.randn(batch, patches, 6, generator=g, dtype=torch.float64)}
+
+
+def test_text_model_keeps_its_stream_group():
+    torch.manual_seed(0)
+    report = symgraph.load(TextOnly(), inputs={"input_ids": torch.randint(0, 20, (2, 5))}).report
+    assert _moves(report, "embed.weight"), "control: the stream of the same blocks is movable without images"
+
+
+def test_stream_that_untraced_images_enter_is_pinned():
+    torch.manual_seed(0)
+    model = TinyVLM()
+    report = symgraph.load(model, inputs={"input_ids": torch.randint(0, 20, (2, 5))}).report
+    assert not _moves(report, "embed.weight")
+    assert not _moves(report, "vision.weight")
+    assert _moves(report, "up.weight"), "the block's own units still permute"
+    reasons = {p.reason for p in report.pinned}
+    assert any("token embeddings" in r and "pixel_values" in r for r in reasons), reasons
+    for shape in ((2, 5, 3), (1, 9, 4)):
+        assert _changes(model, report, _image_inputs(*shape)) < 1e-12
+
+
+def test_every_input_given_keeps_the_stream():
+    torch.manual_seed(0)
+    model = TinyVLM()
+    inputs = {"input_ids": torch.randint(0, 20, (2, 5)), "pixel_values": torch.randn(2, 3, 6)}
+    assert _moves(symgraph.load(model, inputs=inputs).report, "embed.weight")
+
+
+def test_no_embeddings_to_pin_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match="pixel_values"):
+        symgraph.load(NoEmbeddingsAccessor(), inputs={"input_ids": torch.randint(0, 20, (2, 5))}).report
+
+
+def _tiny_qwen2_vl():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    torch.manual_seed(0)
+    return noisy(transformers.Qwen2VLForConditionalGeneration(config), 0.05)
+
+
+def test_qwen2_vl_is_analysed_on_text_and_sound_on_images():
+    """Qwen2-VL takes images as patches with their grid, whose values size its tensors (torch.export cannot trace
+    that): it is traced on text, keeps its heads' and units' groups, and each keeps its outputs on images."""
+    model = _tiny_qwen2_vl()
+    subject = symgraph.load(model)
+    assert set(subject.kwargs) >= {"input_ids"} and "pixel_values" not in subject.kwargs
+    report = subject.report
+    kinds = {(g.motif, g.kind) for g in report.groups}
+    assert ("heads", "permutation") in kinds and ("ffn", "permutation") in kinds, kinds
+    assert not _moves(report, "model.language_model.embed_tokens.weight")
+    for seed, (batch, side) in enumerate(((2, 4), (1, 8))):  # 4 / 16 image tokens of a side x side patch grid
+        g = torch.Generator().manual_seed(seed)
+        tokens = side * side // 4
+        ids = torch.randint(0, 60, (batch, tokens + 5), generator=g)
+        ids[:, 2:2 + tokens] = 60
+        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == 60).long(),
+                  "pixel_values": torch.randn(batch * side * side, 3 * 2 * 4 * 4, generator=g, dtype=torch.float64),
+                  "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+        logits = _changes(model, report, inputs, draws=1, run=lambda m, x: m(**x, use_cache=False).logits)
+        assert logits < 1e-9
+
