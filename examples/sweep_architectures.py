@@ -117,8 +117,16 @@ WIDER_REPAIRED = [
     "pocket_tts", "tipsv2", "mistral4", "kimi_linear", "qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text",
     "glm4v_moe_text", "glm_image_text", "glm_ocr_text", "glm5_next_text",
 ]
+# Vision-language models that take images as patches with an image_grid_thw: traced on text (symgraph.inputs), with
+# the stream their images enter pinned; their own type, not only their text towers
+WIDER_GRID_VLM = [
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glmga", "glm4v_moe", "glm_image",
+    "glm_ocr", "glm5_next", "paddleocr_vl", "cosmos3_edge", "cosmos3_omni", "hy_v4_vl", "hyperclovax_vision_v2",
+    "kimi_k25", "lfm3_vl", "llava_onevision1_5", "minimax_m3_vl", "muse_glimmer", "muse_spark", "ovis2_5",
+    "video_llama_3",
+]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
-         + WIDER_REPAIRED)
+         + WIDER_REPAIRED + WIDER_GRID_VLM)
 TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 
 # Size fields and the tiny value each gets wherever a config has it.
@@ -238,6 +246,11 @@ EXTRA["kimi_linear"] = dict(num_experts_per_token=2,  # the config's own name of
 for _mrope, _sections in (("qwen2_vl_text", [2, 3, 3]), ("qwen2_5_vl_text", [2, 3, 3]), ("glm4v_text", [2, 3, 3]),
                           ("glm_image_text", [2, 3, 3]), ("glm_ocr_text", [2, 3, 3]), ("glm4v_moe_text", [1, 1, 2])):
     EXTRA[_mrope] = dict(rope_parameters=dict(mrope_section=_sections))  # on top of the default's (tiny_config)
+# the whole vision-language models: their text towers' sections, merged into the shrunk text_config (tiny_config)
+for _whole, _text in (("qwen2_vl", "qwen2_vl_text"), ("qwen2_5_vl", "qwen2_5_vl_text"), ("glm4v", "glm4v_text"),
+                      ("glm46v", "glm4v_text"), ("glmga", "glm4v_text"), ("glm_image", "glm_image_text"),
+                      ("glm_ocr", "glm_ocr_text"), ("glm4v_moe", "glm4v_moe_text"), ("paddleocr_vl", "qwen2_vl_text")):
+    EXTRA[_whole] = dict(text_config=EXTRA[_text])
 # Types whose config the plain shrink leaves valid but inconsistent (the model then fails to build or run):
 # shrunk with the repairs (:func:`repaired`) from the start
 REPAIR = {"mistral4"}
@@ -576,10 +589,19 @@ def tiny_config(model_type: str, overrides: dict | None = None):
         extra["rope_parameters"] = {**fields.get("rope_parameters", {}), **extra["rope_parameters"]}
     if model_type not in REPAIR:
         try:
-            return cls(**{**shrunk(fields, model_type), **extra})
+            return cls(**merged(shrunk(fields, model_type), extra))
         except Exception:  # noqa: BLE001 -- a validator the plain shrink fails: shrink again, repairing
             pass
-    return cls(**{**shrunk(fields, model_type, repair=True), **extra})
+    return cls(**merged(shrunk(fields, model_type, repair=True), extra))
+
+
+def merged(fields: dict, extra: dict) -> dict:
+    """``fields`` with ``extra`` on top, dicts merged key by key (a text tower's ``rope_parameters`` sections on
+    top of its shrunk default's, inside a whole model's ``text_config``)."""
+    out = dict(fields)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS, seed: int = 0):

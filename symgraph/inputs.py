@@ -8,7 +8,9 @@ config has                                   inputs built
 ``encoder`` and ``decoder`` sub-configs      the encoder's inputs, plus ``decoder_input_ids`` from the decoder
 ``text_config`` and ``vision_config``        ``input_ids`` (text) and ``pixel_values`` (vision), CLIP-like
                                              (``input_ids`` alone when ``forward`` takes an
-                                             ``image_grid_thw``: Qwen2-VL's patches, see below)
+                                             ``image_grid_thw``: Qwen2-VL's patches, see below); the
+                                             same for a ``vision_config`` alone when ``forward`` takes
+                                             both (GIT: the text sizes at the top level)
 ``num_mel_bins``                             ``input_features`` (batch, mel bins, frames), Whisper-like; when
                                              ``forward`` takes ``input_values`` instead, a spectrogram (batch,
                                              ``max_length`` frames, mel bins), AST-like
@@ -182,6 +184,9 @@ class _Maker:
 
 def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] | None) -> dict[str, torch.Tensor]:
     text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if text is None and vision is not None and forward_params is not None \
+            and {"input_ids", "pixel_values"} <= set(forward_params):
+        text = config  # GIT: the text model's sizes at the top level, beside a vision sub-config
     if text is not None and vision is not None:
         if forward_params is not None and _GRID_INPUTS & set(forward_params):
             return {"input_ids": maker.token_ids(text, avoid=config)}

@@ -25,6 +25,12 @@ CASES = {
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=4),
         image_token_index=99, image_seq_length=16)),
+    # GIT: a vision sub-config beside the text model's sizes at the top level; traced on text alone, its vision
+    # tower was left unread (and the stream its image features enter pinned: tests/test_untraced_inputs.py).
+    "git": ("AutoModelForCausalLM", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=16, patch_size=4))),
     # ResNet: a vision config without image_size.
     "resnet": ("AutoModelForImageClassification", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                                        num_labels=3)),
@@ -104,6 +110,14 @@ def test_vision_inputs_without_image_size_and_beside_a_vocabulary():
     beit = build("beit", *CASES["beit"])
     params = symgraph.load(beit).kwargs
     assert "pixel_values" in params and "input_ids" not in params
+
+
+def test_a_vision_config_beside_top_level_text_sizes_gets_tokens_and_pixels():
+    subject = symgraph.load(build("git", *CASES["git"]))
+    assert {"input_ids", "pixel_values"} <= set(subject.kwargs)
+    assert not subject.capture.untraced_inputs
+    streams = [g for g in subject.report.groups if g.motif == "residual"]
+    assert len(streams) == 2, "the text stream and the vision tower's"
 
 
 def test_image_placeholders_fill_one_image_per_sample():
