@@ -73,7 +73,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             real = _module_tensors_to_meta(model) if on_meta else {}
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
-        raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc)) from exc
+        raise CaptureError(_describe_export_failure(model, exc), hint=_export_hint(exc, kwargs)) from exc
     sig = program.graph_signature
     _put_back_values(program, real)
     read_unused = _drop_unused_ops(program)
@@ -276,7 +276,7 @@ def _describe_export_failure(model: torch.nn.Module, exc: Exception) -> str:
             f"{where}.")
 
 
-def _export_hint(exc: Exception) -> str:
+def _export_hint(exc: Exception, kwargs: dict) -> str:
     if "Couldn't swap" in str(exc):
         return ("the model's forward replaces one of its own submodules (`self.layer = self.layer.to(...)` at the "
                 "line named above), which torch.export cannot trace; override that forward without the "
@@ -285,8 +285,12 @@ def _export_hint(exc: Exception) -> str:
         return ("torch.nn's transformer layers compare a given attention mask with a causal one, a branch on its "
                 "values: pass is_causal=True (tgt_is_causal=True for a decoder) with the causal mask.")
     if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+        other = [name for name in kwargs if _MODALITY_INPUT.match(name)]
+        instead = (f"; or pass the inputs without {', '.join(other)} (and what sizes them, such as a grid): the "
+                   "stream what they compute enters is then pinned, and the groups found hold with them too"
+                   if other else "")
         return ("the model branches on tensor values (data-dependent control flow) at the line named above; make "
-                "the branch depend on shapes or config only, or express it with torch.cond.")
+                f"the branch depend on shapes or config only, or express it with torch.cond{instead}.")
     return ("pass example inputs that match forward(), disable caches (use_cache=False), or wrap the "
             "untraceable part in a module that torch.export supports.")
 

@@ -144,3 +144,15 @@ def test_qwen2_vl_is_analysed_on_text_and_sound_on_images():
         logits = _changes(model, report, inputs, draws=1, run=lambda m, x: m(**x, use_cache=False).logits)
         assert logits < 1e-9
 
+
+
+def test_images_with_their_grid_are_refused_with_the_text_route_named():
+    """Given the images, torch.export stops on the grid's values: the hint names the inputs to leave out."""
+    model = _tiny_qwen2_vl()
+    ids = torch.randint(0, 60, (1, 9))
+    ids[:, 2:6] = 60
+    inputs = {"input_ids": ids, "mm_token_type_ids": (ids == 60).long(), "use_cache": False,
+              "pixel_values": torch.randn(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(CaptureError) as caught:
+        symgraph.load(model, inputs=inputs).report
+    assert "without pixel_values" in caught.value.hint and "pinned" in caught.value.hint
