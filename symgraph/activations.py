@@ -254,9 +254,9 @@ def _signature(batch) -> tuple:
 
 
 def _forward_kwargs(model, batch) -> dict:
-    config = getattr(model, "config", None)
-    extra = {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
-    return {**batch.inputs, **extra}
+    from .inputs import without_cache
+
+    return {**batch.inputs, **without_cache(getattr(model, "config", None))}
 
 
 def _capture_on(subject, batch, data) -> Capture:

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from . import tables
 from .errors import DataError
+from .inputs import without_cache
 from .module_state import eval_mode
 
 __all__ = ["Batch", "Dataset", "Metrics", "DATASETS", "TOPIC_CLASSES", "batch_logits", "batch_loss",
@@ -966,8 +967,7 @@ def batch_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``model``'s logits on ``batch``'s inputs (on the model's device; a model with a cache runs without it)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
-    extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
-    return logits_of(model(**inputs, **extra))
+    return logits_of(model(**inputs, **without_cache(getattr(model, "config", None))))
 
 
 def _soft_loss_sum(logits: torch.Tensor, probabilities: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int,

@@ -42,7 +42,7 @@ import torch
 
 from .errors import ModelLoadError
 
-__all__ = ["example_inputs", "forward_kwargs", "with_attention_mask"]
+__all__ = ["example_inputs", "forward_kwargs", "with_attention_mask", "without_cache"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
@@ -110,10 +110,13 @@ def forward_kwargs(config: Any) -> dict[str, Any]:
     >>> forward_kwargs(AutoConfig.for_model("gpt2"))
     {'return_dict': True, 'use_cache': False}
     """
-    kwargs: dict[str, Any] = {"return_dict": True}
-    if any(getattr(c, "use_cache", None) is not None for c in _configs(config)):
-        kwargs["use_cache"] = False
-    return kwargs
+    return {"return_dict": True, **without_cache(config)}
+
+
+def without_cache(config: Any) -> dict[str, Any]:
+    """``{"use_cache": False}`` where ``config`` or a sub-config of it (Llava's, Qwen2-VL's ``text_config``) has a
+    cache switch, else nothing: what every forward pass symgraph runs adds to its inputs."""
+    return {"use_cache": False} if any(getattr(c, "use_cache", None) is not None for c in _configs(config)) else {}
 
 
 def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:

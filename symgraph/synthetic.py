@@ -156,7 +156,7 @@ def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     ids = inputs.get("input_ids")
     # a causal LM reads token ids alone (an encoder-decoder's decoder ids would need their own samples)
     if (logits is not None and logits.dim() == 3 and set(inputs) == {"input_ids"} and logits.shape[:2] == ids.shape
-            and logits.shape[-1] == getattr(config, "vocab_size", None)):
+            and logits.shape[-1] == _vocabulary(config)):
         return "causal_lm"
     if logits is not None and logits.dim() == 2 and logits.shape[0] == 2:
         return "classification"
@@ -164,6 +164,12 @@ def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     raise DataError(f"Synthetic data is made for classifiers and causal language models; {type(model).__name__} "
                     f"returns {found} on inputs { {k: tuple(v.shape) for k, v in inputs.items()} }.",
                     hint="pass real data (--data SPEC) to learned matching for this model.")
+
+
+def _vocabulary(config) -> int | None:
+    """The vocabulary size of ``config``'s text model (a vision-language config keeps it in its text config)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return getattr(text, "vocab_size", None)
 
 
 def _samples(model: torch.nn.Module, task: str) -> bool:

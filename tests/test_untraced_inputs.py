@@ -156,3 +156,14 @@ def test_images_with_their_grid_are_refused_with_the_text_route_named():
     with pytest.raises(CaptureError) as caught:
         symgraph.load(model, inputs=inputs).report
     assert "without pixel_values" in caught.value.hint and "pinned" in caught.value.hint
+
+
+def test_full_mode_judges_and_aligns_a_qwen2_vl_on_its_own_samples():
+    """Its vocabulary lives in its text config and its cache switch there too: the synthetic judge and the
+    activations' alignment run on its sampled text, as for a causal LM."""
+    anchor = _tiny_qwen2_vl()
+    torch.manual_seed(1)
+    source = noisy(type(anchor)(anchor.config), 0.05)
+    result = symgraph.align(source, anchor, mode="full")
+    assert {"weights", "activations"} <= set(result.path_losses), result.path_losses
+    assert result.distance_after <= result.distance_before
