@@ -101,9 +101,13 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
                    frozenset(params[name] for name in read_unused if name in params), untraced, embeddings)
 
 
-# forward parameters that carry another modality than token ids (images, video, audio), by name
-_MODALITY_INPUT = re.compile(r"^(pixel_values\w*|input_features|input_values|audio_values|audio_features|"
-                             r"input_audio_embeds|image_embeds|video_embeds|images|videos)$")
+# forward parameters that carry another modality than token ids (images, video, audio) by name: any name of such
+# data, but not what only describes it (masks, sizes, grids, positions, counts, switches). Naming too many is safe:
+# an input named here pins the stream only where the trace was not given it and left parameters unread.
+_MODALITY_INPUT = re.compile(r"^(?!.*(mask|size|label|position|grid|num_|layer|strategy|aspect|type|length|offset|"
+                             r"crop|pool|scale|merge|return|use_|select|second|alignment|bbox|compression|idx))"
+                             r".*(pixel|image|video|audio|visual|vision|speech|patches|mel|spectrogram|"
+                             r"input_features|input_values)")
 
 
 def untraced_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:

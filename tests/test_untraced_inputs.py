@@ -46,6 +46,27 @@ class TinyVLM(TextOnly):
         return self.block(h)
 
 
+class PatchesVLM(TinyVLM):
+    """Pix2Struct / Fuyu style: the image comes as ``flattened_patches``."""
+
+    def forward(self, input_ids, flattened_patches=None):
+        return super().forward(input_ids, flattened_patches)
+
+
+class AudioTokensLM(TinyVLM):
+    """Higgs-audio style: audio tokens embedded by a table of their own and put beside the text."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self.audio = nn.Embedding(12, self.embed.embedding_dim)
+
+    def forward(self, input_ids, audio_input_ids=None):
+        h = self.embed(input_ids)
+        if audio_input_ids is not None:
+            h = torch.cat([self.audio(audio_input_ids), h], dim=1)
+        return self.block(h)
+
+
 class NoEmbeddingsAccessor(TinyVLM):
     def get_input_embeddings(self):  # as transformers' PreTrainedModel where a model does not say
         raise NotImplementedError
@@ -95,6 +116,14 @@ def test_stream_that_untraced_images_enter_is_pinned():
     assert any("token embeddings" in r and "pixel_values" in r for r in reasons), reasons
     for shape in ((2, 5, 3), (1, 9, 4)):
         assert _changes(model, report, _image_inputs(*shape)) < 1e-12
+
+
+@pytest.mark.parametrize("kind", [PatchesVLM, AudioTokensLM])
+def test_other_names_of_untraced_inputs_pin_the_stream_too(kind):
+    torch.manual_seed(0)
+    report = symgraph.load(kind(), inputs={"input_ids": torch.randint(0, 20, (2, 5))}).report
+    assert not _moves(report, "embed.weight")
+    assert _moves(report, "up.weight")
 
 
 def test_every_input_given_keeps_the_stream():
