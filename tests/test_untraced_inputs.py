@@ -28,8 +28,13 @@ class TextOnly(nn.Module):
     def block(self, h):
         return self.head(h + self.down(torch.relu(self.up(h))))
 
+    def joined(self, input_ids, features=None):
+        """The block on the embedded tokens, with ``features`` of another modality in front where given."""
+        h = self.embed(input_ids)
+        return self.block(h if features is None else torch.cat([features, h], dim=1))
+
     def forward(self, input_ids):
-        return self.block(self.embed(input_ids))
+        return self.joined(input_ids)
 
 
 class TinyVLM(TextOnly):
@@ -40,10 +45,7 @@ class TinyVLM(TextOnly):
         self.vision = nn.Linear(patch, self.embed.embedding_dim)
 
     def forward(self, input_ids, pixel_values=None):
-        h = self.embed(input_ids)
-        if pixel_values is not None:
-            h = torch.cat([self.vision(pixel_values), h], dim=1)
-        return self.block(h)
+        return self.joined(input_ids, None if pixel_values is None else self.vision(pixel_values))
 
 
 class PatchesVLM(TinyVLM):
@@ -61,10 +63,7 @@ class AudioTokensLM(TinyVLM):
         self.audio = nn.Embedding(12, self.embed.embedding_dim)
 
     def forward(self, input_ids, audio_input_ids=None):
-        h = self.embed(input_ids)
-        if audio_input_ids is not None:
-            h = torch.cat([self.audio(audio_input_ids), h], dim=1)
-        return self.block(h)
+        return self.joined(input_ids, None if audio_input_ids is None else self.audio(audio_input_ids))
 
 
 class NoEmbeddingsAccessor(TinyVLM):
