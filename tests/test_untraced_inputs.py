@@ -10,6 +10,7 @@ import symgraph
 from symgraph.elements import apply, sample
 from symgraph.errors import CaptureError
 
+from cli_runner import report_json
 from group_checks import noisy
 
 
@@ -195,3 +196,13 @@ def test_full_mode_judges_and_aligns_a_qwen2_vl_on_its_own_samples():
     result = symgraph.align(source, anchor, mode="full")
     assert {"weights", "activations"} <= set(result.path_losses), result.path_losses
     assert result.distance_after <= result.distance_before
+
+
+def test_cli_report_of_a_qwen2_vl_folder_names_the_pinned_stream(tmp_path):
+    """``symgraph report FOLDER``: traced on text from the folder's config, the stream pinned with its reason."""
+    _tiny_qwen2_vl().save_pretrained(tmp_path)
+    report = report_json(tmp_path)
+    reasons = [p["reason"] for p in report["pinned"]]
+    assert any("token embeddings" in r and "pixel_values" in r for r in reasons), reasons
+    assert {g["motif"] for g in report["groups"]} >= {"heads", "ffn"}
+    assert not any(g["motif"] == "residual" for g in report["groups"])
