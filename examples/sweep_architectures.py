@@ -663,16 +663,33 @@ def shaped_inputs(model, batch: int, length: int, pad: bool) -> dict:
 
     import torch
 
-    from symgraph.inputs import example_inputs, forward_kwargs
+    from symgraph.inputs import example_inputs, forward_kwargs, optional_inputs
 
     params = inspect.signature(model.forward).parameters
     inputs = example_inputs(model.config, batch=batch, seq=length, seed=length, dtype=torch.float64,
                             forward_params=params)
+    # the optional inputs that read parameters only when given (token_type_ids, encoder_hidden_states), wherever
+    # forward takes them and the model runs with them: a group that holds without them may not hold with them
+    extra = optional_inputs(model.config, params, inputs, seed=length, dtype=torch.float64)
+    if extra and _runs_with(model, {**inputs, **extra, **forward_kwargs(model.config)}):
+        inputs.update(extra)
     if pad and "input_ids" in inputs and "attention_mask" in params:
         mask = torch.ones_like(inputs["input_ids"])
         mask[0, length - length // 3:] = 0  # the first row's last third is padding
         inputs["attention_mask"] = mask
     return {**inputs, **forward_kwargs(model.config)}
+
+
+def _runs_with(model, kwargs) -> bool:
+    """Whether ``model`` runs on ``kwargs`` (GPT-2 refuses encoder states where it has no cross-attention)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    except Exception:  # noqa: BLE001 -- any refusal means the input is not one this model takes
+        return False
+    return True
 
 
 class Checker:

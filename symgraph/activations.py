@@ -261,7 +261,8 @@ def _forward_kwargs(model, batch) -> dict:
 
 def _capture_on(subject, batch, data) -> Capture:
     try:
-        return capture(subject.model, (), _forward_kwargs(subject.model, batch))
+        # the data's own inputs: the run feeds the graph these (the groups were found on the subject's capture)
+        return capture(subject.model, (), _forward_kwargs(subject.model, batch), add_optional=False)
     except CaptureError as exc:
         raise DataError(f"Data '{data.name}' does not fit the source: its first examples "
                         f"({', '.join(f'{k} {tuple(v.shape)}' for k, v in batch.inputs.items())}) cannot run "

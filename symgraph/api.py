@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .analysis import analyse_capture
-from .capture import Capture, capture
+from .capture import Capture, added_inputs_note, capture, unread_note
 from .elements import Element, apply, sample
 from .errors import CaptureError, InvarianceError, ModelLoadError, SymgraphError
 from .inputs import with_attention_mask
@@ -76,6 +76,8 @@ class Subject:
                     raise
                 self._capture = capture(self.model, self.args, masked)  # LongT5: code that cannot run without a mask
                 self.kwargs = masked
+            if self._capture.added_inputs:  # every check runs on the inputs the groups were found on
+                self.kwargs = self._capture.kwargs
         return self._capture
 
     @property
@@ -93,7 +95,10 @@ class Subject:
             repeats = None if self.full_depth else analyse_by_repeats(self)
             analysis = repeats or analyse_capture(self.capture, free_outputs=self.free_outputs)
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)
-            self._report = Report.from_analysis(self.name, analysis, notes + ((why,) if why else ()),
+            notes += (why,) if why else ()
+            if self._capture is not None:
+                notes += tuple(n for n in (added_inputs_note(self._capture), unread_note(self._capture)) if n)
+            self._report = Report.from_analysis(self.name, analysis, notes,
                                                 free_outputs=self.free_outputs)
         return self._report
 

@@ -8,8 +8,10 @@ computed from parameter-free parts of the graph by :func:`data_values`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
+import logging
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +25,8 @@ from torch.utils._pytree import tree_map
 from .errors import CaptureError
 from .module_state import attributes_kept, eval_mode
 from .moe import DENSE, experts_implementation
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class Capture:
     # the embeddings' output by code the trace never took (:func:`untraced_inputs`)
     untraced_inputs: tuple[str, ...] = ()
     token_embeddings: frozenset[str] = frozenset()
+    # optional inputs symgraph added to the example inputs, and the parameters only a trace with them reads
+    # (XLNet's segment embeddings, with token_type_ids: :func:`symgraph.inputs.optional_inputs`)
+    added_inputs: tuple[str, ...] = ()
+    read_with_added: tuple[str, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -54,8 +62,17 @@ class Capture:
         return tuple(self.params.values())
 
 
-def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> Capture:
+def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
+            add_optional: bool = True) -> Capture:
     """Export ``model`` on the example inputs and index its placeholders.
+
+    Where the trace leaves parameters unread and ``forward`` takes optional inputs that may read them, which the
+    example inputs lack and symgraph can build (:func:`symgraph.inputs.optional_inputs`: XLNet's
+    ``token_type_ids``, a decoder's ``encoder_hidden_states``), the model is traced again with them added, and that
+    trace is kept where it reads more parameters (:attr:`Capture.added_inputs`; its ``kwargs`` hold them): the groups
+    found then keep the function with those inputs too (``add_optional=False``: never; a trace that runs data as it
+    is, to record activations). Where inputs of another modality were not given, the stream they enter is recorded
+    for the walk to pin (:func:`untraced_inputs`).
 
     Examples
     --------
@@ -64,7 +81,34 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     >>> sorted(cap.params.values())
     ['bias', 'weight']
     """
-    kwargs = dict(kwargs or {})
+    args, kwargs = tuple(args), dict(kwargs or {})
+    cap = _exported(model, args, kwargs)
+    unread = unread_parameters(cap)
+    extra = _optional_inputs(model, kwargs) if unread and add_optional else {}
+    if extra:  # inputs that read them: groups found without them would leave those parameters behind
+        try:
+            fuller = _exported(model, args, {**kwargs, **extra})
+        except CaptureError as exc:
+            _log.info("%s traced without %s: with them it could not be traced (%s)", type(model).__name__,
+                      ", ".join(extra), exc)
+        else:
+            reached = unread - unread_parameters(fuller)
+            if reached:
+                cap = dataclasses.replace(fuller, added_inputs=tuple(extra), read_with_added=tuple(sorted(reached)))
+    untraced = untraced_inputs(model, cap.args, cap.kwargs) if _any_unread(cap) else ()
+    embeddings = _token_embeddings(model) if untraced else frozenset()
+    if untraced and not embeddings:
+        raise CaptureError(f"{type(model).__name__} was traced without its {', '.join(untraced)}, and the "
+                           "parameters that read them were left unread; symgraph cannot tell where the model puts "
+                           "what they compute (it has no get_input_embeddings() with a weight), so no group could "
+                           "be known to keep its function on them.",
+                           hint=f"pass example inputs with {untraced[0]} (inputs=... in Python, or return (module, "
+                                "args) from the factory).")
+    return dataclasses.replace(cap, untraced_inputs=untraced, token_embeddings=embeddings)
+
+
+def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> Capture:
+    """``model`` exported on ``args`` and ``kwargs``, its placeholders indexed (no check of what it left unread)."""
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     traced_args, traced_kwargs = _on_meta(args, kwargs) if on_meta else (tuple(args), kwargs)
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
@@ -87,18 +131,66 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         elif spec.kind == InputKind.USER_INPUT:
             users.append(name)
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
-    unread = any(not n.users for n in program.graph.nodes if n.op == "placeholder" and n.name in params)
-    untraced = untraced_inputs(model, args, kwargs) if unread else ()
-    embeddings = _token_embeddings(model) if untraced else frozenset()
-    if untraced and not embeddings:
-        raise CaptureError(f"{type(model).__name__} was traced without its {', '.join(untraced)}, and the "
-                           "parameters that read them were left unread; symgraph cannot tell where the model puts "
-                           "what they compute (it has no get_input_embeddings() with a weight), so no group could "
-                           "be known to keep its function on them.",
-                           hint=f"pass example inputs with {untraced[0]} (inputs=... in Python, or return (module, "
-                                "args) from the factory).")
-    return Capture(program, model, tuple(args), kwargs, params, buffers, tuple(users), shapes,
-                   frozenset(params[name] for name in read_unused if name in params), untraced, embeddings)
+    return Capture(program, model, args, kwargs, params, buffers, tuple(users), shapes,
+                   frozenset(params[name] for name in read_unused if name in params))
+
+
+def _any_unread(cap: Capture) -> bool:
+    """Whether the trace left any parameter placeholder unread (a tied alias of a read one included)."""
+    return any(not n.users for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params)
+
+
+def unread_parameters(cap: Capture) -> frozenset[str]:
+    """The parameters the traced graph never reads, under any name: a tied alias (an LM head that is the
+    embedding) of a parameter read under another name is read."""
+    read = {cap.params[n.name] for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.params and n.users}
+    unread = {cap.params[n.name] for n in cap.graph.nodes
+              if n.op == "placeholder" and n.name in cap.params and not n.users}
+    if not unread:
+        return frozenset()
+    aliases: dict[int, set[str]] = {}
+    for name, p in cap.model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), set()).add(name)
+    by_name = {name: names for names in aliases.values() for name in names}
+    return frozenset(name for name in unread if not by_name.get(name, {name}) & read)
+
+
+def added_inputs_note(cap: Capture) -> str | None:
+    """The report's note on the optional inputs :func:`capture` added to the example inputs (None: none)."""
+    if not cap.added_inputs:
+        return None
+    names = cap.read_with_added
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    them = "them" if len(cap.added_inputs) > 1 else "it"
+    return (f"traced with {', '.join(cap.added_inputs)} added by symgraph (random values): without {them} the "
+            f"model leaves {shown} unread, parameters it reads when given {them}; the groups found hold with "
+            f"{them}, and the checks run with {them}")
+
+
+def unread_note(cap: Capture) -> str | None:
+    """The report's note on parameters the traced graph never reads (None: it reads them all): no group moves
+    them, and a code path the trace did not take (an input not given, a training-only branch) may read them."""
+    names = sorted(unread_parameters(cap))
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    them = "them" if len(names) > 1 else "it"
+    return (f"{len(names)} parameter{'s' if len(names) > 1 else ''} unread at the traced inputs, so held fixed by "
+            f"every group: {shown} (code the trace did not take may read {them}: pass inputs that reach that code "
+            f"to have {them} aligned)")
+
+
+def _optional_inputs(model: torch.nn.Module, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The optional inputs ``model.forward`` takes that could read parameters a trace on ``kwargs`` left unread
+    (:func:`symgraph.inputs.optional_inputs`), in the dtype of the model's floating parameters."""
+    from .inputs import optional_inputs
+
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return optional_inputs(getattr(model, "config", None), names, kwargs, dtype=dtype)
 
 
 # forward parameters that carry another modality than token ids (images, video, audio) by name: any name of such

@@ -42,7 +42,7 @@ import torch
 
 from .errors import ModelLoadError
 
-__all__ = ["example_inputs", "forward_kwargs", "with_attention_mask", "without_cache"]
+__all__ = ["example_inputs", "forward_kwargs", "optional_inputs", "with_attention_mask", "without_cache"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
@@ -133,6 +133,59 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(ids, torch.Tensor) or kwargs.get("attention_mask") is not None:
         return None
     return {**kwargs, "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=ids.device)}
+
+
+# Optional forward inputs that make a model read parameters it leaves unread without them, by name: what each is
+# built from. XLNet reads its segment embeddings (``seg_embed``, ``r_s_bias``, in the query/key dot products) only
+# when given ``token_type_ids``; a decoder's cross-attention (MBart's, ProphetNet's as causal LMs) reads its query and
+# output projections only when given ``encoder_hidden_states``; XLM adds language embeddings only when given
+# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3). A trace
+# without them finds groups that move the query or the stream but not those parameters: the model computes something
+# else once it is given them. :func:`symgraph.capture.capture` adds them, built here, where the first trace left
+# parameters unread.
+_OPTIONAL_TOKEN_INPUTS = {"token_type_ids": "type_vocab_size", "langs": "n_langs"}  # name -> how many values
+_OPTIONAL_STATE_INPUTS = {"encoder_hidden_states": ("cross_attention_hidden_size", "hidden_size")}  # -> width
+_OPTIONAL_PATCH_MASKS = ("bool_masked_pos",)  # one flag per patch of the pixels given (the config's patch_size)
+
+
+def optional_inputs(config: Any, forward_params: Collection[str], given: dict[str, Any], *, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The optional inputs (module comment above) that ``forward`` takes, ``given`` lacks and symgraph can build
+    beside ``given``'s ``input_ids``: ids shaped like them (below the config's count of such values, 2 where it has
+    none), hidden states of the config's width as long as them, in ``dtype``; beside its ``pixel_values``, a mask
+    of random patches.
+
+    Examples
+    --------
+    >>> from transformers import AutoConfig
+    >>> cfg = AutoConfig.for_model("xlnet", vocab_size=50, d_model=32, n_head=4)
+    >>> built = optional_inputs(cfg, ["input_ids", "token_type_ids"], {"input_ids": torch.ones(2, 5, dtype=torch.long)})
+    >>> {k: tuple(v.shape) for k, v in built.items()}
+    {'token_type_ids': (2, 5)}
+    """
+    wanted = [n for n in forward_params if given.get(n) is None]
+    generator = torch.Generator().manual_seed(seed)
+    built: dict[str, torch.Tensor] = {}
+    pixels, patch = given.get("pixel_values"), getattr(config, "patch_size", None)
+    if isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and isinstance(patch, int) and patch > 0:
+        count = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+        for name in wanted:
+            if name in _OPTIONAL_PATCH_MASKS:
+                built[name] = (torch.rand(pixels.shape[0], count, generator=generator) < 0.5).to(pixels.device)
+    ids = given.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return built
+    for name in wanted:
+        if name in _OPTIONAL_TOKEN_INPUTS:
+            count = getattr(config, _OPTIONAL_TOKEN_INPUTS[name], None)
+            count = int(count) if isinstance(count, int) and count > 0 else 2
+            built[name] = torch.randint(count, tuple(ids.shape), generator=generator).to(ids.device)
+        elif name in _OPTIONAL_STATE_INPUTS:
+            width = next((getattr(config, a) for a in _OPTIONAL_STATE_INPUTS[name]
+                          if isinstance(getattr(config, a, None), int)), None)
+            if width is not None:
+                built[name] = torch.randn(*ids.shape, width, generator=generator).to(device=ids.device, dtype=dtype)
+    return built
 
 
 def _configs(config: Any) -> list[Any]:

@@ -1,11 +1,13 @@
-"""Checks shared by the per-op test files: generic weights, a census of a report's groups, and a fuzz at several
-input shapes."""
+"""Checks shared by the per-op test files: generic weights, a census of a report's groups, a fuzz at several
+input shapes, and the largest change of outputs on given inputs under random group elements."""
 from __future__ import annotations
 
 import collections
 
+import numpy as np
 import torch
 
+from symgraph.elements import apply, sample
 from symgraph.fuzz import fuzz
 
 
@@ -29,3 +31,20 @@ def assert_fuzzed_at_two_shapes(subject, samples: int = 5) -> None:
     result = fuzz(subject, samples=samples)
     assert result.ok, [v.counterexample for v in result.failures]
     assert len(result.shapes) >= 2 and len(set(result.shapes)) == len(result.shapes)
+
+
+def largest_change(model, report, inputs, draws=3, run=lambda model, inputs: model(**inputs)) -> float:
+    """The largest relative change of ``model``'s float64 outputs (``run``) on ``inputs`` under random elements
+    of each group of ``report`` (the model is put back as it was)."""
+    model = model.double().eval()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = run(model, inputs)
+    rng, worst = np.random.default_rng(0), 0.0
+    for group in report.groups:
+        for _ in range(draws):
+            model.load_state_dict(apply(state, [sample(group, rng)]))
+            with torch.no_grad():
+                worst = max(worst, float((run(model, inputs) - ref).abs().max() / ref.abs().max()))
+    model.load_state_dict(state)
+    return worst

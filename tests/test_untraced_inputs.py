@@ -1,17 +1,15 @@
 """A model traced without the inputs of another modality it takes (a vision-language model traced on text) must
 keep every group sound when those inputs are given: what they compute enters the token embeddings' output through
 code the trace never took, so the stream there is pinned (symgraph.capture.untraced_inputs)."""
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import symgraph
-from symgraph.elements import apply, sample
 from symgraph.errors import CaptureError
 
 from cli_runner import report_json
-from group_checks import noisy
+from group_checks import largest_change, noisy
 
 
 class TextOnly(nn.Module):
@@ -76,23 +74,6 @@ def _moves(report, name):
     return [g for g in report.groups if name in g.params]
 
 
-def _changes(model, report, inputs, draws=3, run=lambda model, inputs: model(**inputs)):
-    """The largest relative change of ``model``'s float64 outputs (``run``) on ``inputs`` under random elements
-    of each group."""
-    model = model.double().eval()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        ref = run(model, inputs)
-    rng, worst = np.random.default_rng(0), 0.0
-    for group in report.groups:
-        for _ in range(draws):
-            model.load_state_dict(apply(state, [sample(group, rng)]))
-            with torch.no_grad():
-                worst = max(worst, float((run(model, inputs) - ref).abs().max() / ref.abs().max()))
-    model.load_state_dict(state)
-    return worst
-
-
 def _image_inputs(batch, length, patches, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {"input_ids": torch.randint(0, 20, (batch, length), generator=g),
@@ -115,7 +96,7 @@ def test_stream_that_untraced_images_enter_is_pinned():
     reasons = {p.reason for p in report.pinned}
     assert any("token embeddings" in r and "pixel_values" in r for r in reasons), reasons
     for shape in ((2, 5, 3), (1, 9, 4)):
-        assert _changes(model, report, _image_inputs(*shape)) < 1e-12
+        assert largest_change(model, report, _image_inputs(*shape)) < 1e-12
 
 
 @pytest.mark.parametrize("kind", [PatchesVLM, AudioTokensLM])
@@ -170,7 +151,7 @@ def test_qwen2_vl_is_analysed_on_text_and_sound_on_images():
         inputs = {"input_ids": ids, "mm_token_type_ids": (ids == 60).long(),
                   "pixel_values": torch.randn(batch * side * side, 3 * 2 * 4 * 4, generator=g, dtype=torch.float64),
                   "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
-        logits = _changes(model, report, inputs, draws=1, run=lambda m, x: m(**x, use_cache=False).logits)
+        logits = largest_change(model, report, inputs, draws=1, run=lambda m, x: m(**x, use_cache=False).logits)
         assert logits < 1e-9
 
 
