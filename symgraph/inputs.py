@@ -139,7 +139,9 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 # built from. XLNet reads its segment embeddings (``seg_embed``, ``r_s_bias``, in the query/key dot products) only
 # when given ``token_type_ids``; a decoder's cross-attention (MBart's, ProphetNet's as causal LMs) reads its query and
 # output projections only when given ``encoder_hidden_states``; XLM adds language embeddings only when given
-# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3). A trace
+# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3). Encoder
+# states are built for decoders only (``is_decoder``): an encoder given them may attend to them with its own
+# self-attention's keys (BigBird's code), a use its stream's groups are not found for. A trace
 # without them finds groups that move the query or the stream but not those parameters: the model computes something
 # else once it is given them. :func:`symgraph.capture.capture` adds them, built here, where the first trace left
 # parameters unread.
@@ -152,8 +154,8 @@ def optional_inputs(config: Any, forward_params: Collection[str], given: dict[st
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The optional inputs (module comment above) that ``forward`` takes, ``given`` lacks and symgraph can build
     beside ``given``'s ``input_ids``: ids shaped like them (below the config's count of such values, 2 where it has
-    none), hidden states of the config's width as long as them, in ``dtype``; beside its ``pixel_values``, a mask
-    of random patches.
+    none), for a decoder hidden states of the config's width as long as them, in ``dtype``; beside its
+    ``pixel_values``, a mask of random patches.
 
     Examples
     --------
@@ -180,7 +182,7 @@ def optional_inputs(config: Any, forward_params: Collection[str], given: dict[st
             count = getattr(config, _OPTIONAL_TOKEN_INPUTS[name], None)
             count = int(count) if isinstance(count, int) and count > 0 else 2
             built[name] = torch.randint(count, tuple(ids.shape), generator=generator).to(ids.device)
-        elif name in _OPTIONAL_STATE_INPUTS:
+        elif name in _OPTIONAL_STATE_INPUTS and getattr(config, "is_decoder", False):
             width = next((getattr(config, a) for a in _OPTIONAL_STATE_INPUTS[name]
                           if isinstance(getattr(config, a, None), int)), None)
             if width is not None:

@@ -180,13 +180,17 @@ def test_parameters_no_input_reaches_are_named(kind):
 
 
 def test_optional_inputs_are_built_beside_token_ids_only():
-    config = transformers.BertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, type_vocab_size=3)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, type_vocab_size=3,
+                                     is_decoder=True)
     ids = torch.ones(2, 6, dtype=torch.long)
     built = optional_inputs(config, ["input_ids", "token_type_ids", "encoder_hidden_states"], {"input_ids": ids},
                             dtype=torch.float64)
     assert built["token_type_ids"].shape == (2, 6) and int(built["token_type_ids"].max()) < 3
     assert built["encoder_hidden_states"].shape == (2, 6, 32)
     assert built["encoder_hidden_states"].dtype == torch.float64
+    config.is_decoder = False  # an encoder may read encoder states with its self-attention's keys (BigBird)
+    assert "encoder_hidden_states" not in optional_inputs(config, ["input_ids", "encoder_hidden_states"],
+                                                          {"input_ids": ids})
     given = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)}
     assert optional_inputs(config, ["input_ids", "token_type_ids"], given) == {}, "what is given is kept"
     assert optional_inputs(config, ["pixel_values", "token_type_ids"], {"pixel_values": torch.ones(1, 3)}) == {}
