@@ -139,7 +139,8 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 # built from. XLNet reads its segment embeddings (``seg_embed``, ``r_s_bias``, in the query/key dot products) only
 # when given ``token_type_ids``; a decoder's cross-attention (MBart's, ProphetNet's as causal LMs) reads its query and
 # output projections only when given ``encoder_hidden_states``; XLM adds language embeddings only when given
-# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3). Encoder
+# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3); LUKE reads
+# its entity embeddings and entity-aware attention only when given entities. Encoder
 # states are built for decoders only (``is_decoder``): an encoder given them may attend to them with its own
 # self-attention's keys (BigBird's code), a use its stream's groups are not found for. A trace
 # without them finds groups that move the query or the stream but not those parameters: the model computes something
@@ -148,14 +149,18 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 _OPTIONAL_TOKEN_INPUTS = {"token_type_ids": "type_vocab_size", "langs": "n_langs"}  # name -> how many values
 _OPTIONAL_STATE_INPUTS = {"encoder_hidden_states": ("cross_attention_hidden_size", "hidden_size")}  # -> width
 _OPTIONAL_PATCH_MASKS = ("bool_masked_pos",)  # one flag per patch of the pixels given (the config's patch_size)
+# inputs that come as a set: LUKE's entities (ids below the config's entity vocabulary, each with the word positions
+# of its mention), read by its entity embeddings and entity-aware attention; name -> (count attribute, companion)
+_OPTIONAL_INPUT_SETS = {"entity_ids": ("entity_vocab_size", "entity_position_ids")}
+_ENTITIES = 2  # entities per example, and positions per mention
 
 
 def optional_inputs(config: Any, forward_params: Collection[str], given: dict[str, Any], *, seed: int = 0,
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The optional inputs (module comment above) that ``forward`` takes, ``given`` lacks and symgraph can build
     beside ``given``'s ``input_ids``: ids shaped like them (below the config's count of such values, 2 where it has
-    none), for a decoder hidden states of the config's width as long as them, in ``dtype``; beside its
-    ``pixel_values``, a mask of random patches.
+    none), for a decoder hidden states of the config's width as long as them, in ``dtype``, entities with the
+    positions of their mentions; beside its ``pixel_values``, a mask of random patches.
 
     Examples
     --------
@@ -187,6 +192,13 @@ def optional_inputs(config: Any, forward_params: Collection[str], given: dict[st
                           if isinstance(getattr(config, a, None), int)), None)
             if width is not None:
                 built[name] = torch.randn(*ids.shape, width, generator=generator).to(device=ids.device, dtype=dtype)
+        elif name in _OPTIONAL_INPUT_SETS:
+            count, companion = _OPTIONAL_INPUT_SETS[name]
+            count = getattr(config, count, None)
+            if isinstance(count, int) and count > 1 and companion in wanted:
+                shape = (ids.shape[0], _ENTITIES)
+                built[name] = torch.randint(1, count, shape, generator=generator).to(ids.device)
+                built[companion] = torch.randint(ids.shape[1], (*shape, _ENTITIES), generator=generator).to(ids.device)
     return built
 
 

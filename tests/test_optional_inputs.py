@@ -104,6 +104,29 @@ def test_xlm_language_embeddings_move_with_the_stream():
     assert largest_change(model, report, {"input_ids": ids, "langs": langs}, run=lambda m, x: m(**x).logits) < 1e-10
 
 
+def test_luke_entities_move_with_the_stream():
+    """LUKE reads its entity embeddings and entity-aware attention only when given entities, which come with the
+    word positions of their mentions."""
+    config = transformers.LukeConfig(vocab_size=40, entity_vocab_size=10, hidden_size=32, entity_emb_size=16,
+                                     num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+    torch.manual_seed(0)
+    model = noisy(transformers.LukeForMaskedLM(config), 0.05)
+    subject = symgraph.load(model)
+    report = subject.report
+    assert {"entity_ids", "entity_position_ids"} <= set(subject.capture.added_inputs)
+    assert any(g.motif == "residual" and "luke.entity_embeddings.entity_embedding_dense.weight" in g.params
+               for g in report.groups)
+    run = lambda m, x: torch.cat([m(**x).logits.flatten(), m(**x).entity_logits.flatten()])  # noqa: E731
+    for seed, (batch, length, entities) in enumerate(((2, 6, 2), (1, 11, 3))):
+        g = torch.Generator().manual_seed(seed)
+        positions = torch.randint(0, length, (batch, entities, 2), generator=g)
+        positions[:, :, 1] = -1  # one-word mentions
+        inputs = {"input_ids": _ids(batch, length, seed), "entity_ids": torch.randint(1, 10, (batch, entities),
+                                                                                     generator=g),
+                  "entity_position_ids": positions}
+        assert largest_change(model, report, inputs, draws=2, run=run) < 1e-10
+
+
 class MaskedPatches(nn.Module):
     """A ViT-style stem that puts a learned mask token in place of the patches ``bool_masked_pos`` picks (DINOv2,
     BEiT), a residual block and a mean-pooled head: the mask token lies in the stream's coordinates."""
