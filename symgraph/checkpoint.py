@@ -633,10 +633,8 @@ def not_carried_over(like_dir: Path) -> list[str]:
     end in ``/``."""
     from .io import MODEL_FILES
 
-    index = like_dir / "model.safetensors.index.json"
-    shards = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
-    bin_index = like_dir / "pytorch_model.bin.index.json"
-    shards |= set(json.loads(bin_index.read_text()).get("weight_map", {}).values()) if bin_index.is_file() else set()
+    shards = {str(v) for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+              for v in dict(_json_object(like_dir / name).get("weight_map") or {}).values()}
     carried = {*MODEL_FILES, *shards, *auto_map_code(like_dir)}
     return sorted(p.name + "/" * p.is_dir() for p in like_dir.iterdir()
                   if not p.name.startswith(".") and p.name not in carried)

@@ -391,6 +391,7 @@ def align(source, anchor, output, mode, only, layers, no_rescale, refine_rounds,
 
     compute_device(device)  # before the models are read
     _check_distinct_outputs(**{"-o": output, "--stats": stats_path})
+    _check_data_not_written({"-o": output, "--stats": stats_path}, [data_spec, learn_data_spec])
     _check_model_output(output, overwrite, [source, anchor], written_from=[source])
     _check_file_output(stats_path, [source, anchor])
     span = _parse_layers(layers)
@@ -581,7 +582,7 @@ def compare(model_a, model_b, json_path):
     from .streamed_verify import verify_streamed
 
     _check_file_output(json_path, [model_a, model_b])
-    outcome = verify_streamed(model_a, model_b)
+    outcome = verify_streamed(model_a, model_b, untied=_untied_between(model_a, model_b))
     result = {"model_a": model_a, "model_b": model_b, "relative_error": outcome.relative_error,
               "tolerance": outcome.tolerance, "same_function": outcome.ok, "float64": "block by block"}
     if json_path is not None:
@@ -593,6 +594,26 @@ def compare(model_a, model_b, json_path):
                + (f"; their configurations differ: {configs}" if configs else ""))
     if not outcome.ok:
         sys.exit(1)
+
+
+def _untied_between(model_a, model_b) -> dict[str, str]:
+    """The names ``model_b`` stores that ``model_a`` ties to a tensor it stores under another name (an LM head that
+    ``fold`` untied): name -> that stored name, for :func:`symgraph.streamed_verify.verify_streamed`."""
+    from .io import load_model
+    from .lazy_state import LazyState
+
+    stored_a, stored_b = set(LazyState(model_a)), set(LazyState(model_b))
+    extra = stored_b - stored_a
+    if not extra:
+        return {}
+    aliases: dict[int, list[str]] = {}
+    for name, p in load_model(Path(model_a), config_only=True).model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    untied = {}
+    for names in aliases.values():
+        kept = [n for n in names if n in stored_a]
+        untied.update({n: kept[0] for n in names if n in extra and kept})
+    return untied
 
 
 @cli.command(help="Run the main job on the shipped model pairs (two trainings of one model each): symmetry report, "
@@ -669,6 +690,7 @@ def merge(models, output, method, align_mode, data_specs, split, batch_size, lim
         raise click.UsageError(f"--alpha is RegMean's shrinkage; --method {method} has none, so it would be ignored. "
                                "Leave --alpha out, or use --method regmean.")
     _check_distinct_outputs(**{"-o": output, "--json": json_path})
+    _check_data_not_written({"-o": output, "--json": json_path}, [*data_specs, learning.get("learn_data_spec")])
     # --stream averages every stored tensor, those the model does not load too
     _check_model_output(output, overwrite, models, written_from=() if stream else models)
     _check_file_output(json_path, models)
@@ -746,6 +768,7 @@ def barrier(model_a, model_b, data, split, batch_size, limit, steps, aligns, no_
     compute_device(device)  # before the models are read
     check_plot_path(output)
     _check_distinct_outputs(**{"-o": output, "--json": json_path})
+    _check_data_not_written({"-o": output, "--json": json_path}, [data, align_data, learn_data_spec])
     _check_file_output(output, [model_a, model_b])
     _check_file_output(json_path, [model_a, model_b])
     modes = [m.strip() for m in aligns.split(",") if m.strip()]
@@ -875,6 +898,29 @@ def _check_distinct_outputs(**outputs: Path | None) -> None:
         seen[key] = option
 
 
+def _check_data_not_written(outputs: dict[str, Path | None], specs) -> None:
+    """No output (``-o``, ``--json``, ``--stats``) may be a data file given as ``--data`` (or ``--learn-data``,
+    ``--align-data``), lie inside a data folder, or hold one: the run would replace what it reads. Specs that name
+    no existing path (``digits``, ``synthetic``) are no files; a ``:split`` suffix is read off."""
+    import os
+
+    paths = []
+    for spec in filter(None, specs):
+        for candidate in (str(spec), str(spec).rpartition(":")[0]):
+            if candidate and Path(candidate).expanduser().exists():
+                paths.append((spec, Path(os.path.realpath(Path(candidate).expanduser()))))
+                break
+    for option, output in outputs.items():
+        if output is None:
+            continue
+        out = Path(os.path.realpath(output.expanduser()))
+        for spec, data in paths:
+            if out == data or data in out.parents or out in data.parents:
+                relation = "is" if out == data else "lies inside" if data in out.parents else "contains"
+                raise OutputError(f"The output {option} '{output}' {relation} the data '{spec}': writing it would "
+                                  "replace data the run reads.", hint=f"give {option} a path of its own.")
+
+
 def _check_file_output(output: Path | None, inputs) -> None:
     """A report, plot or JSON output must not overwrite an input's file."""
     from .files import refuse_overlap
@@ -956,6 +1002,6 @@ def main(argv=None) -> None:
 def _internal_error(exc: BaseException, debug: bool) -> None:
     if debug:
         raise exc
-    click.echo(f"internal error: {type(exc).__name__}: {exc}\n  This is a symgraph bug; rerun with --debug "
-               f"for the traceback and report it.", err=True)
+    click.echo(f"internal error: {type(exc).__name__}: {exc}\n  This is a symgraph bug; rerun as `symgraph --debug "
+               f"COMMAND ...` (the flag goes before the command) for the traceback, and report it.", err=True)
     sys.exit(3)

@@ -100,17 +100,35 @@ def prepare_output(out: Path, *, overwrite: bool, folder: bool) -> None:
 
 def _check_model_folder(out: Path) -> None:
     """--overwrite replaces a model folder (or an empty one), never a folder of other things: a mistyped -o such as
-    a project or home folder would otherwise be deleted whole."""
+    a project or home folder would otherwise be deleted whole, and a model folder that also holds what a written one
+    does not carry (a model card, training checkpoints, notes) would lose those."""
+    import json
+
+    from .checkpoint import not_carried_over
     from .io import WEIGHT_FILES
 
     entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir())
-    if not entries or any(n == "config.json" or n in WEIGHT_FILES or n.endswith(".safetensors") for n in entries):
+    if not entries:
         return
-    raise OutputError(
-        f"Output folder '{out}' holds no model (no config.json or weights; it holds {', '.join(entries[:5])}"
-        f"{', ...' if len(entries) > 5 else ''}): --overwrite replaces model folders only, and replacing this one "
-        "would delete everything in it.",
-        hint="choose another output path (a new folder, or an earlier model output), or empty this folder yourself.")
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    is_model = (isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+                or any(n in WEIGHT_FILES or n.endswith(".safetensors") for n in entries))
+    if not is_model:
+        raise OutputError(
+            f"Output folder '{out}' holds no model (no Hugging Face config.json or weights; it holds "
+            f"{', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): --overwrite replaces model folders only, "
+            "and replacing this one would delete everything in it.",
+            hint="choose another output path (a new folder, or an earlier model output), or empty this folder "
+                 "yourself.")
+    other = [n for n in entries if n.startswith(".")] + not_carried_over(out)  # .git of a cloned repository too
+    if other:
+        raise OutputError(
+            f"Output folder '{out}' holds a model and also {', '.join(other[:5])}{', ...' if len(other) > 5 else ''}, "
+            "which the written model does not carry: --overwrite would delete them.",
+            hint="move them out of the folder first, or choose another output path.")
 
 
 def _kind(path: Path) -> str:

@@ -603,7 +603,7 @@ def _stored_dtypes(folder: Path, weights: Path):
             stored = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception:
             continue
-        for key, value in stored.items():
+        for key, value in _state_dict_in(stored, file).items():
             if isinstance(value, torch.Tensor):
                 yield key, str(value.dtype).removeprefix("torch."), value.is_floating_point(), file
 
@@ -625,9 +625,19 @@ def stored_tensors(folder: Path, names) -> dict[str, torch.Tensor]:
             with safe_open(str(file), framework="pt") as handle:
                 out.update({key: handle.get_tensor(key) for key in wanted & set(handle.keys())})
         else:
-            stored = torch.load(file, map_location="cpu", weights_only=True)
+            stored = _state_dict_in(torch.load(file, map_location="cpu", weights_only=True), file)
             out.update({key: stored[key] for key in wanted & set(stored)})
     return out
+
+
+def _state_dict_in(stored, file: Path) -> dict:
+    """``stored`` (what ``torch.load`` read from ``file``), which must map tensor names to tensors."""
+    if not isinstance(stored, dict):
+        raise ModelLoadError(f"'{file}' holds a {type(stored).__name__}, not a state dict (tensor names mapped to "
+                             "tensors), so no model can be read from it.",
+                             hint="save the weights with model.save_pretrained(folder), or "
+                                  "torch.save(model.state_dict(), file).")
+    return stored
 
 
 def _weights_in(folder: Path) -> Path | None:
@@ -895,7 +905,7 @@ def _check_weights(folder: Path, weights: Path) -> None:
                 f"The weights index '{weights}' has no \"weight_map\".",
                 hint="re-download or re-save the checkpoint.",
             )
-        shards = sorted(set(map(str, weight_map.values())))
+        shards = _shard_names(weights, weight_map)
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ModelLoadError(
@@ -956,8 +966,23 @@ def _check_same_copies(name: str, first: Path, second: Path) -> None:
 def _weight_files(folder: Path, weights: Path) -> list[Path]:
     """The weight files of a checkpoint: ``weights`` itself, or the shards its index lists."""
     if weights.name.endswith(".index.json"):
-        return sorted({folder / s for s in _read_json(weights, what="weights index")["weight_map"].values()})
+        index = _read_json(weights, what="weights index")
+        return [folder / s for s in _shard_names(weights, index.get("weight_map") or {})]
     return [weights]
+
+
+def _shard_names(index: Path, weight_map: dict) -> list[str]:
+    """The shard files a weights index names, each a file of the index's own folder: a name that reaches outside it
+    (``../other/model-00001.safetensors``, an absolute path) would read another checkpoint's tensors, which
+    transformers refuses too."""
+    shards = sorted(set(map(str, weight_map.values())))
+    outside = [s for s in shards if Path(s).name != s or s in (".", "..")]
+    if outside:
+        raise ModelLoadError(
+            f"The weights index '{index}' names shard files outside its folder: {', '.join(outside[:3])}"
+            f"{' ...' if len(outside) > 3 else ''}.",
+            hint="shards must be files of the model folder itself: move them there and name them by file name.")
+    return shards
 
 
 def _safetensors_files(folder: Path, weights: Path) -> list[Path]:

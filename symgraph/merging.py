@@ -750,15 +750,18 @@ def normalized_weights(weights: Sequence[float] | None, count: int) -> np.ndarra
     --------
     >>> normalized_weights([1, 3], 2).tolist()
     [0.25, 0.75]
+    >>> normalized_weights([1e308, 1e308], 2).tolist()
+    [0.5, 0.5]
     """
     if weights is None:
         return np.full(count, 1.0 / count)
     w = np.asarray(list(weights), dtype=np.float64)
     if w.shape != (count,):
         raise SymgraphError(f"Got {w.size} weights for {count} models.", hint="give one weight per model.")
-    if not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+    if not np.isfinite(w).all() or (w < 0).any() or not w.max() > 0:
         raise SymgraphError(f"Weights {w.tolist()} must be finite, non-negative, and sum to a positive number.",
                             hint="e.g. --weights 0.7,0.3 (they are normalised to sum to 1).")
+    w = w / w.max()  # first: the sum of weights near the largest float would overflow (1e308,1e308 gave NaNs)
     return w / w.sum()
 
 

@@ -276,6 +276,93 @@ def test_overwrite_never_replaces_a_folder_that_holds_no_model(tmp_path, pair, c
     assert _written(tmp_path) == ["project"]
 
 
+def test_overwrite_never_deletes_what_a_model_folder_holds_besides_the_model(tmp_path, pair):
+    """Before: a folder with any config.json counted as a model folder, so a project whose tool config is named
+    config.json lost its code and data, and a training run's folder its checkpoints, model card and git history."""
+    import shutil
+
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text('{"lint": true}')
+    (project / "src" / "main.py").write_text("print(1)")
+    run_dir = tmp_path / "run"
+    shutil.copytree(pair[0], run_dir)
+    (run_dir / "checkpoint-500").mkdir()
+    (run_dir / "README.md").write_text("# card")
+    clone = tmp_path / "clone"
+    shutil.copytree(pair[0], clone)
+    (clone / ".git").mkdir()
+    for out, named, said in ((project, "config.json", "holds no model"), (run_dir, "checkpoint-500/", "README.md"),
+                             (clone, ".git/", "would delete")):
+        before = tree_digest(out)
+        code, _, err = run("fold", pair[0], "-o", out, "--overwrite")
+        assert code == 2 and named in err and said in err, err
+        assert tree_digest(out) == before
+
+
+@pytest.mark.parametrize("command", ["barrier --json", "merge --json", "align --stats", "merge -o"])
+def test_no_output_replaces_the_data_it_reads(tmp_path, pair, command):
+    """Before: ``--json data.npz`` beside ``--data data.npz`` replaced the data set with the run's JSON (exit 0): the
+    overlap checks were given the models only."""
+    import numpy as np
+
+    data = tmp_path / "data.npz"
+    vocab = json.loads((pair[0] / "config.json").read_text())["vocab_size"]
+    np.savez(data, input_ids=np.random.default_rng(0).integers(0, vocab, (8, 6)))
+    before = data.read_bytes()
+    args = {"barrier --json": ["barrier", *pair, "--data", data, "--align", "none", "--steps", "3",
+                               "-o", tmp_path / "plot.png", "--json", data],
+            "merge --json": ["merge", *pair, "--align", "none", "--method", "fisher", "--data", data,
+                             "-o", tmp_path / "merged", "--json", data],
+            "align --stats": ["align", *pair, "--data", data, "-o", tmp_path / "aligned", "--stats", data],
+            "merge -o": ["merge", *pair, "--align", "none", "--method", "fisher", "--data", f"{data}:train",
+                         "-o", tmp_path, "--overwrite"]}[command]
+    code, _, err = run(*args)
+    assert code == 2 and "the data" in err, err
+    assert data.read_bytes() == before and _written(tmp_path) == ["data.npz"]
+
+
+@pytest.mark.parametrize("stored", [[1, 2, 3], "tensor"])
+def test_a_bin_that_holds_no_state_dict_is_named(tmp_path, pair, stored):
+    """Before: 'internal error: AttributeError: 'list' object has no attribute 'items'' (exit 3)."""
+    import shutil
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(pair[0] / "config.json", folder / "config.json")
+    torch.save(torch.zeros(3) if stored == "tensor" else stored, folder / "pytorch_model.bin")
+    code, _, err = run("report", folder)
+    assert code == 2 and "not a state dict" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_shard_named_outside_its_folder_is_refused(tmp_path, pair, stream):
+    """Before: ``merge --stream`` read the tensors of ``../OTHER/model-00001-of-N.safetensors`` and merged them
+    (exit 0), where the in-memory merge was refused by transformers."""
+    sharded, other = tmp_path / "a", tmp_path / "other"
+    for folder, seed in ((sharded, 0), (other, 2)):
+        zoo.build("llama", seed=seed).save_pretrained(folder, max_shard_size="20KB")
+    index = sharded / "model.safetensors.index.json"
+    first = sorted(json.loads(index.read_text())["weight_map"].values())[0]
+    index.write_text(index.read_text().replace(f'"{first}"', f'"../other/{first}"'))
+    code, _, err = run("merge", sharded, pair[1], "--align", "none", *(["--stream"] if stream else []),
+                       "-o", tmp_path / "merged")
+    assert code == 2 and "outside its folder" in err, err
+    assert not (tmp_path / "merged").exists()
+
+
+def test_compare_takes_a_tied_model_and_its_untied_fold_for_one_function(tmp_path):
+    """Before: ``compare A F`` after ``fold A -o F`` (which unties a tied head by default) exited 2: "store different
+    tensors (only in the first: []; only in the second: ['lm_head.weight'])"."""
+    model = tmp_path / "a"
+    zoo.build("gpt2", seed=0).save_pretrained(model)
+    assert json.loads((model / "config.json").read_text()).get("tie_word_embeddings", True)
+    code, _, err = run("fold", model, "-o", tmp_path / "folded")
+    assert code == 0, err
+    code, out, err = run("compare", model, tmp_path / "folded")
+    assert code == 0 and "the same function" in out, out + err
+
+
 def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair):
     from symgraph.io import save_model
 
