@@ -854,8 +854,26 @@ def check_same_architecture(source, anchor, *, groups: bool = True) -> None:
     for name, subject in (("source", source), ("anchor", anchor)):
         check_finite(subject.model, f"the {name} ({subject.name})")
     if groups and [g.to_json() for g in source.report.groups] != [g.to_json() for g in anchor.report.groups]:
-        raise MismatchError("The two models have different symmetry groups.",
-                            hint="compare `symgraph report` of both; they must be the same architecture.")
+        raise different_groups("the source and the anchor", source.report.groups, anchor.report.groups,
+                               (f"the source ({source.name})", f"the anchor ({anchor.name})"))
+
+
+def different_groups(where: str, first, other, names: tuple[str, str]) -> MismatchError:
+    """The error for two models of one configuration whose reports differ (``where`` names the pair, ``first``
+    and ``other`` are their groups): the first group that differs, and the usual cause, special weight values."""
+    def described(group) -> str:
+        return f"{group.id} ({group.kind}, {group.size}x{group.copies})" if group is not None else "nothing"
+
+    keyed = [{g.id: g for g in groups} for groups in (first, other)]
+    differ = next((i for i in dict.fromkeys([*keyed[0], *keyed[1]])
+                   if i not in keyed[0] or i not in keyed[1] or keyed[0][i].to_json() != keyed[1][i].to_json()), None)
+    shown = (f": {names[0]} has {described(keyed[0].get(differ))} where {names[1]} has "
+             f"{described(keyed[1].get(differ))}" if differ is not None else "")
+    return MismatchError(
+        f"{where[0].upper()}{where[1:]} have different symmetry groups{shown}.",
+        hint="groups follow the weights' values as well as the architecture: a freshly initialised model (norm "
+             "weights exactly 1, biases 0) has more symmetry than a trained one; compare `symgraph report` of both, "
+             "and align or merge trained models of one architecture.")
 
 
 # Config fields that name or describe a checkpoint without changing what the model computes.

@@ -798,7 +798,7 @@ def head_parameters(subject: Subject, patterns: Sequence[str] | None = None) -> 
 def check_compatible(subjects: Sequence[Subject], exclude: frozenset[str], *, groups: bool) -> None:
     """Refuse models that differ in class, parameter names, shapes outside ``exclude``, configuration, finiteness,
     or (with ``groups``) symmetry groups outside ``exclude``: raise :class:`~symgraph.errors.MismatchError`."""
-    from .alignment import check_same_config
+    from .alignment import check_same_config, different_groups
 
     first = subjects[0]
     for position, other in enumerate(subjects[1:], start=2):
@@ -806,8 +806,8 @@ def check_compatible(subjects: Sequence[Subject], exclude: frozenset[str], *, gr
         _check_same_parameters(first, other, exclude, where)
         check_same_config(first.config, other.config)  # label names may differ: they are cosmetic
         if groups and _group_keys(first, exclude) != _group_keys(other, exclude):
-            raise MismatchError(f"{where.capitalize()} have different symmetry groups.",
-                                hint="compare `symgraph report` of both; merge models of one architecture.")
+            raise different_groups(where, first.report.groups, other.report.groups,
+                                   (f"model 1 ({first.name})", f"model {position} ({other.name})"))
     for position, subject in enumerate(subjects, start=1):
         check_finite(subject.model, f"model {position} ({subject.name})")
 

@@ -363,6 +363,26 @@ def test_compare_takes_a_tied_model_and_its_untied_fold_for_one_function(tmp_pat
     assert code == 0 and "the same function" in out, out + err
 
 
+def test_different_groups_are_named_with_their_usual_cause():
+    """Before: "The two models have different symmetry groups ... they must be the same architecture", for two
+    models of one architecture, one freshly initialised (its unit norm weights give its stream more symmetry)."""
+    from group_checks import noisy
+
+    import symgraph
+    from symgraph.errors import MismatchError
+
+    import transformers
+
+    config = transformers.MBartConfig(vocab_size=40, d_model=32, decoder_layers=1, encoder_layers=1,
+                                      decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=48,
+                                      encoder_ffn_dim=48, max_position_embeddings=64)
+    fresh, trained = transformers.MBartForCausalLM(config).eval(), noisy(transformers.MBartForCausalLM(config), 0.05)
+    for call in (lambda: symgraph.align(fresh, trained, progress=False), lambda: symgraph.merge([trained, fresh])):
+        with pytest.raises(MismatchError) as caught:
+            call()
+        assert "residual" in str(caught.value) and "freshly initialised" in caught.value.hint, caught.value
+
+
 def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair):
     from symgraph.io import save_model
 
@@ -393,6 +413,7 @@ class _Masked(torch.nn.Module):
 def test_merge_refuses_models_whose_masks_differ():
     """Before: the merge kept one model's mask silently, computing with it on the other's averaged weights."""
     import symgraph
+    import symgraph
     from symgraph.errors import MismatchError
 
     x = torch.randn(3, 8)
@@ -405,6 +426,7 @@ def test_merge_refuses_models_whose_masks_differ():
 
 
 def test_streamed_merge_refuses_integer_tensors_that_differ(tmp_path):
+    import symgraph
     from symgraph.errors import MismatchError
     from symgraph.io import save_model
     from symgraph.merging import merge_streamed
