@@ -191,16 +191,30 @@ def check_transformed(subject: Subject, state: dict[str, torch.Tensor], elements
     return outcome
 
 
-def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
+def _given_inputs(inputs) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` of the example inputs a caller gave (None: none given)."""
     if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) \
             and isinstance(inputs[0], tuple):
-        return inputs
+        return inputs[0], dict(inputs[1])
     if isinstance(inputs, dict):
         return (), dict(inputs)
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     if isinstance(inputs, torch.Tensor):
         return (inputs,), {}
+    return None
+
+
+def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
+    given = _given_inputs(inputs)
+    if given is not None:  # a cache would be returned beside the outputs, and torch.export cannot trace it
+        args, kwargs = given
+        takes = inspect.signature(model.forward).parameters
+        if config is not None and "use_cache" in takes and "use_cache" not in kwargs:
+            from .inputs import without_cache
+
+            kwargs = {**kwargs, **without_cache(config)}
+        return args, kwargs
     if config is not None:
         from .inputs import example_inputs, forward_kwargs
 

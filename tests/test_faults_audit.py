@@ -383,6 +383,19 @@ def test_different_groups_are_named_with_their_usual_cause():
         assert "residual" in str(caught.value) and "freshly initialised" in caught.value.hint, caught.value
 
 
+def test_inputs_given_to_a_cached_decoder_trace_without_its_cache():
+    """Before: ``symgraph.load(llama, inputs=(ids,))`` stopped at capture on the DynamicCache its forward returned,
+    where the inputs symgraph builds itself switch the cache off."""
+    import symgraph
+    import transformers
+
+    model = transformers.LlamaForCausalLM(zoo.tiny_config("llama")).eval()
+    ids = torch.randint(3, 50, (2, 6))
+    for inputs in ((ids,), {"input_ids": ids}, ids):
+        subject = symgraph.load(model, inputs=inputs)
+        assert subject.kwargs.get("use_cache") is False and subject.report.groups
+
+
 def test_overwrite_still_replaces_a_model_folder_and_an_empty_one(tmp_path, pair):
     from symgraph.io import save_model
 
