@@ -484,12 +484,23 @@ def test_save_refuses_existing_without_overwrite(tmp_path):
 def test_save_overwrite_replaces_folder(tmp_path):
     out = tmp_path / "out"
     sio.save_model({"w": torch.zeros(2)}, out)
-    (out / "stale.txt").write_text("old")
+    (out / "pytorch_model.bin").write_text("old")  # a stale model file: the folder is replaced whole
     sio.save_model({"w": torch.ones(3)}, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["w"], torch.ones(3))
     assert leftovers(tmp_path) == []
     assert (out.stat().st_mode & 0o777) == 0o755
+
+
+def test_save_overwrite_keeps_a_folder_holding_other_things(tmp_path):
+    """A file a written model does not carry (notes, a model card) is not deleted: the overwrite is refused."""
+    out = tmp_path / "out"
+    sio.save_model({"w": torch.zeros(2)}, out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="notes.txt"):
+        sio.save_model({"w": torch.ones(3)}, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["w"], torch.zeros(2))
 
 
 def test_save_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, bert_dir):

@@ -120,7 +120,8 @@ def test_a_disk_that_fills_while_shards_are_written_leaves_nothing(tmp_path, mon
     out = tmp_path / "out"
     if existing:
         out.mkdir()
-        (out / "config.json").write_text("old")  # an earlier model output (--overwrite replaces model folders only)
+        (out / "config.json").write_text('{"model_type": "llama"}')  # an earlier model output (--overwrite
+        # replaces model folders only)
     room = [3 * SMALL_SHARDS]  # the first shards fit, a later one does not
     monkeypatch.setattr(shards, "open", lambda path, mode: _FillingFile(builtins.open(path, mode), room),
                         raising=False)
