@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from .capture import Capture
 from .errors import CaptureError
-from .module_state import attributes_kept
+from .module_state import attributes_kept, parameter_names
 
 __all__ = ["check_traced_paths", "parameters_used"]
 
@@ -68,10 +68,7 @@ class _ParameterUse(TorchFunctionMode):
 
 def parameters_used(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[frozenset[str]]:
     """The parameters one forward call uses, each as the set of names it goes by (tied ones have several)."""
-    names: dict[int, set[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), set()).add(name)
-    mode = _ParameterUse({k: frozenset(v) for k, v in names.items()})
+    mode = _ParameterUse(parameter_names(model))
     with torch.no_grad(), mode, attributes_kept(model):  # the run at a probe shape leaves the model as it was
         model(*args, **kwargs)
     return mode.used

@@ -23,7 +23,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_map
 
 from .errors import CaptureError
-from .module_state import attributes_kept, eval_mode
+from .module_state import attributes_kept, eval_mode, parameter_names
 from .moe import DENSE, experts_implementation
 
 _log = logging.getLogger(__name__)
@@ -148,10 +148,7 @@ def unread_parameters(cap: Capture) -> frozenset[str]:
               if n.op == "placeholder" and n.name in cap.params and not n.users}
     if not unread:
         return frozenset()
-    aliases: dict[int, set[str]] = {}
-    for name, p in cap.model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), set()).add(name)
-    by_name = {name: names for names in aliases.values() for name in names}
+    by_name = {name: names for names in parameter_names(cap.model).values() for name in names}
     return frozenset(name for name in unread if not by_name.get(name, {name}) & read)
 
 
@@ -159,8 +156,7 @@ def added_inputs_note(cap: Capture) -> str | None:
     """The report's note on the optional inputs :func:`capture` added to the example inputs (None: none)."""
     if not cap.added_inputs:
         return None
-    names = cap.read_with_added
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    shown = _listed(cap.read_with_added)
     them = "them" if len(cap.added_inputs) > 1 else "it"
     return (f"traced with {', '.join(cap.added_inputs)} added by symgraph (random values): without {them} the "
             f"model leaves {shown} unread, parameters it reads when given {them}; the groups found hold with "
@@ -173,11 +169,15 @@ def unread_note(cap: Capture) -> str | None:
     names = sorted(unread_parameters(cap))
     if not names:
         return None
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     them = "them" if len(names) > 1 else "it"
     return (f"{len(names)} parameter{'s' if len(names) > 1 else ''} unread at the traced inputs, so held fixed by "
-            f"every group: {shown} (code the trace did not take may read {them}: pass inputs that reach that code "
-            f"to have {them} aligned)")
+            f"every group: {_listed(names)} (code the trace did not take may read {them}: pass inputs that reach "
+            f"that code to have {them} aligned)")
+
+
+def _listed(names, most: int = 4) -> str:
+    """The first ``most`` of ``names``, and how many more there are."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _optional_inputs(model: torch.nn.Module, kwargs: dict) -> dict[str, torch.Tensor]:

@@ -601,18 +601,16 @@ def _untied_between(model_a, model_b) -> dict[str, str]:
     ``fold`` untied): name -> that stored name, for :func:`symgraph.streamed_verify.verify_streamed`."""
     from .io import load_model
     from .lazy_state import LazyState
+    from .module_state import parameter_names
 
     stored_a, stored_b = set(LazyState(model_a)), set(LazyState(model_b))
     extra = stored_b - stored_a
     if not extra:
         return {}
-    aliases: dict[int, list[str]] = {}
-    for name, p in load_model(Path(model_a), config_only=True).model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
     untied = {}
-    for names in aliases.values():
-        kept = [n for n in names if n in stored_a]
-        untied.update({n: kept[0] for n in names if n in extra and kept})
+    for names in parameter_names(load_model(Path(model_a), config_only=True).model).values():
+        kept = sorted(names & stored_a)
+        untied.update({n: kept[0] for n in names & extra if kept})
     return untied
 
 

@@ -98,7 +98,8 @@ def _unrolled(subject, shallow_cap, plan: DepthPlan) -> Unrolled:
     (:mod:`symgraph.depth_check`): blocks that look alike may still run differently by index."""
     full_plan = dataclasses.replace(plan, reduced=plan.depth, source=tuple(range(plan.depth)))
     full = _build_shallow(subject.model, getattr(subject, "config", None), full_plan)
-    return Unrolled(capture(full, subject.args, subject.kwargs), shallow_cap, plan)
+    # on the shallow copy's inputs, optional ones it added included: the two graphs are compared node by node
+    return Unrolled(capture(full, shallow_cap.args, shallow_cap.kwargs, add_optional=False), shallow_cap, plan)
 
 
 def _give_uniform_vectors(cap, model: nn.Module, plan: DepthPlan) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["attributes_kept", "copied_module", "private_tree", "eval_mode", "gradients_on"]
+__all__ = ["attributes_kept", "copied_module", "private_tree", "eval_mode", "gradients_on", "parameter_names"]
 
 #: Per-module dicts a module tree of its own must not share with the caller's (the rest of ``__dict__`` is
 #: shared by a shallow copy: the config, plain attributes; tensors stay the caller's).
@@ -115,3 +115,12 @@ def attributes_kept(model: torch.nn.Module) -> Iterator[None]:
         for module, attributes in saved:
             vars(module).clear()
             vars(module).update(attributes)
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, frozenset[str]]:
+    """Every name each parameter of ``model`` goes by, keyed by the parameter's ``id`` (a tied LM head and its
+    embedding: one parameter, two names)."""
+    names: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+    return {key: frozenset(value) for key, value in names.items()}

@@ -148,7 +148,9 @@ class Selections:
         summary = shape_summary(inputs)
         if summary not in self._traces:
             try:
-                self._traces[summary] = Trace(capture(self.model, *inputs), branches=True, constants=self.constants)
+                # the probes are variants of the capture's own inputs, optional ones added there included
+                traced = capture(self.model, *inputs, add_optional=False)
+                self._traces[summary] = Trace(traced, branches=True, constants=self.constants)
             except CaptureError:
                 self._traces[summary] = None
         return self._traces[summary]
