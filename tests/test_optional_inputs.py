@@ -217,3 +217,26 @@ def test_optional_inputs_are_built_beside_token_ids_only():
     given = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)}
     assert optional_inputs(config, ["input_ids", "token_type_ids"], given) == {}, "what is given is kept"
     assert optional_inputs(config, ["pixel_values", "token_type_ids"], {"pixel_values": torch.ones(1, 3)}) == {}
+
+
+def test_cli_report_and_align_of_an_xlnet_folder(tmp_path):
+    """Through the CLI: ``report`` of a saved XLNet names the added input and keeps its segment embeddings in the
+    groups; ``align`` writes a model whose logits with token_type_ids are the source's."""
+    from cli_runner import report_json, run
+
+    anchor, source = tmp_path / "a", tmp_path / "b"
+    _xlnet().save_pretrained(anchor)
+    torch.manual_seed(1)
+    model = noisy(transformers.XLNetLMHeadModel(_xlnet().config), 0.05)
+    model.save_pretrained(source)
+    report = report_json(anchor)
+    assert any("token_type_ids" in note for note in report["notes"]), report["notes"]
+    assert any(m["param"].endswith("seg_embed") for g in report["groups"] for m in g["members"])
+    result = run("align", source, anchor, "-o", tmp_path / "aligned")
+    assert result.returncode == 0, result.stderr
+    ids = _ids(2, 7, 5)
+    inputs = {"input_ids": ids, "token_type_ids": _segments(ids, 5)}
+    with torch.no_grad():
+        expected = model.double()(**inputs).logits
+        aligned = transformers.XLNetLMHeadModel.from_pretrained(tmp_path / "aligned").double().eval()(**inputs).logits
+    assert float((aligned - expected).abs().max() / expected.abs().max()) < 1e-5
