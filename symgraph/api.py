@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .analysis import analyse_capture
-from .capture import Capture, added_inputs_note, capture, unread_note
+from .capture import Capture, added_inputs_note, capture, lengthened_note, unread_note
 from .elements import Element, apply, sample
 from .errors import CaptureError, InvarianceError, ModelLoadError, SymgraphError
 from .inputs import with_attention_mask
@@ -76,7 +76,7 @@ class Subject:
                     raise
                 self._capture = capture(self.model, self.args, masked)  # LongT5: code that cannot run without a mask
                 self.kwargs = masked
-            if self._capture.added_inputs:  # every check runs on the inputs the groups were found on
+            if self._capture.added_inputs or self._capture.lengthened:  # checks run where the groups were found
                 self.kwargs = self._capture.kwargs
         return self._capture
 
@@ -97,7 +97,8 @@ class Subject:
             why = residual_note(None if self.config_only else self.capture, analysis.groups, self.config_only)
             notes += (why,) if why else ()
             if self._capture is not None:
-                notes += tuple(n for n in (added_inputs_note(self._capture), unread_note(self._capture)) if n)
+                notes += tuple(n for n in (added_inputs_note(self._capture), lengthened_note(self._capture),
+                                          unread_note(self._capture)) if n)
             self._report = Report.from_analysis(self.name, analysis, notes,
                                                 free_outputs=self.free_outputs)
         return self._report

@@ -52,6 +52,10 @@ class Capture:
     # (XLNet's segment embeddings, with token_type_ids: :func:`symgraph.inputs.optional_inputs`)
     added_inputs: tuple[str, ...] = ()
     read_with_added: tuple[str, ...] = ()
+    # the token length given and the longer one traced instead, and the parameters only the longer trace reads
+    # (DeepSeek-V4's compressor, from 128 tokens: :func:`_traced_longer`)
+    lengthened: tuple[int, int] | None = None
+    read_when_longer: tuple[str, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -71,8 +75,9 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     ``token_type_ids``, a decoder's ``encoder_hidden_states``), the model is traced again with them added, and that
     trace is kept where it reads more parameters (:attr:`Capture.added_inputs`; its ``kwargs`` hold them): the groups
     found then keep the function with those inputs too (``add_optional=False``: never; a trace that runs data as it
-    is, to record activations). Where inputs of another modality were not given, the stream they enter is recorded
-    for the walk to pin (:func:`untraced_inputs`).
+    is, to record activations). Where parameters are still unread, a token model is traced once more at a longer
+    length and that trace is kept where it reads more (:func:`_traced_longer`). Where inputs of another modality
+    were not given, the stream they enter is recorded for the walk to pin (:func:`untraced_inputs`).
 
     Examples
     --------
@@ -95,6 +100,8 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             reached = unread - unread_parameters(fuller)
             if reached:
                 cap = dataclasses.replace(fuller, added_inputs=tuple(extra), read_with_added=tuple(sorted(reached)))
+    if add_optional and unread_parameters(cap):
+        cap = _traced_longer(model, cap)
     untraced = untraced_inputs(model, cap.args, cap.kwargs) if _any_unread(cap) else ()
     embeddings = _token_embeddings(model) if untraced else frozenset()
     if untraced and not embeddings:
@@ -105,6 +112,39 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
                            hint=f"pass example inputs with {untraced[0]} (inputs=... in Python, or return (module, "
                                 "args) from the factory).")
     return dataclasses.replace(cap, untraced_inputs=untraced, token_embeddings=embeddings)
+
+
+# a token length to trace again at where parameters stay unread: attention that compresses or chunks its keys reads
+# its compressor only from a window's length on (DeepSeek-V4's, 128 tokens), past the short example inputs and the
+# probes grown from them; capped by the config's position count
+_LONGER_TOKENS = 512
+_POSITION_COUNTS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
+
+def _traced_longer(model: torch.nn.Module, cap: Capture) -> Capture:
+    """``cap``, or a trace at :data:`_LONGER_TOKENS` tokens (every input of the token ids' length grown with them)
+    where that reads parameters ``cap`` leaves unread: groups found at the short length would leave them behind, and
+    the model computes something else on long inputs."""
+    from .probes import lengthened_inputs
+
+    ids = cap.kwargs.get("input_ids")
+    config = getattr(model, "config", None)
+    counts = [getattr(config, name, None) for name in _POSITION_COUNTS]
+    length = min([_LONGER_TOKENS, *(c for c in counts if isinstance(c, int) and c > 1)])
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or length <= ids.shape[1]:
+        return cap
+    args, kwargs = lengthened_inputs(cap.args, cap.kwargs, ids.shape[1], length)
+    try:
+        longer = _exported(model, args, kwargs)
+    except CaptureError as exc:
+        _log.info("%s traced at %d tokens: at %d it could not be traced (%s)", type(model).__name__, ids.shape[1],
+                  length, exc)
+        return cap
+    reached = unread_parameters(cap) - unread_parameters(longer)
+    if not reached:
+        return cap
+    return dataclasses.replace(longer, added_inputs=cap.added_inputs, read_with_added=cap.read_with_added,
+                               lengthened=(ids.shape[1], length), read_when_longer=tuple(sorted(reached)))
 
 
 def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> Capture:
@@ -161,6 +201,17 @@ def added_inputs_note(cap: Capture) -> str | None:
     return (f"traced with {', '.join(cap.added_inputs)} added by symgraph (random values): without {them} the "
             f"model leaves {shown} unread, parameters it reads when given {them}; the groups found hold with "
             f"{them}, and the checks run with {them}")
+
+
+def lengthened_note(cap: Capture) -> str | None:
+    """The report's note on a trace :func:`capture` took at a longer token length than given (None: none)."""
+    if cap.lengthened is None:
+        return None
+    given, traced = cap.lengthened
+    return (f"traced at {traced} tokens instead of the {given} given: at {given} the model leaves "
+            f"{_listed(cap.read_when_longer)} unread, parameters it reads on longer inputs (an attention that "
+            f"compresses or chunks its keys from a window's length on); the groups found hold at both lengths, and "
+            f"the checks run at {traced}")
 
 
 def unread_note(cap: Capture) -> str | None:

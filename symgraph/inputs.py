@@ -139,8 +139,9 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 # built from. XLNet reads its segment embeddings (``seg_embed``, ``r_s_bias``, in the query/key dot products) only
 # when given ``token_type_ids``; a decoder's cross-attention (MBart's, ProphetNet's as causal LMs) reads its query and
 # output projections only when given ``encoder_hidden_states``; XLM adds language embeddings only when given
-# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3); LUKE reads
-# its entity embeddings and entity-aware attention only when given entities. Encoder
+# ``langs``; a ViT puts its mask token in place of the patches ``bool_masked_pos`` picks (DINOv2, DINOv3), a speech
+# encoder its ``masked_spec_embed`` in place of the frames ``mask_time_indices`` picks (SEW writes it into a stream its
+# groups move); LUKE reads its entity embeddings and entity-aware attention only when given entities. Encoder
 # states are built for decoders only (``is_decoder``): an encoder given them may attend to them with its own
 # self-attention's keys (BigBird's code), a use its stream's groups are not found for. A trace
 # without them finds groups that move the query or the stream but not those parameters: the model computes something
@@ -149,6 +150,7 @@ def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 _OPTIONAL_TOKEN_INPUTS = {"token_type_ids": "type_vocab_size", "langs": "n_langs"}  # name -> how many values
 _OPTIONAL_STATE_INPUTS = {"encoder_hidden_states": ("cross_attention_hidden_size", "hidden_size")}  # -> width
 _OPTIONAL_PATCH_MASKS = ("bool_masked_pos",)  # one flag per patch of the pixels given (the config's patch_size)
+_OPTIONAL_FRAME_MASKS = ("mask_time_indices",)  # one flag per frame of the audio given (after its convolutions)
 # inputs that come as a set: LUKE's entities (ids below the config's entity vocabulary, each with the word positions
 # of its mention), read by its entity embeddings and entity-aware attention; name -> (count attribute, companion)
 _OPTIONAL_INPUT_SETS = {"entity_ids": ("entity_vocab_size", "entity_position_ids")}
@@ -160,7 +162,8 @@ def optional_inputs(config: Any, forward_params: Collection[str], given: dict[st
     """The optional inputs (module comment above) that ``forward`` takes, ``given`` lacks and symgraph can build
     beside ``given``'s ``input_ids``: ids shaped like them (below the config's count of such values, 2 where it has
     none), for a decoder hidden states of the config's width as long as them, in ``dtype``, entities with the
-    positions of their mentions; beside its ``pixel_values``, a mask of random patches.
+    positions of their mentions; beside its ``pixel_values``, a mask of random patches; beside its audio, a mask of
+    random frames.
 
     Examples
     --------
@@ -179,6 +182,12 @@ def optional_inputs(config: Any, forward_params: Collection[str], given: dict[st
         for name in wanted:
             if name in _OPTIONAL_PATCH_MASKS:
                 built[name] = (torch.rand(pixels.shape[0], count, generator=generator) < 0.5).to(pixels.device)
+    frames = _audio_frames(config, given)
+    if frames is not None:
+        audio = given.get("input_values", given.get("input_features"))
+        for name in wanted:
+            if name in _OPTIONAL_FRAME_MASKS:
+                built[name] = (torch.rand(audio.shape[0], frames, generator=generator) < 0.5).to(audio.device)
     ids = given.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return built
@@ -332,6 +341,20 @@ def _mel_features(config: Any, maker: _Maker) -> torch.Tensor:
     positions = getattr(config, "max_source_positions", None)
     frames = 2 * int(positions) if positions is not None else maker.seq
     return maker.floats((maker.batch, int(config.num_mel_bins), frames))
+
+
+def _audio_frames(config: Any, given: dict[str, Any]) -> int | None:
+    """Frames the encoder of a speech model makes of ``given``'s audio: raw samples through the config's
+    convolutions (wav2vec2), or features already one frame a row (``input_features``, batch x frames x features)."""
+    samples, features = given.get("input_values"), given.get("input_features")
+    if isinstance(samples, torch.Tensor) and samples.dim() == 2 and getattr(config, "conv_kernel", None) is not None:
+        length = samples.shape[-1]
+        for kernel, stride in zip(_ints(config.conv_kernel), _ints(getattr(config, "conv_stride", ()))):
+            length = (length - kernel) // stride + 1
+        return length if length > 0 else None
+    if isinstance(features, torch.Tensor) and features.dim() == 3:
+        return features.shape[1]
+    return None
 
 
 def _raw_audio_length(config: Any, frames: int) -> int:

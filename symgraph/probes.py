@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .module_state import attributes_kept
 
-__all__ = ["every_probe", "probe_inputs", "shape_summary", "shortest_inputs"]
+__all__ = ["every_probe", "lengthened_inputs", "probe_inputs", "shape_summary", "shortest_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +139,26 @@ def _grow_batch(batch: int) -> Change:
     return change
 
 
-def _grow_size(size: int) -> Change:
+def lengthened_inputs(args: tuple, kwargs: dict, size: int, to: int, seed: int = 0) -> Inputs:
+    """The inputs with every axis but the batch of length ``size`` grown to ``to`` (token ids and their mask as
+    one), the originals a prefix, new entries drawn as for the probes.
+
+    >>> ids = torch.tensor([[5, 6, 7]])
+    >>> _, kw = lengthened_inputs((), {"input_ids": ids, "attention_mask": torch.ones(1, 3)}, 3, 8)
+    >>> tuple(kw["input_ids"].shape), kw["input_ids"][0, :3].tolist(), set(kw["input_ids"].flatten().tolist())
+    ((1, 8), [5, 6, 7], {5, 6, 7})
+    >>> kw["attention_mask"].sum().item()
+    8.0
+    """
+    return _apply([_grow_size(size, to)], (tuple(args), dict(kwargs)), seed)
+
+
+def _grow_size(size: int, to: int | None = None) -> Change:
     def grown(t, generator):
         if isinstance(t, torch.Tensor):
             for axis in range(1, t.dim()):
                 if t.shape[axis] == size:
-                    t = _grow(t, axis, 2 * size + 3, generator)
+                    t = _grow(t, axis, 2 * size + 3 if to is None else to, generator)
         return t
 
     return lambda inputs, generator: tree_map(lambda t: grown(t, generator), inputs)

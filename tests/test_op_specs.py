@@ -351,6 +351,9 @@ EXAMPLES = {
                                                                  torch.arange(h.shape[1]).flip(0), h),
     "aten.index_put.default": lambda h, m: A.index_put.default(h.flatten(0, 1), [torch.tensor([0, 2])],
                                                                h[0, :2] * 2.0, True).view_as(h),
+    # x[mask] = v over whole positions (wav2vec2's masked frames): v's channels join h's
+    "aten.index_put_.default": lambda h, m: A.index_put_.default(
+        h * 1.0, [(torch.arange(h.shape[1]) % 2 == 0).expand(h.shape[0], -1)], m.v2),
     "aten.zeros_like.default": lambda h, m: h + A.zeros_like.default(h),
     "aten.ones_like.default": lambda h, m: h * A.ones_like.default(h),
     "aten.full_like.default": lambda h, m: h + A.full_like.default(h, 2.0),

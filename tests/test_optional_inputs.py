@@ -163,6 +163,86 @@ def test_mask_token_moves_with_the_stream():
         assert largest_change(model, report, inputs) < 1e-10
 
 
+@pytest.mark.parametrize("kind", ["SEW", "SEWD"])
+def test_masked_frames_embedding_moves_with_the_stream(kind):
+    """SEW writes ``masked_spec_embed`` over the frames ``mask_time_indices`` picks (``x[mask] = v``, in place), in a
+    stream its groups move: on main the stream's group left it behind (0.94 of the outputs changed)."""
+    config = getattr(transformers, f"{kind}Config")(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, conv_dim=(16, 16),
+        conv_kernel=(5, 3), conv_stride=(4, 2), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+    torch.manual_seed(0)
+    model = noisy(getattr(transformers, f"{kind}Model")(config), 0.05)
+    subject = symgraph.load(model)
+    report = subject.report
+    assert subject.capture.added_inputs == ("mask_time_indices",)
+    assert any("masked_spec_embed" in g.params for g in report.groups), report.groups
+    run = lambda m, x: m(**x).last_hidden_state  # noqa: E731
+    for seed, (batch, samples) in enumerate(((2, 400), (1, 560))):
+        g = torch.Generator().manual_seed(seed)
+        frames = int(model._get_feat_extract_output_lengths(samples))
+        inputs = {"input_values": torch.randn(batch, samples, generator=g, dtype=torch.float64),
+                  "mask_time_indices": torch.rand(batch, frames, generator=g) < 0.5}
+        assert largest_change(model, report, inputs, draws=1, run=run) < 1e-10
+
+
+class WindowSummary(nn.Module):
+    """Reads ``summary`` only from 20 tokens on (a compressed attention's window), past the probes grown from 7."""
+
+    def __init__(self, vocab=20, width=8, hidden=16, window=20):
+        super().__init__()
+        self.window = window
+        self.embed = nn.Embedding(vocab, width)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.summary = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        if input_ids.shape[1] >= self.window:
+            h = h + self.summary(h[:, :self.window].mean(1, keepdim=True))
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def test_parameters_read_from_a_length_on_are_traced_there():
+    torch.manual_seed(0)
+    model = WindowSummary()
+    subject = symgraph.load(model, inputs={"input_ids": torch.randint(0, 20, (2, 7))})
+    report = subject.report
+    assert subject.capture.lengthened == (7, 512) and subject.kwargs["input_ids"].shape == (2, 512)
+    assert any("summary.weight" in g.params and "embed.weight" in g.params for g in report.groups), report.groups
+    assert any("traced at 512 tokens" in note and "summary.weight" in note for note in report.notes), report.notes
+    for seed, (batch, length) in enumerate(((2, 7), (1, 30))):
+        assert largest_change(model, report, {"input_ids": _ids(batch, length, seed, vocab=20)}) < 1e-10
+
+
+def test_deepseek_v4_compressor_moves_with_the_stream():
+    """DeepSeek-V4's heavily compressed attention reads its compressor (gate, norm, position bias) only from its
+    compress rate's tokens on: on main every group left it behind (0.40 of the logits changed at 130 tokens, rate 128;
+    here rate 32 and 64 positions, so the longer trace is at 64 tokens)."""
+    from symgraph.moe import DENSE, experts_implementation
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+        max_position_embeddings=64, layer_types=["heavily_compressed_attention"] * 2,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+        mlp_layer_types=["hash_moe", "moe"], sliding_window=16, o_groups=8, o_lora_rank=32, index_n_heads=4,
+        index_head_dim=16, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = noisy(transformers.AutoModelForCausalLM.from_config(config), 0.05)
+    subject = symgraph.load(model)
+    report = subject.report
+    assert subject.capture.lengthened == (7, 64)
+    gate = "model.layers.0.self_attn.compressor.gate_proj.weight"
+    assert gate in subject.capture.read_when_longer and any(gate in g.params for g in report.groups)
+
+    def run(m, x):
+        with experts_implementation(m, DENSE):
+            return m(**x, use_cache=False).logits
+    for seed, length in enumerate((7, 40)):
+        assert largest_change(model, report, {"input_ids": _ids(1, length, seed, vocab=128)}, draws=1, run=run) < 1e-5
+
+
 class ExtraBranch(nn.Module):
     """A parameter read only when an input no rule knows is given: it stays unread, and the report says so."""
 
@@ -217,6 +297,11 @@ def test_optional_inputs_are_built_beside_token_ids_only():
     given = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)}
     assert optional_inputs(config, ["input_ids", "token_type_ids"], given) == {}, "what is given is kept"
     assert optional_inputs(config, ["pixel_values", "token_type_ids"], {"pixel_values": torch.ones(1, 3)}) == {}
+    audio = transformers.Wav2Vec2Config(conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2))
+    built = optional_inputs(audio, ["input_values", "mask_time_indices"], {"input_values": torch.ones(2, 400)})
+    assert built["mask_time_indices"].shape == (2, 39) and built["mask_time_indices"].dtype == torch.bool
+    built = optional_inputs(config, ["input_features", "mask_time_indices"], {"input_features": torch.ones(2, 9, 80)})
+    assert built["mask_time_indices"].shape == (2, 9)
 
 
 def test_cli_report_and_align_of_an_xlnet_folder(tmp_path):
