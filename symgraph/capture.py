@@ -100,9 +100,9 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             reached = unread - unread_parameters(fuller)
             if reached:
                 cap = dataclasses.replace(fuller, added_inputs=tuple(extra), read_with_added=tuple(sorted(reached)))
-    if add_optional and unread_parameters(cap):
-        cap = _traced_longer(model, cap)
     untraced = untraced_inputs(model, cap.args, cap.kwargs) if _any_unread(cap) else ()
+    if add_optional and not untraced and unread_parameters(cap):  # not a vision tower left unread: a length?
+        cap = _traced_longer(model, cap)
     embeddings = _token_embeddings(model) if untraced else frozenset()
     if untraced and not embeddings:
         raise CaptureError(f"{type(model).__name__} was traced without its {', '.join(untraced)}, and the "
