@@ -154,6 +154,7 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> Capture:
     try:  # mixture-of-experts layers trace in dense form, with the expert axis kept (see symgraph.moe)
         with torch.no_grad(), _quiet(), eval_mode(model), experts_implementation(model, DENSE), \
                 attributes_kept(model):
+            _frequencies_held(model)
             real = _module_tensors_to_meta(model) if on_meta else {}
             program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as exc:  # torch raises many unrelated types; all mean "could not trace"
@@ -173,6 +174,27 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> Capture:
     shapes = {target: tuple(program.state_dict[target].shape) for target in params.values()}
     return Capture(program, model, args, kwargs, params, buffers, tuple(users), shapes,
                    frozenset(params[name] for name in read_unused if name in params))
+
+
+# transformers' rotary embeddings with dynamic NTK scaling recompute their frequencies from the largest position's
+# value on every call (``if max(position_ids) + 1 > cached``), a branch on data export cannot take. Below the
+# original context they keep the frequencies they hold, so they are traced as plain rotary embeddings with those
+# (the groups they allow, rotations within each frequency's planes, commute with the frequencies of any length)
+_UPDATED_ROTARY = "dynamic"
+
+
+def _frequencies_held(model: torch.nn.Module) -> None:
+    """Make every rotary embedding that updates its frequencies at run time use the ones it holds (undone by the
+    caller's :func:`attributes_kept`)."""
+    def held(kind):
+        return "default" if isinstance(kind, str) and _UPDATED_ROTARY in kind else kind
+
+    for module in model.modules():
+        kind = vars(module).get("rope_type")
+        if isinstance(kind, dict):
+            module.rope_type = {layer: held(k) for layer, k in kind.items()}
+        elif kind is not None:
+            module.rope_type = held(kind)
 
 
 def _any_unread(cap: Capture) -> bool:

@@ -47,6 +47,23 @@ def sweep():
         yield module
 
 
+def test_dynamic_ntk_rotary_is_traced_with_the_frequencies_it_holds():
+    """Dynamic NTK scaling recomputes the frequencies from the largest position's value on every call, a branch
+    on data: export refused every such model ("could not trace ... dynamic_frequency_update"). Traced with the
+    frequencies it holds below its context, the rotary groups hold past it too, where the frequencies change."""
+    from group_checks import largest_change
+
+    rope = dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+    model = tiny("llama", rope_parameters=rope, max_position_embeddings=16)
+    report = symgraph.load(model, {"input_ids": torch.randint(3, 60, (2, 7)), "use_cache": False}).report
+    assert {"qk", "heads"} <= {g.motif for g in report.groups}
+    assert model.model.rotary_emb.rope_type == "dynamic", "the model is left as it was"
+    run = lambda m, x: m(**x, use_cache=False).logits  # noqa: E731
+    for length in (7, 40):  # 40: past the 16 positions, the frequencies rescaled (in float32: 1e-7 apart)
+        ids = torch.randint(3, 60, (1, length), generator=torch.Generator().manual_seed(length))
+        assert largest_change(model, report, {"input_ids": ids}, draws=1, run=run) < 1e-6
+
+
 def test_every_variant_flips_an_option_its_config_has(sweep):
     # a config class accepts any keyword: a misspelt option would leave the default graph and look swept
     from transformers import CONFIG_MAPPING
