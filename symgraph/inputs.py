@@ -42,7 +42,8 @@ import torch
 
 from .errors import ModelLoadError
 
-__all__ = ["example_inputs", "forward_kwargs", "optional_inputs", "with_attention_mask", "without_cache"]
+__all__ = ["example_inputs", "forward_kwargs", "optional_inputs", "other_forms", "with_attention_mask",
+           "with_choices", "without_cache"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
@@ -117,6 +118,30 @@ def without_cache(config: Any) -> dict[str, Any]:
     """``{"use_cache": False}`` where ``config`` or a sub-config of it (Llava's, Qwen2-VL's ``text_config``) has a
     cache switch, else nothing: what every forward pass symgraph runs adds to its inputs."""
     return {"use_cache": False} if any(getattr(c, "use_cache", None) is not None for c in _configs(config)) else {}
+
+
+def other_forms(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Other forms of inputs built from a config, to try in turn where a model's code cannot run on them: with an
+    attention mask (LongT5's local attention needs one), with an axis of choices (a multiple-choice head)."""
+    return [form for form in (with_attention_mask(kwargs), with_choices(kwargs)) if form is not None]
+
+
+def with_choices(kwargs: dict[str, Any], choices: int = 2) -> dict[str, Any] | None:
+    """``kwargs`` with every tensor shaped like its ``input_ids`` given an axis of ``choices`` after the batch
+    (each choice a copy); ``None`` when there are no 2-D token ids. For multiple-choice heads (``BertForMultipleChoice``
+    flattens ``batch x choices`` sequences and scores each).
+
+    Examples
+    --------
+    >>> ids = torch.ones(2, 3, dtype=torch.long)
+    >>> tuple(with_choices({"input_ids": ids, "use_cache": False})["input_ids"].shape)
+    (2, 2, 3)
+    """
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    return {k: v.unsqueeze(1).expand(-1, choices, *v.shape[1:]).clone()
+            if isinstance(v, torch.Tensor) and v.shape == ids.shape else v for k, v in kwargs.items()}
 
 
 def with_attention_mask(kwargs: dict[str, Any]) -> dict[str, Any] | None:
