@@ -128,8 +128,8 @@ def other_forms(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
 
 def with_choices(kwargs: dict[str, Any], choices: int = 2) -> dict[str, Any] | None:
     """``kwargs`` with every tensor shaped like its ``input_ids`` given an axis of ``choices`` after the batch
-    (each choice a copy); ``None`` when there are no 2-D token ids. For multiple-choice heads (``BertForMultipleChoice``
-    flattens ``batch x choices`` sequences and scores each).
+    (choice c the sequence rolled by c, so that choices differ); ``None`` when there are no 2-D token ids. For
+    multiple-choice heads (``BertForMultipleChoice`` flattens ``batch x choices`` sequences and scores each).
 
     Examples
     --------
@@ -140,7 +140,7 @@ def with_choices(kwargs: dict[str, Any], choices: int = 2) -> dict[str, Any] | N
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None
-    return {k: v.unsqueeze(1).expand(-1, choices, *v.shape[1:]).clone()
+    return {k: torch.stack([v.roll(c, dims=-1) for c in range(choices)], dim=1)
             if isinstance(v, torch.Tensor) and v.shape == ids.shape else v for k, v in kwargs.items()}
 
 
