@@ -26,7 +26,7 @@ from .analysis import analyse_capture
 from .capture import Capture, added_inputs_note, capture, lengthened_note, unread_note
 from .elements import Element, apply, sample
 from .errors import CaptureError, InvarianceError, ModelLoadError, SymgraphError
-from .inputs import other_forms
+from .inputs import in_some_form
 from .report import Report
 from .verify import tie_aliases
 
@@ -68,25 +68,12 @@ class Subject:
     @property
     def capture(self) -> Capture:
         if self._capture is None:
-            try:
-                self._capture = capture(self.model, self.args, self.kwargs)
-            except CaptureError as first:
-                self._capture, self.kwargs = self._captured_otherwise(first)
-            if self._capture.added_inputs or self._capture.lengthened:  # checks run where the groups were found
-                self.kwargs = self._capture.kwargs
+            # inputs built from the config may need a form no config states (an attention mask for LongT5, an
+            # axis of choices for a multiple-choice head: symgraph.inputs.other_forms)
+            self._capture, _ = in_some_form(self.kwargs, lambda kwargs: capture(self.model, self.args, kwargs),
+                                            others=self.inputs_from_config, failing=CaptureError)
+            self.kwargs = self._capture.kwargs  # checks run where the groups were found (optional inputs added)
         return self._capture
-
-    def _captured_otherwise(self, first: CaptureError) -> tuple[Capture, dict]:
-        """Inputs symgraph built from the config may need a form no config states to trace
-        (:func:`symgraph.inputs.other_forms`: an attention mask for LongT5, an axis of choices for a multiple-choice
-        head). Each is tried in turn; where none traces, the error of the first of them is raised."""
-        failures = [first]
-        for other in other_forms(self.kwargs) if self.inputs_from_config else ():
-            try:
-                return capture(self.model, self.args, other), other
-            except CaptureError as exc:
-                failures.append(exc)
-        raise failures[min(1, len(failures) - 1)]  # with a mask the code goes furthest: its error says most
 
     @property
     def report(self) -> Report:

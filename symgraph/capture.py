@@ -118,19 +118,17 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
 # its compressor only from a window's length on (DeepSeek-V4's, 128 tokens), past the short example inputs and the
 # probes grown from them; capped by the config's position count
 _LONGER_TOKENS = 512
-_POSITION_COUNTS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
 
 
 def _traced_longer(model: torch.nn.Module, cap: Capture) -> Capture:
     """``cap``, or a trace at :data:`_LONGER_TOKENS` tokens (every input of the token ids' length grown with them)
     where that reads parameters ``cap`` leaves unread: groups found at the short length would leave them behind, and
     the model computes something else on long inputs."""
+    from .inputs import longest_tokens
     from .probes import lengthened_inputs
 
     ids = cap.kwargs.get("input_ids")
-    config = getattr(model, "config", None)
-    counts = [getattr(config, name, None) for name in _POSITION_COUNTS]
-    length = min([_LONGER_TOKENS, *(c for c in counts if isinstance(c, int) and c > 1)])
+    length = longest_tokens(getattr(model, "config", None), _LONGER_TOKENS)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or length <= ids.shape[1]:
         return cap
     args, kwargs = lengthened_inputs(cap.args, cap.kwargs, ids.shape[1], length)

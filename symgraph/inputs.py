@@ -35,15 +35,15 @@ the analysis pins the stream its images would enter (:func:`symgraph.capture.unt
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 
 from .errors import ModelLoadError
 
-__all__ = ["example_inputs", "forward_kwargs", "optional_inputs", "other_forms", "with_attention_mask",
-           "with_choices", "without_cache"]
+__all__ = ["example_inputs", "forward_kwargs", "in_some_form", "longest_tokens", "optional_inputs", "other_forms",
+           "with_attention_mask", "with_choices", "without_cache"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
@@ -118,6 +118,33 @@ def without_cache(config: Any) -> dict[str, Any]:
     """``{"use_cache": False}`` where ``config`` or a sub-config of it (Llava's, Qwen2-VL's ``text_config``) has a
     cache switch, else nothing: what every forward pass symgraph runs adds to its inputs."""
     return {"use_cache": False} if any(getattr(c, "use_cache", None) is not None for c in _configs(config)) else {}
+
+
+def longest_tokens(config: Any, longest: int) -> int:
+    """``longest``, or the config's position count where that is smaller (the most tokens a position table
+    holds).
+
+    >>> from types import SimpleNamespace
+    >>> longest_tokens(SimpleNamespace(max_position_embeddings=64), 512), longest_tokens(None, 512)
+    (64, 512)
+    """
+    counts = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")]
+    return min([longest, *(int(c) for c in counts if isinstance(c, int) and c > 1)])
+
+
+def in_some_form(kwargs: dict[str, Any], attempt: Callable[[dict[str, Any]], Any], *, others: bool,
+                 failing: type[Exception] = Exception) -> tuple[Any, dict[str, Any]]:
+    """``(attempt(kwargs), kwargs)``; where that raises ``failing`` and ``others`` (the inputs were built from a
+    config), the first of :func:`other_forms` that ``attempt`` runs on, with it. Where none runs, the error of
+    the first other form tried is raised (with a mask, code that needs one goes furthest: its error says most),
+    else the first error."""
+    failures = []
+    for form in [kwargs, *(other_forms(kwargs) if others else ())]:
+        try:
+            return attempt(form), form
+        except failing as exc:
+            failures.append(exc)
+    raise failures[min(1, len(failures) - 1)]
 
 
 def other_forms(kwargs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -120,7 +120,7 @@ def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
     (from ``state``, a mapping keyed by the model's names with ``info``, when given)."""
     from .api import _inputs_for
     from .checkpoint import StoredLayout
-    from .inputs import other_forms
+    from .inputs import in_some_form
     from .io import load_model
 
     loaded = load_model(Path(folder), config_only=True)
@@ -138,15 +138,12 @@ def streamed_outputs(folder, inputs=None, state=None) -> torch.Tensor:
             own = {n: names[n] for n in names if n.startswith(f"{prefix}.")}
             hooks.enter_context(_streamed_block(model, block, own, state))
         with torch.no_grad(), float64_default():  # as the in-memory check runs (XGLM's constants overflow float32)
-            # inputs built from the config that the code cannot run on: the other forms symgraph.load tries
-            forms, failure = [kwargs, *(other_forms(kwargs) if inputs is None else ())], None
-            for form in forms:
+            def outputs(form):
                 args64, kwargs64 = _cast_inputs(args, form, torch.float64)
-                try:
-                    return flat_outputs(model(*args64, **kwargs64))
-                except Exception as exc:  # noqa: BLE001 -- the first failure is the one reported
-                    failure = failure or exc
-            raise failure
+                return flat_outputs(model(*args64, **kwargs64))
+
+            # inputs built from the config that the code cannot run on: the other forms symgraph.load tries
+            return in_some_form(kwargs, outputs, others=inputs is None)[0]
 
 
 def _layout(folder):

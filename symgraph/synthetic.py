@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
-from .inputs import example_inputs
+from .inputs import example_inputs, longest_tokens
 from .moe import REFERENCE, experts_implementation, use_experts_implementation
 from .module_state import copied_module
 
@@ -248,8 +248,7 @@ def _length(model: torch.nn.Module, state: State, config, seed: int, longest: in
     """The longest sequence, up to ``longest`` and the config's position count, that ``model`` carrying
     ``state`` runs on (bisected down from there to :data:`TASK_LENGTH`, which :func:`_task` ran): a position
     table may hold fewer usable rows than its size (RoBERTa's positions start after the padding index)."""
-    positions = [getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")]
-    high = min([longest, *(int(p) for p in positions if isinstance(p, int) and p > 1)])
+    high = longest_tokens(config, longest)
     low = min(TASK_LENGTH, high)
     if _runs_at(model, state, config, high, seed):
         return high
