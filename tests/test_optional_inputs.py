@@ -215,6 +215,19 @@ def test_parameters_read_from_a_length_on_are_traced_there():
         assert largest_change(model, report, {"input_ids": _ids(batch, length, seed, vocab=20)}) < 1e-10
 
 
+def test_cli_reports_and_fuzzes_a_model_read_from_a_length_on(tmp_path):
+    from cli_runner import assert_fuzzed, report_json
+
+    path = tmp_path / "window_factory.py"
+    path.write_text("import torch\nfrom test_optional_inputs import WindowSummary\n\n\ndef window():\n"
+                    "    torch.manual_seed(0)\n"
+                    "    return WindowSummary(), (), {'input_ids': torch.randint(0, 20, (2, 7))}\n")
+    report = report_json(f"{path}:window")
+    assert any("traced at 512 tokens" in note for note in report["notes"]), report["notes"]
+    assert any(m["param"] == "summary.weight" for g in report["groups"] for m in g["members"])
+    assert_fuzzed(f"{path}:window", tmp_path)
+
+
 def test_deepseek_v4_compressor_moves_with_the_stream():
     """DeepSeek-V4's heavily compressed attention reads its compressor (gate, norm, position bias) only from its
     compress rate's tokens on: on main every group left it behind (0.40 of the logits changed at 130 tokens, rate 128;
