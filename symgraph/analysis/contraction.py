@@ -28,7 +28,8 @@ import torch
 
 from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
-from .labels import Chan, chan_axes, collapse, collapse_pair, data_varies, slices_are_whole_spaces, unique_rows
+from .labels import (Chan, chan_axes, collapse, collapse_pair, data_varies, one_coordinate, slices_are_whole_spaces,
+                     unique_rows)
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -129,7 +130,9 @@ class Contraction:
                 continue
             passed_b.append((cb, vb))
         passed_a, passed_b = self._tie_batch_factors(a, b, passed_a, passed_b, batch, outs, out_letters, out_shape)
-        for chan, letters, op, other in [(c, v, a, b) for c, v in passed_a] + [(c, v, b, a) for c, v in passed_b]:
+        moved_a, moved_b = [], []
+        for chan, letters, op, other, moved_of in [(c, v, a, b, moved_a) for c, v in passed_a] + \
+                [(c, v, b, a, moved_b) for c, v in passed_b]:
             differs = letters & batch - _constant_letters(other)
             self._separate_batch_indices(chan, op, differs)
             if chan.block:
@@ -138,8 +141,8 @@ class Contraction:
                 self.w.c.passes_through(chan.ids, self._matrix_key(other, op, out_letters))
             moved = self._to_output(chan, letters, op, out_letters, out_shape)
             if moved is not None:
-                outs.append(moved)
-        return _merge_batch_channels(self.w, outs, self.node)
+                moved_of.append(moved)
+        return _merge_batch_channels(self.w, outs + _squares_of_one_coordinate(moved_a, moved_b), self.node)
 
     def _through_permutation(self, a: Operand, b: Operand, contracted: set[str], out_letters: str,
                              out_shape) -> list[Chan] | None:
@@ -456,6 +459,27 @@ def _rows_by_fiber(ids, letters, fiber, k_letters, sizes) -> list[list[torch.Ten
     moved = moved.reshape(n, *moved.shape[len(fiber_axes):])
     k_after = [1 + sorted([i for i in range(full.dim()) if i not in fiber_axes]).index(a) - 1 for a in k_axes]
     return [list(unique_rows(moved[i], k_after)) for i in range(n)]
+
+
+def _squares_of_one_coordinate(from_a: list[Chan], from_b: list[Chan]) -> list[Chan]:
+    """The channels both factors pass to the output, where each factor scales with one and the same coordinate
+    everywhere (a token type's score in queries and in keys): their product is that coordinate's square, one
+    channel of degree 2, as an elementwise ``x * x``. Carried as two, every attention layer doubled them (Funnel's
+    twelve layers: tens of thousands of channels on the stream)."""
+    out, used = list(from_a), set()
+    for cb in from_b:
+        k = next((k for k, ca in enumerate(from_a) if k not in used and one_coordinate(ca) is not None and
+                  one_coordinate(ca) == one_coordinate(cb)), None)
+        if k is None:
+            out.append(cb)
+            continue
+        used.add(k)
+        ca = from_a[k]
+        factor = None if ca.factor is None and cb.factor is None else \
+            torch.as_tensor(1.0 if ca.factor is None else ca.factor, dtype=torch.float64) * \
+            torch.as_tensor(1.0 if cb.factor is None else cb.factor, dtype=torch.float64)
+        out[k] = Chan(ca.terms, degree=2, factor=factor)
+    return out
 
 
 def _merge_batch_channels(walker, chans: list[Chan], node: str) -> list[Chan]:

@@ -251,6 +251,14 @@ def chan_axes(chan: Chan) -> frozenset[int]:
     return frozenset(axes)
 
 
+def one_coordinate(c: Chan) -> int | None:
+    """The id of the one coordinate a plain channel labels at every position (none of its axes varies), else None."""
+    if c.block or c.mixed or c.degree != 1 or chan_axes(c):
+        return None
+    ids = torch.unique(collapse(c.ids))
+    return int(ids[0]) if len(ids) == 1 and int(ids[0]) >= 0 else None
+
+
 def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
     """Distinct label vectors along ``axes`` (moved last and flattened), over every other position."""
     ids = collapse(ids, keep=frozenset(axes))

@@ -66,6 +66,7 @@ class Walker:
         # fresh tensor -> the computations (rules.piece_structure) of what it holds so far, labelled pieces only
         self._held: dict[fx.Node, set[int]] = {}
         self._structures: tuple[dict, dict] = ({}, {})  # rules.piece_structure's memo, kept for the whole walk
+        self.single_products: dict[tuple[int, int], int] = {}  # rules._fresh_like's ids of one coordinate's products
         # isomorphic branches (ModuleList experts): their reads of their own position (analysis/experts.py)
         self.branch_reads = BranchReads(held_at_other_shapes(cap, find_branch_sets(cap, self.specs)))
 
