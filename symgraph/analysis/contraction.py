@@ -28,8 +28,8 @@ import torch
 
 from ..pattern import Pattern, parse_pattern
 from .constraints import monomial
-from .labels import (Chan, chan_axes, collapse, collapse_pair, data_varies, one_coordinate, slices_are_whole_spaces,
-                     unique_rows)
+from .labels import (Chan, by_one_coordinate, chan_axes, collapse, collapse_pair, data_varies, one_coordinate,
+                     slices_are_whole_spaces, unique_rows)
 from .selections import selections_of
 
 NEUTRAL = monomial("one")
@@ -466,10 +466,10 @@ def _squares_of_one_coordinate(from_a: list[Chan], from_b: list[Chan]) -> list[C
     everywhere (a token type's score in queries and in keys): their product is that coordinate's square, one
     channel of degree 2, as an elementwise ``x * x``. Carried as two, every attention layer doubled them (Funnel's
     twelve layers: tens of thousands of channels on the stream)."""
-    out, used = list(from_a), set()
+    out, used, a_single = list(from_a), set(), by_one_coordinate(from_a)
     for cb in from_b:
-        k = next((k for k, ca in enumerate(from_a) if k not in used and one_coordinate(ca) is not None and
-                  one_coordinate(ca) == one_coordinate(cb)), None)
+        coordinate = one_coordinate(cb)
+        k = next((k for k in a_single.get(coordinate, ()) if k not in used), None) if coordinate is not None else None
         if k is None:
             out.append(cb)
             continue

@@ -259,6 +259,16 @@ def one_coordinate(c: Chan) -> int | None:
     return int(ids[0]) if len(ids) == 1 and int(ids[0]) >= 0 else None
 
 
+def by_one_coordinate(chans: list[Chan]) -> dict[int, list[int]]:
+    """The indices of ``chans`` that label one coordinate everywhere (:func:`one_coordinate`), by its id."""
+    index: dict[int, list[int]] = {}
+    for j, c in enumerate(chans):
+        coordinate = one_coordinate(c)
+        if coordinate is not None:
+            index.setdefault(coordinate, []).append(j)
+    return index
+
+
 def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
     """Distinct label vectors along ``axes`` (moved last and flattened), over every other position."""
     ids = collapse(ids, keep=frozenset(axes))

@@ -20,8 +20,8 @@ from .classes import blocks_kept_by
 from .contraction import NEUTRAL, Contraction, Operand, expand_ellipsis, matmul_pattern, tie_slices
 from .cuts import beside_unlabelled, moved_operands, why_cut_moves, why_regroup_moves
 from .labels import (NO_ID, STAND_IN_SIZE, Chan, Term, Value, chan_axes, collapse, collapse_pair, concrete_shape,
-                     data_varies, dropped_ids, ids_along, labelled_axes, orders_differ, slices_are_whole_spaces,
-                     one_coordinate, unique_rows, varying_axes)
+                     by_one_coordinate, data_varies, dropped_ids, ids_along, labelled_axes, orders_differ,
+                     slices_are_whole_spaces, one_coordinate, unique_rows, varying_axes)
 from .naming import role
 from .recurrent import rule_recurrent  # noqa: F401  (handlers are found by name: rule_<rule>)
 from .selections import selections_of
@@ -1493,9 +1493,10 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
         j = found[0] if found else None
         if j is None and ca.block:  # per-head coordinates (T5 relative bias columns) added to head scores
             j = next((j for j in range(len(b.chans)) if j not in used and b_axes[j] == axes), None)
-        if j is None and one_coordinate(ca) is not None:  # one coordinate on both sides (x + 0.04 x^3): one channel
-            b_single = b_single if b_single is not None else _by_one_coordinate(b.chans)
-            same = next((j for j in b_single.get(one_coordinate(ca), ()) if j not in used), None)
+        coordinate = one_coordinate(ca) if j is None else None
+        if coordinate is not None:  # one coordinate on both sides (x + 0.04 x^3): one channel
+            b_single = b_single if b_single is not None else by_one_coordinate(b.chans)
+            same = next((j for j in b_single.get(coordinate, ()) if j not in used), None)
             if same is not None:  # kept apart, each sum doubled them (Funnel's token types)
                 used.add(same)
                 chans.append(_sum_channels(w, node, ca, b.chans[same].broadcast_to(out_shape), residual=False))
@@ -1515,15 +1516,6 @@ def _add_values(w, node, a, b, residual: bool, out_shape=None) -> Value:
     # merged (a hyper-connection's stream coefficients, flattened with the stream's own coordinates into the next
     # layer's linear, took that linear's columns and pinned the stream)
     return Value(chans=chans if chans else pinned, shape=out_shape)
-
-
-def _by_one_coordinate(chans: list[Chan]) -> dict[int, list[int]]:
-    """The indices of ``chans`` that label one coordinate everywhere (:func:`one_coordinate`), by its id."""
-    index: dict[int, list[int]] = {}
-    for j, c in enumerate(chans):
-        if one_coordinate(c) is not None:
-            index.setdefault(one_coordinate(c), []).append(j)
-    return index
 
 
 def _by_positions(chans: list[Chan], out_shape) -> dict[tuple, list[int]]:
@@ -1884,18 +1876,18 @@ def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
     per-head values gives one output coordinate per head and position)."""
     full_shape = torch.broadcast_shapes(ca.ids.shape, cb.ids.shape)
     a, b = collapse_pair(ca.ids, cb.ids)  # labels repeat over batch and sequence: label the distinct ones
-    one_a, one_b = torch.unique(a), torch.unique(b)
-    if len(one_a) == 1 and len(one_b) == 1 and int(one_a) >= 0 and int(one_b) >= 0:
+    pairs = torch.stack([a.reshape(-1), b.reshape(-1)], 1)
+    uniq, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+    if len(uniq) == 1 and bool((uniq >= 0).all()):
         # one coordinate times one coordinate: the same product wherever it is formed (its ids are tied to the
         # factors' alike), so one id for all; fresh ids at every layer's q.k doubled the single coordinates
         # Funnel's token types carry into the stream at each layer (12 layers: over 15 minutes of analysis)
-        key = (int(one_a), int(one_b))
+        key = tuple(int(x) for x in uniq[0])
         if key not in w.single_products:
-            w.single_products[key] = int(_fresh_per_range(w, torch.tensor([key]))[0])
-        return Chan.clean(torch.tensor(w.single_products[key]).expand(full_shape))
-    pairs = torch.stack([a.reshape(-1), b.reshape(-1)], 1)
-    uniq, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-    fresh = _fresh_per_range(w, uniq)
+            w.single_products[key] = int(_fresh_per_range(w, uniq)[0])
+        fresh = torch.tensor([w.single_products[key]])
+    else:
+        fresh = _fresh_per_range(w, uniq)
     valid = (pairs >= 0).all(1)
     labels = torch.where(valid, fresh[inverse], torch.full_like(inverse, -1))
     return Chan.clean(labels.reshape(a.shape).expand(full_shape))
