@@ -125,8 +125,24 @@ WIDER_GRID_VLM = [
     "kimi_k25", "lfm3_vl", "llava_onevision1_5", "minimax_m3_vl", "muse_glimmer", "muse_spark", "ovis2_5",
     "video_llama_3",
 ]
+# transformers 5.25's entries the probe above had not reached (new families, towers), swept sound as they build:
+# decoders and encoders by the shrink (gemma3n_text with EXTRA), towers that no Auto class maps by their own model
+# class (:func:`own_model_class`)
+WIDER_525 = [
+    "ergo", "mellum", "mimo_v2_flash", "minicpm5_moe", "ministral3", "mistral_large4_text", "openai_privacy_filter",
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "solar_open", "youtu", "muse_glimmer_text", "nemotron_h",
+    "xlstm", "minimax_m3_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "gpt-sw3", "gemma3n_text", "ultrabert",
+    "luke", "tapas", "visual_bert", "tipsv2_text_model", "sam3_lite_text_text_model",
+]
+WIDER_TOWERS = [
+    "emu3_text_model", "siglip_text_model", "siglip2_text_model", "metaclip_2_text_model", "videoprism_text_model",
+    "kosmos_2_text_model", "kosmos_2_5_text_model", "owlvit_text_model", "owlv2_text_model", "mllama_text_model",
+    "granite4_vision_text", "pp_formulanet_text", "aimv2_text_model", "clap_text_model", "groupvit_text_model",
+    "xclip_text_model", "chinese_clip_text_model", "align_text_model", "bridgetower_text_model", "flava_text_model",
+    "clipseg_text_model",
+]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
-         + WIDER_REPAIRED + WIDER_GRID_VLM)
+         + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS)
 TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 
 # Size fields and the tiny value each gets wherever a config has it.
@@ -239,6 +255,12 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
+# Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
+# more than the shrunk depth has; 4 layers, the last two sharing, the first with its sparse (top-k) FFN activation
+EXTRA["gemma3n_text"] = dict(num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[64] * 4,
+                             layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+                             activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], hidden_size_per_layer_input=8,
+                             laurel_rank=4)
 EXTRA["deepseek_v4"] = dict(mlp_layer_types=["hash_moe", "moe"])  # the default: 3 hash-routed layers, so no top-k one
 EXTRA["kimi_linear"] = dict(num_experts_per_token=2,  # the config's own name of num_experts_per_tok
                             linear_head_dim=16, linear_num_heads=4)  # the delta-rule heads, 4096 wide by default
@@ -605,8 +627,8 @@ def merged(fields: dict, extra: dict) -> dict:
 
 
 def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...] = HEADS, seed: int = 0):
-    """The tiny model with the first Auto class of ``heads`` that builds it, initialised from ``seed``, noise on
-    every parameter."""
+    """The tiny model with the first Auto class of ``heads`` that builds it (none does, and ``heads`` has the bare
+    ``AutoModel``: the config's own model class), initialised from ``seed``, noise on every parameter."""
     import transformers
 
     config = tiny_config(model_type, overrides)
@@ -617,19 +639,42 @@ def build(model_type: str, overrides: dict | None = None, heads: tuple[str, ...]
             model = from_config(auto, config, seed)
             perturb(model)
             return model.eval(), head
-    raise LookupError(f"no Auto class of {', '.join(heads)} builds {type(config).__name__}")
+    own = own_model_class(type(config)) if "AutoModel" in heads else None
+    if own is None:
+        raise LookupError(f"no Auto class of {', '.join(heads)} builds {type(config).__name__}")
+    model = from_config(own, config, seed)  # a tower's config no Auto class maps (SiglipTextConfig)
+    perturb(model)
+    return model.eval(), own.__name__
+
+
+def own_model_class(config_class):
+    """The bare model class of a config no Auto class maps (a text or vision tower: ``SiglipTextModel``), found in
+    its model module as the one class ``<Prefix>Model`` whose ``config_class`` it is; None where there is none."""
+    import importlib
+    import inspect
+
+    import transformers
+
+    module = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    found = [cls for name, cls in inspect.getmembers(module, inspect.isclass)
+             if name.endswith("Model") and not name.endswith("PreTrainedModel")
+             and issubclass(cls, transformers.PreTrainedModel)
+             and getattr(cls, "config_class", None) is config_class]
+    return found[0] if len(found) == 1 else None
 
 
 def from_config(auto, config, seed: int):
-    """``auto``'s model of ``config`` initialised from ``seed``, with SDPA attention where it has it."""
+    """``auto``'s model of ``config`` (an Auto class, or a model class) initialised from ``seed``, with SDPA
+    attention where it has it."""
     import torch
 
+    make = getattr(auto, "from_config", None) or auto._from_config
     torch.manual_seed(seed)
     try:
-        return auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        return make(copy.deepcopy(config), attn_implementation="sdpa")
     except (ValueError, ImportError):
         torch.manual_seed(seed)
-        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
+        return make(copy.deepcopy(config), attn_implementation="eager")
 
 
 def perturb(model) -> None:

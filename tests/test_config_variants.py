@@ -94,3 +94,22 @@ def test_rows_a_slice_cuts_after_a_dropout_are_pinned():
                if m.param == "deberta.encoder.rel_embeddings.weight" and m.axis == 0]
     assert not on_rows
     assert any("rel_embeddings" in p for p in report.parameters)
+
+
+def test_a_tower_no_auto_class_builds_is_swept_through_its_own_model_class(sweep):
+    # SigLIP's text tower: no Auto class maps SiglipTextConfig, so the sweep once skipped every such tower
+    from transformers import SiglipTextConfig, SiglipTextModel
+
+    assert sweep.own_model_class(SiglipTextConfig) is SiglipTextModel
+    row = sweep.sweep_one("siglip_text_model")
+    assert row["head"] == "SiglipTextModel" and row["class"] == "sound", row
+    assert row["groups"] and row["max_error"] < row["tolerance"]
+
+
+@pytest.mark.slow
+def test_gemma3n_text_with_shared_key_value_layers_is_sound(sweep):
+    # its last layers read earlier layers' keys and values (the plain shrink left more sharing layers than layers):
+    # an attention group of a layer whose keys another layer reads must move that reader's queries too
+    row = sweep.sweep_one("gemma3n_text")
+    assert row["class"] == "sound", row
+    assert row["groups"].get("vo/orthogonal") and row["max_error"] < row["tolerance"]
