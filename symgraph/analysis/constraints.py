@@ -122,6 +122,7 @@ class Constraints:
     passes: list[tuple[np.ndarray, str]] = field(default_factory=list)
     rowlinks: list[tuple[np.ndarray, np.ndarray, str]] = field(default_factory=list)  # block ids (R,), rows (R, K)
     pins: list[tuple[np.ndarray, str, str]] = field(default_factory=list)  # ids, reason, node
+    pinned: set[int] = field(default_factory=set, repr=False)  # every id pinned so far (pins are never lifted)
     commutes: list[Commute] = field(default_factory=list)
     permute_only: list[np.ndarray] = field(default_factory=list)  # param ids entering products as weights
     products: list[tuple[np.ndarray, np.ndarray, np.ndarray, str]] = field(default_factory=list)  # out = a * b
@@ -158,6 +159,7 @@ class Constraints:
         ids = _ids(ids)
         if ids.size:
             self.pins.append((ids, reason, node))
+            self.pinned.update(ids.tolist())
 
     def separate(self, rows: torch.Tensor | np.ndarray, node: str) -> None:
         rows = _np(rows)

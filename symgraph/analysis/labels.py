@@ -269,6 +269,25 @@ def by_one_coordinate(chans: list[Chan]) -> dict[int, list[int]]:
     return index
 
 
+def without_pinned_repeats(chans: list[Chan], pinned: set[int]) -> list[Chan]:
+    """``chans`` with each plain channel of one pinned coordinate kept once: its copies tie and restrict only that
+    coordinate, which no group moves, so they add nothing but work (Funnel carried one such coordinate 50 times)."""
+    if len(chans) < 2 or not pinned:
+        return chans
+    kept, seen = [], set()
+    for c in chans:
+        if c.factor is None and c.terms[0].src is None and not (c.block or c.mixed or c.degree != 1):
+            small = collapse(c.ids)
+            coordinate = int(small.reshape(-1)[0]) if bool((small == small.reshape(-1)[0]).all()) else None
+            if coordinate is not None and coordinate in pinned:
+                key = (coordinate, c.weight, c.uniform, tuple(c.ids.shape))
+                if key in seen:
+                    continue
+                seen.add(key)
+        kept.append(c)
+    return kept
+
+
 def unique_rows(ids: torch.Tensor, axes: list[int]) -> torch.Tensor:
     """Distinct label vectors along ``axes`` (moved last and flattened), over every other position."""
     ids = collapse(ids, keep=frozenset(axes))

@@ -482,6 +482,8 @@ def _bare_varying_axes(v: Value | None, rank: int) -> frozenset[int]:
     return frozenset(a + shift for a, n in enumerate(v.shape) if n > 1 and a not in v.constant_axes)
 
 
+# the key of rules._fresh_like's one id for every product of two pinned single coordinates (no pair of ids is this)
+PINNED_PRODUCT = (NO_ID, NO_ID)
 _PIECE_DEPTH = 40  # ops followed back from a piece to its cuts; past that, a piece is taken as unlike any other
 
 
@@ -1859,7 +1861,7 @@ def _holds_uniform(w, node, weight_chans) -> bool:
 
 def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
     """``out = a * b`` coordinate-wise: one permutation for all three, scales related by s_out = s_a + s_b."""
-    out = _fresh_like(w, ca, cb)
+    out = _fresh_like(w, node, ca, cb)
     for factor in (ca, cb):
         w.c.tie(out.ids, factor.ids, product=PRODUCT_WEIGHT if factor.weight else PRODUCT_FACTOR,
                 node=node.name)
@@ -1871,7 +1873,7 @@ def _product_output(w, node, ca: Chan, cb: Chan, limit, why: str) -> Chan:
     return out
 
 
-def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
+def _fresh_like(w, node, ca: Chan, cb: Chan) -> Chan:
     """New activation ids, one per distinct pair of factor labels (a weight shared across heads times
     per-head values gives one output coordinate per head and position)."""
     full_shape = torch.broadcast_shapes(ca.ids.shape, cb.ids.shape)
@@ -1883,8 +1885,14 @@ def _fresh_like(w, ca: Chan, cb: Chan) -> Chan:
         # factors' alike), so one id for all; fresh ids at every layer's q.k doubled the single coordinates
         # Funnel's token types carry into the stream at each layer (12 layers: over 15 minutes of analysis)
         key = tuple(int(x) for x in uniq[0])
+        if all(k in w.c.pinned for k in key):
+            # no group moves either factor, so none moves the product: one pinned id for every such product, or
+            # Funnel's token types, pinned where data chooses them, formed powers of each other at every layer
+            key = PINNED_PRODUCT
         if key not in w.single_products:
             w.single_products[key] = int(_fresh_per_range(w, uniq)[0])
+            if key == PINNED_PRODUCT:
+                w.c.pin(w.single_products[key], "a product of pinned coordinates", node.name)
         fresh = torch.tensor([w.single_products[key]])
     else:
         fresh = _fresh_per_range(w, uniq)
@@ -2296,6 +2304,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
         return out
     if cond_value is not None:
         _pin_value(w, node, cond_value, "a condition that differs per coordinate")
+    _pin_chosen_single_coordinates(w, node, cond_value, _as_value(_operand(w, x)), _as_value(_operand(w, y)),
+                                   out_shape)
     for c in out.chans:
         if cond_value is not None and not cond_value.chans and cond_value.data is None and cond_value.invariant \
                 and cond_value.classes is not None and not c.mixed:
@@ -2307,6 +2317,21 @@ def rule_where(w, node: fx.Node, spec) -> Value:
             for t in c.terms:
                 w.c.pin(t.ids, "selected per coordinate by a condition", node.name)
     return out
+
+
+def _pin_chosen_single_coordinates(w, node, cond: Value | None, x: Value, y: Value, out_shape) -> None:
+    """Pin each coordinate one branch carries at every position (a channel of one coordinate) and the other does
+    not, where both carry coordinates and data chooses between them position by position (Funnel's token types:
+    ``where(same_type, seg[1], seg[0])``). The output holds one coordinate at some positions and the other
+    elsewhere, so no map of either alone moves it; unpinned until the model's output, their products formed new
+    coordinates at every layer."""
+    if not x.chans or not y.chans or cond is None or cond.chans or not data_varies(
+            cond.data, frozenset(range(len(out_shape))), out_shape):
+        return
+    x_single, y_single = by_one_coordinate(x.chans), by_one_coordinate(y.chans)
+    for coordinate in set(x_single) ^ set(y_single):
+        w.c.pin(np.array([coordinate]), "chosen at some positions only, by data, beside other coordinates",
+                node.name)
 
 
 def _condition_on_own_coordinate(w, node, cond: Value | None, chans: list[Chan], out_shape) -> Chan | None:

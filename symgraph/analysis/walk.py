@@ -27,7 +27,7 @@ from .constraints import ORTHOGONAL, Constraints
 from .cuts import beside_unlabelled, why_cut_moves
 from .experts import BranchReads
 from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
-                     param_channels, varying_axes)
+                     param_channels, varying_axes, without_pinned_repeats)
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets, held_at_other_shapes
 from .selections import selections_of
@@ -207,7 +207,16 @@ class Walker:
                      "makes the op pin every axis it touches (sound, fewer groups).") from exc
         if write is not None and write.base is not None:
             self._write_back(node, write, value)
-        return value
+        return self._without_pinned_repeats(value)
+
+    def _without_pinned_repeats(self, value):
+        """``value`` (or each of a list of values) with repeated channels of one pinned coordinate dropped."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._without_pinned_repeats(v) for v in value)
+        if not isinstance(value, Value) or len(value.chans) < 2:
+            return value
+        chans = without_pinned_repeats(value.chans, self.c.pinned)
+        return value if len(chans) == len(value.chans) else replace(value, chans=chans)
 
     def _forget_data_of_other_shapes(self, node: fx.Node, inputs: list[Value], scores: bool) -> bool:
         """Data computed from the input's size alone that meets another operand's channel along an axis may differ
