@@ -126,20 +126,24 @@ WIDER_GRID_VLM = [
     "video_llama_3",
 ]
 # transformers 5.25's entries the probe above had not reached (new families, towers), swept sound as they build:
-# decoders and encoders by the shrink (gemma3n_text with EXTRA), towers that no Auto class maps by their own model
-# class (:func:`own_model_class`)
+# decoders, encoders and vision models by the shrink (gemma3n_text and yolos with EXTRA), text and vision towers
+# that no Auto class maps by their own model class (:func:`own_model_class`)
 WIDER_525 = [
     "ergo", "mellum", "mimo_v2_flash", "minicpm5_moe", "ministral3", "mistral_large4_text", "openai_privacy_filter",
     "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "solar_open", "youtu", "muse_glimmer_text", "nemotron_h",
     "xlstm", "minimax_m3_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "gpt-sw3", "gemma3n_text", "ultrabert",
-    "luke", "tapas", "visual_bert", "tipsv2_text_model", "sam3_lite_text_text_model",
+    "luke", "tapas", "visual_bert", "tipsv2_text_model", "sam3_lite_text_text_model", "pixio", "radio", "mlcd",
+    "yolos",
 ]
 WIDER_TOWERS = [
     "emu3_text_model", "siglip_text_model", "siglip2_text_model", "metaclip_2_text_model", "videoprism_text_model",
     "kosmos_2_text_model", "kosmos_2_5_text_model", "owlvit_text_model", "owlv2_text_model", "mllama_text_model",
     "granite4_vision_text", "pp_formulanet_text", "aimv2_text_model", "clap_text_model", "groupvit_text_model",
     "xclip_text_model", "chinese_clip_text_model", "align_text_model", "bridgetower_text_model", "flava_text_model",
-    "clipseg_text_model",
+    "clipseg_text_model", "altclip_vision_model", "blip_vision_model", "blip_2_vision_model", "clipseg_vision_model",
+    "git_vision_model", "groupvit_vision_model", "instructblip_vision_model", "janus_vision_model",
+    "kosmos_2_vision_model", "metaclip_2_vision_model", "owlvit_vision_model", "owlv2_vision_model", "smolvlm_vision",
+    "tipsv2_vision_model", "flava_image_model", "sam_vision_model", "pixtral", "ovis2_vision",
 ]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS)
@@ -257,6 +261,7 @@ EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
 # more than the shrunk depth has; 4 layers, the last two sharing, the first with its sparse (top-k) FFN activation
+EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 210 s
 EXTRA["gemma3n_text"] = dict(num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[64] * 4,
                              layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
                              activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], hidden_size_per_layer_input=8,
