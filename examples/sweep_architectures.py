@@ -259,9 +259,9 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
+EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 210 s
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
 # more than the shrunk depth has; 4 layers, the last two sharing, the first with its sparse (top-k) FFN activation
-EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 210 s
 EXTRA["gemma3n_text"] = dict(num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[64] * 4,
                              layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
                              activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], hidden_size_per_layer_input=8,

@@ -253,10 +253,12 @@ def chan_axes(chan: Chan) -> frozenset[int]:
 
 def one_coordinate(c: Chan) -> int | None:
     """The id of the one coordinate a plain channel labels at every position (none of its axes varies), else None."""
-    if c.block or c.mixed or c.degree != 1 or chan_axes(c):
+    if c.block or c.mixed or c.degree != 1:
         return None
-    ids = torch.unique(collapse(c.ids))
-    return int(ids[0]) if len(ids) == 1 and int(ids[0]) >= 0 else None
+    ids = collapse(c.ids).reshape(-1)  # one pass over the entries: every sum and contraction asks, channel by channel
+    if not len(ids) or int(ids[0]) < 0 or not bool((ids == ids[0]).all()):
+        return None
+    return int(ids[0])
 
 
 def by_one_coordinate(chans: list[Chan]) -> dict[int, list[int]]:
@@ -276,9 +278,8 @@ def without_pinned_repeats(chans: list[Chan], pinned: set[int]) -> list[Chan]:
         return chans
     kept, seen = [], set()
     for c in chans:
-        if c.factor is None and c.terms[0].src is None and not (c.block or c.mixed or c.degree != 1):
-            small = collapse(c.ids)
-            coordinate = int(small.reshape(-1)[0]) if bool((small == small.reshape(-1)[0]).all()) else None
+        if c.factor is None and c.terms[0].src is None:
+            coordinate = one_coordinate(c)
             if coordinate is not None and coordinate in pinned:
                 key = (coordinate, c.weight, c.uniform, tuple(c.ids.shape))
                 if key in seen:

@@ -2296,7 +2296,8 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     cond, (x, y) = args[spec.condition], (args[name] for name in spec.choices)
     out_shape = _shape_of(node)
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
-    out = _add_values(w, node, _operand(w, x), _operand(w, y), residual=False, out_shape=out_shape)
+    x, y = _as_value(_operand(w, x)), _as_value(_operand(w, y))
+    out = _add_values(w, node, x, y, residual=False, out_shape=out_shape)
     own = _condition_on_own_coordinate(w, node, cond_value, out.chans, out_shape)
     if own is not None:  # where(x > 0, f(x), g(x)): a piecewise activation, permutations only
         if not own.block:
@@ -2304,8 +2305,7 @@ def rule_where(w, node: fx.Node, spec) -> Value:
         return out
     if cond_value is not None:
         _pin_value(w, node, cond_value, "a condition that differs per coordinate")
-    _pin_chosen_single_coordinates(w, node, cond_value, _as_value(_operand(w, x)), _as_value(_operand(w, y)),
-                                   out_shape)
+    _pin_chosen_single_coordinates(w, node, cond_value, x, y, out_shape)
     for c in out.chans:
         if cond_value is not None and not cond_value.chans and cond_value.data is None and cond_value.invariant \
                 and cond_value.classes is not None and not c.mixed:
