@@ -6,8 +6,9 @@ invisible there. :func:`probe_inputs` returns the example inputs plus up to two 
 batch size 1 and more than 1, a longer and a shorter length, and padding:
 
 * **single row, longer**: batch size 1 (the first row of every tensor that shares the first tensor's batch size);
-  every other axis size grown to ``2 n + 3``, one size at a time (all axes of that size together, so
-  ``input_ids`` and ``attention_mask`` grow as one);
+  every other axis size grown to ``2 n + 3`` (a long axis by ``64 + n // 8 + 3`` only: an image's sides grown to
+  twice would make an attention over its patches sixteen times as costly), one size at a time (all axes of that
+  size together, so ``input_ids`` and ``attention_mask`` grow as one);
 * **more rows, shorter, padded**: one more row; every other axis size above 2 cut to ``n // 2 + 1`` (a prefix);
   an ``attention_mask`` whose first row masks its last third, where the model takes one beside ``input_ids``.
 
@@ -16,12 +17,15 @@ original as a prefix; new integer entries are drawn from the values the original
 special tokens, a mask of ones stays ones), new float entries from its mean and spread. Which changes a model
 accepts is found by running it: all of a variant's changes at once first, and one at a time only when that
 fails; a change it rejects (an error, or no finite output at all) is left out. Whatever a run changes on the
-model's modules (an attribute set from the input's shape) is put back after it.
+model's modules (an attribute set from the input's shape) is put back after it. Whether a model takes some inputs
+is asked once per model, inputs and weights (the report's checks and the walk's both ask it for the same probes).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 Inputs = tuple[tuple, dict]
 Change = Callable[[Inputs, torch.Generator], Inputs]
+_ANSWERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 0, *, padding: bool = True,
@@ -158,10 +163,19 @@ def _grow_size(size: int, to: int | None = None) -> Change:
         if isinstance(t, torch.Tensor):
             for axis in range(1, t.dim()):
                 if t.shape[axis] == size:
-                    t = _grow(t, axis, 2 * size + 3 if to is None else to, generator)
+                    t = _grow(t, axis, _longer_size(size) if to is None else to, generator)
         return t
 
     return lambda inputs, generator: tree_map(lambda t: grown(t, generator), inputs)
+
+
+def _longer_size(size: int) -> int:
+    """The longer probe's length for an axis of ``size``: ``2 size + 3``, but a long axis grows by a part of it.
+
+    >>> [_longer_size(n) for n in (1, 17, 73, 512, 864)]
+    [5, 37, 149, 643, 1039]
+    """
+    return size + min(size, 64 + size // 8) + 3
 
 
 def _shrink_batch(batch: int) -> Change:
@@ -210,7 +224,24 @@ def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> 
 def _runs(model, inputs: Inputs) -> bool:
     """Whether the model takes ``inputs`` and gives some finite output: entries masked with -inf are compared as
     a pattern (:func:`symgraph.verify.relative_change`), but outputs with no finite value, or no value at all,
-    can check nothing."""
+    can check nothing. Found once per model, inputs and tensor versions (an in-place write asks anew)."""
+    key = (_fingerprint(inputs), tuple((id(t), t._version) for t in (*model.parameters(), *model.buffers())))
+    answers = _ANSWERS.setdefault(model, {})
+    if key not in answers:
+        answers[key] = _runs_now(model, inputs)
+    return answers[key]
+
+
+def _fingerprint(inputs: Inputs) -> tuple:
+    """Inputs as a key: each tensor's shape, dtype and a digest of its values; anything else as its repr."""
+    leaves, spec = tree_flatten(inputs)
+    return str(spec), tuple(
+        (tuple(t.shape), str(t.dtype), hashlib.blake2b(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                                       .numpy().tobytes(), digest_size=16).hexdigest())
+        if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+
+
+def _runs_now(model, inputs: Inputs) -> bool:
     args, kwargs = inputs
     try:
         with torch.no_grad(), attributes_kept(model):  # a probe leaves no setting it made behind (Swin's window)

@@ -318,3 +318,42 @@ def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
     result = json.loads(capsys.readouterr().out)["torch-relu-mlp"]
     assert len(result["one_shape"]["probes"]) == 1 and len(result["every_shape"]["probes"]) == 5
     assert result["every_shape"]["all_invariant"] and result["ratio"]["check_ms"] > 0
+
+
+def test_a_long_axis_grows_by_a_part_of_it_not_twice():
+    """An image's sides grown to twice made an attention over its patches sixteen times as costly (YOLOS at
+    512x864: 8 s a float32 run, gigabytes of float64 scores); a long axis now grows by 64 + n // 8 + 3."""
+    conv = nn.Conv2d(3, 4, 3)
+    (_, _), (longer, _), (shorter, _) = probe_inputs(conv, (torch.randn(2, 3, 256, 160),), {})
+    assert tuple(longer[0].shape) == (1, 3, 3 + 256 + 64 + 32, 3 + 160 + 64 + 20)  # channels stay
+    assert tuple(shorter[0].shape) == (3, 3, 129, 81)
+    (_, _), (longer, _), _ = probe_inputs(nn.Linear(4, 4), (torch.randn(2, 17, 4),), {})
+    assert tuple(longer[0].shape) == (1, 37, 4)  # a short axis still more than doubles
+
+
+class CountsRuns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return self.linear(x)
+
+
+def test_whether_a_model_takes_inputs_is_asked_once_until_its_weights_change():
+    """The report's path check and the walk's cut checks ask the same probes of one model: each shape ran twice
+    (YOLOS at 512x864: 21 s of 63)."""
+    model, x = CountsRuns(), torch.randn(2, 7, 4)
+    first = every_probe(model, (x,), {})
+    runs = model.runs
+    again = every_probe(model, (x,), {})
+    assert model.runs == runs and len(again) == len(first) == 5
+    assert all(torch.equal(a[0][0], b[0][0]) for a, b in zip(first, again))
+    with torch.no_grad():
+        model.linear.weight.mul_(2.0)  # an in-place write: the answers may differ now
+    every_probe(model, (x,), {})
+    assert model.runs == 2 * runs
+    every_probe(model, (x + 1,), {})  # other values: asked anew
+    assert model.runs == 3 * runs
