@@ -143,7 +143,7 @@ WIDER_TOWERS = [
     "clipseg_text_model", "altclip_vision_model", "blip_vision_model", "blip_2_vision_model", "clipseg_vision_model",
     "git_vision_model", "groupvit_vision_model", "instructblip_vision_model", "janus_vision_model",
     "kosmos_2_vision_model", "metaclip_2_vision_model", "owlvit_vision_model", "owlv2_vision_model", "smolvlm_vision",
-    "tipsv2_vision_model", "flava_image_model", "sam_vision_model", "pixtral", "ovis2_vision",
+    "tipsv2_vision_model", "flava_image_model", "sam_vision_model", "pixtral", "ovis2_vision", "align_vision_model",
 ]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS)
@@ -259,7 +259,8 @@ for _audio in ("hubert", "wavlm", "unispeech", "unispeech-sat", "sew", "sew-d", 
 EXTRA["sew"] = dict(EXTRA["wav2vec2"], conv_dim=[16, 16], squeeze_factor=2)
 EXTRA["sew-d"] = dict(EXTRA["sew"], position_buckets=8, max_position_embeddings=64)
 EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
-EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 210 s
+EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 26 s
+EXTRA["align_vision_model"] = EXTRA["efficientnet"]  # ALIGN's EfficientNet tower: 62M parameters at 2x width
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
 # more than the shrunk depth has; 4 layers, the last two sharing, the first with its sparse (top-k) FFN activation
 EXTRA["gemma3n_text"] = dict(num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[64] * 4,
