@@ -172,6 +172,12 @@ SHRINK = {
     "projection_intermediate_dim": 128,  # GroupViT's 4096 made one Hungarian 2.3 s: past 800 s
     "dim_ff": 128, "dim_head": 16, "o_lora_rank": 32, "latent_query_num": 8,  # CPM-Ant, DeepSeek-V4, Kosmos-2.5
     "index_n_heads": 4, "index_head_dim": 16,  # the sparse-attention indexers of DeepSeek-V3.2 and HY-V4
+    # widths the names above miss: each left one Hungarian over thousands of units (XLNet's 4096, Ergo's 32768
+    # dense FFN) or 10^8 parameters (LUKE's 500,000 entities) in the pipeline sweep, past its time limit
+    "d_inner": 128, "decoder_intermediate_size": 128, "dense_intermediate_size": 128,
+    "first_dense_intermediate_size": 128, "shared_intermediate_size": 48, "moe_shared_expert_intermediate_size": 48,
+    "moe_hidden_size": 32, "projection_intermediate_size": 128, "entity_vocab_size": 128,
+    "vocab_size_per_layer_input": 128,
 }
 WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "emb_dim")
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
