@@ -177,7 +177,7 @@ SHRINK = {
     "d_inner": 128, "decoder_intermediate_size": 128, "dense_intermediate_size": 128,
     "first_dense_intermediate_size": 128, "shared_intermediate_size": 48, "moe_shared_expert_intermediate_size": 48,
     "moe_hidden_size": 32, "projection_intermediate_size": 128, "entity_vocab_size": 128,
-    "vocab_size_per_layer_input": 128,
+    "vocab_size_per_layer_input": 128, "linear_num_heads": 4, "linear_head_dim": 16,  # GLM-5-Next's text model
 }
 WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "emb_dim")
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
