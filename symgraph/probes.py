@@ -22,7 +22,6 @@ is asked once per model, inputs and weights (the report's checks and the walk's 
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import weakref
@@ -31,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .depth_check import tensor_key
 from .module_state import attributes_kept
 
 __all__ = ["every_probe", "lengthened_inputs", "probe_inputs", "shape_summary", "shortest_inputs"]
@@ -233,12 +233,9 @@ def _runs(model, inputs: Inputs) -> bool:
 
 
 def _fingerprint(inputs: Inputs) -> tuple:
-    """Inputs as a key: each tensor's shape, dtype and a digest of its values; anything else as its repr."""
+    """Inputs as a key: each tensor's shape, dtype and a hash of its values; anything else as its repr."""
     leaves, spec = tree_flatten(inputs)
-    return str(spec), tuple(
-        (tuple(t.shape), str(t.dtype), hashlib.blake2b(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                                                       .numpy().tobytes(), digest_size=16).hexdigest())
-        if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+    return str(spec), tuple(tensor_key(t) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
 
 
 def _runs_now(model, inputs: Inputs) -> bool:

@@ -322,7 +322,7 @@ def test_verification_benchmark_runs_and_reports_both_shape_settings(capsys):
 
 def test_a_long_axis_grows_by_a_part_of_it_not_twice():
     """An image's sides grown to twice made an attention over its patches sixteen times as costly (YOLOS at
-    512x864: 8 s a float32 run, gigabytes of float64 scores); a long axis now grows by 64 + n // 8 + 3."""
+    512x864: 8 s a float32 run, the float64 checks there too); a long axis now grows by 64 + n // 8 + 3."""
     conv = nn.Conv2d(3, 4, 3)
     (_, _), (longer, _), (shorter, _) = probe_inputs(conv, (torch.randn(2, 3, 256, 160),), {})
     assert tuple(longer[0].shape) == (1, 3, 3 + 256 + 64 + 32, 3 + 160 + 64 + 20)  # channels stay
