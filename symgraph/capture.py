@@ -56,6 +56,7 @@ class Capture:
     # (DeepSeek-V4's compressor, from 128 tokens: :func:`_traced_longer`)
     lengthened: tuple[int, int] | None = None
     read_when_longer: tuple[str, ...] = ()
+    filled_when_longer: int = 0  # values empty at the length given that the longer trace fills (CANINE's molecules)
 
     @property
     def graph(self) -> fx.Graph:
@@ -101,7 +102,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             if reached:
                 cap = dataclasses.replace(fuller, added_inputs=tuple(extra), read_with_added=tuple(sorted(reached)))
     untraced = untraced_inputs(model, cap.args, cap.kwargs) if _any_unread(cap) else ()
-    if add_optional and not untraced and unread_parameters(cap):  # not a vision tower left unread: a length?
+    if add_optional and not untraced and (unread_parameters(cap) or _empty_values(cap)):  # a length's effect?
         cap = _traced_longer(model, cap)
     embeddings = _token_embeddings(model) if untraced else frozenset()
     if untraced and not embeddings:
@@ -116,14 +117,25 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
 
 # a token length to trace again at where parameters stay unread: attention that compresses or chunks its keys reads
 # its compressor only from a window's length on (DeepSeek-V4's, 128 tokens), past the short example inputs and the
-# probes grown from them; capped by the config's position count
+# probes grown from them; or where values are empty: CANINE keeps all but the last of its molecules (4 characters
+# each), none of 7 characters', so a concatenation joined the characters' stream with an empty piece of the
+# molecules' and the groups found there moved the molecules' norm with the characters' (a change of 1.5e-2 in its
+# outputs at 17 characters); capped by the config's position count
 _LONGER_TOKENS = 512
+
+
+def _empty_values(cap: Capture) -> int:
+    """How many values the traced graph computes with no entries (an axis of size 0; sizes known only at run time,
+    routed rows, are not counted)."""
+    return sum(1 for n in cap.graph.nodes if n.op == "call_function"
+               and isinstance(val := n.meta.get("val"), torch.Tensor) and 0 in [d for d in val.shape if type(d) is int])
 
 
 def _traced_longer(model: torch.nn.Module, cap: Capture) -> Capture:
     """``cap``, or a trace at :data:`_LONGER_TOKENS` tokens (every input of the token ids' length grown with them)
-    where that reads parameters ``cap`` leaves unread: groups found at the short length would leave them behind, and
-    the model computes something else on long inputs."""
+    where that reads parameters ``cap`` leaves unread, or computes fewer empty values: groups found at the short
+    length would leave those parameters behind, or join what the empty values carry at longer lengths as if it were
+    not there, and the model computes something else on long inputs."""
     from .inputs import longest_tokens
     from .probes import lengthened_inputs
 
@@ -139,10 +151,12 @@ def _traced_longer(model: torch.nn.Module, cap: Capture) -> Capture:
                   length, exc)
         return cap
     reached = unread_parameters(cap) - unread_parameters(longer)
-    if not reached:
+    filled = _empty_values(cap) - _empty_values(longer)
+    if not reached and filled <= 0:
         return cap
     return dataclasses.replace(longer, added_inputs=cap.added_inputs, read_with_added=cap.read_with_added,
-                               lengthened=(ids.shape[1], length), read_when_longer=tuple(sorted(reached)))
+                               lengthened=(ids.shape[1], length), read_when_longer=tuple(sorted(reached)),
+                               filled_when_longer=max(filled, 0))
 
 
 def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> Capture:
@@ -228,10 +242,15 @@ def lengthened_note(cap: Capture) -> str | None:
     if cap.lengthened is None:
         return None
     given, traced = cap.lengthened
-    return (f"traced at {traced} tokens instead of the {given} given: at {given} the model leaves "
-            f"{_listed(cap.read_when_longer)} unread, parameters it reads on longer inputs (an attention that "
-            f"compresses or chunks its keys from a window's length on); the groups found hold at both lengths, and "
-            f"the checks run at {traced}")
+    why = []
+    if cap.read_when_longer:
+        why.append(f"the model leaves {_listed(cap.read_when_longer)} unread, parameters it reads on longer inputs "
+                   f"(an attention that compresses or chunks its keys from a window's length on)")
+    if cap.filled_when_longer:
+        why.append(f"{cap.filled_when_longer} of the values it computes are empty, which longer inputs fill (a cut "
+                   f"or pooling that leaves nothing of short inputs)")
+    return (f"traced at {traced} tokens instead of the {given} given: at {given} {' and '.join(why)}; the groups "
+            f"found hold at both lengths, and the checks run at {traced}")
 
 
 def unread_note(cap: Capture) -> str | None:

@@ -20,6 +20,14 @@ config has                                   inputs built
 ``image_size`` or ``num_channels``           ``pixel_values`` (batch, channels, height, width) when the config has
                                              no ``vocab_size`` or ``forward`` takes pixels and no token ids
                                              (BEiT); 32 x 32 when there is no ``image_size`` (ResNet)
+``num_frames`` or ``frames_per_clip``        a video (batch, frames, channels, height, width) as ``pixel_values``
+                                             (VideoMAE, ViViT, TimeSformer) or as ``pixel_values_videos`` where
+                                             ``forward`` takes that (V-JEPA 2, VideoPrism; ``crop_size`` is
+                                             its image size)
+``context_length``                           ``past_values`` (batch, context length, ``num_input_channels``) when
+                                             ``forward`` takes them, a time series (PatchTST; one channel and no
+                                             channel axis without ``num_input_channels``: TimesFM, with no step
+                                             padded and frequency id 0 where ``forward`` requires them)
 ``vocab_size``                               ``input_ids``; printable code points when ``forward`` takes token
                                              ids but the config has no vocabulary (CANINE reads characters)
 ``is_encoder_decoder``                       ``decoder_input_ids`` in addition
@@ -53,6 +61,10 @@ _PRINTABLE = (32, 127)  # code points of printable ASCII, for models that read c
 # which torch.export cannot trace, so such a model is traced on text alone (its images' stream is then pinned:
 # :func:`symgraph.capture.untraced_inputs`)
 _GRID_INPUTS = frozenset({"image_grid_thw"})
+_FRAME_ATTRS = ("num_frames", "frames_per_clip")  # a video model's clip length, fixed by its position table
+_IMAGE_SIZE_ATTRS = ("image_size", "crop_size")  # V-JEPA 2 calls its frames' size the crop size
+_CHANNEL_ATTRS = ("num_channels", "in_chans")
+_VIDEO_INPUTS = ("pixel_values_videos", "pixel_values")  # the names a video model's forward takes it by
 _IMAGE_TOKEN_ATTRS = ("image_token_index", "image_token_id")
 _SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + (
     "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
@@ -322,8 +334,10 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         if forward_params is not None and _GRID_INPUTS & set(forward_params):
             return {"input_ids": maker.token_ids(text, avoid=config)}
         image_token, count = _image_tokens(config)
+        takes_video = forward_params is not None and "pixel_values" not in forward_params \
+            and "pixel_values_videos" in forward_params  # VideoPrism's text and video towers
         return {"input_ids": maker.token_ids(text, avoid=config, prefix=count, prefix_id=image_token),
-                "pixel_values": _pixels(vision, maker)}
+                "pixel_values_videos" if takes_video else "pixel_values": _pixels(vision, maker, _frames(vision))}
     takes = set(forward_params) if forward_params is not None else set()
     mel_bins = getattr(config, "num_mel_bins", None)
     if mel_bins is not None and "input_values" in takes and "input_features" not in takes:
@@ -338,6 +352,11 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         return {"input_values": maker.floats((maker.batch, _raw_audio_length(config, maker.seq)))}
     if "input_values" in takes and "input_ids" not in takes:  # raw audio into a stem the config does not describe
         return {"input_values": maker.floats((maker.batch, _SAMPLES_PER_FRAME * maker.seq))}
+    if "past_values" in takes and isinstance(getattr(config, "context_length", None), int):
+        return _series(config, maker, takes)
+    video = _video_input(config, forward_params)
+    if video is not None:
+        return {video: _pixels(config, maker, frames=_frames(config))}
     if _takes_pixels(config, forward_params):
         return {"pixel_values": _pixels(config, maker)}
     if getattr(config, "vocab_size", None) is not None:
@@ -351,8 +370,43 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         hint="pass example inputs (inputs=... in Python), or load a 'module:factory' that returns (model, args).")
 
 
+def _series(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, torch.Tensor]:
+    """Past values of a time series, and what TimesFM's ``forward`` requires beside them: padding flags (none
+    padded) and a frequency id per series."""
+    channels = getattr(config, "num_input_channels", None)
+    channel_axis = (channels,) if isinstance(channels, int) else ()
+    values = maker.floats((maker.batch, int(config.context_length), *channel_axis))
+    out = {"past_values": values}
+    if "past_values_padding" in takes:
+        out["past_values_padding"] = maker.ones(tuple(values.shape[:2])) * 0
+    if "freq" in takes:  # (batch, 1): TimesFmModel adds its embedding to every patch (its prediction head reshapes)
+        out["freq"] = maker.ones((maker.batch, 1)) * 0
+    return out
+
+
+def _video_input(config: Any, forward_params: Collection[str] | None) -> str | None:
+    """The name ``forward`` takes a video by, where ``config`` describes clips of frames and ``forward`` takes no
+    token ids; else ``None``."""
+    if _frames(config) is None:
+        return None
+    if forward_params is None:
+        return "pixel_values" if getattr(config, "vocab_size", None) is None else None
+    if "input_ids" in forward_params:
+        return None
+    return next((name for name in _VIDEO_INPUTS if name in forward_params), None)
+
+
+def _frames(config: Any) -> int | None:
+    return next((int(v) for v in (getattr(config, a, None) for a in _FRAME_ATTRS) if isinstance(v, int) and v > 0),
+                None)
+
+
+def _first(config: Any, names: Iterable[str]) -> Any:
+    return next((v for v in (getattr(config, a, None) for a in names) if v is not None), None)
+
+
 def _takes_pixels(config: Any, forward_params: Collection[str] | None) -> bool:
-    is_image = getattr(config, "image_size", None) is not None or getattr(config, "num_channels", None) is not None
+    is_image = _first(config, _IMAGE_SIZE_ATTRS) is not None or _first(config, _CHANNEL_ATTRS) is not None
     if not is_image:
         return False
     if forward_params is not None and "pixel_values" in forward_params:
@@ -382,10 +436,13 @@ def _start_token(config: Any, decoder: Any) -> int | None:
     return None
 
 
-def _pixels(config: Any, maker: _Maker) -> torch.Tensor:
-    size = getattr(config, "image_size", None) or _DEFAULT_IMAGE_SIZE
+def _pixels(config: Any, maker: _Maker, frames: int | None = None) -> torch.Tensor:
+    """Images (batch, channels, height, width), or with ``frames`` a video (batch, frames, channels, height,
+    width)."""
+    size = _first(config, _IMAGE_SIZE_ATTRS) or _DEFAULT_IMAGE_SIZE
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
-    return maker.floats((maker.batch, int(getattr(config, "num_channels", 3)), int(height), int(width)))
+    clip = () if frames is None else (frames,)
+    return maker.floats((maker.batch, *clip, int(_first(config, _CHANNEL_ATTRS) or 3), int(height), int(width)))
 
 
 def _mel_features(config: Any, maker: _Maker) -> torch.Tensor:

@@ -67,7 +67,7 @@ def probe_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 
     shorter = [_grow_batch(batch)] + [_shrink_size(n) for n in sorted(n for n in sizes if n > 2)]
     if padding and "input_ids" in original[1] and "attention_mask" in _parameters(model):
         shorter.append(_pad)
-    accepts = accepts or (lambda inputs: _runs(model, inputs))
+    accepts = accepts or (lambda inputs: runs(model, inputs))
     variants = [_variant(accepts, original, changes, seed) for changes in (longer, shorter)]
     return [original] + [v for v in variants if v is not None]
 
@@ -85,7 +85,7 @@ def shortest_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int
     """
     original = (tuple(args), dict(kwargs))
     sizes = {n for t in _tensors(original) for n in t.shape[1:]}
-    accepts = accepts or (lambda inputs: _runs(model, inputs))
+    accepts = accepts or (lambda inputs: runs(model, inputs))
     variants = [_variant(accepts, original, [_shrink_size(n, to=length) for n in sorted(sizes) if n > length], seed)
                 for length in (1, 2)]
     return [v for v in variants if v is not None]
@@ -221,7 +221,7 @@ def _grow(t: torch.Tensor, axis: int, size: int, generator: torch.Generator) -> 
     return torch.cat([t, extra.to(device=t.device, dtype=t.dtype)], dim=axis)
 
 
-def _runs(model, inputs: Inputs) -> bool:
+def runs(model, inputs: Inputs) -> bool:
     """Whether the model takes ``inputs`` and gives some finite output: entries masked with -inf are compared as
     a pattern (:func:`symgraph.verify.relative_change`), but outputs with no finite value, or no value at all,
     can check nothing. Found once per model, inputs and tensor versions (an in-place write asks anew)."""
@@ -230,6 +230,12 @@ def _runs(model, inputs: Inputs) -> bool:
     if key not in answers:
         answers[key] = _runs_now(model, inputs)
     return answers[key]
+
+
+def forget_runs(model) -> None:
+    """Forget what :func:`runs` found for ``model``: it runs otherwise from now on (its float32 casts kept in
+    float64: :class:`symgraph.verify.Float64Casts`)."""
+    _ANSWERS.pop(model, None)
 
 
 def _fingerprint(inputs: Inputs) -> tuple:

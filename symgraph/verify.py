@@ -85,7 +85,8 @@ class Evaluator:
         # experts run transformers' reference loop: it has float64 kernels, and it is not the dense form we trace
         self.model = use_experts_implementation(copied_module(model), REFERENCE).to(torch.float64).eval()
         args, kwargs = _cast_inputs(args, kwargs or {}, torch.float64)
-        with float64_default():
+        self.casts = _needs_casts(self.model, args, kwargs)
+        with float64_default(self.casts):
             self.probes = every_probe(self.model, args, kwargs) if shapes else [(args, kwargs)]
         self.state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
         self.aliases = _aliases(self.model)
@@ -127,7 +128,7 @@ class Evaluator:
 
     def _run(self, state, args, kwargs, transforms=None) -> torch.Tensor:
         state = dict(state)  # functional_call rewrites its dict where one module is reached by two names
-        with torch.no_grad(), float64_default(), attributes_kept(self.model):  # a run at one shape sets nothing
+        with torch.no_grad(), float64_default(self.casts), attributes_kept(self.model):  # a run sets nothing
             out = torch.func.functional_call(self.model, state, args, kwargs, tie_weights=False)
         return flat_outputs(out, self.free_outputs, transforms)
 
@@ -240,15 +241,50 @@ def flat_outputs(out, free_outputs=(), transforms=None) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def float64_default():
+def float64_default(casts: bool = False):
     """Make float64 the default dtype while the float64 copy runs: model code that builds constants in the
-    default dtype (XGLM's ``torch.full((), finfo(float64).min)``) would overflow float32 otherwise."""
+    default dtype (XGLM's ``torch.full((), finfo(float64).min)``) would overflow float32 otherwise. With ``casts``,
+    the lower float dtypes ops are asked for become float64 too (:class:`Float64Casts`)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        yield
+        with Float64Casts() if casts else contextlib.nullcontext():
+            yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class Float64Casts(TorchDispatchMode):
+    """Turn every float32, float16 or bfloat16 dtype an op is asked for into float64 (complex64 into complex128).
+    Code that casts for numerical safety then stays in float64: a router that runs ``F.linear(x.float(), weight)``
+    with its weight in the model's dtype (Inkling 2) fails in a float64 copy otherwise, and an upcast to float32
+    would round the check."""
+
+    WIDER = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
+             torch.complex64: torch.complex128}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("dtype") in self.WIDER:
+            kwargs = {**kwargs, "dtype": self.WIDER[kwargs["dtype"]]}
+        return func(*args, **kwargs)
+
+
+def _needs_casts(model64: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the float64 copy ``model64`` runs on the inputs only with its casts kept in float64: it gives no
+    finite output as it is and does under :class:`Float64Casts`. Where neither runs, ``False``: the check refuses
+    with the model's own error (:func:`_refusal`)."""
+    from .probes import forget_runs, runs
+
+    with float64_default():
+        if runs(model64, (args, kwargs)):  # the probes ask the same: answered once
+            return False
+    with float64_default(casts=True):
+        forget_runs(model64)
+        if runs(model64, (args, kwargs)):
+            return True
+    forget_runs(model64)
+    return False
 
 
 def _refusal(name: str, model64: torch.nn.Module, probes: list, exc: Exception) -> UnverifiableError:

@@ -210,3 +210,33 @@ def test_a_module_used_in_two_places_is_evaluated_with_the_state_given_every_tim
     assert any(g.motif == "vo" for g in subject.report.groups)
     moved = symgraph.transform(subject, seed=1)  # checked in float64 at every probe shape, or refused
     assert not torch.equal(moved["blocks.0.o.weight"], model.state_dict()["blocks.0.o.weight"])
+
+
+class _UpcastBeforeALinear(torch.nn.Module):
+    """An FFN whose output is cast to float32 before a linear whose weight is in the model's dtype, as Inkling 2's
+    router does (``F.linear(x.float(), self.weight)``): its float64 copy fails unless the cast stays float64."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
+        self.router = torch.nn.Parameter(torch.randn(3, 6))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.down(torch.relu(self.up(x))).float(), self.router)
+
+
+def test_a_model_that_casts_to_float32_is_checked_with_its_casts_kept_in_float64():
+    model, inputs = _UpcastBeforeALinear(), (torch.randn(3, 6),)
+    with pytest.raises(RuntimeError, match="dtype"):
+        copy.deepcopy(model).double()(inputs[0].double())  # as it is, the float64 copy cannot run
+    evaluator = Evaluator(model, inputs)
+    assert evaluator.casts and evaluator.tolerance == TOLERANCE[torch.float64]  # every op computed in float64
+    report = symgraph.analyze(model, inputs=inputs)
+    elements = symgraph.sample_elements(report, seed=1)
+    assert "ffn" in {g.motif for g in report.groups} and elements  # the FFN's units, and the map into the router
+    moved = apply(model.state_dict(), elements)
+    assert evaluator.check(moved).ok
+    broken = dict(moved, **{"up.weight": moved["up.weight"].flip(0)})  # rows swapped without the down projection's
+    assert not evaluator.check(broken).ok
+    assert not Evaluator(torch.nn.Linear(6, 3), inputs).casts  # a model that runs in float64 runs as it is

@@ -541,11 +541,13 @@ def _indexed_by_unknown(w, node: fx.Node) -> bool:
 
 
 def _counted_at_run_time(node: fx.Node) -> bool:
-    """A pick whose number of positions torch.export knows only at run time (``x[mask]`` with a mask built from
-    the input ids: HiggsAudio's audio tokens). Even where the analysis knows this input's index values, another
-    input picks other positions, and as many of them as it likes, so they are as unknown as routed rows."""
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val.shape))
+    """A pick whose number of positions, or that of the tensor it picks from, torch.export knows only at run time
+    (``x[mask]`` with a mask built from the input ids: HiggsAudio's audio tokens; V-JEPA 2's mask tokens repeated
+    ``mask.max() + 1`` times, then gathered by the mask). Even where the analysis knows this input's index values,
+    another input picks other positions, and as many of them as it likes, so they are as unknown as routed rows
+    (and the labels replayed along a run-time axis have a stand-in size those values overrun)."""
+    vals = [node.meta.get("val"), *(a.meta.get("val") for a in moved_operands(node))]
+    return any(isinstance(v, torch.Tensor) and bool(free_unbacked_symbols(v.shape)) for v in vals)
 
 
 def _cut_at_run_time(node: fx.Node) -> bool:
