@@ -146,9 +146,9 @@ WIDER_TOWERS = [
 ]
 # video models, which take clips (batch, frames, channels, height, width): skipped until their inputs were built
 WIDER_VIDEO = ["videomae", "vivit", "timesformer", "vjepa2", "videoprism_vision_model", "videoprism"]
-# time-series models, which take past values (batch, context length[, channels]); Informer, Autoformer and the
-# TimeSeriesTransformer also require lagged time features and observation masks, which symgraph does not build
-WIDER_SERIES = ["patchtst", "patchtsmixer", "timesfm", "timesfm2_5"]
+# time-series models, which take past values (batch, context length[, channels]), and forecasting encoder-decoders,
+# which take lagged time features, observation masks and the future too (Autoformer's cannot be traced)
+WIDER_SERIES = ["patchtst", "patchtsmixer", "timesfm", "timesfm2_5", "time_series_transformer", "informer"]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES)
 TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
@@ -272,6 +272,8 @@ EXTRA["zaya"] = dict(num_experts_per_tok=1)  # one expert a token only
 EXTRA["yolos"] = dict(image_size=[32, 48], num_detection_tokens=4)  # (512, 864) by default: 7,012 tokens, 26 s
 EXTRA["vjepa2"] = dict(pred_hidden_size=64, pred_num_attention_heads=4, pred_num_hidden_layers=2,  # its predictor
                       frames_per_clip=8)  # 64 frames by default: 512 tokens a clip at 32 x 32
+EXTRA["time_series_transformer"] = dict(prediction_length=4, context_length=8, num_time_features=2)  # None: no
+EXTRA["informer"] = EXTRA["time_series_transformer"]  # horizon, no series to build
 EXTRA["timesfm2_5"] = dict(num_attention_heads=16, head_dim=4, context_length=128)  # fails at other head counts
 EXTRA["align_vision_model"] = EXTRA["efficientnet"]  # ALIGN's EfficientNet tower: 62M parameters at 2x width
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,

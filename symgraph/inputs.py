@@ -27,7 +27,9 @@ config has                                   inputs built
 ``context_length``                           ``past_values`` (batch, context length, ``num_input_channels``) when
                                              ``forward`` takes them, a time series (PatchTST; one channel and no
                                              channel axis without ``num_input_channels``: TimesFM, with no step
-                                             padded and frequency id 0 where ``forward`` requires them)
+                                             padded and frequency id 0 where ``forward`` requires them); with
+                                             ``past_time_features``, a forecast's past (context plus largest
+                                             lag), future and time features (TimeSeriesTransformer, Informer)
 ``vocab_size``                               ``input_ids``; printable code points when ``forward`` takes token
                                              ids but the config has no vocabulary (CANINE reads characters)
 ``is_encoder_decoder``                       ``decoder_input_ids`` in addition
@@ -108,7 +110,7 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
     if attention_mask and "input_ids" in inputs:
         inputs["attention_mask"] = maker.ones(tuple(inputs["input_ids"].shape))
     decoder = _decoder_config(config)
-    if decoder is not None:
+    if decoder is not None and getattr(decoder, "vocab_size", None) is not None:  # a forecast decodes values
         inputs["decoder_input_ids"] = maker.token_ids(decoder, start=_start_token(config, decoder))
     return inputs
 
@@ -366,13 +368,15 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
     raise ModelLoadError(
         f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, num_channels, "
         f"num_mel_bins, input_feat_per_channel or conv_kernel, nor text/vision or encoder/decoder sub-configs, "
-        f"and forward() takes neither input_ids nor input_values.",
+        f"and forward() takes neither input_ids nor input_values (nor past_values with a context_length).",
         hint="pass example inputs (inputs=... in Python), or load a 'module:factory' that returns (model, args).")
 
 
 def _series(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, torch.Tensor]:
     """Past values of a time series, and what TimesFM's ``forward`` requires beside them: padding flags (none
-    padded) and a frequency id per series."""
+    padded) and a frequency id per series; for a forecasting encoder-decoder, :func:`_forecast`'s inputs."""
+    if "past_time_features" in takes:
+        return _forecast(config, maker, takes)
     channels = getattr(config, "num_input_channels", None)
     channel_axis = (channels,) if isinstance(channels, int) else ()
     values = maker.floats((maker.batch, int(config.context_length), *channel_axis))
@@ -382,6 +386,29 @@ def _series(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, tor
     if "freq" in takes:  # (batch, 1): TimesFmModel adds its embedding to every patch (its prediction head reshapes)
         out["freq"] = maker.ones((maker.batch, 1)) * 0
     return out
+
+
+def _forecast(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, torch.Tensor]:
+    """A forecasting encoder-decoder's inputs (TimeSeriesTransformer, Informer): the past (context plus the
+    largest lag) with its time features and every value observed, the future to predict with its time features, and
+    static features where the config has them."""
+    variates = int(getattr(config, "input_size", 1) or 1)
+    per_step = (variates,) if variates > 1 else ()
+    past = int(config.context_length) + max(_ints(getattr(config, "lags_sequence", None) or [0]))
+    future = int(config.prediction_length)
+    features = int(getattr(config, "num_time_features", 0) or 0)
+    out = {"past_values": maker.floats((maker.batch, past, *per_step)),
+           "past_time_features": maker.floats((maker.batch, past, features)),
+           "past_observed_mask": maker.ones((maker.batch, past, *per_step)),
+           "future_values": maker.floats((maker.batch, future, *per_step)),
+           "future_time_features": maker.floats((maker.batch, future, features))}
+    categorical = int(getattr(config, "num_static_categorical_features", 0) or 0)
+    if categorical and "static_categorical_features" in takes:
+        out["static_categorical_features"] = maker.ones((maker.batch, categorical)) * 0
+    real = int(getattr(config, "num_static_real_features", 0) or 0)
+    if real and "static_real_features" in takes:
+        out["static_real_features"] = maker.floats((maker.batch, real))
+    return {k: v for k, v in out.items() if k in takes}
 
 
 def _video_input(config: Any, forward_params: Collection[str] | None) -> str | None:

@@ -80,6 +80,12 @@ CASES = {
     "timesfm": ("AutoModelForTimeSeriesPrediction", dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, head_dim=8,
         context_length=64, patch_length=16, horizon_length=16)),
+    # A forecasting encoder-decoder: the past (context plus the largest lag), its time features and observed mask,
+    # the future to predict and its time features; no decoder ids (it decodes values).
+    "time_series_transformer": ("AutoModel", dict(
+        prediction_length=4, context_length=8, lags_sequence=[1, 2, 3], num_time_features=2, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64)),
 }
 # CANINE: no vocabulary at all; it reads Unicode code points. In float64 its outputs are NaN unless its float32
 # casts stay float64 (symgraph.verify.Float64Casts).
@@ -168,7 +174,8 @@ def test_no_inputs_can_be_built_is_a_load_error():
     ("videomae", "pixel_values", (2, 4, 3, 16, 16)),
     ("vjepa2", "pixel_values_videos", (2, 4, 3, 16, 16)),
     ("patchtst", "past_values", (2, 16, 3)),
-    ("timesfm", "past_values", (2, 64))])
+    ("timesfm", "past_values", (2, 64)),
+    ("time_series_transformer", "past_time_features", (2, 11, 2))])
 def test_audio_video_series_layouts_and_characters_follow_what_forward_takes(model_type, key, shape):
     model = build(model_type, *(CANINE if model_type == "canine" else CASES[model_type]))
     kwargs = symgraph.load(model).kwargs
