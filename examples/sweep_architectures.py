@@ -774,12 +774,14 @@ class Checker:
         self.tied = tied_names(self.model)
         self.forced = False
         self.inputs, self.refs, self.rejected = self._shapes(inputs_at)
-        if not self.inputs:  # code whose float32 casts meet float64 weights (Inkling 2's router): keep them float64
+        if self.inputs:
+            self.forced = self._force_float64()
+        else:  # code whose float32 casts meet float64 weights (Inkling 2's router): keep them float64
             self.forced = True
-            self.inputs, self.refs, rejected = self._shapes(inputs_at)
-            self.forced = bool(self.inputs)
-            self.rejected = rejected if self.inputs else self.rejected
-        self.forced = bool(self.inputs) and (self.forced or self._force_float64())
+            inputs, refs, rejected = self._shapes(inputs_at)
+            self.forced = bool(inputs)
+            if inputs:
+                self.inputs, self.refs, self.rejected = inputs, refs, rejected
         self.floor = self._floor() if self.inputs else None
         self.tolerance = tolerance_for(self.floor)
 

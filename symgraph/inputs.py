@@ -326,6 +326,9 @@ class _Maker:
     def ones(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.ones(shape, dtype=torch.long, device=self.device)
 
+    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.long, device=self.device)
+
 
 def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] | None) -> dict[str, torch.Tensor]:
     text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
@@ -382,9 +385,9 @@ def _series(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, tor
     values = maker.floats((maker.batch, int(config.context_length), *channel_axis))
     out = {"past_values": values}
     if "past_values_padding" in takes:
-        out["past_values_padding"] = maker.ones(tuple(values.shape[:2])) * 0
+        out["past_values_padding"] = maker.zeros(tuple(values.shape[:2]))
     if "freq" in takes:  # (batch, 1): TimesFmModel adds its embedding to every patch (its prediction head reshapes)
-        out["freq"] = maker.ones((maker.batch, 1)) * 0
+        out["freq"] = maker.zeros((maker.batch, 1))
     return out
 
 
@@ -404,7 +407,7 @@ def _forecast(config: Any, maker: _Maker, takes: Collection[str]) -> dict[str, t
            "future_time_features": maker.floats((maker.batch, future, features))}
     categorical = int(getattr(config, "num_static_categorical_features", 0) or 0)
     if categorical and "static_categorical_features" in takes:
-        out["static_categorical_features"] = maker.ones((maker.batch, categorical)) * 0
+        out["static_categorical_features"] = maker.zeros((maker.batch, categorical))
     real = int(getattr(config, "num_static_real_features", 0) or 0)
     if real and "static_real_features" in takes:
         out["static_real_features"] = maker.floats((maker.batch, real))
