@@ -9,6 +9,7 @@ import transformers
 from transformers import AutoConfig
 
 import symgraph
+from cli_runner import assert_fuzzed
 from symgraph.errors import CaptureError, ModelLoadError, UnverifiableError
 from symgraph.fuzz import fuzz
 from symgraph.inputs import example_inputs, forward_kwargs
@@ -218,3 +219,11 @@ def test_canine_is_traced_where_its_molecules_are_not_empty_and_checked_with_its
     result = fuzz(subject, samples=2, seed=1)
     assert result.ok and len(result.verdicts) == len(subject.report.groups) > 0, \
         [v.counterexample for v in result.failures]
+
+
+@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer"])
+def test_a_saved_video_or_forecasting_model_is_fuzzed_from_the_command_line(model_type, tmp_path):
+    """A Hugging Face folder of a kind whose inputs symgraph now builds (a clip; a forecast's past and future):
+    ``symgraph fuzz`` analyses it from its config alone and finds every group invariant."""
+    build(model_type, *CASES[model_type]).save_pretrained(tmp_path / "model")
+    assert_fuzzed(tmp_path / "model", tmp_path, samples=2)
