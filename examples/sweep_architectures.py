@@ -149,8 +149,16 @@ WIDER_VIDEO = ["videomae", "vivit", "timesformer", "vjepa2", "videoprism_vision_
 # time-series models, which take past values (batch, context length[, channels]), and forecasting encoder-decoders,
 # which take lagged time features, observation masks and the future too (Autoformer's cannot be traced)
 WIDER_SERIES = ["patchtst", "patchtsmixer", "timesfm", "timesfm2_5", "time_series_transformer", "informer"]
+# vision-language models that put image features at placeholder tokens (masked_scatter): skipped until the count
+# of placeholders was measured from the model's image path (symgraph.inputs.model_example_inputs), and single
+# towers and models the same probe found sound as they build
+WIDER_PLACEHOLDER_VLM = ["gemma3", "paligemma", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision",
+                         "deepseek_vl", "got_ocr2", "video_llava", "internvl", "qianfan_ocr", "fuyu", "llama4", "emu3",
+                         "qwen3_5"]
+WIDER_1207 = ["mgp-str", "seamless_m4t", "owlv2", "qwen2_audio_encoder", "metaclip_2", "trocr", "voxtral_encoder"]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
-         + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES)
+         + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES
+         + WIDER_PLACEHOLDER_VLM + WIDER_1207)
 TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
 
 # Size fields and the tiny value each gets wherever a config has it.
@@ -274,6 +282,10 @@ EXTRA["vjepa2"] = dict(pred_hidden_size=64, pred_num_attention_heads=4, pred_num
                       frames_per_clip=8)  # 64 frames by default: 512 tokens a clip at 32 x 32
 EXTRA["time_series_transformer"] = dict(prediction_length=4, context_length=8, num_time_features=2)  # None: no
 EXTRA["informer"] = EXTRA["time_series_transformer"]  # horizon, no series to build
+EXTRA["gemma3"] = dict(mm_tokens_per_image=4)  # 256 tokens pooled from the 4 x 4 patches of 32-pixel images: none
+EXTRA["shieldgemma2"] = EXTRA["gemma3"]
+EXTRA["paligemma"] = dict(projection_dim=64)  # image features projected to the text model's width
+EXTRA["florence2"] = dict(vision_config=dict(projection_dim=64))
 EXTRA["timesfm2_5"] = dict(num_attention_heads=16, head_dim=4, context_length=128)  # fails at other head counts
 EXTRA["align_vision_model"] = EXTRA["efficientnet"]  # ALIGN's EfficientNet tower: 62M parameters at 2x width
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
@@ -471,6 +483,7 @@ def variant_name(variant: tuple) -> str:
 VARIANT_BY_NAME = {variant_name(v): v for v in VARIANTS}
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                   "cls_token_id", "mask_token_id", "unk_token_id")
+IMAGE_TOKENS = ("image_token_index", "image_token_id", "boi_token_index", "eoi_token_index")
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
          "AutoModelForImageClassification", "AutoModelForAudioClassification", "AutoModel")
 # (batch, length, padding mask): none is the traced (2, 7); lengths 1 and 2 catch one-token paths and cuts that
@@ -501,6 +514,11 @@ def shrunk(fields: dict, model_type: str, repair: bool = False, widths: set[int]
     for key in SPECIAL_TOKENS:  # special ids must fit the tiny vocabulary
         if isinstance(fields.get(key), int) and isinstance(vocab, int) and fields[key] >= vocab:
             out[key] = min(3 + SPECIAL_TOKENS.index(key), vocab - 1)
+    text = out.get("text_config")  # a vision-language model's image tokens: ids of its text model's vocabulary
+    text_vocab = text.get("vocab_size") if isinstance(text, dict) and vocab is None else None
+    for index, key in enumerate(IMAGE_TOKENS):
+        if isinstance(fields.get(key), int) and isinstance(text_vocab, int) and fields[key] >= text_vocab:
+            out[key] = text_vocab - 1 - index
     if fields.get("num_experts_per_tok", 0) is None and any(isinstance(out.get(k), int) for k in EXPERT_COUNTS):
         out["num_experts_per_tok"] = SHRINK["num_experts_per_tok"]  # routed experts need a top-k (DeepSeek-V2)
     if isinstance(fields.get("rotary_dim"), int):  # the same fraction of the shrunk head (GPT-J, CodeGen)
@@ -729,11 +747,10 @@ def shaped_inputs(model, batch: int, length: int, pad: bool) -> dict:
 
     import torch
 
-    from symgraph.inputs import example_inputs, forward_kwargs, optional_inputs
+    from symgraph.inputs import forward_kwargs, model_example_inputs, optional_inputs
 
     params = inspect.signature(model.forward).parameters
-    inputs = example_inputs(model.config, batch=batch, seq=length, seed=length, dtype=torch.float64,
-                            forward_params=params)
+    inputs = model_example_inputs(model, model.config, batch=batch, seq=length, seed=length, dtype=torch.float64)
     # the optional inputs that read parameters only when given (token_type_ids, encoder_hidden_states), wherever
     # forward takes them and the model runs with them: a group that holds without them may not hold with them
     extra = optional_inputs(model.config, params, inputs, seed=length, dtype=torch.float64)

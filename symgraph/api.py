@@ -212,10 +212,9 @@ def _inputs_for(model, config, inputs) -> tuple[tuple, dict]:
             kwargs = {**kwargs, **without_cache(config)}
         return args, kwargs
     if config is not None:
-        from .inputs import example_inputs, forward_kwargs
+        from .inputs import forward_kwargs, model_example_inputs
 
-        params = inspect.signature(model.forward).parameters
-        return (), {**example_inputs(config, forward_params=params), **forward_kwargs(config)}
+        return (), {**model_example_inputs(model, config), **forward_kwargs(config)}
     raise ModelLoadError(f"No example inputs for {type(model).__name__}: it has no Hugging Face config to build "
                          f"them from.", hint="pass inputs=(tensor, ...) in Python, or make the factory return "
                                              "(module, args).")

@@ -39,12 +39,15 @@ Token ids avoid the config's special tokens (pad, bos, eos, image placeholders, 
 ``attention_mask`` to ignore padding; one of ones is added only on request, because a mask adds nodes to the
 traced graph (``symgraph.load`` asks for one when a model's code cannot trace without it, see
 :func:`with_attention_mask`). A vision-language config with ``image_seq_length`` gets that many image
-placeholder tokens in front of each sequence. A model that takes its images as patches with an ``image_grid_thw``
-(Qwen2-VL, GLM-4V) sizes tensors by the grid's values, which torch.export cannot trace: it gets text alone, and
-the analysis pins the stream its images would enter (:func:`symgraph.capture.untraced_inputs`).
+placeholder tokens in front of each sequence; given the model (:func:`model_example_inputs`, what ``symgraph.load``
+uses), as many as its image path makes features per image (Gemma 3, PaliGemma, Mistral 3 name or derive the count
+otherwise), with each image's size where that path requires it. A model that takes its images as patches with an
+``image_grid_thw`` (Qwen2-VL, GLM-4V) sizes tensors by the grid's values, which torch.export cannot trace: it gets
+text alone, and the analysis pins the stream its images would enter (:func:`symgraph.capture.untraced_inputs`).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -52,8 +55,8 @@ import torch
 
 from .errors import ModelLoadError
 
-__all__ = ["example_inputs", "forward_kwargs", "in_some_form", "longest_tokens", "optional_inputs", "other_forms",
-           "with_attention_mask", "with_choices", "without_cache"]
+__all__ = ["example_inputs", "forward_kwargs", "in_some_form", "longest_tokens", "model_example_inputs",
+           "optional_inputs", "other_forms", "with_attention_mask", "with_choices", "without_cache"]
 
 _DEFAULT_IMAGE_SIZE = 32  # for convolutional configs without an image size (ResNet): any size is accepted
 _SUBSAMPLING = 4  # filterbank frames per position: speech front-ends subsample by 4 (Speech2Text's two stride-2 convs)
@@ -75,7 +78,8 @@ _SPECIAL_TOKEN_ATTRS = _IMAGE_TOKEN_ATTRS + (
 
 def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.float32, attention_mask: bool = False,
-                   forward_params: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+                   forward_params: Collection[str] | None = None, image_tokens: int | None = None
+                   ) -> dict[str, torch.Tensor]:
     """Keyword tensor inputs for the model that ``config`` describes.
 
     Parameters
@@ -97,6 +101,9 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
         and an image size takes (BEiT's ``vocab_size`` is for masked-image pretraining; it takes pixels), which
         audio layout a model takes (AST's spectrogram as ``input_values``, Moonshine's raw audio beside a
         decoder's vocabulary), and that a config without a vocabulary reads characters (CANINE).
+    image_tokens
+        Placeholder tokens per image of a vision-language model, where known better than from the config (what
+        the model's image path measured: :func:`model_example_inputs`).
 
     Examples
     --------
@@ -105,7 +112,7 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
     >>> {k: tuple(v.shape) for k, v in example_inputs(cfg).items()}
     {'input_ids': (2, 7)}
     """
-    maker = _Maker(batch, seq, seed, torch.device(device), dtype)
+    maker = _Maker(batch, seq, seed, torch.device(device), dtype, image_tokens)
     inputs = _encoder_inputs(_encoder_config(config), maker, forward_params)
     if attention_mask and "input_ids" in inputs:
         inputs["attention_mask"] = maker.ones(tuple(inputs["input_ids"].shape))
@@ -113,6 +120,68 @@ def example_inputs(config: Any, *, batch: int = 2, seq: int = 7, seed: int = 0, 
     if decoder is not None and getattr(decoder, "vocab_size", None) is not None:  # a forecast decodes values
         inputs["decoder_input_ids"] = maker.token_ids(decoder, start=_start_token(config, decoder))
     return inputs
+
+
+def model_example_inputs(model: torch.nn.Module, config: Any, **shape: Any) -> dict[str, Any]:
+    """:func:`example_inputs` for ``model`` (its forward's parameters settle what a config that describes both
+    tokens and pixels takes), where the model places image features at placeholder tokens (Llava, Gemma 3,
+    PaliGemma, Aya Vision), with as many placeholders per image as its image path makes features: configs name
+    that count many ways (``image_seq_length``, ``mm_tokens_per_image``, ``num_image_tokens``) or derive it from
+    sizes, pooling and pixel shuffles, so it is measured by the model's ``get_image_features`` on the example
+    images (the config's count where that cannot run). ``image_sizes`` (batch, 2), each image's height and width,
+    are given where that path requires them (Mistral 3's Pixtral tower)."""
+    params = inspect.signature(model.forward).parameters
+    inputs = example_inputs(config, forward_params=params, **shape)
+    pixels = inputs.get("pixel_values")
+    token, configured = _image_tokens(config)
+    if pixels is None or "input_ids" not in inputs or token is None or pixels.device.type == "meta":
+        return inputs
+    extra = _image_path_inputs(model, pixels)
+    if extra is None:
+        return inputs
+    count = _measured_image_tokens(model, pixels, extra)
+    if count is not None and count != configured:
+        inputs = example_inputs(config, forward_params=params, image_tokens=count, **shape)
+    return {**inputs, **{k: v for k, v in extra.items() if k in params}}
+
+
+def _image_path_inputs(model: torch.nn.Module, pixels: torch.Tensor) -> dict[str, Any] | None:
+    """What ``model.get_image_features`` requires beside the pixels (None: it has none, or requires something
+    no example can give): ``image_sizes`` as lists of Python ints, which the trace keeps as constants (tensors of
+    sizes would make the sizes it cuts to depend on tensor values, which torch.export cannot trace)."""
+    features = getattr(model, "get_image_features", None)
+    if not callable(features):
+        return None
+    try:
+        params = inspect.signature(features).parameters
+    except (TypeError, ValueError):
+        return None
+    extra = {}
+    for name, param in params.items():
+        if name == "pixel_values" or param.default is not inspect.Parameter.empty \
+                or param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name != "image_sizes" or pixels.dim() != 4:
+            return None
+        extra[name] = [list(pixels.shape[-2:])] * pixels.shape[0]
+    return extra
+
+
+def _measured_image_tokens(model: torch.nn.Module, pixels: torch.Tensor, extra: dict[str, Any]) -> int | None:
+    """Rows of image features ``model.get_image_features`` gives per image of ``pixels`` (None where it fails or
+    the rows do not split evenly among the images)."""
+    try:
+        with torch.no_grad():
+            out = model.get_image_features(pixel_values=pixels, **extra)
+    except Exception:  # noqa: BLE001 -- an image path that cannot run on its own: the config's count stands
+        return None
+    out = getattr(out, "pooler_output", None) if hasattr(out, "pooler_output") else out
+    parts = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else []
+    if not parts or not all(isinstance(p, torch.Tensor) and p.dim() >= 2 for p in parts):
+        return None
+    rows = sum(p.numel() // p.shape[-1] for p in parts)
+    images = pixels.shape[0]
+    return rows // images if rows and rows % images == 0 else None
 
 
 def forward_kwargs(config: Any) -> dict[str, Any]:
@@ -286,8 +355,10 @@ def _configs(config: Any) -> list[Any]:
 class _Maker:
     """Draws tensors of one batch/sequence shape from one seeded generator (on CPU, then moved)."""
 
-    def __init__(self, batch: int, seq: int, seed: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, batch: int, seq: int, seed: int, device: torch.device, dtype: torch.dtype,
+                 image_tokens: int | None = None):
         self.batch, self.seq, self.device, self.dtype = batch, seq, device, dtype
+        self.image_tokens = image_tokens  # placeholders per image, where measured (:func:`model_example_inputs`)
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -339,6 +410,7 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         if forward_params is not None and _GRID_INPUTS & set(forward_params):
             return {"input_ids": maker.token_ids(text, avoid=config)}
         image_token, count = _image_tokens(config)
+        count = count if maker.image_tokens is None or image_token is None else maker.image_tokens
         takes_video = forward_params is not None and "pixel_values" not in forward_params \
             and "pixel_values_videos" in forward_params  # VideoPrism's text and video towers
         return {"input_ids": maker.token_ids(text, avoid=config, prefix=count, prefix_id=image_token),
@@ -506,10 +578,11 @@ def _raw_audio_length(config: Any, frames: int) -> int:
 
 def _image_tokens(config: Any) -> tuple[int | None, int]:
     """The placeholder token a vision-language model (Llava) replaces by image features, and how many of them
-    one image needs (``image_seq_length``); (None, 0) for models that take no placeholders (CLIP)."""
+    one image needs by the config (``image_seq_length``, else 0); (None, 0) for models that take no placeholders
+    (CLIP)."""
     token = next((getattr(config, a) for a in _IMAGE_TOKEN_ATTRS if isinstance(getattr(config, a, None), int)), None)
     count = getattr(config, "image_seq_length", None)
-    return (token, int(count)) if token is not None and isinstance(count, int) else (None, 0)
+    return (token, int(count) if isinstance(count, int) and token is not None else 0)
 
 
 def _special_ids(config: Any) -> set[int]:

@@ -67,16 +67,30 @@ def output_transforms(free: tuple[FreeOutput, ...], elements) -> dict[int, torch
     return out
 
 
-def undo(leaves: list, free: tuple[FreeOutput, ...], transforms: dict[int, torch.Tensor]) -> list:
+def leaf_names(out, leaves: int) -> list[str] | None:
+    """A name per flattened leaf of a model's output at run time, as :func:`output_names` names the captured
+    program's (None where the two flattenings disagree in length)."""
+    paths = pytree.tree_flatten_with_path(out)[0]
+    if len(paths) != leaves:
+        return None
+    return [".".join(str(_key(k)) for k in path) or str(i) for i, (path, _) in enumerate(paths)]
+
+
+def undo(leaves: list, free: tuple[FreeOutput, ...], transforms: dict[int, torch.Tensor],
+         names: list[str] | None = None) -> list:
     """``leaves`` with ``T^{-1}`` applied to each free output along its axis (the outputs of the original model,
-    if the transformed one is sound)."""
+    if the transformed one is sound). ``names`` (:func:`leaf_names`) find each free output by its name: where an
+    output holds a list per image (Llava's ``pooler_output``), another batch size moves the leaves after it."""
     out = list(leaves)
     for f in free:
         t = transforms.get(f.index)
         if t is None:
             continue
-        y = out[f.index].to(torch.float64).movedim(f.axis, -1)
-        out[f.index] = torch.linalg.solve(t, y.unsqueeze(-1)).squeeze(-1).movedim(-1, f.axis)
+        if names is not None and f.name not in names:
+            continue  # not output at this input (one image fewer)
+        at = f.index if names is None else names.index(f.name)
+        y = out[at].to(torch.float64).movedim(f.axis, -1)
+        out[at] = torch.linalg.solve(t, y.unsqueeze(-1)).squeeze(-1).movedim(-1, f.axis)
     return out
 
 

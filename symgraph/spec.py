@@ -99,6 +99,8 @@ class WhereSpec(_Frozen):
     rule: Literal["where"]
     condition: str = "condition"  # the schema argument that chooses
     choices: tuple[str, str] = ("self", "other")  # the schema arguments chosen between
+    # the first choice is packed (masked_scatter's source): its values fill the chosen positions in order
+    packed: bool = False
 
     def arguments(self) -> tuple[str, ...]:
         return (self.condition, *self.choices)

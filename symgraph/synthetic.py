@@ -17,7 +17,6 @@ noise they start from. examples/RESULTS.md has every pair.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from .datasets import Batch, Dataset, logits_of
 from .errors import DataError
-from .inputs import example_inputs, longest_tokens
+from .inputs import longest_tokens, model_example_inputs
 from .moe import REFERENCE, experts_implementation, use_experts_implementation
 from .module_state import copied_module
 
@@ -113,7 +112,7 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
         if sampled:
             inputs, kind = _sampled_inputs(twin, endpoints, config, sizes, length, seed), "sampled"
         else:
-            inputs = [_example_inputs(twin, config, batch=size, seq=length, seed=seed + index)
+            inputs = [model_example_inputs(twin, config, batch=size, seq=length, seed=seed + index)
                       for index, size in enumerate(sizes)]
             kind = "inverted" if invert and _invertible(task, inputs[0]) else "random"
             if kind == "inverted":
@@ -125,12 +124,6 @@ def synthetic_data(model: torch.nn.Module, endpoints: Sequence[State], *, exampl
 def _invertible(task: str, inputs: dict[str, torch.Tensor]) -> bool:
     """Whether inversion moves these inputs: a classifier's floating-point ones (pixels, audio), not token ids."""
     return task == "classification" and any(map(torch.is_floating_point, inputs.values()))
-
-
-def _example_inputs(model: torch.nn.Module, config, **shape) -> dict[str, torch.Tensor]:
-    """:func:`symgraph.inputs.example_inputs` for ``model``: its forward's parameters settle what a config that
-    describes both tokens and pixels takes (BEiT's vocabulary is for masked-image pretraining: it reads pixels)."""
-    return example_inputs(config, forward_params=inspect.signature(model.forward).parameters, **shape)
 
 
 def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -147,7 +140,7 @@ def _run(model: torch.nn.Module, state: State, inputs: dict[str, torch.Tensor]) 
 def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
     """``causal_lm`` for a model reading token ids that predicts a distribution per position, ``classification``
     for one that predicts one per example; anything else is refused."""
-    inputs = _example_inputs(model, config, batch=2, seq=TASK_LENGTH, seed=seed)
+    inputs = model_example_inputs(model, config, batch=2, seq=TASK_LENGTH, seed=seed)
     try:
         logits = _run(model, state, inputs)
     except Exception as error:  # noqa: BLE001 - a model that does not run on its config's inputs makes no data
@@ -162,8 +155,15 @@ def _task(model: torch.nn.Module, state: State, config, seed: int) -> str:
         return "classification"
     found = "no logits" if logits is None else f"logits of shape {tuple(logits.shape)}"
     raise DataError(f"Synthetic data is made for classifiers and causal language models; {type(model).__name__} "
-                    f"returns {found} on inputs { {k: tuple(v.shape) for k, v in inputs.items()} }.",
+                    f"returns {found} on inputs {_shapes(inputs)}.",
                     hint="pass real data (--data SPEC) to learned matching for this model.")
+
+
+def _shapes(inputs: dict, per_example: bool = False) -> dict:
+    """The shapes of ``inputs``' tensors (without the batch axis: ``per_example``); other entries as they are
+    (Mistral 3's image sizes, Python ints)."""
+    return {k: tuple(v.shape[1:] if per_example else v.shape) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
 
 
 def _vocabulary(config) -> int | None:
@@ -186,7 +186,7 @@ def _sampled_inputs(model: torch.nn.Module, endpoints: Sequence[State], config, 
     small model's step costs little more for 128 sequences than for 16 (256 labelled examples of llama-chars, one
     thread: 7.8 s one batch at a time, 2.9 s together)."""
     count = len(endpoints)
-    firsts = [_example_inputs(model, config, batch=size, seq=1, seed=seed + index)["input_ids"]
+    firsts = [model_example_inputs(model, config, batch=size, seq=1, seed=seed + index)["input_ids"]
               for index, size in enumerate(sizes)]
     parts = []
     for which, state in enumerate(endpoints):  # one endpoint's state at a time in the private copy
@@ -261,7 +261,7 @@ def _length(model: torch.nn.Module, state: State, config, seed: int, longest: in
 def _check_cost(model: torch.nn.Module, state: State, config, length: int, examples: int, seed: int,
                 limit: float) -> None:
     """Refuse examples whose one forward pass over all ``examples`` would write more than ``limit`` elements."""
-    one = _example_inputs(model, config, batch=1, seq=length, seed=seed)
+    one = model_example_inputs(model, config, batch=1, seq=length, seed=seed)
     try:
         written = examples * elements_written(model, state, one)
     except Exception as error:  # noqa: BLE001 - an operator the count cannot follow: no budget to keep, so none made
@@ -269,7 +269,7 @@ def _check_cost(model: torch.nn.Module, state: State, config, length: int, examp
                         f"({type(error).__name__}: {error}).") from error
     if written > limit:
         raise DataError(f"One forward pass of {type(model).__name__} over {examples} examples of its inputs "
-                        f"{ {k: tuple(v.shape[1:]) for k, v in one.items()} } writes {written:,} tensor elements, "
+                        f"{_shapes(one, per_example=True)} writes {written:,} tensor elements, "
                         f"more than the {limit:,.0f} these examples may cost.")
 
 
@@ -318,7 +318,7 @@ def elements_written(model: torch.nn.Module, state: State, inputs: dict[str, tor
 def _runs_at(model: torch.nn.Module, state: State, config, length: int, seed: int) -> bool:
     """Whether ``model`` carrying ``state`` runs on one example of ``length`` tokens (frames)."""
     try:
-        _run(model, state, _example_inputs(model, config, batch=1, seq=length, seed=seed))
+        _run(model, state, model_example_inputs(model, config, batch=1, seq=length, seed=seed))
     except CANNOT_RUN as error:
         _log.debug("%s does not run at length %d: %s", type(model).__name__, length, error)
         return False

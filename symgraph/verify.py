@@ -231,11 +231,11 @@ def relative_change(out: torch.Tensor, ref: torch.Tensor) -> float:
 def flat_outputs(out, free_outputs=(), transforms=None) -> torch.Tensor:
     """Every float tensor of a model's output (a tensor, tuple or ModelOutput), flattened into one float64 vector;
     with ``transforms`` the free outputs are first moved back (:func:`symgraph.outputs.undo`)."""
-    from .outputs import undo
+    from .outputs import leaf_names, undo
 
     leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
     if transforms:
-        leaves = undo(leaves, free_outputs, transforms)
+        leaves = undo(leaves, free_outputs, transforms, leaf_names(out, len(leaves)))
     return torch.cat([t.reshape(-1).to(torch.float64) for t in leaves
                       if isinstance(t, torch.Tensor) and t.is_floating_point()])
 

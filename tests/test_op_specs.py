@@ -337,6 +337,9 @@ EXAMPLES = {
     "aten.masked_fill_.Scalar": lambda h, m: A.masked_fill_.Scalar(h.clone(), _rows_mask(h), 0.0),
     "aten.masked_fill.Tensor": lambda h, m: A.masked_fill.Tensor(h, A.lt.Scalar(h, -0.1), torch.tensor(0.0)),
     "aten.masked_fill_.Tensor": lambda h, m: A.masked_fill_.Tensor(h.clone(), _rows_mask(h), torch.tensor(0.0)),
+    # source rows fill the rows the mask picks, in order (Llava's image features at its image tokens)
+    "aten.masked_scatter.default": lambda h, m: A.masked_scatter.default(h, _rows_mask(h), A.relu.default(h)),
+    "aten.masked_scatter_.default": lambda h, m: A.masked_scatter_.default(h.clone(), _rows_mask(h), A.tanh.default(h)),
     "aten.bitwise_not.default": lambda h, m: A.masked_fill.Scalar(h, A.bitwise_not.default(_rows_mask(h)), 0.0),
     "aten.logical_not.default": lambda h, m: A.masked_fill.Scalar(h, A.logical_not.default(_rows_mask(h)), 0.0),
     "aten.scatter.src": _scattered(lambda zeros, index, top: A.scatter.src(zeros, -1, index, top)),

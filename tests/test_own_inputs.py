@@ -16,6 +16,10 @@ from symgraph.inputs import example_inputs, forward_kwargs
 
 T5_LIKE = dict(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                decoder_start_token_id=0)
+VLM_TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+VLM_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=4)
 CASES = {
     # LongT5's local attention splits the mask into blocks: its code cannot run without an attention mask.
     "longt5": ("AutoModelForSeq2SeqLM", dict(T5_LIKE, local_radius=4, global_block_size=4)),
@@ -26,6 +30,19 @@ CASES = {
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=4),
         image_token_index=99, image_seq_length=16)),
+    # Placeholder vision-language models whose configs give no image_seq_length: Gemma 3 pools its patches to
+    # mm_tokens_per_image, PaliGemma takes one per patch, Mistral 3 merges 2 x 2 patches of a Pixtral tower that
+    # requires each image's size; the count is measured by the model's get_image_features.
+    "gemma3": ("AutoModelForImageTextToText", dict(
+        text_config=dict(model_type="gemma3_text", **VLM_TEXT), vision_config=dict(
+            model_type="siglip_vision_model", **VLM_VISION), mm_tokens_per_image=4, image_token_index=99,
+        boi_token_index=97, eoi_token_index=98)),
+    "paligemma": ("AutoModelForImageTextToText", dict(
+        text_config=dict(model_type="gemma", **VLM_TEXT), vision_config=dict(
+            model_type="siglip_vision_model", **VLM_VISION), projection_dim=32, image_token_index=99)),
+    "mistral3": ("AutoModelForImageTextToText", dict(
+        text_config=dict(model_type="mistral", **VLM_TEXT), vision_config=dict(
+            model_type="pixtral", head_dim=8, **VLM_VISION), image_token_index=99, spatial_merge_size=2)),
     # GIT: a vision sub-config beside the text model's sizes at the top level; traced on text alone, its vision
     # tower was left unread (and the stream its image features enter pinned: tests/test_untraced_inputs.py).
     "git": ("AutoModelForCausalLM", dict(
@@ -150,6 +167,50 @@ def test_image_placeholders_fill_one_image_per_sample():
     config = AutoConfig.for_model("llava", **CASES["llava"][1])
     ids = example_inputs(config)["input_ids"]
     assert (ids == 99).sum(1).tolist() == [16, 16]
+
+
+@pytest.mark.parametrize("model_type, per_image", [("gemma3", 4), ("paligemma", 16), ("mistral3", 4), ("llava", 16)])
+def test_placeholders_per_image_are_as_many_as_the_image_path_makes_features(model_type, per_image):
+    model = build(model_type, *CASES[model_type])
+    kwargs = symgraph.load(model).kwargs
+    assert (kwargs["input_ids"] == 99).sum(1).tolist() == [per_image, per_image]
+    if model_type == "mistral3":  # Pixtral's tower cuts each image to its size: given, as Python ints (traceable)
+        assert kwargs["image_sizes"] == [[16, 16], [16, 16]]
+    with torch.no_grad():
+        model(**kwargs)
+
+
+def test_a_model_given_image_sizes_aligns_end_to_end(tmp_path):
+    """Mistral 3's example inputs hold its image sizes as lists of ints: the synthetic data that judges full
+    mode's starts refuses the model with a readable error (it is no plain causal LM), and alignment goes on."""
+    a = build("mistral3", *CASES["mistral3"])
+    b = build("mistral3", *CASES["mistral3"])
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    result = symgraph.align(b, a)
+    assert result.verified_error < 1e-4 and result.distance_after <= result.distance_before
+
+
+def test_a_stale_placeholder_count_in_the_config_is_measured_instead():
+    """A config whose image_seq_length disagrees with its vision tower (resized images): the model's own count."""
+    model = build("llava", CASES["llava"][0], dict(CASES["llava"][1], image_seq_length=9))
+    assert (symgraph.load(model).kwargs["input_ids"] == 99).sum(1).tolist() == [16, 16]
+
+
+def test_free_outputs_move_the_text_stream_with_the_image_features_scattered_into_it():
+    """With free outputs, Llava's projected image features (an output, one tensor per image) move with the text
+    stream they are scattered into (masked_scatter), and the checks find them by name at a batch of one image,
+    where the leaves after that list shift (the check crashed on a None there)."""
+    subject = symgraph.load(build("llava", *CASES["llava"]), free_outputs=True)
+    text = [g for g in subject.report.groups if g.motif == "residual"
+            and any(m.param == "model.language_model.embed_tokens.weight" for m in g.members)]
+    assert len(text) == 1 and any(m.param == "model.multi_modal_projector.linear_2.weight" for m in text[0].members)
+    moved = {f.name for f in subject.report.free_outputs if f.group == text[0].id}
+    assert moved == {"image_outputs.pooler_output.0", "image_outputs.pooler_output.1"}
+    result = fuzz(subject, samples=2, seed=1)
+    assert result.ok, [v.counterexample for v in result.failures]
+    assert any(shape.startswith("input_ids 1x") for shape in result.shapes)
 
 
 def test_a_model_that_rewrites_its_own_modules_stops_with_a_clear_error():

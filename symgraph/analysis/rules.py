@@ -2298,7 +2298,11 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     cond, (x, y) = args[spec.condition], (args[name] for name in spec.choices)
     out_shape = _shape_of(node)
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
+    packed_shape = _shape_of(x) if spec.packed and isinstance(x, fx.Node) else None
     x, y = _as_value(_operand(w, x)), _as_value(_operand(w, y))
+    whole_rows = spec.packed and _picks_whole_rows(cond_value, out_shape)
+    if spec.packed:
+        x = _unpacked(w, node, x, packed_shape, whole_rows, out_shape)
     out = _add_values(w, node, x, y, residual=False, out_shape=out_shape)
     own = _condition_on_own_coordinate(w, node, cond_value, out.chans, out_shape)
     if own is not None:  # where(x > 0, f(x), g(x)): a piecewise activation, permutations only
@@ -2315,10 +2319,49 @@ def rule_where(w, node: fx.Node, spec) -> Value:
             if blocks is not None:
                 w.c.separate(blocks, node.name)
                 continue
+        if whole_rows and chan_axes(c) <= {len(out_shape) - 1}:
+            continue  # every coordinate of a row chosen alike
         if cond_value is None or cond_value.chans or data_varies(cond_value.data, chan_axes(c), out_shape):
             for t in c.terms:
                 w.c.pin(t.ids, "selected per coordinate by a condition", node.name)
     return out
+
+
+def _picks_whole_rows(cond: Value | None, out_shape) -> bool:
+    """Whether a condition without channels is the same along the output's last axis at every input: known data
+    that does not vary there, or a mask broadcast along it (``mask.unsqueeze(-1).expand_as(x)``)."""
+    if cond is None or cond.chans or cond.shape is None:
+        return False
+    if cond.data is not None:
+        return not data_varies(cond.data, frozenset({len(out_shape) - 1}), out_shape)
+    return cond.shape[-1] == 1 or len(cond.shape) - 1 in cond.constant_axes
+
+
+def _unpacked(w, node, packed: Value, packed_shape, whole_rows: bool, out_shape) -> Value:
+    """``masked_scatter``'s source as the values it puts at the chosen positions of the output: its elements fill
+    them in order, so where the condition picks ``whole_rows`` of the output's last axis (:func:`_picks_whole_rows`)
+    and the source's rows are as wide, row k of the source fills the k-th chosen row. A channel of the source that
+    varies along its last axis alone labels every row alike and so labels every chosen row so (Llava's image
+    features scattered into the text stream at image tokens); any other channel pins: which coordinate lands
+    where then depends on how many positions the data chooses."""
+    last = len(out_shape) - 1
+    whole_rows = whole_rows and packed_shape is not None and len(packed_shape) >= 1 \
+        and packed_shape[-1] == out_shape[-1]
+    chans = []
+    row = (1,) * last + (-1,)
+
+    def first_row(t: torch.Tensor) -> torch.Tensor:  # every row alike: the first, put on every row of the output
+        return t if t.dim() == 0 else t.reshape(-1, t.shape[-1])[0].reshape(row).expand(out_shape)
+
+    for c in packed.chans:
+        tensors = [t for term in c.terms for t in (term.ids, term.coef, term.src) if t is not None]
+        tensors += [c.factor] if c.factor is not None else []
+        if whole_rows and not c.block and all(not varying_axes(t) - {t.dim() - 1} for t in tensors):
+            chans.append(c.map(first_row))
+        else:
+            _pin_chan(w, node, c, "scattered into the positions a mask chooses in an order that does not keep its "
+                                  "coordinates apart")
+    return Value(chans=chans)
 
 
 def _pin_chosen_single_coordinates(w, node, cond: Value | None, x: Value, y: Value, out_shape) -> None:
