@@ -286,6 +286,7 @@ EXTRA["gemma3"] = dict(mm_tokens_per_image=4)  # 256 tokens pooled from the 4 x 
 EXTRA["shieldgemma2"] = EXTRA["gemma3"]
 EXTRA["paligemma"] = dict(projection_dim=64)  # image features projected to the text model's width
 EXTRA["florence2"] = dict(vision_config=dict(projection_dim=64))
+EXTRA["cohere2_vision"] = dict(alignment_intermediate_size=128)  # 36,864: one Hungarian of 18,432 units, past 500 s
 EXTRA["timesfm2_5"] = dict(num_attention_heads=16, head_dim=4, context_length=128)  # fails at other head counts
 EXTRA["align_vision_model"] = EXTRA["efficientnet"]  # ALIGN's EfficientNet tower: 62M parameters at 2x width
 # Gemma 3n's text model: the last num_kv_shared_layers (15 of 35 by default) read earlier layers' keys and values,
