@@ -175,7 +175,7 @@ def _measured_image_tokens(model: torch.nn.Module, pixels: torch.Tensor, extra: 
             out = model.get_image_features(pixel_values=pixels, **extra)
     except Exception:  # noqa: BLE001 -- an image path that cannot run on its own: the config's count stands
         return None
-    out = getattr(out, "pooler_output", None) if hasattr(out, "pooler_output") else out
+    out = getattr(out, "pooler_output", out)  # a ModelOutput: the features it returns for the text stream
     parts = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else []
     if not parts or not all(isinstance(p, torch.Tensor) and p.dim() >= 2 for p in parts):
         return None

@@ -31,7 +31,11 @@ def output_names(cap) -> list[str]:
     spec = cap.program.call_spec.out_spec
     if spec is None:
         return []
-    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    return _path_names(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))
+
+
+def _path_names(tree) -> list[str]:
+    """A name per leaf of ``tree``: its path's keys joined by dots, or its position where the path is empty."""
     return [".".join(str(_key(k)) for k in path) or str(i)
             for i, (path, _) in enumerate(pytree.tree_flatten_with_path(tree)[0])]
 
@@ -70,10 +74,8 @@ def output_transforms(free: tuple[FreeOutput, ...], elements) -> dict[int, torch
 def leaf_names(out, leaves: int) -> list[str] | None:
     """A name per flattened leaf of a model's output at run time, as :func:`output_names` names the captured
     program's (None where the two flattenings disagree in length)."""
-    paths = pytree.tree_flatten_with_path(out)[0]
-    if len(paths) != leaves:
-        return None
-    return [".".join(str(_key(k)) for k in path) or str(i) for i, (path, _) in enumerate(paths)]
+    names = _path_names(out)
+    return names if len(names) == leaves else None
 
 
 def undo(leaves: list, free: tuple[FreeOutput, ...], transforms: dict[int, torch.Tensor],

@@ -2298,11 +2298,10 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     cond, (x, y) = args[spec.condition], (args[name] for name in spec.choices)
     out_shape = _shape_of(node)
     cond_value = w.value(cond) if isinstance(cond, fx.Node) else None
-    packed_shape = _shape_of(x) if spec.packed and isinstance(x, fx.Node) else None
+    whole_rows = spec.packed and _scatters_whole_rows(cond_value, x, out_shape)
     x, y = _as_value(_operand(w, x)), _as_value(_operand(w, y))
-    whole_rows = spec.packed and _picks_whole_rows(cond_value, out_shape)
     if spec.packed:
-        x = _unpacked(w, node, x, packed_shape, whole_rows, out_shape)
+        x = _unpacked(w, node, x, whole_rows, out_shape)
     out = _add_values(w, node, x, y, residual=False, out_shape=out_shape)
     own = _condition_on_own_coordinate(w, node, cond_value, out.chans, out_shape)
     if own is not None:  # where(x > 0, f(x), g(x)): a piecewise activation, permutations only
@@ -2327,26 +2326,26 @@ def rule_where(w, node: fx.Node, spec) -> Value:
     return out
 
 
-def _picks_whole_rows(cond: Value | None, out_shape) -> bool:
-    """Whether a condition without channels is the same along the output's last axis at every input: known data
-    that does not vary there, or a mask broadcast along it (``mask.unsqueeze(-1).expand_as(x)``)."""
-    if cond is None or cond.chans or cond.shape is None:
+def _scatters_whole_rows(cond: Value | None, packed, out_shape) -> bool:
+    """Whether ``masked_scatter`` puts whole rows of its ``packed`` source (a graph node) into whole rows of the
+    output's last axis: the source's rows are as wide, and the condition, without channels, is the same along that
+    axis at every input (known data that does not vary there, or a mask broadcast along it:
+    ``mask.unsqueeze(-1).expand_as(x)``)."""
+    packed_shape = _shape_of(packed) if isinstance(packed, fx.Node) else None
+    if not packed_shape or packed_shape[-1] != out_shape[-1] or cond is None or cond.chans or cond.shape is None:
         return False
     if cond.data is not None:
         return not data_varies(cond.data, frozenset({len(out_shape) - 1}), out_shape)
     return cond.shape[-1] == 1 or len(cond.shape) - 1 in cond.constant_axes
 
 
-def _unpacked(w, node, packed: Value, packed_shape, whole_rows: bool, out_shape) -> Value:
+def _unpacked(w, node, packed: Value, whole_rows: bool, out_shape) -> Value:
     """``masked_scatter``'s source as the values it puts at the chosen positions of the output: its elements fill
-    them in order, so where the condition picks ``whole_rows`` of the output's last axis (:func:`_picks_whole_rows`)
-    and the source's rows are as wide, row k of the source fills the k-th chosen row. A channel of the source that
-    varies along its last axis alone labels every row alike and so labels every chosen row so (Llava's image
-    features scattered into the text stream at image tokens); any other channel pins: which coordinate lands
-    where then depends on how many positions the data chooses."""
+    them in order, so where it puts ``whole_rows`` (:func:`_scatters_whole_rows`), row k of the source fills the
+    k-th chosen row. A channel of the source that varies along its last axis alone labels every row alike and so
+    labels every chosen row so (Llava's image features scattered into the text stream at image tokens); any other
+    channel pins: which coordinate lands where then depends on how many positions the data chooses."""
     last = len(out_shape) - 1
-    whole_rows = whole_rows and packed_shape is not None and len(packed_shape) >= 1 \
-        and packed_shape[-1] == out_shape[-1]
     chans = []
     row = (1,) * last + (-1,)
 
