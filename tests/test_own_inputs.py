@@ -282,9 +282,10 @@ def test_canine_is_traced_where_its_molecules_are_not_empty_and_checked_with_its
         [v.counterexample for v in result.failures]
 
 
-@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer"])
-def test_a_saved_video_or_forecasting_model_is_fuzzed_from_the_command_line(model_type, tmp_path):
-    """A Hugging Face folder of a kind whose inputs symgraph now builds (a clip; a forecast's past and future):
-    ``symgraph fuzz`` analyses it from its config alone and finds every group invariant."""
+@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer", "mistral3"])
+def test_a_saved_model_of_a_new_input_kind_is_fuzzed_from_the_command_line(model_type, tmp_path):
+    """A Hugging Face folder of a kind whose inputs symgraph now builds (a clip; a forecast's past and future;
+    image placeholders counted by the model, with its image sizes): ``symgraph fuzz`` analyses it from its config
+    alone and finds every group invariant."""
     build(model_type, *CASES[model_type]).save_pretrained(tmp_path / "model")
     assert_fuzzed(tmp_path / "model", tmp_path, samples=2)
