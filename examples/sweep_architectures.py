@@ -156,10 +156,16 @@ WIDER_PLACEHOLDER_VLM = ["gemma3", "paligemma", "mistral3", "lighton_ocr", "aya_
                          "deepseek_vl", "got_ocr2", "video_llava", "internvl", "qianfan_ocr", "fuyu", "llama4", "emu3",
                          "qwen3_5"]
 WIDER_1207 = ["mgp-str", "seamless_m4t", "owlv2", "qwen2_audio_encoder", "metaclip_2", "trocr", "voxtral_encoder"]
+# placeholder models whose image path takes (batch, tiles, channels, height, width): skipped until given that
+# layout with the tiles each needs (symgraph.inputs._measured_tiles); Idefics and SmolVLM keep the real images by
+# their pixel values (a count torch.export leaves symbolic), and data computed at the example's count met shapes
+# at the stand-in's (analysis.walk.at_stand_in_sizes)
+WIDER_TILED_VLM = ["smolvlm", "idefics3", "idefics2", "llava_next", "llava_onevision"]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES
-         + WIDER_PLACEHOLDER_VLM + WIDER_1207)
-TYPES = DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER
+         + WIDER_PLACEHOLDER_VLM + WIDER_1207 + WIDER_TILED_VLM)
+# a type in two lists runs once (Emu3 is a grid model and a placeholder one)
+TYPES = list(dict.fromkeys(DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER))
 
 # Size fields and the tiny value each gets wherever a config has it.
 SHRINK = {
@@ -284,6 +290,9 @@ EXTRA["time_series_transformer"] = dict(prediction_length=4, context_length=8, n
 EXTRA["informer"] = EXTRA["time_series_transformer"]  # horizon, no series to build
 EXTRA["gemma3"] = dict(mm_tokens_per_image=4)  # 256 tokens pooled from the 4 x 4 patches of 32-pixel images: none
 EXTRA["shieldgemma2"] = EXTRA["gemma3"]
+# tiles of the sweep's 32-pixel images: the default grids are multiples of 336 (232 tiles of 32 pixels an image)
+EXTRA["llava_next"] = dict(image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]])
+EXTRA["llava_onevision"] = EXTRA["llava_next"]
 EXTRA["paligemma"] = dict(projection_dim=64)  # image features projected to the text model's width
 EXTRA["florence2"] = dict(vision_config=dict(projection_dim=64))
 EXTRA["cohere2_vision"] = dict(alignment_intermediate_size=128)  # 36,864: one Hungarian of 18,432 units, past 500 s

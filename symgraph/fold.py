@@ -30,6 +30,7 @@ True
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
@@ -427,8 +428,8 @@ def _scaled_by_a_number(node):
     if not (isinstance(node, fx.Node) and str(node.target) == "aten.mul.Tensor" and len(node.args) == 2):
         return None
     for x, s in (node.args, node.args[::-1]):
-        one = not isinstance(s, fx.Node) or getattr(s.meta.get("val"), "numel", lambda: 0)() == 1
-        if one and isinstance(x, fx.Node) and getattr(x.meta.get("val"), "numel", lambda: 1)() > 1:
+        one = not isinstance(s, fx.Node) or _numel(s) == 1
+        if one and isinstance(x, fx.Node) and (_numel(x) or 0) > 1:
             return x
     return None
 
@@ -819,7 +820,7 @@ def _movement_source(node: fx.Node, axis: int):
         return [(args[0], axis if axis < start else axis + end - start)]
     if target == "aten.expand.default":
         shift = axis - (rank - in_rank)
-        same = shift >= 0 and args[0].meta["val"].shape[shift] == node.meta["val"].shape[axis]
+        same = shift >= 0 and _shape(args[0])[shift] == _shape(node)[axis]
         return [(args[0], shift)] if same else None
     if _passes_last_axis(node, args[0]) and axis == rank - 1:
         return [(args[0], in_rank - 1)]
@@ -843,11 +844,11 @@ def _passes_last_axis(user: fx.Node, node) -> bool:
     spec = load_specs().op(target)
     if spec is not None and spec.rule in _SAME_VALUE_RULES and not spec.negates:
         return True
-    out, src = user.meta.get("val"), node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor) or out.shape[-1:] != src.shape[-1:]:
+    out, src = _shape(user), _shape(node)
+    if out is None or src is None or out[-1:] != src[-1:]:
         return False
     if target in _ROW_SELECTIONS:
-        return (user.args[1] if len(user.args) > 1 else 0) % src.dim() != src.dim() - 1
+        return (user.args[1] if len(user.args) > 1 else 0) % len(src) != len(src) - 1
     return target in _KEEPS_LAST
 
 
@@ -865,8 +866,21 @@ def _through_casts_back(node):
     return node
 
 
-def _shape(node: fx.Node):
-    return getattr(node.meta.get("val"), "shape", None)
+def _shape(node: fx.Node) -> tuple | None:
+    """The node's shape, each size known only at run time as its symbol's name (``u0``: the images a
+    vision-language model keeps, picked by pixel values), so that shapes compare without asking torch to decide a
+    size the trace left open (which raises GuardOnDataDependentSymNode)."""
+    val = node.meta.get("val")
+    shape = getattr(val, "shape", None) if isinstance(val, torch.Tensor) else None
+    return None if shape is None else tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
+def _numel(node: fx.Node) -> float | None:
+    """Elements of the node's value (None: not a tensor; infinite where a size is known only at run time: many)."""
+    shape = _shape(node)
+    if shape is None:
+        return None
+    return math.prod(shape) if all(isinstance(d, int) for d in shape) else math.inf
 
 
 def _through_identity_back(node):

@@ -129,20 +129,50 @@ def model_example_inputs(model: torch.nn.Module, config: Any, **shape: Any) -> d
     that count many ways (``image_seq_length``, ``mm_tokens_per_image``, ``num_image_tokens``) or derive it from
     sizes, pooling and pixel shuffles, so it is measured by the model's ``get_image_features`` on the example
     images (the config's count where that cannot run). ``image_sizes`` (batch, 2), each image's height and width,
-    are given where that path requires them (Mistral 3's Pixtral tower)."""
+    are given where that path requires them (Mistral 3's Pixtral tower). A model whose image path takes no 4-d
+    pixels gets them as (batch, tiles, channels, height, width), with as many tiles per image as it needs
+    (:func:`_measured_tiles`: one for Idefics 2 and 3 and SmolVLM, a base tile and a grid for LLaVA-NeXT)."""
     params = inspect.signature(model.forward).parameters
     inputs = example_inputs(config, forward_params=params, **shape)
     pixels = inputs.get("pixel_values")
     token, configured = _image_tokens(config)
-    if pixels is None or "input_ids" not in inputs or token is None or pixels.device.type == "meta":
+    if pixels is None or "input_ids" not in inputs or token is None:
         return inputs
     extra = _image_path_inputs(model, pixels)
     if extra is None:
         return inputs
-    count = _measured_image_tokens(model, pixels, extra)
+    count, tiles = _measured_image_tokens(model, pixels, extra), 0
+    if count is None:
+        count, tiles = _measured_tiles(model, pixels, extra)
     if count is not None and count != configured:
         inputs = example_inputs(config, forward_params=params, image_tokens=count, **shape)
+    if tiles:
+        inputs = {**inputs, "pixel_values": _tiled(inputs["pixel_values"], tiles)}
     return {**inputs, **{k: v for k, v in extra.items() if k in params}}
+
+
+# The most tiles per image tried for an image path that takes (batch, tiles, channels, height, width): LLaVA-NeXT
+# cuts an image of one tile's size into a base tile and a grid of 1 x 2 (3 tiles), Idefics and SmolVLM take 1.
+MAX_TILES = 9
+
+
+def _measured_tiles(model: torch.nn.Module, pixels: torch.Tensor, extra: dict[str, Any]) -> tuple[int | None, int]:
+    """For an image path that takes no 4-d pixels: the placeholders per image and the fewest tiles per image
+    (:func:`_tiled`) it runs on, trying 1 to :data:`MAX_TILES` (how many an image's size makes is the model's
+    own rule: it slices the tiles it needs and refuses too few); (None, 0) where none runs."""
+    if pixels.dim() != 4:
+        return None, 0
+    for tiles in range(1, MAX_TILES + 1):
+        count = _measured_image_tokens(model, _tiled(pixels, tiles), extra)
+        if count is not None:
+            return count, tiles
+    return None, 0
+
+
+def _tiled(pixels: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Images (batch, channels, height, width) as (batch, tiles, channels, height, width), each tile the image
+    shifted by one more column (tiles that differ, as a model's crops do)."""
+    return torch.stack([pixels.roll(k, dims=-1) for k in range(tiles)], dim=1)
 
 
 def _image_path_inputs(model: torch.nn.Module, pixels: torch.Tensor) -> dict[str, Any] | None:
@@ -170,9 +200,10 @@ def _image_path_inputs(model: torch.nn.Module, pixels: torch.Tensor) -> dict[str
 def _measured_image_tokens(model: torch.nn.Module, pixels: torch.Tensor, extra: dict[str, Any]) -> int | None:
     """Rows of image features ``model.get_image_features`` gives per image of ``pixels`` (None where it fails or
     the rows do not split evenly among the images)."""
+    device = next((p.device for p in model.parameters()), pixels.device)  # a config-only model: on meta, shapes only
     try:
         with torch.no_grad():
-            out = model.get_image_features(pixel_values=pixels, **extra)
+            out = model.get_image_features(pixel_values=pixels.to(device), **extra)
     except Exception:  # noqa: BLE001 -- an image path that cannot run on its own: the config's count stands
         return None
     out = getattr(out, "pooler_output", out)  # a ModelOutput: the features it returns for the text stream

@@ -43,6 +43,18 @@ CASES = {
     "mistral3": ("AutoModelForImageTextToText", dict(
         text_config=dict(model_type="mistral", **VLM_TEXT), vision_config=dict(
             model_type="pixtral", head_dim=8, **VLM_VISION), image_token_index=99, spatial_merge_size=2)),
+    # SmolVLM (as Idefics 2 and 3) takes images as (batch, images, channels, height, width), keeps the real ones by
+    # their pixel values (a count known only at run time, which its tower's patch mask is computed at) and
+    # shuffles 2 x 2 patches into each placeholder's features.
+    "smolvlm": ("AutoModelForImageTextToText", dict(
+        text_config=dict(model_type="llama", **VLM_TEXT), vision_config=dict(
+            model_type="smolvlm_vision", **VLM_VISION), image_token_id=99, scale_factor=2)),
+    # LLaVA-NeXT cuts each image into a base tile and a grid of tiles (1 x 2 for an image of one tile's size here),
+    # as (batch, tiles, channels, height, width), slicing as many as each image's size makes.
+    "llava_next": ("AutoModelForImageTextToText", dict(
+        text_config=dict(model_type="llama", **VLM_TEXT), vision_config=dict(
+            model_type="clip_vision_model", **VLM_VISION), image_token_index=99,
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])),
     # GIT: a vision sub-config beside the text model's sizes at the top level; traced on text alone, its vision
     # tower was left unread (and the stream its image features enter pinned: tests/test_untraced_inputs.py).
     "git": ("AutoModelForCausalLM", dict(
@@ -169,13 +181,17 @@ def test_image_placeholders_fill_one_image_per_sample():
     assert (ids == 99).sum(1).tolist() == [16, 16]
 
 
-@pytest.mark.parametrize("model_type, per_image", [("gemma3", 4), ("paligemma", 16), ("mistral3", 4), ("llava", 16)])
+@pytest.mark.parametrize("model_type, per_image", [("gemma3", 4), ("paligemma", 16), ("mistral3", 4), ("llava", 16),
+                                                   ("smolvlm", 4), ("llava_next", 36)])
 def test_placeholders_per_image_are_as_many_as_the_image_path_makes_features(model_type, per_image):
     model = build(model_type, *CASES[model_type])
     kwargs = symgraph.load(model).kwargs
     assert (kwargs["input_ids"] == 99).sum(1).tolist() == [per_image, per_image]
-    if model_type == "mistral3":  # Pixtral's tower cuts each image to its size: given, as Python ints (traceable)
+    if model_type in ("mistral3", "llava_next"):  # the towers cut each image by its size: Python ints (traceable)
         assert kwargs["image_sizes"] == [[16, 16], [16, 16]]
+    # one image per example, in the layout the image path takes: as tiles where it takes no 4-d pixels
+    tiles = {"smolvlm": (1,), "llava_next": (3,)}.get(model_type, ())
+    assert kwargs["pixel_values"].shape == (2, *tiles, 3, 16, 16)
     with torch.no_grad():
         model(**kwargs)
 
@@ -190,6 +206,22 @@ def test_a_model_given_image_sizes_aligns_end_to_end(tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     result = symgraph.align(b, a)
     assert result.verified_error < 1e-4 and result.distance_after <= result.distance_before
+
+
+def test_sizes_known_only_at_run_time_neither_crash_a_fold_nor_an_alignment():
+    """SmolVLM's tower runs on the images it keeps by their pixel values, a count torch.export leaves symbolic:
+    comparing such shapes used to raise GuardOnDataDependentSymNode inside the fold. Now the fold refuses with the
+    norm it cannot fold, and two random SmolVLMs align and merge into one that computes finite outputs."""
+    from symgraph.fold import FoldError
+
+    a, b = (build("smolvlm", *CASES["smolvlm"]) for _ in range(2))
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    with pytest.raises(FoldError, match="post_layernorm"):
+        symgraph.fold(a)
+    result = symgraph.align(b, a)
+    assert result.verified_error < 1e-4 and result.distance_after < result.distance_before
 
 
 def test_a_stale_placeholder_count_in_the_config_is_measured_instead():
@@ -282,10 +314,10 @@ def test_canine_is_traced_where_its_molecules_are_not_empty_and_checked_with_its
         [v.counterexample for v in result.failures]
 
 
-@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer", "mistral3"])
+@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer", "mistral3", "smolvlm"])
 def test_a_saved_model_of_a_new_input_kind_is_fuzzed_from_the_command_line(model_type, tmp_path):
     """A Hugging Face folder of a kind whose inputs symgraph now builds (a clip; a forecast's past and future;
-    image placeholders counted by the model, with its image sizes): ``symgraph fuzz`` analyses it from its config
-    alone and finds every group invariant."""
+    image placeholders counted by the model, with its image sizes; images as tiles): ``symgraph fuzz`` analyses it
+    from its config alone and finds every group invariant."""
     build(model_type, *CASES[model_type]).save_pretrained(tmp_path / "model")
     assert_fuzzed(tmp_path / "model", tmp_path, samples=2)

@@ -26,8 +26,8 @@ from .classes import passed_classes
 from .constraints import ORTHOGONAL, Constraints
 from .cuts import beside_unlabelled, why_cut_moves
 from .experts import BranchReads
-from .labels import (Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids, labelled_axes,
-                     param_channels, varying_axes, without_pinned_repeats)
+from .labels import (STAND_IN_SIZE, Chan, IdSpace, Value, chan_axes, collapse, concrete_shape, dropped_ids,
+                     labelled_axes, param_channels, varying_axes, without_pinned_repeats)
 from .mixing import resolve as resolve_mixed
 from .parallel import find_branch_sets, held_at_other_shapes
 from .selections import selections_of
@@ -107,8 +107,7 @@ class Walker:
             shape = tuple(self.cap.program.state_dict[buffer].shape)
             return Value(chans=param_channels({0: self.buffer_ids(buffer, shape[0])}, shape), shape=shape)
         if name is None or name in self.constants:
-            data = self.data.get(node.name)
-            return Value(data=data, shape=_shape(node))
+            return _data_value(node, self.data.get(node.name))
         shape = self.cap.shapes[name]
         # size-1 axes (a class token's batch and position axes) have nothing to permute or mix: no ids
         ids = {a: self.ids.allocate(n, owner=name, axis=a) for a, n in enumerate(shape) if n > 1}
@@ -334,7 +333,7 @@ class Walker:
         data = self.data.get(node.name)
         if isinstance(data, (list, tuple)):
             return [Value(data=d, shape=tuple(getattr(d, "shape", ()))) for d in data]
-        return Value(data=data, shape=_shape(node))
+        return _data_value(node, data)
 
     def _unknown(self, node: fx.Node, inputs: list[Value]):
         target = str(node.target)
@@ -675,6 +674,40 @@ def source_line(node: fx.Node) -> str:
 def _shape(node: fx.Node):
     val = node.meta.get("val")
     return concrete_shape(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _data_value(node: fx.Node, data: Any) -> Value:
+    """The Value of a node that reads no parameter, its data (computed at the example's sizes) at the sizes its
+    shape uses (:func:`at_stand_in_sizes`)."""
+    shape = _shape(node)
+    return Value(data=at_stand_in_sizes(data, shape), shape=shape)
+
+
+def at_stand_in_sizes(data: Any, shape: tuple[int, ...] | None) -> Any:
+    """``data`` computed at the example's sizes, brought to ``shape``, where a size known only at run time stands
+    in as :data:`~symgraph.analysis.labels.STAND_IN_SIZE` (the images a vision-language model keeps, picked by
+    pixel values): repeated along such an axis where it does not vary along it, unknown (None: read as varying,
+    which pins) where it does, or where the shapes do not otherwise agree. Left as it was, data of the example's size
+    beside labels of the stand-in's cannot broadcast (SmolVLM's patch mask against its tower's attention scores).
+
+    Examples
+    --------
+    >>> at_stand_in_sizes(torch.ones(2, 3), (5, 3)).shape
+    torch.Size([5, 3])
+    >>> at_stand_in_sizes(torch.arange(6.0).reshape(2, 3), (5, 3)) is None
+    True
+    """
+    if not isinstance(data, torch.Tensor) or shape is None or tuple(data.shape) == tuple(shape):
+        return data
+    if data.dim() != len(shape):
+        return None
+    for axis, (have, want) in enumerate(zip(data.shape, shape)):
+        if have == want:
+            continue
+        if have == 0 or want != STAND_IN_SIZE or axis in varying_axes(data):
+            return None
+        data = data.narrow(axis, 0, 1).expand(*data.shape[:axis], want, *data.shape[axis + 1:])
+    return data.contiguous()
 
 
 def _flat_values(node: fx.Node, values: dict) -> list[Value]:
