@@ -224,6 +224,22 @@ def test_sizes_known_only_at_run_time_neither_crash_a_fold_nor_an_alignment():
     assert result.verified_error < 1e-4 and result.distance_after < result.distance_before
 
 
+@pytest.mark.parametrize("model_type, per_image, pixels", [("gemma3", 4, (2, 3, 16, 16)),
+                                                           ("llava_next", 36, (2, 3, 3, 16, 16))])
+def test_a_config_only_report_counts_placeholders_and_tiles_on_the_meta_device(model_type, per_image, pixels,
+                                                                                tmp_path):
+    """A config alone (a 7B model's report allocates no weights) gets the placeholders and tiles its image path
+    makes, measured on the meta device, where the config's count used to stand (Gemma 3: none)."""
+    head, config = CASES[model_type]
+    built = AutoConfig.for_model(model_type, **config)
+    built.architectures = [type(build(model_type, head, config)).__name__]
+    built.save_pretrained(tmp_path)
+    subject = symgraph.load(tmp_path / "config.json", config_only=True)
+    assert (subject.kwargs["input_ids"] == 99).sum(1).tolist() == [per_image, per_image]
+    assert subject.kwargs["pixel_values"].shape == pixels
+    assert subject.report.groups
+
+
 def test_a_stale_placeholder_count_in_the_config_is_measured_instead():
     """A config whose image_seq_length disagrees with its vision tower (resized images): the model's own count."""
     model = build("llava", CASES["llava"][0], dict(CASES["llava"][1], image_seq_length=9))
