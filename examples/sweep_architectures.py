@@ -161,9 +161,13 @@ WIDER_1207 = ["mgp-str", "seamless_m4t", "owlv2", "qwen2_audio_encoder", "metacl
 # their pixel values (a count torch.export leaves symbolic), and data computed at the example's count met shapes
 # at the stand-in's (analysis.walk.at_stand_in_sizes)
 WIDER_TILED_VLM = ["smolvlm", "idefics3", "idefics2", "llava_next", "llava_onevision"]
+# types no earlier sweep listed, found sound as they build once given their inputs (Wav2Vec2-BERT's stacked
+# filterbank frames) or a config the shrink leaves consistent (VipLlava's feature layers)
+WIDER_1208 = ["wav2vec2-bert", "vipllava", "xclip", "qwen2_audio", "voxtral", "minicpmv4_6", "phi4_multimodal",
+              "granite_speech", "seamless_m4t_v2"]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES
-         + WIDER_PLACEHOLDER_VLM + WIDER_1207 + WIDER_TILED_VLM)
+         + WIDER_PLACEHOLDER_VLM + WIDER_1207 + WIDER_TILED_VLM + WIDER_1208)
 # a type in two lists runs once (Emu3 is a grid model and a placeholder one)
 TYPES = list(dict.fromkeys(DECODERS + ENCODERS + SEQ2SEQ + VISION + AUDIO + MULTIMODAL + WIDER))
 
@@ -293,6 +297,7 @@ EXTRA["shieldgemma2"] = EXTRA["gemma3"]
 # tiles of the sweep's 32-pixel images: the default grids are multiples of 336 (232 tiles of 32 pixels an image)
 EXTRA["llava_next"] = dict(image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]])
 EXTRA["llava_onevision"] = EXTRA["llava_next"]
+EXTRA["vipllava"] = dict(vision_feature_layers=[-2, -1])  # the default reads layers 6 and -11 of 12: there are 2
 EXTRA["paligemma"] = dict(projection_dim=64)  # image features projected to the text model's width
 EXTRA["florence2"] = dict(vision_config=dict(projection_dim=64))
 EXTRA["cohere2_vision"] = dict(alignment_intermediate_size=128)  # 36,864: one Hungarian of 18,432 units, past 500 s

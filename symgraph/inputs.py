@@ -15,6 +15,8 @@ config has                                   inputs built
                                              ``forward`` takes ``input_values`` instead, a spectrogram (batch,
                                              ``max_length`` frames, mel bins), AST-like
 ``input_feat_per_channel``                   ``input_features`` (batch, frames, features), Speech2Text-like
+``feature_projection_input_dim``             ``input_features`` (batch, frames, that width) when ``forward``
+                                             takes them, Wav2Vec2-BERT's stacked filterbank frames
 ``conv_kernel`` and ``conv_stride``          ``input_values`` (batch, samples), wav2vec2-like raw audio; also
                                              when ``forward`` takes ``input_values`` and no token ids (Moonshine)
 ``image_size`` or ``num_channels``           ``pixel_values`` (batch, channels, height, width) when the config has
@@ -456,6 +458,9 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
     if getattr(config, "input_feat_per_channel", None) is not None:
         features = int(config.input_feat_per_channel) * int(getattr(config, "input_channels", 1))
         return {"input_features": maker.floats((maker.batch, _SUBSAMPLING * maker.seq, features))}
+    if getattr(config, "feature_projection_input_dim", None) is not None and "input_features" in takes:
+        width = int(config.feature_projection_input_dim)  # stacked filterbank frames (Wav2Vec2-BERT)
+        return {"input_features": maker.floats((maker.batch, _SUBSAMPLING * maker.seq, width))}
     if getattr(config, "conv_kernel", None) is not None and getattr(config, "conv_stride", None) is not None:
         return {"input_values": maker.floats((maker.batch, _raw_audio_length(config, maker.seq)))}
     if "input_values" in takes and "input_ids" not in takes:  # raw audio into a stem the config does not describe
@@ -473,8 +478,9 @@ def _encoder_inputs(config: Any, maker: _Maker, forward_params: Collection[str] 
         return {"input_ids": maker.characters()}
     raise ModelLoadError(
         f"Cannot build example inputs for {type(config).__name__}: it has no vocab_size, image_size, num_channels, "
-        f"num_mel_bins, input_feat_per_channel or conv_kernel, nor text/vision or encoder/decoder sub-configs, "
-        f"and forward() takes neither input_ids nor input_values (nor past_values with a context_length).",
+        f"num_mel_bins, input_feat_per_channel, feature_projection_input_dim or conv_kernel, nor text/vision or "
+        f"encoder/decoder sub-configs, and forward() takes neither input_ids nor input_values (nor past_values with "
+        f"a context_length).",
         hint="pass example inputs (inputs=... in Python), or load a 'module:factory' that returns (model, args).")
 
 

@@ -87,6 +87,10 @@ CASES = {
         vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, input_feat_per_channel=16,
         conv_channels=32, max_source_positions=64, max_target_positions=64)),
+    # Wav2Vec2-BERT: stacked filterbank frames as input_features, as wide as feature_projection_input_dim.
+    "wav2vec2-bert": ("AutoModel", dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        feature_projection_input_dim=20, output_hidden_size=32, conv_depthwise_kernel_size=3)),
     # Moonshine: raw audio into a conv stem the config does not describe, beside a decoder's vocabulary.
     "moonshine": ("AutoModel", dict(
         vocab_size=100, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
@@ -279,6 +283,7 @@ def test_no_inputs_can_be_built_is_a_load_error():
 @pytest.mark.parametrize("model_type, key, shape", [
     ("audio-spectrogram-transformer", "input_values", (2, 32, 16)),
     ("speech_to_text", "input_features", (2, 28, 16)),
+    ("wav2vec2-bert", "input_features", (2, 28, 20)),
     ("moonshine", "input_values", (2, 2800)),
     ("canine", "input_ids", (2, 7)),
     ("videomae", "pixel_values", (2, 4, 3, 16, 16)),
