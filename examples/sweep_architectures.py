@@ -162,9 +162,9 @@ WIDER_1207 = ["mgp-str", "seamless_m4t", "owlv2", "qwen2_audio_encoder", "metacl
 # at the stand-in's (analysis.walk.at_stand_in_sizes)
 WIDER_TILED_VLM = ["smolvlm", "idefics3", "idefics2", "llava_next", "llava_onevision"]
 # types no earlier sweep listed, found sound as they build once given their inputs (Wav2Vec2-BERT's stacked
-# filterbank frames) or a config the shrink leaves consistent (VipLlava's feature layers)
+# filterbank frames) or a config the shrink leaves consistent (VipLlava's feature layers, T5Gemma 2's image ids)
 WIDER_1208 = ["wav2vec2-bert", "vipllava", "xclip", "qwen2_audio", "voxtral", "minicpmv4_6", "phi4_multimodal",
-              "granite_speech", "seamless_m4t_v2"]
+              "granite_speech", "seamless_m4t_v2", "t5gemma2"]
 WIDER = (WIDER_DECODERS + WIDER_ENCODERS + WIDER_SEQ2SEQ + WIDER_VISION + WIDER_AUDIO + WIDER_MULTIMODAL
          + WIDER_REPAIRED + WIDER_GRID_VLM + WIDER_525 + WIDER_TOWERS + WIDER_VIDEO + WIDER_SERIES
          + WIDER_PLACEHOLDER_VLM + WIDER_1207 + WIDER_TILED_VLM + WIDER_1208)
@@ -294,6 +294,9 @@ EXTRA["time_series_transformer"] = dict(prediction_length=4, context_length=8, n
 EXTRA["informer"] = EXTRA["time_series_transformer"]  # horizon, no series to build
 EXTRA["gemma3"] = dict(mm_tokens_per_image=4)  # 256 tokens pooled from the 4 x 4 patches of 32-pixel images: none
 EXTRA["shieldgemma2"] = EXTRA["gemma3"]
+EXTRA["t5gemma2"] = dict(  # its encoder pools images as Gemma 3 does; image ids within the shrunk vocabulary
+    encoder=dict(mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126),
+    image_token_index=127, boi_token_index=125, eoi_token_index=126)
 # tiles of the sweep's 32-pixel images: the default grids are multiples of 336 (232 tiles of 32 pixels an image)
 EXTRA["llava_next"] = dict(image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]])
 EXTRA["llava_onevision"] = EXTRA["llava_next"]

@@ -43,7 +43,8 @@ traced graph (``symgraph.load`` asks for one when a model's code cannot trace wi
 :func:`with_attention_mask`). A vision-language config with ``image_seq_length`` gets that many image
 placeholder tokens in front of each sequence; given the model (:func:`model_example_inputs`, what ``symgraph.load``
 uses), as many as its image path makes features per image (Gemma 3, PaliGemma, Mistral 3 name or derive the count
-otherwise), with each image's size where that path requires it. A model that takes its images as patches with an
+otherwise), with each image's size where that path requires it, and the images as tiles (batch, tiles, channels,
+height, width) where it takes no 4-d pixels (SmolVLM, LLaVA-NeXT). A model that takes its images as patches with an
 ``image_grid_thw`` (Qwen2-VL, GLM-4V) sizes tensors by the grid's values, which torch.export cannot trace: it gets
 text alone, and the analysis pins the stream its images would enter (:func:`symgraph.capture.untraced_inputs`).
 """
