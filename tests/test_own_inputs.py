@@ -3,13 +3,15 @@ end from its config alone (inputs built by symgraph, every emitted group fuzzed 
 error that names the line and what to try."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 from transformers import AutoConfig
 
 import symgraph
-from cli_runner import assert_fuzzed
+from cli_runner import assert_fuzzed, report_json, run
 from symgraph.errors import CaptureError, ModelLoadError, UnverifiableError
 from symgraph.fuzz import fuzz
 from symgraph.inputs import example_inputs, forward_kwargs
@@ -233,15 +235,18 @@ def test_sizes_known_only_at_run_time_neither_crash_a_fold_nor_an_alignment():
 def test_a_config_only_report_counts_placeholders_and_tiles_on_the_meta_device(model_type, per_image, pixels,
                                                                                 tmp_path):
     """A config alone (a 7B model's report allocates no weights) gets the placeholders and tiles its image path
-    makes, measured on the meta device, where the config's count used to stand (Gemma 3: none)."""
-    head, config = CASES[model_type]
-    built = AutoConfig.for_model(model_type, **config)
-    built.architectures = [type(build(model_type, head, config)).__name__]
-    built.save_pretrained(tmp_path)
-    subject = symgraph.load(tmp_path / "config.json", config_only=True)
+    makes, measured on the meta device, where the config's count used to stand (Gemma 3: none); ``symgraph report
+    --config-only`` then finds the groups the weights' report finds."""
+    build(model_type, *CASES[model_type]).save_pretrained(tmp_path / "weights")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "weights" / "config.json").read_text())
+    subject = symgraph.load(tmp_path / "cfg" / "config.json", config_only=True)
     assert (subject.kwargs["input_ids"] == 99).sum(1).tolist() == [per_image, per_image]
     assert subject.kwargs["pixel_values"].shape == pixels
-    assert subject.report.groups
+    res = run("report", tmp_path / "cfg" / "config.json", "--config-only", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    groups = json.loads(res.stdout)["groups"]
+    assert groups and groups == report_json(tmp_path / "weights")["groups"]
 
 
 def test_a_stale_placeholder_count_in_the_config_is_measured_instead():
@@ -335,10 +340,10 @@ def test_canine_is_traced_where_its_molecules_are_not_empty_and_checked_with_its
         [v.counterexample for v in result.failures]
 
 
-@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer", "mistral3", "smolvlm"])
+@pytest.mark.parametrize("model_type", ["videomae", "time_series_transformer", "mistral3", "smolvlm", "wav2vec2-bert"])
 def test_a_saved_model_of_a_new_input_kind_is_fuzzed_from_the_command_line(model_type, tmp_path):
     """A Hugging Face folder of a kind whose inputs symgraph now builds (a clip; a forecast's past and future;
-    image placeholders counted by the model, with its image sizes; images as tiles): ``symgraph fuzz`` analyses it
-    from its config alone and finds every group invariant."""
+    image placeholders counted by the model, with its image sizes; images as tiles; stacked filterbank frames):
+    ``symgraph fuzz`` analyses it from its config alone and finds every group invariant."""
     build(model_type, *CASES[model_type]).save_pretrained(tmp_path / "model")
     assert_fuzzed(tmp_path / "model", tmp_path, samples=2)
